@@ -1,0 +1,103 @@
+"""Dtype policy: which floating dtypes are supported, the accumulator rule, the output rule.
+
+This module is the one place where spec/semantics.md section "Dtypes" is decided:
+
+* inputs of a 16-bit or 32-bit floating dtype accumulate in float32, float64 inputs in
+  float64; running maxima and sums are never held in a 16-bit type;
+* integer and boolean inputs (and Python array-likes) promote to the array library's default
+  floating dtype, as SciPy does;
+* the output has the (promoted) input dtype unless ``dtype=`` asks for another floating dtype;
+* complex inputs are rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+"""Names of the floating dtypes every backend may be asked for, narrowest first."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """Return the short name of a dtype of any array library (``"float32"``, ``"bfloat16"``).
+
+    Parameters
+    ----------
+    dtype
+        A dtype object of numpy (ml_dtypes included), torch, JAX, CuPy or array_api_strict.
+    """
+    name = getattr(dtype, "name", None)
+    if not isinstance(name, str):
+        name = str(dtype)
+    # "torch.float32", "array_api_strict.float32", "dtype('float32')"
+    name = name.rsplit(".", 1)[-1]
+    if name.startswith("dtype("):
+        name = name[6:].strip("')\"")
+    return name
+
+
+def is_float(xp: Any, dtype: Any) -> bool:
+    """Whether ``dtype`` is one of the supported real floating dtypes."""
+    return dtype_name(dtype) in FLOAT_DTYPES
+
+
+def is_complex(xp: Any, dtype: Any) -> bool:
+    """Whether ``dtype`` is a complex floating dtype."""
+    return dtype_name(dtype).startswith("complex")
+
+
+def is_integral(xp: Any, dtype: Any) -> bool:
+    """Whether ``dtype`` is a boolean or integer dtype (promoted like SciPy)."""
+    name = dtype_name(dtype)
+    return name == "bool" or name.startswith(("int", "uint"))
+
+
+def accumulator_name(name: str) -> str:
+    """Name of the accumulator dtype for inputs of dtype ``name``."""
+    return "float64" if name == "float64" else "float32"
+
+
+def accumulator_dtype(xp: Any, dtype: Any) -> Any:
+    """The accumulator dtype of ``xp`` for inputs of ``dtype``: float32, or float64 for float64."""
+    return xp.float64 if dtype_name(dtype) == "float64" else xp.float32
+
+
+def default_float(xp: Any, device: Any = None) -> Any:
+    """The default real floating dtype of ``xp`` (float64 for numpy, float32 for torch)."""
+    info = getattr(xp, "__array_namespace_info__", None)
+    if info is not None:
+        try:
+            return info().default_dtypes(device=device)["real floating"]
+        except Exception:  # some libraries reject a device they would accept elsewhere
+            return info().default_dtypes()["real floating"]
+    return xp.float64
+
+
+def lookup(xp: Any, name: str) -> Any:
+    """The dtype object of ``xp`` called ``name``; bfloat16 comes from ml_dtypes for numpy."""
+    dtype = getattr(xp, name, None)
+    if dtype is None and name == "bfloat16":
+        import ml_dtypes  # numpy and libraries built on it spell bfloat16 through ml_dtypes
+
+        dtype = ml_dtypes.bfloat16
+    if dtype is None:
+        raise TypeError(f"this array library has no {name} dtype")
+    return dtype
+
+
+def output_dtype(xp: Any, input_dtype: Any, requested: Any, argument: str = "dtype") -> Any:
+    """The output dtype: ``requested`` when given (a floating dtype), else ``input_dtype``."""
+    if requested is None:
+        return input_dtype
+    if isinstance(requested, str):
+        if requested not in FLOAT_DTYPES:
+            raise TypeError(
+                f"{argument}={requested!r} is not supported: expected one of {FLOAT_DTYPES}"
+            )
+        return lookup(xp, requested)
+    if not is_float(xp, requested):
+        raise TypeError(
+            f"{argument}={requested!r} is not supported: expected a real floating dtype "
+            f"({', '.join(FLOAT_DTYPES)})"
+        )
+    return requested

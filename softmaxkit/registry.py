@@ -1,0 +1,507 @@
+"""Backends as entry-point plugins, and the choice of a backend for each call.
+
+A backend is a distribution that declares, in its ``pyproject.toml``::
+
+    [project.entry-points."softmaxkit.backends"]
+    mybackend = "mybackend.manifest:manifest"
+
+``manifest()`` is cheap (it imports no kernel library) and returns a mapping:
+
+``name``
+    the backend's name (str).
+``serves``
+    a list of ``{"ops": [...], "devices": [...], "dtypes": [...]}`` entries; ``"*"`` in a list
+    matches anything.  The backend serves the cross product of each entry.
+``kernels``
+    ``{op: "module:qualname"}``, imported on first use.
+``priority``
+    an int, higher wins (default 0; the reference backend has -100), or a mapping
+    ``{op: int}`` with an optional ``"*"`` default.
+``install_hint``
+    what to install when the backend is missing, shown in errors (optional).
+``can_run`` / ``should_run``
+    optional ``"module:qualname"`` hooks called as ``hook(call)`` with a
+    :class:`~softmaxkit.ops.Call`; ``True`` accepts, a string declines and says why.
+    ``can_run`` declines what the backend cannot compute; ``should_run`` declines what it
+    can compute but would not do well (a tiny input, say).  An explicit ``backend=`` skips
+    ``should_run`` but never ``can_run``.
+
+Choice per call, first rule that applies: the ``backend=`` argument (strict: it never falls
+back) > :func:`softmaxkit.backend_opts` > the environment variables ``SOFTMAXKIT_PRIORITIZE``
+and ``SOFTMAXKIT_BLOCK`` (comma-separated names) > manifest priorities > the reference backend.
+The ordered candidates for each (operation, device type, dtype) are computed once and cached.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+import array_api_compat
+
+from .ops import OPERATIONS, Call
+
+GROUP = "softmaxkit.backends"
+REFERENCE = "reference"
+
+logger = logging.getLogger("softmaxkit")
+
+
+class NoBackendError(RuntimeError):
+    """No backend can run a call; the message lists every backend and why it declined."""
+
+
+class BackendWarning(UserWarning):
+    """A plugin could not be loaded or clashes with another; it is skipped."""
+
+
+def _load(path: str) -> Any:
+    module, _, qualname = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(eq=False)
+class Backend:
+    """A registered backend, built from its manifest; kernels are imported on first use."""
+
+    name: str
+    serves: tuple[tuple[frozenset[str], frozenset[str], frozenset[str]], ...]
+    kernels: Mapping[str, str]
+    priority: Mapping[str, int]
+    install_hint: str = ""
+    can_run_path: str | None = None
+    should_run_path: str | None = None
+    source: str = ""
+    _loaded: dict[str, Callable[..., Any]] = field(default_factory=dict, repr=False)
+    _broken: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any], source: str = "") -> Backend:
+        """Validate a manifest mapping and build the backend it describes."""
+        name = manifest.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError("manifest has no 'name'")
+        kernels = dict(manifest.get("kernels", {}))
+        unknown = sorted(set(kernels) - set(OPERATIONS))
+        if unknown:
+            raise ValueError(f"manifest of {name!r} names unknown operations {unknown}")
+        serves = []
+        for entry in manifest.get("serves", ()):
+            serves.append(
+                tuple(frozenset(entry.get(key, ("*",))) for key in ("ops", "devices", "dtypes"))
+            )
+        priority = manifest.get("priority", 0)
+        if not isinstance(priority, Mapping):
+            priority = {"*": int(priority)}
+        return cls(
+            name=name,
+            serves=tuple(serves),
+            kernels=kernels,
+            priority=dict(priority),
+            install_hint=str(manifest.get("install_hint", "")),
+            can_run_path=manifest.get("can_run"),
+            should_run_path=manifest.get("should_run"),
+            source=source,
+        )
+
+    def serves_key(self, op: str, device: str, dtype: str) -> bool:
+        """Whether the manifest declares (op, device, dtype) and names a kernel for op."""
+        if op not in self.kernels:
+            return False
+        return any(
+            (op in ops or "*" in ops)
+            and (device in devices or "*" in devices)
+            and (dtype in dts or "*" in dts)
+            for ops, devices, dts in self.serves
+        )
+
+    def priority_for(self, op: str) -> int:
+        """The declared priority of this backend for ``op``."""
+        return int(self.priority.get(op, self.priority.get("*", 0)))
+
+    def kernel(self, op: str) -> Callable[..., Any]:
+        """Import (once) and return the kernel for ``op``; raises ImportError with the reason."""
+        fn = self._loaded.get(op)
+        if fn is not None:
+            return fn
+        if op in self._broken:
+            raise ImportError(self._broken[op])
+        try:
+            fn = _load(self.kernels[op])
+        except Exception as exc:
+            reason = f"kernel {self.kernels[op]!r} failed to import: {type(exc).__name__}: {exc}"
+            self._broken[op] = reason
+            warnings.warn(
+                f"softmaxkit backend {self.name!r}: {reason}; it is skipped for {op}",
+                BackendWarning,
+                stacklevel=3,
+            )
+            raise ImportError(reason) from exc
+        self._loaded[op] = fn
+        return fn
+
+    def _hook(self, path: str | None, call: Call) -> bool | str:
+        if path is None:
+            return True
+        try:
+            verdict = _load(path)(call)
+        except Exception as exc:
+            return f"{path} raised {type(exc).__name__}: {exc}"
+        return True if verdict is True or verdict is None else (verdict or "declined")
+
+    def can_run(self, call: Call) -> bool | str:
+        """Ask the backend's ``can_run`` hook; ``True`` or the reason it cannot."""
+        if call.op in self._broken:
+            return self._broken[call.op]
+        return self._hook(self.can_run_path, call)
+
+    def should_run(self, call: Call) -> bool | str:
+        """Ask the backend's ``should_run`` hook; ``True`` or the reason it should not."""
+        return self._hook(self.should_run_path, call)
+
+    def describe(self) -> dict[str, Any]:
+        """What the backend serves, as plain data (for :func:`backends` and ``info``)."""
+        return {
+            "name": self.name,
+            "operations": sorted(self.kernels),
+            "serves": [
+                {"ops": sorted(o), "devices": sorted(d), "dtypes": sorted(t)}
+                for o, d, t in self.serves
+            ],
+            "priority": dict(self.priority),
+            "install_hint": self.install_hint,
+            "source": self.source,
+        }
+
+
+_lock = threading.Lock()
+_registry: dict[str, Backend] | None = None
+
+
+def _discover() -> dict[str, Backend]:
+    found: dict[str, Backend] = {}
+    for ep in sorted(entry_points(group=GROUP), key=lambda e: (e.name != REFERENCE, e.value)):
+        try:
+            manifest = ep.load()
+            backend = Backend.from_manifest(
+                manifest() if callable(manifest) else manifest, source=ep.value
+            )
+        except Exception as exc:
+            warnings.warn(
+                f"softmaxkit backend entry point {ep.name!r} ({ep.value}) could not be loaded "
+                f"and is skipped: {type(exc).__name__}: {exc}",
+                BackendWarning,
+                stacklevel=2,
+            )
+            continue
+        if backend.name in found:
+            warnings.warn(
+                f"two softmaxkit backends are named {backend.name!r} "
+                f"({found[backend.name].source} and {backend.source}); the first is kept",
+                BackendWarning,
+                stacklevel=2,
+            )
+            continue
+        found[backend.name] = backend
+    if REFERENCE not in found:  # running from a source tree that was never installed
+        from .reference import manifest
+
+        found[REFERENCE] = Backend.from_manifest(manifest(), source="softmaxkit.reference")
+    return found
+
+
+def registry() -> dict[str, Backend]:
+    """All registered backends by name, discovered on first use."""
+    global _registry
+    if _registry is None:
+        with _lock:
+            if _registry is None:
+                _registry = _discover()
+    return _registry
+
+
+def register(manifest: Mapping[str, Any]) -> Backend:
+    """Register a backend from a manifest mapping at run time (for tests and notebooks)."""
+    backend = Backend.from_manifest(manifest, source="register()")
+    with _lock:
+        reg = dict(registry())
+        reg[backend.name] = backend
+        _set_registry(reg)
+    return backend
+
+
+def unregister(name: str) -> None:
+    """Remove a backend registered with :func:`register` (the reference cannot be removed)."""
+    if name == REFERENCE:
+        raise ValueError("the reference backend cannot be unregistered")
+    with _lock:
+        reg = dict(registry())
+        reg.pop(name, None)
+        _set_registry(reg)
+
+
+def _set_registry(reg: dict[str, Backend] | None) -> None:
+    global _registry
+    _registry = reg
+    _candidates.cache_clear()
+
+
+def reload() -> None:
+    """Forget discovered backends; the next call discovers the entry points again."""
+    with _lock:
+        _set_registry(None)
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Options:
+    prioritize: tuple[str, ...] = ()
+    disable: tuple[str, ...] = ()
+    trace: list[TraceRecord] | None = None
+
+
+@dataclass
+class TraceRecord:
+    """Which backend ran one call, and why each other candidate did not."""
+
+    op: str
+    device: str
+    dtype: str
+    backend: str
+    declined: dict[str, str]
+
+
+_options: contextvars.ContextVar[_Options] = contextvars.ContextVar(
+    "softmaxkit_backend_opts", default=_Options()  # noqa: B039 - frozen, its list is per-use
+)
+
+
+def _names(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = value.split(",")
+    return tuple(v.strip() for v in value if v.strip())
+
+
+class backend_opts:  # noqa: N801 - used as a function, like contextlib's managers
+    """Prefer, disable or trace backends within a block or a decorated function.
+
+    Parameters
+    ----------
+    prioritize
+        Backend names tried first, in this order (a name or an iterable of names).
+    disable
+        Backend names never chosen (the reference cannot be disabled).
+    trace
+        Record each call's choice; the records are the list returned by ``__enter__``.
+
+    Notes
+    -----
+    The options live in a :class:`contextvars.ContextVar`, so they are local to the thread
+    and to the asyncio task, and they nest: inner options are tried before outer ones.
+
+    Examples
+    --------
+    >>> import numpy as np, softmaxkit as sk
+    >>> with sk.backend_opts(prioritize="reference", trace=True) as trace:
+    ...     _ = sk.softmax(np.arange(3.0))
+    >>> trace[0].backend
+    'reference'
+    """
+
+    def __init__(
+        self,
+        prioritize: str | Iterable[str] | None = None,
+        disable: str | Iterable[str] | None = None,
+        trace: bool = False,
+    ) -> None:
+        self._prioritize = _names(prioritize)
+        self._disable = _names(disable)
+        if REFERENCE in self._disable:
+            raise ValueError("disable: the reference backend cannot be disabled")
+        self._trace = bool(trace)
+        self._tokens: list[contextvars.Token[_Options]] = []
+
+    def __enter__(self) -> list[TraceRecord]:
+        outer = _options.get()
+        records: list[TraceRecord] | None = [] if self._trace else outer.trace
+        inner = _Options(
+            prioritize=self._prioritize + tuple(n for n in outer.prioritize
+                                                if n not in self._prioritize),
+            disable=tuple(dict.fromkeys(outer.disable + self._disable)),
+            trace=records,
+        )
+        self._tokens.append(_options.set(inner))
+        return records if records is not None else []
+
+    def __exit__(self, *exc: object) -> None:
+        _options.reset(self._tokens.pop())
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with backend_opts(self._prioritize, self._disable, self._trace):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def _environment() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return (
+        _names(os.environ.get("SOFTMAXKIT_PRIORITIZE")),
+        _names(os.environ.get("SOFTMAXKIT_BLOCK")),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _candidates(
+    op: str, device: str, dtype: str, prioritize: tuple[str, ...], disable: tuple[str, ...]
+) -> tuple[tuple[Backend, ...], tuple[tuple[str, str], ...]]:
+    """Backends that declare (op, device, dtype), best first; and those left out, with why."""
+    serving, left_out = [], []
+    for backend in registry().values():
+        if backend.name in disable and backend.name != REFERENCE:
+            left_out.append((backend.name, "disabled"))
+        elif backend.serves_key(op, device, dtype):
+            serving.append(backend)
+        else:
+            left_out.append((backend.name, f"does not serve ({op}, {device}, {dtype})"))
+
+    def rank(b: Backend) -> tuple[int, int, int]:
+        preferred = prioritize.index(b.name) if b.name in prioritize else len(prioritize)
+        return (preferred, b.name == REFERENCE, -b.priority_for(op))
+
+    return tuple(sorted(serving, key=rank)), tuple(left_out)
+
+
+def device_type(x: Any) -> str:
+    """The device type of array ``x``: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"mps"``, ...
+
+    Dask arrays report the device type of their chunks' library (``"cpu"`` for numpy chunks,
+    ``"cuda"`` for CuPy chunks).
+    """
+    if array_api_compat.is_dask_array(x):
+        meta = getattr(x, "_meta", None)
+        return device_type(meta) if meta is not None else "cpu"
+    if array_api_compat.is_torch_array(x):
+        return x.device.type
+    if array_api_compat.is_cupy_array(x):
+        return "cuda"
+    if array_api_compat.is_jax_array(x):
+        try:
+            platform = next(iter(x.devices())).platform
+        except Exception:
+            return "cpu"
+        return {"gpu": "cuda"}.get(platform, platform)
+    dev = getattr(x, "device", "cpu")
+    kind = getattr(dev, "type", None)
+    if isinstance(kind, str):
+        return kind
+    return "cpu" if str(dev).lower() in ("cpu", "cpu_device") or "CPU" in str(dev) else str(dev)
+
+
+def choose(call: Call, backend: str | None = None) -> tuple[Backend, Callable[..., Any]]:
+    """The backend and kernel that run ``call``.
+
+    Parameters
+    ----------
+    call
+        The operation, namespace, device type, dtype and kernel arguments.
+    backend
+        A backend name to use strictly; if it cannot run the call, raise and say why.
+
+    Raises
+    ------
+    NoBackendError
+        When no backend can run the call; the message lists every backend and its reason.
+    """
+    reg = registry()
+    if backend is not None:
+        return _strict(call, backend, reg)
+    opts = _options.get()
+    env_prioritize, env_block = _environment()
+    prioritize = opts.prioritize + tuple(n for n in env_prioritize if n not in opts.prioritize)
+    disable = tuple(dict.fromkeys(opts.disable + env_block))
+    ordered, left_out = _candidates(call.op, call.device, call.dtype, prioritize, disable)
+    declined: dict[str, str] = dict(left_out)
+    for candidate in ordered:
+        verdict = candidate.can_run(call)
+        if verdict is True and candidate.name != REFERENCE:
+            verdict = candidate.should_run(call)
+        if verdict is True:
+            try:
+                kernel = candidate.kernel(call.op)
+            except ImportError as exc:
+                declined[candidate.name] = str(exc)
+                continue
+            _record(opts, call, candidate.name, declined)
+            return candidate, kernel
+        declined[candidate.name] = str(verdict)
+    raise NoBackendError(_no_backend_message(call, declined, reg))
+
+
+def _strict(call: Call, name: str, reg: dict[str, Backend]) -> tuple[Backend, Callable[..., Any]]:
+    chosen = reg.get(name)
+    if chosen is None:
+        raise NoBackendError(
+            f"backend={name!r} is not installed; installed backends: {sorted(reg)}. "
+            "Install the package that provides it, or pass backend='reference'."
+        )
+    if not chosen.serves_key(call.op, call.device, call.dtype):
+        raise NoBackendError(
+            f"backend={name!r} does not serve {call.op} for device {call.device!r} and dtype "
+            f"{call.dtype!r}; it serves {chosen.describe()['serves']}"
+        )
+    verdict = chosen.can_run(call)
+    if verdict is not True:
+        raise NoBackendError(f"backend={name!r} cannot run {call.op}: {verdict}")
+    try:
+        kernel = chosen.kernel(call.op)
+    except ImportError as exc:
+        hint = f" ({chosen.install_hint})" if chosen.install_hint else ""
+        raise NoBackendError(f"backend={name!r} cannot run {call.op}: {exc}{hint}") from exc
+    _record(_options.get(), call, name, {})
+    return chosen, kernel
+
+
+def _record(opts: _Options, call: Call, name: str, declined: dict[str, str]) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        others = "; ".join(f"{k}: {v}" for k, v in declined.items()) or "no other candidate"
+        logger.debug("%s on %s/%s ran on %s (%s)", call.op, call.device, call.dtype, name, others)
+    if opts.trace is not None:
+        opts.trace.append(TraceRecord(call.op, call.device, call.dtype, name, dict(declined)))
+
+
+def _no_backend_message(call: Call, declined: dict[str, str], reg: dict[str, Backend]) -> str:
+    lines = [f"no softmaxkit backend can run {call.op} on {call.device}/{call.dtype}:"]
+    for name, reason in declined.items():
+        hint = reg[name].install_hint if name in reg else ""
+        lines.append(f"  {name}: {reason}" + (f" (install: {hint})" if hint else ""))
+    lines.append("Install a backend that serves this device, or pass backend='reference'.")
+    return "\n".join(lines)
+
+
+def backends() -> dict[str, dict[str, Any]]:
+    """The registered backends and what each serves, by name.
+
+    Returns
+    -------
+    dict
+        ``{name: {"operations", "serves", "priority", "install_hint", "source"}}``.
+    """
+    return {name: b.describe() for name, b in registry().items()}

@@ -1,0 +1,398 @@
+"""The row operations of the public API: softmax, log_softmax, logsumexp, cross_entropy, VJPs.
+
+Each function validates its arguments (:mod:`softmaxkit.arguments`), applies the dtype rules
+(:mod:`softmaxkit.dtypes`), views the data as rows along the reduced axes
+(:mod:`softmaxkit.layout`) and hands one explicit call to the backend the registry chooses.
+What every result is, at every edge, is written in spec/semantics.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from . import arguments as args
+from .dispatch import run
+from .dtypes import accumulator_dtype, dtype_name, output_dtype
+from .layout import RowLayout
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _prepare(x: Any, axis: Any, where: Any, name: str = "x") -> tuple[Any, Any, RowLayout, Any]:
+    xp = args.namespace(**{name: x, "where": where})
+    x = args.floating(xp, args.as_array(xp, x, name), name)
+    layout = RowLayout(tuple(x.shape), args.axes(axis, x.ndim))
+    w = args.mask(xp, where, tuple(x.shape), like=x)
+    return xp, x, layout, w
+
+
+def _raise_on_empty_rows(xp: Any, x: Any, where: Any) -> None:
+    """The ``masked="raise"`` policy: refuse rows with no allowed position above -inf."""
+    present = x != -float("inf")  # NaN compares unequal, so a NaN row is not empty
+    if where is not None:
+        present = present & where
+    if x.shape[-1] == 0:
+        empty = math.prod(x.shape[:-1])
+    else:
+        empty = int(xp.sum(xp.astype(~xp.any(present, axis=-1), xp.int64)))
+    if empty:
+        raise args.EmptyRowError(
+            f"{empty} row(s) have no allowed position (every entry masked by where= or -inf) "
+            "and masked='raise' was asked for; use masked='zero' or 'nan' to accept them"
+        )
+
+
+def _normalize(
+    op: str, x: Any, axis: Any, where: Any, dtype: Any, masked: str, backend: str | None
+) -> Any:
+    masked = args.masked_policy(masked)
+    xp, x, layout, w = _prepare(x, axis, where)
+    out_dtype = output_dtype(xp, x.dtype, dtype)
+    xr, wr = layout.to_rows(xp, x), layout.to_rows(xp, w)
+    if masked == "raise":
+        _raise_on_empty_rows(xp, xr, wr)
+        masked = "zero"
+    y = run(op, xp, xr, backend, x=xr, where=wr, masked=masked, out_dtype=out_dtype)
+    return layout.from_rows(xp, y)
+
+
+def softmax(
+    x: Any,
+    axis: Any = None,
+    *,
+    where: Any = None,
+    dtype: Any = None,
+    masked: str = "zero",
+    backend: str | None = None,
+) -> Any:
+    """Softmax along ``axis``: ``exp(x - max) / sum(exp(x - max))``.
+
+    Parameters
+    ----------
+    x : array_like
+        Logits.  Integer and boolean inputs promote to the default floating dtype.
+    axis : int, tuple of ints or None, optional
+        Axes the softmax normalizes over; ``None`` (the default, as in SciPy) means all axes.
+    where : array_like of bool, optional
+        Broadcastable to ``x``; ``False`` excludes a position (probability 0), exactly as a
+        logit of ``-inf`` would, never by multiplying by zero.
+    dtype : dtype, optional
+        Output dtype; the default is the input dtype.  Accumulation is float32 (float64 for
+        float64 inputs) whatever the output dtype.
+    masked : {"zero", "nan", "raise"}, optional
+        Policy for a row with no allowed position: probabilities 0 (default), NaN, or raise
+        :class:`~softmaxkit.EmptyRowError`.
+    backend : str, optional
+        Run on this backend only (strict; raises if it cannot).
+
+    Returns
+    -------
+    array
+        Probabilities, the shape of ``x``, in the caller's array library and device.
+
+    See Also
+    --------
+    log_softmax, logsumexp, scipy.special.softmax
+
+    Examples
+    --------
+    >>> import numpy as np, softmaxkit as sk
+    >>> sk.softmax(np.array([20.0, 18.0, 17.0, -5.0])).round(5)
+    array([0.8438 , 0.1142 , 0.04201, 0.     ])
+    """
+    return _normalize("softmax", x, axis, where, dtype, masked, backend)
+
+
+def log_softmax(
+    x: Any,
+    axis: Any = None,
+    *,
+    where: Any = None,
+    dtype: Any = None,
+    masked: str = "zero",
+    backend: str | None = None,
+) -> Any:
+    """Logarithm of the softmax along ``axis``: ``x - logsumexp(x)``, computed stably.
+
+    Parameters
+    ----------
+    x : array_like
+        Logits.
+    axis : int, tuple of ints or None, optional
+        Axes to normalize over; ``None`` means all axes.
+    where : array_like of bool, optional
+        ``False`` excludes a position; its log-probability is ``-inf``.
+    dtype : dtype, optional
+        Output dtype (default: the input dtype).
+    masked : {"zero", "nan", "raise"}, optional
+        Policy for a row with no allowed position: ``-inf`` everywhere (the log of the zero
+        probabilities, default), NaN, or raise.
+    backend : str, optional
+        Run on this backend only.
+
+    Returns
+    -------
+    array
+        Log-probabilities, the shape of ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np, softmaxkit as sk
+    >>> sk.log_softmax(np.array([0.0, 0.0])).round(6)
+    array([-0.693147, -0.693147])
+    """
+    return _normalize("log_softmax", x, axis, where, dtype, masked, backend)
+
+
+def logsumexp(
+    a: Any,
+    axis: Any = None,
+    b: Any = None,
+    keepdims: bool = False,
+    return_sign: bool = False,
+    *,
+    where: Any = None,
+    backend: str | None = None,
+) -> Any:
+    """``log(sum(b * exp(a)))`` along ``axis``, computed stably, with SciPy's signature.
+
+    Parameters
+    ----------
+    a : array_like
+        Input.
+    axis : int, tuple of ints or None, optional
+        Axes to reduce; ``None`` reduces all.
+    b : array_like, optional
+        Weights broadcastable with ``a``; a zero weight excludes its position (so ``b = 0``
+        next to ``a = inf`` contributes nothing, as in SciPy).
+    keepdims : bool, optional
+        Keep the reduced axes with length one.
+    return_sign : bool, optional
+        Also return the sign of the sum, so negative sums are representable.  Without it a
+        negative sum gives NaN, as in SciPy.
+    where : array_like of bool, optional
+        ``False`` excludes a position.
+    backend : str, optional
+        Run on this backend only.
+
+    Returns
+    -------
+    res : array
+        The log of the (absolute) sum; ``-inf`` for an empty or fully excluded row.
+    sgn : array
+        The sign of the sum (only when ``return_sign``): 1, -1, or 0 for a zero sum.
+
+    Examples
+    --------
+    >>> import numpy as np, softmaxkit as sk
+    >>> float(sk.logsumexp(np.array([1000.0, 1000.0])))
+    1000.6931471805599
+    """
+    xp = args.namespace(a=a, b=b, where=where)
+    a = args.floating(xp, args.as_array(xp, a, "a"), "a")
+    out_dtype = a.dtype
+    if b is not None:
+        b = args.floating(xp, args.as_array(xp, b, "b", like=a), "b")
+        try:
+            a, b = xp.broadcast_arrays(a, b)
+        except Exception:
+            raise ValueError(
+                f"b of shape {tuple(b.shape)} does not broadcast with a of shape {tuple(a.shape)}"
+            ) from None
+        out_dtype = xp.result_type(a.dtype, b.dtype)
+    layout = RowLayout(tuple(a.shape), args.axes(axis, a.ndim))
+    w = args.mask(xp, where, tuple(a.shape), like=a)
+    ar, br, wr = (layout.to_rows(xp, v) for v in (a, b, w))
+    result = run(
+        "logsumexp", xp, ar, backend,
+        x=ar, b=br, where=wr, return_sign=bool(return_sign), out_dtype=out_dtype,
+    )
+    if return_sign:
+        lse, sign = result
+        return layout.reduced(xp, lse, keepdims), layout.reduced(xp, sign, keepdims)
+    return layout.reduced(xp, result, keepdims)
+
+
+def cross_entropy(
+    logits: Any,
+    target: Any,
+    axis: int = -1,
+    *,
+    reduction: str = "mean",
+    ignore_index: int | None = None,
+    label_smoothing: float = 0.0,
+    where: Any = None,
+    return_grad: bool = False,
+    backend: str | None = None,
+) -> Any:
+    """Cross-entropy of ``target`` under ``softmax(logits)``, from logits, in one fused pass.
+
+    Parameters
+    ----------
+    logits : array_like
+        Unnormalized log-probabilities; ``axis`` is the class axis.
+    target : array_like
+        Either class indices (an integer array of ``logits``' shape without ``axis``) or
+        probabilities (a floating array broadcastable to ``logits``' shape).
+    axis : int, optional
+        The class axis (default -1).
+    reduction : {"mean", "sum", "none"}, optional
+        ``"mean"`` averages over the rows that count (rows whose index target is not
+        ``ignore_index``); ``"none"`` returns the per-row losses.
+    ignore_index : int, optional
+        Index targets equal to it contribute no loss and no gradient.
+    label_smoothing : float, optional
+        Mix the target with the uniform distribution over the allowed classes:
+        ``y = (1 - eps) * y + eps / C``, as in PyTorch.
+    where : array_like of bool, optional
+        ``False`` excludes a class for that row (its probability is 0).
+    return_grad : bool, optional
+        Also return ``d loss / d logits = scale * (softmax(logits) - y)`` from the same pass
+        (never ``-y / p``).  For ``reduction="none"`` it is the gradient of the sum of the
+        per-row losses.
+    backend : str, optional
+        Run on this backend only.
+
+    Returns
+    -------
+    loss : array
+        A scalar, or per-row losses for ``reduction="none"``, in ``logits``' dtype.
+    dlogits : array
+        Only with ``return_grad``: the gradient, ``logits``' shape and dtype.
+
+    Examples
+    --------
+    >>> import numpy as np, softmaxkit as sk
+    >>> x = np.array([[2.0, 0.0, -1.0]])
+    >>> round(float(sk.cross_entropy(x, np.array([0]))), 6)
+    0.169846
+    """
+    reduction = args.choice(reduction, REDUCTIONS, "reduction")
+    smoothing = args.finite_scalar(label_smoothing, "label_smoothing", 0.0, 1.0)
+    xp = args.namespace(logits=logits, target=target, where=where)
+    logits = args.floating(xp, args.as_array(xp, logits, "logits"), "logits")
+    if logits.ndim == 0:
+        raise ValueError("logits must have at least one dimension (the class axis)")
+    class_axis = args.single_axis(axis, logits.ndim)
+    layout = RowLayout(tuple(logits.shape), (class_axis,))
+    n_classes = logits.shape[class_axis]
+    target = args.as_array(xp, target, "target", like=logits)
+    acc = accumulator_dtype(xp, logits.dtype)
+    index = probs = None
+    if args.dtypes.is_integral(xp, target.dtype) and dtype_name(target.dtype) != "bool":
+        if tuple(target.shape) != layout.batch_shape:
+            raise ValueError(
+                f"target holds class indices, so its shape must be logits' shape without the "
+                f"class axis, {layout.batch_shape}; got {tuple(target.shape)}"
+            )
+        index = target
+        valid = index != ignore_index if ignore_index is not None else None
+        out_of_range = (index < 0) | (index >= n_classes)
+        if valid is not None:
+            out_of_range = out_of_range & valid
+        if index.size and bool(xp.any(out_of_range)):
+            raise ValueError(
+                f"target holds class indices outside [0, {n_classes})"
+                + (f" that are not ignore_index={ignore_index}" if valid is not None else "")
+            )
+        count = xp.sum(xp.astype(valid, acc)) if valid is not None else float(index.size)
+    elif args.dtypes.is_float(xp, target.dtype):
+        if ignore_index is not None:
+            raise ValueError("ignore_index applies to class-index targets only")
+        probs = args.broadcast_operand(xp, target, tuple(logits.shape), logits, "target")
+        probs = layout.to_rows(xp, probs)
+        count = float(math.prod(layout.batch_shape))
+    else:
+        raise TypeError(
+            f"target has dtype {dtype_name(target.dtype)}: expected integer class indices or "
+            "floating probabilities"
+        )
+    w = layout.to_rows(xp, args.mask(xp, where, tuple(logits.shape), like=logits))
+    rows = layout.to_rows(xp, logits)
+    if reduction == "mean":
+        count = xp.asarray(count, dtype=acc) if not hasattr(count, "dtype") else count
+        grad_scale = 1.0 / xp.where(count == 0, 1.0, count)
+    else:
+        grad_scale = 1.0
+    loss, grad = run(
+        "cross_entropy", xp, rows, backend,
+        logits=rows, index=index, probs=probs, where=w,
+        ignore_index=None if ignore_index is None else int(ignore_index),
+        label_smoothing=smoothing, grad_scale=grad_scale if return_grad else None,
+        out_dtype=logits.dtype,
+    )
+    if reduction == "sum":
+        loss = xp.sum(loss)
+    elif reduction == "mean":
+        loss = xp.sum(loss) * grad_scale
+    loss = xp.astype(loss, logits.dtype)
+    if return_grad:
+        return loss, layout.from_rows(xp, grad)
+    return loss
+
+
+def _vjp(op: str, primal_name: str, primal: Any, cotangent: Any, axis: Any, where: Any) -> Any:
+    xp = args.namespace(**{primal_name: primal, "cotangent": cotangent, "where": where})
+    primal = args.floating(xp, args.as_array(xp, primal, primal_name), primal_name)
+    shape = tuple(primal.shape)
+    cot = args.as_array(xp, cotangent, "cotangent", like=primal)
+    if tuple(cot.shape) != shape:
+        raise ValueError(
+            f"cotangent of shape {tuple(cot.shape)} must have the shape of {primal_name}, {shape}"
+        )
+    cot = args.floating(xp, cot, "cotangent")
+    layout = RowLayout(shape, args.axes(axis, primal.ndim))
+    w = args.mask(xp, where, shape, like=primal)
+    out_dtype = xp.result_type(primal.dtype, cot.dtype)
+    pr, cr, wr = (layout.to_rows(xp, v) for v in (primal, cot, w))
+    g = run(op, xp, pr, None, **{primal_name: pr, "cotangent": cr, "where": wr,
+                                  "out_dtype": out_dtype})
+    return layout.from_rows(xp, g)
+
+
+def softmax_vjp(probs: Any, cotangent: Any, axis: Any = None, *, where: Any = None) -> Any:
+    """Vector-Jacobian product of :func:`softmax`: ``p * (g - sum(p * g))``, in O(N).
+
+    Parameters
+    ----------
+    probs : array_like
+        The output of :func:`softmax` (with the same ``axis`` and ``where``).
+    cotangent : array_like
+        The upstream gradient ``g``, the shape of ``probs``.
+    axis : int, tuple of ints or None, optional
+        The axes the softmax normalized over.
+    where : array_like of bool, optional
+        The mask given to the softmax; excluded positions get gradient 0.
+
+    Returns
+    -------
+    array
+        ``d <g, softmax(x)> / d x``, the shape of ``probs``; never forms the Jacobian.
+    """
+    return _vjp("softmax_vjp", "probs", probs, cotangent, axis, where)
+
+
+def log_softmax_vjp(
+    logprobs: Any, cotangent: Any, axis: Any = None, *, where: Any = None
+) -> Any:
+    """Vector-Jacobian product of :func:`log_softmax`: ``g - exp(logp) * sum(g)``, in O(N).
+
+    Parameters
+    ----------
+    logprobs : array_like
+        The output of :func:`log_softmax`.
+    cotangent : array_like
+        The upstream gradient, the shape of ``logprobs``.
+    axis : int, tuple of ints or None, optional
+        The axes the log_softmax normalized over.
+    where : array_like of bool, optional
+        The mask given to the log_softmax; excluded positions (and positions whose
+        log-probability is ``-inf``) get gradient 0, so a fully masked row has zero gradient.
+
+    Returns
+    -------
+    array
+        ``d <g, log_softmax(x)> / d x``, the shape of ``logprobs``.
+    """
+    return _vjp("log_softmax_vjp", "logprobs", logprobs, cotangent, axis, where)
