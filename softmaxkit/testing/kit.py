@@ -1,0 +1,243 @@
+"""Case registry, array targets and the runner of the conformance kit.
+
+A case is a function ``fn(t: Target, dtype: str, backend: str) -> None`` registered with
+:func:`case`.  It builds inputs with numpy, moves them to the target with ``t.asarray``, calls
+the public API with ``backend=`` (strict, so nothing silently falls back), brings results back
+with ``t.to_numpy`` and compares them with a float64 / mpmath reference under the tolerances of
+spec/semantics.md, raising ``AssertionError`` on a mismatch.  A backend that does not serve a
+case's operation, dtype or device is reported as unsupported, not as a failure.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import FLOAT_DTYPES
+from ..registry import NoBackendError
+
+CASE_MODULES = (
+    "softmaxkit.testing.rows_cases",
+    "softmaxkit.testing.summary_cases",
+    "softmaxkit.testing.attention_cases",
+)
+
+
+class Unsupported(Exception):
+    """The backend declines this case (it does not serve the op, dtype or device)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """An array library and device the cases run on.
+
+    Attributes
+    ----------
+    name
+        ``"numpy"``, ``"array_api_strict"``, ``"torch-cpu"``, ``"torch-cuda"``, ``"cupy"``, ...
+    xp
+        The array namespace (through array-api-compat).
+    asarray
+        ``asarray(numpy_array, dtype_name) -> array`` on the target, in that dtype.
+    to_numpy
+        ``to_numpy(array) -> numpy.ndarray`` in float64 (or the array's integer/bool dtype).
+    device
+        The device type the registry sees (``"cpu"``, ``"cuda"``).
+    """
+
+    name: str
+    xp: Any
+    asarray: Callable[[np.ndarray, str | None], Any]
+    to_numpy: Callable[[Any], np.ndarray]
+    device: str = "cpu"
+    dtypes: tuple[str, ...] = FLOAT_DTYPES
+
+
+def _numpy_target() -> Target:
+    import array_api_compat.numpy as xp
+
+    from ..dtypes import lookup
+
+    def asarray(a: np.ndarray, dtype: str | None = None) -> Any:
+        a = np.asarray(a)
+        return a.astype(lookup(xp, dtype)) if dtype else a
+
+    def to_numpy(a: Any) -> np.ndarray:
+        a = np.asarray(a)
+        return a.astype(np.float64) if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else a
+
+    return Target("numpy", xp, asarray, to_numpy)
+
+
+def _strict_target() -> Target:
+    import array_api_strict as xp
+
+    def asarray(a: np.ndarray, dtype: str | None = None) -> Any:
+        a = np.asarray(a)
+        return xp.asarray(a, dtype=getattr(xp, dtype) if dtype else None)
+
+    def to_numpy(a: Any) -> np.ndarray:
+        out = np.asarray(a)
+        return out.astype(np.float64) if out.dtype.kind == "f" else out
+
+    return Target("array_api_strict", xp, asarray, to_numpy,
+                  dtypes=("float32", "float64"))
+
+
+def _torch_target(device: str) -> Target:
+    import array_api_compat.torch as xp
+    import torch
+
+    def asarray(a: np.ndarray, dtype: str | None = None) -> Any:
+        t = torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return t.to(getattr(torch, dtype)) if dtype else t
+
+    def to_numpy(a: Any) -> np.ndarray:
+        if a.dtype.is_floating_point:
+            a = a.to(torch.float64)
+        return a.detach().cpu().numpy()
+
+    return Target(f"torch-{device}", xp, asarray, to_numpy, device=device)
+
+
+def _cupy_target() -> Target:
+    import array_api_compat.cupy as xp
+    import cupy
+
+    def asarray(a: np.ndarray, dtype: str | None = None) -> Any:
+        if dtype == "bfloat16":
+            raise Unsupported("CuPy has no bfloat16 dtype; use the torch-cuda target")
+        return cupy.asarray(a, dtype=getattr(cupy, dtype) if dtype else None)
+
+    def to_numpy(a: Any) -> np.ndarray:
+        out = cupy.asnumpy(a)
+        return out.astype(np.float64) if out.dtype.kind == "f" else out
+
+    return Target("cupy", xp, asarray, to_numpy, device="cuda",
+                  dtypes=("float16", "float32", "float64"))
+
+
+TARGETS: dict[str, Callable[[], Target]] = {
+    "numpy": _numpy_target,
+    "array_api_strict": _strict_target,
+    "torch-cpu": lambda: _torch_target("cpu"),
+    "torch-cuda": lambda: _torch_target("cuda"),
+    "cupy": _cupy_target,
+}
+
+
+def target(name: str) -> Target:
+    """The :class:`Target` called ``name`` (a key of :data:`TARGETS`)."""
+    try:
+        return TARGETS[name]()
+    except KeyError:
+        raise ValueError(f"target={name!r} is unknown: expected one of {sorted(TARGETS)}") from None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One registered case, for one operation set and dtype."""
+
+    name: str
+    ops: tuple[str, ...]
+    dtype: str
+    fn: Callable[[Target, str, str], None]
+    target: Target = field(compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.dtype}]"
+
+    def run(self, backend: str) -> None:
+        """Run on ``backend``: ``AssertionError`` on failure, ``Unsupported`` if declined."""
+        if self.dtype not in self.target.dtypes:
+            raise Unsupported(f"target {self.target.name} has no {self.dtype}")
+        try:
+            self.fn(self.target, self.dtype, backend)
+        except NoBackendError as exc:
+            raise Unsupported(str(exc)) from None
+
+
+_REGISTERED: list[tuple[str, tuple[str, ...], tuple[str, ...], Callable[..., None]]] = []
+
+
+def case(*ops: str, dtypes: Iterable[str] = FLOAT_DTYPES) -> Callable[[Callable], Callable]:
+    """Register a conformance case exercising ``ops`` for each of ``dtypes``."""
+
+    def register(fn: Callable[[Target, str, str], None]) -> Callable[[Target, str, str], None]:
+        _REGISTERED.append((fn.__name__.removeprefix("case_"), ops, tuple(dtypes), fn))
+        return fn
+
+    return register
+
+
+def _load_cases() -> None:
+    for module in CASE_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+
+
+def cases(
+    target: str | Target = "numpy",
+    ops: Iterable[str] | None = None,
+    dtypes: Iterable[str] | None = None,
+) -> list[Case]:
+    """Every registered case, on ``target``, optionally restricted to ``ops`` and ``dtypes``."""
+    _load_cases()
+    t = target if isinstance(target, Target) else globals()["target"](target)
+    wanted_ops = set(ops) if ops is not None else None
+    wanted_dtypes = set(dtypes) if dtypes is not None else None
+    out = []
+    for name, case_ops, case_dtypes, fn in _REGISTERED:
+        if wanted_ops is not None and not wanted_ops & set(case_ops):
+            continue
+        for dtype in case_dtypes:
+            if wanted_dtypes is None or dtype in wanted_dtypes:
+                out.append(Case(name, case_ops, dtype, fn, t))
+    return out
+
+
+@dataclass
+class CaseResult:
+    """The outcome of one case: ``status`` is ``"passed"``, ``"failed"`` or ``"unsupported"``."""
+
+    case: str
+    ops: tuple[str, ...]
+    dtype: str
+    status: str
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        """True unless the case failed (an unsupported case is not a failure)."""
+        return self.status != "failed"
+
+
+def check_backend(
+    backend: str,
+    *,
+    target: str | Target = "numpy",
+    ops: Iterable[str] | None = None,
+    dtypes: Iterable[str] | None = None,
+) -> list[CaseResult]:
+    """Run the conformance kit against ``backend`` on ``target`` and return every outcome."""
+    results = []
+    for c in cases(target, ops, dtypes):
+        try:
+            c.run(backend)
+        except Unsupported as exc:
+            results.append(CaseResult(c.name, c.ops, c.dtype, "unsupported", str(exc)))
+        except AssertionError as exc:
+            results.append(CaseResult(c.name, c.ops, c.dtype, "failed", str(exc)))
+        except Exception as exc:  # a crash is a failure, with its type
+            results.append(CaseResult(c.name, c.ops, c.dtype, "failed",
+                                      f"{type(exc).__name__}: {exc}"))
+        else:
+            results.append(CaseResult(c.name, c.ops, c.dtype, "passed"))
+    return results
