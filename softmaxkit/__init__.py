@@ -7,8 +7,16 @@ spec/semantics.md and are the same on every backend.
 """
 
 from .arguments import AxisError, EmptyRowError
+from .attention import (
+    attention,
+    attention_vjp,
+    merge_attention,
+    merge_attention_states,
+    merge_attention_vjp,
+)
 from .registry import BackendWarning, NoBackendError, backend_opts, backends
 from .rows import cross_entropy, log_softmax, log_softmax_vjp, logsumexp, softmax, softmax_vjp
+from .summary import Summary, merge, summarize
 
 __version__ = "0.1.0"
 
@@ -17,12 +25,20 @@ __all__ = [
     "BackendWarning",
     "EmptyRowError",
     "NoBackendError",
+    "Summary",
+    "attention",
+    "attention_vjp",
     "backend_opts",
     "backends",
     "cross_entropy",
     "log_softmax",
     "log_softmax_vjp",
     "logsumexp",
+    "merge",
+    "merge_attention",
+    "merge_attention_states",
+    "merge_attention_vjp",
     "softmax",
     "softmax_vjp",
+    "summarize",
 ]

@@ -23,17 +23,36 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     ),
     "softmax_vjp": ("probs", "cotangent", "where", "out_dtype"),
     "log_softmax_vjp": ("logprobs", "cotangent", "where", "out_dtype"),
-    # online summaries
+    # online summaries (spec "Summaries"); rows flattened to R; acc = the accumulator dtype
+    # summarize(x [R, N], where None | bool [R, N], values None | [R, N, Dv])
+    #   -> (max [R], mass [R], numerator None | [R, Dv]), all in acc of x's dtype;
+    #   an empty row gives (-inf, 0, 0)
     "summarize": ("x", "where", "values"),
-    "merge": ("summaries",),
-    # attention
+    # merge(maxes [S, R], masses [S, R], numerators None | [S, R, Dv]), S >= 1, all in acc
+    #   -> (max [R], mass [R], numerator None | [R, Dv]); empty parts are the identity
+    "merge": ("maxes", "masses", "numerators"),
+    # attention (spec "Attention"); leading dims broadcast and flattened into B by the frontend
+    # q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv]: one dtype, Hq % Hk == 0;
+    # scale: float; causal: None | "bottom_right" | "top_left";
+    # window: (left, right) ints, -1 = unbounded, (-1, -1) = no window; aligned like causal
+    #   ("bottom_right" unless causal == "top_left"); mask: None | bool broadcast (possibly a
+    #   stride-0 view) to [B, Hq, Lq, Lk], True = attend; softcap: None | float > 0;
+    # -> (out [B, Hq, Lq, Dv] in q's dtype, lse [B, Hq, Lq] in acc, natural log, or None
+    #   when return_lse is False); a row with no allowed key: out 0, lse -inf
     "attention": (
         "q", "k", "v", "scale", "causal", "window", "mask", "softcap", "return_lse",
     ),
+    # out, dout [B, Hq, Lq, Dv] (q's dtype), lse [B, Hq, Lq] in acc, natural log, -inf = empty
+    # -> (dq, dk, dv) shaped and typed like q, k, v (dk, dv summed over each GQA group)
     "attention_vjp": (
         "q", "k", "v", "out", "lse", "dout", "scale", "causal", "window", "mask", "softcap",
     ),
+    # outs [S, R, Dv], lses [S, R] in acc, natural log, -inf = empty part (never +inf)
+    # -> (out [R, Dv] in outs' dtype, lse [R] in acc); all parts empty: (0, -inf)
     "merge_attention": ("outs", "lses"),
+    # gradient of merge_attention; dout [R, Dv], dlse None | [R] (natural log)
+    # -> (douts [S, R, Dv] in outs' dtype, dlses [S, R] in acc); empty parts get 0
+    "merge_attention_vjp": ("outs", "lses", "dout", "dlse"),
 }
 """Operation name -> the keyword parameters its kernel takes after ``xp``."""
 

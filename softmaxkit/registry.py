@@ -24,12 +24,19 @@ A backend is a distribution that declares, in its ``pyproject.toml``::
     :class:`~softmaxkit.ops.Call`; ``True`` accepts, a string declines and says why.
     ``can_run`` declines what the backend cannot compute; ``should_run`` declines what it
     can compute but would not do well (a tiny input, say).  An explicit ``backend=`` skips
-    ``should_run`` but never ``can_run``.
+    ``should_run`` but never ``can_run``.  Hooks run on every call, so keep them cheap.
+``requires_opt_in``
+    ``True`` for a backend that is never chosen automatically: only when the user
+    prioritizes it (:func:`backend_opts` or ``SOFTMAXKIT_PRIORITIZE``) or names it with
+    ``backend=`` (optional, default ``False``).
 
 Choice per call, first rule that applies: the ``backend=`` argument (strict: it never falls
 back) > :func:`softmaxkit.backend_opts` > the environment variables ``SOFTMAXKIT_PRIORITIZE``
-and ``SOFTMAXKIT_BLOCK`` (comma-separated names) > manifest priorities > the reference backend.
-The ordered candidates for each (operation, device type, dtype) are computed once and cached.
+and ``SOFTMAXKIT_BLOCK`` (comma-separated names, read when the backends are discovered; call
+:func:`reload` after changing them in a running process) > manifest priorities > the reference
+backend.  Names of backends that are not installed are ignored there, so portable code may
+prioritize a backend that only some machines have.  The ordered candidates for each
+(operation, device type, dtype) are computed once and cached.
 """
 
 from __future__ import annotations
@@ -39,21 +46,27 @@ import functools
 import importlib
 import logging
 import os
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any
 
 import array_api_compat
+import numpy as np
 
 from .ops import OPERATIONS, Call
 
 GROUP = "softmaxkit.backends"
 REFERENCE = "reference"
+ENV_PRIORITIZE = "SOFTMAXKIT_PRIORITIZE"
+ENV_BLOCK = "SOFTMAXKIT_BLOCK"
 
 logger = logging.getLogger("softmaxkit")
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 class NoBackendError(RuntimeError):
@@ -72,6 +85,21 @@ def _load(path: str) -> Any:
     return obj
 
 
+def _path(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not _PATH.match(value):
+        raise ValueError(f"{what} must be a 'module:qualname' string, got {value!r}")
+    return value
+
+
+def _strings(value: Any, what: str) -> frozenset[str]:
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise ValueError(f"{what} must be a list of strings, got {value!r}")
+    items = list(value)
+    if not all(isinstance(v, str) for v in items):
+        raise ValueError(f"{what} must be a list of strings, got {value!r}")
+    return frozenset(items)
+
+
 @dataclass(eq=False)
 class Backend:
     """A registered backend, built from its manifest; kernels are imported on first use."""
@@ -83,36 +111,64 @@ class Backend:
     install_hint: str = ""
     can_run_path: str | None = None
     should_run_path: str | None = None
+    requires_opt_in: bool = False
     source: str = ""
     _loaded: dict[str, Callable[..., Any]] = field(default_factory=dict, repr=False)
     _broken: dict[str, str] = field(default_factory=dict, repr=False)
+    _hooks: dict[str, Callable[[Call], Any] | str] = field(default_factory=dict, repr=False)
+    _warned: bool = field(default=False, repr=False)
 
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any], source: str = "") -> Backend:
-        """Validate a manifest mapping and build the backend it describes."""
+        """Validate a manifest mapping and build the backend it describes.
+
+        Raises
+        ------
+        ValueError
+            When a field is missing or malformed; the message names the field.
+        """
+        if not isinstance(manifest, Mapping):
+            raise ValueError(f"a manifest must be a mapping, got {type(manifest).__name__}")
         name = manifest.get("name")
-        if not isinstance(name, str) or not name:
-            raise ValueError("manifest has no 'name'")
-        kernels = dict(manifest.get("kernels", {}))
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(
+                f"manifest 'name' must be a non-empty name of letters, digits, '_', '.' or "
+                f"'-', got {name!r}"
+            )
+        kernels = manifest.get("kernels", {})
+        if not isinstance(kernels, Mapping):
+            raise ValueError(f"manifest of {name!r}: 'kernels' must be a mapping op -> path")
         unknown = sorted(set(kernels) - set(OPERATIONS))
         if unknown:
             raise ValueError(f"manifest of {name!r} names unknown operations {unknown}")
+        kernels = {op: _path(p, f"manifest of {name!r}: kernel for {op}") for op, p in
+                   kernels.items()}
         serves = []
         for entry in manifest.get("serves", ()):
-            serves.append(
-                tuple(frozenset(entry.get(key, ("*",))) for key in ("ops", "devices", "dtypes"))
-            )
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"manifest of {name!r}: each 'serves' entry must be a mapping")
+            serves.append(tuple(
+                _strings(entry.get(key, ("*",)), f"manifest of {name!r}: serves {key}")
+                for key in ("ops", "devices", "dtypes")
+            ))
         priority = manifest.get("priority", 0)
         if not isinstance(priority, Mapping):
-            priority = {"*": int(priority)}
+            priority = {"*": priority}
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in priority.values()):
+            raise ValueError(f"manifest of {name!r}: 'priority' must be an int or op -> int")
+        hooks = {}
+        for key in ("can_run", "should_run"):
+            value = manifest.get(key)
+            hooks[key] = None if value is None else _path(value, f"manifest of {name!r}: {key}")
         return cls(
             name=name,
             serves=tuple(serves),
             kernels=kernels,
             priority=dict(priority),
             install_hint=str(manifest.get("install_hint", "")),
-            can_run_path=manifest.get("can_run"),
-            should_run_path=manifest.get("should_run"),
+            can_run_path=hooks["can_run"],
+            should_run_path=hooks["should_run"],
+            requires_opt_in=bool(manifest.get("requires_opt_in", False)),
             source=source,
         )
 
@@ -131,6 +187,14 @@ class Backend:
         """The declared priority of this backend for ``op``."""
         return int(self.priority.get(op, self.priority.get("*", 0)))
 
+    def _warn_once(self, message: str) -> None:
+        # one warning per backend: a broken module usually breaks every kernel it holds
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"softmaxkit backend {self.name!r}: {message}", BackendWarning,
+                          stacklevel=4)
+        logger.debug("backend %s: %s", self.name, message)
+
     def kernel(self, op: str) -> Callable[..., Any]:
         """Import (once) and return the kernel for ``op``; raises ImportError with the reason."""
         fn = self._loaded.get(op)
@@ -143,33 +207,37 @@ class Backend:
         except Exception as exc:
             reason = f"kernel {self.kernels[op]!r} failed to import: {type(exc).__name__}: {exc}"
             self._broken[op] = reason
-            warnings.warn(
-                f"softmaxkit backend {self.name!r}: {reason}; it is skipped for {op}",
-                BackendWarning,
-                stacklevel=3,
-            )
+            self._warn_once(f"{reason}; it is skipped")
             raise ImportError(reason) from exc
         self._loaded[op] = fn
         return fn
 
-    def _hook(self, path: str | None, call: Call) -> bool | str:
-        if path is None:
-            return True
+    def _hook(self, path: str, call: Call) -> bool | str:
+        hook = self._hooks.get(path)
+        if hook is None:
+            try:
+                hook = _load(path)
+            except Exception as exc:
+                hook = f"hook {path!r} failed to import: {type(exc).__name__}: {exc}"
+                self._warn_once(f"{hook}; it is skipped")
+            self._hooks[path] = hook
+        if isinstance(hook, str):
+            return hook
         try:
-            verdict = _load(path)(call)
+            verdict = hook(call)
         except Exception as exc:
             return f"{path} raised {type(exc).__name__}: {exc}"
-        return True if verdict is True or verdict is None else (verdict or "declined")
+        return True if verdict is True or verdict is None else str(verdict or "declined")
 
     def can_run(self, call: Call) -> bool | str:
         """Ask the backend's ``can_run`` hook; ``True`` or the reason it cannot."""
         if call.op in self._broken:
             return self._broken[call.op]
-        return self._hook(self.can_run_path, call)
+        return True if self.can_run_path is None else self._hook(self.can_run_path, call)
 
     def should_run(self, call: Call) -> bool | str:
         """Ask the backend's ``should_run`` hook; ``True`` or the reason it should not."""
-        return self._hook(self.should_run_path, call)
+        return True if self.should_run_path is None else self._hook(self.should_run_path, call)
 
     def describe(self) -> dict[str, Any]:
         """What the backend serves, as plain data (for :func:`backends` and ``info``)."""
@@ -182,15 +250,20 @@ class Backend:
             ],
             "priority": dict(self.priority),
             "install_hint": self.install_hint,
+            "can_run": self.can_run_path,
+            "should_run": self.should_run_path,
+            "requires_opt_in": self.requires_opt_in,
             "source": self.source,
         }
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _registry: dict[str, Backend] | None = None
 
 
 def _discover() -> dict[str, Backend]:
+    from importlib.metadata import entry_points  # deferred: it costs import time
+
     found: dict[str, Backend] = {}
     for ep in sorted(entry_points(group=GROUP), key=lambda e: (e.name != REFERENCE, e.value)):
         try:
@@ -203,7 +276,7 @@ def _discover() -> dict[str, Backend]:
                 f"softmaxkit backend entry point {ep.name!r} ({ep.value}) could not be loaded "
                 f"and is skipped: {type(exc).__name__}: {exc}",
                 BackendWarning,
-                stacklevel=2,
+                stacklevel=4,
             )
             continue
         if backend.name in found:
@@ -211,7 +284,7 @@ def _discover() -> dict[str, Backend]:
                 f"two softmaxkit backends are named {backend.name!r} "
                 f"({found[backend.name].source} and {backend.source}); the first is kept",
                 BackendWarning,
-                stacklevel=2,
+                stacklevel=4,
             )
             continue
         found[backend.name] = backend
@@ -219,17 +292,17 @@ def _discover() -> dict[str, Backend]:
         from .reference import manifest
 
         found[REFERENCE] = Backend.from_manifest(manifest(), source="softmaxkit.reference")
+    logger.debug("softmaxkit backends discovered: %s", ", ".join(found))
     return found
 
 
 def registry() -> dict[str, Backend]:
     """All registered backends by name, discovered on first use."""
-    global _registry
     if _registry is None:
         with _lock:
             if _registry is None:
-                _registry = _discover()
-    return _registry
+                _set_registry(_discover())
+    return _registry  # type: ignore[return-value]
 
 
 def register(manifest: Mapping[str, Any]) -> Backend:
@@ -237,6 +310,9 @@ def register(manifest: Mapping[str, Any]) -> Backend:
     backend = Backend.from_manifest(manifest, source="register()")
     with _lock:
         reg = dict(registry())
+        if backend.name in reg:
+            warnings.warn(f"register() replaces the softmaxkit backend {backend.name!r}",
+                          BackendWarning, stacklevel=2)
         reg[backend.name] = backend
         _set_registry(reg)
     return backend
@@ -256,10 +332,11 @@ def _set_registry(reg: dict[str, Backend] | None) -> None:
     global _registry
     _registry = reg
     _candidates.cache_clear()
+    _environment.cache_clear()
 
 
 def reload() -> None:
-    """Forget discovered backends; the next call discovers the entry points again."""
+    """Forget discovered backends and environment variables; the next call reads them again."""
     with _lock:
         _set_registry(None)
 
@@ -276,7 +353,17 @@ class _Options:
 
 @dataclass
 class TraceRecord:
-    """Which backend ran one call, and why each other candidate did not."""
+    """Which backend ran one call, and why each other candidate did not.
+
+    Attributes
+    ----------
+    op, device, dtype
+        The selection key of the call.
+    backend
+        The name of the backend that ran it.
+    declined
+        ``{name: reason}`` for every other registered backend that was not chosen.
+    """
 
     op: str
     device: str
@@ -295,7 +382,7 @@ def _names(value: str | Iterable[str] | None) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         value = value.split(",")
-    return tuple(v.strip() for v in value if v.strip())
+    return tuple(dict.fromkeys(v.strip() for v in value if v.strip()))
 
 
 class backend_opts:  # noqa: N801 - used as a function, like contextlib's managers
@@ -304,7 +391,9 @@ class backend_opts:  # noqa: N801 - used as a function, like contextlib's manage
     Parameters
     ----------
     prioritize
-        Backend names tried first, in this order (a name or an iterable of names).
+        Backend names tried first, in this order (a name, a comma-separated string or an
+        iterable of names).  Prioritizing a backend also opts in to one whose manifest
+        ``requires_opt_in``.  Names that are not installed are ignored.
     disable
         Backend names never chosen (the reference cannot be disabled).
     trace
@@ -313,7 +402,10 @@ class backend_opts:  # noqa: N801 - used as a function, like contextlib's manage
     Notes
     -----
     The options live in a :class:`contextvars.ContextVar`, so they are local to the thread
-    and to the asyncio task, and they nest: inner options are tried before outer ones.
+    and to the asyncio task, and they nest: inner options are tried before outer ones, and an
+    inner ``prioritize`` re-enables a backend an outer ``disable`` turned off (and the other
+    way round).  They take precedence over ``SOFTMAXKIT_PRIORITIZE`` / ``SOFTMAXKIT_BLOCK``
+    but never over an explicit ``backend=``.
 
     Examples
     --------
@@ -334,6 +426,9 @@ class backend_opts:  # noqa: N801 - used as a function, like contextlib's manage
         self._disable = _names(disable)
         if REFERENCE in self._disable:
             raise ValueError("disable: the reference backend cannot be disabled")
+        both = sorted(set(self._prioritize) & set(self._disable))
+        if both:
+            raise ValueError(f"backends {both} are both prioritized and disabled")
         self._trace = bool(trace)
         self._tokens: list[contextvars.Token[_Options]] = []
 
@@ -341,9 +436,12 @@ class backend_opts:  # noqa: N801 - used as a function, like contextlib's manage
         outer = _options.get()
         records: list[TraceRecord] | None = [] if self._trace else outer.trace
         inner = _Options(
-            prioritize=self._prioritize + tuple(n for n in outer.prioritize
-                                                if n not in self._prioritize),
-            disable=tuple(dict.fromkeys(outer.disable + self._disable)),
+            prioritize=self._prioritize + tuple(
+                n for n in outer.prioritize if n not in self._prioritize + self._disable
+            ),
+            disable=tuple(n for n in outer.disable if n not in self._prioritize) + tuple(
+                n for n in self._disable if n not in outer.disable
+            ),
             trace=records,
         )
         self._tokens.append(_options.set(inner))
@@ -361,32 +459,73 @@ class backend_opts:  # noqa: N801 - used as a function, like contextlib's manage
         return wrapper
 
 
+@functools.lru_cache(maxsize=1)
 def _environment() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    return (
-        _names(os.environ.get("SOFTMAXKIT_PRIORITIZE")),
-        _names(os.environ.get("SOFTMAXKIT_BLOCK")),
+    return _names(os.environ.get(ENV_PRIORITIZE)), _names(os.environ.get(ENV_BLOCK))
+
+
+def _effective(
+    prioritize: tuple[str, ...], disable: tuple[str, ...]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Merge the context's options with the environment (the context wins)."""
+    env_prioritize, env_block = _environment()
+    merged_prioritize = prioritize + tuple(
+        n for n in env_prioritize if n not in prioritize and n not in disable
     )
+    merged_disable = disable + tuple(
+        n for n in env_block if n not in disable and n not in prioritize
+    )
+    return merged_prioritize, merged_disable
+
+
+def prioritized() -> tuple[str, ...]:
+    """The backend names prioritized where this is called, by the context and environment.
+
+    A ``should_run`` hook may use it to accept work only when the user asked for its
+    backend.
+    """
+    opts = _options.get()
+    return _effective(opts.prioritize, opts.disable)[0]
 
 
 @functools.lru_cache(maxsize=1024)
 def _candidates(
     op: str, device: str, dtype: str, prioritize: tuple[str, ...], disable: tuple[str, ...]
 ) -> tuple[tuple[Backend, ...], tuple[tuple[str, str], ...]]:
-    """Backends that declare (op, device, dtype), best first; and those left out, with why."""
+    """Backends that may serve (op, device, dtype), best first; and those left out, with why."""
+    prioritize, disable = _effective(prioritize, disable)
     serving, left_out = [], []
     for backend in registry().values():
         if backend.name in disable and backend.name != REFERENCE:
             left_out.append((backend.name, "disabled"))
-        elif backend.serves_key(op, device, dtype):
-            serving.append(backend)
-        else:
+        elif not backend.serves_key(op, device, dtype):
             left_out.append((backend.name, f"does not serve ({op}, {device}, {dtype})"))
+        elif backend.requires_opt_in and backend.name not in prioritize:
+            left_out.append((backend.name, "requires opt-in (prioritize it or pass backend=)"))
+        else:
+            serving.append(backend)
 
-    def rank(b: Backend) -> tuple[int, int, int]:
+    def rank(b: Backend) -> tuple[int, bool, int]:
         preferred = prioritize.index(b.name) if b.name in prioritize else len(prioritize)
         return (preferred, b.name == REFERENCE, -b.priority_for(op))
 
     return tuple(sorted(serving, key=rank)), tuple(left_out)
+
+
+def candidates(op: str, device: str, dtype: str) -> tuple[list[str], dict[str, str]]:
+    """The backends that would be tried for (op, device, dtype) here, best first.
+
+    Returns
+    -------
+    order : list of str
+        Names in the order they are tried; each one's ``can_run`` / ``should_run`` hooks
+        still decide per call.
+    left_out : dict
+        ``{name: reason}`` for the registered backends that are not tried.
+    """
+    opts = _options.get()
+    ordered, left_out = _candidates(op, device, dtype, opts.prioritize, opts.disable)
+    return [b.name for b in ordered], dict(left_out)
 
 
 def device_type(x: Any) -> str:
@@ -395,6 +534,8 @@ def device_type(x: Any) -> str:
     Dask arrays report the device type of their chunks' library (``"cpu"`` for numpy chunks,
     ``"cuda"`` for CuPy chunks).
     """
+    if type(x) is np.ndarray:  # the common case, without the library probes below
+        return "cpu"
     if array_api_compat.is_dask_array(x):
         meta = getattr(x, "_meta", None)
         return device_type(meta) if meta is not None else "cpu"
@@ -430,29 +571,34 @@ def choose(call: Call, backend: str | None = None) -> tuple[Backend, Callable[..
     NoBackendError
         When no backend can run the call; the message lists every backend and its reason.
     """
-    reg = registry()
     if backend is not None:
-        return _strict(call, backend, reg)
+        return _strict(call, backend, registry())
     opts = _options.get()
-    env_prioritize, env_block = _environment()
-    prioritize = opts.prioritize + tuple(n for n in env_prioritize if n not in opts.prioritize)
-    disable = tuple(dict.fromkeys(opts.disable + env_block))
-    ordered, left_out = _candidates(call.op, call.device, call.dtype, prioritize, disable)
-    declined: dict[str, str] = dict(left_out)
+    ordered, left_out = _candidates(call.op, call.device, call.dtype, opts.prioritize,
+                                    opts.disable)
+    declined: list[tuple[str, str]] = []
     for candidate in ordered:
         verdict = candidate.can_run(call)
-        if verdict is True and candidate.name != REFERENCE:
+        if verdict is True:
             verdict = candidate.should_run(call)
         if verdict is True:
-            try:
-                kernel = candidate.kernel(call.op)
-            except ImportError as exc:
-                declined[candidate.name] = str(exc)
-                continue
-            _record(opts, call, candidate.name, declined)
+            kernel = candidate._loaded.get(call.op)
+            if kernel is None:
+                try:
+                    kernel = candidate.kernel(call.op)
+                except ImportError as exc:
+                    declined.append((candidate.name, str(exc)))
+                    continue
+            if opts.trace is not None or logger.isEnabledFor(logging.DEBUG):
+                below = f"ranked below {candidate.name}"
+                others = left_out + tuple(declined) + tuple(
+                    (b.name, below) for b in ordered[ordered.index(candidate) + 1:]
+                )
+                _record(opts, call, candidate.name, dict(others))
             return candidate, kernel
-        declined[candidate.name] = str(verdict)
-    raise NoBackendError(_no_backend_message(call, declined, reg))
+        declined.append((candidate.name, str(verdict)))
+    raise NoBackendError(_no_backend_message(call, dict(left_out + tuple(declined)),
+                                             registry()))
 
 
 def _strict(call: Call, name: str, reg: dict[str, Backend]) -> tuple[Backend, Callable[..., Any]]:
@@ -475,7 +621,10 @@ def _strict(call: Call, name: str, reg: dict[str, Backend]) -> tuple[Backend, Ca
     except ImportError as exc:
         hint = f" ({chosen.install_hint})" if chosen.install_hint else ""
         raise NoBackendError(f"backend={name!r} cannot run {call.op}: {exc}{hint}") from exc
-    _record(_options.get(), call, name, {})
+    opts = _options.get()
+    if opts.trace is not None or logger.isEnabledFor(logging.DEBUG):
+        asked = f"backend={name!r} was asked for"
+        _record(opts, call, name, {other: asked for other in reg if other != name})
     return chosen, kernel
 
 
@@ -502,6 +651,7 @@ def backends() -> dict[str, dict[str, Any]]:
     Returns
     -------
     dict
-        ``{name: {"operations", "serves", "priority", "install_hint", "source"}}``.
+        ``{name: {"operations", "serves", "priority", "install_hint", "can_run",
+        "should_run", "requires_opt_in", "source"}}``.
     """
     return {name: b.describe() for name, b in registry().items()}

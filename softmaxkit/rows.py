@@ -13,7 +13,7 @@ from typing import Any
 
 from . import arguments as args
 from .dispatch import run
-from .dtypes import accumulator_dtype, dtype_name, output_dtype
+from .dtypes import dtype_name, output_dtype
 from .layout import RowLayout
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -278,7 +278,6 @@ def cross_entropy(
     layout = RowLayout(tuple(logits.shape), (class_axis,))
     n_classes = logits.shape[class_axis]
     target = args.as_array(xp, target, "target", like=logits)
-    acc = accumulator_dtype(xp, logits.dtype)
     index = probs = None
     if args.dtypes.is_integral(xp, target.dtype) and dtype_name(target.dtype) != "bool":
         if tuple(target.shape) != layout.batch_shape:
@@ -287,22 +286,26 @@ def cross_entropy(
                 f"class axis, {layout.batch_shape}; got {tuple(target.shape)}"
             )
         index = target
+        rows_total = math.prod(index.shape)
         valid = index != ignore_index if ignore_index is not None else None
         out_of_range = (index < 0) | (index >= n_classes)
         if valid is not None:
             out_of_range = out_of_range & valid
-        if index.size and bool(xp.any(out_of_range)):
+        if rows_total and bool(xp.any(out_of_range)):
             raise ValueError(
                 f"target holds class indices outside [0, {n_classes})"
                 + (f" that are not ignore_index={ignore_index}" if valid is not None else "")
             )
-        count = xp.sum(xp.astype(valid, acc)) if valid is not None else float(index.size)
+        if valid is None or not rows_total:
+            count = rows_total
+        else:
+            count = int(xp.sum(xp.astype(valid, xp.int64)))
     elif args.dtypes.is_float(xp, target.dtype):
         if ignore_index is not None:
             raise ValueError("ignore_index applies to class-index targets only")
         probs = args.broadcast_operand(xp, target, tuple(logits.shape), logits, "target")
         probs = layout.to_rows(xp, probs)
-        count = float(math.prod(layout.batch_shape))
+        count = math.prod(layout.batch_shape)
     else:
         raise TypeError(
             f"target has dtype {dtype_name(target.dtype)}: expected integer class indices or "
@@ -310,11 +313,8 @@ def cross_entropy(
         )
     w = layout.to_rows(xp, args.mask(xp, where, tuple(logits.shape), like=logits))
     rows = layout.to_rows(xp, logits)
-    if reduction == "mean":
-        count = xp.asarray(count, dtype=acc) if not hasattr(count, "dtype") else count
-        grad_scale = 1.0 / xp.where(count == 0, 1.0, count)
-    else:
-        grad_scale = 1.0
+    # the mean is over the rows that count; with none counted the loss and gradient are 0
+    grad_scale = 1.0 / count if reduction == "mean" and count else 1.0
     loss, grad = run(
         "cross_entropy", xp, rows, backend,
         logits=rows, index=index, probs=probs, where=w,

@@ -22,6 +22,7 @@ _MODULES = {
     "attention": "attention",
     "attention_vjp": "attention",
     "merge_attention": "attention",
+    "merge_attention_vjp": "attention",
 }
 
 

@@ -1,10 +1,11 @@
 """Reference row kernels, one function per operation, along the last axis of ``[..., N]``.
 
 Each function follows spec/semantics.md line by line.  The shared step is :func:`row_stats`:
-exclusion of masked positions (never multiplication by zero), the row maximum, the sum of
-shifted exponentials in the accumulator dtype, and the classification of special rows.
-Special rows are sanitized before any arithmetic, so no ``-inf - (-inf)`` or ``inf / inf`` is
-ever evaluated and no floating-point warning is raised for a row whose answer is finite.
+exclusion of masked positions (never multiplication by zero), the classification of special
+rows (NaN, +inf, empty), the row maximum and the sum of shifted exponentials in the
+accumulator dtype.  Special rows are sanitized before any arithmetic, so no ``-inf - (-inf)``,
+``inf - inf``, ``0 * inf`` or ``log(0)`` is ever evaluated and no floating-point warning is
+raised for a row whose answer is finite.
 """
 
 from __future__ import annotations
@@ -13,26 +14,51 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from array_api_compat import device as _device
+
 from ..dtypes import accumulator_dtype
 
 NEG_INF = -math.inf
+NAN = math.nan
 
 
 @dataclass
 class RowStats:
-    """Per-row quantities shared by the row kernels (all ``[..., 1]`` except ``z``)."""
+    """Per-row quantities shared by the row kernels (``[..., 1]`` unless marked ``[..., N]``)."""
 
-    z: Any  # x - shift on allowed positions, -inf on excluded ones, 0 on special rows
-    shift: Any  # the row maximum where finite, else 0
-    total: Any  # sum of exp(z) over allowed positions (0 for an empty row)
-    empty: Any  # no allowed position with a logit above -inf
+    x: Any  # [..., N] logits in the accumulator dtype, -inf at excluded positions
+    z: Any  # [..., N] x - shift; -inf at excluded positions; 0 on NaN and +inf rows
+    shift: Any  # the row maximum on regular rows, else 0
+    total: Any  # sum of exp(z): >= 1 on regular rows, 0 on empty rows, 1 on special rows
+    empty: Any  # no allowed position above -inf (N = 0 included)
     nan: Any  # an allowed NaN
-    posinf: Any  # an allowed +inf and no NaN
+    posinf: Any  # an allowed +inf and no allowed NaN
+
+    @property
+    def special(self) -> Any:
+        """Rows whose result is NaN whatever the policy (an allowed NaN or +inf)."""
+        return self.nan | self.posinf
+
+    def safe_total(self, xp: Any) -> Any:
+        """``total`` with empty rows' 0 replaced by 1, so dividing or taking a log is safe."""
+        return xp.where(self.empty, xp.ones_like(self.total), self.total)
 
 
-def row_stats(xp: Any, x: Any, where: Any) -> RowStats:
-    """The row maximum and normalizer of ``x`` over the allowed positions, in float32 or wider."""
-    acc = accumulator_dtype(xp, x.dtype)
+def row_stats(xp: Any, x: Any, where: Any, acc: Any = None) -> RowStats:
+    """Classify the rows of ``x`` and compute their maximum and normalizer.
+
+    Parameters
+    ----------
+    xp
+        The array namespace.
+    x
+        Logits ``[..., N]``.
+    where
+        ``None`` or a boolean ``[..., N]`` mask; ``False`` excludes a position.
+    acc
+        The accumulator dtype (default: float32, or float64 for float64 ``x``).
+    """
+    acc = accumulator_dtype(xp, x.dtype) if acc is None else acc
     x = xp.astype(x, acc)
     if where is not None:
         x = xp.where(where, x, NEG_INF)
@@ -46,80 +72,86 @@ def row_stats(xp: Any, x: Any, where: Any) -> RowStats:
     posinf = (m == math.inf) & ~nan
     empty = (m == NEG_INF) & ~nan
     special = nan | posinf
-    shift = xp.where(special | empty, 0.0, m)
-    z = xp.where(special, 0.0, clean - shift)
+    shift = xp.where(special | empty, xp.zeros_like(m), m)
+    z = xp.where(special, xp.zeros_like(clean), clean - shift)
     total = xp.sum(xp.exp(z), axis=-1, keepdims=True)
-    total = xp.where(special, 1.0, total)
-    return RowStats(z=z, shift=shift, total=total, empty=empty, nan=nan, posinf=posinf)
-
-
-def _device(x: Any) -> Any:
-    from array_api_compat import device
-
-    return device(x)
+    total = xp.where(special, xp.ones_like(total), total)
+    return RowStats(x=x, z=z, shift=shift, total=total, empty=empty, nan=nan, posinf=posinf)
 
 
 def softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
-    """p = exp(z) / sum(exp(z)); excluded positions 0; see spec section "softmax"."""
+    """Spec "softmax": ``p = exp(z) / sum(exp(z))``, 0 at excluded positions.
+
+    A row with an allowed NaN or +inf is NaN; an empty row is 0 (``masked="zero"``) or NaN
+    (``masked="nan"``; ``"raise"`` is handled by the frontend before the call).
+    """
     s = row_stats(xp, x, where)
-    safe = xp.where(s.empty, 1.0, s.total)
-    p = xp.exp(s.z) / safe
-    bad = s.nan | s.posinf
-    if masked == "nan":
-        bad = bad | s.empty
-    p = xp.where(bad, math.nan, p)
+    p = xp.exp(s.z) / s.safe_total(xp)
+    bad = s.special | s.empty if masked == "nan" else s.special
+    p = xp.where(bad, xp.full_like(p, NAN), p)
     return xp.astype(p, out_dtype)
 
 
 def log_softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
-    """log p = z - log(sum(exp(z))); excluded positions -inf; see spec "log_softmax"."""
+    """Spec "log_softmax": ``z - log(sum(exp(z)))``, ``-inf`` at excluded positions.
+
+    A NaN row is NaN; a +inf row is NaN at its allowed +inf positions and ``-inf`` elsewhere
+    (as in SciPy); an empty row is ``-inf`` (``"zero"``) or NaN (``"nan"``).
+    """
     s = row_stats(xp, x, where)
-    safe = xp.where(s.empty, 1.0, s.total)
-    out = s.z - xp.log(safe)
-    # an allowed +inf has an undefined log-probability; the finite ones tend to -inf
-    acc = accumulator_dtype(xp, x.dtype)
-    xa = xp.astype(x, acc)
-    allowed_inf = xa == math.inf if where is None else (xa == math.inf) & where
-    out = xp.where(s.posinf, xp.where(allowed_inf, math.nan, NEG_INF), out)
-    bad = s.nan | (s.empty if masked == "nan" else xp.zeros_like(s.nan))
-    out = xp.where(bad, math.nan, out)
+    out = s.z - xp.log(s.safe_total(xp))
+    at_inf = xp.where(s.x == math.inf, xp.full_like(out, NAN), xp.full_like(out, NEG_INF))
+    out = xp.where(s.posinf, at_inf, out)
+    bad = s.nan | s.empty if masked == "nan" else s.nan
+    out = xp.where(bad, xp.full_like(out, NAN), out)
     return xp.astype(out, out_dtype)
 
 
 def logsumexp(
     xp: Any, *, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
 ) -> Any:
-    """log |sum b exp(x)| (and its sign); positions with b == 0 are excluded, like SciPy."""
-    acc = accumulator_dtype(xp, x.dtype)
+    """Spec "logsumexp": ``log |sum b exp(x)|`` and its sign over the allowed positions.
+
+    A position whose weight ``b`` is 0 is excluded, like one masked by ``where`` (so
+    ``b = 0`` next to ``x = inf`` or NaN contributes nothing, as in SciPy).
+    """
+    acc = accumulator_dtype(xp, out_dtype)
     if b is not None:
         b = xp.astype(b, acc)
-        keep = b != 0
+        keep = b != 0  # NaN weights are kept: they make the row NaN
         where = keep if where is None else (where & keep)
-    s = row_stats(xp, x, where)
+    s = row_stats(xp, x, where, acc)
     if b is None:
         total = s.total
+        nan = s.nan
+        sign_inf = xp.ones_like(total)
     else:
-        bz = xp.where(s.nan | s.posinf, 0.0, b)
-        weighted = xp.exp(s.z) * bz
-        total = xp.sum(weighted, axis=-1, keepdims=True)
-        # +inf rows: the sum is +-inf by the sign of the weights on the +inf positions
-        xa = xp.astype(x, acc)
-        inf_w = xp.sum(xp.where(xa == math.inf, b, 0.0), axis=-1, keepdims=True)
-        total = xp.where(s.posinf, inf_w, total)
-        nan_b = xp.any(xp.isnan(b), axis=-1, keepdims=True)
-        total = xp.where(nan_b, math.nan, total)
-    sign = xp.sign(total)
+        allowed = s.x != NEG_INF
+        bz = xp.where(allowed, b, xp.zeros_like(b))
+        nan = s.nan | xp.any(xp.isnan(bz), axis=-1, keepdims=True)
+        ok = ~nan
+        # sanitized so that no NaN or 0 * inf is formed on rows handled separately
+        weights = xp.where(s.special | nan, xp.zeros_like(bz), bz)
+        total = xp.sum(xp.exp(s.z) * weights, axis=-1, keepdims=True)
+        # a +inf row: +-inf by the sign of the weights on its +inf positions; both signs: NaN
+        at_inf = s.x == math.inf
+        up = xp.any(at_inf & (bz > 0), axis=-1, keepdims=True)
+        down = xp.any(at_inf & (bz < 0), axis=-1, keepdims=True)
+        nan = nan | (s.posinf & up & down)
+        sign_inf = xp.where(down, -xp.ones_like(total), xp.ones_like(total))
+        total = xp.where(ok, total, xp.zeros_like(total))
     magnitude = xp.abs(total)
     zero = magnitude == 0
-    lse = xp.log(xp.where(zero, 1.0, magnitude))
-    lse = xp.where(zero, NEG_INF, lse + s.shift)
-    lse = xp.where(s.posinf & (b is None or ~zero), math.inf, lse)
-    lse = xp.where(s.nan, math.nan, lse)
+    sign = xp.where(s.posinf, sign_inf, xp.sign(total))
+    lse = xp.log(xp.where(zero, xp.ones_like(magnitude), magnitude)) + s.shift
+    lse = xp.where(zero, xp.full_like(lse, NEG_INF), lse)
+    lse = xp.where(s.posinf, xp.full_like(lse, math.inf), lse)
+    lse = xp.where(nan, xp.full_like(lse, NAN), lse)
+    sign = xp.where(nan, xp.full_like(sign, NAN), sign)
     if not return_sign:
-        lse = xp.where(sign < 0, math.nan, lse)
+        lse = xp.where(sign < 0, xp.full_like(lse, NAN), lse)
     lse = xp.astype(lse[..., 0], out_dtype)
     if return_sign:
-        sign = xp.where(s.nan, math.nan, sign)
         return lse, xp.astype(sign[..., 0], out_dtype)
     return lse
 
@@ -136,70 +168,84 @@ def cross_entropy(
     grad_scale: Any,
     out_dtype: Any,
 ) -> tuple[Any, Any]:
-    """Per-row loss lse - sum(y * x) and, when ``grad_scale`` is given, scale * (p - y)."""
+    """Spec "cross_entropy": per-row loss ``-sum(y * log p)`` and ``grad_scale * (p - y)``.
+
+    Returns the per-row losses ``[...]`` in the accumulator dtype (the frontend reduces them)
+    and, when ``grad_scale`` is not None, the gradient ``[..., N]`` in ``out_dtype``.  A class
+    is excluded when ``where`` is False or its logit is ``-inf``; target mass on an excluded
+    class makes the loss ``+inf``; excluded classes and ignored rows get gradient 0.
+    """
     acc = accumulator_dtype(xp, logits.dtype)
     s = row_stats(xp, logits, where)
     n = logits.shape[-1]
-    allowed = where if where is not None else xp.ones(logits.shape, dtype=xp.bool,
-                                                        device=_device(logits))
-    safe = xp.where(s.empty, 1.0, s.total)
-    logp = s.z - xp.log(safe)  # -inf at excluded positions
+    dev = _device(logits)
+    included = s.z != NEG_INF  # NaN and +inf rows have z = 0: they are NaN anyway
+    logp = s.z - xp.log(s.safe_total(xp))
     if index is not None:
-        classes = xp.arange(n, device=_device(logits))
-        onehot = xp.astype(xp.expand_dims(index, axis=-1) == classes, acc)
-        valid = xp.ones(index.shape, dtype=xp.bool, device=_device(logits))
-        if ignore_index is not None:
+        classes = xp.arange(n, device=dev)
+        y = xp.astype(xp.expand_dims(index, axis=-1) == classes, acc)
+        if ignore_index is None:
+            valid = xp.ones(index.shape, dtype=xp.bool, device=dev)
+        else:
             valid = index != ignore_index
-        y = onehot
     else:
         y = xp.astype(probs, acc)
-        valid = xp.ones(logits.shape[:-1], dtype=xp.bool, device=_device(logits))
+        valid = xp.ones(logits.shape[:-1], dtype=xp.bool, device=dev)
     if label_smoothing:
-        count = xp.sum(xp.astype(allowed, acc), axis=-1, keepdims=True)
-        y = (1.0 - label_smoothing) * y + xp.where(
-            allowed, label_smoothing / xp.where(count == 0, 1.0, count), 0.0
-        )
-    # loss = -sum over y > 0 of y * log p: a zero target weight excludes its position
-    terms = xp.where(y != 0, y * xp.where(y != 0, logp, 0.0), 0.0)
+        count = xp.sum(xp.astype(included, acc), axis=-1, keepdims=True)
+        share = label_smoothing / xp.where(count == 0, xp.ones_like(count), count)
+        y = (1.0 - label_smoothing) * y + xp.where(included, share, xp.zeros_like(y))
+    has = y != 0
+    zeros = xp.zeros_like(y)
+    terms = xp.where(has, y * xp.where(has, logp, zeros), zeros)  # 0 * log 0 is 0
     loss = -xp.sum(terms, axis=-1)
-    loss = xp.where(s.nan[..., 0], math.nan, loss)
-    loss = xp.where(s.posinf[..., 0] & ~s.nan[..., 0], math.nan, loss)
-    loss = xp.where(valid, loss, 0.0)
+    special = s.special[..., 0]
+    loss = xp.where(special, xp.full_like(loss, NAN), loss)
+    loss = xp.where(valid, loss, xp.zeros_like(loss))
     if grad_scale is None:
         return loss, None
-    p = xp.where(s.empty, 0.0, xp.exp(s.z) / safe)
-    p = xp.where(s.nan | s.posinf, math.nan, p)
-    grad = (p - y) * grad_scale
-    grad = xp.where(xp.expand_dims(valid, axis=-1), grad, 0.0)
+    p = xp.exp(logp)
+    grad = xp.where(included, (p - y) * grad_scale, zeros)
+    grad = xp.where(s.special, xp.full_like(grad, NAN), grad)
+    grad = xp.where(xp.expand_dims(valid, axis=-1), grad, zeros)
     return loss, xp.astype(grad, out_dtype)
 
 
 def softmax_vjp(xp: Any, *, probs: Any, cotangent: Any, where: Any, out_dtype: Any) -> Any:
-    """g = p * (c - sum(p * c)) over allowed positions; excluded positions 0."""
-    acc = accumulator_dtype(xp, probs.dtype)
+    """Spec "softmax_vjp": ``p * (g - sum(p * g))`` in O(N), never the Jacobian.
+
+    Positions excluded by ``where`` or with ``p == 0`` take no part: their gradient is 0 and
+    their cotangent is not read, so a fully masked row has gradient 0.
+    """
+    acc = accumulator_dtype(xp, out_dtype)
     p = xp.astype(probs, acc)
-    c = xp.astype(cotangent, acc)
+    g = xp.astype(cotangent, acc)
+    part = p != 0  # NaN probabilities take part and propagate
     if where is not None:
-        p = xp.where(where, p, 0.0)
-        c = xp.where(where, c, 0.0)
-    c = xp.where(p == 0, 0.0, c)  # a zero-probability position contributes nothing
-    dot = xp.sum(p * c, axis=-1, keepdims=True)
-    g = p * (c - dot)
-    return xp.astype(g, out_dtype)
+        part = part & where
+    zeros = xp.zeros_like(p)
+    p = xp.where(part, p, zeros)
+    g = xp.where(part, g, zeros)
+    dot = xp.sum(p * g, axis=-1, keepdims=True)
+    return xp.astype(p * (g - dot), out_dtype)
 
 
 def log_softmax_vjp(
     xp: Any, *, logprobs: Any, cotangent: Any, where: Any, out_dtype: Any
 ) -> Any:
-    """g = c - exp(log p) * sum(c) over allowed positions; excluded positions (and -inf) 0."""
-    acc = accumulator_dtype(xp, logprobs.dtype)
+    """Spec "log_softmax_vjp": ``g - exp(log p) * sum(g)`` in O(N).
+
+    Positions excluded by ``where`` or with ``log p == -inf`` take no part: their gradient is
+    0 and their cotangent is not summed, so a fully masked row has gradient 0.
+    """
+    acc = accumulator_dtype(xp, out_dtype)
     lp = xp.astype(logprobs, acc)
-    c = xp.astype(cotangent, acc)
-    allowed = lp != NEG_INF
+    g = xp.astype(cotangent, acc)
+    part = lp != NEG_INF
     if where is not None:
-        allowed = allowed & where
-    c = xp.where(allowed, c, 0.0)
-    total = xp.sum(c, axis=-1, keepdims=True)
-    g = c - xp.exp(xp.where(allowed, lp, NEG_INF)) * total
-    g = xp.where(allowed, g, 0.0)
-    return xp.astype(g, out_dtype)
+        part = part & where
+    zeros = xp.zeros_like(g)
+    g = xp.where(part, g, zeros)
+    total = xp.sum(g, axis=-1, keepdims=True)
+    p = xp.exp(xp.where(part, lp, xp.full_like(lp, NEG_INF)))
+    return xp.astype(xp.where(part, g - p * total, zeros), out_dtype)

@@ -1,22 +1,566 @@
-"""Conformance cases for the row operations (softmax, log_softmax, logsumexp, ...)."""
+"""Conformance cases for the row operations (softmax, log_softmax, logsumexp, cross_entropy,
+softmax_vjp, log_softmax_vjp).
+
+Three kinds of case, each run for every dtype the target has:
+
+* the golden vectors of spec/vectors/ (mpmath), in the dtypes that represent their inputs;
+* random rows against an extended-precision reference of the represented inputs, under the
+  error bounds of spec/semantics.md ("Error bounds"), with masks and every policy;
+* floating-point hygiene: no warning for any input whose answer is finite (fully masked rows
+  included), results in the caller's array library and dtype, inputs left untouched.
+"""
 
 from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
 import softmaxkit as sk
 
+from ..dtypes import dtype_name
+from . import vectors
 from .kit import Target, case
-from .tolerance import assert_close
+from .tolerance import (
+    assert_within,
+    log_bound,
+    normalization_bound,
+    softmax_bound,
+    vjp_bound,
+)
+
+ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
+           "log_softmax_vjp")
+LD = np.longdouble  # the reference precision (80-bit on x86; float64 elsewhere)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@contextmanager
+def strict_fp() -> Iterator[None]:
+    """Turn every warning, and numpy's divide / overflow / invalid flags, into exceptions.
+
+    Underflow stays silent: a shifted exponential below the smallest normal number is a
+    probability below the format's resolution, and flushing it is the spec's behaviour.
+    """
+    with warnings.catch_warnings(), np.errstate(divide="raise", over="raise", invalid="raise"):
+        warnings.simplefilter("error")
+        yield
+
+
+def _rows(a: np.ndarray, axis: Any) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]]:
+    """``a`` viewed as ``[R, N]`` rows along ``axis`` (like the frontend), and the inverse."""
+    if axis is None:
+        axes = tuple(range(a.ndim))
+    elif isinstance(axis, tuple):
+        axes = tuple(sorted(i % a.ndim for i in axis))
+    else:
+        axes = (axis % a.ndim,) if a.ndim else ()
+    kept = tuple(i for i in range(a.ndim) if i not in axes)
+    perm = kept + axes
+    moved = np.transpose(a, perm)
+    n = math.prod(moved.shape[len(kept):])
+    rows = moved.reshape((math.prod(moved.shape[: len(kept)]), n))
+
+    def back(r: np.ndarray) -> np.ndarray:
+        return np.transpose(np.asarray(r).reshape(moved.shape), np.argsort(perm))
+
+    return rows, back
+
+
+def _represented(t: Target, a: np.ndarray, dtype: str) -> tuple[Any, np.ndarray]:
+    """``a`` on the target in ``dtype``, and the float64 values it represents there."""
+    arr = t.asarray(a, dtype)
+    return arr, t.to_numpy(arr)
+
+
+def _classify(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(nan, posinf, empty) flags ``[R, 1]`` for rows whose excluded entries are ``-inf``."""
+    nan = np.isnan(x).any(-1, keepdims=True)
+    posinf = (x == np.inf).any(-1, keepdims=True) & ~nan
+    empty = ((x == -np.inf) | (x.shape[-1] == 0)).all(-1, keepdims=True) & ~nan
+    return nan, posinf, empty
+
+
+def _ref_log_softmax_ext(x: np.ndarray, masked: str) -> np.ndarray:
+    """Spec log_softmax of ``[R, N]`` rows, kept in extended precision."""
+    x = x.astype(LD)
+    nan, posinf, empty = _classify(x)
+    special = nan | posinf | empty
+    clean = np.where(np.isnan(x), -np.inf, x)
+    m = np.max(clean, -1, keepdims=True) if x.shape[-1] else np.zeros(x.shape[:-1] + (1,), LD)
+    m = np.where(special, 0, m)
+    z = np.where(special, 0, clean - m)
+    out = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    out = np.where(posinf, np.where(x == np.inf, np.nan, -np.inf), out)
+    out = np.where(nan, np.nan, out)
+    return np.where(empty, np.nan if masked == "nan" else -np.inf, out)
+
+
+def ref_log_softmax(x: np.ndarray, masked: str = "zero") -> np.ndarray:
+    """Spec log_softmax of ``[R, N]`` rows (excluded entries ``-inf``), rounded to float64."""
+    return _ref_log_softmax_ext(x, masked).astype(np.float64)
+
+
+def ref_softmax(x: np.ndarray, masked: str = "zero") -> np.ndarray:
+    """Spec softmax of ``[R, N]`` rows (excluded entries ``-inf``), rounded to float64."""
+    nan, posinf, empty = _classify(x)
+    p = np.exp(_ref_log_softmax_ext(x, "zero"))
+    p = np.where(nan | posinf, np.nan, p)
+    return np.where(empty, np.nan if masked == "nan" else 0.0, p).astype(np.float64)
+
+
+def ref_logsumexp(x: np.ndarray, b: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Spec logsumexp and sign of ``[R, N]`` rows (excluded entries -inf; b = 0 excludes)."""
+    x = x.astype(LD)
+    if b is None:
+        b = np.ones_like(x)
+    b = b.astype(LD)
+    x = np.where(b == 0, -np.inf, x)
+    bz = np.where(x == -np.inf, 0, b)
+    nan, posinf, empty = _classify(x)
+    nan = nan | np.isnan(bz).any(-1, keepdims=True)
+    at_inf = x == np.inf
+    up = (at_inf & (bz > 0)).any(-1, keepdims=True)
+    down = (at_inf & (bz < 0)).any(-1, keepdims=True)
+    with np.errstate(all="ignore"):
+        m = np.where(nan | posinf | empty, 0,
+                     np.max(np.where(np.isnan(x), -np.inf, x), -1, keepdims=True)
+                     if x.shape[-1] else 0)
+        total = (np.where(bz == 0, 0, bz * np.exp(x - m))).sum(-1, keepdims=True)
+        lse = np.log(np.abs(total)) + m
+    sign = np.sign(total)
+    lse = np.where(total == 0, -np.inf, lse)
+    lse = np.where(posinf, np.inf, lse)
+    sign = np.where(posinf, np.where(down, -1.0, 1.0), sign)
+    bad = nan | (posinf & up & down)
+    lse, sign = np.where(bad, np.nan, lse), np.where(bad, np.nan, sign)
+    return lse[:, 0].astype(np.float64), sign[:, 0].astype(np.float64)
+
+
+def _masked(x: np.ndarray, where: np.ndarray | None) -> np.ndarray:
+    return x if where is None else np.where(where, x, -np.inf)
+
+
+def _same_library(t: Target, out: Any, what: str) -> None:
+    import array_api_compat
+
+    got = array_api_compat.array_namespace(out)
+    want = array_api_compat.array_namespace(t.asarray(np.zeros(1), None))
+    assert got is want, f"{what}: result is a {got.__name__} array, expected {want.__name__}"
+
+
+def _check_dtype(out: Any, dtype: str, what: str) -> None:
+    name = dtype_name(out.dtype)
+    assert name == dtype, f"{what}: output dtype {name}, expected {dtype}"
+
+
+# ------------------------------------------------------------------ golden vectors
+
+
+def _vector_cases(stem: str) -> Iterator[dict[str, Any]]:
+    yield from vectors.load(stem)
+
+
+def _check_normalizer(t: Target, dtype: str, backend: str, log: bool) -> None:
+    op = sk.log_softmax if log else sk.softmax
+    for v in _vector_cases("log_softmax" if log else "softmax"):
+        if dtype not in v["dtypes"]:
+            continue
+        what = f"{op.__name__} vector {v['name']}"
+        x = vectors.array(v["x"], v["shape"])
+        where = vectors.array(v["where"], v["shape"])
+        axis = vectors.axis(v["axis"])
+        xt = t.asarray(x, dtype)
+        wt = None if where is None else t.asarray(where, None)
+        if v["masked"] == "raise":
+            try:
+                op(xt, axis=axis, where=wt, masked="raise", backend=backend)
+            except sk.EmptyRowError:
+                continue
+            raise AssertionError(f"{what}: masked='raise' did not raise EmptyRowError")
+        out = op(xt, axis=axis, where=wt, masked=v["masked"], backend=backend)
+        _check_dtype(out, dtype, what)
+        expected = vectors.array(v["expected"], v["shape"])
+        got = t.to_numpy(out)
+        rows, _ = _rows(_masked(x, where), axis)
+        if log:
+            bound = log_bound(expected, max(rows.shape[-1], 1), dtype)
+        else:
+            erows, back = _rows(expected, axis)
+            bound = back(softmax_bound(erows, rows, rows.shape[-1], dtype))
+        assert_within(got, expected, bound, f"{what} [{dtype}]")
 
 
 @case("softmax")
-def case_softmax_random_rows(t: Target, dtype: str, backend: str) -> None:
-    rng = np.random.default_rng(0)
-    x = rng.normal(scale=4.0, size=(7, 33))
-    xt = t.asarray(x, dtype)
-    x64 = t.to_numpy(xt)  # the represented logits, in float64
-    expected = np.exp(x64 - x64.max(-1, keepdims=True))
-    expected /= expected.sum(-1, keepdims=True)
+def case_softmax_vectors(t: Target, dtype: str, backend: str) -> None:
+    """spec/vectors/softmax.json: seed example, sigmoid family, edges, policies."""
+    _check_normalizer(t, dtype, backend, log=False)
+
+
+@case("log_softmax")
+def case_log_softmax_vectors(t: Target, dtype: str, backend: str) -> None:
+    """spec/vectors/log_softmax.json."""
+    _check_normalizer(t, dtype, backend, log=True)
+
+
+@case("logsumexp")
+def case_logsumexp_vectors(t: Target, dtype: str, backend: str) -> None:
+    """spec/vectors/logsumexp.json: b weights, return_sign, keepdims, axis tuples, edges."""
+    for v in _vector_cases("logsumexp"):
+        if dtype not in v["dtypes"]:
+            continue
+        what = f"logsumexp vector {v['name']} [{dtype}]"
+        a = vectors.array(v["a"], v["shape"])
+        b = vectors.array(v["b"], v["b_shape"]) if v["b"] is not None else None
+        shape = a.shape if b is None else np.broadcast_shapes(a.shape, b.shape)
+        where = vectors.array(v["where"], shape)
+        at = t.asarray(a, dtype)
+        bt = None if b is None else t.asarray(b, dtype)
+        wt = None if where is None else t.asarray(where, None)
+        res = sk.logsumexp(at, axis=vectors.axis(v["axis"]), b=bt, keepdims=v["keepdims"],
+                           return_sign=v["return_sign"], where=wt, backend=backend)
+        lse = res[0] if v["return_sign"] else res
+        _check_dtype(lse, dtype, what)
+        expected = vectors.array(v["expected"], v["expected_shape"])
+        n = max(math.prod(shape) // max(expected.size, 1), 1)
+        assert_within(t.to_numpy(lse), expected, log_bound(expected, n, dtype), what)
+        if v["return_sign"]:
+            sign = vectors.array(v["sign"], v["expected_shape"])
+            assert_within(t.to_numpy(res[1]), sign, 0.0, what + " sign")
+
+
+@case("cross_entropy")
+def case_cross_entropy_vectors(t: Target, dtype: str, backend: str) -> None:
+    """spec/vectors/cross_entropy.json: index and probability targets, smoothing, ignore."""
+    for v in _vector_cases("cross_entropy"):
+        if dtype not in v["dtypes"]:
+            continue
+        what = f"cross_entropy vector {v['name']} [{dtype}]"
+        x = vectors.array(v["logits"], v["shape"])
+        where = vectors.array(v["where"], v["shape"])
+        if v["target_kind"] == "index":
+            target = t.asarray(np.asarray(v["target"], dtype=np.int64).reshape(
+                v["target_shape"]), None)
+        else:
+            target = t.asarray(vectors.array(v["target"], v["target_shape"]), dtype)
+        loss, grad = sk.cross_entropy(
+            t.asarray(x, dtype), target, reduction=v["reduction"],
+            ignore_index=v["ignore_index"], label_smoothing=v["label_smoothing"],
+            where=None if where is None else t.asarray(where, None),
+            return_grad=True, backend=backend,
+        )
+        _check_dtype(loss, dtype, what)
+        _check_dtype(grad, dtype, what)
+        n = x.shape[-1] + (x.shape[0] if v["reduction"] != "none" else 0)
+        expected = vectors.array(v["loss"], v["loss_shape"])
+        with np.errstate(invalid="ignore"):
+            mag = np.abs(expected) + np.abs(x).max() * (x.shape[0] if
+                                                        v["reduction"] == "sum" else 1)
+        assert_within(t.to_numpy(loss), expected, log_bound(mag, n, dtype), what + " loss")
+        g = vectors.array(v["grad"], v["shape"])
+        scale = np.abs(g) + 2.0
+        assert_within(t.to_numpy(grad), g, vjp_bound(g, scale, n, dtype), what + " grad")
+
+
+@case("softmax_vjp", "log_softmax_vjp")
+def case_vjp_vectors(t: Target, dtype: str, backend: str) -> None:
+    """spec/vectors/vjp.json (VJPs have no ``backend=``: they run on the chosen backend)."""
+    for v in _vector_cases("vjp"):
+        if dtype not in v["dtypes"]:
+            continue
+        what = f"{v['op']} vector {v['name']} [{dtype}]"
+        fn = getattr(sk, v["op"])
+        primal = vectors.array(v["primal"], v["shape"])
+        cot = vectors.array(v["cotangent"], v["shape"])
+        where = vectors.array(v["where"], v["shape"])
+        out = fn(t.asarray(primal, dtype), t.asarray(cot, dtype), axis=v["axis"],
+                 where=None if where is None else t.asarray(where, None))
+        _check_dtype(out, dtype, what)
+        expected = vectors.array(v["expected"], v["shape"])
+        scale = np.abs(cot) + np.abs(cot).sum(-1, keepdims=True)
+        if v["op"] == "log_softmax_vjp":
+            scale = scale * (1 + np.where(np.isfinite(primal), np.abs(primal), 0))
+        assert_within(t.to_numpy(out), expected,
+                      vjp_bound(expected, scale, v["shape"][-1], dtype), what)
+
+
+# ------------------------------------------------------------------ random rows
+
+
+def _random_logits(seed: int, shape: tuple[int, ...], scale: float) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.normal(scale=scale, size=shape)
+
+
+SHAPES = (((7, 33), -1, 4.0), ((3, 5, 6), (0, 2), 10.0), ((2, 300), -1, 30.0), ((4,), None, 1.0))
+
+
+@case("softmax", "log_softmax")
+def case_random_rows(t: Target, dtype: str, backend: str) -> None:
+    """softmax and log_softmax of random rows (several shapes, axes and logit scales)."""
+    for i, (shape, axis, scale) in enumerate(SHAPES):
+        xt, x = _represented(t, _random_logits(i, shape, scale), dtype)
+        rows, _ = _rows(x, axis)
+        n = rows.shape[-1]
+        p = sk.softmax(xt, axis=axis, backend=backend)
+        _check_dtype(p, dtype, "softmax")
+        _same_library(t, p, "softmax")
+        ref = ref_softmax(rows)
+        got = _rows(t.to_numpy(p), axis)[0]
+        assert_within(got, ref, softmax_bound(ref, rows, n, dtype), f"softmax {shape} [{dtype}]")
+        err = np.abs(got.sum(-1) - 1.0).max()
+        assert err <= normalization_bound(n, dtype), (
+            f"softmax {shape} [{dtype}]: |sum p - 1| = {err:.3g} exceeds "
+            f"{normalization_bound(n, dtype):.3g}"
+        )
+        lp = sk.log_softmax(xt, axis=axis, backend=backend)
+        _check_dtype(lp, dtype, "log_softmax")
+        ref = ref_log_softmax(rows)
+        assert_within(_rows(t.to_numpy(lp), axis)[0], ref, log_bound(ref, n, dtype),
+                      f"log_softmax {shape} [{dtype}]")
+
+
+@case("logsumexp")
+def case_random_logsumexp(t: Target, dtype: str, backend: str) -> None:
+    """logsumexp of random rows, with and without weights (some negative, some zero)."""
+    rng = np.random.default_rng(7)
+    for i, (shape, axis, scale) in enumerate(SHAPES):
+        at, a = _represented(t, _random_logits(10 + i, shape, scale), dtype)
+        rows, _ = _rows(a, axis)
+        n = max(rows.shape[-1], 1)
+        got = sk.logsumexp(at, axis=axis, backend=backend)
+        _check_dtype(got, dtype, "logsumexp")
+        ref, _ = ref_logsumexp(rows)
+        assert_within(t.to_numpy(got).reshape(-1), ref, log_bound(ref, n, dtype),
+                      f"logsumexp {shape} [{dtype}]")
+        b_np = rng.choice([0.0, 0.5, 1.0, 2.0, -0.25], size=shape)
+        bt, b = _represented(t, b_np, dtype)
+        lse, sign = sk.logsumexp(at, axis=axis, b=bt, return_sign=True, keepdims=True,
+                                 backend=backend)
+        ref, ref_sign = ref_logsumexp(rows, _rows(b, axis)[0])
+        # cancellation makes the relative error of the sum unbounded; compare where the sum
+        # keeps at least half of its largest term's magnitude
+        got = t.to_numpy(lse).reshape(-1)
+        terms = np.abs(_rows(b, axis)[0]) * np.exp(rows - np.max(rows, -1, keepdims=True))
+        with np.errstate(divide="ignore"):
+            big = np.log(terms.sum(-1)) + np.max(rows, -1)
+        stable = ref >= big - 1.0
+        assert_within(t.to_numpy(sign).reshape(-1)[stable], ref_sign[stable], 0.0,
+                      f"logsumexp sign {shape} [{dtype}]")
+        assert_within(got[stable], ref[stable],
+                      log_bound(np.abs(ref[stable]) + np.abs(big[stable]), n, dtype),
+                      f"logsumexp weighted {shape} [{dtype}]")
+
+
+@case("softmax", "log_softmax", "logsumexp")
+def case_masks_and_policies(t: Target, dtype: str, backend: str) -> None:
+    """where= masks (fully masked rows included) under every policy; where=False == -inf."""
+    rng = np.random.default_rng(3)
+    xt, x = _represented(t, _random_logits(3, (6, 9), 3.0), dtype)
+    where = rng.random((6, 9)) < 0.6
+    where[1] = False  # a fully masked row
+    where[4] = True
+    wt = t.asarray(where, None)
+    xm = np.where(where, x, -np.inf)
+    for masked in ("zero", "nan"):
+        p = t.to_numpy(sk.softmax(xt, axis=-1, where=wt, masked=masked, backend=backend))
+        ref = ref_softmax(xm, masked)
+        assert_within(p, ref, softmax_bound(ref, xm, 9, dtype), f"softmax masked={masked}")
+        lp = t.to_numpy(sk.log_softmax(xt, axis=-1, where=wt, masked=masked, backend=backend))
+        ref = ref_log_softmax(xm, masked)
+        assert_within(lp, ref, log_bound(ref, 9, dtype), f"log_softmax masked={masked}")
+    # exclusion by -inf logits has the same spec answer as exclusion by where=
+    xmt = t.asarray(xm, dtype)
+    p = t.to_numpy(sk.softmax(xmt, axis=-1, backend=backend))
+    ref = ref_softmax(xm)
+    assert_within(p, ref, softmax_bound(ref, xm, 9, dtype), "softmax of -inf logits")
+    lp = t.to_numpy(sk.log_softmax(xmt, axis=-1, backend=backend))
+    ref = ref_log_softmax(xm)
+    assert_within(lp, ref, log_bound(ref, 9, dtype), "log_softmax of -inf logits")
+    lse = t.to_numpy(sk.logsumexp(xt, axis=-1, where=wt, backend=backend))
+    ref, _ = ref_logsumexp(xm)
+    assert_within(lse, ref, log_bound(ref, 9, dtype), "logsumexp where=")
+    for op in (sk.softmax, sk.log_softmax):
+        try:
+            op(xt, axis=-1, where=wt, masked="raise", backend=backend)
+        except sk.EmptyRowError:
+            pass
+        else:
+            raise AssertionError(f"{op.__name__}: masked='raise' accepted a fully masked row")
+        op(xt, axis=-1, where=t.asarray(np.ones((6, 9), bool), None), masked="raise",
+           backend=backend)
+
+
+@case("softmax", "log_softmax")
+def case_long_rows(t: Target, dtype: str, backend: str) -> None:
+    """Rows of 4096: normalization, and no stagnation of a 16-bit accumulator."""
+    xt, x = _represented(t, _random_logits(5, (2, 4096), 2.0), dtype)
     got = t.to_numpy(sk.softmax(xt, axis=-1, backend=backend))
-    assert_close(got, expected, dtype, "softmax")
+    err = np.abs(got.sum(-1) - 1.0).max()
+    assert err <= normalization_bound(4096, dtype), f"|sum p - 1| = {err:.3g} [{dtype}]"
+    # equal logits: every probability is exactly 2**-12 in real arithmetic
+    flat = t.asarray(np.full((1, 4096), 3.0), dtype)
+    got = t.to_numpy(sk.softmax(flat, axis=-1, backend=backend))
+    ref = np.full((1, 4096), 2.0**-12)
+    assert_within(got, ref, softmax_bound(ref, np.full((1, 4096), 3.0), 4096, dtype),
+                  f"softmax of 4096 equal logits [{dtype}]")
+    lp = t.to_numpy(sk.log_softmax(flat, axis=-1, backend=backend))
+    ref = np.full((1, 4096), -12 * math.log(2))
+    assert_within(lp, ref, log_bound(ref, 4096, dtype), f"log_softmax 4096 equal [{dtype}]")
+
+
+def _ref_cross_entropy(x: np.ndarray, y: np.ndarray, valid: np.ndarray) -> tuple[Any, Any]:
+    """Per-row loss and p - y for regular rows (x: [R, C], y: [R, C], valid: [R])."""
+    lp = _ref_log_softmax_ext(x, "zero")
+    with np.errstate(invalid="ignore"):
+        loss = -np.where(y != 0, y.astype(LD) * lp, 0).sum(-1)
+    grad = np.exp(lp) - y
+    return (np.where(valid, loss, 0).astype(np.float64),
+            np.where(valid[:, None], grad, 0).astype(np.float64))
+
+
+@case("cross_entropy")
+def case_random_cross_entropy(t: Target, dtype: str, backend: str) -> None:
+    """cross_entropy with index and probability targets, smoothing, ignore_index, reductions."""
+    rng = np.random.default_rng(11)
+    xt, x = _represented(t, _random_logits(11, (9, 13), 3.0), dtype)
+    index = rng.integers(0, 13, size=9)
+    index[[2, 5]] = -100
+    valid = index != -100
+    count = int(valid.sum())
+    for smoothing in (0.0, 0.1):
+        y = np.zeros((9, 13))
+        y[np.arange(9)[valid], index[valid]] = 1.0
+        y = (1 - smoothing) * y + smoothing / 13
+        loss_ref, grad_ref = _ref_cross_entropy(x, y, valid)
+        it = t.asarray(index, None)
+        for reduction in ("none", "sum", "mean"):
+            loss, grad = sk.cross_entropy(xt, it, reduction=reduction, ignore_index=-100,
+                                          label_smoothing=smoothing, return_grad=True,
+                                          backend=backend)
+            scale = 1.0 / count if reduction == "mean" else 1.0
+            expected = {"none": loss_ref, "sum": loss_ref.sum(),
+                        "mean": loss_ref.sum() / count}[reduction]
+            what = f"cross_entropy index {reduction} eps={smoothing} [{dtype}]"
+            mag = np.abs(expected) + np.abs(x).max() * (9 if reduction != "none" else 1)
+            assert_within(t.to_numpy(loss), expected, log_bound(mag, 13 + 9, dtype), what)
+            g = grad_ref * scale
+            assert_within(t.to_numpy(grad), g,
+                          vjp_bound(g, scale * (np.abs(y) + 1.0), 13, dtype), what + " grad")
+    probs = rng.dirichlet(np.ones(13), size=9)
+    pt, probs = _represented(t, probs, dtype)
+    loss, grad = sk.cross_entropy(xt, pt, reduction="none", return_grad=True, backend=backend)
+    loss_ref, grad_ref = _ref_cross_entropy(x, probs, np.ones(9, bool))
+    mag = np.abs(loss_ref) + np.abs(x).max()
+    assert_within(t.to_numpy(loss), loss_ref, log_bound(mag, 13, dtype), "cross_entropy probs")
+    assert_within(t.to_numpy(grad), grad_ref, vjp_bound(grad_ref, np.abs(probs) + 1.0, 13,
+                                                        dtype), "cross_entropy probs grad")
+
+
+@case("softmax_vjp", "log_softmax_vjp")
+def case_random_vjp(t: Target, dtype: str, backend: str) -> None:
+    """VJPs of random rows against p * (g - <p, g>) and g - p * sum(g) in extended precision."""
+    rng = np.random.default_rng(13)
+    x = _random_logits(13, (5, 17), 3.0)
+    pt, p = _represented(t, ref_softmax(x), dtype)
+    lpt, lp = _represented(t, ref_log_softmax(x), dtype)
+    gt, g = _represented(t, rng.normal(size=(5, 17)), dtype)
+    got = t.to_numpy(sk.softmax_vjp(pt, gt, axis=-1))
+    pl, gl = p.astype(LD), g.astype(LD)
+    ref = (pl * (gl - (pl * gl).sum(-1, keepdims=True))).astype(np.float64)
+    scale = p * (np.abs(g) + (p * np.abs(g)).sum(-1, keepdims=True))
+    assert_within(got, ref, vjp_bound(ref, scale, 17, dtype), f"softmax_vjp [{dtype}]")
+    got = t.to_numpy(sk.log_softmax_vjp(lpt, gt, axis=-1))
+    el = np.exp(lp.astype(LD))
+    ref = (gl - el * gl.sum(-1, keepdims=True)).astype(np.float64)
+    scale = (np.abs(g) + np.exp(lp) * np.abs(g).sum(-1, keepdims=True)) * (1 + np.abs(lp))
+    assert_within(got, ref, vjp_bound(ref, scale, 17, dtype), f"log_softmax_vjp [{dtype}]")
+
+
+# ------------------------------------------------------------------ hygiene
+
+
+def _finite_edge_inputs() -> dict[str, np.ndarray]:
+    """Inputs with edges whose spec answers are all finite (or -inf by definition)."""
+    x = np.array([[20.0, 18.0, 17.0, -5.0],
+                  [-np.inf, -np.inf, -np.inf, -np.inf],
+                  [-np.inf, 1.0, -np.inf, 2.0],
+                  [60.0, -60.0, 0.0, 0.5]])
+    where = np.array([[True, True, True, True],
+                      [True, True, True, True],
+                      [True, True, True, True],
+                      [False, False, False, False]])
+    return {"x": x, "where": where}
+
+
+@case(*ROW_OPS)
+def case_no_warnings(t: Target, dtype: str, backend: str) -> None:
+    """No floating-point warning for inputs with finite answers, fully masked rows included."""
+    e = _finite_edge_inputs()
+    xt = t.asarray(e["x"], dtype)
+    wt = t.asarray(e["where"], None)
+    empty = t.asarray(np.zeros((3, 0)), dtype)
+    with strict_fp():
+        p = sk.softmax(xt, axis=-1, where=wt, backend=backend)
+        lp = sk.log_softmax(xt, axis=-1, where=wt, backend=backend)
+        sk.logsumexp(xt, axis=-1, where=wt, backend=backend)
+        sk.logsumexp(xt, axis=-1, b=t.asarray(np.array([1.0, -1.0, 0.0, 2.0]), dtype),
+                     return_sign=True, backend=backend)
+        sk.softmax(empty, axis=-1, backend=backend)
+        sk.logsumexp(empty, axis=-1, backend=backend)
+        index = t.asarray(np.array([0, 1, 3, 2]), None)
+        loss, grad = sk.cross_entropy(xt, index, where=wt, reduction="none",
+                                      return_grad=True, backend=backend)
+        sk.cross_entropy(xt, index, where=wt, label_smoothing=0.2, return_grad=True,
+                         backend=backend)
+        sk.softmax_vjp(p, t.asarray(np.ones((4, 4)), dtype), axis=-1, where=wt)
+        sk.log_softmax_vjp(lp, t.asarray(np.ones((4, 4)), dtype), axis=-1, where=wt)
+    p = t.to_numpy(p)
+    assert not np.isnan(p).any(), "softmax: NaN for an input whose answer is finite"
+    assert np.all(p[1] == 0) and np.all(p[3] == 0), "softmax: fully masked rows must be 0"
+    g = t.to_numpy(grad)
+    assert np.all(g[1] == 0) and np.all(g[3] == 0), "cross_entropy: masked rows' gradient 0"
+    assert not np.isnan(g).any(), "cross_entropy: NaN gradient for a finite input"
+
+
+@case("softmax", "log_softmax", "logsumexp", "cross_entropy")
+def case_inputs_untouched(t: Target, dtype: str, backend: str) -> None:
+    """The caller's arrays are never modified."""
+    x = _random_logits(17, (3, 8), 2.0)
+    x[0, 0] = -np.inf
+    xt = t.asarray(x, dtype)
+    before = t.to_numpy(xt).copy()
+    where = np.ones((3, 8), bool)
+    where[1, :2] = False
+    wt = t.asarray(where, None)
+    sk.softmax(xt, axis=-1, where=wt, backend=backend)
+    sk.log_softmax(xt, axis=0, backend=backend)
+    sk.logsumexp(xt, axis=None, b=xt, return_sign=True, backend=backend)
+    sk.cross_entropy(xt, t.asarray(np.array([1, 2, 3]), None), return_grad=True,
+                     backend=backend)
+    np.testing.assert_array_equal(t.to_numpy(xt), before)
+    np.testing.assert_array_equal(t.to_numpy(wt), where)
+
+
+@case("softmax", "log_softmax")
+def case_output_dtype(t: Target, dtype: str, backend: str) -> None:
+    """``dtype=`` converts the output; the accumulation stays float32 or wider."""
+    xt, x = _represented(t, _random_logits(19, (3, 40), 5.0), dtype)
+    rows = x
+    for out in ("float32", "float64"):
+        if out not in t.dtypes:
+            continue
+        p = sk.softmax(xt, axis=-1, dtype=out, backend=backend)
+        _check_dtype(p, out, "softmax dtype=")
+        ref = ref_softmax(rows)
+        # the result is the float32-accumulated answer rounded to `out`
+        acc = "float64" if dtype == "float64" else "float32"
+        bound_dtype = acc if out == "float64" else out
+        assert_within(t.to_numpy(p), ref, softmax_bound(ref, rows, 40, bound_dtype),
+                      f"softmax {dtype} -> {out}")

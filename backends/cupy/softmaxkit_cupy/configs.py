@@ -1,0 +1,94 @@
+"""Kernel configurations: which template instantiations exist and which one serves a shape.
+
+Pure Python (imports no CuPy), so the manifest, the CI compile test and the adapters share one
+list: every name expression compiled on the device is one the CI test compiles with nvcc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CTYPES = {"float16": "__half", "bfloat16": "sk_bf16", "float32": "float"}
+"""softmaxkit dtype name -> the C++ type the kernels use."""
+
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+ROW_DTYPE_PAIRS: tuple[tuple[str, str], ...] = (
+    ("float16", "float16"),
+    ("bfloat16", "bfloat16"),
+    ("float32", "float32"),
+)
+"""(input, output) dtype pairs the row kernels are built for; others are declined (each pair
+costs a module of instantiations to build, and other output dtypes are rare)."""
+
+ROW_OPS = {"softmax": 0, "log_softmax": 1, "logsumexp": 2}
+"""Row operations served by kernels/rows.cu, with the kernel's OP template argument."""
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """One row-kernel shape: ``group`` threads per row segment, ``k`` 16-byte loads each.
+
+    ``group < threads`` packs several rows per block, ``group == threads`` is one block per
+    row, ``cluster > 1`` splits a row over a thread-block cluster.
+    """
+
+    threads: int
+    group: int
+    k: int
+    cluster: int = 1
+
+    def capacity(self, itemsize: int) -> int:
+        """The longest row this configuration holds, in elements."""
+        return self.group * self.k * (16 // itemsize) * self.cluster
+
+    def name(self, op: str, din: str, dout: str) -> str:
+        """The C++ name expression of this instantiation."""
+        head = f"{CTYPES[din]}, {CTYPES[dout]}, {ROW_OPS[op]}, {self.threads}"
+        if self.cluster == 1:
+            return f"sk_rows<{head}, {self.group}, {self.k}>"
+        return f"sk_rows_cluster<{head}, {self.k}, {self.cluster}>"
+
+
+ROW_CONFIGS: tuple[RowConfig, ...] = (
+    *(RowConfig(256, g, 1) for g in (4, 8, 16, 32)),
+    RowConfig(256, 32, 2),
+    RowConfig(256, 32, 4),
+    RowConfig(128, 128, 2),
+    RowConfig(256, 256, 2),
+    RowConfig(256, 256, 4),
+    RowConfig(256, 256, 4, 2),
+    RowConfig(256, 256, 4, 4),
+    RowConfig(256, 256, 4, 8),
+    RowConfig(1024, 1024, 4, 4),
+    RowConfig(1024, 1024, 4, 8),
+    RowConfig(512, 512, 16, 8),
+)
+"""Ordered by capacity: the first that holds a row serves it."""
+
+
+def row_config(n: int, itemsize: int) -> RowConfig | None:
+    """The smallest configuration that holds a row of ``n`` elements, or None if none does."""
+    for config in ROW_CONFIGS:
+        if n <= config.capacity(itemsize):
+            return config
+    return None
+
+
+def max_row_length(itemsize: int) -> int:
+    """The longest row the row kernels hold on chip."""
+    return ROW_CONFIGS[-1].capacity(itemsize)
+
+
+def row_modules() -> list[tuple[str, str, str, list[str]]]:
+    """Every row module the backend may build: ``(op, din, dout, name_expressions)``."""
+    return [
+        (op, din, dout, [c.name(op, din, dout) for c in ROW_CONFIGS])
+        for op in ROW_OPS
+        for din, dout in ROW_DTYPE_PAIRS
+    ]
+
+
+def all_modules() -> list[tuple[str, list[str]]]:
+    """Every ``(source file, name expressions)`` module the backend may build on a device."""
+    return [("rows.cu", names) for _, _, _, names in row_modules()]

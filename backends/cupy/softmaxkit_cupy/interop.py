@@ -1,0 +1,113 @@
+"""Raw device views of CuPy arrays and PyTorch CUDA tensors, allocation, and the launch context.
+
+The kernels take raw pointers and element strides, so one code path serves both libraries and
+PyTorch's bfloat16 (which CuPy has no dtype for).  Results are allocated in the caller's
+library on the caller's device, and kernels run on the caller's current stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import array_api_compat
+
+from softmaxkit.dtypes import dtype_name
+
+
+def is_torch(a: Any) -> bool:
+    """Whether ``a`` is a PyTorch tensor."""
+    return array_api_compat.is_torch_array(a)
+
+
+def pointer(a: Any) -> int:
+    """The device address of ``a``'s first element."""
+    return int(a.data_ptr()) if is_torch(a) else int(a.data.ptr)
+
+
+def element_strides(a: Any) -> tuple[int, ...]:
+    """``a``'s strides in elements."""
+    if is_torch(a):
+        return tuple(a.stride())
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def itemsize(a: Any) -> int:
+    """Bytes per element of ``a``."""
+    return int(a.element_size()) if is_torch(a) else int(a.itemsize)
+
+
+def as_rows(xp: Any, a: Any) -> tuple[Any, int]:
+    """``a`` ([..., N]) as a [rows, N] array with unit stride along N, and its row stride.
+
+    A view where the layout allows (broadcast masks keep a zero row stride), else a copy.
+    """
+    n = a.shape[-1]
+    rows = math.prod(a.shape[:-1])
+    strides = element_strides(a)
+    if a.ndim == 1:
+        if strides[0] == 1 or n <= 1:
+            return xp.reshape(a, (1, n)), n
+    elif strides[-1] == 1 or n <= 1:
+        # the leading axes collapse into one row stride when they are nested evenly
+        lead = [(d, s) for d, s in zip(a.shape[:-1], strides[:-1], strict=True) if d != 1]
+        if not lead:
+            return xp.reshape(a, (rows, n)), n
+        ok = all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1))
+        if ok:
+            view = _strided(a, (rows, n), (lead[-1][1], 1))
+            return view, lead[-1][1]
+    c = _contiguous(a)
+    return xp.reshape(c, (rows, n)), n
+
+
+def _strided(a: Any, shape: tuple[int, int], strides: tuple[int, int]) -> Any:
+    if is_torch(a):
+        return a.as_strided(shape, strides)
+    from cupy.lib.stride_tricks import as_strided
+
+    return as_strided(a, shape=shape, strides=tuple(s * a.itemsize for s in strides))
+
+
+def _contiguous(a: Any) -> Any:
+    if is_torch(a):
+        return a.contiguous()
+    import cupy
+
+    return cupy.ascontiguousarray(a)
+
+
+def empty(like: Any, shape: tuple[int, ...], dtype: str) -> Any:
+    """An uninitialized array of ``shape`` and dtype name ``dtype`` beside ``like``."""
+    if is_torch(like):
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+    import cupy
+
+    with cupy.cuda.Device(like.device.id):
+        return cupy.empty(shape, dtype=dtype)
+
+
+def name(a: Any) -> str:
+    """The softmaxkit dtype name of ``a``."""
+    return dtype_name(a.dtype)
+
+
+@contextlib.contextmanager
+def launch_context(a: Any) -> Iterator[None]:
+    """Make ``a``'s device current and, for PyTorch, PyTorch's current stream CuPy's."""
+    import cupy
+
+    if is_torch(a):
+        import torch
+
+        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(index).cuda_stream
+        with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream, index):
+            yield
+    else:
+        with cupy.cuda.Device(a.device.id):
+            yield

@@ -1,0 +1,68 @@
+// Shared device code: 16-bit conversions, exponentials, summary merge, cluster access.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 sk_bf16;
+
+#define SK_INF __int_as_float(0x7f800000)
+#define SK_NAN __int_as_float(0x7fffffff)
+
+__device__ __forceinline__ float sk_to_float(float v) { return v; }
+__device__ __forceinline__ float sk_to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float sk_to_float(sk_bf16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T sk_from_float(float v);
+template <> __device__ __forceinline__ float sk_from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half sk_from_float<__half>(float v) {
+    return __float2half_rn(v);
+}
+template <> __device__ __forceinline__ sk_bf16 sk_from_float<sk_bf16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// exp: the accurate libm version when the result is stored in float32, the one-instruction
+// approximation (relative error far below 16-bit rounding) otherwise.
+template <bool PRECISE> __device__ __forceinline__ float sk_exp(float v) {
+    if (PRECISE) return expf(v);
+    return exp2f(v * 1.4426950408889634f);
+}
+template <bool PRECISE> __device__ __forceinline__ float sk_log(float v) {
+    if (PRECISE) return logf(v);
+    return __logf(v);
+}
+
+// Merge summary (m2, s2) into (m, s): the larger maximum wins and the other side is rescaled.
+// Equal maxima (both -inf for empty sides) add directly, so -inf - -inf is never evaluated.
+template <bool PRECISE>
+__device__ __forceinline__ void sk_merge(float& m, float& s, float m2, float s2) {
+    if (m2 > m) {
+        s = s * sk_exp<PRECISE>(m - m2) + s2;
+        m = m2;
+    } else if (m2 < m) {
+        s += s2 * sk_exp<PRECISE>(m2 - m);
+    } else {
+        s += s2;
+    }
+}
+
+// Thread-block clusters (sm_90): rank, barrier halves, and loads from a peer's shared memory.
+__device__ __forceinline__ unsigned sk_cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void sk_cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void sk_cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float sk_cluster_load(const float* smem, unsigned rank) {
+    unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    unsigned remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}

@@ -1,0 +1,265 @@
+// Row kernels: softmax, log_softmax and logsumexp along the last axis of [rows, n] arrays.
+//
+// G threads own one row segment of up to G * K * VEC elements (VEC elements per 16-byte
+// load), held in registers from the single read until the single write.  G < 32 packs
+// several rows in a warp; G == THREADS gives one block per row; CLUSTER > 1 splits a row over
+// the blocks of a thread-block cluster, which exchange (max, sum) summaries through
+// distributed shared memory.  Each thread first summarizes its own elements (local maximum,
+// sum of exponentials shifted by it, stored exponentials for softmax), so every element costs
+// one exponential, and the group merges the summaries once.
+//
+// Edge rules (spec/semantics.md, softmaxkit/reference/rows.py): excluded positions become
+// -inf at load; an allowed NaN makes the row NaN; an allowed +inf makes softmax NaN,
+// log_softmax NaN at the +inf positions and -inf elsewhere, logsumexp +inf; a row with
+// nothing above -inf gives 0 / -inf / -inf, or NaN under masked="nan".
+#include "common.cuh"
+
+#define SK_SOFTMAX 0
+#define SK_LOG_SOFTMAX 1
+#define SK_LOGSUMEXP 2
+
+template <typename T> struct SkPair;
+template <> struct SkPair<float> { typedef float2 type; };
+template <> struct SkPair<__half> { typedef __half2 type; };
+template <> struct SkPair<sk_bf16> { typedef __nv_bfloat162 type; };
+
+__device__ __forceinline__ float2 sk_pack2(float a, float b, float2*) { return make_float2(a, b); }
+__device__ __forceinline__ __half2 sk_pack2(float a, float b, __half2*) {
+    return __floats2half2_rn(a, b);
+}
+__device__ __forceinline__ __nv_bfloat162 sk_pack2(float a, float b, __nv_bfloat162*) {
+    return __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ float2 sk_unpack2(float2 v) { return v; }
+__device__ __forceinline__ float2 sk_unpack2(__half2 v) { return __half22float2(v); }
+__device__ __forceinline__ float2 sk_unpack2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+
+// Reduce (m, s, nan) over the G threads of a group; the result is in every thread of it.
+template <int THREADS, int G, bool PRECISE>
+__device__ __forceinline__ void sk_group_reduce(float& m, float& s, int& nan, float* scratch) {
+    constexpr int WIDTH = G < 32 ? G : 32;
+#pragma unroll
+    for (int off = WIDTH / 2; off > 0; off /= 2) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+        float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+        nan |= __shfl_xor_sync(0xffffffffu, nan, off);
+        sk_merge<PRECISE>(m, s, m2, s2);
+    }
+    if (G > 32) {
+        constexpr int WARPS = THREADS / 32;
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        if (lane == 0) {
+            scratch[warp] = m;
+            scratch[WARPS + warp] = s;
+            scratch[2 * WARPS + warp] = __int_as_float(nan);
+        }
+        __syncthreads();
+        m = lane < WARPS ? scratch[lane] : -SK_INF;
+        s = lane < WARPS ? scratch[WARPS + lane] : 0.0f;
+        nan = lane < WARPS ? __float_as_int(scratch[2 * WARPS + lane]) : 0;
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) {
+            float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+            float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+            nan |= __shfl_xor_sync(0xffffffffu, nan, off);
+            sk_merge<PRECISE>(m, s, m2, s2);
+        }
+    }
+}
+
+template <typename Tin, typename Tout, int OP, int THREADS, int G, int K, int CLUSTER>
+__device__ __forceinline__ void sk_rows_body(
+    const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    constexpr int VEC = 16 / sizeof(Tin);
+    constexpr int CAP = G * K * VEC;
+    constexpr bool PRECISE = sizeof(Tout) == 4;
+    // softmax keeps its exponentials in the output precision (float32 for float32 output)
+    typedef typename SkPair<Tout>::type E2;
+    __shared__ float scratch[3 * (THREADS / 32 + 1)];
+    __shared__ float summary[4];
+
+    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
+    long long row;
+    int seg0 = 0;
+    if (CLUSTER > 1) {
+        row = blockIdx.x / CLUSTER;
+        seg0 = static_cast<int>(sk_cluster_rank()) * CAP;
+    } else {
+        row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+    }
+    const bool active = row < rows;  // only the last block of packed rows has idle groups
+    const Tin* xr = x + row * ld_x;
+    const unsigned char* wr = w ? w + row * ld_w : nullptr;
+
+    uint4 raw[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const int base = seg0 + (j * G + lane) * VEC;
+        Tin* v = reinterpret_cast<Tin*>(&raw[j]);
+        if (active && vec_ok && base < n) {
+            raw[j] = __ldg(reinterpret_cast<const uint4*>(xr + base));
+            if (wr) {
+                unsigned char keep[VEC];
+                if (VEC == 8) {
+                    *reinterpret_cast<uint2*>(keep) = *reinterpret_cast<const uint2*>(wr + base);
+                } else {
+                    *reinterpret_cast<unsigned*>(keep) = *reinterpret_cast<const unsigned*>(wr + base);
+                }
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    if (!keep[e]) v[e] = sk_from_float<Tin>(-SK_INF);
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const int i = base + e;
+                const bool in = active && i < n && (!wr || wr[i]);
+                v[e] = in ? xr[i] : sk_from_float<Tin>(-SK_INF);
+            }
+        }
+    }
+
+    // this thread's summary: maximum (NaN ignored), NaN flag, then the shifted sum
+    float m = -SK_INF;
+    int nan = 0;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const Tin* v = reinterpret_cast<const Tin*>(&raw[j]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const float f = sk_to_float(v[e]);
+            nan |= f != f;
+            m = fmaxf(m, f);
+        }
+    }
+    float s = 0.0f;
+    // softmax overwrites the inputs with their exponentials when both are the same width
+    constexpr bool IN_PLACE = sizeof(Tout) == sizeof(Tin);
+    E2 ex_own[OP == SK_SOFTMAX && !IN_PLACE ? K * VEC / 2 : 1];
+    E2* ex = IN_PLACE ? reinterpret_cast<E2*>(raw) : ex_own;
+    const bool none = m == -SK_INF;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const Tin* v = reinterpret_cast<const Tin*>(&raw[j]);
+#pragma unroll
+        for (int e = 0; e < VEC; e += 2) {
+            const float a = none ? 0.0f : sk_exp<PRECISE>(sk_to_float(v[e]) - m);
+            const float b = none ? 0.0f : sk_exp<PRECISE>(sk_to_float(v[e + 1]) - m);
+            s += a + b;
+            if (OP == SK_SOFTMAX) ex[(j * VEC + e) / 2] = sk_pack2(a, b, static_cast<E2*>(nullptr));
+        }
+    }
+    const float m_thread = m;
+
+    sk_group_reduce<THREADS, G, PRECISE>(m, s, nan, scratch);
+    if (CLUSTER > 1) {
+        if (threadIdx.x == 0) {
+            summary[0] = m;
+            summary[1] = s;
+            summary[2] = __int_as_float(nan);
+        }
+        sk_cluster_arrive();
+        sk_cluster_wait();
+        if (threadIdx.x < 32) {
+            const unsigned r = threadIdx.x;
+            m = r < CLUSTER ? sk_cluster_load(&summary[0], r) : -SK_INF;
+            s = r < CLUSTER ? sk_cluster_load(&summary[1], r) : 0.0f;
+            nan = r < CLUSTER ? __float_as_int(sk_cluster_load(&summary[2], r)) : 0;
+#pragma unroll
+            for (int off = 16; off > 0; off /= 2) {
+                float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+                float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+                nan |= __shfl_xor_sync(0xffffffffu, nan, off);
+                sk_merge<PRECISE>(m, s, m2, s2);
+            }
+        }
+        // peers may still read this block's summary: leave only after they all arrive again
+        sk_cluster_arrive();
+        if (threadIdx.x == 0) {
+            scratch[0] = m;
+            scratch[1] = s;
+            scratch[2] = __int_as_float(nan);
+        }
+        __syncthreads();
+        m = scratch[0];
+        s = scratch[1];
+        nan = __float_as_int(scratch[2]);
+    }
+
+    if (active) {
+        const bool is_nan = nan != 0;
+        const bool posinf = !is_nan && m == SK_INF;
+        const bool empty = !is_nan && m == -SK_INF;
+        if (OP == SK_LOGSUMEXP) {
+            if (lane == 0 && seg0 == 0) {
+                float r = m + sk_log<PRECISE>(s);
+                if (is_nan) r = SK_NAN;
+                else if (posinf) r = SK_INF;
+                else if (empty) r = -SK_INF;
+                out[row] = sk_from_float<Tout>(r);
+            }
+        } else {
+            const float logs = sk_log<PRECISE>(s);
+            const float scale = sk_exp<PRECISE>(m_thread - m) / s;
+            Tout* orow = out + row * ld_o;
+#pragma unroll
+            for (int j = 0; j < K; ++j) {
+                const int base = seg0 + (j * G + lane) * VEC;
+                const Tin* v = reinterpret_cast<const Tin*>(&raw[j]);
+                Tout o[VEC];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    float r;
+                    if (OP == SK_SOFTMAX) {
+                        const float2 pr = sk_unpack2(ex[(j * VEC + e) / 2]);
+                        r = (e % 2 == 0 ? pr.x : pr.y) * scale;
+                        if (is_nan || posinf || (empty && masked_nan)) r = SK_NAN;
+                        else if (empty) r = 0.0f;
+                    } else {
+                        const float f = sk_to_float(v[e]);
+                        r = (f - m) - logs;
+                        if (is_nan || (empty && masked_nan)) r = SK_NAN;
+                        else if (posinf) r = f == SK_INF ? SK_NAN : -SK_INF;
+                        else if (empty) r = -SK_INF;
+                    }
+                    o[e] = sk_from_float<Tout>(r);
+                }
+                if (vec_ok && base < n) {
+                    constexpr int BYTES = VEC * sizeof(Tout);
+                    if (BYTES >= 16) {
+#pragma unroll
+                        for (int c = 0; c < BYTES / 16; ++c)
+                            reinterpret_cast<uint4*>(orow + base)[c] = reinterpret_cast<uint4*>(o)[c];
+                    } else {
+                        *reinterpret_cast<uint2*>(orow + base) = *reinterpret_cast<uint2*>(o);
+                    }
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        if (base + e < n) orow[base + e] = o[e];
+                }
+            }
+        }
+    }
+    if (CLUSTER > 1) sk_cluster_wait();
+}
+
+template <typename Tin, typename Tout, int OP, int THREADS, int G, int K>
+__global__ void __launch_bounds__(THREADS) sk_rows(
+    const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    sk_rows_body<Tin, Tout, OP, THREADS, G, K, 1>(x, ld_x, w, ld_w, out, ld_o, rows, n, vec_ok,
+                                                  masked_nan);
+}
+
+template <typename Tin, typename Tout, int OP, int THREADS, int K, int CLUSTER>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS) sk_rows_cluster(
+    const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    sk_rows_body<Tin, Tout, OP, THREADS, THREADS, K, CLUSTER>(x, ld_x, w, ld_w, out, ld_o, rows,
+                                                              n, vec_ok, masked_nan);
+}

@@ -1,0 +1,97 @@
+"""Adapters from the softmaxkit kernel contract to the row kernels of ``kernels/rows.cu``.
+
+Each function takes the contract's keyword arguments (softmaxkit/ops.py) for ``[..., N]``
+inputs already validated by the frontend; :func:`softmaxkit_cupy.manifest.can_run` has
+accepted the call (device, dtypes, row length, options), so every call here has a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import compiler, interop
+from .configs import row_config, row_modules
+
+_NAMES = {(op, din, dout): tuple(names) for op, din, dout, names in row_modules()}
+
+
+def _aligned(address: int, stride_bytes: int, width: int) -> bool:
+    return address % width == 0 and stride_bytes % width == 0
+
+
+def launch_rows(
+    op: str, xp: Any, x: Any, where: Any, out: Any, masked_nan: bool = False
+) -> None:
+    """Run row operation ``op`` of ``x`` ([..., N]) into ``out`` ([..., N], or [...] for lse)."""
+    din, dout = interop.name(x), interop.name(out)
+    n = int(x.shape[-1])
+    rows = math.prod(x.shape[:-1])
+    in_size, out_size = interop.itemsize(x), interop.itemsize(out)
+    vec = 16 // in_size
+    config = row_config(n, in_size)
+    if config is None:  # can_run declines these rows
+        raise ValueError(f"rows of {n} elements are longer than the row kernels hold")
+    x2, ld_x = interop.as_rows(xp, x)
+    ld_o = n if op != "logsumexp" else 1
+    vec_ok = n % vec == 0 and _aligned(interop.pointer(x2), ld_x * in_size, 16)
+    if op != "logsumexp":
+        width = min(16, vec * out_size)
+        vec_ok = vec_ok and _aligned(interop.pointer(out), n * out_size, width)
+    w_ptr, ld_w = 0, 0
+    if where is not None:
+        w2, ld_w = interop.as_rows(xp, where)
+        w_ptr = interop.pointer(w2)
+        vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
+    name = config.name(op, din, dout)
+    kernel = compiler.function("rows.cu", _NAMES[(op, din, dout)], name)
+    if config.cluster > 1:
+        grid = rows * config.cluster
+    else:
+        per_block = config.threads // config.group
+        grid = -(-rows // per_block)
+    args = (
+        np.uint64(interop.pointer(x2)), np.int64(ld_x), np.uint64(w_ptr), np.int64(ld_w),
+        np.uint64(interop.pointer(out)), np.int64(ld_o), np.int64(rows), np.int32(n),
+        np.int32(vec_ok), np.int32(masked_nan),
+    )
+    with interop.launch_context(x):
+        kernel((grid,), (config.threads,), args)
+
+
+def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+    from softmaxkit.dtypes import dtype_name
+
+    out = interop.empty(x, tuple(x.shape), dtype_name(out_dtype))
+    launch_rows(op, xp, x, where, out, masked_nan=masked == "nan")
+    return out
+
+
+def softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+    """Softmax along the last axis (contract: softmaxkit.ops, reference: reference/rows.py)."""
+    return _normalize("softmax", xp, x, where, masked, out_dtype)
+
+
+def log_softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+    """Log-softmax along the last axis."""
+    return _normalize("log_softmax", xp, x, where, masked, out_dtype)
+
+
+def logsumexp(
+    xp: Any, *, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
+) -> Any:
+    """Log-sum-exp along the last axis (without weights ``b``: can_run declines them)."""
+    from softmaxkit.dtypes import dtype_name
+
+    out = interop.empty(x, tuple(x.shape[:-1]), dtype_name(out_dtype))
+    launch_rows("logsumexp", xp, x, where, out)
+    if not return_sign:
+        return out
+    # without weights the sum is positive unless the row is empty (0) or has a NaN (NaN)
+    one = xp.ones_like(out)
+    sign = xp.where(out == -math.inf, xp.zeros_like(out), one)
+    sign = xp.where(xp.isnan(out), out, sign)
+    return out, sign
+

@@ -1,0 +1,145 @@
+"""Arrays in and out of the kernels, and the ``can_run`` hook; imports no numba.
+
+Inputs are numpy arrays or torch CPU tensors, read in place: torch through DLPack
+(``np.from_dlpack``), float16 and bfloat16 as integer views of their bits (:mod:`.bits`).
+Results are allocated in the caller's library and written in place, so a torch caller gets a
+torch tensor that no copy produced.  A row layout that is not C-contiguous costs one copy
+(``np.ascontiguousarray``) before the kernel; read-only inputs are only read.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from array_api_compat import is_numpy_namespace, is_torch_namespace
+
+from softmaxkit.dtypes import FLOAT_DTYPES, dtype_name
+from softmaxkit.ops import Call
+
+_STORAGE = {"float16": np.int16, "bfloat16": np.uint16}
+_NO_MASK = np.ones((1, 1), dtype=bool)
+
+
+def library(xp: Any) -> str | None:
+    """``"numpy"`` or ``"torch"`` for the namespaces this backend runs on, else ``None``."""
+    if is_numpy_namespace(xp):
+        return "numpy"
+    if is_torch_namespace(xp):
+        return "torch"
+    return None
+
+
+def _decline_array(name: str, value: Any, lib: str) -> str | None:
+    if lib == "numpy":
+        if not isinstance(value, np.ndarray):
+            return None  # Python scalars (grad_scale) are fine
+        if type(value) is not np.ndarray:
+            return f"{name} is a {type(value).__name__}, a numpy subclass this backend does not read"
+        if not value.dtype.isnative:
+            return f"{name} is not in native byte order (dtype {value.dtype.str})"
+        return None
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.device.type != "cpu":
+        return f"{name} is on {value.device}, not the CPU"
+    if value.layout != torch.strided:
+        return f"{name} has layout {value.layout}; only strided tensors are read"
+    if value.is_quantized or value.is_conj():
+        return f"{name} is a quantized or conjugated tensor"
+    return None
+
+
+def can_run(call: Call) -> bool | str:
+    """Accept numpy arrays and torch CPU tensors of the four floating dtypes; say why not.
+
+    Parameters
+    ----------
+    call
+        The call the registry is placing.
+
+    Returns
+    -------
+    bool or str
+        ``True``, or the reason this backend declines (the registry then falls back).
+    """
+    lib = library(call.xp)
+    if lib is None:
+        return (f"numba-cpu reads numpy arrays and torch CPU tensors, not "
+                f"{getattr(call.xp, '__name__', call.xp)}")
+    if call.device != "cpu":
+        return f"numba-cpu runs on the CPU, not {call.device}"
+    if call.dtype not in FLOAT_DTYPES:
+        return f"numba-cpu has no kernel for dtype {call.dtype}"
+    out_dtype = call.args.get("out_dtype")
+    if out_dtype is not None and dtype_name(out_dtype) not in FLOAT_DTYPES:
+        return f"numba-cpu cannot write dtype {dtype_name(out_dtype)}"
+    for name, value in call.args.items():
+        reason = _decline_array(name, value, lib)
+        if reason:
+            return reason
+    return True
+
+
+def numpy_view(a: Any) -> np.ndarray:
+    """A numpy view of a numpy array or torch CPU tensor, with its own dtype (no copy)."""
+    if isinstance(a, np.ndarray):
+        return a
+    t = a.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if dtype_name(t.dtype) == "bfloat16":
+        import ml_dtypes
+        import torch
+
+        return np.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
+    return np.from_dlpack(t)
+
+
+def storage(a: np.ndarray) -> np.ndarray:
+    """The kernel's view of ``a``: 16-bit floats as integer bits, the others unchanged."""
+    kind = _STORAGE.get(a.dtype.name)
+    return a.view(kind) if kind is not None else a
+
+
+def rows(a: np.ndarray) -> np.ndarray:
+    """``a`` as a C-contiguous ``[R, N]`` array: a view when the layout allows, else one copy."""
+    n = a.shape[-1]
+    r = math.prod(a.shape[:-1])
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)
+    return a.reshape(r, n)
+
+
+def mask_rows(where: Any) -> tuple[np.ndarray, int, bool]:
+    """``(w, wstep, has_where)``: row ``i`` of the mask is ``w[i * wstep]``.
+
+    A mask shared by every row (a broadcast view, stride 0 over the batch axes) is read from
+    one row, without materializing it.
+    """
+    if where is None:
+        return _NO_MASK, 0, False
+    w = numpy_view(where)
+    if w.ndim > 1 and all(s == 0 for s in w.strides[:-1]):
+        first = np.ascontiguousarray(w[(0,) * (w.ndim - 1)])
+        return first.reshape(1, -1), 0, True
+    return rows(w), 1, True
+
+
+def empty(shape: tuple[int, ...], dtype: Any, like: Any) -> tuple[Any, np.ndarray]:
+    """A new array of ``dtype`` in ``like``'s library, and the kernel's storage view of it."""
+    if isinstance(like, np.ndarray):
+        result = np.empty(shape, dtype=dtype)
+        return result, storage(result)
+    import torch
+
+    result = torch.empty(shape, dtype=dtype)
+    return result, storage(numpy_view(result))
+
+
+def accumulator(name: str) -> type:
+    """The numpy accumulator type for inputs of dtype ``name``."""
+    return np.float64 if name == "float64" else np.float32

@@ -1,0 +1,41 @@
+"""The backend's manifest, read by softmaxkit's registry through the entry point.
+
+It imports nothing heavy: the kernels are named as ``"module:qualname"`` strings and imported
+(with numba) on first use; compiled code is cached on disk by Numba.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROW_OPS = (
+    "softmax",
+    "log_softmax",
+    "logsumexp",
+    "cross_entropy",
+    "softmax_vjp",
+    "log_softmax_vjp",
+)
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+PRIORITY = 50
+"""Above the reference backend (-100): chosen by default for CPU arrays it can run."""
+
+
+def manifest() -> dict[str, Any]:
+    """What softmaxkit needs to know to dispatch to this backend, without importing numba.
+
+    Returns
+    -------
+    dict
+        The manifest described in :mod:`softmaxkit.registry`.
+    """
+    return {
+        "name": "numba-cpu",
+        "serves": [{"ops": list(ROW_OPS), "devices": ["cpu"], "dtypes": list(DTYPES)}],
+        "kernels": {op: f"softmaxkit_numba_cpu.rows:{op}" for op in ROW_OPS},
+        "priority": PRIORITY,
+        "install_hint": "pip install softmaxkit-numba-cpu",
+        "can_run": "softmaxkit_numba_cpu.adapters:can_run",
+    }

@@ -1,0 +1,143 @@
+"""The caller's arrays as kernel arguments, without copies, on the caller's device and stream.
+
+CuPy arrays, torch CUDA tensors and Numba device arrays reach the kernels through the CUDA
+array interface (``numba.cuda.as_cuda_array(..., sync=False)``: the launch is ordered on the
+caller's current stream instead of synchronizing).  bfloat16 tensors travel as 16-bit integer
+views of the same memory.  Results are allocated by the caller's library, on the input's
+device.  Under Numba's CUDA simulator, numpy arrays stand for device arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from softmaxkit.dtypes import dtype_name
+
+from .intrinsics import SIMULATOR, cuda
+
+_streams: dict[int, Any] = {}
+_dummies: dict[Any, Any] = {}
+
+
+def library(a: Any) -> str:
+    """``"torch"``, ``"cupy"``, ``"numba"`` or ``"numpy"``: the library that owns ``a``."""
+    module = type(a).__module__.split(".", 1)[0]
+    if module in ("torch", "cupy", "numpy"):
+        return module
+    if hasattr(a, "__cuda_array_interface__"):
+        return "numba"
+    raise TypeError(f"arrays of type {type(a).__name__} are not supported by numba-cuda")
+
+
+def rows(a: Any, lib: str) -> Any:
+    """``a`` (``[..., N]``) as a C-contiguous ``[rows, N]`` array of its own library."""
+    n = a.shape[-1] if a.ndim else 1
+    count = math.prod(a.shape[:-1]) if a.ndim else 1
+    if lib == "torch":
+        a = a.detach()
+        if not a.is_contiguous():
+            a = a.contiguous()
+    elif lib == "cupy":
+        import cupy
+
+        if not a.flags.c_contiguous:
+            a = cupy.ascontiguousarray(a)
+    elif lib == "numpy":
+        a = np.ascontiguousarray(a)
+    return a.reshape(count, n)
+
+
+def kernel_view(a: Any, lib: str) -> Any:
+    """The kernel argument for array ``a``: a device array view (numpy in the simulator)."""
+    if dtype_name(a.dtype) == "bfloat16":
+        if lib == "torch":
+            import torch
+
+            a = a.view(torch.int16)
+        else:
+            a = a.view(np.int16)
+    if lib == "numpy" or (SIMULATOR and lib != "numba"):
+        return a
+    return cuda.as_cuda_array(a, sync=False)
+
+
+def empty(xp: Any, like: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """An uninitialized array of the caller's library on ``like``'s device."""
+    return xp.empty(shape, dtype=dtype, device=getattr(like, "device", None))
+
+
+def dummy(lib: str, device: Any) -> Any:
+    """A tiny boolean array standing for an absent optional argument."""
+    key = (lib, str(device))
+    d = _dummies.get(key)
+    if d is None:
+        if lib == "numpy" or SIMULATOR:
+            d = np.ones((1, 1), dtype=np.bool_)
+        else:
+            with _on_device(device_index(device, lib)):
+                d = cuda.device_array((1, 1), dtype=np.bool_)
+        _dummies[key] = d
+    return d
+
+
+def device_index(device: Any, lib: str) -> int:
+    """The CUDA ordinal of a torch / CuPy device object."""
+    if lib == "torch":
+        return device.index if device.index is not None else _torch().cuda.current_device()
+    if lib == "cupy":
+        return int(device.id)
+    return 0
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+@contextlib.contextmanager
+def _on_device(index: int) -> Iterator[None]:
+    if SIMULATOR or len(cuda.gpus) == 1:
+        yield
+        return
+    with cuda.gpus[index]:
+        yield
+
+
+def _stream_for(ptr: int) -> Any:
+    s = _streams.get(ptr)
+    if s is None:
+        if ptr == 0:
+            s = cuda.legacy_default_stream()
+        elif ptr == 2:
+            s = cuda.per_thread_default_stream()
+        else:
+            s = cuda.external_stream(ptr)
+        _streams[ptr] = s
+    return s
+
+
+@contextlib.contextmanager
+def launch(a: Any, lib: str) -> Iterator[Any]:
+    """Select ``a``'s device and yield the caller's current stream there (0 in the simulator)."""
+    if SIMULATOR or lib == "numpy":
+        yield 0
+        return
+    if lib == "torch":
+        torch = _torch()
+        ptr = torch.cuda.current_stream(a.device).cuda_stream
+        index = device_index(a.device, lib)
+    elif lib == "cupy":
+        import cupy
+
+        index = int(a.device.id)
+        with cupy.cuda.Device(index):
+            ptr = cupy.cuda.get_current_stream().ptr
+    else:
+        index, ptr = 0, 0
+    with _on_device(index):
+        yield _stream_for(ptr)

@@ -1,0 +1,124 @@
+"""Device-level primitives with one implementation for the GPU and one for the simulator.
+
+Numba's CUDA simulator runs kernels as Python threads and has neither libdevice nor warp
+shuffles, so each primitive here has a GPU form (libdevice, ``shfl.sync``) and a simulator
+form (numpy on the same bits, a block-wide exchange).  Kernels call only these names, so
+the kernel logic the simulator runs in CI is the logic the GPU runs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+from numba import float32, int32, uint32
+
+from .compat import import_cuda, simulator_enabled
+
+cuda = import_cuda()
+SIMULATOR = simulator_enabled()
+
+LOG2E = 1.4426950408889634
+NEG_INF = -math.inf
+POS_INF = math.inf
+NAN = math.nan
+
+if SIMULATOR:
+
+    def exp2_f32(x):
+        """``2**x`` in float32."""
+        with np.errstate(all="ignore"):
+            return np.float32(np.exp2(np.float32(x)))
+
+    def exp_f64(x):
+        """``e**x`` in float64."""
+        with np.errstate(all="ignore"):
+            return np.float64(np.exp(np.float64(x)))
+
+    def log_f32(x):
+        """Natural logarithm in float32 (``log(0) = -inf``)."""
+        with np.errstate(all="ignore"):
+            return np.float32(np.log(np.float32(x)))
+
+    def log_f64(x):
+        """Natural logarithm in float64 (``log(0) = -inf``)."""
+        with np.errstate(all="ignore"):
+            return np.float64(np.log(np.float64(x)))
+
+    def f32_from_bits(bits):
+        """The float32 whose bit pattern is the unsigned 32-bit integer ``bits``."""
+        return np.array(int(bits) & 0xFFFFFFFF, dtype=np.uint32).view(np.float32)[()]
+
+    def bits_from_f32(value):
+        """The bit pattern of float32 ``value`` as an unsigned 32-bit integer."""
+        return int(np.array(value, dtype=np.float32).view(np.uint32)[()])
+
+    def shfl_xor(value, lane_mask):
+        """The ``value`` of lane ``lane ^ lane_mask``; every thread of the block must call it."""
+        th = threading.current_thread()
+        box = th._manager.__dict__.setdefault("softmaxkit_shuffle", {})
+        box[th.thread_id] = value
+        th.syncthreads()
+        other = box[th.thread_id ^ lane_mask]
+        th.syncthreads()
+        return other
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def exp2_f32(x):
+        """``2**x`` in float32 (``ex2.approx``)."""
+        return libdevice.exp2f(x)
+
+    @cuda.jit(device=True)
+    def exp_f64(x):
+        """``e**x`` in float64."""
+        return libdevice.exp(x)
+
+    @cuda.jit(device=True)
+    def log_f32(x):
+        """Natural logarithm in float32 (``log(0) = -inf``)."""
+        return libdevice.logf(x)
+
+    @cuda.jit(device=True)
+    def log_f64(x):
+        """Natural logarithm in float64 (``log(0) = -inf``)."""
+        return libdevice.log(x)
+
+    @cuda.jit(device=True)
+    def f32_from_bits(bits):
+        """The float32 whose bit pattern is the unsigned 32-bit integer ``bits``."""
+        return libdevice.int_as_float(int32(bits))
+
+    @cuda.jit(device=True)
+    def bits_from_f32(value):
+        """The bit pattern of float32 ``value`` as an unsigned 32-bit integer."""
+        return uint32(libdevice.float_as_int(value))
+
+    @cuda.jit(device=True)
+    def shfl_xor(value, lane_mask):
+        """The ``value`` of lane ``lane ^ lane_mask`` (all 32 lanes take part)."""
+        return cuda.shfl_xor_sync(0xFFFFFFFF, value, lane_mask)
+
+
+def device_function(fn):
+    """``fn`` as a device function (in the simulator, Python that sees the thread's ``cuda``)."""
+    return cuda.jit(device=True)(fn)
+
+
+@device_function
+def bf16_to_f32(bits):
+    """float32 value of the bfloat16 whose bits are the low 16 bits of ``bits``."""
+    return f32_from_bits(uint32((int32(bits) & 0xFFFF) << 16))
+
+
+@device_function
+def f32_to_bf16(value):
+    """bfloat16 bits (in the low 16 bits) of float32 ``value``, rounded to nearest even."""
+    if value != value:
+        return int32(0x7FC0)
+    u = bits_from_f32(float32(value))
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return int32(rounded & 0xFFFF)

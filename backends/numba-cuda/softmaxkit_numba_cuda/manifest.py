@@ -1,0 +1,60 @@
+"""The backend's manifest and its ``can_run`` hook; importing this module imports no numba.
+
+Served: the row operations (softmax, log_softmax, logsumexp, cross_entropy with its fused
+gradient, softmax_vjp, log_softmax_vjp) on CUDA devices, for float16, bfloat16, float32 and
+float64, with torch CUDA tensors and CuPy arrays.  Declined, with the reason: logsumexp with
+weights ``b``, cross_entropy with probability targets, rows longer than 2**31 - 1.  Online
+summaries and attention are not served (the registry chooses another backend).  Under Numba's
+CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve numpy arrays on the CPU:
+that is how CI runs them without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+NAME = "numba-cuda"
+ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
+           "log_softmax_vjp")
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+_PRIMARY = {"softmax": "x", "log_softmax": "x", "logsumexp": "x", "cross_entropy": "logits",
+            "softmax_vjp": "probs", "log_softmax_vjp": "logprobs"}
+
+
+def _simulated() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+def manifest() -> dict[str, Any]:
+    """What the backend serves and where its kernels live (see softmaxkit.registry)."""
+    devices = ["cuda", "cpu"] if _simulated() else ["cuda"]
+    return {
+        "name": NAME,
+        "serves": [{"ops": list(ROW_OPS), "devices": devices, "dtypes": list(DTYPES)}],
+        "kernels": {op: f"softmaxkit_numba_cuda.kernels:{op}" for op in ROW_OPS},
+        # below the CPU backends on simulated numpy arrays, above everything on CUDA
+        "priority": 20 if not _simulated() else -50,
+        "install_hint": "pip install softmaxkit-numba-cuda (needs numba-cuda and a CUDA GPU)",
+        "can_run": "softmaxkit_numba_cuda.manifest:can_run",
+    }
+
+
+def can_run(call: Any) -> bool | str:
+    """``True``, or why the backend cannot run ``call``."""
+    args = call.args
+    x = args.get(_PRIMARY.get(call.op, "x"))
+    module = type(x).__module__.split(".", 1)[0]
+    if call.device == "cpu":
+        if not (_simulated() and module == "numpy"):
+            return "runs on CUDA devices (numpy arrays only under NUMBA_ENABLE_CUDASIM=1)"
+    elif module not in ("torch", "cupy"):
+        return f"takes torch CUDA tensors and CuPy arrays, not {type(x).__name__}"
+    if call.op == "logsumexp" and args.get("b") is not None:
+        return "logsumexp with weights b is not implemented here"
+    if call.op == "cross_entropy" and args.get("probs") is not None:
+        return "cross_entropy with probability targets is not implemented here"
+    shape = getattr(x, "shape", ())
+    if shape and shape[-1] >= 2**31:
+        return "rows of 2**31 or more positions are not supported"
+    return True

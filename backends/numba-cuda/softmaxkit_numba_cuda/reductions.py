@@ -1,0 +1,154 @@
+"""Reductions across the threads that share one row: a warp (shuffles) or a block.
+
+A row is owned by a *group* of ``threads`` threads: one warp (``threads == 32``, several rows
+per block) or the whole block (``threads`` a multiple of 32, one row per block).  Every
+function here must be called by every thread of the block (also threads whose row is past the
+end), so warp shuffles and barriers are always uniform.  All threads get the same result.
+
+The pair reduction carries the online-softmax summary ``(m, s)``: ``m`` the maximum (NaN if
+any value was NaN) and ``s`` the sum of ``exp(v - m)``.  Merging rescales both sums to the
+larger maximum; the empty summary (``m = -inf``) is an identity and ``-inf - -inf`` is never
+evaluated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import float32, float64
+
+from .intrinsics import (
+    LOG2E,
+    NAN,
+    NEG_INF,
+    POS_INF,
+    cuda,
+    device_function,
+    exp2_f32,
+    exp_f64,
+    shfl_xor,
+)
+
+
+@functools.lru_cache(maxsize=None)
+def exponential(acc_name: str):
+    """Device function ``exp(d)`` in the accumulator type (float32 through ``exp2``)."""
+    if acc_name == "float64":
+
+        def exp(d):
+            return exp_f64(d)
+
+    else:
+
+        def exp(d):
+            return exp2_f32(float32(d) * float32(LOG2E))
+
+    return device_function(exp)
+
+
+@functools.lru_cache(maxsize=None)
+def summary_ops(acc_name: str):
+    """``(nanmax, merge)`` device functions for online summaries in the accumulator type."""
+    acc = float64 if acc_name == "float64" else float32
+    exp = exponential(acc_name)
+
+    def nanmax(a, b):
+        # NaN-propagating maximum: once NaN, stays NaN
+        if a != a or b != b:
+            return acc(NAN)
+        return a if a >= b else b
+
+    nanmax = device_function(nanmax)
+
+    def merge(m1, s1, m2, s2):
+        if m1 != m1 or m2 != m2:
+            return acc(NAN), acc(0.0)
+        m = m1 if m1 >= m2 else m2
+        if m == NEG_INF:
+            return m, acc(0.0)  # both empty: the identity, no -inf - -inf
+        if m == POS_INF:
+            return m, acc(1.0)  # a +inf row: the sum is not used
+        return m, s1 * exp(m1 - m) + s2 * exp(m2 - m)
+
+    return nanmax, device_function(merge)
+
+
+@functools.lru_cache(maxsize=None)
+def group_reducers(threads: int, acc_name: str):
+    """``(pair_reduce, sum_reduce, max_reduce)`` for groups of ``threads`` threads."""
+    acc = float64 if acc_name == "float64" else float32
+    nanmax, merge = summary_ops(acc_name)
+    warps = threads // 32
+    block = threads > 32
+
+    def warp_pair(m, s):
+        for off in (16, 8, 4, 2, 1):
+            om = shfl_xor(m, off)
+            os = shfl_xor(s, off)
+            m, s = merge(m, s, om, os)
+        return m, s
+
+    def warp_sum(v):
+        for off in (16, 8, 4, 2, 1):
+            v = v + shfl_xor(v, off)
+        return v
+
+    def warp_max(v):
+        for off in (16, 8, 4, 2, 1):
+            v = nanmax(v, shfl_xor(v, off))
+        return v
+
+    warp_pair = device_function(warp_pair)
+    warp_sum = device_function(warp_sum)
+    warp_max = device_function(warp_max)
+
+    def pair_reduce(m, s):
+        m, s = warp_pair(m, s)
+        if block:
+            sm = cuda.shared.array(warps, acc)
+            ss = cuda.shared.array(warps, acc)
+            tid = cuda.threadIdx.x
+            if tid % 32 == 0:
+                sm[tid // 32] = m
+                ss[tid // 32] = s
+            cuda.syncthreads()
+            m = sm[0]
+            s = ss[0]
+            for k in range(1, warps):
+                m, s = merge(m, s, sm[k], ss[k])
+            cuda.syncthreads()
+        return m, s
+
+    def sum_reduce(v):
+        v = warp_sum(v)
+        if block:
+            sv = cuda.shared.array(warps, acc)
+            tid = cuda.threadIdx.x
+            if tid % 32 == 0:
+                sv[tid // 32] = v
+            cuda.syncthreads()
+            v = sv[0]
+            for k in range(1, warps):
+                v = v + sv[k]
+            cuda.syncthreads()
+        return v
+
+    def max_reduce(v):
+        v = warp_max(v)
+        if block:
+            sv = cuda.shared.array(warps, acc)
+            tid = cuda.threadIdx.x
+            if tid % 32 == 0:
+                sv[tid // 32] = v
+            cuda.syncthreads()
+            v = sv[0]
+            for k in range(1, warps):
+                v = nanmax(v, sv[k])
+            cuda.syncthreads()
+        return v
+
+    return (
+        device_function(pair_reduce),
+        device_function(sum_reduce),
+        device_function(max_reduce),
+    )

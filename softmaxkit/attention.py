@@ -1,0 +1,525 @@
+"""Exact attention, its gradient, and the merge of partial attention states (with gradient).
+
+The frontend validates and normalizes the arguments (leading dimensions broadcast and
+flattened, causal and window spelled one way, log-sum-exp conventions of other libraries
+converted) and hands the backend one call in the layout of :data:`softmaxkit.ops.OPERATIONS`.
+spec/semantics.md, "Attention", is the contract: in particular a query row with no allowed key
+has output 0 and log-sum-exp ``-inf`` on every backend, and zero gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import numpy as np
+
+from . import arguments as args
+from .dispatch import run
+from .dtypes import accumulator_dtype, dtype_name
+
+LN2 = math.log(2.0)
+CAUSAL = {False: None, None: None, True: "bottom_right", "bottom_right": "bottom_right",
+          "top_left": "top_left"}
+
+
+def _lse_base(lse_base: Any) -> str:
+    if isinstance(lse_base, str) and lse_base in ("e", "2"):
+        return lse_base
+    if not isinstance(lse_base, (bool, str)) and lse_base in (2, 2.0):
+        return "2"
+    raise ValueError(f"lse_base={lse_base!r} is not valid: expected 'e' (natural log) or 2")
+
+
+def _empty_lse(empty_lse: Any) -> float:
+    value = float(empty_lse)
+    if value not in (-math.inf, math.inf):
+        raise ValueError(
+            f"empty_lse={empty_lse!r} is not valid: expected -inf (softmaxkit, FlashInfer) or "
+            "+inf (FlashAttention 2)"
+        )
+    return value
+
+
+def _causal(causal: Any) -> Any:
+    key = causal if isinstance(causal, (bool, str)) or causal is None else object()
+    if key not in CAUSAL:
+        raise ValueError(
+            f"causal={causal!r} is not valid: expected False, True / 'bottom_right' "
+            "(FlashAttention alignment) or 'top_left' (PyTorch SDPA / JAX alignment)"
+        )
+    return CAUSAL[key]
+
+
+def _window(window: Any) -> tuple[int, int]:
+    if window is None:
+        return (-1, -1)
+    try:
+        left, right = (operator.index(w) for w in window)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"window={window!r} is not valid: expected (left, right) ints, -1 = unbounded"
+        ) from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window={window!r} is not valid: bounds must be >= -1 (-1 = unbounded)")
+    return (left, right)
+
+
+def _softcap(softcap: Any) -> float | None:
+    if softcap is None:
+        return None
+    value = args.finite_scalar(softcap, "softcap", 0.0, math.inf)
+    return value or None  # 0 means no cap, as in FlashAttention
+
+
+def _scale(scale: Any, d: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d else 1.0
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale={scale!r} is not a real number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"scale={scale!r} must be finite")
+    return value
+
+
+class _Layout:
+    """Shapes of q, k, v (and mask) checked, leading dims broadcast, flattened into B."""
+
+    def __init__(self, xp: Any, q: Any, k: Any, v: Any, mask: Any) -> None:
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            if a.ndim < 3:
+                raise ValueError(
+                    f"{name} must have shape [..., heads, length, dim]; got {tuple(a.shape)}"
+                )
+        self.hq, self.lq, self.d = q.shape[-3:]
+        self.hk, self.lk, dk = k.shape[-3:]
+        if dk != self.d:
+            raise ValueError(f"q's head dim {self.d} differs from k's {dk}")
+        if tuple(v.shape[-3:-1]) != (self.hk, self.lk):
+            raise ValueError(
+                f"v of shape {tuple(v.shape)} must be [..., Hk, Lk, Dv] with (Hk, Lk) = "
+                f"{(self.hk, self.lk)} from k"
+            )
+        self.dv = v.shape[-1]
+        if self.hk == 0 or self.hq % self.hk:
+            raise ValueError(
+                f"q's {self.hq} heads must be a multiple of k's and v's {self.hk} heads "
+                "(grouped-query attention)"
+            )
+        leads = [tuple(q.shape[:-3]), tuple(k.shape[:-3]), tuple(v.shape[:-3])]
+        if mask is not None:
+            leads.append(tuple(mask.shape[:-3]))
+        try:
+            self.lead = tuple(np.broadcast_shapes(*leads))
+        except ValueError:
+            raise ValueError(
+                "the leading dimensions of q, k, v" + (", mask" if mask is not None else "")
+                + f" do not broadcast: {leads}"
+            ) from None
+        self.b = math.prod(self.lead)
+
+    def flat(self, xp: Any, a: Any) -> Any:
+        """``a`` broadcast to the common leading shape and flattened to [B, h, l, d]."""
+        tail = tuple(a.shape[-3:])
+        return xp.reshape(xp.broadcast_to(a, self.lead + tail), (self.b,) + tail)
+
+    def unflat(self, xp: Any, a: Any) -> Any:
+        """Undo :meth:`flat` on a result: [B, ...] -> [*lead, ...]."""
+        return xp.reshape(a, self.lead + tuple(a.shape[1:]))
+
+
+def _unbroadcast(xp: Any, g: Any, shape: tuple[int, ...]) -> Any:
+    """Sum ``g`` over the leading dimensions that were broadcast to reach it from ``shape``."""
+    extra = g.ndim - len(shape)
+    if extra:
+        g = xp.sum(g, axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if axes:
+        g = xp.sum(g, axis=axes, keepdims=True)
+    return g
+
+
+def _prepare(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any] | None = None):
+    arrays = {"q": q, "k": k, "v": v, "mask": mask, **(extra or {})}
+    xp = args.namespace(**arrays)
+    q = args.floating(xp, args.as_array(xp, q, "q"), "q")
+    k = args.floating(xp, args.as_array(xp, k, "k", like=q), "k")
+    v = args.floating(xp, args.as_array(xp, v, "v", like=q), "v")
+    if mask is not None:
+        mask = args.as_array(xp, mask, "mask", like=q)
+        if dtype_name(mask.dtype) != "bool":
+            raise TypeError(
+                f"mask must be a boolean array (True = attend); got dtype {dtype_name(mask.dtype)}"
+            )
+        if mask.ndim < 3:
+            mask = xp.reshape(mask, (1,) * (3 - mask.ndim) + tuple(mask.shape))
+    layout = _Layout(xp, q, k, v, mask)
+    common = xp.result_type(q.dtype, k.dtype, v.dtype)
+    qf, kf, vf = (layout.flat(xp, xp.astype(a, common)) for a in (q, k, v))
+    mf = None
+    if mask is not None:
+        full = (layout.hq, layout.lq, layout.lk)
+        try:
+            mask = xp.broadcast_to(mask, tuple(mask.shape[:-3]) + full)
+        except Exception:
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not broadcast to [..., Hq, Lq, Lk] = "
+                f"[..., {layout.hq}, {layout.lq}, {layout.lk}]"
+            ) from None
+        mf = layout.flat(xp, mask)
+    return xp, layout, (q, k, v), (qf, kf, vf, mf)
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    scale: float | None = None,
+    causal: bool | str = False,
+    window: tuple[int, int] | None = None,
+    mask: Any = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    lse_base: str | int = "e",
+    backend: str | None = None,
+) -> Any:
+    """Exact scaled dot-product attention, ``softmax(scale * q k^T) v``, without the score matrix.
+
+    Parameters
+    ----------
+    q : array
+        Queries ``[..., Hq, Lq, D]``.
+    k : array
+        Keys ``[..., Hk, Lk, D]``; ``Hq`` must be a multiple of ``Hk`` (grouped-query
+        attention: query head ``h`` uses key head ``h // (Hq // Hk)``, without copying).
+    v : array
+        Values ``[..., Hk, Lk, Dv]``.  Leading dimensions of q, k, v and mask broadcast.
+    scale : float, optional
+        Score scale; default ``1 / sqrt(D)``.
+    causal : bool or {"bottom_right", "top_left"}, optional
+        ``True`` or ``"bottom_right"``: query ``i`` sees keys ``j <= i + Lk - Lq`` (the
+        FlashAttention alignment, the natural one for decoding with a KV cache).
+        ``"top_left"``: keys ``j <= i`` (PyTorch SDPA's ``is_causal`` and JAX).  The two agree
+        when ``Lq == Lk``.
+    window : (int, int), optional
+        Sliding window ``(left, right)``: query ``i`` sees keys within ``left`` before and
+        ``right`` after its diagonal (aligned like ``causal``); ``-1`` is unbounded.
+    mask : array of bool, optional
+        True = attend; broadcastable to ``[..., Hq, Lq, Lk]``.  Combined with causal and window
+        by logical and.
+    softcap : float, optional
+        Apply ``softcap * tanh(s / softcap)`` to the scaled scores (0 or None: no cap).
+    return_lse : bool, optional
+        Also return the log-sum-exp of each query row's allowed scores.
+    lse_base : {"e", 2}, optional
+        Base of the returned log-sum-exp: natural (default) or 2 (FlashInfer's convention).
+    backend : str, optional
+        Run on this backend only (strict).
+
+    Returns
+    -------
+    out : array
+        ``[..., Hq, Lq, Dv]`` in the promoted dtype of q, k, v.  A query row with no allowed
+        key gives 0.
+    lse : array
+        Only with ``return_lse``: ``[..., Hq, Lq]`` in float32 (float64 for float64 inputs);
+        ``-inf`` for a row with no allowed key.
+
+    Examples
+    --------
+    >>> import numpy as np, softmaxkit as sk
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(2, 4, 8)), rng.normal(size=(2, 6, 8)), rng.normal(size=(2, 6, 3))
+    >>> out, lse = sk.attention(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    ((2, 4, 3), (2, 4))
+    """
+    base = _lse_base(lse_base)
+    xp, layout, _, (qf, kf, vf, mf) = _prepare(q, k, v, mask)
+    out, lse = run(
+        "attention", xp, qf, backend,
+        q=qf, k=kf, v=vf, scale=_scale(scale, layout.d), causal=_causal(causal),
+        window=_window(window), mask=mf, softcap=_softcap(softcap), return_lse=bool(return_lse),
+    )
+    out = layout.unflat(xp, out)
+    if not return_lse:
+        return out
+    lse = layout.unflat(xp, lse)
+    return out, (lse / LN2 if base == "2" else lse)
+
+
+def attention_vjp(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    *,
+    scale: float | None = None,
+    causal: bool | str = False,
+    window: tuple[int, int] | None = None,
+    mask: Any = None,
+    softcap: float | None = None,
+    lse_base: str | int = "e",
+    backend: str | None = None,
+) -> tuple[Any, Any, Any]:
+    """Gradient of :func:`attention`: ``(dq, dk, dv)`` for the upstream gradient ``dout``.
+
+    Computed by recomputation from ``lse``, as FlashAttention's backward does: no probability
+    matrix is stored, and a query row with no allowed key (``lse = -inf``) has zero gradient.
+
+    Parameters
+    ----------
+    q, k, v : array
+        The forward's inputs.
+    out, lse : array
+        The forward's output and log-sum-exp (``attention(..., return_lse=True)``).
+    dout : array
+        Upstream gradient, the shape of ``out``.
+    scale, causal, window, mask, softcap
+        The forward's arguments, unchanged.
+    lse_base : {"e", 2}, optional
+        The base ``lse`` is given in.
+    backend : str, optional
+        Run on this backend only (strict).
+
+    Returns
+    -------
+    dq, dk, dv : array
+        Shaped and typed like ``q``, ``k``, ``v`` (broadcast leading dimensions summed back;
+        ``dk``, ``dv`` summed over each group of query heads).
+    """
+    base = _lse_base(lse_base)
+    xp, layout, (q0, k0, v0), (qf, kf, vf, mf) = _prepare(
+        q, k, v, mask, {"out": out, "lse": lse, "dout": dout}
+    )
+    out_shape = layout.lead + (layout.hq, layout.lq, layout.dv)
+    pairs = (("out", out, out_shape), ("dout", dout, out_shape),
+             ("lse", lse, out_shape[:-1]))
+    flat = {}
+    for name, a, shape in pairs:
+        a = args.floating(xp, args.as_array(xp, a, name, like=qf), name)
+        if tuple(a.shape) != shape:
+            raise ValueError(f"{name} of shape {tuple(a.shape)} must have shape {shape}")
+        flat[name] = xp.reshape(a, (layout.b,) + shape[len(layout.lead):])
+    acc = accumulator_dtype(xp, qf.dtype)
+    lse_f = xp.astype(flat["lse"], acc)
+    if base == "2":
+        lse_f = lse_f * LN2
+    dq, dk, dv = run(
+        "attention_vjp", xp, qf, backend,
+        q=qf, k=kf, v=vf, out=xp.astype(flat["out"], qf.dtype), lse=lse_f,
+        dout=xp.astype(flat["dout"], qf.dtype), scale=_scale(scale, layout.d),
+        causal=_causal(causal), window=_window(window), mask=mf, softcap=_softcap(softcap),
+    )
+    grads = []
+    for g, a in ((dq, q0), (dk, k0), (dv, v0)):
+        g = _unbroadcast(xp, layout.unflat(xp, g), tuple(a.shape))
+        grads.append(xp.astype(g, a.dtype))
+    return tuple(grads)
+
+
+def _states(
+    outs: Any, lses: Any, axis: int, lse_base: Any, empty_lse: Any, extra: dict[str, Any]
+):
+    """Validate partial states and bring them to [S, R, Dv] / [S, R], natural log, -inf empty."""
+    base = _lse_base(lse_base)
+    empty = _empty_lse(empty_lse)
+    if isinstance(outs, (list, tuple)) or isinstance(lses, (list, tuple)):
+        xp = args.namespace(**{f"outs[{i}]": o for i, o in enumerate(outs)},
+                            **{f"lses[{i}]": o for i, o in enumerate(lses)}, **extra)
+        outs = xp.stack([args.as_array(xp, o, "outs") for o in outs], axis=axis)
+        lses = xp.stack([args.as_array(xp, o, "lses") for o in lses], axis=axis)
+    xp = args.namespace(outs=outs, lses=lses, **extra)
+    outs = args.floating(xp, args.as_array(xp, outs, "outs"), "outs")
+    lses = args.floating(xp, args.as_array(xp, lses, "lses", like=outs), "lses")
+    if lses.ndim < 1 or tuple(outs.shape[:-1]) != tuple(lses.shape):
+        raise ValueError(
+            f"outs of shape {tuple(outs.shape)} must be lses' shape {tuple(lses.shape)} plus a "
+            "trailing value dimension"
+        )
+    ax = args.single_axis(axis, lses.ndim)
+    acc = accumulator_dtype(xp, outs.dtype)
+    lses = xp.astype(lses, acc)
+    if empty == math.inf:
+        lses = xp.where(lses == math.inf, -math.inf, lses)
+    if base == "2":
+        lses = lses * LN2
+    batch = tuple(n for i, n in enumerate(lses.shape) if i != ax)
+    s, rows, dv = lses.shape[ax], math.prod(batch), outs.shape[-1]
+    lr = xp.reshape(xp.moveaxis(lses, ax, 0), (s, rows))
+    orr = xp.reshape(xp.moveaxis(outs, ax, 0), (s, rows, dv))
+    return xp, base, (outs, lses, ax, batch, dv), (orr, lr)
+
+
+def merge_attention_states(
+    outs: Any,
+    lses: Any,
+    axis: int = 0,
+    *,
+    lse_base: str | int = "e",
+    empty_lse: float = -math.inf,
+    backend: str | None = None,
+) -> tuple[Any, Any]:
+    """Merge partial attention results over disjoint key sets into the full result, exactly.
+
+    ``lse = log(sum_s exp(lse_s))`` and ``out = sum_s exp(lse_s - lse) * out_s``, computed by
+    rescaling to the largest ``lse_s``, so nothing overflows.  This assembles split-KV decoding
+    and sequence-parallel attention from per-chunk ``attention(..., return_lse=True)`` calls.
+
+    Parameters
+    ----------
+    outs : array or sequence of arrays
+        Partial outputs ``[..., Dv]``, stacked along ``axis`` (or a list, stacked here).
+    lses : array or sequence of arrays
+        Their log-sum-exps: ``outs``' shape without the trailing ``Dv``.
+    axis : int, optional
+        The axis of ``lses`` (and ``outs``) that indexes the partials (default 0).
+    lse_base : {"e", 2}, optional
+        Base of ``lses`` and of the returned lse: natural or 2 (FlashInfer).
+    empty_lse : {-inf, +inf}, optional
+        How an empty partial (no key) is marked: ``-inf`` (softmaxkit, FlashInfer; default) or
+        ``+inf`` (FlashAttention 2).  An empty partial's output is ignored whatever it holds.
+    backend : str, optional
+        Run on this backend only (strict).
+
+    Returns
+    -------
+    out : array
+        ``outs``' shape without ``axis``, in ``outs``' dtype; 0 where every partial is empty.
+    lse : array
+        ``lses``' shape without ``axis``, float32 (float64 for float64 ``outs``), in
+        ``lse_base``; ``-inf`` where every partial is empty (whatever ``empty_lse`` is).
+
+    Examples
+    --------
+    >>> import numpy as np, softmaxkit as sk
+    >>> rng = np.random.default_rng(1)
+    >>> q, k, v = rng.normal(size=(1, 3, 4)), rng.normal(size=(1, 8, 4)), rng.normal(size=(1, 8, 2))
+    >>> parts = [sk.attention(q, k[:, i:i + 4], v[:, i:i + 4], return_lse=True) for i in (0, 4)]
+    >>> out, lse = sk.merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
+    >>> bool(np.allclose(out, sk.attention(q, k, v)))
+    True
+    """
+    xp, base, (outs, _, _, batch, dv), (orr, lr) = _states(
+        outs, lses, axis, lse_base, empty_lse, {}
+    )
+    out, lse = run("merge_attention", xp, orr, backend, outs=orr, lses=lr)
+    lse = xp.reshape(lse, batch)
+    return xp.reshape(out, batch + (dv,)), (lse / LN2 if base == "2" else lse)
+
+
+def merge_attention(
+    out_a: Any,
+    lse_a: Any,
+    out_b: Any,
+    lse_b: Any,
+    *,
+    lse_base: str | int = "e",
+    empty_lse: float = -math.inf,
+    backend: str | None = None,
+) -> tuple[Any, Any]:
+    """Merge two partial attention states ``(out, lse)``; see :func:`merge_attention_states`.
+
+    Two empty states (``lse = -inf``, or ``+inf`` with ``empty_lse=inf``) give ``(0, -inf)``.
+
+    Examples
+    --------
+    >>> import numpy as np, softmaxkit as sk
+    >>> out, lse = sk.merge_attention(np.ones((1, 2)), np.array([0.0]),
+    ...                               np.zeros((1, 2)), np.array([-np.inf]))
+    >>> out.tolist(), lse.tolist()
+    ([[1.0, 1.0]], [0.0])
+    """
+    xp = args.namespace(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+    pairs = []
+    for name_o, o, name_l, sl in (("out_a", out_a, "lse_a", lse_a),
+                                  ("out_b", out_b, "lse_b", lse_b)):
+        o = args.as_array(xp, o, name_o)
+        sl = args.as_array(xp, sl, name_l, like=o)
+        if tuple(o.shape[:-1]) != tuple(sl.shape) or o.ndim < 1:
+            raise ValueError(
+                f"{name_o} of shape {tuple(o.shape)} must be {name_l}'s shape "
+                f"{tuple(sl.shape)} plus a trailing value dimension"
+            )
+        pairs.append((o, sl))
+    if tuple(pairs[0][0].shape) != tuple(pairs[1][0].shape):
+        raise ValueError(
+            f"out_a of shape {tuple(pairs[0][0].shape)} and out_b of shape "
+            f"{tuple(pairs[1][0].shape)} must have the same shape"
+        )
+    if pairs[0][1].ndim == 0:
+        pairs = [(xp.reshape(o, (1,) + tuple(o.shape)), xp.reshape(sl, (1,))) for o, sl in pairs]
+        out, lse = merge_attention_states([p[0] for p in pairs], [p[1] for p in pairs],
+                                          lse_base=lse_base, empty_lse=empty_lse,
+                                          backend=backend)
+        return xp.reshape(out, tuple(out.shape[1:])), xp.reshape(lse, ())
+    return merge_attention_states([p[0] for p in pairs], [p[1] for p in pairs],
+                                  lse_base=lse_base, empty_lse=empty_lse, backend=backend)
+
+
+def merge_attention_vjp(
+    outs: Any,
+    lses: Any,
+    dout: Any,
+    dlse: Any = None,
+    axis: int = 0,
+    *,
+    lse_base: str | int = "e",
+    empty_lse: float = -math.inf,
+    backend: str | None = None,
+) -> tuple[Any, Any]:
+    """Gradient of :func:`merge_attention_states` (and so of :func:`merge_attention`).
+
+    With ``a_s = exp(lse_s - lse)`` the weight of partial ``s``:
+    ``d out_s = a_s * dout`` and ``d lse_s = a_s * (<dout, out_s - out> + dlse)``; empty
+    partials get zero gradient.
+
+    Parameters
+    ----------
+    outs, lses, axis, lse_base, empty_lse
+        As given to :func:`merge_attention_states`.
+    dout : array
+        Upstream gradient of the merged output (``outs``' shape without ``axis``).
+    dlse : array, optional
+        Upstream gradient of the merged lse (in ``lse_base``); None means 0.
+    backend : str, optional
+        Run on this backend only (strict).
+
+    Returns
+    -------
+    douts : array
+        ``outs``' shape and dtype.
+    dlses : array
+        ``lses``' shape, in the accumulator dtype, with respect to ``lses`` in ``lse_base``.
+    """
+    extra = {"dout": dout, "dlse": dlse}
+    xp, base, (outs_a, lses_a, ax, batch, dv), (orr, lr) = _states(
+        outs, lses, axis, lse_base, empty_lse, extra
+    )
+    rows = math.prod(batch)
+    dout = args.floating(xp, args.as_array(xp, dout, "dout", like=orr), "dout")
+    if tuple(dout.shape) != batch + (dv,):
+        raise ValueError(f"dout of shape {tuple(dout.shape)} must have shape {batch + (dv,)}")
+    dr = xp.reshape(dout, (rows, dv))
+    dl = None
+    if dlse is not None:
+        dlse = args.floating(xp, args.as_array(xp, dlse, "dlse", like=orr), "dlse")
+        if tuple(dlse.shape) != batch:
+            raise ValueError(f"dlse of shape {tuple(dlse.shape)} must have shape {batch}")
+        dl = xp.reshape(xp.astype(dlse, lr.dtype), (rows,))
+        if base == "2":
+            dl = dl / LN2  # d/d lse_e of the base-2 lse
+    douts, dlses = run("merge_attention_vjp", xp, orr, backend,
+                       outs=orr, lses=lr, dout=dr, dlse=dl)
+    if base == "2":
+        dlses = dlses * LN2  # lse_e = LN2 * lse_2
+    s = lses_a.shape[ax]
+    douts = xp.moveaxis(xp.reshape(douts, (s,) + batch + (dv,)), 0, ax)
+    dlses = xp.moveaxis(xp.reshape(dlses, (s,) + batch), 0, ax)
+    return douts, dlses

@@ -1,0 +1,194 @@
+"""Row kernels over Dask arrays chunked along the reduced (last) axis.
+
+Each kernel builds a graph of one task per chunk plus a merge tree:
+
+1. per chunk, a state (:mod:`softmaxkit.chunked.state`) from the kernel of whichever backend
+   serves the chunk's array type, device and dtype (``summarize`` for softmax and
+   log_softmax, ``logsumexp`` with signs for logsumexp);
+2. the states of a row merge in a tree (:func:`dask.array.reduction`, ``split_every`` states
+   per task), so no task holds more than one chunk of a row;
+3. logsumexp finishes from the merged state; softmax and log_softmax read each chunk once more,
+   run the chunk's backend kernel on it and rescale the result from the chunk's own state to
+   the row's merged one.
+
+The results agree with the reference kernels at every edge (spec/semantics.md): masks, rows
+with nothing allowed, NaN, ``+inf``, weights ``b`` and signs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import array_api_compat
+import dask.array as da
+from dask.array.utils import meta_from_array
+
+from ..dispatch import run
+from ..dtypes import accumulator_dtype
+from . import state as st
+
+SPLIT_EVERY = 8
+"""States merged per task of the tree: the tree has about ``chunks / (SPLIT_EVERY - 1)`` tasks."""
+
+
+def _like_x(x: Any, other: Any) -> Any:
+    """``other`` (a mask or weights already broadcast to ``x``'s shape) chunked like ``x``."""
+    if other is None:
+        return None
+    if not array_api_compat.is_dask_array(other):
+        other = da.from_array(other, chunks=x.chunks)
+    return other if other.chunks == x.chunks else other.rechunk(x.chunks)
+
+
+def _per_chunk(fn: Any, x: Any, *extra: Any, width: int | None, dtype: Any, **kwargs: Any) -> Any:
+    """``fn(x_chunk, *extra_chunks, **kwargs)`` for every chunk of ``x``.
+
+    ``extra`` are arrays chunked like ``x`` along the batch axes (or None); their chunks along
+    the last axis are paired with ``x``'s by position, and a single one is broadcast.  Each
+    result has ``x``'s chunk shape, or ``width`` along the last axis when given.
+    """
+    chunks = x.chunks if width is None else x.chunks[:-1] + ((width,) * len(x.chunks[-1]),)
+    return da.map_blocks(
+        fn, x, *extra,
+        chunks=chunks, dtype=dtype,
+        meta=meta_from_array(x._meta, ndim=x.ndim, dtype=dtype),
+        token=f"softmaxkit-{fn.__name__.strip('_').replace('_', '-')}", **kwargs,
+    )
+
+
+def merged_state(states: Any, acc: Any, split_every: int = SPLIT_EVERY) -> Any:
+    """Merge the per-chunk states ``[..., WIDTH * chunks]`` of each row into ``[..., WIDTH]``."""
+    return da.reduction(
+        states, st.keep, st.combine,
+        combine=st.combine, axis=states.ndim - 1, keepdims=True, dtype=acc,
+        split_every={states.ndim - 1: split_every}, output_size=st.WIDTH,
+        concatenate=True, name="softmaxkit-merge",
+        meta=meta_from_array(states._meta, ndim=states.ndim, dtype=acc),
+    )
+
+
+# -- per-chunk work (runs on the workers, on numpy or CuPy chunks) ----------------------------
+
+
+def _acc(xp: Any, dtype: Any) -> Any:
+    """The accumulator dtype for ``dtype``, as a dtype object (never a scalar type)."""
+    return xp.empty((0,), dtype=accumulator_dtype(xp, dtype)).dtype
+
+
+def _rows_of(xp: Any, a: Any) -> Any:
+    return None if a is None else xp.reshape(a, (-1, a.shape[-1]))
+
+
+def _summary_state(x: Any, where: Any) -> Any:
+    """The state of one chunk from the ``summarize`` kernel of the chunk's backend."""
+    xp = array_api_compat.array_namespace(x)
+    xr, wr = _rows_of(xp, x), _rows_of(xp, where)
+    maximum, mass, _ = run("summarize", xp, xr, None, x=xr, where=wr, values=None)
+    state = st.from_summary(xp, maximum, mass)
+    return xp.reshape(state, tuple(x.shape[:-1]) + (st.WIDTH,))
+
+
+def _lse_state(x: Any, b: Any, where: Any, *, acc: Any) -> Any:
+    """The state of one chunk from the ``logsumexp`` kernel (with signs) of its backend."""
+    xp = array_api_compat.array_namespace(x)
+    lse, sign = run("logsumexp", xp, x, None, x=x, b=b, where=where, return_sign=True,
+                    out_dtype=acc)
+    nan = xp.isnan(lse) | xp.isnan(sign)
+    finite = xp.isfinite(lse)
+    posinf = (lse == math.inf) & ~nan
+    level = xp.where(finite, lse, 0.0)
+    mass = xp.where(finite, sign, 0.0)
+    return st.pack(xp, level, mass, nan, posinf & (sign > 0), posinf & (sign < 0))
+
+
+def _lse_finish(state: Any, return_sign: bool, out_dtype: Any) -> Any:
+    """``(lse, sign)`` of each row from its merged state ``[..., WIDTH]``, as the reference."""
+    xp = array_api_compat.array_namespace(state)
+    level, mass = state[..., st.LEVEL], state[..., st.MASS]
+    up, down = state[..., st.UP] != 0, state[..., st.DOWN] != 0
+    # +inf logits of both weight signs make inf - inf: NaN, as in one row
+    nan = (state[..., st.NAN] != 0) | (up & down)
+    posinf = (up | down) & ~nan
+    sign = xp.where(posinf, xp.where(down, -1.0, 1.0), xp.sign(mass))
+    magnitude = xp.abs(mass)
+    zero = magnitude == 0
+    lse = xp.where(zero, -math.inf, level + xp.log(xp.where(zero, 1.0, magnitude)))
+    lse = xp.where(posinf, math.inf, lse)
+    lse = xp.where(nan, math.nan, lse)
+    sign = xp.where(nan, math.nan, sign)
+    if not return_sign:
+        lse = xp.where(sign < 0, math.nan, lse)
+    out = xp.stack([lse, sign], axis=-1)
+    return xp.astype(out, out_dtype)
+
+
+def _normalize(
+    x: Any, where: Any, own: Any, row: Any, *, op: str, masked: str, out_dtype: Any
+) -> Any:
+    """Softmax or log_softmax of one chunk, rescaled from its own state to the row's state."""
+    xp = array_api_compat.array_namespace(x)
+    acc = _acc(xp, x.dtype)
+    part = run(op, xp, x, None, x=x, where=where, masked="zero", out_dtype=acc)
+    level_c, mass_c = own[..., st.LEVEL], own[..., st.MASS]
+    level, mass = row[..., st.LEVEL], row[..., st.MASS]
+    nan, posinf = row[..., st.NAN] != 0, st.posinf(row)
+    bad = nan | (st.empty(row) if masked == "nan" else xp.zeros_like(nan))
+    live = mass_c != 0
+    safe = xp.where(mass == 0, 1.0, mass)
+    if op == "softmax":
+        # p = p_chunk * mass_c * exp(m_c - m) / mass, a factor in [0, 1]
+        shift = xp.exp(xp.where(live, level_c - level, 0.0))
+        factor = xp.where(live, mass_c * shift / safe, 0.0)
+        out = part * factor[..., None]
+        bad = bad | posinf
+    else:
+        # log p = log p_chunk + (m_c - m) + log(mass_c / mass)
+        delta = (level_c - level) + xp.log(xp.where(live, mass_c, 1.0)) - xp.log(safe)
+        out = part + xp.where(live, delta, 0.0)[..., None]
+        # in a row with an allowed +inf, the other chunks' positions all tend to -inf
+        elsewhere = posinf & ~st.posinf(own)
+        out = xp.where(elsewhere[..., None], -math.inf, out)
+    out = xp.where(bad[..., None], math.nan, out)
+    return xp.astype(out, out_dtype)
+
+
+# -- the kernels (called by the registry with Dask arrays of shape [..., N]) ------------------
+
+
+def _chunk_namespace(x: Any) -> Any:
+    return array_api_compat.array_namespace(x._meta)
+
+
+def logsumexp(
+    xp: Any, *, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
+) -> Any:
+    """``log |sum b exp(x)|`` (and its sign) along the last axis, reading each chunk once."""
+    # the accumulator follows the output dtype, which b may have widened
+    acc = _acc(_chunk_namespace(x), out_dtype)
+    b, where = _like_x(x, b), _like_x(x, where)
+    states = _per_chunk(_lse_state, x, b, where, width=st.WIDTH, dtype=acc, acc=acc)
+    row = merged_state(states, acc)
+    pair = _per_chunk(_lse_finish, row, width=2, dtype=out_dtype, return_sign=return_sign,
+                      out_dtype=out_dtype)
+    lse, sign = pair[..., 0], pair[..., 1]
+    return (lse, sign) if return_sign else lse
+
+
+def _normalized(op: str, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+    acc = _acc(_chunk_namespace(x), x.dtype)
+    where = _like_x(x, where)
+    own = _per_chunk(_summary_state, x, where, width=st.WIDTH, dtype=acc)
+    row = merged_state(own, acc)  # one block along the last axis: broadcast to every chunk
+    return _per_chunk(_normalize, x, where, own, row, width=None, dtype=out_dtype,
+                      op=op, masked=masked, out_dtype=out_dtype)
+
+
+def softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+    """Softmax along the last axis in two reads of each chunk (summaries, then normalize)."""
+    return _normalized("softmax", x, where, masked, out_dtype)
+
+
+def log_softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+    """log_softmax along the last axis in two reads of each chunk."""
+    return _normalized("log_softmax", x, where, masked, out_dtype)

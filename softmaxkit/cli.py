@@ -1,0 +1,198 @@
+"""The ``softmaxkit`` command: ``info``, ``verify`` and ``bench``.
+
+``softmaxkit info``
+    the installed backends and the dispatch table: for each operation, device type and dtype,
+    the backend that wins, the others that could run it, and why the rest are not tried.
+``softmaxkit verify [--backend NAME] [--target numpy|array_api_strict|torch-cpu|...]``
+    the conformance kit against one backend (or every installed one), as a pass/fail table;
+    the exit status is 1 when a case fails.
+``softmaxkit bench [--quick] [--ops ...] [--dtype ...] [--shapes ...] [--device cpu|cuda]``
+    times the operations on the default path next to the installed peers (see
+    :mod:`softmaxkit.bench`), with ``--plot FILE.png`` for a chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .dtypes import FLOAT_DTYPES
+from .ops import OPERATIONS
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .registry import ENV_BLOCK, ENV_PRIORITIZE, backends, candidates
+
+    found = backends()
+    print("backends:")
+    for name, b in found.items():
+        extras = [f"priority {b['priority'].get('*', 0)}"]
+        if b["requires_opt_in"]:
+            extras.append("opt-in only")
+        hooks = [h for h in ("can_run", "should_run") if b[h]]
+        if hooks:
+            extras.append(" and ".join(hooks) + (" decide" if len(hooks) > 1 else " decides")
+                          + " per call")
+        print(f"  {name:<14} {b['source']}  ({'; '.join(extras)})")
+        for entry in b["serves"]:
+            ops = ",".join(entry["ops"]) if entry["ops"] != ["*"] else "all operations"
+            print(f"  {'':<14}   serves {ops} on {','.join(entry['devices'])} "
+                  f"for {','.join(entry['dtypes'])}")
+    print(f"environment: {ENV_PRIORITIZE} and {ENV_BLOCK} are read at discovery")
+
+    devices = ["cpu", "cuda"]
+    for b in found.values():
+        for entry in b["serves"]:
+            devices += [d for d in entry["devices"] if d != "*" and d not in devices]
+    ops = args.op or list(OPERATIONS)
+    devices = args.device or devices
+    dtypes = args.dtype or list(FLOAT_DTYPES)
+    hooked = {n for n, b in found.items() if b["can_run"] or b["should_run"]}
+    rows = [("operation", "device", "dtype", "tried in order", "not tried")]
+    for op in ops:
+        for device in devices:
+            for dtype in dtypes:
+                order, left_out = candidates(op, device, dtype)
+                not_tried = ", ".join(f"{n} ({_short(why)})" for n, why in left_out.items()
+                                      if not why.startswith("does not serve"))
+                tried = ", ".join(n + "?" * (n in hooked) for n in order)
+                rows.append((op, device, dtype, tried or "-", not_tried or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    print("\ndispatch table: the first backend that accepts a call runs it; NAME? has "
+          "can_run/should_run hooks that may decline a particular call")
+    for r in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[4])
+    return 0
+
+
+def _short(reason: str) -> str:
+    return "opt-in only" if reason.startswith("requires opt-in") else reason
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .registry import backends
+    from .testing import check_backend, target
+
+    try:
+        t = target(args.target)
+    except ImportError as exc:
+        print(f"target {args.target!r} is not available here: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    installed = backends()
+    names = args.backend or list(installed)
+    unknown = [n for n in names if n not in installed]
+    if unknown:
+        print(f"backend(s) {unknown} are not installed; installed: {sorted(installed)}",
+              file=sys.stderr)
+        return 2
+    failed = 0
+    rows = [("backend", "case", "dtype", "status", "detail")]
+    counts: dict[str, dict[str, int]] = {}
+    for name in names:
+        results = check_backend(name, target=t, ops=args.ops)
+        tally = counts.setdefault(name, {"passed": 0, "failed": 0, "unsupported": 0})
+        for r in results:
+            tally[r.status] += 1
+            if r.status == "unsupported" and not args.verbose:
+                continue
+            detail = r.message.splitlines()[0][:100] if r.message else ""
+            rows.append((name, r.case, r.dtype, r.status.upper() if not r.passed else r.status,
+                         detail))
+        failed += tally["failed"]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    print(f"conformance on target {t.name} (device {t.device})")
+    for r in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[4])
+    for name, tally in counts.items():
+        print(f"{name}: {tally['passed']} passed, {tally['failed']} failed, "
+              f"{tally['unsupported']} unsupported"
+              + ("" if args.verbose or not tally["unsupported"] else " (-v lists them)"))
+    return 1 if failed else 0
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        rows, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not ROWSxN, e.g. 4096x4096") from None
+    if rows < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r} must be positive")
+    return rows, n
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    shapes = args.shapes or (bench.QUICK_SHAPES if args.quick else bench.DEFAULT_SHAPES)
+    try:
+        result = bench.run(
+            ops=args.ops or list(bench.OPERATIONS),
+            dtypes=args.dtype or ["float32"],
+            shapes=shapes,
+            device=args.device,
+            repeats=3 if args.quick else args.repeats,
+            min_time=0.002 if args.quick else 0.02,
+            progress=not args.no_progress,
+        )
+    except AssertionError as exc:
+        print(f"softmaxkit gave a wrong result, so nothing was timed: {exc}", file=sys.stderr)
+        return 1
+    print(result.table())
+    if args.plot:
+        result.plot(args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``softmaxkit`` command."""
+    p = argparse.ArgumentParser(
+        prog="softmaxkit", description="Inspect, verify and time softmaxkit's backends.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="print the backends and the dispatch table")
+    info.add_argument("--op", nargs="+", choices=list(OPERATIONS), help="only these operations")
+    info.add_argument("--device", nargs="+", help="only these device types")
+    info.add_argument("--dtype", nargs="+", choices=FLOAT_DTYPES, help="only these dtypes")
+    info.set_defaults(func=_info)
+
+    verify = sub.add_parser("verify", help="run the conformance kit against backends")
+    verify.add_argument("--backend", nargs="+", help="backend names (default: every installed)")
+    verify.add_argument("--target", default="numpy",
+                        help="array library and device: numpy, array_api_strict, torch-cpu, "
+                             "torch-cuda, cupy (default numpy)")
+    verify.add_argument("--ops", nargs="+", choices=list(OPERATIONS),
+                        help="only cases of these operations")
+    verify.add_argument("-v", "--verbose", action="store_true",
+                        help="also list unsupported cases and why")
+    verify.set_defaults(func=_verify)
+
+    b = sub.add_parser("bench", help="time the operations next to the installed peers")
+    b.add_argument("--quick", action="store_true", help="small shapes: seconds, not minutes")
+    b.add_argument("--ops", nargs="+", choices=["softmax", "log_softmax", "logsumexp"])
+    b.add_argument("--dtype", nargs="+", choices=FLOAT_DTYPES, help="default float32")
+    b.add_argument("--shapes", nargs="+", type=_shape, help="ROWSxN, e.g. 4096x4096")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    b.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is kept)")
+    b.add_argument("--plot", metavar="FILE.png", help="save a chart of GB/s")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``softmaxkit`` command with ``argv`` (default: ``sys.argv[1:]``)."""
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:  # the output was piped into a reader that stopped (head)
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""Conformance cases for attention, attention_vjp and the merges of partial attention states.
+
+Every case builds inputs in numpy, rounds them to the case's dtype on the target, and compares
+the backend's result with the float64 materialized definition
+(:mod:`softmaxkit.testing.materialized`) evaluated on the represented inputs, under the bounds
+of spec/semantics.md, "Attention".  Shapes are small so the cases also run under slow
+simulators.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+import softmaxkit as sk
+
+from . import materialized as ref
+from .kit import Target, case
+
+ATTENTION_TOLERANCES: dict[str, tuple[float, float, float]] = {
+    "float64": (1e-12, 1e-12, 1e-10),
+    "float32": (1e-5, 1e-5, 1e-4),
+    "float16": (4e-3, 2e-3, 2e-2),
+    "bfloat16": (3e-2, 2e-3, 1e-1),
+}
+"""dtype -> (relative Frobenius error of out, absolute error of lse, relative Frobenius error of
+each gradient), against float64 on the represented inputs (spec "Attention tolerances")."""
+
+
+def _inputs(
+    t: Target, dtype: str, seed: int, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
+    dv: int | None = None, scale: float = 1.0,
+) -> tuple[Any, Any, Any, np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    v_shape = k_shape[:-1] + (dv if dv is not None else k_shape[-1],)
+    arrays = [rng.normal(scale=scale, size=s) for s in (q_shape, k_shape, v_shape)]
+    on_target = [t.asarray(a, dtype) for a in arrays]
+    represented = [t.to_numpy(a) for a in on_target]
+    return (*on_target, *represented)
+
+
+def check_forward(
+    t: Target, dtype: str, got: tuple[Any, Any], expected: tuple[np.ndarray, np.ndarray],
+    what: str,
+) -> None:
+    """Compare (out, lse) with the float64 reference: bounds, exact zeros and -inf when empty."""
+    out_tol, lse_tol, _ = ATTENTION_TOLERANCES[dtype]
+    out, lse = t.to_numpy(got[0]), t.to_numpy(got[1])
+    e_out, e_lse = expected
+    assert out.shape == e_out.shape, f"{what}: out shape {out.shape} != {e_out.shape}"
+    assert lse.shape == e_lse.shape, f"{what}: lse shape {lse.shape} != {e_lse.shape}"
+    empty = e_lse == -np.inf
+    assert np.all(lse[empty] == -np.inf), f"{what}: lse of a row with no allowed key is not -inf"
+    assert np.all(out[empty] == 0), f"{what}: out of a row with no allowed key is not 0"
+    assert np.all(np.isfinite(lse[~empty])), f"{what}: non-finite lse on a row with keys"
+    err = ref.rel_frobenius(out, e_out)
+    assert err <= out_tol, f"{what} [{dtype}]: out relative Frobenius error {err:.3g} > {out_tol}"
+    if np.any(~empty):
+        lerr = float(np.max(np.abs(lse[~empty] - e_lse[~empty])))
+        assert lerr <= lse_tol, f"{what} [{dtype}]: lse error {lerr:.3g} > {lse_tol}"
+
+
+def _acc(dtype: str) -> str:
+    return "float64" if dtype == "float64" else "float32"
+
+
+def _causal_kw(causal: Any) -> str | None:
+    return {False: None, True: "bottom_right"}.get(causal, causal)
+
+
+def _forward(
+    t: Target, dtype: str, backend: str, seed: int, q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...], *, dv: int | None = None, mask: np.ndarray | None = None,
+    causal: Any = False, window: Any = None, softcap: Any = None, scale: Any = None,
+    what: str = "attention",
+) -> None:
+    q, k, v, q64, k64, v64 = _inputs(t, dtype, seed, q_shape, k_shape, dv)
+    m = None if mask is None else t.asarray(mask, None)
+    got = sk.attention(q, k, v, mask=m, causal=causal, window=window, softcap=softcap,
+                       scale=scale, return_lse=True, backend=backend)
+    expected = ref.attention(q64, k64, v64, mask=mask, causal=_causal_kw(causal),
+                             window=window, softcap=softcap, scale=scale)
+    check_forward(t, dtype, got, expected, what)
+
+
+@case("attention")
+def case_attention_random_shapes(t: Target, dtype: str, backend: str) -> None:
+    rng = np.random.default_rng(10)
+    for trial in range(3):
+        b, h = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+        lq, lk = int(rng.integers(1, 20)), int(rng.integers(1, 40))
+        d, dv = int(rng.choice([16, 32])), int(rng.choice([8, 16, 24]))
+        _forward(t, dtype, backend, trial, (b, h, lq, d), (b, h, lk, d), dv=dv,
+                 what=f"attention B={b} H={h} Lq={lq} Lk={lk} D={d} Dv={dv}")
+
+
+@case("attention")
+def case_attention_causal_alignments(t: Target, dtype: str, backend: str) -> None:
+    # Lq > Lk with bottom-right alignment leaves the first Lq - Lk query rows empty
+    for lq, lk in ((5, 9), (9, 5), (7, 7)):
+        for causal in (True, "bottom_right", "top_left"):
+            _forward(t, dtype, backend, lq * 31 + lk, (1, 2, lq, 16), (1, 2, lk, 16),
+                     causal=causal, what=f"attention causal={causal!r} Lq={lq} Lk={lk}")
+
+
+@case("attention")
+def case_attention_grouped_query(t: Target, dtype: str, backend: str) -> None:
+    for hq, hk in ((4, 2), (6, 1), (3, 3)):
+        _forward(t, dtype, backend, hq * 7 + hk, (2, hq, 6, 16), (2, hk, 11, 16), dv=8,
+                 causal=True, what=f"attention Hq={hq} Hk={hk}")
+
+
+@case("attention")
+def case_attention_masks(t: Target, dtype: str, backend: str) -> None:
+    rng = np.random.default_rng(3)
+    lq, lk = 6, 13
+    full = rng.random((2, 2, lq, lk)) < 0.6
+    full[0, 1, 2, :] = False  # a fully masked row
+    shared = rng.random((lq, lk)) < 0.5  # broadcast over batch and heads
+    shared[4] = False
+    per_head = rng.random((2, 1, lk)) < 0.7  # [H, 1, Lk]: a key-padding mask per head
+    for name, mask in (("full", full), ("shared", shared), ("per_head", per_head)):
+        _forward(t, dtype, backend, 5, (2, 2, lq, 16), (2, 2, lk, 16), mask=mask,
+                 what=f"attention mask={name}")
+        _forward(t, dtype, backend, 6, (2, 2, lq, 16), (2, 2, lk, 16), mask=mask,
+                 causal=True, window=(4, -1), what=f"attention mask={name} + causal + window")
+
+
+@case("attention")
+def case_attention_windows(t: Target, dtype: str, backend: str) -> None:
+    for window in ((2, 1), (3, -1), (-1, 0), (0, 0), (-1, 2)):
+        for lq, lk in ((8, 12), (12, 8)):
+            _forward(t, dtype, backend, 11, (1, 2, lq, 16), (1, 2, lk, 16), window=window,
+                     what=f"attention window={window} Lq={lq} Lk={lk}")
+        _forward(t, dtype, backend, 12, (1, 2, 10, 16), (1, 2, 10, 16), window=(2, 2),
+                 causal="top_left", what="attention window=(2, 2) causal=top_left")
+
+
+@case("attention")
+def case_attention_softcap(t: Target, dtype: str, backend: str) -> None:
+    for softcap in (5.0, 30.0):
+        _forward(t, dtype, backend, 13, (1, 2, 7, 16), (1, 2, 9, 16), softcap=softcap,
+                 scale=1.0, causal=True, what=f"attention softcap={softcap}")
+
+
+@case("attention")
+def case_attention_head_dims(t: Target, dtype: str, backend: str) -> None:
+    for d, dv in ((16, 16), (64, 32), (128, 128), (256, 64)):
+        _forward(t, dtype, backend, d, (1, 1, 4, d), (1, 1, 6, d), dv=dv,
+                 what=f"attention D={d} Dv={dv}")
+
+
+@case("attention")
+def case_attention_long_rows(t: Target, dtype: str, backend: str) -> None:
+    _forward(t, dtype, backend, 14, (1, 1, 3, 16), (1, 1, 300, 16), what="attention Lk=300")
+    _forward(t, dtype, backend, 15, (1, 1, 3, 16), (1, 1, 300, 16), causal=True,
+             window=(130, -1), what="attention Lk=300 causal window")
+
+
+@case("attention")
+def case_attention_broadcast_and_empty(t: Target, dtype: str, backend: str) -> None:
+    q, k, v, q64, k64, v64 = _inputs(t, dtype, 16, (2, 3, 2, 5, 16), (1, 2, 7, 16))
+    got = sk.attention(q, k, v, return_lse=True, backend=backend)
+    expected = ref.attention(q64, np.broadcast_to(k64, (2, 3, 2, 7, 16)),
+                             np.broadcast_to(v64, (2, 3, 2, 7, 16)))
+    check_forward(t, dtype, got, expected, "attention with broadcast leading dims")
+    for lq, lk in ((4, 0), (0, 4)):
+        q, k, v, q64, k64, v64 = _inputs(t, dtype, 17, (1, 2, lq, 16), (1, 2, lk, 16))
+        got = sk.attention(q, k, v, return_lse=True, backend=backend)
+        check_forward(t, dtype, got, ref.attention(q64, k64, v64), f"attention Lq={lq} Lk={lk}")
+
+
+@case("attention")
+def case_attention_lse_base_2(t: Target, dtype: str, backend: str) -> None:
+    q, k, v, q64, k64, v64 = _inputs(t, dtype, 18, (1, 2, 5, 16), (1, 2, 9, 16))
+    out, lse2 = sk.attention(q, k, v, return_lse=True, lse_base=2, causal=True,
+                             backend=backend)
+    e_out, e_lse = ref.attention(q64, k64, v64, causal="bottom_right")
+    lse2 = t.to_numpy(lse2)
+    check_forward(t, dtype, (out, t.asarray(lse2 * math.log(2.0), None)),
+                  (e_out, e_lse), "attention lse_base=2")
+    fin = np.isfinite(e_lse)
+    assert np.allclose(lse2[fin], e_lse[fin] / math.log(2.0), rtol=0,
+                       atol=ATTENTION_TOLERANCES[dtype][1] / math.log(2.0))
+
+
+def _check_grads(
+    t: Target, dtype: str, got: tuple[Any, ...], expected: tuple[np.ndarray, ...], what: str
+) -> None:
+    tol = ATTENTION_TOLERANCES[dtype][2]
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected, strict=True):
+        g = t.to_numpy(g)
+        assert g.shape == e.shape, f"{what}: {name} shape {g.shape} != {e.shape}"
+        err = ref.rel_frobenius(g, e)
+        assert err <= tol, f"{what} [{dtype}]: {name} relative Frobenius error {err:.3g} > {tol}"
+
+
+@case("attention_vjp")
+def case_attention_vjp(t: Target, dtype: str, backend: str) -> None:
+    rng = np.random.default_rng(20)
+    mask = rng.random((6, 11)) < 0.7
+    mask[1] = False
+    settings = (
+        ({}, "plain"),
+        ({"causal": True}, "causal"),
+        ({"causal": "top_left", "window": (2, 1)}, "top_left window"),
+        ({"mask": mask, "causal": True}, "mask + causal (empty rows)"),
+        ({"softcap": 4.0, "scale": 1.0}, "softcap"),
+    )
+    for i, (kw, name) in enumerate(settings):
+        q, k, v, q64, k64, v64 = _inputs(t, dtype, 21 + i, (2, 4, 6, 16), (2, 2, 11, 16), dv=8)
+        dout64 = rng.normal(size=(2, 4, 6, 8))
+        dout = t.asarray(dout64, dtype)
+        dout64 = t.to_numpy(dout)
+        tkw = dict(kw)
+        if "mask" in tkw:
+            tkw["mask"] = t.asarray(tkw["mask"], None)
+        rkw = dict(kw, causal=_causal_kw(kw.get("causal", False)))
+        # the forward's (out, lse) come from the float64 definition, so a backend that serves
+        # only the gradient is checked too
+        out64, lse64 = ref.attention(q64, k64, v64, **rkw)
+        out, lse = t.asarray(out64, dtype), t.asarray(lse64, _acc(dtype))
+        got = sk.attention_vjp(q, k, v, out, lse, dout, backend=backend, **tkw)
+        expected = ref.attention_vjp(q64, k64, v64, dout64, **rkw)
+        _check_grads(t, dtype, got, expected, f"attention_vjp {name}")
+        if "mask" in kw:
+            dq = t.to_numpy(got[0])
+            assert np.all(dq[:, :, 1] == 0), "attention_vjp: a row with no key has nonzero dq"
+
+
+@case("merge_attention")
+def case_merge_attention_states_split_kv(t: Target, dtype: str, backend: str) -> None:
+    _, _, _, q64, k64, v64 = _inputs(t, dtype, 30, (2, 2, 5, 16), (2, 2, 23, 16), dv=8)
+    expected = ref.attention(q64, k64, v64)
+    bounds = (0, 7, 7, 15, 23)  # one empty chunk
+    outs, lses = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        o, s = ref.attention(q64, k64[..., lo:hi, :], v64[..., lo:hi, :])
+        outs.append(t.asarray(o, dtype))
+        lses.append(t.asarray(s, _acc(dtype)))
+    # the partial outputs are rounded to the dtype once before the merge; the bounds allow it
+    got = sk.merge_attention_states(outs, lses, backend=backend)
+    check_forward(t, dtype, got, expected, "merge_attention_states over key chunks")
+
+
+@case("merge_attention")
+def case_merge_attention_conventions(t: Target, dtype: str, backend: str) -> None:
+    rng = np.random.default_rng(31)
+    out_a64, out_b64 = rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 3, 4))
+    lse_a64 = rng.normal(scale=3.0, size=(2, 3))
+    lse_b64 = rng.normal(scale=3.0, size=(2, 3))
+    lse_a64[0, 0] = lse_b64[0, 0] = -np.inf  # both empty -> (0, -inf)
+    lse_b64[1, 2] = -np.inf  # one empty -> the other unchanged
+    out_a, out_b = t.asarray(out_a64, dtype), t.asarray(out_b64, dtype)
+    out_a64, out_b64 = t.to_numpy(out_a), t.to_numpy(out_b)
+    acc = _acc(dtype)
+    la, lb = t.asarray(lse_a64, acc), t.asarray(lse_b64, acc)
+    lse_a64, lse_b64 = t.to_numpy(la), t.to_numpy(lb)
+    expected = ref.merge_states(np.stack([out_a64, out_b64]), np.stack([lse_a64, lse_b64]))
+    got = sk.merge_attention(out_a, la, out_b, lb, backend=backend)
+    check_forward(t, dtype, got, expected, "merge_attention")
+    # FlashAttention 2 marks empty rows with lse = +inf (and may leave garbage in out)
+    fa_a = np.where(lse_a64 == -np.inf, np.inf, lse_a64)
+    fa_b = np.where(lse_b64 == -np.inf, np.inf, lse_b64)
+    garbage_b = np.where((lse_b64 == -np.inf)[..., None], np.nan, out_b64)
+    got = sk.merge_attention(out_a, t.asarray(fa_a, acc), t.asarray(garbage_b, dtype),
+                             t.asarray(fa_b, acc), empty_lse=math.inf, backend=backend)
+    check_forward(t, dtype, got, expected, "merge_attention empty_lse=+inf")
+    # FlashInfer's base-2 log-sum-exp
+    got_out, got_lse2 = sk.merge_attention(
+        out_a, t.asarray(lse_a64 / math.log(2.0), acc), out_b,
+        t.asarray(lse_b64 / math.log(2.0), acc), lse_base=2, backend=backend)
+    lse_e = t.asarray(t.to_numpy(got_lse2) * math.log(2.0), None)
+    check_forward(t, dtype, (got_out, lse_e), expected, "merge_attention lse_base=2")
+
+
+@case("merge_attention_vjp")
+def case_merge_attention_vjp(t: Target, dtype: str, backend: str) -> None:
+    rng = np.random.default_rng(32)
+    outs64 = rng.normal(size=(3, 4, 5))
+    lses64 = rng.normal(scale=2.0, size=(3, 4))
+    lses64[1, 0] = -np.inf
+    lses64[:, 3] = -np.inf
+    dout64, dlse64 = rng.normal(size=(4, 5)), rng.normal(size=(4,))
+    acc = _acc(dtype)
+    outs, lses = t.asarray(outs64, dtype), t.asarray(lses64, acc)
+    dout, dlse = t.asarray(dout64, dtype), t.asarray(dlse64, acc)
+    outs64, lses64, dout64, dlse64 = map(t.to_numpy, (outs, lses, dout, dlse))
+    douts, dlses = sk.merge_attention_vjp(outs, lses, dout, dlse, backend=backend)
+    douts, dlses = t.to_numpy(douts), t.to_numpy(dlses)
+    # float64 analytic gradient of the definition
+    out, lse = ref.merge_states(outs64, lses64)
+    empty = lses64 == -np.inf
+    a = np.where(empty, 0.0, np.exp(np.where(empty, 0.0, lses64 - np.where(
+        np.isfinite(lse), lse, 0.0))))
+    e_douts = a[..., None] * dout64
+    inner = np.where(empty, 0.0, np.sum(dout64 * (outs64 - out), axis=-1)) + dlse64
+    e_dlses = a * inner
+    tol = ATTENTION_TOLERANCES[dtype][2]
+    for name, g, e in (("douts", douts, e_douts), ("dlses", dlses, e_dlses)):
+        err = ref.rel_frobenius(g, e)
+        assert err <= tol, f"merge_attention_vjp [{dtype}]: {name} error {err:.3g} > {tol}"
+    assert np.all(douts[:, 3] == 0) and np.all(dlses[:, 3] == 0), (
+        "merge_attention_vjp: rows with every part empty must have zero gradient"
+    )
+    assert np.all(douts[1, 0] == 0) and dlses[1, 0] == 0, (
+        "merge_attention_vjp: an empty part must have zero gradient"
+    )

@@ -1,0 +1,98 @@
+"""The ``softmaxkit`` command: info, verify and bench."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import softmaxkit as sk
+from softmaxkit import registry
+from softmaxkit.cli import main
+
+# a backend that computes the wrong thing: log-probabilities where probabilities are due
+WRONG = {
+    "name": "wrong",
+    "serves": [{"ops": ["softmax"], "devices": ["cpu"], "dtypes": ["float32", "float64"]}],
+    "kernels": {"softmax": "softmaxkit.reference.rows:log_softmax"},
+}
+
+
+@pytest.fixture
+def wrong():
+    registry.register(WRONG)
+    yield "wrong"
+    registry.unregister("wrong")
+
+
+def test_info_prints_backends_and_the_dispatch_table(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "softmaxkit_loopback.manifest:manifest" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  softmax ")]
+    cpu32 = next(r for r in rows if r[1:3] == ["cpu", "float32"])
+    assert "reference" in " ".join(cpu32) and not cpu32[3].startswith("loopback")
+    assert "loopback (opt-in only)" in " ".join(cpu32)
+    bf16 = next(r for r in rows if r[1:3] == ["cpu", "bfloat16"])
+    assert "loopback" not in " ".join(bf16)
+    for op in sk.registry.OPERATIONS:
+        assert any(line.split()[:1] == [op] for line in out.splitlines()), op
+
+
+def test_info_follows_backend_opts(capsys):
+    with sk.backend_opts(prioritize="loopback"):
+        assert main(["info", "--op", "softmax", "--device", "cpu", "--dtype", "float32"]) == 0
+    row = [line.split() for line in capsys.readouterr().out.splitlines()
+           if line.startswith("  softmax ")]
+    assert len(row) == 1 and row[0][3] == "loopback?,"
+
+
+def test_verify_loopback_through_the_installed_command():
+    script = Path(sys.executable).with_name("softmaxkit")
+    assert script.exists(), "the [project.scripts] entry point is not installed"
+    proc = subprocess.run([str(script), "verify", "--backend", "loopback"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("loopback:")]
+    assert len(summary) == 1 and " 0 failed" in summary[0]
+    assert int(summary[0].split()[1]) > 0  # some cases passed
+    assert "FAILED" not in proc.stdout
+
+
+def test_verify_reports_a_wrong_backend_and_exits_1(wrong, capsys):
+    assert main(["verify", "--backend", "wrong", "--ops", "softmax"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "wrong:" in out
+
+
+def test_verify_rejects_unknown_backend_and_target(capsys):
+    assert main(["verify", "--backend", "no-such-backend"]) == 2
+    assert main(["verify", "--target", "no-such-target"]) == 2
+    err = capsys.readouterr().err
+    assert "not installed" in err and "no-such-target" in err
+
+
+def test_bench_quick_table_and_plot(tmp_path, capsys):
+    png = tmp_path / "bench.png"
+    assert main(["bench", "--quick", "--no-progress", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    for name in ("softmaxkit", "torch", "scipy", "copy", "GB/s", "max err"):
+        assert name in out, name
+    for op in ("softmax", "log_softmax", "logsumexp"):
+        assert any(line.split()[:1] == [op] for line in out.splitlines()), op
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_checks_results_before_timing(wrong, capsys):
+    with sk.backend_opts(prioritize="wrong"):
+        code = main(["bench", "--ops", "softmax", "--shapes", "8x64", "--no-progress"])
+    assert code == 1
+    assert "nothing was timed" in capsys.readouterr().err
+
+
+def test_bench_rejects_a_malformed_shape():
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--shapes", "4096"])
+    assert info.value.code == 2
