@@ -43,6 +43,8 @@ def _empty_lse(empty_lse: Any) -> float:
 
 
 def _causal(causal: Any) -> Any:
+    if isinstance(causal, np.bool_):
+        causal = bool(causal)
     key = causal if isinstance(causal, (bool, str)) or causal is None else object()
     if key not in CAUSAL:
         raise ValueError(
@@ -427,6 +429,7 @@ def merge_attention(
     """Merge two partial attention states ``(out, lse)``; see :func:`merge_attention_states`.
 
     Two empty states (``lse = -inf``, or ``+inf`` with ``empty_lse=inf``) give ``(0, -inf)``.
+    The gradient is ``merge_attention_vjp([out_a, out_b], [lse_a, lse_b], dout, dlse)``.
 
     Examples
     --------

@@ -256,12 +256,14 @@ class Run:
 
     device: str
     results: list[Result] = field(default_factory=list)
+    environment: str = ""
 
     def table(self) -> str:
         """The results as a text table, with each contender's speed relative to softmaxkit."""
         head = (f"{'op':<12} {'dtype':<9} {'shape':<12} {'contender':<11} {'ms':>9} "
                 f"{'GB/s':>8} {'sk speed-up':>11} {'max err':>9}  note")
-        lines = [head, "-" * len(head)]
+        lines = [self.environment, head, "-" * len(head)] if self.environment else [
+            head, "-" * len(head)]
         by_case: dict[tuple, list[Result]] = {}
         for r in self.results:
             by_case.setdefault((r.op, r.dtype, r.shape), []).append(r)
@@ -295,7 +297,7 @@ class Run:
         cases = list(dict.fromkeys((r.op, r.dtype, r.shape) for r in self.results))
         names = list(dict.fromkeys(r.contender for r in self.results))
         width = 0.8 / max(len(names), 1)
-        fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(cases)), 4.5))
+        fig, ax = plt.subplots(figsize=(min(24.0, max(6.0, 1.4 * len(cases))), 4.5))
         for i, name in enumerate(names):
             values = [next((r.gbps for r in self.results
                             if (r.op, r.dtype, r.shape) == c and r.contender == name), 0.0)
@@ -355,7 +357,7 @@ def run(
     # one input per (dtype, shape), shared by every operation and contender
     work = [(op, dt, tuple(s), c) for dt in dtypes for s in shapes for op in ops
             for c in [*contenders, ("copy", None, None)]]
-    out = Run(device)
+    out = Run(device, environment=_environment(device, [c[0] for c in contenders]))
     rng = np.random.default_rng(seed)
     inputs: dict[tuple[str, tuple[int, int]], tuple[np.ndarray, dict[str, np.ndarray]]] = {}
     for op, dtype, shape, (name, to_native, fns) in _progress(work, progress):
@@ -377,7 +379,8 @@ def run(
             continue
         try:
             native = to_native(x32, dtype, device)
-            got = fns[op](native)
+            with _trace() as trace:
+                got = fns[op](native)
         except Exception as exc:  # a peer without this dtype or op
             result.note = f"{type(exc).__name__}: {str(exc)[:60]}"
             continue
@@ -388,6 +391,7 @@ def run(
         finite = np.isfinite(expected[op])
         result.max_error = float(np.max(np.abs(got64 - expected[op])[finite], initial=0.0))
         if name == "softmaxkit":
+            result.note = "on " + ", ".join(dict.fromkeys(r.backend for r in trace))
             _check(op, got64, expected[op], _to_float64(native), dtype)
         result.seconds = time_call(lambda f=fns[op], a=native: f(a), device, repeats, min_time)
         result.gbps = OPERATIONS[op].traffic(_nbytes(native)) / result.seconds / 1e9
@@ -416,6 +420,31 @@ def _check(op: str, got: np.ndarray, expected: np.ndarray, x: np.ndarray, dtype:
         worst = np.unravel_index(np.argmax(err - bound), err.shape)
         raise AssertionError(f"bench {op} [{dtype}]: error {err[worst]:.3g} exceeds "
                              f"{bound[worst]:.3g}; softmaxkit is not timed on a wrong result")
+
+
+def _trace() -> Any:
+    from .registry import backend_opts
+
+    return backend_opts(trace=True)
+
+
+def _environment(device: str, names: list[str]) -> str:
+    """One line naming the versions and thread counts the figures depend on."""
+    import os
+
+    import softmaxkit
+
+    parts = [f"device {device}", f"softmaxkit {softmaxkit.__version__}", f"numpy {np.__version__}"]
+    if "torch" in names:
+        import torch
+
+        parts.append(f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    if "scipy" in names:
+        import scipy
+
+        parts.append(f"scipy {scipy.__version__}")
+    parts.append(f"{os.cpu_count()} CPUs")
+    return ", ".join(parts)
 
 
 def _nbytes(a: Any) -> int:

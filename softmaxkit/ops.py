@@ -24,12 +24,14 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     "softmax_vjp": ("probs", "cotangent", "where", "out_dtype"),
     "log_softmax_vjp": ("logprobs", "cotangent", "where", "out_dtype"),
     # online summaries (spec "Summaries"); rows flattened to R; acc = the accumulator dtype
-    # summarize(x [R, N], where None | bool [R, N], values None | [R, N, Dv])
+    # summarize(x [R, N], where None | bool [R, N], values None | [R, N, Dv] in x's dtype)
     #   -> (max [R], mass [R], numerator None | [R, Dv]), all in acc of x's dtype;
-    #   an empty row gives (-inf, 0, 0)
+    #   an empty row gives (-inf, 0, 0); excluded positions' values never leak in; an
+    #   allowed NaN gives NaN fields, an allowed +inf gives (+inf, NaN, NaN)
     "summarize": ("x", "where", "values"),
     # merge(maxes [S, R], masses [S, R], numerators None | [S, R, Dv]), S >= 1, all in acc
     #   -> (max [R], mass [R], numerator None | [R, Dv]); empty parts are the identity
+    #   (factor exactly 1 where a part's max equals the result's); NaN maxima propagate
     "merge": ("maxes", "masses", "numerators"),
     # attention (spec "Attention"); leading dims broadcast and flattened into B by the frontend
     # q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv]: one dtype, Hq % Hk == 0;

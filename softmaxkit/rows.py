@@ -326,13 +326,17 @@ def cross_entropy(
         loss = xp.sum(loss)
     elif reduction == "mean":
         loss = xp.sum(loss) * grad_scale
-    loss = xp.astype(loss, logits.dtype)
+    # numpy reductions give scalars; the result is always an array of the caller's library
+    loss = xp.asarray(xp.astype(loss, logits.dtype))
     if return_grad:
         return loss, layout.from_rows(xp, grad)
     return loss
 
 
-def _vjp(op: str, primal_name: str, primal: Any, cotangent: Any, axis: Any, where: Any) -> Any:
+def _vjp(
+    op: str, primal_name: str, primal: Any, cotangent: Any, axis: Any, where: Any,
+    backend: str | None,
+) -> Any:
     xp = args.namespace(**{primal_name: primal, "cotangent": cotangent, "where": where})
     primal = args.floating(xp, args.as_array(xp, primal, primal_name), primal_name)
     shape = tuple(primal.shape)
@@ -346,12 +350,15 @@ def _vjp(op: str, primal_name: str, primal: Any, cotangent: Any, axis: Any, wher
     w = args.mask(xp, where, shape, like=primal)
     out_dtype = xp.result_type(primal.dtype, cot.dtype)
     pr, cr, wr = (layout.to_rows(xp, v) for v in (primal, cot, w))
-    g = run(op, xp, pr, None, **{primal_name: pr, "cotangent": cr, "where": wr,
-                                  "out_dtype": out_dtype})
+    g = run(op, xp, pr, backend, **{primal_name: pr, "cotangent": cr, "where": wr,
+                                     "out_dtype": out_dtype})
     return layout.from_rows(xp, g)
 
 
-def softmax_vjp(probs: Any, cotangent: Any, axis: Any = None, *, where: Any = None) -> Any:
+def softmax_vjp(
+    probs: Any, cotangent: Any, axis: Any = None, *, where: Any = None,
+    backend: str | None = None,
+) -> Any:
     """Vector-Jacobian product of :func:`softmax`: ``p * (g - sum(p * g))``, in O(N).
 
     Parameters
@@ -364,17 +371,20 @@ def softmax_vjp(probs: Any, cotangent: Any, axis: Any = None, *, where: Any = No
         The axes the softmax normalized over.
     where : array_like of bool, optional
         The mask given to the softmax; excluded positions get gradient 0.
+    backend : str, optional
+        Run on this backend only.
 
     Returns
     -------
     array
         ``d <g, softmax(x)> / d x``, the shape of ``probs``; never forms the Jacobian.
     """
-    return _vjp("softmax_vjp", "probs", probs, cotangent, axis, where)
+    return _vjp("softmax_vjp", "probs", probs, cotangent, axis, where, backend)
 
 
 def log_softmax_vjp(
-    logprobs: Any, cotangent: Any, axis: Any = None, *, where: Any = None
+    logprobs: Any, cotangent: Any, axis: Any = None, *, where: Any = None,
+    backend: str | None = None,
 ) -> Any:
     """Vector-Jacobian product of :func:`log_softmax`: ``g - exp(logp) * sum(g)``, in O(N).
 
@@ -389,10 +399,12 @@ def log_softmax_vjp(
     where : array_like of bool, optional
         The mask given to the log_softmax; excluded positions (and positions whose
         log-probability is ``-inf``) get gradient 0, so a fully masked row has zero gradient.
+    backend : str, optional
+        Run on this backend only.
 
     Returns
     -------
     array
         ``d <g, log_softmax(x)> / d x``, the shape of ``logprobs``.
     """
-    return _vjp("log_softmax_vjp", "logprobs", logprobs, cotangent, axis, where)
+    return _vjp("log_softmax_vjp", "logprobs", logprobs, cotangent, axis, where, backend)

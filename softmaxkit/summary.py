@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
+import numpy as np
 
 from . import arguments as args
 from .dispatch import run
+from .dtypes import accumulator_dtype
 from .layout import RowLayout
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Summary:
     """The summary of the allowed logits along one axis, in the accumulator dtype.
 
@@ -43,6 +45,32 @@ class Summary:
     max: Any
     mass: Any
     numerator: Any = None
+
+    @classmethod
+    def empty(
+        cls, shape: tuple[int, ...] = (), values_dim: int | None = None, *, like: Any = None
+    ) -> Summary:
+        """The empty summary ``(-inf, 0, 0)``: the identity of :func:`merge`.
+
+        Parameters
+        ----------
+        shape : tuple of ints, optional
+            The batch shape.
+        values_dim : int, optional
+            ``Dv``; with it the summary carries a zero numerator.
+        like : array, optional
+            An array whose library, device and accumulator dtype the fields take (default:
+            numpy float64).
+        """
+        like = np.empty(0) if like is None else like
+        xp = array_api_compat.array_namespace(like)
+        dtype = accumulator_dtype(xp, like.dtype)
+        dev = array_api_compat.device(like)
+        num = None
+        if values_dim is not None:
+            num = xp.zeros(tuple(shape) + (values_dim,), dtype=dtype, device=dev)
+        return cls(xp.full(tuple(shape), -math.inf, dtype=dtype, device=dev),
+                   xp.zeros(tuple(shape), dtype=dtype, device=dev), num)
 
     @property
     def shape(self) -> tuple[int, ...]:

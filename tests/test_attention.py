@@ -66,6 +66,21 @@ def test_matches_torch_sdpa(lq, lk, hq, hk, causal):
     assert ref.rel_frobenius(got_t.double().numpy(), expected) < 1e-5
 
 
+@pytest.mark.parametrize("d, dv", [(16, 16), (64, 32), (128, 128), (256, 256)])
+def test_windows_masks_and_head_dims_match_torch_sdpa(d, dv):
+    q, k, v = _qkv(d, (2, 6, 9, d), (2, 3, 14, d), dv=dv)
+    padding = np.ones((2, 1, 1, 14), dtype=bool)
+    padding[1, ..., 10:] = False  # key padding for the second sequence
+    window = (3, 2)
+    full = padding & ref.allowed_mask(9, 14, "bottom_right", window)
+    expected = F.scaled_dot_product_attention(
+        *(torch.from_numpy(a) for a in (q, k, v)), attn_mask=torch.from_numpy(full),
+        enable_gqa=True,
+    ).numpy()
+    got = sk.attention(q, k, v, mask=padding, causal=True, window=window)
+    np.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-12)
+
+
 def test_top_left_is_torch_is_causal():
     q, k, v = _qkv(3, (1, 2, 4, 16), (1, 2, 9, 16))
     expected = F.scaled_dot_product_attention(
@@ -118,6 +133,16 @@ def test_sixteen_bit_inputs_accumulate_in_float32():
     e_out, e_lse = ref.attention(q, k, v)
     assert ref.rel_frobenius(out, e_out) < 1e-3
     assert np.max(np.abs(lse - e_lse)) < 1e-5  # the lse is never rounded to 16 bits
+
+
+@pytest.mark.parametrize("dtype, out_tol", [(np.float32, 1e-5), (np.float64, 1e-12)])
+def test_long_rows_stay_within_the_spec_bounds(dtype, out_tol):
+    q, k, v = _qkv(23, (1, 2, 16, 128), (1, 1, 5000, 128), dtype=dtype)
+    q = q * 4  # peaked rows: scores spread over tens of units
+    out, lse = sk.attention(q, k, v, causal=True, window=(3000, -1), return_lse=True)
+    e_out, e_lse = ref.attention(q, k, v, causal="bottom_right", window=(3000, -1))
+    assert ref.rel_frobenius(out, e_out) < out_tol
+    assert np.max(np.abs(lse - e_lse)) < out_tol
 
 
 def test_lse_base_two_and_scale():

@@ -93,7 +93,7 @@ def _torch_target(device: str) -> Target:
     import torch
 
     def asarray(a: np.ndarray, dtype: str | None = None) -> Any:
-        t = torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        t = torch.from_numpy(np.array(a, order="C", copy=True)).to(device)
         return t.to(getattr(torch, dtype)) if dtype else t
 
     def to_numpy(a: Any) -> np.ndarray:

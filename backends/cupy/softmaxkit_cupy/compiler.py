@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ _lock = threading.Lock()
 _modules: dict[tuple[str, tuple[str, ...]], Any] = {}
 
 
-@lru_cache(maxsize=None)
+@cache
 def source(filename: str) -> str:
     """The text of ``kernels/filename`` with its local includes inlined (each once)."""
     seen: set[str] = set()

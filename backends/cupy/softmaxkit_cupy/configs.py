@@ -89,6 +89,52 @@ def row_modules() -> list[tuple[str, str, str, list[str]]]:
     ]
 
 
+ATTENTION_DTYPES = ("float16", "bfloat16")
+ATTENTION_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One forward tile shape: ``warps`` warps of 16 query rows, ``block_n`` keys per tile."""
+
+    head_dim: int
+    warps: int = 4
+    block_n: int = 64
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per block."""
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 32 * self.warps
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: the Q tile and two stages of K and V tiles (16-bit)."""
+        return (self.block_m + 4 * self.block_n) * self.head_dim * 2
+
+    def name(self, dtype: str) -> str:
+        """The C++ name expression of the forward kernel for ``dtype``."""
+        return f"sk_attn_fwd<{CTYPES[dtype]}, {self.head_dim}, {self.warps}, {self.block_n}>"
+
+
+ATTENTION_CONFIGS = {d: AttentionConfig(d) for d in ATTENTION_HEAD_DIMS}
+
+
+def attention_config(head_dim: int) -> AttentionConfig:
+    """The forward configuration for ``head_dim`` (a key of :data:`ATTENTION_CONFIGS`)."""
+    return ATTENTION_CONFIGS[head_dim]
+
+
+def attention_names() -> tuple[str, ...]:
+    """Every name expression of kernels/attention.cu (one module holds them all)."""
+    return tuple(c.name(t) for c in ATTENTION_CONFIGS.values() for t in ATTENTION_DTYPES)
+
+
 def all_modules() -> list[tuple[str, list[str]]]:
     """Every ``(source file, name expressions)`` module the backend may build on a device."""
-    return [("rows.cu", names) for _, _, _, names in row_modules()]
+    modules = [("rows.cu", names) for _, _, _, names in row_modules()]
+    modules.append(("attention.cu", list(attention_names())))
+    return modules

@@ -11,7 +11,14 @@ import importlib.util
 import math
 from typing import Any
 
-from .configs import ITEMSIZE, ROW_DTYPE_PAIRS, ROW_OPS, max_row_length
+from .configs import (
+    ATTENTION_DTYPES,
+    ATTENTION_HEAD_DIMS,
+    ITEMSIZE,
+    ROW_DTYPE_PAIRS,
+    ROW_OPS,
+    max_row_length,
+)
 
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -22,9 +29,13 @@ PRIORITY = 20
 def manifest() -> dict[str, Any]:
     """The manifest of the ``cupy`` backend (see :mod:`softmaxkit.registry`)."""
     kernels = {op: f"softmaxkit_cupy.rows:{op}" for op in ROW_OPS}
+    kernels["attention"] = "softmaxkit_cupy.attention:attention"
     return {
         "name": "cupy",
-        "serves": [{"ops": sorted(kernels), "devices": ["cuda"], "dtypes": list(DTYPES)}],
+        "serves": [
+            {"ops": sorted(ROW_OPS), "devices": ["cuda"], "dtypes": list(DTYPES)},
+            {"ops": ["attention"], "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
+        ],
         "kernels": kernels,
         "priority": PRIORITY,
         "install_hint": "pip install softmaxkit-cupy (needs cupy-cuda13x and an NVIDIA GPU)",
@@ -55,7 +66,42 @@ def can_run(call: Any) -> bool | str:
         return "cupy is not installed"
     if call.op in ROW_OPS:
         return _can_run_rows(call)
+    if call.op == "attention":
+        return _can_run_attention(call)
     return f"no kernel for {call.op}"
+
+
+def _can_run_attention(call: Any) -> bool | str:
+    args = call.args
+    q, k, v, mask = args["q"], args["k"], args["v"], args.get("mask")
+    lib = _library(q)
+    if lib is None:
+        return f"inputs must be CuPy arrays or PyTorch CUDA tensors, got {type(q).__name__}"
+    if any(_library(a) != lib for a in (k, v) + ((mask,) if mask is not None else ())):
+        return "q, k, v and mask must live in one library"
+    return attention_reason(
+        _name(q.dtype), tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    ) or True
+
+
+def attention_reason(
+    dtype: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...]
+) -> str | None:
+    """Why the forward kernel cannot run these inputs, or None when it can."""
+    if dtype not in ATTENTION_DTYPES:
+        return f"the attention kernels take {ATTENTION_DTYPES}, not {dtype}"
+    b, hq, lq, d = q_shape
+    if d not in ATTENTION_HEAD_DIMS:
+        return f"head dimension {d} is not one of {ATTENTION_HEAD_DIMS}"
+    if v_shape[-1] != d:
+        return f"value head dimension {v_shape[-1]} differs from the key head dimension {d}"
+    if b == 0 or hq == 0 or lq == 0:
+        return "zero-size queries are left to the reference"
+    if b > 65535 or hq > 65535:
+        return "more than 65535 batches or heads per launch"
+    if max(lq, k_shape[2]) >= 2**31 // 256:
+        return "sequences too long for 32-bit indexing"
+    return None
 
 
 def _can_run_rows(call: Any) -> bool | str:

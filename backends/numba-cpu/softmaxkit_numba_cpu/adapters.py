@@ -18,7 +18,7 @@ from array_api_compat import is_numpy_namespace, is_torch_namespace
 from softmaxkit.dtypes import FLOAT_DTYPES, dtype_name
 from softmaxkit.ops import Call
 
-_STORAGE = {"float16": np.int16, "bfloat16": np.uint16}
+_STORAGE = {"float16": np.int16, "bfloat16": np.uint16}  # see bits.py
 _NO_MASK = np.ones((1, 1), dtype=bool)
 
 
@@ -36,7 +36,7 @@ def _decline_array(name: str, value: Any, lib: str) -> str | None:
         if not isinstance(value, np.ndarray):
             return None  # Python scalars (grad_scale) are fine
         if type(value) is not np.ndarray:
-            return f"{name} is a {type(value).__name__}, a numpy subclass this backend does not read"
+            return f"{name} is a {type(value).__name__}, a numpy subclass it does not read"
         if not value.dtype.isnative:
             return f"{name} is not in native byte order (dtype {value.dtype.str})"
         return None
@@ -75,8 +75,13 @@ def can_run(call: Call) -> bool | str:
     if call.dtype not in FLOAT_DTYPES:
         return f"numba-cpu has no kernel for dtype {call.dtype}"
     out_dtype = call.args.get("out_dtype")
-    if out_dtype is not None and dtype_name(out_dtype) not in FLOAT_DTYPES:
-        return f"numba-cpu cannot write dtype {dtype_name(out_dtype)}"
+    if out_dtype is not None:
+        try:
+            name = numpy_dtype(out_dtype).name
+        except TypeError:
+            name = str(out_dtype)
+        if name not in FLOAT_DTYPES:
+            return f"numba-cpu cannot write dtype {name}"
     for name, value in call.args.items():
         reason = _decline_array(name, value, lib)
         if reason:
@@ -140,6 +145,57 @@ def empty(shape: tuple[int, ...], dtype: Any, like: Any) -> tuple[Any, np.ndarra
     return result, storage(numpy_view(result))
 
 
-def accumulator(name: str) -> type:
-    """The numpy accumulator type for inputs of dtype ``name``."""
-    return np.float64 if name == "float64" else np.float32
+def accumulator(dtype: np.dtype) -> type:
+    """The numpy accumulator type for inputs of ``dtype``: float64 for float64, else float32."""
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+class Output:
+    """A result in the caller's library and the storage the kernel writes into.
+
+    When the kernel's compute dtype is the result's dtype, the kernel writes the result in
+    place; otherwise it writes a temporary in the compute dtype, converted once by
+    :meth:`finish` (so no kernel is compiled for each pair of input and output dtypes).
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, like: Any, compute: np.dtype):
+        self.result, direct = empty(shape, dtype, like)
+        if numpy_view(self.result).dtype == compute:
+            self.storage, self._temp = direct, None
+        else:
+            self._temp = np.empty(shape, dtype=compute)
+            self.storage = storage(self._temp)
+
+    def finish(self) -> Any:
+        """The result, after converting the temporary if there is one."""
+        if self._temp is not None:
+            numpy_view(self.result)[...] = self._temp
+        return self.result
+
+
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype (ml_dtypes for bfloat16) of a numpy or torch dtype."""
+    try:
+        return _NUMPY_DTYPES[dtype]
+    except KeyError:
+        pass
+    name = dtype_name(dtype)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        found = np.dtype(ml_dtypes.bfloat16)
+    else:
+        found = np.dtype(name)
+    _NUMPY_DTYPES[dtype] = found
+    return found
+
+
+_NUMPY_DTYPES: dict[Any, np.dtype] = {}
+
+
+def compute_input(view: np.ndarray, out_dtype: Any) -> np.ndarray:
+    """``view`` itself when the result has its dtype; else ``view`` in its accumulator dtype."""
+    if numpy_dtype(out_dtype) == view.dtype:
+        return view
+    acc = accumulator(view.dtype)
+    return view if view.dtype == acc else view.astype(acc)

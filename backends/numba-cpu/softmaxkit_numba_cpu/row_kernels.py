@@ -18,7 +18,7 @@ from numba import njit, prange
 
 from .bits import like, put, widen
 from .exp import exp_nonpos
-from .lanes import EMPTY, FASTMATH, NAN, NORMAL, POSINF, row_stats
+from .lanes import EMPTY, NAN, NORMAL, POSINF, row_stats
 
 
 @njit(cache=True)
@@ -30,7 +30,7 @@ def _fill(out, value):
 # -- softmax ---------------------------------------------------------------------------------
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(cache=True)
 def softmax_row(x, w, has_where, masked_nan, exact, out):
     """exp(x - m) / s; ``exact``: ``out`` holds the accumulator (store, then scale in place)."""
     kind, m, s = row_stats(x, w, has_where, out, exact)
@@ -67,7 +67,7 @@ def softmax_ser(x, w, wstep, has_where, masked_nan, exact, out):
 # -- log_softmax -----------------------------------------------------------------------------
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(cache=True)
 def log_softmax_row(x, w, has_where, masked_nan, out):
     """(x - m) - log(s); excluded positions -inf."""
     kind, m, s = row_stats(x, w, has_where, out, False)
@@ -107,7 +107,7 @@ def log_softmax_ser(x, w, wstep, has_where, masked_nan, out):
 # -- logsumexp -------------------------------------------------------------------------------
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(cache=True)
 def logsumexp_row(x, w, has_where):
     """``(lse, sign)`` of one row without weights."""
     kind, m, s = row_stats(x, w, has_where, x, False)
@@ -140,65 +140,56 @@ def logsumexp_ser(x, w, wstep, has_where, lse, sign):
 def logsumexp_b_row(x, b, w, has_where, return_sign):
     """``(lse, sign)`` of ``log |sum b exp(x)|``; ``b == 0`` excludes a position (as SciPy).
 
-    Scalar code: the weighted form is off the fast path.  As in the reference, a +inf row
-    sums the weights standing at +inf logits, and a NaN weight anywhere makes the row NaN.
+    Scalar code (the weighted form is off the fast path); ``x`` and ``b`` are in the
+    accumulator.  A NaN weight on an allowed position makes the row NaN; a +inf row is
+    +inf with the sign of the weights at its +inf positions (NaN when they disagree).
     """
     n = x.shape[0]
+    zero = like(b, 0.0)
     m = like(b, -np.inf)
     has_nan = False
     posinf = False
     nan_b = False
+    up = False
+    down = False
     for j in range(n):
         bj = b[j]
+        v = x[j]
+        if (has_where and not w[j]) or bj == 0 or v == -np.inf:
+            continue
         if bj != bj:
             nan_b = True
-        if (has_where and not w[j]) or bj == 0:
-            continue
-        v = widen(x[j])
         if v != v:
             has_nan = True
         elif v == np.inf:
             posinf = True
+            up = up or bj > 0
+            down = down or bj < 0
         elif v > m:
             m = v
-    zero = like(b, 0.0)
-    total = 0.0
-    shift = zero
     if has_nan:
-        kind = NAN
-    elif posinf:
-        kind = POSINF
-        for j in range(n):
-            if widen(x[j]) == np.inf:
-                total += b[j]
-    elif m == -np.inf:
-        kind = EMPTY
-        for j in range(n):
-            total += zero * b[j]
-    else:
-        kind = NORMAL
-        shift = m
+        return like(b, np.nan), like(b, np.nan)
+    if posinf:
+        if nan_b or (up and down):
+            return like(b, np.nan), like(b, np.nan)
+        if down and not return_sign:
+            return like(b, np.nan), like(b, -1.0)
+        return like(b, np.inf), like(b, -1.0) if down else like(b, 1.0)
+    if nan_b:
+        return like(b, np.nan), like(b, np.nan)
+    total = 0.0
+    if m != -np.inf:
         for j in range(n):
             bj = b[j]
-            allowed = not (has_where and not w[j]) and bj != 0
-            e = exp_nonpos(widen(x[j]) - m) if allowed else zero
-            total += e * bj
+            if (has_where and not w[j]) or bj == 0:
+                continue
+            total += exp_nonpos(x[j] - m) * bj
     t = like(b, total)
-    if nan_b:
-        t = like(b, np.nan)
-    sign = like(b, np.nan) if t != t else (like(b, 1.0) if t > 0 else (
-        like(b, -1.0) if t < 0 else zero))
-    mag = abs(t)
-    if mag == 0:
-        lse = like(b, -np.inf)
-    else:
-        lse = like(b, math.log(mag)) + shift
-        if kind == POSINF:
-            lse = like(b, np.inf)
-    if kind == NAN:
-        lse = like(b, np.nan)
-        sign = like(b, np.nan)
-    if not return_sign and sign < 0:
+    sign = like(b, 1.0) if t > 0 else (like(b, -1.0) if t < 0 else zero)
+    if t == 0:
+        return like(b, -np.inf), sign
+    lse = like(b, math.log(abs(t))) + m
+    if not return_sign and t < 0:
         lse = like(b, np.nan)
     return lse, sign
 
@@ -214,61 +205,55 @@ def logsumexp_b_ser(x, b, w, wstep, has_where, return_sign, lse, sign):
 # -- cross entropy ---------------------------------------------------------------------------
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(cache=True)
 def cross_entropy_row(x, w, has_where, target, probs, has_index, eps, valid, scale, want_grad,
                       grad):
     """Loss ``-sum_{y != 0} y log p`` and, if ``want_grad``, ``grad = scale * (p - y)``.
 
     ``y`` is the one-hot of ``target`` (``has_index``) or ``probs``, smoothed by ``eps`` over
-    the allowed positions.
+    the included classes (allowed by ``w``, logit above -inf); excluded classes have
+    ``log p = -inf`` and gradient 0.
     """
     n = x.shape[0]
     kind, m, s = row_stats(x, w, has_where, x, False)
     zero = like(m, 0.0)
     one = like(m, 1.0)
     ninf = like(m, -np.inf)
-    nan = like(m, np.nan)
-    count = n
-    if has_where:
-        count = 0
-        for j in range(n):
-            count += 1 if w[j] else 0
+    special = kind == NAN or kind == POSINF
+    count = 0
+    for j in range(n):
+        count += 1 if (not has_where or w[j]) and widen(x[j]) != -np.inf else 0
     share = eps / like(m, count if count else 1)
     keep = one - eps
     ls = like(m, math.log(s)) if kind == NORMAL else zero
     loss = 0.0
     for j in range(n):
-        allowed = not has_where or w[j]
+        included = (not has_where or w[j]) and widen(x[j]) != -np.inf
         y = (one if j == target else zero) if has_index else probs[j]
         if eps != 0:
-            y = keep * y + (share if allowed else zero)
+            y = keep * y + (share if included else zero)
         if y != 0:
-            if kind == NORMAL:
-                logp = (widen(x[j]) - m) - ls if allowed else ninf
-            elif kind == EMPTY:
-                logp = ninf
-            else:
-                logp = zero
+            logp = (widen(x[j]) - m) - ls if included else ninf
             loss -= y * logp
     out = like(m, loss)
-    if kind == NAN or kind == POSINF:
-        out = nan
+    if special:
+        out = like(m, np.nan)
     if not valid:
         out = zero
     if want_grad:
-        inv = one / s if kind == NORMAL else zero
-        for j in range(n):
-            allowed = not has_where or w[j]
-            y = (one if j == target else zero) if has_index else probs[j]
-            if eps != 0:
-                y = keep * y + (share if allowed else zero)
-            if kind == NORMAL:
-                p = exp_nonpos(widen(x[j]) - m) * inv if allowed else zero
-            elif kind == EMPTY:
-                p = zero
-            else:
-                p = nan
-            put(grad, j, (p - y) * scale if valid else zero)
+        if not valid:
+            _fill(grad, zero)
+        elif special:
+            _fill(grad, like(m, np.nan))
+        else:
+            inv = one / s if kind == NORMAL else zero
+            for j in range(n):
+                included = (not has_where or w[j]) and widen(x[j]) != -np.inf
+                y = (one if j == target else zero) if has_index else probs[j]
+                if eps != 0:
+                    y = keep * y + (share if included else zero)
+                p = exp_nonpos(widen(x[j]) - m) * inv if included else zero
+                put(grad, j, (p - y) * scale if included else zero)
     return out
 
 
@@ -295,29 +280,21 @@ def cross_entropy_par(x, w, wstep, has_where, target, probs, pstep, has_index, e
 # -- vector-Jacobian products ----------------------------------------------------------------
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(cache=True)
 def softmax_vjp_row(p, c, w, has_where, out):
-    """g = p * (c - sum(p * c)) over allowed positions; a zero probability contributes 0."""
+    """g = p * (c - sum(p * c)); positions excluded by ``w`` or with p == 0 take no part."""
     n = p.shape[0]
     zero = like(p, 0.0)
     dot = 0.0
     for j in range(n):
         pj = widen(p[j])
-        cj = like(pj, widen(c[j]))
-        if has_where and not w[j]:
-            pj = zero
-            cj = zero
-        cj = zero if pj == 0 else cj
-        dot += pj * cj
+        part = pj != 0 and not (has_where and not w[j])
+        dot += pj * like(pj, widen(c[j])) if part else zero
     d = like(zero, dot)
     for j in range(n):
         pj = widen(p[j])
-        cj = like(pj, widen(c[j]))
-        if has_where and not w[j]:
-            pj = zero
-            cj = zero
-        cj = zero if pj == 0 else cj
-        put(out, j, pj * (cj - d))
+        part = pj != 0 and not (has_where and not w[j])
+        put(out, j, pj * (like(pj, widen(c[j])) - d) if part else zero)
 
 
 @njit(parallel=True, cache=True)
@@ -332,7 +309,7 @@ def softmax_vjp_ser(p, c, w, wstep, has_where, out):
         softmax_vjp_row(p[i], c[i], w[i * wstep], has_where, out[i])
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(cache=True)
 def log_softmax_vjp_row(lp, c, w, has_where, out):
     """g = c - exp(log p) * sum(c) over allowed positions (log p > -inf); others 0."""
     n = lp.shape[0]

@@ -13,7 +13,16 @@ import numba
 import numpy as np
 
 from . import row_kernels as k
-from .adapters import accumulator, empty, mask_rows, numpy_view, rows, storage
+from .adapters import (
+    Output,
+    accumulator,
+    compute_input,
+    mask_rows,
+    numpy_dtype,
+    numpy_view,
+    rows,
+    storage,
+)
 
 PARALLEL_MIN_ELEMENTS = 1 << 15
 """Below this many elements one thread is faster than starting Numba's thread pool.
@@ -28,35 +37,32 @@ def parallel(r: int, n: int) -> bool:
     return r > 1 and r * n >= PARALLEL_MIN_ELEMENTS and numba.get_num_threads() > 1
 
 
-def _input(x: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The numpy view of ``x`` and its ``[R, N]`` storage rows."""
+def _plan(x: Any, out_dtype: Any) -> tuple[np.ndarray, np.ndarray, np.dtype]:
+    """``x``'s numpy view, the ``[R, N]`` storage rows the kernel reads, and their dtype.
+
+    When the result dtype differs from the input's, the kernel runs in the input's
+    accumulator dtype (:func:`~.adapters.compute_input`) and the result is converted once.
+    """
     view = numpy_view(x)
-    return view, rows(storage(view))
-
-
-def _cast_rows(a: Any, like: np.ndarray, acc: type) -> np.ndarray:
-    """``a``'s rows in ``like``'s storage when the dtypes agree, else in the accumulator."""
-    view = numpy_view(a)
-    if view.dtype == like.dtype:
-        return rows(storage(view))
-    return rows(view.astype(acc))
+    xin = compute_input(view, out_dtype)
+    return view, rows(storage(xin)), xin.dtype
 
 
 def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
-    view, x2 = _input(x)
+    view, x2, compute = _plan(x, out_dtype)
     w2, wstep, has_where = mask_rows(where)
-    result, out = empty(view.shape, out_dtype, x)
-    o2 = out.reshape(x2.shape)
+    out = Output(view.shape, out_dtype, x, compute)
+    o2 = out.storage.reshape(x2.shape)
     nan = masked == "nan"
     par = parallel(*x2.shape)
     if which == "softmax":
-        exact = out.dtype.kind == "f"
+        exact = o2.dtype.kind == "f"
         run = k.softmax_par if par else k.softmax_ser
         run(x2, w2, wstep, has_where, nan, exact, o2)
     else:
         run = k.log_softmax_par if par else k.log_softmax_ser
         run(x2, w2, wstep, has_where, nan, o2)
-    return result
+    return out.finish()
 
 
 def softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
@@ -73,19 +79,25 @@ def logsumexp(
     xp: Any, *, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
 ) -> Any:
     """``log |sum b exp(x)|`` along the last axis, and its sign when ``return_sign``."""
-    view, x2 = _input(x)
     w2, wstep, has_where = mask_rows(where)
+    if b is None:
+        view, x2, compute = _plan(x, out_dtype)
+    else:
+        # weighted: x and b in the accumulator of the result dtype (float64 if either is)
+        view = numpy_view(x)
+        compute = np.dtype(accumulator(numpy_dtype(out_dtype)))
+        x2 = rows(view.astype(compute))
+        b2 = rows(numpy_view(b).astype(compute))
     batch = view.shape[:-1]
-    lse, lse_s = empty(batch, out_dtype, x)
-    sign, sign_s = empty(batch, out_dtype, x)
-    lse_s, sign_s = lse_s.reshape(-1), sign_s.reshape(-1)
+    lse = Output(batch, out_dtype, x, compute)
+    sign = Output(batch, out_dtype, x, compute)
+    lse_s, sign_s = lse.storage.reshape(-1), sign.storage.reshape(-1)
     if b is None:
         run = k.logsumexp_par if parallel(*x2.shape) else k.logsumexp_ser
         run(x2, w2, wstep, has_where, lse_s, sign_s)
     else:
-        b2 = rows(numpy_view(b).astype(accumulator(view.dtype.name)))
         k.logsumexp_b_ser(x2, b2, w2, wstep, has_where, bool(return_sign), lse_s, sign_s)
-    return (lse, sign) if return_sign else lse
+    return (lse.finish(), sign.finish()) if return_sign else lse.finish()
 
 
 def cross_entropy(
@@ -101,8 +113,8 @@ def cross_entropy(
     out_dtype: Any,
 ) -> tuple[Any, Any]:
     """Per-row cross-entropy from logits and, when ``grad_scale`` is given, its gradient."""
-    view, x2 = _input(logits)
-    acc = accumulator(view.dtype.name)
+    view, x2, compute = _plan(logits, out_dtype)
+    acc = accumulator(view.dtype)
     w2, wstep, has_where = mask_rows(where)
     r = x2.shape[0]
     if index is not None:
@@ -111,39 +123,40 @@ def cross_entropy(
     else:
         target = np.zeros(1, dtype=np.int64)
         p2, pstep = rows(numpy_view(probs).astype(acc)), 1
-    loss_dtype = xp.float64 if acc is np.float64 else xp.float32
-    loss, loss_s = empty(view.shape[:-1], loss_dtype, logits)
+    loss = Output(view.shape[:-1], xp.float64 if acc is np.float64 else xp.float32, logits,
+                  np.dtype(acc))
     want_grad = grad_scale is not None
-    if want_grad:
-        grad, grad_s = empty(view.shape, out_dtype, logits)
-        grad_s, gstep = grad_s.reshape(x2.shape), 1
-    else:
-        grad = None
-        _, grad_s = empty((1, 0), out_dtype, logits)
-        gstep = 0
+    grad = Output(view.shape if want_grad else (1, 0), out_dtype, logits, compute)
+    grad_s = grad.storage.reshape(x2.shape if want_grad else (1, 0))
     run = k.cross_entropy_par if parallel(*x2.shape) else k.cross_entropy_ser
     run(
         x2, w2, wstep, has_where, target, p2, pstep, index is not None,
         acc(label_smoothing), -1 if ignore_index is None else int(ignore_index),
         ignore_index is not None, acc(float(grad_scale) if want_grad else 0.0), want_grad,
-        loss_s.reshape(r), grad_s, gstep,
+        loss.storage.reshape(r), grad_s, 1 if want_grad else 0,
     )
-    return loss, grad
+    return loss.finish(), grad.finish() if want_grad else None
 
 
 def _vjp(which: str, primal: Any, cotangent: Any, where: Any, out_dtype: Any) -> Any:
-    view, p2 = _input(primal)
-    c2 = _cast_rows(cotangent, view, accumulator(view.dtype.name))
+    view, cot = numpy_view(primal), numpy_view(cotangent)
+    out_np = numpy_dtype(out_dtype)
+    if view.dtype == cot.dtype == out_np:
+        compute = out_np
+    else:  # mixed dtypes: both in the accumulator of the result dtype, as the reference
+        compute = np.dtype(accumulator(out_np))
+        view, cot = view.astype(compute, copy=False), cot.astype(compute, copy=False)
+    p2, c2 = rows(storage(view)), rows(storage(cot))
     w2, wstep, has_where = mask_rows(where)
-    result, out = empty(view.shape, out_dtype, primal)
-    o2 = out.reshape(p2.shape)
+    out = Output(view.shape, out_dtype, primal, compute)
+    o2 = out.storage.reshape(p2.shape)
     par = parallel(*p2.shape)
     if which == "softmax":
         run = k.softmax_vjp_par if par else k.softmax_vjp_ser
     else:
         run = k.log_softmax_vjp_par if par else k.log_softmax_vjp_ser
     run(p2, c2, w2, wstep, has_where, o2)
-    return result
+    return out.finish()
 
 
 def softmax_vjp(xp: Any, *, probs: Any, cotangent: Any, where: Any, out_dtype: Any) -> Any:
@@ -156,4 +169,3 @@ def log_softmax_vjp(
 ) -> Any:
     """``g - exp(logp) * sum(g)`` along the last axis."""
     return _vjp("log_softmax", logprobs, cotangent, where, out_dtype)
-

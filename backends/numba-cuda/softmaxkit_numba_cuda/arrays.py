@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
 from softmaxkit.dtypes import dtype_name
 
 from .intrinsics import SIMULATOR, cuda
@@ -70,16 +71,17 @@ def empty(xp: Any, like: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     return xp.empty(shape, dtype=dtype, device=getattr(like, "device", None))
 
 
-def dummy(lib: str, device: Any) -> Any:
-    """A tiny boolean array standing for an absent optional argument."""
-    key = (lib, str(device))
+def dummy(lib: str, device: Any, dtype: str = "bool") -> Any:
+    """A tiny ``[1, 1]`` array standing for an absent optional argument of ``dtype``."""
+    key = (lib, str(device), dtype)
     d = _dummies.get(key)
     if d is None:
+        np_dtype = np.int16 if dtype == "bfloat16" else np.dtype(dtype)
         if lib == "numpy" or SIMULATOR:
-            d = np.ones((1, 1), dtype=np.bool_)
+            d = np.ones((1, 1), dtype=np_dtype)
         else:
             with _on_device(device_index(device, lib)):
-                d = cuda.device_array((1, 1), dtype=np.bool_)
+                d = cuda.device_array((1, 1), dtype=np_dtype)
         _dummies[key] = d
     return d
 

@@ -64,6 +64,28 @@ if SIMULATOR:
         th.syncthreads()
         return other
 
+    def warp_butterfly(value, combine):
+        """The xor-butterfly all-reduce of ``value`` over the warp, as ``shfl_xor`` steps do it.
+
+        Lane 0 replays the five exchange steps for all 32 lanes (two barriers instead of ten);
+        every thread of the block must call it.
+        """
+        th = threading.current_thread()
+        state = th._manager.__dict__
+        deposit = state.setdefault("softmaxkit_deposit", {})
+        result = state.setdefault("softmaxkit_result", {})
+        lane = th.thread_id % 32
+        base = th.thread_id - lane
+        deposit[th.thread_id] = value
+        th.syncthreads()
+        if lane == 0:
+            vals = [deposit[base + k] for k in range(32)]
+            for off in (16, 8, 4, 2, 1):
+                vals = [combine(vals[k], vals[k ^ off]) for k in range(32)]
+            result[base] = vals
+        th.syncthreads()
+        return result[base][lane]
+
 else:
     from numba.cuda import libdevice
 
@@ -122,3 +144,20 @@ def f32_to_bf16(value):
     u = bits_from_f32(float32(value))
     rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     return int32(rounded & 0xFFFF)
+
+
+_REGISTERS = {1: 32, 2: 32, 4: 32, 8: 40, 16: 56, 32: 64}
+
+
+def kernel(block: int, slots: int, wide: bool = False):
+    """Decorator compiling a kernel for blocks of ``block`` threads holding ``slots`` values.
+
+    On the GPU the register budget grows with the values each thread holds (doubled for
+    float64, ``wide``), is capped so that a block always fits one multiprocessor (64K
+    registers), and is low enough for short rows that 2048 threads can be resident per
+    multiprocessor, keeping enough loads in flight to saturate memory.
+    """
+    if SIMULATOR:
+        return cuda.jit
+    budget = _REGISTERS.get(slots, 64) * (2 if wide else 1)
+    return cuda.jit(max_registers=max(32, min(255, budget, 65536 // block)))

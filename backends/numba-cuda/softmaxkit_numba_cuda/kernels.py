@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from softmaxkit.dtypes import accumulator_name, dtype_name, lookup
+import numpy as np
+
+from softmaxkit.dtypes import FLOAT_DTYPES, accumulator_name, lookup
+from softmaxkit.dtypes import dtype_name as _dtype_name
 
 from . import plan as plans
 from . import rowkernels
@@ -18,8 +21,18 @@ from .arrays import dummy, empty, kernel_view, launch, library, rows
 from .intrinsics import SIMULATOR
 
 
-def _plan(n: int) -> plans.Plan:
-    return plans.choose(n, simulator=SIMULATOR)
+def dtype_name(dtype: Any) -> str:
+    """The name of a dtype, also for numpy scalar types such as ``np.float32``."""
+    name = _dtype_name(dtype)
+    if name not in FLOAT_DTYPES and isinstance(dtype, type):
+        name = np.dtype(dtype).name
+    return name
+
+
+def _plan(n: int, kind: str, arrays: int = 1) -> plans.Plan:
+    """The plan for rows of ``n`` of storage ``kind``, caching ``arrays`` arrays per row."""
+    slots = plans.MAX_SLOTS // arrays // (2 if kind == "float64" else 1)
+    return plans.choose(n, simulator=SIMULATOR, max_slots=slots)
 
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
@@ -29,15 +42,16 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
         return out
     xr = rows(x, lib)
     n_rows, n = xr.shape
-    p = _plan(n)
+    p = _plan(n, dtype_name(x.dtype))
     kernel = rowkernels.normalize(
         op, dtype_name(x.dtype), dtype_name(out_dtype), p.threads, p.slots,
-        p.rows_per_block, p.cached, where is not None, masked == "nan",
+        p.rows_per_block, p.cached,
     )
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     with launch(x, lib) as stream:
         kernel[p.grid(n_rows), p.block, stream](
-            kernel_view(xr, lib), w, kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.tiles
+            kernel_view(xr, lib), w, where is not None, masked == "nan",
+            kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.tiles,
         )
     return out
 
@@ -65,16 +79,18 @@ def logsumexp(
     if out.size:
         xr = rows(x, lib)
         n_rows, n = xr.shape
-        p = _plan(n)
+        p = _plan(n, dtype_name(x.dtype))
         kernel = rowkernels.logsumexp(
             dtype_name(x.dtype), dtype_name(out_dtype), p.threads, p.slots, p.rows_per_block,
-            where is not None, bool(return_sign),
         )
+        kout = dtype_name(out_dtype)
         w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
-        s = kernel_view(sign.reshape(n_rows, 1), lib) if return_sign else dummy(lib, x.device)
+        s = (kernel_view(sign.reshape(n_rows, 1), lib) if return_sign
+             else dummy(lib, x.device, kout))
         with launch(x, lib) as stream:
             kernel[p.grid(n_rows), p.block, stream](
-                kernel_view(xr, lib), w, kernel_view(out.reshape(n_rows, 1), lib), s,
+                kernel_view(xr, lib), w, where is not None,
+                kernel_view(out.reshape(n_rows, 1), lib), s, bool(return_sign),
                 n_rows, n, p.tiles,
             )
     return (out, sign) if return_sign else out
@@ -105,10 +121,9 @@ def cross_entropy(
         return loss, grad
     xr = rows(logits, lib)
     n_rows, n = xr.shape
-    p = _plan(n)
+    p = _plan(n, kin)
     kernel = rowkernels.cross_entropy(
         kin, dtype_name(out_dtype), p.threads, p.slots, p.rows_per_block, p.cached,
-        where is not None, ignore_index is not None, grad_scale is not None,
     )
     device = getattr(logits, "device", None)
     if grad_scale is None or not hasattr(grad_scale, "shape"):
@@ -120,13 +135,15 @@ def cross_entropy(
     if lib == "torch":
         idx = idx.contiguous()
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, device)
-    g = kernel_view(grad.reshape(n_rows, n), lib) if grad is not None else dummy(lib, device)
+    g = (kernel_view(grad.reshape(n_rows, n), lib) if grad is not None
+         else dummy(lib, device, dtype_name(out_dtype)))
     ignore = 0 if ignore_index is None else int(ignore_index)
     with launch(logits, lib) as stream:
         kernel[p.grid(n_rows), p.block, stream](
-            kernel_view(xr, lib), w, kernel_view(idx, lib), kernel_view(scale, lib),
-            kernel_view(loss.reshape(n_rows, 1), lib), g, n_rows, n, p.tiles,
-            float(label_smoothing), ignore,
+            kernel_view(xr, lib), w, where is not None, kernel_view(idx, lib),
+            kernel_view(scale, lib), kernel_view(loss.reshape(n_rows, 1), lib), g,
+            grad is not None, n_rows, n, p.tiles, float(label_smoothing),
+            ignore_index is not None, ignore,
         )
     return loss, grad
 
@@ -138,15 +155,15 @@ def _vjp(op: str, xp: Any, y: Any, c: Any, where: Any, out_dtype: Any) -> Any:
         return out
     yr, cr = rows(y, lib), rows(c, lib)
     n_rows, n = yr.shape
-    p = _plan(n)
+    p = _plan(n, dtype_name(y.dtype), arrays=2)
     kernel = rowkernels.vjp(
         op, dtype_name(y.dtype), dtype_name(c.dtype), dtype_name(out_dtype), p.threads,
-        p.slots, p.rows_per_block, p.cached, where is not None,
+        p.slots, p.rows_per_block, p.cached,
     )
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, y.device)
     with launch(y, lib) as stream:
         kernel[p.grid(n_rows), p.block, stream](
-            kernel_view(yr, lib), kernel_view(cr, lib), w,
+            kernel_view(yr, lib), kernel_view(cr, lib), w, where is not None,
             kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.tiles,
         )
     return out

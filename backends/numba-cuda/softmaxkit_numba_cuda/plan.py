@@ -67,8 +67,12 @@ def make(threads: int, slots: int, n: int, warp_rows: int = ROWS_PER_WARP_BLOCK)
     return Plan(threads, slots, rows, tiles)
 
 
-def choose(n: int, simulator: bool = False) -> Plan:
-    """The plan for rows of length ``n`` (see the module docstring)."""
+def choose(n: int, simulator: bool = False, max_slots: int = MAX_SLOTS) -> Plan:
+    """The plan for rows of length ``n`` (see the module docstring).
+
+    ``max_slots`` caps the values a thread holds: lower for float64 and for kernels that hold
+    two arrays (the VJPs), so that the row stays in registers without spilling.
+    """
     forced = os.environ.get(OVERRIDE)
     if forced:
         threads, slots = (int(v) for v in forced.split(","))
@@ -79,7 +83,8 @@ def choose(n: int, simulator: bool = False) -> Plan:
         return make(2 * WARP, 2, n)
     if n <= 16 * WARP:
         return make(WARP, _pow2_at_least(max(1, -(-n // WARP))), n)
-    if n <= MAX_THREADS * MAX_SLOTS:
-        threads = min(MAX_THREADS, max(2 * WARP, _pow2_at_least(-(-n // 16))))
+    if n <= MAX_THREADS * max_slots:
+        per_thread = min(16, max_slots)
+        threads = min(MAX_THREADS, max(2 * WARP, _pow2_at_least(-(-n // per_thread))))
         return make(threads, _pow2_at_least(-(-n // threads)), n)
-    return make(MAX_THREADS, 16, n)
+    return make(MAX_THREADS, min(16, max_slots), n)

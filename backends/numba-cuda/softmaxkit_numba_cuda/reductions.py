@@ -22,6 +22,7 @@ from .intrinsics import (
     NAN,
     NEG_INF,
     POS_INF,
+    SIMULATOR,
     cuda,
     device_function,
     exp2_f32,
@@ -29,8 +30,11 @@ from .intrinsics import (
     shfl_xor,
 )
 
+if SIMULATOR:
+    from .intrinsics import warp_butterfly
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def exponential(acc_name: str):
     """Device function ``exp(d)`` in the accumulator type (float32 through ``exp2``)."""
     if acc_name == "float64":
@@ -46,7 +50,7 @@ def exponential(acc_name: str):
     return device_function(exp)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def summary_ops(acc_name: str):
     """``(nanmax, merge)`` device functions for online summaries in the accumulator type."""
     acc = float64 if acc_name == "float64" else float32
@@ -73,7 +77,7 @@ def summary_ops(acc_name: str):
     return nanmax, device_function(merge)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def group_reducers(threads: int, acc_name: str):
     """``(pair_reduce, sum_reduce, max_reduce)`` for groups of ``threads`` threads."""
     acc = float64 if acc_name == "float64" else float32
@@ -97,6 +101,17 @@ def group_reducers(threads: int, acc_name: str):
         for off in (16, 8, 4, 2, 1):
             v = nanmax(v, shfl_xor(v, off))
         return v
+
+    if SIMULATOR:  # the same butterfly, replayed with two barriers instead of ten
+
+        def warp_pair(m, s):
+            return warp_butterfly((m, s), lambda a, b: merge(a[0], a[1], b[0], b[1]))
+
+        def warp_sum(v):
+            return warp_butterfly(v, lambda a, b: a + b)
+
+        def warp_max(v):
+            return warp_butterfly(v, nanmax)
 
     warp_pair = device_function(warp_pair)
     warp_sum = device_function(warp_sum)

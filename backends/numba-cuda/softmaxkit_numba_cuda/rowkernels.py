@@ -16,7 +16,7 @@ import functools
 
 from numba import float32, float64
 
-from .intrinsics import NAN, NEG_INF, POS_INF, cuda, log_f32, log_f64
+from .intrinsics import NAN, NEG_INF, POS_INF, cuda, kernel, log_f32, log_f64
 from .reductions import exponential, group_reducers, summary_ops
 from .storage import loader, storer
 
@@ -25,8 +25,8 @@ def _acc(kind: str) -> tuple[str, object]:
     return ("float64", float64) if kind == "float64" else ("float32", float32)
 
 
-@functools.lru_cache(maxsize=None)
-def _row_summary(kin: str, threads: int, slots: int, has_where: bool):
+@functools.cache
+def _row_summary(kin: str, threads: int, slots: int):
     """Device function for the first pass: the row's ``(m, s)`` over all tiles.
 
     ``vals`` keeps the last tile (the whole row when there is one tile) for the second pass.
@@ -39,7 +39,7 @@ def _row_summary(kin: str, threads: int, slots: int, has_where: bool):
     zero = acc(0.0)
 
     @cuda.jit(device=True)
-    def load_tile(x, w, r, live, n, base, vals):
+    def load_tile(x, w, has_where, r, live, n, base, vals):
         tm = neg_inf
         for j in range(slots):
             i = base + j * threads
@@ -54,11 +54,11 @@ def _row_summary(kin: str, threads: int, slots: int, has_where: bool):
         return tm
 
     @cuda.jit(device=True)
-    def row_summary(x, w, r, live, n, lane, tiles, vals):
+    def row_summary(x, w, has_where, r, live, n, lane, tiles, vals):
         m = neg_inf
         s = zero
         for t in range(tiles):
-            tm = load_tile(x, w, r, live, n, t * (threads * slots) + lane, vals)
+            tm = load_tile(x, w, has_where, r, live, n, t * (threads * slots) + lane, vals)
             ts = zero
             if tm > neg_inf and tm < POS_INF:
                 for j in range(slots):
@@ -85,12 +85,12 @@ def _coordinates(threads: int, rows_per_block: int):
     return coordinates
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def normalize(op: str, kin: str, kout: str, threads: int, slots: int, rows_per_block: int,
-              cached: bool, has_where: bool, masked_nan: bool):
-    """Kernel ``(x, w, out, n_rows, n, tiles)`` for ``op`` in {"softmax", "log_softmax"}."""
+              cached: bool):
+    """Kernel ``(x, w, has_where, masked_nan, out, n_rows, n, tiles)`` (softmax, log_softmax)."""
     acc_name, acc = _acc(kin)
-    load_tile, row_summary = _row_summary(kin, threads, slots, has_where)
+    load_tile, row_summary = _row_summary(kin, threads, slots)
     pair_reduce = group_reducers(threads, acc_name)[0]
     exp = exponential(acc_name)
     log = log_f64 if acc_name == "float64" else log_f32
@@ -99,24 +99,25 @@ def normalize(op: str, kin: str, kout: str, threads: int, slots: int, rows_per_b
     is_log = op == "log_softmax"
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
-    @cuda.jit
-    def kernel(x, w, out, n_rows, n, tiles):
+    @kernel(threads * rows_per_block, slots, acc_name == "float64")
+    def row_kernel(x, w, has_where, masked_nan, out, n_rows, n, tiles):
         lane, r, live = coordinates(n_rows)
         vals = cuda.local.array(slots, acc)
-        m, s = row_summary(x, w, r, live, n, lane, tiles, vals)
+        m, s = row_summary(x, w, has_where, r, live, n, lane, tiles, vals)
         m, s = pair_reduce(m, s)
         nan_row = m != m
         inf_row = m == POS_INF
         empty = m == neg_inf
-        shift = zero if (nan_row or inf_row or empty) else m
-        safe = one if empty else s
+        special = nan_row or inf_row or empty
+        shift = zero if special else m
+        safe = one if special else s
         bad = nan_row or inf_row or (masked_nan and empty)
         log_s = log(safe)
         inv = one / safe
         for t in range(tiles):
             base = t * (threads * slots) + lane
             if not cached:
-                load_tile(x, w, r, live, n, base, vals)
+                load_tile(x, w, has_where, r, live, n, base, vals)
             for j in range(slots):
                 i = base + j * threads
                 if live and i < n:
@@ -132,26 +133,29 @@ def normalize(op: str, kin: str, kout: str, threads: int, slots: int, rows_per_b
                         o = nan if bad else exp(v - shift) * inv
                     store(out, r, i, o)
 
-    return kernel
+    return row_kernel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def logsumexp(kin: str, kout: str, threads: int, slots: int, rows_per_block: int,
-              has_where: bool, return_sign: bool):
-    """Kernel ``(x, w, out, sign, n_rows, n, tiles)``; ``out`` and ``sign`` are ``[rows, 1]``."""
+              ):
+    """Kernel ``(x, w, has_where, out, sign, return_sign, n_rows, n, tiles)``.
+
+    ``out`` and ``sign`` are ``[rows, 1]``.
+    """
     acc_name, acc = _acc(kin)
-    _, row_summary = _row_summary(kin, threads, slots, has_where)
+    _, row_summary = _row_summary(kin, threads, slots)
     pair_reduce = group_reducers(threads, acc_name)[0]
     log = log_f64 if acc_name == "float64" else log_f32
     store = storer(kout)
     coordinates = _coordinates(threads, rows_per_block)
     nan, neg_inf, pos_inf, zero, one = (acc(v) for v in (NAN, NEG_INF, POS_INF, 0.0, 1.0))
 
-    @cuda.jit
-    def kernel(x, w, out, sign, n_rows, n, tiles):
+    @kernel(threads * rows_per_block, slots, acc_name == "float64")
+    def row_kernel(x, w, has_where, out, sign, return_sign, n_rows, n, tiles):
         lane, r, live = coordinates(n_rows)
         vals = cuda.local.array(slots, acc)
-        m, s = row_summary(x, w, r, live, n, lane, tiles, vals)
+        m, s = row_summary(x, w, has_where, r, live, n, lane, tiles, vals)
         m, s = pair_reduce(m, s)
         if live and lane == 0:
             if m != m:
@@ -166,20 +170,21 @@ def logsumexp(kin: str, kout: str, threads: int, slots: int, rows_per_block: int
             if return_sign:
                 store(sign, r, 0, sg)
 
-    return kernel
+    return row_kernel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cross_entropy(kin: str, kout: str, threads: int, slots: int, rows_per_block: int,
-                  cached: bool, has_where: bool, has_ignore: bool, has_grad: bool):
-    """Kernel ``(x, w, index, scale, loss, grad, n_rows, n, tiles, eps, ignore)``.
+                  cached: bool):
+    """Kernel ``(x, w, has_where, index, scale, loss, grad, has_grad, n_rows, n, tiles,
+    smoothing, has_ignore, ignore)``.
 
     ``loss`` is ``[rows, 1]`` in the accumulator dtype; ``grad`` (``[rows, N]``) is written
     when ``has_grad``: ``scale * (softmax(x) - y)`` with ``y`` the (smoothed) one-hot target.
     """
     acc_name, acc = _acc(kin)
     load = loader(kin, acc_name)
-    load_tile, row_summary = _row_summary(kin, threads, slots, has_where)
+    load_tile, row_summary = _row_summary(kin, threads, slots)
     pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
     exp = exponential(acc_name)
     log = log_f64 if acc_name == "float64" else log_f32
@@ -188,11 +193,12 @@ def cross_entropy(kin: str, kout: str, threads: int, slots: int, rows_per_block:
     coordinates = _coordinates(threads, rows_per_block)
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
-    @cuda.jit
-    def kernel(x, w, index, scale, loss, grad, n_rows, n, tiles, smoothing, ignore):
+    @kernel(threads * rows_per_block, slots, acc_name == "float64")
+    def row_kernel(x, w, has_where, index, scale, loss, grad, has_grad, n_rows, n, tiles, smoothing,
+               has_ignore, ignore):
         lane, r, live = coordinates(n_rows)
         vals = cuda.local.array(slots, acc)
-        m, s = row_summary(x, w, r, live, n, lane, tiles, vals)
+        m, s = row_summary(x, w, has_where, r, live, n, lane, tiles, vals)
         m, s = pair_reduce(m, s)
         eps = acc(smoothing)
         count = acc(n)
@@ -206,8 +212,9 @@ def cross_entropy(kin: str, kout: str, threads: int, slots: int, rows_per_block:
         nan_row = m != m
         inf_row = m == POS_INF
         empty = m == neg_inf
-        shift = zero if (nan_row or inf_row or empty) else m
-        safe = one if empty else s
+        special = nan_row or inf_row or empty
+        shift = zero if special else m
+        safe = one if special else s
         inv = one / safe
         share = eps / (count if count > zero else one)
         target = index[r] if live else 0
@@ -217,7 +224,7 @@ def cross_entropy(kin: str, kout: str, threads: int, slots: int, rows_per_block:
         for t in range(tiles):
             base = t * (threads * slots) + lane
             if not cached:
-                load_tile(x, w, r, live, n, base, vals)
+                load_tile(x, w, has_where, r, live, n, base, vals)
             for j in range(slots):
                 i = base + j * threads
                 if live and i < n:
@@ -262,13 +269,13 @@ def cross_entropy(kin: str, kout: str, threads: int, slots: int, rows_per_block:
                 out = -total
             store_acc(loss, r, 0, out)
 
-    return kernel
+    return row_kernel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vjp(op: str, kin: str, kc: str, kout: str, threads: int, slots: int, rows_per_block: int,
-        cached: bool, has_where: bool):
-    """Kernel ``(y, c, w, out, n_rows, n, tiles)`` for ``softmax_vjp`` / ``log_softmax_vjp``.
+        cached: bool):
+    """Kernel ``(y, c, w, has_where, out, n_rows, n, tiles)`` (softmax_vjp, log_softmax_vjp).
 
     softmax_vjp: ``p * (c - sum(p * c))`` with ``c`` zeroed where ``p == 0`` or excluded;
     log_softmax_vjp: ``c - exp(logp) * sum(c)`` over allowed positions (``logp > -inf``).
@@ -284,7 +291,7 @@ def vjp(op: str, kin: str, kc: str, kout: str, threads: int, slots: int, rows_pe
     neg_inf, zero = acc(NEG_INF), acc(0.0)
 
     @cuda.jit(device=True)
-    def load_pair(y, c, w, r, live, n, base, ys, cs):
+    def load_pair(y, c, w, has_where, r, live, n, base, ys, cs):
         part = zero
         for j in range(slots):
             i = base + j * threads
@@ -311,19 +318,20 @@ def vjp(op: str, kin: str, kc: str, kout: str, threads: int, slots: int, rows_pe
             part += cv if is_log else yv * cv
         return part
 
-    @cuda.jit
-    def kernel(y, c, w, out, n_rows, n, tiles):
+    @kernel(threads * rows_per_block, slots, acc_name == "float64")
+    def row_kernel(y, c, w, has_where, out, n_rows, n, tiles):
         lane, r, live = coordinates(n_rows)
         ys = cuda.local.array(slots, acc)
         cs = cuda.local.array(slots, acc)
         total = zero
         for t in range(tiles):
-            total += load_pair(y, c, w, r, live, n, t * (threads * slots) + lane, ys, cs)
+            total += load_pair(y, c, w, has_where, r, live, n, t * (threads * slots) + lane, ys,
+                               cs)
         total = sum_reduce(total)
         for t in range(tiles):
             base = t * (threads * slots) + lane
             if not cached:
-                load_pair(y, c, w, r, live, n, base, ys, cs)
+                load_pair(y, c, w, has_where, r, live, n, base, ys, cs)
             for j in range(slots):
                 i = base + j * threads
                 if live and i < n:
@@ -333,4 +341,4 @@ def vjp(op: str, kin: str, kc: str, kout: str, threads: int, slots: int, rows_pe
                         g = ys[j] * (cs[j] - total)
                     store(out, r, i, g)
 
-    return kernel
+    return row_kernel

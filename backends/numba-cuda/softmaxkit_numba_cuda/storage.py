@@ -19,7 +19,7 @@ ACCUMULATOR = {"float16": float32, "bfloat16": float32, "float32": float32, "flo
 """Storage dtype name -> the numba type the kernels accumulate in."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def loader(kind: str, acc_name: str):
     """Device function ``load(a, r, i)``: element ``a[r, i]`` of storage ``kind`` as ``acc``."""
     acc = float64 if acc_name == "float64" else float32
@@ -36,7 +36,7 @@ def loader(kind: str, acc_name: str):
     return device_function(load)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def storer(kind: str):
     """Device function ``store(a, r, i, v)``: round ``v`` to storage ``kind`` into ``a[r, i]``."""
     if kind == "bfloat16":

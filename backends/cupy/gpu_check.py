@@ -1,0 +1,349 @@
+"""Check and benchmark the CuPy backend on a CUDA GPU, printing a table last.
+
+Runs, in order: the tensor-core data-path probe; the conformance kit against ``backend="cupy"``
+(torch-cuda target for bfloat16, float16 and float32; cupy target for float16 and float32);
+row kernels on the benchmark shapes against float64 with poisoned outputs; attention against
+a float64 materialized reference; then the benchmarks (device-to-device copy, row kernels
+against torch, attention forward against torch SDPA's flash and cuDNN backends).
+
+Usage: ``python backends/cupy/gpu_check.py [--out DIR] [--skip-bench]``; with ``--out`` the
+table is also written to ``DIR/benchmarks-cupy.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TABLE: list[tuple[str, str, str]] = []  # (what, figure, note)
+FAILURES: list[str] = []
+
+
+def section(title: str) -> None:
+    print(f"\n== {title} ==", flush=True)
+
+
+def guarded(fn: Any) -> Any:
+    def run(*a: Any, **k: Any) -> Any:
+        try:
+            return fn(*a, **k)
+        except Exception:
+            FAILURES.append(f"{fn.__name__} crashed")
+            traceback.print_exc()
+            return None
+
+    return run
+
+
+def register_backend() -> None:
+    from softmaxkit_cupy.manifest import manifest
+
+    import softmaxkit as sk
+    from softmaxkit import registry
+
+    if "cupy" not in sk.backends():
+        registry.register(manifest())
+
+
+def timed(fn: Any, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call of ``fn`` (device events around each of ``reps`` calls)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return statistics.median(times)
+
+
+@guarded
+def probe() -> None:
+    section("probe: cp.async + ldmatrix + mma.sync (bf16, fp16)")
+    import cupy
+    import torch
+    from softmaxkit_cupy import compiler
+
+    for ctype, tdtype in (("sk_bf16", torch.bfloat16), ("__half", torch.float16)):
+        name = f"sk_mma_probe<{ctype}>"
+        fn = compiler.function("attention.cu", (name,), name)
+        q, k, v = (torch.randn(64, 128, device="cuda").to(tdtype) for _ in range(3))
+        s = torch.full((64, 64), math.nan, device="cuda")
+        o = torch.full((64, 128), math.nan, device="cuda")
+        args = [np.uint64(t.data_ptr()) for t in (q, k, v, s, o)]
+        fn((1,), (128,), tuple(args))
+        cupy.cuda.Device().synchronize()
+        s_ref = q.double() @ k.double().T
+        p = s.to(tdtype).double()
+        o_ref = p @ v.double()
+        es = float((s.double() - s_ref).norm() / s_ref.norm())
+        eo = float((o.double() - o_ref).norm() / o_ref.norm())
+        ok = es < 1e-5 and eo < 1e-5
+        print(f"{ctype}: S rel err {es:.2e}, O rel err {eo:.2e}: {'ok' if ok else 'WRONG'}")
+        if not ok:
+            FAILURES.append(f"probe {ctype}")
+
+
+@guarded
+def conformance() -> None:
+    from softmaxkit.testing import check_backend
+
+    for target, dtypes in (("torch-cuda", ["bfloat16", "float16", "float32"]),
+                           ("cupy", ["float16", "float32"])):
+        section(f"conformance kit, backend=cupy, target={target}")
+        t0 = time.perf_counter()
+        results = check_backend("cupy", target=target, dtypes=dtypes)
+        counts: dict[str, int] = {}
+        for r in results:
+            counts[r.status] = counts.get(r.status, 0) + 1
+            if r.status == "failed":
+                print(f"FAILED {r.case}[{r.dtype}] {r.ops}: {r.message[:400]}")
+                FAILURES.append(f"{target} {r.case}[{r.dtype}]")
+        ran = sorted({f"{r.case}[{r.dtype}]" for r in results if r.status == "passed"})
+        print(f"passed: {', '.join(ran)}")
+        print(f"{target}: {counts} in {time.perf_counter() - t0:.1f} s")
+        TABLE.append((f"conformance {target}", str(counts), ",".join(dtypes)))
+
+
+ROW_SHAPES = [(32768, 4096), (4096, 32768), (262144, 128), (256, 524288)]
+
+
+@guarded
+def rows_check() -> None:
+    section("row kernels vs float64 (poisoned outputs)")
+    import torch
+    from softmaxkit_cupy.rows import launch_rows
+
+    tol = {torch.bfloat16: (1.6e-2, 1e-3), torch.float16: (2e-3, 1e-4),
+           torch.float32: (2e-6, 1e-7)}
+    shapes = ROW_SHAPES + [(1000, 1000), (37, 12345), (5, 200003), (64, 7), (3, 65536 + 8)]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for rows, n in shapes:
+            if dtype == torch.float32 and n > 262144:
+                continue
+            x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
+            w = None
+            if n % 3 == 1:
+                w = torch.rand(rows, n, device="cuda") > 0.3
+            ref64 = x.double() if w is None else x.double().masked_fill(~w, -math.inf)
+            for op in ("softmax", "log_softmax", "logsumexp"):
+                shape = (rows,) if op == "logsumexp" else (rows, n)
+                out = torch.full(shape, math.nan, device="cuda", dtype=dtype)
+                launch_rows(op, torch, x, w, out)
+                if op == "softmax":
+                    ref = torch.softmax(ref64, -1)
+                elif op == "log_softmax":
+                    ref = torch.log_softmax(ref64, -1)
+                else:
+                    ref = torch.logsumexp(ref64, -1)
+                got = out.double()
+                fin = torch.isfinite(ref)
+                same_inf = bool(torch.equal(got[~fin], ref[~fin]))
+                rtol, atol = tol[dtype]
+                excess = (got[fin] - ref[fin]).abs() - (atol + rtol * ref[fin].abs())
+                worst = float(excess.max()) if fin.any() else 0.0
+                ok = same_inf and not torch.isnan(got[fin]).any() and worst <= 0
+                if not ok:
+                    FAILURES.append(f"rows {op} {dtype} {rows}x{n}")
+                    print(f"WRONG {op} {dtype} {rows}x{n} mask={w is not None}: "
+                          f"inf-match {same_inf} excess over bound {worst:.3g}")
+        print(f"{dtype}: checked {len(shapes)} shapes x 3 ops")
+
+
+def _materialized(q, k, v, scale, causal, window, mask, softcap):
+    import torch
+
+    qd, kd, vd = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    kd = kd.repeat_interleave(g, 1)
+    vd = vd.repeat_interleave(g, 1)
+    s = (qd @ kd.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    lq, lk = q.shape[2], k.shape[2]
+    off = 0 if causal == "top_left" else lk - lq
+    i = torch.arange(lq, device="cuda")[:, None] + off
+    j = torch.arange(lk, device="cuda")[None, :]
+    ok = torch.ones(lq, lk, dtype=torch.bool, device="cuda")
+    if causal:
+        ok &= j <= i
+    left, right = window
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    ok = ok.expand_as(s)
+    if mask is not None:
+        ok = ok & mask
+    s = s.masked_fill(~ok, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    p = torch.where(ok, p, 0.0)
+    return p @ vd, lse
+
+
+@guarded
+def attention_check() -> None:
+    section("attention forward vs float64 materialized")
+    import torch
+    from softmaxkit_cupy.attention import attention
+
+    cases = [
+        dict(b=2, hq=4, hk=4, lq=256, lk=256, d=128),
+        dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right"),
+        dict(b=1, hq=4, hk=1, lq=517, lk=300, d=64, causal="bottom_right"),
+        dict(b=2, hq=4, hk=2, lq=200, lk=333, d=64, causal="top_left"),
+        dict(b=1, hq=4, hk=4, lq=257, lk=700, d=128, window=(100, 20)),
+        dict(b=1, hq=2, hk=2, lq=130, lk=190, d=128, mask=True),
+        dict(b=1, hq=2, hk=1, lq=64, lk=1000, d=64, softcap=5.0, causal="bottom_right"),
+        dict(b=1, hq=2, hk=2, lq=5, lk=3000, d=128),
+        dict(b=1, hq=2, hk=2, lq=100, lk=0, d=128),
+    ]
+    for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 4e-3)):
+        for c in cases:
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            q = torch.randn(c["b"], c["hq"], c["lq"], c["d"], device="cuda", generator=gen)
+            k = torch.randn(c["b"], c["hk"], c["lk"], c["d"], device="cuda", generator=gen)
+            v = torch.randn(c["b"], c["hk"], c["lk"], c["d"], device="cuda", generator=gen)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            mask = None
+            if c.get("mask"):
+                mask = torch.rand(1, 1, c["lq"], c["lk"], device="cuda") > 0.5
+                mask[..., 3, :] = False  # one query row with no allowed key
+                mask = mask.expand(c["b"], c["hq"], c["lq"], c["lk"])
+            scale = c["d"] ** -0.5
+            causal = c.get("causal")
+            window = c.get("window", (-1, -1))
+            out, lse = attention(torch, q=q, k=k, v=v, scale=scale, causal=causal,
+                                 window=window, mask=mask, softcap=c.get("softcap"),
+                                 return_lse=True)
+            ref, ref_lse = _materialized(q, k, v, scale, causal, window, mask, c.get("softcap"))
+            empty = ~torch.isfinite(ref_lse)
+            denom = max(float(ref.norm()), 1e-30)
+            err = float((out.double() - ref).norm()) / denom if ref.numel() else 0.0
+            lerr = float((lse[~empty].double() - ref_lse[~empty]).abs().max()) \
+                if (~empty).any() else 0.0
+            ok = (err <= tol and lerr <= 2e-3 and bool((lse[empty] == -math.inf).all())
+                  and bool((out[empty] == 0).all()))
+            print(f"{str(dtype)[6:]} {c}: out err {err:.2e} lse err {lerr:.2e} "
+                  f"{'ok' if ok else 'WRONG'}")
+            if not ok:
+                FAILURES.append(f"attention {dtype} {c}")
+
+
+@guarded
+def bench_copy() -> float:
+    import torch
+
+    section("benchmarks")
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    t = timed(lambda: b.copy_(a))
+    bw = 2 * a.numel() / t / 1e9
+    TABLE.append(("device-to-device copy (1 GiB, read + write)", f"{bw:.0f} GB/s", ""))
+    print(f"copy: {bw:.0f} GB/s")
+    return bw
+
+
+@guarded
+def bench_rows(copy_bw: float) -> None:
+    import torch
+    from softmaxkit_cupy import rows as kr
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows, n in ROW_SHAPES:
+            x = torch.randn(rows, n, device="cuda").to(dtype)
+            nbytes = 2 * x.numel() * x.element_size()
+            for op, peer in (("softmax", torch.softmax), ("log_softmax", torch.log_softmax)):
+                fn = getattr(kr, op)
+                ours = timed(lambda fn=fn, x=x, dt=dtype: fn(torch, x=x, where=None,
+                                                              masked="zero", out_dtype=dt))
+                theirs = timed(lambda peer=peer, x=x: peer(x, -1))
+                bw, pbw = nbytes / ours / 1e9, nbytes / theirs / 1e9
+                frac = f"{100 * bw / copy_bw:.0f}% of copy" if copy_bw else ""
+                TABLE.append((f"{op} {str(dtype)[6:]} {rows}x{n}",
+                              f"{bw:.0f} GB/s", f"{frac}; torch {pbw:.0f} GB/s"))
+                print(TABLE[-1])
+
+
+@guarded
+def bench_attention() -> None:
+    import torch
+    import torch.nn.functional as F
+    from softmaxkit_cupy.attention import attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for b, h, L, d in ((4, 32, 4096, 128), (2, 16, 16384, 128)):
+        q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        for causal in (False, True):
+            flops = 4 * b * h * L * L * d / (2 if causal else 1)
+            qkv = (q, k, v)
+            ours = timed(lambda causal=causal, qkv=qkv, d=d: attention(
+                torch, q=qkv[0], k=qkv[1], v=qkv[2], scale=d ** -0.5,
+                causal="top_left" if causal else None, window=(-1, -1), mask=None,
+                softcap=None, return_lse=True), reps=10)
+            peers = []
+            for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+                try:
+                    with sdpa_kernel(backend):
+                        tp = timed(lambda causal=causal, qkv=qkv: F.scaled_dot_product_attention(
+                            *qkv, is_causal=causal), reps=10)
+                    peers.append(f"{backend.name.split('_')[0].lower()} {flops / tp / 1e12:.0f}")
+                except Exception as exc:
+                    peers.append(f"{backend.name}: {type(exc).__name__}")
+            TABLE.append((f"attention fwd bf16 B{b} H{h} L{L} D{d}"
+                          f"{' causal' if causal else ''}",
+                          f"{flops / ours / 1e12:.0f} TFLOP/s", "; ".join(peers)))
+            print(TABLE[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--skip-bench", action="store_true")
+    opts = parser.parse_args()
+    import cupy
+    import torch
+
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
+          f"cupy {cupy.__version__}; python {sys.version.split()[0]}")
+    register_backend()
+    t0 = time.perf_counter()
+    probe()
+    rows_check()
+    attention_check()
+    conformance()
+    print(f"checks took {time.perf_counter() - t0:.0f} s")
+    if not opts.skip_bench:
+        copy_bw = bench_copy() or 0.0
+        bench_rows(copy_bw)
+        bench_attention()
+    lines = ["| what | measured | notes |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in TABLE]
+    lines.append(f"\nfailures: {len(FAILURES)}" + (f" ({'; '.join(FAILURES)})" if FAILURES
+                                                    else ""))
+    table = "\n".join(lines)
+    print("\n" + table)
+    if opts.out is not None:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        (opts.out / "benchmarks-cupy.md").write_text(table + "\n")
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

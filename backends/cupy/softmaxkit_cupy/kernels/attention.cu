@@ -1,0 +1,261 @@
+// Attention forward on tensor cores: online softmax over key tiles (FlashAttention-2 order).
+//
+// One block computes BM = 16 * WARPS query rows of one (batch, head); each warp owns 16 rows,
+// holds its Q fragments, the score tile S = Q K^T and the output accumulator in registers
+// (float32).  K and V tiles of BN keys stream through double-buffered shared memory with
+// cp.async; the probabilities P are converted to 16-bit in registers and reused as the A
+// operand of O += P V.  Scores are kept in log2 units (scale * log2 e folded in) so each
+// probability costs one ex2.  Excluded keys (causal, window, boolean mask, past Lk) score
+// -inf; a row whose running maximum is still -inf keeps O = 0, l = 0, and ends as out 0,
+// lse -inf (spec "Attention": a row with no allowed key).
+#include "mma.cuh"
+
+#define SK_LN2 0.6931471805599453f
+#define SK_LOG2E 1.4426950408889634f
+
+struct SkAttnArgs {
+    long long q_sb, q_sh, q_sl;
+    long long k_sb, k_sh, k_sl;
+    long long v_sb, v_sh, v_sl;
+    long long m_sb, m_sh, m_sq, m_sk;
+};
+
+template <typename T, int D, int WARPS, int BN>
+__global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const unsigned char* __restrict__ mask, T* __restrict__ out, float* __restrict__ lse,
+    long long q_sb, long long q_sh, long long q_sl, long long k_sb, long long k_sh,
+    long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
+    long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
+    float scale, float softcap, int offset, int causal, int left, int right) {
+    constexpr int BM = 16 * WARPS;
+    constexpr int THREADS = WARPS * 32;
+    constexpr int NB = BN / 8;   // n-blocks of the score tile
+    constexpr int DB = D / 8;    // n-blocks of the output
+    constexpr int DK = D / 16;   // k-slices of the head dimension
+    typedef SkMma<T> Mma;
+    extern __shared__ __align__(16) unsigned char sk_smem[];
+    T* sq = reinterpret_cast<T*>(sk_smem);
+    T* sk = sq + BM * D;       // 2 stages
+    T* sv = sk + 2 * BN * D;   // 2 stages
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int m0 = blockIdx.x * BM;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kh = h / (hq / hk);
+    const T* qb = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
+    const T* kb = k + b * k_sb + kh * k_sh;
+    const T* vb = v + b * v_sb + kh * v_sh;
+    const unsigned char* mb = mask ? mask + b * m_sb + h * m_sh : nullptr;
+
+    // keys any row of this block may see
+    int n_lo = 0, n_hi = lk;
+    {
+        const int last = min(m0 + BM, lq) - 1 + offset;
+        if (causal) n_hi = min(n_hi, last + 1);
+        if (right >= 0) n_hi = min(n_hi, last + right + 1);
+        if (left >= 0) n_lo = max(0, m0 + offset - left);
+    }
+    const int tile_lo = n_lo / BN;
+    const int tile_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : tile_lo;
+
+    const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
+    float o[DB][4];
+#pragma unroll
+    for (int i = 0; i < DB; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float row_max[2] = {-SK_INF, -SK_INF};
+    float row_sum[2] = {0.0f, 0.0f};
+
+    if (tile_lo < tile_hi) {
+        sk_load_tile<T, BM, D, THREADS>(sq, qb, q_sl, lq - m0);
+        sk_load_tile<T, BN, D, THREADS>(sk, kb + tile_lo * BN * k_sl, k_sl, lk - tile_lo * BN);
+        sk_cp_async_commit();
+        sk_load_tile<T, BN, D, THREADS>(sv, vb + tile_lo * BN * v_sl, v_sl, lk - tile_lo * BN);
+        sk_cp_async_commit();
+    }
+    unsigned qf[DK][4];
+    if (tile_lo < tile_hi) {
+        sk_cp_async_wait<1>();  // Q and the first K tile have landed
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) sk_frag_a<D>(qf[kk], sq, warp * 16, kk * 16);
+    }
+    const int r_lo = m0 + warp * 16 + g;  // this thread's two rows: r_lo and r_lo + 8
+
+    for (int tile = tile_lo; tile < tile_hi; ++tile) {
+        const int stage = (tile - tile_lo) & 1;
+        const int n0 = tile * BN;
+        sk_cp_async_wait<1>();  // this tile's K has landed
+        __syncthreads();
+        if (tile + 1 < tile_hi) {
+            sk_load_tile<T, BN, D, THREADS>(sk + (stage ^ 1) * BN * D, kb + (n0 + BN) * k_sl,
+                                            k_sl, lk - n0 - BN);
+        }
+        sk_cp_async_commit();
+
+        float s[NB][4];
+#pragma unroll
+        for (int i = 0; i < NB; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+        const T* ks = sk + stage * BN * D;
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) {
+#pragma unroll
+            for (int nb = 0; nb < NB; nb += 2) {
+                unsigned bf[4];
+                sk_frag_b<D>(bf, ks, nb * 8, kk * 16);
+                Mma::run(s[nb], qf[kk], bf[0], bf[1]);
+                Mma::run(s[nb + 1], qf[kk], bf[2], bf[3]);
+            }
+        }
+
+        // scores in log2 units, exclusions as -inf
+        const bool edge = n0 + BN > lk || (causal && n0 + BN - 1 > m0 + offset) ||
+                          (right >= 0 && n0 + BN - 1 > m0 + offset + right) ||
+                          (left >= 0 && n0 < m0 + BM - 1 + offset - left) || mb != nullptr;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[nb][e] * qk_scale;
+                if (softcap > 0.0f) x = softcap * tanhf(x / softcap) * SK_LOG2E;
+                if (edge) {
+                    const int i = r_lo + (e >= 2 ? 8 : 0);
+                    const int j = n0 + nb * 8 + 2 * t + (e & 1);
+                    const int d = i + offset;
+                    bool ok = j < lk && (!causal || j <= d) && (left < 0 || j >= d - left) &&
+                              (right < 0 || j <= d + right);
+                    if (ok && mb && i < lq) ok = mb[i * m_sq + j * m_sk] != 0;
+                    if (!ok) x = -SK_INF;
+                }
+                s[nb][e] = x;
+            }
+        }
+
+        // online softmax: new maxima (over the quad that shares each row), rescale, exponentiate
+        float scale_old[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float use = mx == -SK_INF ? 0.0f : mx;  // nothing allowed yet: p = 0, O stays 0
+            scale_old[r] = exp2f(row_max[r] - use);
+            row_max[r] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                s[nb][2 * r] = exp2f(s[nb][2 * r] - use);
+                s[nb][2 * r + 1] = exp2f(s[nb][2 * r + 1] - use);
+                sum += s[nb][2 * r] + s[nb][2 * r + 1];
+            }
+            row_sum[r] = row_sum[r] * scale_old[r] + sum;
+        }
+#pragma unroll
+        for (int i = 0; i < DB; ++i) {
+            o[i][0] *= scale_old[0];
+            o[i][1] *= scale_old[0];
+            o[i][2] *= scale_old[1];
+            o[i][3] *= scale_old[1];
+        }
+
+        sk_cp_async_wait<1>();  // this tile's V has landed
+        __syncthreads();
+        if (tile + 1 < tile_hi) {
+            sk_load_tile<T, BN, D, THREADS>(sv + (stage ^ 1) * BN * D, vb + (n0 + BN) * v_sl,
+                                            v_sl, lk - n0 - BN);
+        }
+        sk_cp_async_commit();
+
+        const T* vs = sv + stage * BN * D;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            unsigned pa[4];
+            pa[0] = Mma::pack(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = Mma::pack(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = Mma::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = Mma::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int db = 0; db < DB; db += 2) {
+                unsigned bf[4];
+                sk_frag_bt<D>(bf, vs, kk * 16, db * 8);
+                Mma::run(o[db], pa, bf[0], bf[1]);
+                Mma::run(o[db + 1], pa, bf[2], bf[3]);
+            }
+        }
+    }
+    sk_cp_async_wait<0>();
+
+    // finish: the quad's partial sums, normalize, store out and lse
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = row_sum[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int i = r_lo + 8 * r;
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        if (i < lq) {
+            T* orow = out + ((static_cast<long long>(b) * hq + h) * lq + i) * D;
+#pragma unroll
+            for (int db = 0; db < DB; ++db) {
+                const unsigned packed = Mma::pack(o[db][2 * r] * inv, o[db][2 * r + 1] * inv);
+                *reinterpret_cast<unsigned*>(orow + db * 8 + 2 * t) = packed;
+            }
+            if (lse && t == 0) {
+                lse[(static_cast<long long>(b) * hq + h) * lq + i] =
+                    l > 0.0f ? (row_max[r] + log2f(l)) * SK_LN2 : -SK_INF;
+            }
+        }
+    }
+}
+
+// The data path of the forward alone, for checking fragments on a new device: one block of
+// four warps computes S = Q K^T (64 x 64, float) and O = P V with P = S rounded to T.
+template <typename T>
+__global__ void __launch_bounds__(128) sk_mma_probe(const T* q, const T* k, const T* v,
+                                                    float* s_out, float* o_out) {
+    constexpr int D = 128, BN = 64;
+    __shared__ __align__(16) T sq[64 * D];
+    __shared__ __align__(16) T sk[BN * D];
+    __shared__ __align__(16) T sv[BN * D];
+    sk_load_tile<T, 64, D, 128>(sq, q, D, 64);
+    sk_load_tile<T, BN, D, 128>(sk, k, D, BN);
+    sk_load_tile<T, BN, D, 128>(sv, v, D, BN);
+    sk_cp_async_commit();
+    sk_cp_async_wait<0>();
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    float s[BN / 8][4] = {};
+    for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned a[4];
+        sk_frag_a<D>(a, sq, warp * 16, kk * 16);
+        for (int nb = 0; nb < BN / 8; nb += 2) {
+            unsigned bf[4];
+            sk_frag_b<D>(bf, sk, nb * 8, kk * 16);
+            SkMma<T>::run(s[nb], a, bf[0], bf[1]);
+            SkMma<T>::run(s[nb + 1], a, bf[2], bf[3]);
+        }
+    }
+    float o[D / 8][4] = {};
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        unsigned pa[4] = {SkMma<T>::pack(s[2 * kk][0], s[2 * kk][1]),
+                          SkMma<T>::pack(s[2 * kk][2], s[2 * kk][3]),
+                          SkMma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                          SkMma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        for (int db = 0; db < D / 8; db += 2) {
+            unsigned bf[4];
+            sk_frag_bt<D>(bf, sv, kk * 16, db * 8);
+            SkMma<T>::run(o[db], pa, bf[0], bf[1]);
+            SkMma<T>::run(o[db + 1], pa, bf[2], bf[3]);
+        }
+    }
+    const int r = warp * 16 + g;
+    for (int nb = 0; nb < BN / 8; ++nb)
+        for (int e = 0; e < 4; ++e)
+            s_out[(r + (e / 2) * 8) * BN + nb * 8 + 2 * t + (e & 1)] = s[nb][e];
+    for (int db = 0; db < D / 8; ++db)
+        for (int e = 0; e < 4; ++e)
+            o_out[(r + (e / 2) * 8) * D + db * 8 + 2 * t + (e & 1)] = o[db][e];
+}

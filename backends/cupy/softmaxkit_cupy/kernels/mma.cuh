@@ -1,0 +1,115 @@
+// Tensor-core building blocks in inline PTX (NVRTC on the device has no <mma.h>):
+// asynchronous 16-byte copies into swizzled shared-memory tiles, ldmatrix, and
+// mma.sync.m16n8k16 with float32 accumulation for bfloat16 and float16 operands.
+//
+// Fragment layout of m16n8k16 (g = lane / 4, t = lane % 4):
+//   A (16x16, 4 regs of 2 values): (g, 2t) (g+8, 2t) (g, 2t+8) (g+8, 2t+8)
+//   B (16x8, 2 regs):              (k=2t, n=g) (k=2t+8, n=g)
+//   C (16x8, 4 floats):            (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1)
+#pragma once
+#include "common.cuh"
+
+__device__ __forceinline__ void sk_cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int bytes = valid ? 16 : 0;  // 0 source bytes: the 16 destination bytes become 0
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void sk_cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void sk_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void sk_ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+__device__ __forceinline__ void sk_ldmatrix_x4_trans(unsigned (&r)[4], const void* smem) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+template <typename T> struct SkMma;
+template <> struct SkMma<sk_bf16> {
+    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
+                                               unsigned b0, unsigned b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<unsigned*>(&v);
+    }
+};
+template <> struct SkMma<__half> {
+    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
+                                               unsigned b0, unsigned b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<unsigned*>(&v);
+    }
+};
+
+// A [rows x D] tile of 16-bit values in shared memory, row-major with the 16-byte chunks of
+// row r permuted by c ^ (r % 8), so the eight rows one ldmatrix reads hit distinct banks.
+template <int D> __device__ __forceinline__ int sk_swz(int r, int col) {
+    return r * D + ((((col >> 3) ^ (r & 7))) << 3) + (col & 7);
+}
+
+// Copy rows [0, ROWS) of a tile (row stride ld elements) into shared memory; rows at or
+// past `valid` are zero-filled.  All THREADS threads take part.
+template <typename T, int ROWS, int D, int THREADS>
+__device__ __forceinline__ void sk_load_tile(T* smem, const T* g, long long ld, int valid) {
+    constexpr int CHUNKS = D / 8;
+#pragma unroll
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, ch = c % CHUNKS;
+        const bool ok = r < valid;
+        const T* src = g + static_cast<long long>(ok ? r : 0) * ld + ch * 8;
+        sk_cp_async16(smem + sk_swz<D>(r, ch * 8), src, ok);
+    }
+}
+
+// A fragment of rows r0..r0+15, columns k0..k0+15 of a swizzled tile.
+template <int D>
+__device__ __forceinline__ void sk_frag_a(unsigned (&a)[4], const void* tile, int r0, int k0) {
+    const int lane = threadIdx.x & 31;
+    const int r = r0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int c = k0 + (lane >> 4) * 8;
+    sk_ldmatrix_x4(a, static_cast<const unsigned short*>(tile) + sk_swz<D>(r, c));
+}
+
+// B fragments of two n-blocks (rows n0..n0+15 of a [n x k] tile, e.g. keys), k0..k0+15:
+// b[0], b[1] for rows n0..n0+7 and b[2], b[3] for rows n0+8..n0+15.
+template <int D>
+__device__ __forceinline__ void sk_frag_b(unsigned (&b)[4], const void* tile, int n0, int k0) {
+    const int lane = threadIdx.x & 31;
+    const int r = n0 + (lane & 7) + (lane >> 4) * 8;
+    const int c = k0 + ((lane >> 3) & 1) * 8;
+    sk_ldmatrix_x4(b, static_cast<const unsigned short*>(tile) + sk_swz<D>(r, c));
+}
+
+// B fragments of two n-blocks (columns n0..n0+15) from a [k x n] tile (e.g. values, k = key),
+// rows k0..k0+15, through the transposing ldmatrix.
+template <int D>
+__device__ __forceinline__ void sk_frag_bt(unsigned (&b)[4], const void* tile, int k0, int n0) {
+    const int lane = threadIdx.x & 31;
+    const int r = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int c = n0 + (lane >> 4) * 8;
+    sk_ldmatrix_x4_trans(b, static_cast<const unsigned short*>(tile) + sk_swz<D>(r, c));
+}

@@ -1,0 +1,345 @@
+"""Check and benchmark the numba-cuda backend on a CUDA GPU, in one run.
+
+1. the conformance kit on the ``torch-cuda`` and ``cupy`` targets (default plans, and with
+   a forced small plan so that the multi-tile path runs on the kit's shapes too);
+2. the benchmark shapes, checked against float64 references computed by torch on fresh
+   random inputs, with the outputs' memory poisoned before each checked call;
+3. timings side by side in this run: a device-to-device copy (the bandwidth ceiling),
+   softmaxkit (dispatched to numba-cuda) and torch, eager and replayed from a CUDA graph;
+4. a table in markdown, printed last and written to ``$OUT/benchmarks-cuda.md``.
+
+Run from the repository root::
+
+    python backends/numba-cuda/gpu_check.py [--quick] [--skip-conformance]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+OUT = os.environ.get("OUT", "/tmp/softmaxkit-gpu-check")
+ROW_OPS = ["softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
+           "log_softmax_vjp"]
+SHAPES = [(32768, 4096), (4096, 32768), (262144, 128), (256, 524288)]
+CE_SHAPES = [(4096, 32768), (4096, 128256)]
+
+
+def log(*args: Any) -> None:
+    print(*args, flush=True)
+
+
+# -- conformance -------------------------------------------------------------------------------
+
+
+def conformance_worker(target: str) -> None:
+    """Run the kit on ``target`` (in a subprocess) and print one JSON line per case."""
+    from softmaxkit.testing import check_backend
+
+    for r in check_backend("numba-cuda", target=target, ops=ROW_OPS):
+        print("RESULT " + json.dumps(
+            {"case": r.case, "dtype": r.dtype, "status": r.status, "message": r.message[:400]}
+        ), flush=True)
+
+
+def conformance() -> list[dict[str, Any]]:
+    """The kit on both CUDA targets, default and forced multi-tile plans, in parallel."""
+    runs = []
+    for target in ("torch-cuda", "cupy"):
+        for forced in (None, "64,2"):
+            env = dict(os.environ)
+            if forced:
+                env["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = forced
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--worker", target], env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            runs.append((target, forced or "default", proc))
+    rows = []
+    for target, plan, proc in runs:
+        out, _ = proc.communicate(timeout=420)
+        with open(os.path.join(OUT, f"conformance-{target}-{plan.replace(',', 'x')}.log"),
+                  "w") as f:
+            f.write(out)
+        got = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not got:
+            log(f"conformance {target} plan={plan}: worker failed (rc={proc.returncode})")
+            log(out[-3000:])
+        for r in got:
+            r.update(target=target, plan=plan)
+            rows.append(r)
+            if r["status"] == "failed":
+                log(f"FAILED {target} plan={plan} {r['case']}[{r['dtype']}]: {r['message']}")
+    return rows
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], Any], iters: int = 10, reps: int = 7) -> float:
+    """Median seconds per call of ``fn`` over ``reps`` event-timed loops of ``iters`` calls."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / iters)
+    return statistics.median(times)
+
+
+def timed_graph(fn: Callable[[], Any], iters: int = 10, reps: int = 7) -> float | None:
+    """Like :func:`timed`, replaying ``fn`` captured in a CUDA graph (no launch overhead)."""
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+        torch.cuda.synchronize()
+    except Exception as exc:  # capture is not possible for every library
+        log(f"graph capture failed: {type(exc).__name__}: {exc}")
+        return None
+    return timed(graph.replay, iters=1, reps=reps) / iters
+
+
+# -- checks on the benchmark shapes ------------------------------------------------------------
+
+
+def poison(shape: tuple[int, ...], dtype: Any) -> None:
+    """Fill a block of the caching allocator with NaN and free it, so the next result of this
+    size lands on NaN: an element the kernel does not write shows up as an error."""
+    import torch
+
+    t = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    del t
+
+
+def relerr(got: Any, ref: Any) -> float:
+    import torch
+
+    got = got.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref))
+
+
+def check_rows(op: str, x: Any) -> float:
+    import torch
+
+    import softmaxkit as sk
+
+    x64 = x.double()
+    if op == "logsumexp":
+        ref = torch.logsumexp(x64, -1)
+        poison((x.shape[0],), x.dtype)
+        got = sk.logsumexp(x, axis=-1, backend="numba-cuda")
+    elif op == "softmax":
+        ref = torch.softmax(x64, -1)
+        poison(tuple(x.shape), x.dtype)
+        got = sk.softmax(x, axis=-1, backend="numba-cuda")
+    else:
+        ref = torch.log_softmax(x64, -1)
+        poison(tuple(x.shape), x.dtype)
+        got = sk.log_softmax(x, axis=-1, backend="numba-cuda")
+    assert got.dtype == x.dtype and got.device == x.device
+    return relerr(got, ref)
+
+
+def check_ce(x: Any, target: Any) -> tuple[float, float]:
+    import torch
+
+    import softmaxkit as sk
+
+    x64 = x.double().requires_grad_(True)
+    ref_loss = torch.nn.functional.cross_entropy(x64, target)
+    ref_loss.backward()
+    poison(tuple(x.shape), x.dtype)
+    loss, grad = sk.cross_entropy(x, target, return_grad=True, backend="numba-cuda")
+    return relerr(loss.reshape(1), ref_loss.detach().reshape(1)), relerr(grad, x64.grad)
+
+
+# -- benchmarks --------------------------------------------------------------------------------
+
+
+def bandwidth_table(quick: bool) -> tuple[list[dict[str, Any]], float]:
+    import torch
+    import torch.nn.functional as F
+    from softmaxkit_numba_cuda import kernels
+
+    import softmaxkit as sk
+
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    src = torch.empty(256 * 2**20, dtype=torch.float32, device="cuda")
+    src.normal_(generator=gen)
+    dst = torch.empty_like(src)
+    t = timed(lambda: dst.copy_(src), iters=20)
+    copy_gbs = 2 * src.numel() * 4 / t / 1e9
+    log(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write, 1 GiB moved per call)")
+    del src, dst
+
+    rows = []
+    shapes = SHAPES if not quick else [(4096, 4096), (1024, 32768), (65536, 128), (64, 524288)]
+    for dtype in (torch.float32, torch.bfloat16):
+        dname = str(dtype).split(".")[-1]
+        for shape in shapes:
+            x = (torch.randn(shape, device="cuda", generator=gen) * 3).to(dtype)
+            nbytes = x.numel() * x.element_size()
+            for op in ("softmax", "log_softmax", "logsumexp"):
+                try:
+                    err = check_rows(op, x)
+                    ours = {"softmax": sk.softmax, "log_softmax": sk.log_softmax,
+                            "logsumexp": sk.logsumexp}[op]
+                    theirs = {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
+                              "logsumexp": torch.logsumexp}[op]
+                    traffic = nbytes if op == "logsumexp" else 2 * nbytes
+                    t_eager = timed(lambda: ours(x, axis=-1))
+                    t_graph = timed_graph(lambda: ours(x, axis=-1))
+                    t_torch = timed(lambda: theirs(x, -1))
+                    rows.append({
+                        "op": op, "dtype": dname, "shape": f"{shape[0]}x{shape[1]}",
+                        "relerr": err, "eager": traffic / t_eager / 1e9,
+                        "graph": traffic / t_graph / 1e9 if t_graph else None,
+                        "torch": traffic / t_torch / 1e9, "t_us": (t_graph or t_eager) * 1e6,
+                    })
+                    log(json.dumps(rows[-1]))
+                except Exception:
+                    log(f"{op} {dname} {shape}: " + traceback.format_exc())
+            del x
+    # cross-entropy, loss and gradient, bf16 logits
+    for shape in CE_SHAPES if not quick else [(1024, 32768)]:
+        try:
+            x = (torch.randn(shape, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+            target = torch.randint(0, shape[1], (shape[0],), device="cuda", generator=gen)
+            err_loss, err_grad = check_ce(x, target)
+            scale = torch.full((), 1.0 / shape[0], dtype=torch.float32, device="cuda")
+
+            def fused() -> Any:
+                return kernels.cross_entropy(
+                    xp=None, logits=x, index=target, probs=None, where=None, ignore_index=None,
+                    label_smoothing=0.0, grad_scale=scale, out_dtype=torch.bfloat16)
+
+            def public() -> Any:
+                return sk.cross_entropy(x, target, return_grad=True)
+
+            xt = x.detach().clone().requires_grad_(True)
+
+            def torch_ce() -> Any:
+                xt.grad = None
+                F.cross_entropy(xt, target).backward()
+
+            import array_api_compat.torch as xpt
+
+            def fused_xp() -> Any:
+                return kernels.cross_entropy(
+                    xp=xpt, logits=x, index=target, probs=None, where=None, ignore_index=None,
+                    label_smoothing=0.0, grad_scale=scale, out_dtype=torch.bfloat16)
+
+            t_fused = timed(fused_xp)
+            t_graph = timed_graph(fused_xp)
+            t_public = timed(public)
+            t_torch = timed(torch_ce)
+            traffic = 2 * x.numel() * x.element_size()
+            rows.append({
+                "op": "cross_entropy+grad", "dtype": "bfloat16",
+                "shape": f"{shape[0]}x{shape[1]}", "relerr": max(err_loss, err_grad),
+                "eager": traffic / t_fused / 1e9,
+                "graph": traffic / t_graph / 1e9 if t_graph else None,
+                "torch": traffic / t_torch / 1e9, "t_us": (t_graph or t_fused) * 1e6,
+                "public_us": t_public * 1e6, "torch_us": t_torch * 1e6,
+            })
+            log(json.dumps(rows[-1]))
+            del x, xt
+        except Exception:
+            log(f"cross_entropy {shape}: " + traceback.format_exc())
+    return rows, copy_gbs
+
+
+def markdown(rows: list[dict[str, Any]], copy_gbs: float, conf: list[dict[str, Any]],
+             device: str) -> str:
+    lines = [
+        f"Device: {device}. Device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written).",
+        "",
+        "GB/s count bytes read + written (softmax, log_softmax, cross_entropy: logits read, "
+        "gradient written), bytes read for logsumexp. `graph`: softmaxkit calls replayed from "
+        "a CUDA graph (kernel throughput); `eager`: plain Python calls (launch overhead "
+        "included); torch eager. relerr: ||out - ref|| / ||ref|| against float64.",
+        "",
+        "| op | dtype | rows x cols | relerr | softmaxkit graph GB/s | eager GB/s | "
+        "torch GB/s | graph / copy | vs torch |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        best = r["graph"] or r["eager"]
+        lines.append(
+            f"| {r['op']} | {r['dtype']} | {r['shape']} | {r['relerr']:.1e} | "
+            f"{best:.0f} | {r['eager']:.0f} | {r['torch']:.0f} | {best / copy_gbs:.0%} | "
+            f"{best / r['torch']:.2f}x |"
+        )
+    if conf:
+        passed = sum(r["status"] == "passed" for r in conf)
+        failed = sum(r["status"] == "failed" for r in conf)
+        unsupported = sum(r["status"] == "unsupported" for r in conf)
+        lines += ["", f"Conformance kit (torch-cuda and cupy targets, default and forced "
+                  f"multi-tile plans): {passed} passed, {failed} failed, "
+                  f"{unsupported} unsupported."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="smaller shapes")
+    parser.add_argument("--skip-conformance", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        conformance_worker(args.worker)
+        return
+    os.makedirs(OUT, exist_ok=True)
+    import numpy
+    import torch
+
+    device = torch.cuda.get_device_name()
+    log(f"{device}; python {sys.version.split()[0]}; numpy {numpy.__version__}; "
+        f"torch {torch.__version__}")
+    t0 = time.time()
+    import numba
+    from softmaxkit_numba_cuda import kernels  # noqa: F401  (applies the numpy 2.5 shim)
+
+    log(f"numba {numba.__version__}; numpy has row_stack: {hasattr(numpy, 'row_stack')}")
+    conf = [] if args.skip_conformance else conformance()
+    log(f"conformance done in {time.time() - t0:.0f} s")
+    rows, copy_gbs = bandwidth_table(args.quick)
+    table = markdown(rows, copy_gbs, conf, device)
+    with open(os.path.join(OUT, "benchmarks-cuda.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(OUT, "results.json"), "w") as f:
+        json.dump({"rows": rows, "copy_gbs": copy_gbs, "conformance": conf}, f, indent=1)
+    log(f"total {time.time() - t0:.0f} s")
+    log(table)
+
+
+if __name__ == "__main__":
+    main()
