@@ -212,6 +212,11 @@ def attention_check() -> None:
         dict(b=1, hq=2, hk=1, lq=64, lk=1000, d=64, softcap=5.0, causal="bottom_right"),
         dict(b=1, hq=2, hk=2, lq=5, lk=3000, d=128),
         dict(b=1, hq=2, hk=2, lq=100, lk=0, d=128),
+        # split-KV decoding: (Hq / Hk) * Lq <= 16 and Lk >= 256
+        dict(b=2, hq=8, hk=2, lq=1, lk=3000, d=128),
+        dict(b=1, hq=4, hk=1, lq=4, lk=1000, d=64, causal="bottom_right"),
+        dict(b=1, hq=8, hk=2, lq=3, lk=700, d=128, mask=True),
+        dict(b=1, hq=4, hk=4, lq=2, lk=5000, d=128, window=(300, 0), softcap=3.0),
     ]
     for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 4e-3)):
         for c in cases:
@@ -223,7 +228,7 @@ def attention_check() -> None:
             mask = None
             if c.get("mask"):
                 mask = torch.rand(1, 1, c["lq"], c["lk"], device="cuda") > 0.5
-                mask[..., 3, :] = False  # one query row with no allowed key
+                mask[..., min(3, c["lq"] - 1), :] = False  # a query row with no allowed key
                 mask = mask.expand(c["b"], c["hq"], c["lq"], c["lk"])
             scale = c["d"] ** -0.5
             causal = c.get("causal")
@@ -312,6 +317,34 @@ def bench_attention() -> None:
             print(TABLE[-1])
 
 
+@guarded
+def bench_decode(copy_bw: float) -> None:
+    import torch
+    import torch.nn.functional as F
+    from softmaxkit_cupy.attention import attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, hq, hk, lk, d = 64, 32, 8, 32768, 128
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hk, lk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    nbytes = 2 * k.numel() * k.element_size()
+    ours = timed(lambda: attention(torch, q=q, k=k, v=v, scale=d ** -0.5, causal=None,
+                                   window=(-1, -1), mask=None, softcap=None, return_lse=False))
+    peers = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                tp = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+            peers.append(f"{backend.name.split('_')[0].lower()} {nbytes / tp / 1e9:.0f} GB/s")
+        except Exception as exc:
+            peers.append(f"{backend.name}: {type(exc).__name__}")
+    bw = nbytes / ours / 1e9
+    frac = f"{100 * bw / copy_bw:.0f}% of copy; " if copy_bw else ""
+    TABLE.append((f"decode bf16 B{b} Hq{hq} Hk{hk} Lq1 Lk{lk} D{d} (k+v bytes)",
+                  f"{bw:.0f} GB/s", frac + "; ".join(peers)))
+    print(TABLE[-1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -333,6 +366,7 @@ def main() -> int:
         copy_bw = bench_copy() or 0.0
         bench_rows(copy_bw)
         bench_attention()
+        bench_decode(copy_bw)
     lines = ["| what | measured | notes |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in TABLE]
     lines.append(f"\nfailures: {len(FAILURES)}" + (f" ({'; '.join(FAILURES)})" if FAILURES

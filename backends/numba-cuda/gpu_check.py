@@ -40,10 +40,22 @@ def log(*args: Any) -> None:
 # -- conformance -------------------------------------------------------------------------------
 
 
+def ensure_registered() -> None:
+    """Register the backend from its manifest when its entry point is not installed."""
+    from softmaxkit import registry
+
+    if "numba-cuda" not in registry.registry():
+        from softmaxkit_numba_cuda.manifest import manifest
+
+        registry.register(manifest())
+        log("numba-cuda registered from its manifest (the entry point is not installed)")
+
+
 def conformance_worker(target: str) -> None:
     """Run the kit on ``target`` (in a subprocess) and print one JSON line per case."""
     from softmaxkit.testing import check_backend
 
+    ensure_registered()
     for r in check_backend("numba-cuda", target=target, ops=ROW_OPS):
         print("RESULT " + json.dumps(
             {"case": r.case, "dtype": r.dtype, "status": r.status, "message": r.message[:400]}
@@ -65,7 +77,7 @@ def conformance() -> list[dict[str, Any]]:
             runs.append((target, forced or "default", proc))
     rows = []
     for target, plan, proc in runs:
-        out, _ = proc.communicate(timeout=420)
+        out, _ = proc.communicate(timeout=300)
         with open(os.path.join(OUT, f"conformance-{target}-{plan.replace(',', 'x')}.log"),
                   "w") as f:
             f.write(out)
@@ -184,94 +196,104 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 # -- benchmarks --------------------------------------------------------------------------------
 
 
-def bandwidth_table(quick: bool) -> tuple[list[dict[str, Any]], float]:
+def bench_rows(op: str, x: Any) -> dict[str, Any]:
+    """Check, then time softmaxkit and torch on ``op`` over the rows of ``x``."""
+    import torch
+
+    import softmaxkit as sk
+
+    err = check_rows(op, x)
+    ours = {"softmax": sk.softmax, "log_softmax": sk.log_softmax,
+            "logsumexp": sk.logsumexp}[op]
+    theirs = {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
+              "logsumexp": torch.logsumexp}[op]
+    nbytes = x.numel() * x.element_size()
+    traffic = nbytes if op == "logsumexp" else 2 * nbytes
+    t_eager = timed(lambda: ours(x, axis=-1))
+    t_graph = timed_graph(lambda: ours(x, axis=-1))
+    t_torch = timed(lambda: theirs(x, -1))
+    return {
+        "op": op, "dtype": str(x.dtype).split(".")[-1],
+        "shape": f"{x.shape[0]}x{x.shape[1]}",
+        "relerr": err, "eager": traffic / t_eager / 1e9,
+        "graph": traffic / t_graph / 1e9 if t_graph else None,
+        "torch": traffic / t_torch / 1e9, "t_us": (t_graph or t_eager) * 1e6,
+    }
+
+
+def bench_ce(x: Any, target: Any) -> dict[str, Any]:
+    """Check, then time the fused cross-entropy (loss and gradient) against torch's."""
+    import array_api_compat.torch as xpt
     import torch
     import torch.nn.functional as F
     from softmaxkit_numba_cuda import kernels
 
     import softmaxkit as sk
 
-    gen = torch.Generator(device="cuda").manual_seed(1234)
-    src = torch.empty(256 * 2**20, dtype=torch.float32, device="cuda")
-    src.normal_(generator=gen)
+    err_loss, err_grad = check_ce(x, target)
+    scale = torch.full((), 1.0 / x.shape[0], dtype=torch.float32, device="cuda")
+    xt = x.detach().clone().requires_grad_(True)
+
+    def fused() -> Any:
+        return kernels.cross_entropy(
+            xp=xpt, logits=x, index=target, probs=None, where=None, ignore_index=None,
+            label_smoothing=0.0, grad_scale=scale, out_dtype=x.dtype)
+
+    def public() -> Any:
+        return sk.cross_entropy(x, target, return_grad=True)
+
+    def torch_ce() -> Any:
+        xt.grad = None
+        F.cross_entropy(xt, target).backward()
+
+    t_fused = timed(fused)
+    t_graph = timed_graph(fused)
+    t_public = timed(public)
+    t_torch = timed(torch_ce)
+    traffic = 2 * x.numel() * x.element_size()
+    return {
+        "op": "cross_entropy+grad", "dtype": str(x.dtype).split(".")[-1],
+        "shape": f"{x.shape[0]}x{x.shape[1]}", "relerr": max(err_loss, err_grad),
+        "eager": traffic / t_fused / 1e9,
+        "graph": traffic / t_graph / 1e9 if t_graph else None,
+        "torch": traffic / t_torch / 1e9, "t_us": (t_graph or t_fused) * 1e6,
+        "public_us": t_public * 1e6, "torch_us": t_torch * 1e6,
+    }
+
+
+def copy_bandwidth() -> float:
+    """GB/s (read + write) of a 1 GiB device-to-device copy by torch."""
+    import torch
+
+    src = torch.randn(128 * 2**20, device="cuda")
     dst = torch.empty_like(src)
     t = timed(lambda: dst.copy_(src), iters=20)
-    copy_gbs = 2 * src.numel() * 4 / t / 1e9
-    log(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write, 1 GiB moved per call)")
-    del src, dst
+    return 2 * src.numel() * 4 / t / 1e9
 
+
+def bandwidth_table(quick: bool) -> tuple[list[dict[str, Any]], float]:
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    copy_gbs = copy_bandwidth()
+    log(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
     rows = []
     shapes = SHAPES if not quick else [(4096, 4096), (1024, 32768), (65536, 128), (64, 524288)]
     for dtype in (torch.float32, torch.bfloat16):
-        dname = str(dtype).split(".")[-1]
         for shape in shapes:
             x = (torch.randn(shape, device="cuda", generator=gen) * 3).to(dtype)
-            nbytes = x.numel() * x.element_size()
             for op in ("softmax", "log_softmax", "logsumexp"):
                 try:
-                    err = check_rows(op, x)
-                    ours = {"softmax": sk.softmax, "log_softmax": sk.log_softmax,
-                            "logsumexp": sk.logsumexp}[op]
-                    theirs = {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
-                              "logsumexp": torch.logsumexp}[op]
-                    traffic = nbytes if op == "logsumexp" else 2 * nbytes
-                    t_eager = timed(lambda: ours(x, axis=-1))
-                    t_graph = timed_graph(lambda: ours(x, axis=-1))
-                    t_torch = timed(lambda: theirs(x, -1))
-                    rows.append({
-                        "op": op, "dtype": dname, "shape": f"{shape[0]}x{shape[1]}",
-                        "relerr": err, "eager": traffic / t_eager / 1e9,
-                        "graph": traffic / t_graph / 1e9 if t_graph else None,
-                        "torch": traffic / t_torch / 1e9, "t_us": (t_graph or t_eager) * 1e6,
-                    })
+                    rows.append(bench_rows(op, x))
                     log(json.dumps(rows[-1]))
                 except Exception:
-                    log(f"{op} {dname} {shape}: " + traceback.format_exc())
-            del x
-    # cross-entropy, loss and gradient, bf16 logits
+                    log(f"{op} {dtype} {shape}: " + traceback.format_exc())
     for shape in CE_SHAPES if not quick else [(1024, 32768)]:
         try:
             x = (torch.randn(shape, device="cuda", generator=gen) * 3).to(torch.bfloat16)
             target = torch.randint(0, shape[1], (shape[0],), device="cuda", generator=gen)
-            err_loss, err_grad = check_ce(x, target)
-            scale = torch.full((), 1.0 / shape[0], dtype=torch.float32, device="cuda")
-
-            def fused() -> Any:
-                return kernels.cross_entropy(
-                    xp=None, logits=x, index=target, probs=None, where=None, ignore_index=None,
-                    label_smoothing=0.0, grad_scale=scale, out_dtype=torch.bfloat16)
-
-            def public() -> Any:
-                return sk.cross_entropy(x, target, return_grad=True)
-
-            xt = x.detach().clone().requires_grad_(True)
-
-            def torch_ce() -> Any:
-                xt.grad = None
-                F.cross_entropy(xt, target).backward()
-
-            import array_api_compat.torch as xpt
-
-            def fused_xp() -> Any:
-                return kernels.cross_entropy(
-                    xp=xpt, logits=x, index=target, probs=None, where=None, ignore_index=None,
-                    label_smoothing=0.0, grad_scale=scale, out_dtype=torch.bfloat16)
-
-            t_fused = timed(fused_xp)
-            t_graph = timed_graph(fused_xp)
-            t_public = timed(public)
-            t_torch = timed(torch_ce)
-            traffic = 2 * x.numel() * x.element_size()
-            rows.append({
-                "op": "cross_entropy+grad", "dtype": "bfloat16",
-                "shape": f"{shape[0]}x{shape[1]}", "relerr": max(err_loss, err_grad),
-                "eager": traffic / t_fused / 1e9,
-                "graph": traffic / t_graph / 1e9 if t_graph else None,
-                "torch": traffic / t_torch / 1e9, "t_us": (t_graph or t_fused) * 1e6,
-                "public_us": t_public * 1e6, "torch_us": t_torch * 1e6,
-            })
+            rows.append(bench_ce(x, target))
             log(json.dumps(rows[-1]))
-            del x, xt
         except Exception:
             log(f"cross_entropy {shape}: " + traceback.format_exc())
     return rows, copy_gbs
@@ -329,6 +351,7 @@ def main() -> None:
     from softmaxkit_numba_cuda import kernels  # noqa: F401  (applies the numpy 2.5 shim)
 
     log(f"numba {numba.__version__}; numpy has row_stack: {hasattr(numpy, 'row_stack')}")
+    ensure_registered()
     conf = [] if args.skip_conformance else conformance()
     log(f"conformance done in {time.time() - t0:.0f} s")
     rows, copy_gbs = bandwidth_table(args.quick)

@@ -77,7 +77,7 @@ def _acc(xp: Any, dtype: Any) -> Any:
 
 
 def _rows_of(xp: Any, a: Any) -> Any:
-    return None if a is None else xp.reshape(a, (-1, a.shape[-1]))
+    return None if a is None else xp.reshape(a, (math.prod(a.shape[:-1]), a.shape[-1]))
 
 
 def _summary_state(x: Any, where: Any) -> Any:
@@ -123,32 +123,48 @@ def _lse_finish(state: Any, return_sign: bool, out_dtype: Any) -> Any:
     return xp.astype(out, out_dtype)
 
 
-def _normalize(
-    x: Any, where: Any, own: Any, row: Any, *, op: str, masked: str, out_dtype: Any
-) -> Any:
-    """Softmax or log_softmax of one chunk, rescaled from its own state to the row's state."""
+def _softmax_block(x: Any, where: Any, own: Any, row: Any, *, masked: str, out_dtype: Any) -> Any:
+    """Softmax of one chunk by its backend, rescaled from the chunk's state to the row's.
+
+    ``p = p_chunk * mass_c * exp(m_c - m) / mass``: the factor lies in [0, 1] and carries
+    only relative rounding, so the result keeps the accuracy of the chunk's kernel.
+    """
     xp = array_api_compat.array_namespace(x)
     acc = _acc(xp, x.dtype)
-    part = run(op, xp, x, None, x=x, where=where, masked="zero", out_dtype=acc)
+    part = run("softmax", xp, x, None, x=x, where=where, masked="zero", out_dtype=acc)
     level_c, mass_c = own[..., st.LEVEL], own[..., st.MASS]
     level, mass = row[..., st.LEVEL], row[..., st.MASS]
-    nan, posinf = row[..., st.NAN] != 0, st.posinf(row)
-    bad = nan | (st.empty(row) if masked == "nan" else xp.zeros_like(nan))
     live = mass_c != 0
-    safe = xp.where(mass == 0, 1.0, mass)
-    if op == "softmax":
-        # p = p_chunk * mass_c * exp(m_c - m) / mass, a factor in [0, 1]
-        shift = xp.exp(xp.where(live, level_c - level, 0.0))
-        factor = xp.where(live, mass_c * shift / safe, 0.0)
-        out = part * factor[..., None]
-        bad = bad | posinf
-    else:
-        # log p = log p_chunk + (m_c - m) + log(mass_c / mass)
-        delta = (level_c - level) + xp.log(xp.where(live, mass_c, 1.0)) - xp.log(safe)
-        out = part + xp.where(live, delta, 0.0)[..., None]
-        # in a row with an allowed +inf, the other chunks' positions all tend to -inf
-        elsewhere = posinf & ~st.posinf(own)
-        out = xp.where(elsewhere[..., None], -math.inf, out)
+    shift = xp.exp(xp.where(live, level_c - level, 0.0))
+    factor = xp.where(live, mass_c * shift / xp.where(mass == 0, 1.0, mass), 0.0)
+    out = part * xp.astype(factor, acc)[..., None]
+    bad = (row[..., st.NAN] != 0) | st.posinf(row)
+    if masked == "nan":
+        bad = bad | st.empty(row)
+    out = xp.where(bad[..., None], math.nan, out)
+    return xp.astype(out, out_dtype)
+
+
+def _log_softmax_block(x: Any, where: Any, row: Any, *, masked: str, out_dtype: Any) -> Any:
+    """log_softmax of one chunk from the row's state: ``(x - m) - log(mass)``.
+
+    Formed directly rather than by shifting the chunk's own log_softmax: the shift would add
+    rounding of the size of ``log(mass_c)`` to results that may be much smaller.
+    """
+    xp = array_api_compat.array_namespace(x)
+    acc = _acc(xp, x.dtype)
+    a = xp.astype(x, acc, copy=False)
+    level, mass = row[..., st.LEVEL], row[..., st.MASS]
+    out = (a - level[..., None]) - xp.log(xp.where(mass == 0, 1.0, mass))[..., None]
+    if where is not None:
+        out = xp.where(where, out, -math.inf)
+    # a row with an allowed +inf: NaN at those positions, every other one tends to -inf
+    allowed_inf = a == math.inf if where is None else (a == math.inf) & where
+    at_inf = xp.where(allowed_inf, math.nan, -math.inf)
+    out = xp.where(st.posinf(row)[..., None], at_inf, out)
+    bad = row[..., st.NAN] != 0
+    if masked == "nan":
+        bad = bad | st.empty(row)
     out = xp.where(bad[..., None], math.nan, out)
     return xp.astype(out, out_dtype)
 
@@ -175,20 +191,25 @@ def logsumexp(
     return (lse, sign) if return_sign else lse
 
 
-def _normalized(op: str, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+def _states(x: Any, where: Any) -> tuple[Any, Any]:
+    """Per-chunk states from the chunks' ``summarize`` kernels, and each row's merged state."""
     acc = _acc(_chunk_namespace(x), x.dtype)
-    where = _like_x(x, where)
     own = _per_chunk(_summary_state, x, where, width=st.WIDTH, dtype=acc)
-    row = merged_state(own, acc)  # one block along the last axis: broadcast to every chunk
-    return _per_chunk(_normalize, x, where, own, row, width=None, dtype=out_dtype,
-                      op=op, masked=masked, out_dtype=out_dtype)
+    return own, merged_state(own, acc)
 
 
 def softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
     """Softmax along the last axis in two reads of each chunk (summaries, then normalize)."""
-    return _normalized("softmax", x, where, masked, out_dtype)
+    where = _like_x(x, where)
+    own, row = _states(x, where)
+    # the row's state has one block along the last axis: it is broadcast to every chunk
+    return _per_chunk(_softmax_block, x, where, own, row, width=None, dtype=out_dtype,
+                      masked=masked, out_dtype=out_dtype)
 
 
 def log_softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
     """log_softmax along the last axis in two reads of each chunk."""
-    return _normalized("log_softmax", x, where, masked, out_dtype)
+    where = _like_x(x, where)
+    _, row = _states(x, where)
+    return _per_chunk(_log_softmax_block, x, where, row, width=None, dtype=out_dtype,
+                      masked=masked, out_dtype=out_dtype)

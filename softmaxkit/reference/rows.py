@@ -198,7 +198,7 @@ def cross_entropy(
     has = y != 0
     zeros = xp.zeros_like(y)
     terms = xp.where(has, y * xp.where(has, logp, zeros), zeros)  # 0 * log 0 is 0
-    loss = -xp.sum(terms, axis=-1)
+    loss = 0.0 - xp.sum(terms, axis=-1)  # +0.0, not -0.0, for a row without target mass
     special = s.special[..., 0]
     loss = xp.where(special, xp.full_like(loss, NAN), loss)
     loss = xp.where(valid, loss, xp.zeros_like(loss))

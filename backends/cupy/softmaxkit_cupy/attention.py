@@ -13,7 +13,15 @@ from typing import Any
 import numpy as np
 
 from . import compiler, interop
-from .configs import attention_config, attention_names
+from .configs import (
+    DECODE_ROWS,
+    DECODE_WARPS,
+    attention_config,
+    attention_names,
+    decode_name,
+    decode_shared_bytes,
+    merge_name,
+)
 
 _configured: set[str] = set()
 
@@ -33,6 +41,35 @@ def _rows_ready(xp: Any, a: Any) -> Any:
     return cupy.array(a, copy=True, order="C")
 
 
+def _kernel(name: str, shared: int) -> Any:
+    kernel = compiler.function("attention.cu", attention_names(), name)
+    if shared > 48 * 1024 and name not in _configured:
+        kernel.max_dynamic_shared_size_bytes = shared
+        _configured.add(name)
+    return kernel
+
+
+def _multiprocessors() -> int:
+    import cupy
+
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def splits_for(batch_heads: int, lk: int, multiprocessors: int) -> tuple[int, int]:
+    """(splits, keys per split) for decoding: about eight waves of blocks, >= 256 keys each."""
+    block_n = 16 * DECODE_WARPS
+    want = -(-8 * 3 * multiprocessors // max(1, batch_heads))
+    splits = max(1, min(want, lk // 256))
+    chunk = -(-lk // splits)
+    chunk = -(-chunk // block_n) * block_n
+    return -(-lk // chunk), chunk
+
+
+def uses_decode(hq: int, hk: int, lq: int, lk: int) -> bool:
+    """Whether split-KV decoding serves these sizes (few query rows per key head)."""
+    return (hq // hk) * lq <= DECODE_ROWS and lk >= 256
+
+
 def attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
     mask: Any, softcap: Any, return_lse: bool,
@@ -42,31 +79,70 @@ def attention(
     hk, lk = int(k.shape[1]), int(k.shape[2])
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
     dtype = interop.name(q)
-    config = attention_config(d)
-    out = interop.empty(q, (b, hq, lq, d), dtype)
-    lse = interop.empty(q, (b, hq, lq), "float32")
-    name = config.name(dtype)
-    kernel = compiler.function("attention.cu", attention_names(), name)
-    if name not in _configured:
-        kernel.max_dynamic_shared_size_bytes = config.shared_bytes()
-        _configured.add(name)
     m_ptr, m_strides = 0, (0, 0, 0, 0)
     if mask is not None:
         m_ptr, m_strides = interop.pointer(mask), interop.element_strides(mask)
     offset = 0 if causal == "top_left" else lk - lq
     left, right = (int(w) for w in window)
     qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
-    args = (
-        np.uint64(interop.pointer(q)), np.uint64(interop.pointer(k)),
-        np.uint64(interop.pointer(v)), np.uint64(m_ptr), np.uint64(interop.pointer(out)),
-        np.uint64(interop.pointer(lse)),
-        *(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),
-        *(np.int64(s) for s in vs[:3]), *(np.int64(s) for s in m_strides),
-        np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk),
-        np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
-        np.int32(offset), np.int32(causal is not None), np.int32(left), np.int32(right),
-    )
-    grid = (-(-lq // config.block_m), hq, b)
+    strides = (*(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),
+               *(np.int64(s) for s in vs[:3]), *(np.int64(s) for s in m_strides))
+    options = (np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
+               np.int32(offset), np.int32(causal is not None), np.int32(left), np.int32(right))
+    pointers = (np.uint64(interop.pointer(q)), np.uint64(interop.pointer(k)),
+                np.uint64(interop.pointer(v)), np.uint64(m_ptr))
     with interop.launch_context(q):
-        kernel(grid, (config.threads,), args, shared_mem=config.shared_bytes())
+        if uses_decode(hq, hk, lq, lk):
+            splits, chunk = splits_for(b * hk, lk, _multiprocessors())
+            rows = b * hq * lq
+            part_out = interop.empty(q, (splits, rows, d), "float32")
+            part_lse = interop.empty(q, (splits, rows), "float32")
+            shared = decode_shared_bytes(d)
+            kernel = _kernel(decode_name(dtype, d), shared)
+            args = (*pointers, np.uint64(interop.pointer(part_out)),
+                    np.uint64(interop.pointer(part_lse)), *strides, np.int32(hq),
+                    np.int32(hk), np.int32(lq), np.int32(lk), np.int32(chunk), *options)
+            kernel((splits, hk, b), (32 * DECODE_WARPS,), args, shared_mem=shared)
+            out, lse = _merge(part_out, part_lse, dtype)
+            out = xp.reshape(out, (b, hq, lq, d))
+            lse = xp.reshape(lse, (b, hq, lq))
+        else:
+            config = attention_config(d)
+            out = interop.empty(q, (b, hq, lq, d), dtype)
+            lse = interop.empty(q, (b, hq, lq), "float32")
+            shared = config.shared_bytes()
+            kernel = _kernel(config.name(dtype), shared)
+            args = (*pointers, np.uint64(interop.pointer(out)), np.uint64(interop.pointer(lse)),
+                    *strides, np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), *options)
+            grid = (-(-lq // config.block_m), hq, b)
+            kernel(grid, (config.threads,), args, shared_mem=shared)
     return out, (lse if return_lse else None)
+
+
+def _merge(outs: Any, lses: Any, out_dtype: str) -> tuple[Any, Any]:
+    """Launch the merge of ``outs`` [S, R, Dv] (contiguous) and ``lses`` [S, R] (float32)."""
+    parts, rows, dv = (int(s) for s in outs.shape)
+    out = interop.empty(outs, (rows, dv), out_dtype)
+    lse = interop.empty(outs, (rows,), "float32")
+    kernel = _kernel(merge_name(interop.name(outs), out_dtype), 0)
+    args = (np.uint64(interop.pointer(outs)), np.uint64(interop.pointer(lses)),
+            np.uint64(interop.pointer(out)), np.uint64(interop.pointer(lse)),
+            np.int32(parts), np.int64(rows), np.int32(dv))
+    kernel((-(-rows // 8),), (256,), args)
+    return out, lse
+
+
+def merge_attention(xp: Any, *, outs: Any, lses: Any) -> tuple[Any, Any]:
+    """Merge partial attention states on the device (contract: softmaxkit.ops)."""
+    outs = _contiguous(outs)
+    lses = _contiguous(lses)
+    with interop.launch_context(outs):
+        return _merge(outs, lses, interop.name(outs))
+
+
+def _contiguous(a: Any) -> Any:
+    if interop.is_torch(a):
+        return a.contiguous()
+    import cupy
+
+    return cupy.ascontiguousarray(a)

@@ -128,9 +128,38 @@ def attention_config(head_dim: int) -> AttentionConfig:
     return ATTENTION_CONFIGS[head_dim]
 
 
+DECODE_WARPS = 4
+DECODE_ROWS = 16
+"""Split-KV decoding serves calls with (Hq / Hk) * Lq <= 16 query rows per key head."""
+
+MERGE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def decode_name(dtype: str, head_dim: int) -> str:
+    """The name expression of the split-KV decode kernel."""
+    return f"sk_attn_decode<{CTYPES[dtype]}, {head_dim}, {DECODE_WARPS}>"
+
+
+def decode_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of the decode kernel: Q rows and two stages of K and V."""
+    block_n = 16 * DECODE_WARPS
+    tiles = (DECODE_ROWS + 4 * block_n) * head_dim * 2
+    reduction = DECODE_WARPS * DECODE_ROWS * (head_dim + 2) * 4
+    return max(tiles, reduction)
+
+
+def merge_name(din: str, dout: str) -> str:
+    """The name expression of the merge of partial attention states."""
+    return f"sk_merge_attn<{CTYPES[din]}, {CTYPES[dout]}>"
+
+
 def attention_names() -> tuple[str, ...]:
     """Every name expression of kernels/attention.cu (one module holds them all)."""
-    return tuple(c.name(t) for c in ATTENTION_CONFIGS.values() for t in ATTENTION_DTYPES)
+    names = [c.name(t) for c in ATTENTION_CONFIGS.values() for t in ATTENTION_DTYPES]
+    names += [decode_name(t, d) for d in ATTENTION_HEAD_DIMS for t in ATTENTION_DTYPES]
+    names += [merge_name(t, t) for t in MERGE_DTYPES]
+    names += [merge_name("float32", t) for t in ATTENTION_DTYPES]
+    return tuple(names)
 
 
 def all_modules() -> list[tuple[str, list[str]]]:

@@ -15,6 +15,7 @@ from .configs import (
     ATTENTION_DTYPES,
     ATTENTION_HEAD_DIMS,
     ITEMSIZE,
+    MERGE_DTYPES,
     ROW_DTYPE_PAIRS,
     ROW_OPS,
     max_row_length,
@@ -30,11 +31,13 @@ def manifest() -> dict[str, Any]:
     """The manifest of the ``cupy`` backend (see :mod:`softmaxkit.registry`)."""
     kernels = {op: f"softmaxkit_cupy.rows:{op}" for op in ROW_OPS}
     kernels["attention"] = "softmaxkit_cupy.attention:attention"
+    kernels["merge_attention"] = "softmaxkit_cupy.attention:merge_attention"
     return {
         "name": "cupy",
         "serves": [
             {"ops": sorted(ROW_OPS), "devices": ["cuda"], "dtypes": list(DTYPES)},
             {"ops": ["attention"], "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
+            {"ops": ["merge_attention"], "devices": ["cuda"], "dtypes": list(MERGE_DTYPES)},
         ],
         "kernels": kernels,
         "priority": PRIORITY,
@@ -68,6 +71,8 @@ def can_run(call: Any) -> bool | str:
         return _can_run_rows(call)
     if call.op == "attention":
         return _can_run_attention(call)
+    if call.op == "merge_attention":
+        return _can_run_merge(call)
     return f"no kernel for {call.op}"
 
 
@@ -82,6 +87,24 @@ def _can_run_attention(call: Any) -> bool | str:
     return attention_reason(
         _name(q.dtype), tuple(q.shape), tuple(k.shape), tuple(v.shape)
     ) or True
+
+
+def _can_run_merge(call: Any) -> bool | str:
+    outs, lses = call.args["outs"], call.args["lses"]
+    if _library(outs) is None or _library(lses) != _library(outs):
+        return "outs and lses must be CuPy arrays or PyTorch CUDA tensors of one library"
+    return merge_reason(_name(outs.dtype), _name(lses.dtype), tuple(outs.shape)) or True
+
+
+def merge_reason(dtype: str, lse_dtype: str, shape: tuple[int, ...]) -> str | None:
+    """Why the merge kernel cannot merge ``outs`` of this dtype and shape, or None."""
+    if dtype not in MERGE_DTYPES or lse_dtype != "float32":
+        return f"the merge kernel takes outs in {MERGE_DTYPES} with float32 lses"
+    if len(shape) != 3 or math.prod(shape) == 0:
+        return "zero-size merges are left to the reference"
+    if shape[1] >= 2**31 // 8:
+        return "more rows than one launch addresses"
+    return None
 
 
 def attention_reason(
@@ -111,21 +134,29 @@ def _can_run_rows(call: Any) -> bool | str:
         return f"inputs must be CuPy arrays or PyTorch CUDA tensors, got {type(x).__name__}"
     if args.get("where") is not None and _library(args["where"]) != _library(x):
         return "where= must live in the same library as x"
-    din = _name(x.dtype)
-    dout = _name(args["out_dtype"])
+    return row_reason(
+        call.op, _name(x.dtype), _name(args["out_dtype"]), tuple(x.shape),
+        weighted=args.get("b") is not None,
+    ) or True
+
+
+def row_reason(
+    op: str, din: str, dout: str, shape: tuple[int, ...], weighted: bool = False
+) -> str | None:
+    """Why the row kernels cannot run ``op`` on rows of ``shape``, or None when they can."""
     if (din, dout) not in ROW_DTYPE_PAIRS:
         return f"no row kernel from {din} to {dout}; pairs served: {ROW_DTYPE_PAIRS}"
-    n = int(x.shape[-1]) if x.ndim else 1
-    if x.ndim == 0 or n == 0 or math.prod(x.shape) == 0:
+    if len(shape) == 0 or math.prod(shape) == 0:
         return "zero-size rows are left to the reference"
+    n = shape[-1]
     longest = max_row_length(ITEMSIZE[din])
     if n > longest:
         return f"rows of {n} elements exceed the {longest} the kernels hold on chip"
-    if math.prod(x.shape[:-1]) >= 2**31 // 8:
+    if math.prod(shape[:-1]) >= 2**31 // 8:
         return "more rows than one launch addresses"
-    if call.op == "logsumexp" and args.get("b") is not None:
+    if op == "logsumexp" and weighted:
         return "weights b= are left to the other backends"
-    return True
+    return None
 
 
 def should_run(call: Any) -> bool | str:

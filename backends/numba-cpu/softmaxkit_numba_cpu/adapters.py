@@ -179,13 +179,16 @@ def numpy_dtype(dtype: Any) -> np.dtype:
         return _NUMPY_DTYPES[dtype]
     except KeyError:
         pass
-    name = dtype_name(dtype)
-    if name == "bfloat16":
-        import ml_dtypes
+    try:
+        found = np.dtype(dtype)  # numpy dtypes and scalar types, ml_dtypes included
+    except TypeError:  # a torch dtype
+        name = dtype_name(dtype)
+        if name == "bfloat16":
+            import ml_dtypes
 
-        found = np.dtype(ml_dtypes.bfloat16)
-    else:
-        found = np.dtype(name)
+            found = np.dtype(ml_dtypes.bfloat16)
+        else:
+            found = np.dtype(name)
     _NUMPY_DTYPES[dtype] = found
     return found
 

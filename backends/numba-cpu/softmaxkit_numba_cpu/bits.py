@@ -165,3 +165,15 @@ def _like(v, c):
     if v == types.float64 or (isinstance(v, types.Array) and v.dtype == types.float64):
         return lambda v, c: np.float64(c)
     return lambda v, c: np.float32(c)
+
+
+def scratch(x, n):  # pragma: no cover
+    """A new 1-D array of ``n`` elements in the accumulator type of array ``x``."""
+    raise NotImplementedError
+
+
+@overload(scratch, jit_options={"cache": True})
+def _scratch(x, n):
+    if x.dtype == types.float64:
+        return lambda x, n: np.empty(n, dtype=np.float64)
+    return lambda x, n: np.empty(n, dtype=np.float32)

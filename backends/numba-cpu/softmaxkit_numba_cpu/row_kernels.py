@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from numba import njit, prange
 
-from .bits import like, put, widen
+from .bits import like, put, scratch, widen
 from .exp import exp_nonpos
 from .lanes import EMPTY, NAN, NORMAL, POSINF, row_stats
 
@@ -31,37 +32,34 @@ def _fill(out, value):
 
 
 @njit(cache=True)
-def softmax_row(x, w, has_where, masked_nan, exact, out):
-    """exp(x - m) / s; ``exact``: ``out`` holds the accumulator (store, then scale in place)."""
-    kind, m, s = row_stats(x, w, has_where, out, exact)
-    nan = like(m, np.nan)
+def softmax_row(x, w, has_where, masked_nan, buf, out):
+    """exp(x - m) / s: the exponentials go to ``buf`` (accumulator type, in cache), then out."""
+    kind, m, s = row_stats(x, w, has_where, buf, True)
     if kind == NORMAL:
         inv = like(m, 1.0) / s
-        if exact:
-            for j in range(x.shape[0]):
-                put(out, j, widen(out[j]) * inv)
-        elif has_where:
-            for j in range(x.shape[0]):
-                put(out, j, exp_nonpos(widen(x[j]) - m) * inv if w[j] else like(m, 0.0))
-        else:
-            for j in range(x.shape[0]):
-                put(out, j, exp_nonpos(widen(x[j]) - m) * inv)
+        for j in range(x.shape[0]):
+            put(out, j, buf[j] * inv)
     elif kind == EMPTY and not masked_nan:
         _fill(out, like(m, 0.0))
     else:
-        _fill(out, nan)
+        _fill(out, like(m, np.nan))
 
 
 @njit(parallel=True, cache=True)
-def softmax_par(x, w, wstep, has_where, masked_nan, exact, out):
-    for i in prange(x.shape[0]):
-        softmax_row(x[i], w[i * wstep], has_where, masked_nan, exact, out[i])
+def softmax_par(x, w, wstep, has_where, masked_nan, out):
+    r, n = x.shape
+    chunks = min(r, 4 * numba.get_num_threads())
+    for c in prange(chunks):
+        buf = scratch(x, n)  # one buffer per chunk of rows
+        for i in range(c * r // chunks, (c + 1) * r // chunks):
+            softmax_row(x[i], w[i * wstep], has_where, masked_nan, buf, out[i])
 
 
 @njit(cache=True)
-def softmax_ser(x, w, wstep, has_where, masked_nan, exact, out):
+def softmax_ser(x, w, wstep, has_where, masked_nan, out):
+    buf = scratch(x, x.shape[1])
     for i in range(x.shape[0]):
-        softmax_row(x[i], w[i * wstep], has_where, masked_nan, exact, out[i])
+        softmax_row(x[i], w[i * wstep], has_where, masked_nan, buf, out[i])
 
 
 # -- log_softmax -----------------------------------------------------------------------------

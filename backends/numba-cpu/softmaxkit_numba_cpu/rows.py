@@ -56,9 +56,8 @@ def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> A
     nan = masked == "nan"
     par = parallel(*x2.shape)
     if which == "softmax":
-        exact = o2.dtype.kind == "f"
         run = k.softmax_par if par else k.softmax_ser
-        run(x2, w2, wstep, has_where, nan, exact, o2)
+        run(x2, w2, wstep, has_where, nan, o2)
     else:
         run = k.log_softmax_par if par else k.log_softmax_ser
         run(x2, w2, wstep, has_where, nan, o2)

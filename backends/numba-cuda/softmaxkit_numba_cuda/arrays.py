@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -143,3 +144,10 @@ def launch(a: Any, lib: str) -> Iterator[Any]:
         index, ptr = 0, 0
     with _on_device(index):
         yield _stream_for(ptr)
+
+
+def run(kernel: Any, grid: int, block: int, stream: Any, *args: Any) -> None:
+    """Launch ``kernel``; numba's occupancy advice for small grids is not shown to callers."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*GPU under-utilization")
+        kernel[grid, block, stream](*args)

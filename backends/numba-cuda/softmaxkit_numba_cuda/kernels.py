@@ -17,7 +17,7 @@ from softmaxkit.dtypes import dtype_name as _dtype_name
 
 from . import plan as plans
 from . import rowkernels
-from .arrays import dummy, empty, kernel_view, launch, library, rows
+from .arrays import dummy, empty, kernel_view, launch, library, rows, run
 from .intrinsics import SIMULATOR
 
 
@@ -49,7 +49,7 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     )
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     with launch(x, lib) as stream:
-        kernel[p.grid(n_rows), p.block, stream](
+        run(kernel, p.grid(n_rows), p.block, stream,
             kernel_view(xr, lib), w, where is not None, masked == "nan",
             kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.tiles,
         )
@@ -88,7 +88,7 @@ def logsumexp(
         s = (kernel_view(sign.reshape(n_rows, 1), lib) if return_sign
              else dummy(lib, x.device, kout))
         with launch(x, lib) as stream:
-            kernel[p.grid(n_rows), p.block, stream](
+            run(kernel, p.grid(n_rows), p.block, stream,
                 kernel_view(xr, lib), w, where is not None,
                 kernel_view(out.reshape(n_rows, 1), lib), s, bool(return_sign),
                 n_rows, n, p.tiles,
@@ -139,7 +139,7 @@ def cross_entropy(
          else dummy(lib, device, dtype_name(out_dtype)))
     ignore = 0 if ignore_index is None else int(ignore_index)
     with launch(logits, lib) as stream:
-        kernel[p.grid(n_rows), p.block, stream](
+        run(kernel, p.grid(n_rows), p.block, stream,
             kernel_view(xr, lib), w, where is not None, kernel_view(idx, lib),
             kernel_view(scale, lib), kernel_view(loss.reshape(n_rows, 1), lib), g,
             grad is not None, n_rows, n, p.tiles, float(label_smoothing),
@@ -162,7 +162,7 @@ def _vjp(op: str, xp: Any, y: Any, c: Any, where: Any, out_dtype: Any) -> Any:
     )
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, y.device)
     with launch(y, lib) as stream:
-        kernel[p.grid(n_rows), p.block, stream](
+        run(kernel, p.grid(n_rows), p.block, stream,
             kernel_view(yr, lib), kernel_view(cr, lib), w, where is not None,
             kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.tiles,
         )

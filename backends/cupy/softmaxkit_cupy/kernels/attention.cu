@@ -259,3 +259,228 @@ __global__ void __launch_bounds__(128) sk_mma_probe(const T* q, const T* k, cons
         for (int e = 0; e < 4; ++e)
             o_out[(r + (e / 2) * 8) * D + db * 8 + 2 * t + (e & 1)] = o[db][e];
 }
+
+// Split-KV decoding: few query rows (G query heads sharing one key head, times Lq, at most
+// 16 rows: one m16 tile), many keys.  Block (split, key head, batch) walks its share of the
+// keys in tiles of 16 * WARPS; warp w takes keys [16 w, 16 w + 16) of each tile and keeps its
+// own running summary (max, sum, numerator); the warps merge in shared memory and the block
+// writes a partial (out, lse) in float32, merged over the splits by sk_merge_attn.
+template <typename T, int D, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const unsigned char* __restrict__ mask, float* __restrict__ part_out,
+    float* __restrict__ part_lse, long long q_sb, long long q_sh, long long q_sl,
+    long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
+    long long v_sl, long long m_sb, long long m_sh, long long m_sq, long long m_sk, int hq,
+    int hk, int lq, int lk, int chunk, float scale, float softcap, int offset, int causal,
+    int left, int right) {
+    constexpr int BN = 16 * WARPS;
+    constexpr int THREADS = WARPS * 32;
+    constexpr int DB = D / 8, DK = D / 16;
+    typedef SkMma<T> Mma;
+    extern __shared__ __align__(16) unsigned char sk_smem[];
+    T* sq = reinterpret_cast<T*>(sk_smem);
+    T* sk = sq + 16 * D;      // 2 stages
+    T* sv = sk + 2 * BN * D;  // 2 stages
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
+    const int group = hq / hk;
+    const int rows = group * lq;  // <= 16
+    const T* kb = k + b * k_sb + kh * k_sh;
+    const T* vb = v + b * v_sb + kh * v_sh;
+
+    // Q rows: row r is query head kh * group + r / lq, query r % lq
+    for (int c = threadIdx.x; c < 16 * (D / 8); c += THREADS) {
+        const int r = c / (D / 8), ch = c % (D / 8);
+        const bool ok = r < rows;
+        const int h = kh * group + (ok ? r / lq : 0), i = ok ? r % lq : 0;
+        sk_cp_async16(sq + sk_swz<D>(r, ch * 8), q + b * q_sb + h * q_sh + i * q_sl + ch * 8, ok);
+    }
+    const int n_begin = split * chunk, n_end = min(lk, n_begin + chunk);
+    const int tiles = n_end > n_begin ? (n_end - n_begin + BN - 1) / BN : 0;
+    if (tiles > 0) {
+        sk_load_tile<T, BN, D, THREADS>(sk, kb + n_begin * k_sl, k_sl, n_end - n_begin);
+    }
+    sk_cp_async_commit();
+    if (tiles > 0) {
+        sk_load_tile<T, BN, D, THREADS>(sv, vb + n_begin * v_sl, v_sl, n_end - n_begin);
+    }
+    sk_cp_async_commit();
+
+    const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
+    float o[DB][4];
+#pragma unroll
+    for (int i = 0; i < DB; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float row_max[2] = {-SK_INF, -SK_INF};
+    float row_sum[2] = {0.0f, 0.0f};
+    unsigned qf[DK][4];
+    sk_cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < DK; ++kk) sk_frag_a<D>(qf[kk], sq, 0, kk * 16);
+
+    for (int tile = 0; tile < tiles; ++tile) {
+        const int stage = tile & 1;
+        const int n0 = n_begin + tile * BN;
+        if (tile > 0) {
+            sk_cp_async_wait<1>();
+            __syncthreads();
+        }
+        if (tile + 1 < tiles) {
+            sk_load_tile<T, BN, D, THREADS>(sk + (stage ^ 1) * BN * D, kb + (n0 + BN) * k_sl,
+                                            k_sl, n_end - n0 - BN);
+        }
+        sk_cp_async_commit();
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        const T* ks = sk + stage * BN * D;
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) {
+            unsigned bf[4];
+            sk_frag_b<D>(bf, ks, warp * 16, kk * 16);
+            Mma::run(s[0], qf[kk], bf[0], bf[1]);
+            Mma::run(s[1], qf[kk], bf[2], bf[3]);
+        }
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[nb][e] * qk_scale;
+                if (softcap > 0.0f) x = softcap * tanhf(x / softcap) * SK_LOG2E;
+                const int r = g + (e >= 2 ? 8 : 0);
+                const int h = kh * group + (r < rows ? r / lq : 0), i = r < rows ? r % lq : 0;
+                const int j = n0 + warp * 16 + nb * 8 + 2 * t + (e & 1);
+                const int d = i + offset;
+                bool ok = r < rows && j < n_end && (!causal || j <= d) &&
+                          (left < 0 || j >= d - left) && (right < 0 || j <= d + right);
+                if (ok && mask) ok = mask[b * m_sb + h * m_sh + i * m_sq + j * m_sk] != 0;
+                s[nb][e] = ok ? x : -SK_INF;
+            }
+        }
+        float scale_old[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = fmaxf(row_max[r], fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]),
+                                               fmaxf(s[1][2 * r], s[1][2 * r + 1])));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float use = mx == -SK_INF ? 0.0f : mx;
+            scale_old[r] = exp2f(row_max[r] - use);
+            row_max[r] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb) {
+                s[nb][2 * r] = exp2f(s[nb][2 * r] - use);
+                s[nb][2 * r + 1] = exp2f(s[nb][2 * r + 1] - use);
+                sum += s[nb][2 * r] + s[nb][2 * r + 1];
+            }
+            row_sum[r] = row_sum[r] * scale_old[r] + sum;
+        }
+#pragma unroll
+        for (int i = 0; i < DB; ++i) {
+            o[i][0] *= scale_old[0];
+            o[i][1] *= scale_old[0];
+            o[i][2] *= scale_old[1];
+            o[i][3] *= scale_old[1];
+        }
+        sk_cp_async_wait<1>();
+        __syncthreads();
+        if (tile + 1 < tiles) {
+            sk_load_tile<T, BN, D, THREADS>(sv + (stage ^ 1) * BN * D, vb + (n0 + BN) * v_sl,
+                                            v_sl, n_end - n0 - BN);
+        }
+        sk_cp_async_commit();
+        const T* vs = sv + stage * BN * D;
+        unsigned pa[4] = {Mma::pack(s[0][0], s[0][1]), Mma::pack(s[0][2], s[0][3]),
+                          Mma::pack(s[1][0], s[1][1]), Mma::pack(s[1][2], s[1][3])};
+#pragma unroll
+        for (int db = 0; db < DB; db += 2) {
+            unsigned bf[4];
+            sk_frag_bt<D>(bf, vs, warp * 16, db * 8);
+            Mma::run(o[db], pa, bf[0], bf[1]);
+            Mma::run(o[db + 1], pa, bf[2], bf[3]);
+        }
+    }
+    sk_cp_async_wait<0>();
+    __syncthreads();
+
+    // merge the warps' summaries: shared memory is free now
+    float* red_m = reinterpret_cast<float*>(sk_smem);  // [WARPS][16]
+    float* red_l = red_m + WARPS * 16;                  // [WARPS][16]
+    float* red_o = red_l + WARPS * 16;                  // [WARPS][16][D]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = row_sum[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int row = g + 8 * r;
+        if (t == 0) {
+            red_m[warp * 16 + row] = row_max[r];
+            red_l[warp * 16 + row] = l;
+        }
+#pragma unroll
+        for (int db = 0; db < DB; ++db) {
+            red_o[(warp * 16 + row) * D + db * 8 + 2 * t] = o[db][2 * r];
+            red_o[(warp * 16 + row) * D + db * 8 + 2 * t + 1] = o[db][2 * r + 1];
+        }
+    }
+    __syncthreads();
+    const int splits = gridDim.x;
+    for (int c = threadIdx.x; c < rows * D; c += THREADS) {
+        const int row = c / D, col = c % D;
+        float m = -SK_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red_m[w * 16 + row]);
+        const float use = m == -SK_INF ? 0.0f : m;
+        float l = 0.0f, acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float f = exp2f(red_m[w * 16 + row] - use);
+            l += red_l[w * 16 + row] * f;
+            acc += red_o[(w * 16 + row) * D + col] * f;
+        }
+        const int h = kh * group + row / lq, i = row % lq;
+        const long long r_out = (static_cast<long long>(b) * hq + h) * lq + i;
+        const long long total_rows = static_cast<long long>(gridDim.z) * hq * lq;
+        part_out[(split * total_rows + r_out) * D + col] = l > 0.0f ? acc / l : 0.0f;
+        if (col == 0) {
+            part_lse[split * total_rows + r_out] =
+                l > 0.0f ? (m + log2f(l)) * SK_LN2 : -SK_INF;
+        }
+    }
+    (void)splits;
+}
+
+// Merge partial attention states (softmaxkit.ops "merge_attention"): one warp per row r of
+// outs [S, R, Dv] and lses [S, R] (natural log, -inf = empty part); out [R, Dv], lse [R].
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(256) sk_merge_attn(
+    const Tin* __restrict__ outs, const float* __restrict__ lses, Tout* __restrict__ out,
+    float* __restrict__ lse, int parts, long long rows, int dv) {
+    const long long r = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (r >= rows) return;
+    float m = -SK_INF;
+    for (int s = lane; s < parts; s += 32) m = fmaxf(m, lses[s * rows + r]);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const float use = m == -SK_INF ? 0.0f : m;
+    float total = 0.0f;
+    for (int s = lane; s < parts; s += 32) {
+        const float ls = lses[s * rows + r];
+        total += ls == -SK_INF ? 0.0f : expf(ls - use);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int c = lane; c < dv; c += 32) {
+        float acc = 0.0f;
+        for (int s = 0; s < parts; ++s) {
+            const float ls = lses[s * rows + r];
+            if (ls != -SK_INF) acc += expf(ls - use) * sk_to_float(outs[(s * rows + r) * dv + c]);
+        }
+        out[r * dv + c] = sk_from_float<Tout>(acc * inv);
+    }
+    if (lane == 0) lse[r] = total > 0.0f ? use + logf(total) : -SK_INF;
+}

@@ -1,0 +1,90 @@
+"""The manifest, its discovery through the entry point, and the reasons calls are declined."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from softmaxkit_cupy import manifest as mf
+from softmaxkit_cupy.configs import max_row_length
+
+import softmaxkit as sk
+from softmaxkit.ops import Call
+
+
+def test_entry_point_registers_the_backend_without_importing_cupy() -> None:
+    code = (
+        "import sys, softmaxkit as sk\n"
+        "info = sk.backends()['cupy']\n"
+        "assert 'softmax' in info['operations'] and 'attention' in info['operations']\n"
+        "assert 'cupy' not in sys.modules, 'the manifest imported cupy'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_manifest_serves_cuda_only() -> None:
+    for entry in mf.manifest()["serves"]:
+        assert entry["devices"] == ["cuda"]
+
+
+def test_host_arrays_are_declined_with_the_reason() -> None:
+    x = np.zeros((2, 8), dtype=np.float32)
+    call = Call("softmax", np, "cuda", "float32",
+                {"x": x, "where": None, "masked": "zero", "out_dtype": x.dtype})
+    verdict = mf.can_run(call)
+    assert isinstance(verdict, str) and "CuPy arrays or PyTorch CUDA tensors" in verdict
+
+
+def test_cpu_torch_tensors_are_declined() -> None:
+    torch = pytest.importorskip("torch")
+    q = torch.zeros((1, 1, 4, 64), dtype=torch.bfloat16)
+    call = Call("attention", None, "cpu", "bfloat16",
+                {"q": q, "k": q, "v": q, "mask": None})
+    assert isinstance(mf.can_run(call), str)
+
+
+def test_strict_backend_on_host_data_raises_instead_of_running() -> None:
+    with pytest.raises(sk.NoBackendError, match="cupy"):
+        sk.softmax(np.arange(4.0), backend="cupy")
+
+
+@pytest.mark.parametrize(
+    ("op", "din", "dout", "shape", "weighted", "declined"),
+    [
+        ("softmax", "bfloat16", "bfloat16", (4, 4096), False, False),
+        ("softmax", "float16", "float16", (3, 5, 7), False, False),
+        ("log_softmax", "float32", "float32", (2, 100), False, False),
+        ("softmax", "float64", "float64", (2, 100), False, True),
+        ("softmax", "bfloat16", "float32", (2, 100), False, True),
+        ("softmax", "bfloat16", "bfloat16", (2, 0), False, True),
+        ("softmax", "bfloat16", "bfloat16", (0, 8), False, True),
+        ("logsumexp", "float16", "float16", (2, 8), True, True),
+        ("logsumexp", "float16", "float16", (2, 8), False, False),
+        ("softmax", "bfloat16", "bfloat16", (1, max_row_length(2)), False, False),
+        ("softmax", "bfloat16", "bfloat16", (1, max_row_length(2) + 1), False, True),
+        ("softmax", "float32", "float32", (1, max_row_length(4) + 1), False, True),
+    ],
+)
+def test_row_reasons(op, din, dout, shape, weighted, declined) -> None:
+    reason = mf.row_reason(op, din, dout, shape, weighted=weighted)
+    assert (reason is not None) == declined, reason
+
+
+@pytest.mark.parametrize(
+    ("dtype", "q", "k", "v", "declined"),
+    [
+        ("bfloat16", (2, 8, 100, 128), (2, 2, 300, 128), (2, 2, 300, 128), False),
+        ("float16", (1, 4, 1, 64), (1, 4, 9, 64), (1, 4, 9, 64), False),
+        ("float32", (1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 64), True),
+        ("bfloat16", (1, 4, 16, 96), (1, 4, 16, 96), (1, 4, 16, 96), True),
+        ("bfloat16", (1, 4, 16, 128), (1, 4, 16, 128), (1, 4, 16, 64), True),
+        ("bfloat16", (1, 4, 0, 128), (1, 4, 16, 128), (1, 4, 16, 128), True),
+        ("bfloat16", (1, 70000, 1, 64), (1, 1, 16, 64), (1, 1, 16, 64), True),
+    ],
+)
+def test_attention_reasons(dtype, q, k, v, declined) -> None:
+    reason = mf.attention_reason(dtype, q, k, v)
+    assert (reason is not None) == declined, reason

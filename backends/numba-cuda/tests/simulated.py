@@ -1,0 +1,126 @@
+"""The numba-cuda kernels under Numba's CUDA simulator, as one process printing JSON lines.
+
+Run by ``test_cuda_simulator.py`` in subprocesses with ``NUMBA_ENABLE_CUDASIM=1`` (numba reads
+the variable once, when it is first imported, so the simulator cannot be switched on inside a
+pytest process that has already imported numba)::
+
+    NUMBA_ENABLE_CUDASIM=1 python simulated.py kit float32,float64
+    NUMBA_ENABLE_CUDASIM=1 python simulated.py plans
+
+``kit`` runs the conformance kit on the numpy target; ``plans`` forces each row strategy
+(warp per row, block per row, several tiles per row) on random rows with special values and
+compares every operation with the reference backend, which computes in float64 here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import numpy as np
+
+ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
+           "log_softmax_vjp")
+PLANS = ("32,2", "64,1")
+"""Forced "threads,slots": on rows of 150, both take several tiles per row; the first runs
+a warp per row, the second a block of two warps per row."""
+
+
+def emit(**record: object) -> None:
+    print("RESULT " + json.dumps(record), flush=True)
+
+
+def kit(dtypes: list[str]) -> None:
+    from softmaxkit.testing import check_backend
+
+    for r in check_backend("numba-cuda", target="numpy", ops=ROW_OPS, dtypes=dtypes):
+        emit(id=f"{r.case}[{r.dtype}]", status=r.status, message=r.message[:500])
+
+
+def _inputs(rng: np.random.Generator, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    from softmaxkit.dtypes import lookup
+    import array_api_compat.numpy as xp
+
+    x = rng.normal(scale=5.0, size=(6, 150))
+    x[1, 7] = np.nan
+    x[2, 3] = np.inf
+    x[3, :] = -np.inf
+    x[4, ::2] = -np.inf
+    where = rng.random((6, 150)) < 0.8
+    where[5, :] = False
+    return x.astype(lookup(xp, dtype)), where
+
+
+def _compare(got: np.ndarray, expected: np.ndarray, dtype: str) -> None:
+    from softmaxkit.testing.tolerance import TOLERANCES
+
+    rtol, atol = TOLERANCES[dtype]
+    got = np.asarray(got, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    assert np.array_equal(np.isnan(got), np.isnan(expected)), "NaN at different positions"
+    fin = np.isfinite(expected)
+    assert np.array_equal(got[~fin & ~np.isnan(expected)], expected[~fin & ~np.isnan(expected)])
+    # long rows of moderate logits: the tolerance grows with the row length
+    np.testing.assert_allclose(got[fin], expected[fin], rtol=rtol * 16, atol=atol * 16)
+
+
+def plans() -> None:
+    import softmaxkit as sk
+
+    rng = np.random.default_rng(7)
+    for forced in PLANS:
+        os.environ["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = forced
+        for dtype in ("float32", "bfloat16"):
+            x, where = _inputs(rng, dtype)
+            target = rng.integers(0, 150, size=6)
+            target[0] = -1
+            cot = rng.normal(size=x.shape).astype(x.dtype)
+            for op in ROW_OPS:
+                rid = f"plan[{forced}]-{op}[{dtype}]"
+                try:
+                    outs = {}
+                    for backend in ("numba-cuda", "reference"):
+                        if op in ("softmax", "log_softmax"):
+                            fn = getattr(sk, op)
+                            outs[backend] = [fn(x, axis=-1, where=where, backend=backend),
+                                             fn(x, axis=-1, masked="nan", backend=backend)]
+                        elif op == "logsumexp":
+                            lse, sign = sk.logsumexp(x, axis=-1, return_sign=True,
+                                                     where=where, backend=backend)
+                            outs[backend] = [lse, sign]
+                        elif op == "cross_entropy":
+                            xf = np.where(np.isfinite(x.astype(np.float64)), x, 0).astype(x.dtype)
+                            with sk.backend_opts(prioritize=backend):
+                                outs[backend] = list(sk.cross_entropy(
+                                    xf, target, reduction="none", ignore_index=-1,
+                                    label_smoothing=0.1, where=where | (np.arange(150) ==
+                                                                         target[:, None]),
+                                    return_grad=True, backend=backend))
+                        else:
+                            primal = (sk.softmax if op == "softmax_vjp" else sk.log_softmax)(
+                                x, axis=-1, where=where, backend="reference")
+                            fn = getattr(sk, op)
+                            with sk.backend_opts(prioritize=backend):
+                                outs[backend] = [fn(primal, cot, axis=-1, where=where)]
+                    for got, expected in zip(outs["numba-cuda"], outs["reference"]):
+                        _compare(got, expected, dtype)
+                    emit(id=rid, status="passed", message="")
+                except Exception:
+                    emit(id=rid, status="failed", message=traceback.format_exc()[-1500:])
+    os.environ.pop("SOFTMAXKIT_NUMBA_CUDA_PLAN", None)
+
+
+def main() -> None:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        sys.exit("run with NUMBA_ENABLE_CUDASIM=1")
+    if sys.argv[1] == "kit":
+        kit(sys.argv[2].split(","))
+    else:
+        plans()
+
+
+if __name__ == "__main__":
+    main()

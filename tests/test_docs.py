@@ -1,0 +1,26 @@
+"""The examples of the user guide run and print what the pages say."""
+
+from __future__ import annotations
+
+import doctest
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import softmaxkit as sk
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+PAGES = ["semantics.md", "index.md"]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_examples_in_docs(page):
+    path = DOCS / page
+    if not path.exists():
+        pytest.skip(f"{page} not written")
+    # the pages set numpy's print options; restore them afterwards
+    with sk.backend_opts(prioritize="reference"), np.printoptions():
+        result = doctest.testfile(str(path), module_relative=False,
+                                  optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
