@@ -27,7 +27,8 @@ def _info(args: argparse.Namespace) -> int:
     found = backends()
     print("backends:")
     for name, b in found.items():
-        extras = [f"priority {b['priority'].get('*', 0)}"]
+        prio = b["priority"]
+        extras = [f"priority {prio.get('*', 0)}" if set(prio) <= {"*"} else f"priority {prio}"]
         if b["requires_opt_in"]:
             extras.append("opt-in only")
         hooks = [h for h in ("can_run", "should_run") if b[h]]
@@ -111,6 +112,8 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"{name}: {tally['passed']} passed, {tally['failed']} failed, "
               f"{tally['unsupported']} unsupported"
               + ("" if args.verbose or not tally["unsupported"] else " (-v lists them)"))
+        if not tally["passed"] and not tally["failed"]:
+            print(f"  nothing ran: {name} serves none of these cases on target {t.name}")
     return 1 if failed else 0
 
 

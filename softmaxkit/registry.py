@@ -30,6 +30,10 @@ A backend is a distribution that declares, in its ``pyproject.toml``::
     prioritizes it (:func:`backend_opts` or ``SOFTMAXKIT_PRIORITIZE``) or names it with
     ``backend=`` (optional, default ``False``).
 
+A plugin whose manifest cannot be loaded or is malformed, or whose name is taken, is skipped
+with one :class:`BackendWarning`; so is a backend whose kernel or hook fails to import (its
+calls go to the next backend).  Discovery happens on the first call, not at import.
+
 Choice per call, first rule that applies: the ``backend=`` argument (strict: it never falls
 back) > :func:`softmaxkit.backend_opts` > the environment variables ``SOFTMAXKIT_PRIORITIZE``
 and ``SOFTMAXKIT_BLOCK`` (comma-separated names, read when the backends are discovered; call
@@ -265,7 +269,14 @@ def _discover() -> dict[str, Backend]:
     from importlib.metadata import entry_points  # deferred: it costs import time
 
     found: dict[str, Backend] = {}
-    for ep in sorted(entry_points(group=GROUP), key=lambda e: (e.name != REFERENCE, e.value)):
+    try:
+        eps = list(entry_points(group=GROUP))
+    except Exception as exc:  # unreadable installed metadata must not break every call
+        warnings.warn(f"softmaxkit could not read the installed entry points, so only the "
+                      f"reference backend is used: {type(exc).__name__}: {exc}",
+                      BackendWarning, stacklevel=4)
+        eps = []
+    for ep in sorted(eps, key=lambda e: (e.name != REFERENCE, e.value)):
         try:
             manifest = ep.load()
             backend = Backend.from_manifest(

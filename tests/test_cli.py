@@ -61,6 +61,15 @@ def test_verify_loopback_through_the_installed_command():
     assert "FAILED" not in proc.stdout
 
 
+def test_python_dash_m_runs_the_same_command():
+    proc = subprocess.run([sys.executable, "-m", "softmaxkit", "verify", "--backend",
+                           "loopback", "--target", "array_api_strict", "--ops", "softmax"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    expected = "nothing ran: loopback serves none of these cases on target array_api_strict"
+    assert expected in proc.stdout
+
+
 def test_verify_reports_a_wrong_backend_and_exits_1(wrong, capsys):
     assert main(["verify", "--backend", "wrong", "--ops", "softmax"]) == 1
     out = capsys.readouterr().out
@@ -98,3 +107,19 @@ def test_bench_rejects_a_malformed_shape():
     with pytest.raises(SystemExit) as info:
         main(["bench", "--shapes", "4096"])
     assert info.value.code == 2
+
+
+def test_bench_counts_bytes_read_and_written():
+    from softmaxkit import bench
+
+    with sk.backend_opts(prioritize="reference"):
+        result = bench.run(shapes=[(8, 64)], dtypes=["float32", "float64"], repeats=1,
+                           progress=False, min_time=0.0)
+    for r in result.results:
+        if r.note.startswith("TypeError"):  # a peer without this dtype
+            continue
+        nbytes = 8 * 64 * (4 if r.dtype == "float32" else 8)
+        moved = nbytes if r.op == "logsumexp" and r.contender != "copy" else 2 * nbytes
+        assert abs(r.gbps * r.seconds * 1e9 - moved) <= 1e-6 * moved, r
+        if r.contender != "copy":
+            assert r.max_error < (1e-5 if r.dtype == "float32" else 1e-12), r

@@ -439,7 +439,8 @@ def vjp_cases() -> list[dict]:
     return cases
 
 
-def main() -> None:
+def build() -> dict[str, dict]:
+    """Every vector file's content, by file name."""
     with np.errstate(divide="ignore"):
         files = {
             "softmax.json": ("softmax", softmax_cases(log=False)),
@@ -448,14 +449,20 @@ def main() -> None:
             "cross_entropy.json": ("cross_entropy", cross_entropy_cases()),
             "vjp.json": ("softmax_vjp, log_softmax_vjp", vjp_cases()),
         }
-    for filename, (ops, cases) in files.items():
-        doc = {
+    return {
+        filename: {
             "ops": ops,
             "generator": "spec/vectors/make_vectors.py (mpmath, 50 digits)",
             "cases": cases,
         }
+        for filename, (ops, cases) in files.items()
+    }
+
+
+def main() -> None:
+    for filename, doc in build().items():
         (HERE / filename).write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"{filename}: {len(cases)} cases")
+        print(f"{filename}: {len(doc['cases'])} cases")
 
 
 if __name__ == "__main__":

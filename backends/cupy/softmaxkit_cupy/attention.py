@@ -8,6 +8,7 @@ dimensions, sizes), so every call here has a kernel.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -56,10 +57,21 @@ def _multiprocessors() -> int:
 
 
 def splits_for(batch_heads: int, lk: int, multiprocessors: int) -> tuple[int, int]:
-    """(splits, keys per split) for decoding: about eight waves of blocks, >= 256 keys each."""
+    """(splits, keys per split) for decoding.
+
+    Splits trade the merge's cost against the tail of the last wave of blocks: take the count
+    that minimizes (waves, rounded up) x (key tiles + 2 per block), about three blocks resident
+    per multiprocessor, at least 256 keys per split.
+    """
     block_n = 16 * DECODE_WARPS
-    want = -(-8 * 3 * multiprocessors // max(1, batch_heads))
-    splits = max(1, min(want, lk // 256))
+    slots = 3 * multiprocessors
+    best = (math.inf, 1)
+    for splits in range(1, max(1, min(64, lk // 256)) + 1):
+        waves = -(-batch_heads * splits // slots)
+        tiles = -(-lk // (splits * block_n))
+        # two tiles' worth of fixed cost per block: Q, the warps' merge, the partial store
+        best = min(best, (waves * (tiles + 2), splits))
+    splits = best[1]
     chunk = -(-lk // splits)
     chunk = -(-chunk // block_n) * block_n
     return -(-lk // chunk), chunk

@@ -51,11 +51,14 @@ class RowConfig:
 
 
 ROW_CONFIGS: tuple[RowConfig, ...] = (
-    *(RowConfig(256, g, 1) for g in (4, 8, 16, 32)),
-    RowConfig(256, 32, 2),
+    RowConfig(256, 4, 1),
+    RowConfig(256, 4, 2),
+    RowConfig(256, 4, 4),
+    RowConfig(256, 8, 4),
+    RowConfig(256, 16, 4),
     RowConfig(256, 32, 4),
     RowConfig(128, 128, 2),
-    RowConfig(256, 256, 2),
+    RowConfig(128, 128, 4),
     RowConfig(256, 256, 4),
     RowConfig(256, 256, 4, 2),
     RowConfig(256, 256, 4, 4),
@@ -98,7 +101,7 @@ class AttentionConfig:
     """One forward tile shape: ``warps`` warps of 16 query rows, ``block_n`` keys per tile."""
 
     head_dim: int
-    warps: int = 4
+    warps: int = 8
     block_n: int = 64
 
     @property
@@ -162,8 +165,49 @@ def attention_names() -> tuple[str, ...]:
     return tuple(names)
 
 
+GRAD_OPS = {"softmax_vjp": 3, "log_softmax_vjp": 4, "cross_entropy": None}
+"""Row operations of kernels/rowgrads.cu (VJPs with the kernel's OP argument)."""
+
+GRAD_CONFIGS: tuple[RowConfig, ...] = (
+    RowConfig(256, 4, 4),
+    RowConfig(256, 16, 4),
+    RowConfig(256, 32, 4),
+    RowConfig(128, 128, 4),
+    RowConfig(256, 256, 4),
+    RowConfig(512, 512, 4),
+    RowConfig(512, 512, 8),
+)
+"""One block (or less) per row, ordered by capacity; longer rows are declined."""
+
+
+def grad_config(n: int, itemsize: int) -> RowConfig | None:
+    """The smallest gradient-kernel configuration that holds a row of ``n`` elements."""
+    for config in GRAD_CONFIGS:
+        if n <= config.capacity(itemsize):
+            return config
+    return None
+
+
+def grad_name(op: str, dtype: str, config: RowConfig) -> str:
+    """The C++ name expression of a gradient kernel."""
+    tail = f"{config.threads}, {config.group}, {config.k}>"
+    if op == "cross_entropy":
+        return f"sk_xent<{CTYPES[dtype]}, {tail}"
+    return f"sk_vjp<{CTYPES[dtype]}, {GRAD_OPS[op]}, {tail}"
+
+
+def grad_modules() -> list[tuple[str, str, list[str]]]:
+    """Every gradient module: ``(op, dtype, name_expressions)``."""
+    return [
+        (op, dtype, [grad_name(op, dtype, c) for c in GRAD_CONFIGS])
+        for op in GRAD_OPS
+        for dtype in CTYPES
+    ]
+
+
 def all_modules() -> list[tuple[str, list[str]]]:
     """Every ``(source file, name expressions)`` module the backend may build on a device."""
     modules = [("rows.cu", names) for _, _, _, names in row_modules()]
+    modules += [("rowgrads.cu", names) for _, _, names in grad_modules()]
     modules.append(("attention.cu", list(attention_names())))
     return modules

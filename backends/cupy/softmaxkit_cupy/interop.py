@@ -96,6 +96,34 @@ def name(a: Any) -> str:
     return dtype_name(a.dtype)
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` offered through the CUDA stream protocol."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+_streams: dict[int, Any] = {}
+
+
+def _cupy_stream(handle: int, device: int) -> Any:
+    """A cached CuPy view of the stream ``handle`` (PyTorch's current stream)."""
+    stream = _streams.get(handle)
+    if stream is None:
+        import cupy
+
+        from_external = getattr(cupy.cuda.Stream, "from_external", None)
+        if from_external is not None:
+            stream = from_external(_StreamHandle(handle))
+        else:  # CuPy before 14
+            stream = cupy.cuda.ExternalStream(handle, device)
+        _streams[handle] = stream
+    return stream
+
+
 @contextlib.contextmanager
 def launch_context(a: Any) -> Iterator[None]:
     """Make ``a``'s device current and, for PyTorch, PyTorch's current stream CuPy's."""
@@ -105,8 +133,8 @@ def launch_context(a: Any) -> Iterator[None]:
         import torch
 
         index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-        stream = torch.cuda.current_stream(index).cuda_stream
-        with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream, index):
+        stream = _cupy_stream(torch.cuda.current_stream(index).cuda_stream, index)
+        with cupy.cuda.Device(index), stream:
             yield
     else:
         with cupy.cuda.Device(a.device.id):

@@ -7,19 +7,34 @@ accepted the call (device, dtypes, row length, options), so every call here has 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import numpy as np
 
 from . import compiler, interop
-from .configs import row_config, row_modules
+from .configs import ITEMSIZE, row_config, row_modules
 
 _NAMES = {(op, din, dout): tuple(names) for op, din, dout, names in row_modules()}
 
 
 def _aligned(address: int, stride_bytes: int, width: int) -> bool:
     return address % width == 0 and stride_bytes % width == 0
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(op: str, din: str, dout: str, n: int, rows: int) -> tuple[Any, int, int]:
+    """The kernel, grid and block size for ``rows`` rows of ``n`` elements (cached)."""
+    config = row_config(n, ITEMSIZE[din])
+    if config is None:  # can_run declines these rows
+        raise ValueError(f"rows of {n} elements are longer than the row kernels hold")
+    kernel = compiler.function("rows.cu", _NAMES[(op, din, dout)], config.name(op, din, dout))
+    if config.cluster > 1:
+        grid = rows * config.cluster
+    else:
+        grid = -(-rows // (config.threads // config.group))
+    return kernel, grid, config.threads
 
 
 def launch_rows(
@@ -29,36 +44,27 @@ def launch_rows(
     din, dout = interop.name(x), interop.name(out)
     n = int(x.shape[-1])
     rows = math.prod(x.shape[:-1])
-    in_size, out_size = interop.itemsize(x), interop.itemsize(out)
+    in_size, out_size = ITEMSIZE[din], ITEMSIZE[dout]
     vec = 16 // in_size
-    config = row_config(n, in_size)
-    if config is None:  # can_run declines these rows
-        raise ValueError(f"rows of {n} elements are longer than the row kernels hold")
+    kernel, grid, threads = _plan(op, din, dout, n, rows)
     x2, ld_x = interop.as_rows(xp, x)
+    x_ptr, o_ptr = interop.pointer(x2), interop.pointer(out)
     ld_o = n if op != "logsumexp" else 1
-    vec_ok = n % vec == 0 and _aligned(interop.pointer(x2), ld_x * in_size, 16)
+    vec_ok = n % vec == 0 and _aligned(x_ptr, ld_x * in_size, 16)
     if op != "logsumexp":
-        width = min(16, vec * out_size)
-        vec_ok = vec_ok and _aligned(interop.pointer(out), n * out_size, width)
+        vec_ok = vec_ok and _aligned(o_ptr, n * out_size, min(16, vec * out_size))
     w_ptr, ld_w = 0, 0
     if where is not None:
         w2, ld_w = interop.as_rows(xp, where)
         w_ptr = interop.pointer(w2)
         vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
-    name = config.name(op, din, dout)
-    kernel = compiler.function("rows.cu", _NAMES[(op, din, dout)], name)
-    if config.cluster > 1:
-        grid = rows * config.cluster
-    else:
-        per_block = config.threads // config.group
-        grid = -(-rows // per_block)
     args = (
-        np.uint64(interop.pointer(x2)), np.int64(ld_x), np.uint64(w_ptr), np.int64(ld_w),
-        np.uint64(interop.pointer(out)), np.int64(ld_o), np.int64(rows), np.int32(n),
+        np.uint64(x_ptr), np.int64(ld_x), np.uint64(w_ptr), np.int64(ld_w),
+        np.uint64(o_ptr), np.int64(ld_o), np.int64(rows), np.int32(n),
         np.int32(vec_ok), np.int32(masked_nan),
     )
     with interop.launch_context(x):
-        kernel((grid,), (config.threads,), args)
+        kernel((grid,), (threads,), args)
 
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:

@@ -110,13 +110,34 @@ def storage(a: np.ndarray) -> np.ndarray:
     return a.view(kind) if kind is not None else a
 
 
+class _Alias:
+    """Holds an array interface (and the array it describes, to keep its memory alive)."""
+
+    def __init__(self, interface: dict[str, Any], base: np.ndarray):
+        self.__array_interface__ = interface
+        self.base = base
+
+
+def readable(a: np.ndarray) -> np.ndarray:
+    """``a``, or for a read-only ``a`` an alias of the same memory that Numba types as writable.
+
+    Numba compiles a separate kernel for read-only arrays; the kernels never write their
+    inputs, so an alias saves that compilation without copying.
+    """
+    if a.flags.writeable:
+        return a
+    interface = dict(a.__array_interface__)
+    interface["data"] = (interface["data"][0], False)
+    return np.asarray(_Alias(interface, a)).view(a.dtype)  # keeps ml_dtypes dtypes
+
+
 def rows(a: np.ndarray) -> np.ndarray:
     """``a`` as a C-contiguous ``[R, N]`` array: a view when the layout allows, else one copy."""
     n = a.shape[-1]
     r = math.prod(a.shape[:-1])
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
-    return a.reshape(r, n)
+    return readable(a.reshape(r, n))
 
 
 def mask_rows(where: Any) -> tuple[np.ndarray, int, bool]:

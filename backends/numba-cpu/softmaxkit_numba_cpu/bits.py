@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 _F32 = ir.FloatType()
@@ -78,6 +79,36 @@ def f32_to_bf16(typingctx, v):
         return builder.trunc(builder.lshr(chosen, ir.Constant(_I32, 16)), _I16)
 
     return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, v):
+    """The float32 whose bit pattern is the low 32 bits of integer ``v``."""
+    if not isinstance(v, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.trunc(args[0], _I32), _F32)
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def maxnum(typingctx, a, b):
+    """``llvm.maxnum``: the larger of two floats, the other one when one is NaN.
+
+    Unlike a compare-and-select in Python, it is recognised as a reduction and vectorized.
+    """
+    if a != b or a not in (types.float32, types.float64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        t = args[0].type
+        name = "llvm.maxnum.f32" if t == _F32 else "llvm.maxnum.f64"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t, t]), name)
+        return builder.call(fn, args)
+
+    return a(a, b), codegen
 
 
 def _scale_codegen(width: int, bias: int, mant: int, low: int, lift: int):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .bits import like, put, widen
+from .bits import like, maxnum, put, widen
 from .exp import exp_nonpos
 
 NORMAL, NAN, POSINF, EMPTY = 0, 1, 2, 3
@@ -38,47 +38,19 @@ BLOCK = 1024
 
 @njit(fastmath=FASTMATH, cache=True)
 def row_max(x, w, has_where):
-    """Maximum of the allowed logits, ignoring NaN (-inf for none): 8 lanes, one final reduction."""
-    n = x.shape[0]
-    ninf = -np.inf
+    """Maximum of the allowed logits, ignoring NaN (-inf for none).
+
+    ``maxnum`` makes the loop a vectorized reduction: lanewise maxima, one reduction at the end.
+    """
+    m = like(x, -np.inf)
     if has_where:
-        m = like(x, ninf)
-        for j in range(n):
-            v = widen(x[j])
-            m = v if w[j] and v > m else m
-        return m
-    if n == 0:
-        return like(x, ninf)
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = like(x, ninf)
-    n8 = n - n % 8
-    for j in range(0, n8, 8):
-        v = widen(x[j])
-        m0 = v if v > m0 else m0
-        v = widen(x[j + 1])
-        m1 = v if v > m1 else m1
-        v = widen(x[j + 2])
-        m2 = v if v > m2 else m2
-        v = widen(x[j + 3])
-        m3 = v if v > m3 else m3
-        v = widen(x[j + 4])
-        m4 = v if v > m4 else m4
-        v = widen(x[j + 5])
-        m5 = v if v > m5 else m5
-        v = widen(x[j + 6])
-        m6 = v if v > m6 else m6
-        v = widen(x[j + 7])
-        m7 = v if v > m7 else m7
-    m0 = m1 if m1 > m0 else m0
-    m2 = m3 if m3 > m2 else m2
-    m4 = m5 if m5 > m4 else m4
-    m6 = m7 if m7 > m6 else m6
-    m0 = m2 if m2 > m0 else m0
-    m4 = m6 if m6 > m4 else m4
-    m0 = m4 if m4 > m0 else m0
-    for j in range(n8, n):
-        v = widen(x[j])
-        m0 = v if v > m0 else m0
-    return m0
+        ninf = like(x, -np.inf)
+        for j in range(x.shape[0]):
+            m = maxnum(m, widen(x[j]) if w[j] else ninf)
+    else:
+        for j in range(x.shape[0]):
+            m = maxnum(m, widen(x[j]))
+    return m
 
 
 @njit(cache=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from numba import njit, prange
 
@@ -46,9 +45,9 @@ def softmax_row(x, w, has_where, masked_nan, buf, out):
 
 
 @njit(parallel=True, cache=True)
-def softmax_par(x, w, wstep, has_where, masked_nan, out):
+def softmax_par(x, w, wstep, has_where, masked_nan, out, threads):
     r, n = x.shape
-    chunks = min(r, 4 * numba.get_num_threads())
+    chunks = min(r, 4 * threads)
     for c in prange(chunks):
         buf = scratch(x, n)  # one buffer per chunk of rows
         for i in range(c * r // chunks, (c + 1) * r // chunks):

@@ -55,9 +55,10 @@ def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> A
     o2 = out.storage.reshape(x2.shape)
     nan = masked == "nan"
     par = parallel(*x2.shape)
-    if which == "softmax":
-        run = k.softmax_par if par else k.softmax_ser
-        run(x2, w2, wstep, has_where, nan, o2)
+    if which == "softmax" and par:
+        k.softmax_par(x2, w2, wstep, has_where, nan, o2, numba.get_num_threads())
+    elif which == "softmax":
+        k.softmax_ser(x2, w2, wstep, has_where, nan, o2)
     else:
         run = k.log_softmax_par if par else k.log_softmax_ser
         run(x2, w2, wstep, has_where, nan, o2)

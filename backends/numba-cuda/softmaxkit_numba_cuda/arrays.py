@@ -67,6 +67,30 @@ def kernel_view(a: Any, lib: str) -> Any:
     return cuda.as_cuda_array(a, sync=False)
 
 
+def _address(a: Any, lib: str) -> int:
+    if lib == "torch":
+        return a.data_ptr()
+    if lib == "cupy":
+        return a.data.ptr
+    if lib == "numpy":
+        return a.ctypes.data
+    return a.__cuda_array_interface__["data"][0]
+
+
+def vectorizable(arrays: list[Any], lib: str, width: int) -> bool:
+    """Whether ``[rows, N]`` arrays can be viewed as rows of 8-byte words of ``width`` values."""
+    if width <= 1 or lib == "numba":
+        return False
+    return all(a.shape[-1] % width == 0 and _address(a, lib) % 8 == 0 for a in arrays)
+
+
+def words(a: Any, lib: str) -> Any:
+    """The ``[rows, N]`` array ``a`` as ``[rows, N / width]`` 8-byte integer words (a view)."""
+    if lib == "torch":
+        return a.view(_torch().int64)
+    return a.view(np.int64)
+
+
 def empty(xp: Any, like: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     """An uninitialized array of the caller's library on ``like``'s device."""
     return xp.empty(shape, dtype=dtype, device=getattr(like, "device", None))

@@ -1,8 +1,9 @@
 """The backend's kernels in the form the registry calls: ``fn(*, xp, **params)``.
 
 Each function takes the frontend's ``[..., N]`` arrays (validated, dtype policy applied),
-views them as ``[rows, N]`` without copying when they are contiguous, chooses the plan for
-``N`` (:mod:`.plan`), and launches the row kernel on the caller's device and current stream.
+views them as ``[rows, N]`` without copying when they are contiguous -- as rows of 8-byte
+words when the dtype allows (float32, bfloat16) -- chooses the plan for the row length
+(:mod:`.plan`), and launches the row kernel on the caller's device and current stream.
 Results are arrays of the caller's library.
 """
 
@@ -17,8 +18,23 @@ from softmaxkit.dtypes import dtype_name as _dtype_name
 
 from . import plan as plans
 from . import rowkernels
-from .arrays import dummy, empty, kernel_view, launch, library, rows, run
+from .arrays import (
+    dummy,
+    empty,
+    kernel_view,
+    launch,
+    library,
+    rows,
+    run,
+    vectorizable,
+    words,
+)
 from .intrinsics import SIMULATOR
+from .storage import VECTOR_WIDTH
+
+MAX_VALUES = 16
+"""Values a thread holds in registers per tile (half of it for float64); twice as many for
+rows that would otherwise not fit one block (up to 32768 elements), so they are read once."""
 
 
 def dtype_name(dtype: Any) -> str:
@@ -29,10 +45,21 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def _plan(n: int, kind: str, arrays: int = 1) -> plans.Plan:
-    """The plan for rows of ``n`` of storage ``kind``, caching ``arrays`` arrays per row."""
-    slots = plans.MAX_SLOTS // arrays // (2 if kind == "float64" else 1)
-    return plans.choose(n, simulator=SIMULATOR, max_slots=slots)
+def _plan(n_words: int, kind: str, width: int = 1, arrays: int = 1) -> plans.Plan:
+    """The plan for rows of ``n_words`` words of ``width`` values of storage ``kind``."""
+    values = MAX_VALUES // arrays // (2 if kind == "float64" else 1)
+    if n_words * width > plans.MAX_THREADS * values and arrays == 1:
+        values *= 2
+    return plans.choose(n_words, simulator=SIMULATOR, max_slots=max(1, values // width))
+
+
+def _layout(lib: str, kin: str, kout: str, arrays: list[Any]) -> tuple[bool, int, list[Any]]:
+    """Whether to use word loads, the word width, and the kernel views of ``arrays``."""
+    width = VECTOR_WIDTH.get(kin, 1)
+    vector = kin == kout and vectorizable(arrays, lib, width)
+    if not vector:
+        return False, 1, [kernel_view(a, lib) for a in arrays]
+    return True, width, [kernel_view(words(a, lib), lib) for a in arrays]
 
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
@@ -42,17 +69,15 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
         return out
     xr = rows(x, lib)
     n_rows, n = xr.shape
-    p = _plan(n, dtype_name(x.dtype))
-    kernel = rowkernels.normalize(
-        op, dtype_name(x.dtype), dtype_name(out_dtype), p.threads, p.slots,
-        p.rows_per_block, p.cached,
-    )
+    kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
+    vector, width, (xv, ov) = _layout(lib, kin, kout, [xr, out.reshape(n_rows, n)])
+    p = _plan(n // width, kin, width)
+    kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots,
+                                  p.rows_per_block, p.cached)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     with launch(x, lib) as stream:
         run(kernel, p.grid(n_rows), p.block, stream,
-            kernel_view(xr, lib), w, where is not None, masked == "nan",
-            kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.tiles,
-        )
+            xv, w, where is not None, masked == "nan", ov, n_rows, n // width, p.tiles)
     return out
 
 
@@ -76,23 +101,22 @@ def logsumexp(
     batch = tuple(x.shape[:-1])
     out = empty(xp, x, batch, out_dtype)
     sign = empty(xp, x, batch, out_dtype) if return_sign else None
-    if out.size:
-        xr = rows(x, lib)
-        n_rows, n = xr.shape
-        p = _plan(n, dtype_name(x.dtype))
-        kernel = rowkernels.logsumexp(
-            dtype_name(x.dtype), dtype_name(out_dtype), p.threads, p.slots, p.rows_per_block,
-        )
-        kout = dtype_name(out_dtype)
-        w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
-        s = (kernel_view(sign.reshape(n_rows, 1), lib) if return_sign
-             else dummy(lib, x.device, kout))
-        with launch(x, lib) as stream:
-            run(kernel, p.grid(n_rows), p.block, stream,
-                kernel_view(xr, lib), w, where is not None,
-                kernel_view(out.reshape(n_rows, 1), lib), s, bool(return_sign),
-                n_rows, n, p.tiles,
-            )
+    if out.size == 0:
+        return (out, sign) if return_sign else out
+    xr = rows(x, lib)
+    n_rows, n = xr.shape
+    kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
+    vector, width, (xv,) = _layout(lib, kin, kin, [xr])
+    p = _plan(n // width, kin, width)
+    kernel = rowkernels.logsumexp(kin, kout, vector, p.threads, p.slots, p.rows_per_block,
+                                  p.cached)
+    w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
+    s = (kernel_view(sign.reshape(n_rows, 1), lib) if return_sign
+         else dummy(lib, x.device, kout))
+    with launch(x, lib) as stream:
+        run(kernel, p.grid(n_rows), p.block, stream,
+            xv, w, where is not None, kernel_view(out.reshape(n_rows, 1), lib), s,
+            bool(return_sign), n_rows, n // width, p.tiles)
     return (out, sign) if return_sign else out
 
 
@@ -112,7 +136,11 @@ def cross_entropy(
     if probs is not None:
         raise ValueError("numba-cuda cross_entropy takes class-index targets only")
     lib = library(logits)
-    kin = dtype_name(logits.dtype)
+    if xp is None:
+        import array_api_compat
+
+        xp = array_api_compat.array_namespace(logits)
+    kin, kout = dtype_name(logits.dtype), dtype_name(out_dtype)
     acc = lookup(xp, accumulator_name(kin))
     batch = tuple(logits.shape[:-1])
     loss = empty(xp, logits, batch, acc)
@@ -121,11 +149,15 @@ def cross_entropy(
         return loss, grad
     xr = rows(logits, lib)
     n_rows, n = xr.shape
-    p = _plan(n, kin)
-    kernel = rowkernels.cross_entropy(
-        kin, dtype_name(out_dtype), p.threads, p.slots, p.rows_per_block, p.cached,
-    )
     device = getattr(logits, "device", None)
+    if grad is not None:
+        vector, width, (xv, gv) = _layout(lib, kin, kout, [xr, grad.reshape(n_rows, n)])
+    else:
+        vector, width, (xv,) = _layout(lib, kin, kin, [xr])
+        gv = dummy(lib, device, "int64" if vector else kout)
+    p = _plan(n // width, kin, width)
+    kernel = rowkernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
+                                      p.rows_per_block, p.cached)
     if grad_scale is None or not hasattr(grad_scale, "shape"):
         value = 1.0 if grad_scale is None else float(grad_scale)
         scale = xp.full((1,), value, dtype=acc, device=device)
@@ -135,16 +167,13 @@ def cross_entropy(
     if lib == "torch":
         idx = idx.contiguous()
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, device)
-    g = (kernel_view(grad.reshape(n_rows, n), lib) if grad is not None
-         else dummy(lib, device, dtype_name(out_dtype)))
     ignore = 0 if ignore_index is None else int(ignore_index)
     with launch(logits, lib) as stream:
         run(kernel, p.grid(n_rows), p.block, stream,
-            kernel_view(xr, lib), w, where is not None, kernel_view(idx, lib),
-            kernel_view(scale, lib), kernel_view(loss.reshape(n_rows, 1), lib), g,
-            grad is not None, n_rows, n, p.tiles, float(label_smoothing),
-            ignore_index is not None, ignore,
-        )
+            xv, w, where is not None, kernel_view(idx, lib), kernel_view(scale, lib),
+            kernel_view(loss.reshape(n_rows, 1), lib), gv, grad is not None,
+            n_rows, n // width, p.tiles, float(label_smoothing), ignore_index is not None,
+            ignore)
     return loss, grad
 
 
@@ -164,8 +193,7 @@ def _vjp(op: str, xp: Any, y: Any, c: Any, where: Any, out_dtype: Any) -> Any:
     with launch(y, lib) as stream:
         run(kernel, p.grid(n_rows), p.block, stream,
             kernel_view(yr, lib), kernel_view(cr, lib), w, where is not None,
-            kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.tiles,
-        )
+            kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.tiles)
     return out
 
 

@@ -1,13 +1,15 @@
 """How a row of length N is spread over threads: the strategy by row length.
 
-* short rows (N <= 512): a warp per row, several rows per block, reductions by shuffles;
-* medium rows (N <= 32768): a block per row, the whole row held in registers between the
-  reduction pass and the writing pass, so it is read from memory once;
+* short rows (up to 16 words per lane): a warp per row, several rows per block, reductions by
+  shuffles;
+* medium rows (up to 1024 threads x ``max_slots`` words): a block per row, the whole row held
+  in registers between the reduction pass and the writing pass, so it is read once;
 * long rows: a block per row walking the row in tiles; the writing pass reads each tile
   again (from L2 where it is still resident).
 
-Each thread holds ``slots`` values per tile at positions ``lane + threads * j``, so each
-load instruction of a warp reads consecutive addresses (coalesced).  This module imports no
+N counts words: single elements, or 8-byte words of 2 float32 / 4 bfloat16 values.  Each
+thread holds ``slots`` words per tile at positions ``lane + threads * j``, so each load
+instruction of a warp reads consecutive addresses (coalesced).  This module imports no
 numba: the plan is plain arithmetic, tested on its own.
 """
 
@@ -81,7 +83,7 @@ def choose(n: int, simulator: bool = False, max_slots: int = MAX_SLOTS) -> Plan:
         if n <= 2 * WARP:
             return make(WARP, 2, n, warp_rows=2)
         return make(2 * WARP, 2, n)
-    if n <= 16 * WARP:
+    if n <= min(16, max_slots) * WARP:
         return make(WARP, _pow2_at_least(max(1, -(-n // WARP))), n)
     if n <= MAX_THREADS * max_slots:
         per_thread = min(16, max_slots)

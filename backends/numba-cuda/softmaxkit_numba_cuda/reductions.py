@@ -77,10 +77,18 @@ def summary_ops(acc_name: str):
     return nanmax, device_function(merge)
 
 
+SCRATCH = 64
+"""Shared accumulator values a block needs for its reductions (two per warp)."""
+
+
 @functools.cache
 def group_reducers(threads: int, acc_name: str):
-    """``(pair_reduce, sum_reduce, max_reduce)`` for groups of ``threads`` threads."""
-    acc = float64 if acc_name == "float64" else float32
+    """``(pair_reduce, sum_reduce, max_reduce)`` for groups of ``threads`` threads.
+
+    Each takes a shared ``scratch`` array of :data:`SCRATCH` accumulator values, allocated by
+    the kernel (shared arrays declared in separately compiled device functions would clash
+    at link time).
+    """
     nanmax, merge = summary_ops(acc_name)
     warps = threads // 32
     block = threads > 32
@@ -117,48 +125,44 @@ def group_reducers(threads: int, acc_name: str):
     warp_sum = device_function(warp_sum)
     warp_max = device_function(warp_max)
 
-    def pair_reduce(m, s):
+    def pair_reduce(m, s, scratch):
         m, s = warp_pair(m, s)
         if block:
-            sm = cuda.shared.array(warps, acc)
-            ss = cuda.shared.array(warps, acc)
             tid = cuda.threadIdx.x
             if tid % 32 == 0:
-                sm[tid // 32] = m
-                ss[tid // 32] = s
+                scratch[tid // 32] = m
+                scratch[32 + tid // 32] = s
             cuda.syncthreads()
-            m = sm[0]
-            s = ss[0]
+            m = scratch[0]
+            s = scratch[32]
             for k in range(1, warps):
-                m, s = merge(m, s, sm[k], ss[k])
+                m, s = merge(m, s, scratch[k], scratch[32 + k])
             cuda.syncthreads()
         return m, s
 
-    def sum_reduce(v):
+    def sum_reduce(v, scratch):
         v = warp_sum(v)
         if block:
-            sv = cuda.shared.array(warps, acc)
             tid = cuda.threadIdx.x
             if tid % 32 == 0:
-                sv[tid // 32] = v
+                scratch[tid // 32] = v
             cuda.syncthreads()
-            v = sv[0]
+            v = scratch[0]
             for k in range(1, warps):
-                v = v + sv[k]
+                v = v + scratch[k]
             cuda.syncthreads()
         return v
 
-    def max_reduce(v):
+    def max_reduce(v, scratch):
         v = warp_max(v)
         if block:
-            sv = cuda.shared.array(warps, acc)
             tid = cuda.threadIdx.x
             if tid % 32 == 0:
-                sv[tid // 32] = v
+                scratch[tid // 32] = v
             cuda.syncthreads()
-            v = sv[0]
+            v = scratch[0]
             for k in range(1, warps):
-                v = nanmax(v, sv[k])
+                v = nanmax(v, scratch[k])
             cuda.syncthreads()
         return v
 

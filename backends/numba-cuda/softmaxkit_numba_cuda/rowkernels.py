@@ -1,13 +1,17 @@
 """The row kernels, built per (operation, dtypes, plan) and compiled on first use.
 
-Every kernel takes 2-D C-contiguous ``[rows, N]`` arrays.  The first pass reads each tile of
-the row, takes the tile's maximum and sum of shifted exponentials, and folds it into the
-thread's running summary (the online recurrence); the group then merges the threads'
-summaries.  Excluded positions (``where`` False) and the masked tail of the last tile enter
-as ``-inf``, which the maximum ignores and the exponential sends to zero: nothing is ever
-multiplied by zero to exclude it.  The second pass writes the outputs, from registers when the
-row fits in one tile, else reading the tile again.  Special rows (a NaN, a ``+inf``, nothing
-allowed) follow spec/semantics.md exactly as the reference kernels do.
+Every kernel takes 2-D C-contiguous ``[rows, W]`` arrays of *words*: one element each, or
+(float32, bfloat16) 8-byte integers packing 2 or 4 elements, so a warp moves 256 consecutive
+bytes per instruction.  A thread holds ``slots`` words per tile at ``lane + threads * j``.
+
+First pass.  When the row fits in one tile it stays in registers: the group reduces the
+maximum, then the sum of ``exp(v - max)`` (one exponential per element; softmax keeps the
+exponentials for the second pass).  Longer rows are read tile by tile, each tile's maximum and
+sum folded into the thread's running summary (the online recurrence), and the group merges
+the summaries.  Excluded positions (``where`` False) and the masked tail of the last tile
+enter as ``-inf``, which the maximum ignores and the exponential sends to zero: nothing is
+multiplied by zero to exclude it.  Second pass: the outputs, from registers, or reading each
+tile again.  Special rows (a NaN, a ``+inf``, nothing allowed) follow spec/semantics.md.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import functools
 
 from numba import float32, float64
 
-from .intrinsics import NAN, NEG_INF, POS_INF, cuda, kernel, log_f32, log_f64
-from .reductions import exponential, group_reducers, summary_ops
-from .storage import loader, storer
+from .intrinsics import NAN, NEG_INF, POS_INF, cuda, device_function, kernel, log_f32, log_f64
+from .reductions import SCRATCH, exponential, group_reducers, summary_ops
+from .storage import word_io
 
 
 def _acc(kind: str) -> tuple[str, object]:
@@ -26,51 +30,69 @@ def _acc(kind: str) -> tuple[str, object]:
 
 
 @functools.cache
-def _row_summary(kin: str, threads: int, slots: int):
-    """Device function for the first pass: the row's ``(m, s)`` over all tiles.
-
-    ``vals`` keeps the last tile (the whole row when there is one tile) for the second pass.
-    """
+def _first_pass(kin: str, vector: bool, threads: int, slots: int, cached: bool,
+                keep_exp: bool):
+    """Device functions ``load_tile`` and ``row_stats`` (the row's maximum and normalizer)."""
     acc_name, acc = _acc(kin)
-    load = loader(kin, acc_name)
-    nanmax, merge = summary_ops(acc_name)
+    width, load_word, _ = word_io(kin, vector)
+    values = slots * width
+    merge = summary_ops(acc_name)[1]
+    pair_reduce, sum_reduce, max_reduce = group_reducers(threads, acc_name)
     exp = exponential(acc_name)
-    neg_inf = acc(NEG_INF)
-    zero = acc(0.0)
+    neg_inf, zero, nan = acc(NEG_INF), acc(0.0), acc(NAN)
 
-    @cuda.jit(device=True)
-    def load_tile(x, w, has_where, r, live, n, base, vals):
-        tm = neg_inf
+    def load_tile(xr, wr, has_where, live, nw, base, vals):
+        """Load one tile into ``vals``; return its maximum (NaN if it holds a NaN)."""
+        m = neg_inf
+        seen_nan = False
         for j in range(slots):
-            i = base + j * threads
-            v = neg_inf
-            if live and i < n:
-                v = load(x, r, i)
-                if has_where:
-                    if not w[r, i]:
-                        v = neg_inf  # excluded by the max/exp contract
-            vals[j] = v
-            tm = nanmax(tm, v)
-        return tm
+            wi = base + j * threads
+            if live and wi < nw:
+                load_word(xr, wi, vals, j * width)
+                for v in range(width):
+                    x = vals[j * width + v]
+                    if has_where:
+                        if not wr[wi * width + v]:
+                            x = neg_inf  # excluded by the max/exp contract
+                            vals[j * width + v] = x
+                    if x != x:
+                        seen_nan = True
+                    elif x > m:
+                        m = x
+            else:
+                for v in range(width):
+                    vals[j * width + v] = neg_inf
+        return nan if seen_nan else m
 
-    @cuda.jit(device=True)
-    def row_summary(x, w, has_where, r, live, n, lane, tiles, vals):
+    load_tile = device_function(load_tile)
+
+    def row_stats(xr, wr, has_where, live, nw, lane, tiles, vals, scratch):
+        """``(m, s)`` of the row, the same in every thread of the group."""
+        if cached:
+            m = max_reduce(load_tile(xr, wr, has_where, live, nw, lane, vals), scratch)
+            s = zero
+            if m > neg_inf and m < POS_INF:
+                for k in range(values):
+                    e = exp(vals[k] - m)
+                    s += e
+                    if keep_exp:
+                        vals[k] = e
+            return m, sum_reduce(s, scratch)
         m = neg_inf
         s = zero
         for t in range(tiles):
-            tm = load_tile(x, w, has_where, r, live, n, t * (threads * slots) + lane, vals)
+            tm = load_tile(xr, wr, has_where, live, nw, t * (threads * slots) + lane, vals)
             ts = zero
             if tm > neg_inf and tm < POS_INF:
-                for j in range(slots):
-                    ts += exp(vals[j] - tm)
+                for k in range(values):
+                    ts += exp(vals[k] - tm)
             m, s = merge(m, s, tm, ts)
-        return m, s
+        return pair_reduce(m, s, scratch)
 
-    return load_tile, row_summary
+    return load_tile, device_function(row_stats)
 
 
 def _coordinates(threads: int, rows_per_block: int):
-    @cuda.jit(device=True)
     def coordinates(n_rows):
         tid = cuda.threadIdx.x
         if threads == 32:
@@ -82,29 +104,35 @@ def _coordinates(threads: int, rows_per_block: int):
         live = row < n_rows
         return lane, (row if live else 0), live
 
-    return coordinates
+    return device_function(coordinates)
 
 
 @functools.cache
-def normalize(op: str, kin: str, kout: str, threads: int, slots: int, rows_per_block: int,
-              cached: bool):
-    """Kernel ``(x, w, has_where, masked_nan, out, n_rows, n, tiles)`` (softmax, log_softmax)."""
+def normalize(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
+              rows_per_block: int, cached: bool):
+    """Kernel ``(x, w, has_where, masked_nan, out, n_rows, nw, tiles)`` for softmax or
+    log_softmax; ``nw`` is the row length in words."""
     acc_name, acc = _acc(kin)
-    load_tile, row_summary = _row_summary(kin, threads, slots)
-    pair_reduce = group_reducers(threads, acc_name)[0]
+    is_log = op == "log_softmax"
+    keep_exp = cached and not is_log
+    load_tile, row_stats = _first_pass(kin, vector, threads, slots, cached, keep_exp)
+    width, _, _ = word_io(kin, vector)
+    _, _, store_word = word_io(kout, vector)
+    values = slots * width
     exp = exponential(acc_name)
     log = log_f64 if acc_name == "float64" else log_f32
-    store = storer(kout)
     coordinates = _coordinates(threads, rows_per_block)
-    is_log = op == "log_softmax"
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
-    @kernel(threads * rows_per_block, slots, acc_name == "float64")
-    def row_kernel(x, w, has_where, masked_nan, out, n_rows, n, tiles):
+    @kernel(threads * rows_per_block, values, acc_name == "float64")
+    def row_kernel(x, w, has_where, masked_nan, out, n_rows, nw, tiles):
         lane, r, live = coordinates(n_rows)
-        vals = cuda.local.array(slots, acc)
-        m, s = row_summary(x, w, has_where, r, live, n, lane, tiles, vals)
-        m, s = pair_reduce(m, s)
+        xr = x[r]
+        orow = out[r]
+        wr = w[r if has_where else 0]
+        vals = cuda.local.array(values, acc)
+        scratch = cuda.shared.array(SCRATCH, acc)
+        m, s = row_stats(xr, wr, has_where, live, nw, lane, tiles, vals, scratch)
         nan_row = m != m
         inf_row = m == POS_INF
         empty = m == neg_inf
@@ -117,98 +145,109 @@ def normalize(op: str, kin: str, kout: str, threads: int, slots: int, rows_per_b
         for t in range(tiles):
             base = t * (threads * slots) + lane
             if not cached:
-                load_tile(x, w, has_where, r, live, n, base, vals)
-            for j in range(slots):
-                i = base + j * threads
-                if live and i < n:
-                    v = vals[j]
-                    if is_log:
-                        if nan_row or (masked_nan and empty):
-                            o = nan
-                        elif inf_row:
-                            o = nan if v == POS_INF else neg_inf
-                        else:
-                            o = (v - shift) - log_s
+                load_tile(xr, wr, has_where, live, nw, base, vals)
+            for k in range(values):
+                v = vals[k]
+                if is_log:
+                    if nan_row or (masked_nan and empty):
+                        o = nan
+                    elif inf_row:
+                        o = nan if v == POS_INF else neg_inf
                     else:
-                        o = nan if bad else exp(v - shift) * inv
-                    store(out, r, i, o)
+                        o = (v - shift) - log_s
+                elif bad:
+                    o = nan
+                elif keep_exp:
+                    o = zero if empty else v * inv  # v holds exp(x - max) here
+                else:
+                    o = exp(v - shift) * inv
+                vals[k] = o
+            for j in range(slots):
+                wi = base + j * threads
+                if live and wi < nw:
+                    store_word(orow, wi, vals, j * width)
 
     return row_kernel
 
 
 @functools.cache
-def logsumexp(kin: str, kout: str, threads: int, slots: int, rows_per_block: int,
-              ):
-    """Kernel ``(x, w, has_where, out, sign, return_sign, n_rows, n, tiles)``.
-
-    ``out`` and ``sign`` are ``[rows, 1]``.
-    """
+def logsumexp(kin: str, kout: str, vector: bool, threads: int, slots: int,
+              rows_per_block: int, cached: bool):
+    """Kernel ``(x, w, has_where, out, sign, return_sign, n_rows, nw, tiles)``; ``out`` and
+    ``sign`` are ``[rows, 1]``."""
     acc_name, acc = _acc(kin)
-    _, row_summary = _row_summary(kin, threads, slots)
-    pair_reduce = group_reducers(threads, acc_name)[0]
+    _, row_stats = _first_pass(kin, vector, threads, slots, cached, False)
+    width, _, _ = word_io(kin, vector)
+    _, _, store = word_io(kout, False)
+    values = slots * width
     log = log_f64 if acc_name == "float64" else log_f32
-    store = storer(kout)
     coordinates = _coordinates(threads, rows_per_block)
     nan, neg_inf, pos_inf, zero, one = (acc(v) for v in (NAN, NEG_INF, POS_INF, 0.0, 1.0))
 
-    @kernel(threads * rows_per_block, slots, acc_name == "float64")
-    def row_kernel(x, w, has_where, out, sign, return_sign, n_rows, n, tiles):
+    @kernel(threads * rows_per_block, values, acc_name == "float64")
+    def row_kernel(x, w, has_where, out, sign, return_sign, n_rows, nw, tiles):
         lane, r, live = coordinates(n_rows)
-        vals = cuda.local.array(slots, acc)
-        m, s = row_summary(x, w, has_where, r, live, n, lane, tiles, vals)
-        m, s = pair_reduce(m, s)
+        vals = cuda.local.array(values, acc)
+        scratch = cuda.shared.array(SCRATCH, acc)
+        m, s = row_stats(x[r], w[r if has_where else 0], has_where, live, nw, lane, tiles, vals,
+                         scratch)
         if live and lane == 0:
+            res = cuda.local.array(2, acc)
             if m != m:
-                lse, sg = nan, nan
+                res[0], res[1] = nan, nan
             elif m == POS_INF:
-                lse, sg = pos_inf, one
+                res[0], res[1] = pos_inf, one
             elif m == neg_inf:
-                lse, sg = neg_inf, zero
+                res[0], res[1] = neg_inf, zero
             else:
-                lse, sg = m + log(s), one
-            store(out, r, 0, lse)
+                res[0], res[1] = m + log(s), one
+            store(out[r], 0, res, 0)
             if return_sign:
-                store(sign, r, 0, sg)
+                store(sign[r], 0, res, 1)
 
     return row_kernel
 
 
 @functools.cache
-def cross_entropy(kin: str, kout: str, threads: int, slots: int, rows_per_block: int,
-                  cached: bool):
-    """Kernel ``(x, w, has_where, index, scale, loss, grad, has_grad, n_rows, n, tiles,
+def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
+                  rows_per_block: int, cached: bool):
+    """Kernel ``(x, w, has_where, index, scale, loss, grad, has_grad, n_rows, nw, tiles,
     smoothing, has_ignore, ignore)``.
 
-    ``loss`` is ``[rows, 1]`` in the accumulator dtype; ``grad`` (``[rows, N]``) is written
+    ``loss`` is ``[rows, 1]`` in the accumulator dtype; ``grad`` (``[rows, W]``) is written
     when ``has_grad``: ``scale * (softmax(x) - y)`` with ``y`` the (smoothed) one-hot target.
     """
     acc_name, acc = _acc(kin)
-    load = loader(kin, acc_name)
-    load_tile, row_summary = _row_summary(kin, threads, slots)
-    pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
+    load_tile, row_stats = _first_pass(kin, vector, threads, slots, cached, False)
+    width, _, _ = word_io(kin, vector)
+    _, _, store_word = word_io(kout, vector)
+    _, _, store_loss = word_io(acc_name, False)
+    values = slots * width
+    sum_reduce = group_reducers(threads, acc_name)[1]
     exp = exponential(acc_name)
     log = log_f64 if acc_name == "float64" else log_f32
-    store = storer(kout)
-    store_acc = storer(acc_name)
     coordinates = _coordinates(threads, rows_per_block)
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
-    @kernel(threads * rows_per_block, slots, acc_name == "float64")
-    def row_kernel(x, w, has_where, index, scale, loss, grad, has_grad, n_rows, n, tiles, smoothing,
-               has_ignore, ignore):
+    @kernel(threads * rows_per_block, values, acc_name == "float64")
+    def row_kernel(x, w, has_where, index, scale, loss, grad, has_grad, n_rows, nw, tiles,
+                   smoothing, has_ignore, ignore):
         lane, r, live = coordinates(n_rows)
-        vals = cuda.local.array(slots, acc)
-        m, s = row_summary(x, w, has_where, r, live, n, lane, tiles, vals)
-        m, s = pair_reduce(m, s)
+        xr = x[r]
+        wr = w[r if has_where else 0]
+        grow = grad[r if has_grad else 0]
+        vals = cuda.local.array(values, acc)
+        scratch = cuda.shared.array(SCRATCH, acc)
+        m, s = row_stats(xr, wr, has_where, live, nw, lane, tiles, vals, scratch)
         eps = acc(smoothing)
-        count = acc(n)
+        count = acc(nw * width)
         if has_where:
             c = zero
             if live:
-                for i in range(lane, n, threads):
-                    if w[r, i]:
+                for i in range(lane, nw * width, threads):
+                    if wr[i]:
                         c += one
-            count = sum_reduce(c)
+            count = sum_reduce(c, scratch)
         nan_row = m != m
         inf_row = m == POS_INF
         empty = m == neg_inf
@@ -217,27 +256,31 @@ def cross_entropy(kin: str, kout: str, threads: int, slots: int, rows_per_block:
         safe = one if special else s
         inv = one / safe
         share = eps / (count if count > zero else one)
-        target = index[r] if live else 0
+        target = index[r] if live else -1
         valid = live and (not has_ignore or target != ignore)
         g_scale = scale[0]
         zsum = zero
+        z_t = zero  # the target's shifted logit, held by the one thread that loads it
         for t in range(tiles):
             base = t * (threads * slots) + lane
             if not cached:
-                load_tile(x, w, has_where, r, live, n, base, vals)
+                load_tile(xr, wr, has_where, live, nw, base, vals)
             for j in range(slots):
-                i = base + j * threads
-                if live and i < n:
-                    z = vals[j] - shift
-                    allowed = True
-                    if has_where:
-                        allowed = w[r, i]
+                wi = base + j * threads
+                for v in range(width):
+                    k = j * width + v
+                    i = wi * width + v
+                    z = vals[k] - shift
+                    allowed = live and wi < nw
+                    if has_where and allowed:
+                        allowed = wr[i]
                     if allowed:
                         zsum += z
+                    if i == target:
+                        z_t = z
                     if has_grad:
-                        if not valid:
-                            g = zero
-                        else:
+                        g = zero
+                        if valid:
                             if nan_row or inf_row:
                                 p = nan
                             elif empty:
@@ -248,26 +291,27 @@ def cross_entropy(kin: str, kout: str, threads: int, slots: int, rows_per_block:
                             if i == target:
                                 y += one - eps
                             g = (p - y) * g_scale
-                        store(grad, r, i, g)
+                        vals[k] = g
+                if has_grad and live and wi < nw:
+                    store_word(grow, wi, vals, j * width)
         if eps != zero:
-            zsum = sum_reduce(zsum)
+            zsum = sum_reduce(zsum, scratch)
+        z_t = sum_reduce(z_t, scratch)
         if live and lane == 0:
+            res = cuda.local.array(1, acc)
             if not valid:
-                out = zero
+                res[0] = zero
             elif nan_row or inf_row:
-                out = nan
+                res[0] = nan
             else:
                 log_s = log(safe)
-                z_t = neg_inf
-                if not has_where or w[r, target]:
-                    z_t = load(x, r, target) - shift
                 total = zero
                 if eps != one:
                     total += (one - eps) * (z_t - log_s)
                 if eps != zero and count > zero:
                     total += share * (zsum - count * log_s)
-                out = -total
-            store_acc(loss, r, 0, out)
+                res[0] = -total
+            store_loss(loss[r], 0, res, 0)
 
     return row_kernel
 
@@ -281,64 +325,68 @@ def vjp(op: str, kin: str, kc: str, kout: str, threads: int, slots: int, rows_pe
     log_softmax_vjp: ``c - exp(logp) * sum(c)`` over allowed positions (``logp > -inf``).
     """
     acc_name, acc = _acc(kin)
-    load_y = loader(kin, acc_name)
-    load_c = loader(kc, acc_name)
+    _, load_y, _ = word_io(kin, False)
+    _, load_c, _ = word_io(kc, False)
+    _, _, store = word_io(kout, False)
     sum_reduce = group_reducers(threads, acc_name)[1]
     exp = exponential(acc_name)
-    store = storer(kout)
     coordinates = _coordinates(threads, rows_per_block)
     is_log = op == "log_softmax_vjp"
     neg_inf, zero = acc(NEG_INF), acc(0.0)
 
-    @cuda.jit(device=True)
-    def load_pair(y, c, w, has_where, r, live, n, base, ys, cs):
+    def load_pair(yr, cr, wr, has_where, live, n, base, ys, cs):
         part = zero
         for j in range(slots):
             i = base + j * threads
-            yv = zero
-            cv = zero
+            ys[j] = zero
+            cs[j] = zero
             if live and i < n:
-                yv = load_y(y, r, i)
-                cv = load_c(c, r, i)
+                load_y(yr, i, ys, j)
+                load_c(cr, i, cs, j)
                 allowed = True
                 if has_where:
-                    allowed = w[r, i]
+                    allowed = wr[i]
                 if is_log:
-                    if not allowed or yv == neg_inf:
-                        cv = zero
-                        yv = neg_inf
+                    if not allowed or ys[j] == neg_inf:
+                        cs[j] = zero
+                        ys[j] = neg_inf
                 else:
                     if not allowed:
-                        yv = zero
-                        cv = zero
-                    if yv == zero:
-                        cv = zero  # a zero-probability position contributes nothing
-            ys[j] = yv
-            cs[j] = cv
-            part += cv if is_log else yv * cv
+                        ys[j] = zero
+                        cs[j] = zero
+                    if ys[j] == zero:
+                        cs[j] = zero  # a zero-probability position contributes nothing
+            part += cs[j] if is_log else ys[j] * cs[j]
         return part
 
-    @kernel(threads * rows_per_block, slots, acc_name == "float64")
+    load_pair = device_function(load_pair)
+
+    @kernel(threads * rows_per_block, 2 * slots, acc_name == "float64")
     def row_kernel(y, c, w, has_where, out, n_rows, n, tiles):
         lane, r, live = coordinates(n_rows)
+        yr = y[r]
+        cr = c[r]
+        wr = w[r if has_where else 0]
+        orow = out[r]
         ys = cuda.local.array(slots, acc)
+        scratch = cuda.shared.array(SCRATCH, acc)
         cs = cuda.local.array(slots, acc)
         total = zero
         for t in range(tiles):
-            total += load_pair(y, c, w, has_where, r, live, n, t * (threads * slots) + lane, ys,
-                               cs)
-        total = sum_reduce(total)
+            total += load_pair(yr, cr, wr, has_where, live, n, t * (threads * slots) + lane,
+                               ys, cs)
+        total = sum_reduce(total, scratch)
         for t in range(tiles):
             base = t * (threads * slots) + lane
             if not cached:
-                load_pair(y, c, w, has_where, r, live, n, base, ys, cs)
+                load_pair(yr, cr, wr, has_where, live, n, base, ys, cs)
             for j in range(slots):
                 i = base + j * threads
                 if live and i < n:
                     if is_log:
-                        g = zero if ys[j] == neg_inf else cs[j] - exp(ys[j]) * total
+                        ys[j] = zero if ys[j] == neg_inf else cs[j] - exp(ys[j]) * total
                     else:
-                        g = ys[j] * (cs[j] - total)
-                    store(out, r, i, g)
+                        ys[j] = ys[j] * (cs[j] - total)
+                    store(orow, i, ys, j)
 
     return row_kernel

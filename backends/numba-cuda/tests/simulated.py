@@ -24,7 +24,7 @@ import numpy as np
 ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
            "log_softmax_vjp")
 PLANS = ("32,2", "64,1")
-"""Forced "threads,slots": on rows of 150, both take several tiles per row; the first runs
+"""Forced "threads,slots": on rows of 152, both take several tiles per row; the first runs
 a warp per row, the second a block of two warps per row."""
 
 
@@ -40,15 +40,16 @@ def kit(dtypes: list[str]) -> None:
 
 
 def _inputs(rng: np.random.Generator, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    from softmaxkit.dtypes import lookup
     import array_api_compat.numpy as xp
 
-    x = rng.normal(scale=5.0, size=(6, 150))
+    from softmaxkit.dtypes import lookup
+
+    x = rng.normal(scale=5.0, size=(6, 152))
     x[1, 7] = np.nan
     x[2, 3] = np.inf
     x[3, :] = -np.inf
     x[4, ::2] = -np.inf
-    where = rng.random((6, 150)) < 0.8
+    where = rng.random((6, 152)) < 0.8
     where[5, :] = False
     return x.astype(lookup(xp, dtype)), where
 
@@ -75,7 +76,7 @@ def plans() -> None:
         os.environ["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = forced
         for dtype in ("float32", "bfloat16"):
             x, where = _inputs(rng, dtype)
-            target = rng.integers(0, 150, size=6)
+            target = rng.integers(0, 152, size=6)
             target[0] = -1
             cot = rng.normal(size=x.shape).astype(x.dtype)
             for op in ROW_OPS:
@@ -96,7 +97,7 @@ def plans() -> None:
                             with sk.backend_opts(prioritize=backend):
                                 outs[backend] = list(sk.cross_entropy(
                                     xf, target, reduction="none", ignore_index=-1,
-                                    label_smoothing=0.1, where=where | (np.arange(150) ==
+                                    label_smoothing=0.1, where=where | (np.arange(152) ==
                                                                          target[:, None]),
                                     return_grad=True, backend=backend))
                         else:
@@ -105,11 +106,11 @@ def plans() -> None:
                             fn = getattr(sk, op)
                             with sk.backend_opts(prioritize=backend):
                                 outs[backend] = [fn(primal, cot, axis=-1, where=where)]
-                    for got, expected in zip(outs["numba-cuda"], outs["reference"]):
+                    for got, expected in zip(outs["numba-cuda"], outs["reference"], strict=True):
                         _compare(got, expected, dtype)
                     emit(id=rid, status="passed", message="")
                 except Exception:
-                    emit(id=rid, status="failed", message=traceback.format_exc()[-1500:])
+                    emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
     os.environ.pop("SOFTMAXKIT_NUMBA_CUDA_PLAN", None)
 
 

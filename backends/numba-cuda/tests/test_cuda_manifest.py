@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from softmaxkit_numba_cuda import plan
 from softmaxkit_numba_cuda.manifest import can_run, manifest
 

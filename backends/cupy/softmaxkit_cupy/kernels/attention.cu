@@ -41,7 +41,8 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const int m0 = blockIdx.x * BM;
+    // the last query blocks (the most keys under causal masks) start first
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
     const int h = blockIdx.y, b = blockIdx.z;
     const int kh = h / (hq / hk);
     const T* qb = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;

@@ -34,6 +34,9 @@ __device__ __forceinline__ float2 sk_unpack2(float2 v) { return v; }
 __device__ __forceinline__ float2 sk_unpack2(__half2 v) { return __half22float2(v); }
 __device__ __forceinline__ float2 sk_unpack2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
 
+template <bool WIDE> struct SkWide { typedef float type; };
+template <> struct SkWide<true> { typedef double type; };
+
 // Reduce (m, s, nan) over the G threads of a group; the result is in every thread of it.
 template <int THREADS, int G, bool PRECISE>
 __device__ __forceinline__ void sk_group_reduce(float& m, float& s, int& nan, float* scratch) {
@@ -134,7 +137,8 @@ __device__ __forceinline__ void sk_rows_body(
             m = fmaxf(m, f);
         }
     }
-    float s = 0.0f;
+    // float32 results accumulate each thread's share in double (the merges stay in float)
+    typename SkWide<PRECISE>::type s_acc = 0;
     // softmax overwrites the inputs with their exponentials when both are the same width
     constexpr bool IN_PLACE = sizeof(Tout) == sizeof(Tin);
     E2 ex_own[OP == SK_SOFTMAX && !IN_PLACE ? K * VEC / 2 : 1];
@@ -147,10 +151,11 @@ __device__ __forceinline__ void sk_rows_body(
         for (int e = 0; e < VEC; e += 2) {
             const float a = none ? 0.0f : sk_exp<PRECISE>(sk_to_float(v[e]) - m);
             const float b = none ? 0.0f : sk_exp<PRECISE>(sk_to_float(v[e + 1]) - m);
-            s += a + b;
+            s_acc += static_cast<decltype(s_acc)>(a) + static_cast<decltype(s_acc)>(b);
             if (OP == SK_SOFTMAX) ex[(j * VEC + e) / 2] = sk_pack2(a, b, static_cast<E2*>(nullptr));
         }
     }
+    float s = static_cast<float>(s_acc);
     const float m_thread = m;
 
     sk_group_reduce<THREADS, G, PRECISE>(m, s, nan, scratch);
@@ -202,6 +207,7 @@ __device__ __forceinline__ void sk_rows_body(
             }
         } else {
             const float logs = sk_log<PRECISE>(s);
+            const double logs_wide = PRECISE ? log(static_cast<double>(s)) : 0.0;
             const float scale = sk_exp<PRECISE>(m_thread - m) / s;
             Tout* orow = out + row * ld_o;
 #pragma unroll
@@ -219,7 +225,10 @@ __device__ __forceinline__ void sk_rows_body(
                         else if (empty) r = 0.0f;
                     } else {
                         const float f = sk_to_float(v[e]);
-                        r = (f - m) - logs;
+                        // float32 results subtract in double: log(sum) is ~8 for long rows,
+                        // and its float rounding would exceed the bound near log p = 0
+                        r = PRECISE ? static_cast<float>(static_cast<double>(f - m) - logs_wide)
+                                    : (f - m) - logs;
                         if (is_nan || (empty && masked_nan)) r = SK_NAN;
                         else if (posinf) r = f == SK_INF ? SK_NAN : -SK_INF;
                         else if (empty) r = -SK_INF;
@@ -246,8 +255,13 @@ __device__ __forceinline__ void sk_rows_body(
     if (CLUSTER > 1) sk_cluster_wait();
 }
 
+// Residency: register caps (32, 40, 64) that keep 2048, 1536 or 1024 threads per
+// multiprocessor for one, two or four loads per thread; the longest rows take what they need.
+#define SK_ROWS_MIN_BLOCKS(THREADS, K) \
+    ((K) <= 1 ? 2048 / (THREADS) : (K) <= 2 ? 1536 / (THREADS) : (K) <= 4 ? 1024 / (THREADS) : 1)
+
 template <typename Tin, typename Tout, int OP, int THREADS, int G, int K>
-__global__ void __launch_bounds__(THREADS) sk_rows(
+__global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_rows(
     const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
     long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
     int masked_nan) {
@@ -256,7 +270,8 @@ __global__ void __launch_bounds__(THREADS) sk_rows(
 }
 
 template <typename Tin, typename Tout, int OP, int THREADS, int K, int CLUSTER>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS) sk_rows_cluster(
+__global__ void __cluster_dims__(CLUSTER, 1, 1)
+    __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_rows_cluster(
     const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
     long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
     int masked_nan) {

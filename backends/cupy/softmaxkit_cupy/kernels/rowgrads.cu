@@ -1,0 +1,282 @@
+// Row kernels with a gradient: softmax_vjp, log_softmax_vjp and cross-entropy with its fused
+// gradient, along the last axis of [rows, n] arrays.  Same layout as rows.cu (G threads own a
+// row, K 16-byte loads each, the whole row in registers between its one read and one write);
+// rows longer than one block holds are left to other backends.  Edge rules follow
+// softmaxkit/reference/rows.py line by line (see the comments at each rule).
+#include "rows.cu"
+
+// two arrays in registers (or logits plus mask bits): up to 128 registers per thread
+#define SK_GRAD_MIN_BLOCKS(THREADS) ((THREADS) < 512 ? 512 / (THREADS) : 1)
+
+#define SK_SOFTMAX_VJP 3
+#define SK_LOG_SOFTMAX_VJP 4
+
+// Load slot j of a row: VEC values into `raw` (out-of-range values are `fill`), and the bits of
+// positions that are in range and allowed by the mask.
+template <typename T>
+__device__ __forceinline__ unsigned sk_load_slot(uint4& raw, const T* row,
+                                                 const unsigned char* wrow, int base, int n,
+                                                 bool active, bool vec_ok, float fill) {
+    constexpr int VEC = 16 / sizeof(T);
+    T* v = reinterpret_cast<T*>(&raw);
+    unsigned bits = 0;
+    if (active && vec_ok && base < n) {
+        raw = __ldg(reinterpret_cast<const uint4*>(row + base));
+        bits = (1u << VEC) - 1u;
+        if (wrow) {
+            unsigned char keep[VEC];
+            if (VEC == 8) {
+                *reinterpret_cast<uint2*>(keep) = *reinterpret_cast<const uint2*>(wrow + base);
+            } else {
+                *reinterpret_cast<unsigned*>(keep) = *reinterpret_cast<const unsigned*>(wrow + base);
+            }
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                if (!keep[e]) bits &= ~(1u << e);
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const int i = base + e;
+            const bool in = active && i < n;
+            v[e] = in ? row[i] : sk_from_float<T>(fill);
+            if (in && (!wrow || wrow[i])) bits |= 1u << e;
+        }
+    }
+    return bits;
+}
+
+// Sum two values over the G threads of a group (every thread gets the totals).
+template <int THREADS, int G>
+__device__ __forceinline__ void sk_group_sum2(float& a, float& b, float* scratch) {
+    constexpr int WIDTH = G < 32 ? G : 32;
+#pragma unroll
+    for (int off = WIDTH / 2; off > 0; off /= 2) {
+        a += __shfl_xor_sync(0xffffffffu, a, off);
+        b += __shfl_xor_sync(0xffffffffu, b, off);
+    }
+    if (G > 32) {
+        constexpr int WARPS = THREADS / 32;
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        __syncthreads();  // scratch may still be read by an earlier reduction
+        if (lane == 0) {
+            scratch[warp] = a;
+            scratch[WARPS + warp] = b;
+        }
+        __syncthreads();
+        a = lane < WARPS ? scratch[lane] : 0.0f;
+        b = lane < WARPS ? scratch[WARPS + lane] : 0.0f;
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) {
+            a += __shfl_xor_sync(0xffffffffu, a, off);
+            b += __shfl_xor_sync(0xffffffffu, b, off);
+        }
+    }
+}
+
+// softmax_vjp: g = p (c - sum p c), with excluded positions p = c = 0 and c = 0 where p == 0.
+// log_softmax_vjp: g = c - exp(lp) sum c over allowed positions (where, and lp != -inf), else 0.
+template <typename T, int OP, int THREADS, int G, int K>
+__global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_vjp(
+    const T* __restrict__ a, long long ld_a, const T* __restrict__ c, long long ld_c,
+    const unsigned char* __restrict__ w, long long ld_w, T* __restrict__ out, long long rows,
+    int n, int vec_ok) {
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr bool PRECISE = sizeof(T) == 4;
+    __shared__ float scratch[2 * (THREADS / 32 + 1)];
+    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
+    const long long row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+    const bool active = row < rows;
+    const T* ar = a + row * ld_a;
+    const T* cr = c + row * ld_c;
+    const unsigned char* wr = w ? w + row * ld_w : nullptr;
+
+    uint4 ra[K], rc[K];
+    unsigned keep[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const int base = (j * G + lane) * VEC;
+        keep[j] = sk_load_slot<T>(ra[j], ar, wr, base, n, active, vec_ok, 0.0f);
+        sk_load_slot<T>(rc[j], cr, nullptr, base, n, active, vec_ok, 0.0f);
+    }
+    typename SkWide<PRECISE>::type acc = 0;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const T* va = reinterpret_cast<const T*>(&ra[j]);
+        const T* vc = reinterpret_cast<const T*>(&rc[j]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const bool k = (keep[j] >> e) & 1u;
+            const float fa = sk_to_float(va[e]);
+            const float fc = sk_to_float(vc[e]);
+            if (OP == SK_SOFTMAX_VJP) {
+                const float p = k ? fa : 0.0f;
+                const float cv = (k && p != 0.0f) ? fc : 0.0f;
+                acc += static_cast<decltype(acc)>(p * cv);
+            } else {
+                const bool allowed = k && fa != -SK_INF;
+                acc += allowed ? static_cast<decltype(acc)>(fc) : 0;
+            }
+        }
+    }
+    float total = static_cast<float>(acc), unused = 0.0f;
+    sk_group_sum2<THREADS, G>(total, unused, scratch);
+    if (!active) return;
+    T* orow = out + row * n;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const int base = (j * G + lane) * VEC;
+        const T* va = reinterpret_cast<const T*>(&ra[j]);
+        const T* vc = reinterpret_cast<const T*>(&rc[j]);
+        T o[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const bool k = (keep[j] >> e) & 1u;
+            const float fa = sk_to_float(va[e]);
+            const float fc = sk_to_float(vc[e]);
+            float g;
+            if (OP == SK_SOFTMAX_VJP) {
+                const float p = k ? fa : 0.0f;
+                const float cv = (k && p != 0.0f) ? fc : 0.0f;
+                g = p * (cv - total);
+            } else {
+                const bool allowed = k && fa != -SK_INF;
+                g = allowed ? fc - sk_exp<PRECISE>(fa) * total : 0.0f;
+            }
+            o[e] = sk_from_float<T>(g);
+        }
+        if (vec_ok && base < n) {
+            *reinterpret_cast<uint4*>(orow + base) = *reinterpret_cast<uint4*>(o);
+        } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                if (base + e < n) orow[base + e] = o[e];
+        }
+    }
+}
+
+// Cross-entropy with class-index targets: loss = -sum_i y_i log p_i with
+// y = (1 - eps) onehot(t) + eps / count on the allowed positions (count of them), and, when
+// `grad` is given, grad = scale (p - y).  Rows whose target is ignore_index give loss 0 and
+// gradient 0; a NaN or +inf among the allowed logits gives NaN loss and gradient.
+template <typename T, int THREADS, int G, int K>
+__global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_xent(
+    const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, const long long* __restrict__ index, float* __restrict__ loss,
+    T* __restrict__ grad, long long rows, int n, int vec_ok, long long ignore_index,
+    int has_ignore, float smoothing, const float* __restrict__ scale_ptr, float scale_value) {
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr bool PRECISE = sizeof(T) == 4;
+    typedef typename SkPair<T>::type E2;
+    __shared__ float scratch[3 * (THREADS / 32 + 1)];
+    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
+    const long long row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+    const bool active = row < rows;
+    const T* xr = x + row * ld_x;
+    const unsigned char* wr = w ? w + row * ld_w : nullptr;
+
+    uint4 raw[K];
+    unsigned keep[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const int base = (j * G + lane) * VEC;
+        keep[j] = sk_load_slot<T>(raw[j], xr, wr, base, n, active, vec_ok, -SK_INF);
+        T* v = reinterpret_cast<T*>(&raw[j]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)  // an excluded logit is -inf, as in the reference
+            if (!((keep[j] >> e) & 1u)) v[e] = sk_from_float<T>(-SK_INF);
+    }
+    float m = -SK_INF;
+    int nan = 0;
+    typename SkWide<PRECISE>::type sum_x = 0;
+    float count = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const T* v = reinterpret_cast<const T*>(&raw[j]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const float f = sk_to_float(v[e]);
+            nan |= f != f;
+            m = fmaxf(m, f);
+            if ((keep[j] >> e) & 1u) {
+                sum_x += static_cast<decltype(sum_x)>(f);
+                count += 1.0f;
+            }
+        }
+    }
+    typename SkWide<PRECISE>::type s_acc = 0;
+    const bool none = m == -SK_INF;
+    E2* ex = reinterpret_cast<E2*>(raw);  // the exponentials replace the logits
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const T* v = reinterpret_cast<const T*>(&raw[j]);
+#pragma unroll
+        for (int e = 0; e < VEC; e += 2) {
+            const float p0 = none ? 0.0f : sk_exp<PRECISE>(sk_to_float(v[e]) - m);
+            const float p1 = none ? 0.0f : sk_exp<PRECISE>(sk_to_float(v[e + 1]) - m);
+            s_acc += static_cast<decltype(s_acc)>(p0) + static_cast<decltype(s_acc)>(p1);
+            ex[(j * VEC + e) / 2] = sk_pack2(p0, p1, static_cast<E2*>(nullptr));
+        }
+    }
+    float s = static_cast<float>(s_acc);
+    const float m_thread = m;
+    sk_group_reduce<THREADS, G, PRECISE>(m, s, nan, scratch);
+    float sx = static_cast<float>(sum_x);
+    sk_group_sum2<THREADS, G>(sx, count, scratch);
+    if (!active) return;
+
+    const long long t = index[row];
+    const bool valid = !(has_ignore && t == ignore_index);
+    const bool is_nan = nan != 0;
+    const bool posinf = !is_nan && m == SK_INF;
+    const bool empty = !is_nan && m == -SK_INF;
+    const float logs = sk_log<PRECISE>(s);
+    if (lane == 0) {
+        float l = 0.0f;
+        if (valid) {
+            if (is_nan || posinf) {
+                l = SK_NAN;
+            } else {
+                // y > 0 at an excluded target (or any y > 0 on an empty row) gives +inf
+                const bool t_allowed = !wr || wr[t];
+                const float xt = sk_to_float(xr[t]);
+                const float logp_t =
+                    (empty || !t_allowed) ? -SK_INF : (xt - m) - logs;
+                if (smoothing != 1.0f) l -= (1.0f - smoothing) * logp_t;
+                if (smoothing != 0.0f && count > 0.0f) {
+                    const float sum_logp = empty ? -SK_INF : (sx - count * m) - count * logs;
+                    l -= smoothing / count * sum_logp;
+                }
+            }
+        }
+        loss[row] = l;
+    }
+    if (grad == nullptr) return;
+    const float gs = scale_ptr ? *scale_ptr : scale_value;
+    const float scale = sk_exp<PRECISE>(m_thread - m) / s;
+    const float uniform = count > 0.0f ? smoothing / count : 0.0f;
+    T* grow = grad + row * n;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        const int base = (j * G + lane) * VEC;
+        T o[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const float2 pr = sk_unpack2(ex[(j * VEC + e) / 2]);
+            const float p = empty ? 0.0f : (e % 2 == 0 ? pr.x : pr.y) * scale;
+            float y = ((keep[j] >> e) & 1u) ? uniform : 0.0f;
+            if (base + e == t) y += 1.0f - smoothing;
+            float g = (p - y) * gs;
+            if (is_nan || posinf) g = SK_NAN;
+            if (!valid) g = 0.0f;
+            o[e] = sk_from_float<T>(g);
+        }
+        if (vec_ok && base < n) {
+            *reinterpret_cast<uint4*>(grow + base) = *reinterpret_cast<uint4*>(o);
+        } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                if (base + e < n) grow[base + e] = o[e];
+        }
+    }
+}

@@ -1,0 +1,64 @@
+"""The kernels under Numba's CUDA simulator: the conformance kit and every row strategy.
+
+numba reads NUMBA_ENABLE_CUDASIM once, at its first import, and other backends' tests import
+numba in this process, so the simulated runs happen in subprocesses (``simulated.py``), two
+at a time, each printing one JSON line per result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from softmaxkit.testing import cases
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from simulated import PLANS, ROW_OPS  # noqa: E402
+
+sys.path.remove(str(HERE))
+
+JOBS = (("kit", "float32,float64"), ("kit", "float16,bfloat16"), ("plans",))
+KIT_IDS = [f"{c.name}[{c.dtype}]" for c in cases(target="numpy", ops=ROW_OPS)]
+PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p in PLANS for d in ("float32", "bfloat16")
+            for op in ROW_OPS]
+
+
+@pytest.fixture(scope="module")
+def simulated() -> dict[str, dict]:
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env.pop("SOFTMAXKIT_NUMBA_CUDA_PLAN", None)
+    procs = [subprocess.Popen([sys.executable, str(HERE / "simulated.py"), *job], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for job in JOBS]
+    results: dict[str, dict] = {}
+    for proc in procs:
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, out[-4000:]
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                record = json.loads(line[len("RESULT "):])
+                results[record["id"]] = record
+    return results
+
+
+def _check(results: dict[str, dict], rid: str) -> None:
+    assert rid in results, f"{rid}: no result from the simulated run"
+    record = results[rid]
+    assert record["status"] != "failed", record["message"]
+
+
+@pytest.mark.parametrize("rid", KIT_IDS)
+def test_conformance_kit_under_simulator(simulated, rid):
+    _check(simulated, rid)
+
+
+@pytest.mark.parametrize("rid", PLAN_IDS)
+def test_row_strategies_under_simulator(simulated, rid):
+    _check(simulated, rid)
+    assert simulated[rid]["status"] == "passed"
