@@ -189,6 +189,15 @@ def _to_float64(a: Any) -> np.ndarray:
 # -- timing ----------------------------------------------------------------------------------
 
 
+def cuda_available() -> bool:
+    """Whether PyTorch is installed and sees a CUDA device (CUDA timing uses its events)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def _synchronizer(device: str) -> Callable[[], None]:
     if device == "cpu":
         return lambda: None

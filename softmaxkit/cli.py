@@ -38,8 +38,9 @@ def _info(args: argparse.Namespace) -> int:
         print(f"  {name:<14} {b['source']}  ({'; '.join(extras)})")
         for entry in b["serves"]:
             ops = ",".join(entry["ops"]) if entry["ops"] != ["*"] else "all operations"
-            print(f"  {'':<14}   serves {ops} on {','.join(entry['devices'])} "
-                  f"for {','.join(entry['dtypes'])}")
+            devices = ",".join(entry["devices"]) if entry["devices"] != ["*"] else "any device"
+            dtypes = ",".join(entry["dtypes"]) if entry["dtypes"] != ["*"] else "any dtype"
+            print(f"  {'':<14}   serves {ops} on {devices} for {dtypes}")
     print(f"environment: {ENV_PRIORITIZE} and {ENV_BLOCK} are read at discovery")
 
     devices = ["cpu", "cuda"]
@@ -50,7 +51,7 @@ def _info(args: argparse.Namespace) -> int:
     devices = args.device or devices
     dtypes = args.dtype or list(FLOAT_DTYPES)
     hooked = {n for n, b in found.items() if b["can_run"] or b["should_run"]}
-    rows = [("operation", "device", "dtype", "tried in order", "not tried")]
+    rows = [("operation", "device", "dtype", "tried in order", "numpy runs on", "not tried")]
     for op in ops:
         for device in devices:
             for dtype in dtypes:
@@ -58,13 +59,43 @@ def _info(args: argparse.Namespace) -> int:
                 not_tried = ", ".join(f"{n} ({_short(why)})" for n, why in left_out.items()
                                       if not why.startswith("does not serve"))
                 tried = ", ".join(n + "?" * (n in hooked) for n in order)
-                rows.append((op, device, dtype, tried or "-", not_tried or "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+                numpy_on = _numpy_winner(op, dtype) if device == "cpu" else ""
+                rows.append((op, device, dtype, tried or "-", numpy_on or "-", not_tried or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     print("\ndispatch table: the first backend that accepts a call runs it; NAME? has "
-          "can_run/should_run hooks that may decline a particular call")
+          "can_run/should_run hooks that may decline a particular call; 'numpy runs on' asks "
+          "them for a small numpy input")
     for r in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[4])
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[5])
     return 0
+
+
+def _numpy_winner(op: str, dtype: str) -> str:
+    """The backend a small numpy call of a row operation gets here (hooks asked, no kernel
+    run); empty for the operations whose inputs this does not build."""
+    import array_api_compat.numpy as xp
+    import numpy as np
+
+    from .dtypes import lookup
+    from .ops import Call
+    from .registry import NoBackendError, choose
+
+    try:
+        x = np.zeros((2, 8), dtype=lookup(xp, dtype))
+    except (ImportError, TypeError):  # bfloat16 without ml_dtypes
+        return ""
+    common = {"x": x, "where": None, "out_dtype": x.dtype}
+    args = {
+        "softmax": {**common, "masked": "zero"},
+        "log_softmax": {**common, "masked": "zero"},
+        "logsumexp": {**common, "b": None, "return_sign": False},
+    }.get(op)
+    if args is None:
+        return ""
+    try:
+        return choose(Call(op, xp, "cpu", dtype, args))[0].name
+    except (NoBackendError, ImportError) as exc:
+        return f"none ({exc})".splitlines()[0]
 
 
 def _short(reason: str) -> str:
@@ -130,6 +161,9 @@ def _shape(text: str) -> tuple[int, int]:
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
+    if args.device == "cuda" and not bench.cuda_available():
+        print("--device cuda needs PyTorch with a visible CUDA device", file=sys.stderr)
+        return 2
     shapes = args.shapes or (bench.QUICK_SHAPES if args.quick else bench.DEFAULT_SHAPES)
     try:
         result = bench.run(

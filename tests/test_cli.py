@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import softmaxkit as sk
@@ -37,6 +38,14 @@ def test_info_prints_backends_and_the_dispatch_table(capsys):
     assert "loopback (opt-in only)" in " ".join(cpu32)
     bf16 = next(r for r in rows if r[1:3] == ["cpu", "bfloat16"])
     assert "loopback" not in " ".join(bf16)
+    # the 'numpy runs on' column names the backend a numpy call really gets
+    with sk.backend_opts(trace=True) as trace:
+        sk.softmax(np.zeros((2, 8), dtype=np.float32), axis=-1)
+    header = next(line for line in out.splitlines() if line.startswith("  operation "))
+    line = next(line for line in out.splitlines() if line.startswith("  softmax ")
+                and line.split()[1:3] == ["cpu", "float32"])
+    column = header.index("numpy runs on")
+    assert line[column:].split()[0] == trace[0].backend
     for op in sk.registry.OPERATIONS:
         assert any(line.split()[:1] == [op] for line in out.splitlines()), op
 
@@ -101,6 +110,15 @@ def test_bench_checks_results_before_timing(wrong, capsys):
         code = main(["bench", "--ops", "softmax", "--shapes", "8x64", "--no-progress"])
     assert code == 1
     assert "nothing was timed" in capsys.readouterr().err
+
+
+def test_bench_on_cuda_without_a_gpu_says_so(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the CUDA path is exercised by the GPU benchmarks")
+    assert main(["bench", "--device", "cuda", "--quick"]) == 2
+    assert "CUDA device" in capsys.readouterr().err
 
 
 def test_bench_rejects_a_malformed_shape():

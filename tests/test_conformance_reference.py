@@ -13,7 +13,8 @@ TARGETS = ("numpy", "array_api_strict", "torch-cpu")
 def all_cases():
     for name in TARGETS:
         for c in cases(name):
-            yield pytest.param(c, id=f"{name}-{c}")
+            if c.dtype in c.target.dtypes:  # array_api_strict has no 16-bit floats
+                yield pytest.param(c, id=f"{name}-{c}")
 
 
 @pytest.mark.parametrize("case", list(all_cases()))

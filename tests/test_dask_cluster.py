@@ -16,7 +16,9 @@ import dask  # noqa: E402
 import dask.array as da  # noqa: E402
 
 import softmaxkit as sk  # noqa: E402
-from softmaxkit.testing.chunked import random_rows  # noqa: E402
+from softmaxkit.testing.chunked import dies_once, random_rows  # noqa: E402
+
+TIMEOUT = 120
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def test_cluster_matches_the_threaded_scheduler_and_the_reference(client, seed):
         "log_softmax": sk.log_softmax(x, axis=-1, where=where, masked="nan"),
         "logsumexp": sk.logsumexp(x, axis=-1, b=b, where=where, return_sign=True),
     }
-    remote = client.compute(lazy, sync=True)
+    remote = client.compute(lazy).result(timeout=TIMEOUT)
     local = dask.compute(lazy, scheduler="threads")[0]
     for name in lazy:
         for r, loc in zip(np.atleast_1d(remote[name]) if name != "logsumexp" else remote[name],
@@ -58,25 +60,18 @@ def test_cluster_matches_the_threaded_scheduler_and_the_reference(client, seed):
     np.testing.assert_array_equal(remote["logsumexp"][1], sign)
 
 
-def _dies_once(block, marker, block_info=None):
-    """Kill this worker process the first time the third chunk is loaded."""
-    if block_info[0]["chunk-location"][-1] == 2 and not os.path.exists(marker):
-        open(marker, "w").close()
-        os._exit(1)
-    return block
-
-
 def test_a_worker_killed_mid_computation_is_restarted_without_a_wrong_answer(client, tmp_path):
     rng = np.random.default_rng(11)
     x = rng.normal(size=(8, 4096)) * 5
     w = rng.random(x.shape) > 0.2
     w[:, 1024:2048] = False  # a fully masked chunk too
     marker = str(tmp_path / "killed")
-    xd = da.from_array(x, chunks=(4, 512)).map_blocks(_dies_once, marker=marker,
+    # the task loading the third chunk kills its worker process the first time it runs
+    xd = da.from_array(x, chunks=(4, 512)).map_blocks(dies_once, marker=marker,
                                                       meta=np.empty((0, 0)))
     wd = da.from_array(w, chunks=(4, 512))
-    p, lse = client.compute([sk.softmax(xd, axis=-1, where=wd),
-                             sk.logsumexp(xd, axis=-1, where=wd)], sync=True)
+    lazy = [sk.softmax(xd, axis=-1, where=wd), sk.logsumexp(xd, axis=-1, where=wd)]
+    p, lse = (f.result(timeout=TIMEOUT) for f in client.compute(lazy))
     assert os.path.exists(marker), "no worker was killed"
     np.testing.assert_allclose(p, sk.softmax(x, axis=-1, where=w, backend="reference"),
                                rtol=1e-12, atol=1e-300)

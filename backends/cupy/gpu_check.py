@@ -179,6 +179,101 @@ def rows_check() -> None:
         print(f"{dtype}: checked {len(shapes)} shapes x 3 ops")
 
 
+@guarded
+def grads_check() -> None:
+    section("cross-entropy (fused gradient) and VJPs vs float64")
+    import torch
+    from softmaxkit_cupy import rows as kr
+
+    for dtype, (rtol, atol) in ((torch.bfloat16, (1.6e-2, 1e-3)), (torch.float16, (2e-3, 1e-4)),
+                                (torch.float32, (2e-6, 1e-7))):
+        for rows, n, eps, masked in ((4096, 32768, 0.0, False), (1000, 1000, 0.1, True),
+                                     (77, 130, 0.0, True), (5, 20000, 0.2, False)):
+            x = (torch.randn(rows, n, device="cuda") * 3).to(dtype)
+            t = torch.randint(0, n, (rows,), device="cuda")
+            t[::7] = -100
+            w = None
+            x64 = x.double()
+            if masked:
+                w = torch.rand(rows, n, device="cuda") > 0.2
+                w[torch.arange(rows), t.clamp(min=0)] = True
+                x64 = x64.masked_fill(~w, -math.inf)
+            valid = t != -100
+            logp = torch.log_softmax(x64, -1)
+            allowed = torch.ones_like(x64, dtype=torch.bool) if w is None else w
+            count = allowed.sum(-1, keepdim=True).double()
+            y = torch.zeros_like(x64)
+            y[valid, t[valid]] = 1.0
+            y = (1 - eps) * y + torch.where(allowed, eps / count, 0.0)
+            terms = torch.where(y != 0, y * torch.where(y != 0, logp, 0.0), 0.0)
+            loss_ref = torch.where(valid, -terms.sum(-1), 0.0)
+            scale = 1.0 / float(valid.sum())
+            grad_ref = torch.where(valid[:, None], (torch.exp(logp) - y) * scale, 0.0)
+            loss, grad = kr.cross_entropy(
+                torch, logits=x, index=t, probs=None, where=w, ignore_index=-100,
+                label_smoothing=eps, grad_scale=torch.tensor(scale, device="cuda"),
+                out_dtype=dtype)
+            lerr = float(((loss.double() - loss_ref).abs() / (1e-3 + loss_ref.abs())).max())
+            gerr = float(((grad.double() - grad_ref).abs()
+                          - (atol + rtol * grad_ref.abs()) * scale).max())
+            ok = lerr < 1e-4 and gerr <= 0
+            print(f"cross_entropy {str(dtype)[6:]} {rows}x{n} eps={eps} mask={masked}: "
+                  f"loss rel err {lerr:.2e}, grad excess {gerr:.2e} {'ok' if ok else 'WRONG'}")
+            if not ok:
+                FAILURES.append(f"cross_entropy {dtype} {rows}x{n}")
+            p = torch.softmax(x64, -1)
+            c = torch.randn(rows, n, device="cuda").to(dtype)
+            g = kr.softmax_vjp(torch, probs=p.to(dtype), cotangent=c, where=w, out_dtype=dtype)
+            p_rep = p.to(dtype).double()
+            g_ref = p_rep * (c.double() - (p_rep * c.double()).sum(-1, keepdim=True))
+            e1 = float(((g.double() - g_ref).abs() - (atol + rtol * g_ref.abs())).max())
+            lp = logp.to(dtype)
+            lp_rep = lp.double()
+            ok_pos = torch.isfinite(lp_rep) if w is None else torch.isfinite(lp_rep) & w
+            cz = torch.where(ok_pos, c.double(), 0.0)
+            g2_ref = torch.where(ok_pos, cz - torch.exp(torch.where(ok_pos, lp_rep, -math.inf))
+                                 * cz.sum(-1, keepdim=True), 0.0)
+            g2 = kr.log_softmax_vjp(torch, logprobs=lp, cotangent=c, where=w, out_dtype=dtype)
+            # float32 accumulation of sum(c) bounds the float32 case: 1e-6 |exp(lp) sum(c)|
+            carried = 1e-6 * (torch.exp(torch.where(ok_pos, lp_rep, -math.inf))
+                              * cz.sum(-1, keepdim=True)).abs()
+            e2 = float(((g2.double() - g2_ref).abs()
+                        - (atol + rtol * g2_ref.abs() + carried)).max())
+            ok = e1 <= 0 and e2 <= 0
+            print(f"vjps {str(dtype)[6:]} {rows}x{n}: softmax_vjp excess {e1:.2e}, "
+                  f"log_softmax_vjp excess {e2:.2e} {'ok' if ok else 'WRONG'}")
+            if not ok:
+                FAILURES.append(f"vjp {dtype} {rows}x{n}")
+
+
+@guarded
+def bench_cross_entropy(copy_bw: float) -> None:
+    import torch
+    import torch.nn.functional as F
+    from softmaxkit_cupy import rows as kr
+
+    rows, n = 4096, 32768
+    x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    t = torch.randint(0, n, (rows,), device="cuda")
+    scale = torch.tensor(1.0 / rows, device="cuda")
+    ours = timed(lambda: kr.cross_entropy(
+        torch, logits=x, index=t, probs=None, where=None, ignore_index=None,
+        label_smoothing=0.0, grad_scale=scale, out_dtype=torch.bfloat16))
+    xr = x.clone().requires_grad_(True)
+
+    def peer() -> None:
+        xr.grad = None
+        F.cross_entropy(xr, t).backward()
+
+    theirs = timed(peer, reps=5, inner=3)
+    nbytes = 2 * x.numel() * x.element_size()
+    bw = nbytes / ours / 1e9
+    frac = f"{100 * bw / copy_bw:.0f}% of copy; " if copy_bw else ""
+    TABLE.append(("cross_entropy + grad bf16 4096x32768", f"{ours * 1e6:.0f} us",
+                  f"{bw:.0f} GB/s, {frac}torch fwd+bwd {theirs * 1e6:.0f} us"))
+    print(TABLE[-1])
+
+
 def _materialized(q, k, v, scale, causal, window, mask, softcap):
     import torch
 
@@ -377,6 +472,7 @@ def main() -> int:
     t0 = time.perf_counter()
     probe()
     rows_check()
+    grads_check()
     attention_check()
     conformance()
     print(f"checks took {time.perf_counter() - t0:.0f} s")
@@ -385,6 +481,7 @@ def main() -> int:
         bench_rows(copy_bw)
         bench_attention()
         bench_decode(copy_bw)
+        bench_cross_entropy(copy_bw)
     lines = ["| what | measured | notes |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in TABLE]
     lines.append(f"\nfailures: {len(FAILURES)}" + (f" ({'; '.join(FAILURES)})" if FAILURES

@@ -107,3 +107,18 @@ def random_rows(seed: int) -> Rows:
         where_chunks=(rows, int(rng.integers(1, n + 1))),
         b_chunks=(1, int(rng.integers(1, n + 1))),
     )
+
+
+def dies_once(block: Any, marker: str, chunk: int = 2, block_info: Any = None) -> Any:
+    """Fault injection for cluster tests: pass ``block`` through, except that the first task
+    to load chunk ``chunk`` (along the last axis) creates the file ``marker`` and ends its
+    worker process at once, as a crash would.  Use with ``dask.array.map_blocks``; once the
+    marker exists, every call passes the block through."""
+    import os
+
+    if block_info is not None and block_info[0]["chunk-location"][-1] == chunk \
+            and not os.path.exists(marker):
+        with open(marker, "w"):
+            pass
+        os._exit(1)
+    return block

@@ -146,15 +146,8 @@ def _merge(outs: Any, lses: Any, out_dtype: str) -> tuple[Any, Any]:
 
 def merge_attention(xp: Any, *, outs: Any, lses: Any) -> tuple[Any, Any]:
     """Merge partial attention states on the device (contract: softmaxkit.ops)."""
-    outs = _contiguous(outs)
-    lses = _contiguous(lses)
+    outs = interop.contiguous(outs)
+    lses = interop.contiguous(lses)
     with interop.launch_context(outs):
         return _merge(outs, lses, interop.name(outs))
 
-
-def _contiguous(a: Any) -> Any:
-    if interop.is_torch(a):
-        return a.contiguous()
-    import cupy
-
-    return cupy.ascontiguousarray(a)

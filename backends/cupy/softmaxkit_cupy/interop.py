@@ -59,7 +59,7 @@ def as_rows(xp: Any, a: Any) -> tuple[Any, int]:
         if ok:
             view = _strided(a, (rows, n), (lead[-1][1], 1))
             return view, lead[-1][1]
-    c = _contiguous(a)
+    c = contiguous(a)
     return xp.reshape(c, (rows, n)), n
 
 
@@ -71,7 +71,8 @@ def _strided(a: Any, shape: tuple[int, int], strides: tuple[int, int]) -> Any:
     return as_strided(a, shape=shape, strides=tuple(s * a.itemsize for s in strides))
 
 
-def _contiguous(a: Any) -> Any:
+def contiguous(a: Any) -> Any:
+    """``a`` in C order (itself when it already is)."""
     if is_torch(a):
         return a.contiguous()
     import cupy

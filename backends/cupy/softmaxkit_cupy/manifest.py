@@ -14,6 +14,8 @@ from typing import Any
 from .configs import (
     ATTENTION_DTYPES,
     ATTENTION_HEAD_DIMS,
+    GRAD_CONFIGS,
+    GRAD_OPS,
     ITEMSIZE,
     MERGE_DTYPES,
     ROW_DTYPE_PAIRS,
@@ -29,13 +31,13 @@ PRIORITY = 20
 
 def manifest() -> dict[str, Any]:
     """The manifest of the ``cupy`` backend (see :mod:`softmaxkit.registry`)."""
-    kernels = {op: f"softmaxkit_cupy.rows:{op}" for op in ROW_OPS}
+    kernels = {op: f"softmaxkit_cupy.rows:{op}" for op in (*ROW_OPS, *GRAD_OPS)}
     kernels["attention"] = "softmaxkit_cupy.attention:attention"
     kernels["merge_attention"] = "softmaxkit_cupy.attention:merge_attention"
     return {
         "name": "cupy",
         "serves": [
-            {"ops": sorted(ROW_OPS), "devices": ["cuda"], "dtypes": list(DTYPES)},
+            {"ops": sorted((*ROW_OPS, *GRAD_OPS)), "devices": ["cuda"], "dtypes": list(DTYPES)},
             {"ops": ["attention"], "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
             {"ops": ["merge_attention"], "devices": ["cuda"], "dtypes": list(MERGE_DTYPES)},
         ],
@@ -69,6 +71,8 @@ def can_run(call: Any) -> bool | str:
         return "cupy is not installed"
     if call.op in ROW_OPS:
         return _can_run_rows(call)
+    if call.op in GRAD_OPS:
+        return _can_run_grads(call)
     if call.op == "attention":
         return _can_run_attention(call)
     if call.op == "merge_attention":
@@ -156,6 +160,45 @@ def row_reason(
         return "more rows than one launch addresses"
     if op == "logsumexp" and weighted:
         return "weights b= are left to the other backends"
+    return None
+
+
+_PRIMAL = {"softmax_vjp": "probs", "log_softmax_vjp": "logprobs", "cross_entropy": "logits"}
+
+
+def _can_run_grads(call: Any) -> bool | str:
+    args = call.args
+    primal = args[_PRIMAL[call.op]]
+    lib = _library(primal)
+    if lib is None:
+        return f"inputs must be CuPy arrays or PyTorch CUDA tensors, got {type(primal).__name__}"
+    others = [args.get(name) for name in ("cotangent", "where", "index")]
+    if any(a is not None and _library(a) != lib for a in others):
+        return "every array argument must live in the library and device of the first"
+    if call.op == "cross_entropy":
+        if args.get("probs") is not None:
+            return "probability targets are left to the other backends"
+        dtypes = (_name(primal.dtype), _name(args["out_dtype"]))
+        scale = args.get("grad_scale")
+        if scale is not None and not isinstance(scale, (int, float)):
+            if _library(scale) != lib or math.prod(getattr(scale, "shape", ())) != 1:
+                return "grad_scale must be a number or a one-element array beside the logits"
+    else:
+        dtypes = (_name(primal.dtype), _name(args["cotangent"].dtype), _name(args["out_dtype"]))
+    return grad_reason(dtypes, tuple(primal.shape)) or True
+
+
+def grad_reason(dtypes: tuple[str, ...], shape: tuple[int, ...]) -> str | None:
+    """Why the gradient kernels cannot run rows of ``shape`` and these dtypes, or None."""
+    if len(set(dtypes)) != 1 or dtypes[0] not in DTYPES:
+        return f"the gradient kernels take one dtype of {DTYPES} throughout, got {dtypes}"
+    if len(shape) == 0 or math.prod(shape) == 0:
+        return "zero-size rows are left to the reference"
+    longest = GRAD_CONFIGS[-1].capacity(ITEMSIZE[dtypes[0]])
+    if shape[-1] > longest:
+        return f"rows of {shape[-1]} elements exceed the {longest} the gradient kernels hold"
+    if math.prod(shape[:-1]) >= 2**31 // 8:
+        return "more rows than one launch addresses"
     return None
 
 

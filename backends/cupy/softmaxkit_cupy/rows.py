@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import compiler, interop
-from .configs import ITEMSIZE, row_config, row_modules
+from .configs import ITEMSIZE, grad_config, grad_modules, grad_name, row_config, row_modules
 
 _NAMES = {(op, din, dout): tuple(names) for op, din, dout, names in row_modules()}
 
@@ -101,3 +101,102 @@ def logsumexp(
     sign = xp.where(xp.isnan(out), out, sign)
     return out, sign
 
+
+
+_GRAD_NAMES = {(op, dtype): tuple(names) for op, dtype, names in grad_modules()}
+
+
+@functools.lru_cache(maxsize=4096)
+def _grad_plan(op: str, dtype: str, n: int, rows: int) -> tuple[Any, int, int]:
+    config = grad_config(n, ITEMSIZE[dtype])
+    if config is None:  # can_run declines these rows
+        raise ValueError(f"rows of {n} elements are longer than the gradient kernels hold")
+    kernel = compiler.function("rowgrads.cu", _GRAD_NAMES[(op, dtype)],
+                               grad_name(op, dtype, config))
+    return kernel, -(-rows // (config.threads // config.group)), config.threads
+
+
+def _vjp(op: str, xp: Any, primal: Any, cotangent: Any, where: Any) -> Any:
+    dtype = interop.name(primal)
+    n = int(primal.shape[-1])
+    rows = math.prod(primal.shape[:-1])
+    kernel, grid, threads = _grad_plan(op, dtype, n, rows)
+    a2, ld_a = interop.as_rows(xp, primal)
+    c2, ld_c = interop.as_rows(xp, cotangent)
+    out = interop.empty(primal, tuple(primal.shape), dtype)
+    size = ITEMSIZE[dtype]
+    vec = 16 // size
+    vec_ok = (n % vec == 0 and _aligned(interop.pointer(a2), ld_a * size, 16)
+              and _aligned(interop.pointer(c2), ld_c * size, 16)
+              and _aligned(interop.pointer(out), n * size, 16))
+    w_ptr, ld_w = 0, 0
+    if where is not None:
+        w2, ld_w = interop.as_rows(xp, where)
+        w_ptr = interop.pointer(w2)
+        vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
+    args = (np.uint64(interop.pointer(a2)), np.int64(ld_a), np.uint64(interop.pointer(c2)),
+            np.int64(ld_c), np.uint64(w_ptr), np.int64(ld_w), np.uint64(interop.pointer(out)),
+            np.int64(rows), np.int32(n), np.int32(vec_ok))
+    with interop.launch_context(primal):
+        kernel((grid,), (threads,), args)
+    return out
+
+
+def softmax_vjp(xp: Any, *, probs: Any, cotangent: Any, where: Any, out_dtype: Any) -> Any:
+    """``p * (c - sum(p * c))`` along the last axis (one read of each input, one write)."""
+    return _vjp("softmax_vjp", xp, probs, cotangent, where)
+
+
+def log_softmax_vjp(
+    xp: Any, *, logprobs: Any, cotangent: Any, where: Any, out_dtype: Any
+) -> Any:
+    """``c - exp(logp) * sum(c)`` over the allowed positions along the last axis."""
+    return _vjp("log_softmax_vjp", xp, logprobs, cotangent, where)
+
+
+def cross_entropy(
+    xp: Any, *, logits: Any, index: Any, probs: Any, where: Any, ignore_index: int | None,
+    label_smoothing: float, grad_scale: Any, out_dtype: Any,
+) -> tuple[Any, Any]:
+    """Per-row loss and, with ``grad_scale``, the fused gradient ``scale * (p - y)``.
+
+    Class-index targets only (can_run declines probability targets).  The loss is float32,
+    as the reference's accumulator-dtype loss; the gradient has the logits' dtype.
+    """
+    dtype = interop.name(logits)
+    n = int(logits.shape[-1])
+    rows = math.prod(logits.shape[:-1])
+    kernel, grid, threads = _grad_plan("cross_entropy", dtype, n, rows)
+    x2, ld_x = interop.as_rows(xp, logits)
+    idx = xp.reshape(xp.astype(index, xp.int64), (rows,))
+    idx = interop.contiguous(idx)
+    loss = interop.empty(logits, tuple(logits.shape[:-1]), "float32")
+    grad = None if grad_scale is None else interop.empty(logits, tuple(logits.shape), dtype)
+    scale_ptr, scale_value, keep = 0, 1.0, None
+    if grad_scale is not None:
+        if isinstance(grad_scale, (int, float)):
+            scale_value = float(grad_scale)
+        else:  # a device scalar (1 / count for reduction="mean"): read on the device
+            keep = interop.contiguous(xp.reshape(xp.astype(grad_scale, xp.float32), (1,)))
+            scale_ptr = interop.pointer(keep)
+    size = ITEMSIZE[dtype]
+    vec = 16 // size
+    vec_ok = n % vec == 0 and _aligned(interop.pointer(x2), ld_x * size, 16)
+    if grad is not None:
+        vec_ok = vec_ok and _aligned(interop.pointer(grad), n * size, 16)
+    w_ptr, ld_w = 0, 0
+    if where is not None:
+        w2, ld_w = interop.as_rows(xp, where)
+        w_ptr = interop.pointer(w2)
+        vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
+    args = (np.uint64(interop.pointer(x2)), np.int64(ld_x), np.uint64(w_ptr), np.int64(ld_w),
+            np.uint64(interop.pointer(idx)), np.uint64(interop.pointer(loss)),
+            np.uint64(interop.pointer(grad) if grad is not None else 0), np.int64(rows),
+            np.int32(n), np.int32(vec_ok),
+            np.int64(ignore_index if ignore_index is not None else 0),
+            np.int32(ignore_index is not None), np.float32(label_smoothing),
+            np.uint64(scale_ptr), np.float32(scale_value))
+    with interop.launch_context(logits):
+        kernel((grid,), (threads,), args)
+    del keep  # the launch is queued on the stream; the allocator keeps its block until then
+    return loss, grad

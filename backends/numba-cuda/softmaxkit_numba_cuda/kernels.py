@@ -45,10 +45,11 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def _plan(n_words: int, kind: str, width: int = 1, arrays: int = 1) -> plans.Plan:
+def _plan(n_words: int, kind: str, width: int = 1, arrays: int = 1,
+          grow: bool = True) -> plans.Plan:
     """The plan for rows of ``n_words`` words of ``width`` values of storage ``kind``."""
     values = MAX_VALUES // arrays // (2 if kind == "float64" else 1)
-    if n_words * width > plans.MAX_THREADS * values and arrays == 1:
+    if grow and n_words * width > plans.MAX_THREADS * values and arrays == 1:
         values *= 2
     return plans.choose(n_words, simulator=SIMULATOR, max_slots=max(1, values // width))
 
@@ -155,7 +156,7 @@ def cross_entropy(
     else:
         vector, width, (xv,) = _layout(lib, kin, kin, [xr])
         gv = dummy(lib, device, "int64" if vector else kout)
-    p = _plan(n // width, kin, width)
+    p = _plan(n // width, kin, width, grow=False)  # its second pass needs more registers
     kernel = rowkernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
                                       p.rows_per_block, p.cached)
     if grad_scale is None or not hasattr(grad_scale, "shape"):

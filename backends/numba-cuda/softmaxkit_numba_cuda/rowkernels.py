@@ -31,8 +31,9 @@ def _acc(kind: str) -> tuple[str, object]:
 
 @functools.cache
 def _first_pass(kin: str, vector: bool, threads: int, slots: int, cached: bool,
-                keep_exp: bool):
-    """Device functions ``load_tile`` and ``row_stats`` (the row's maximum and normalizer)."""
+                keep_exp: bool, count: bool = False):
+    """Device functions ``load_tile`` and ``row_stats``: the row's maximum, normalizer and
+    (with ``count``) number of included positions (allowed, above ``-inf``)."""
     acc_name, acc = _acc(kin)
     width, load_word, _ = word_io(kin, vector)
     values = slots * width
@@ -42,9 +43,11 @@ def _first_pass(kin: str, vector: bool, threads: int, slots: int, cached: bool,
     neg_inf, zero, nan = acc(NEG_INF), acc(0.0), acc(NAN)
 
     def load_tile(xr, wr, has_where, live, nw, base, vals):
-        """Load one tile into ``vals``; return its maximum (NaN if it holds a NaN)."""
+        """Load one tile into ``vals``; return its maximum (NaN if it holds a NaN) and the
+        number of its values above ``-inf`` (when counting)."""
         m = neg_inf
         seen_nan = False
+        included = zero
         for j in range(slots):
             wi = base + j * threads
             if live and wi < nw:
@@ -59,17 +62,22 @@ def _first_pass(kin: str, vector: bool, threads: int, slots: int, cached: bool,
                         seen_nan = True
                     elif x > m:
                         m = x
+                    if count and x > neg_inf:
+                        included += acc(1.0)
             else:
                 for v in range(width):
                     vals[j * width + v] = neg_inf
-        return nan if seen_nan else m
+        return (nan if seen_nan else m), included
 
     load_tile = device_function(load_tile)
 
     def row_stats(xr, wr, has_where, live, nw, lane, tiles, vals, scratch):
-        """``(m, s)`` of the row, the same in every thread of the group."""
+        """``(m, s, count)`` of the row, the same in every thread of the group."""
         if cached:
-            m = max_reduce(load_tile(xr, wr, has_where, live, nw, lane, vals), scratch)
+            tm, c = load_tile(xr, wr, has_where, live, nw, lane, vals)
+            m = max_reduce(tm, scratch)
+            if count:
+                c = sum_reduce(c, scratch)
             s = zero
             if m > neg_inf and m < POS_INF:
                 for k in range(values):
@@ -77,17 +85,22 @@ def _first_pass(kin: str, vector: bool, threads: int, slots: int, cached: bool,
                     s += e
                     if keep_exp:
                         vals[k] = e
-            return m, sum_reduce(s, scratch)
+            return m, sum_reduce(s, scratch), c
         m = neg_inf
         s = zero
+        c = zero
         for t in range(tiles):
-            tm = load_tile(xr, wr, has_where, live, nw, t * (threads * slots) + lane, vals)
+            tm, tc = load_tile(xr, wr, has_where, live, nw, t * (threads * slots) + lane, vals)
+            c += tc
             ts = zero
             if tm > neg_inf and tm < POS_INF:
                 for k in range(values):
                     ts += exp(vals[k] - tm)
             m, s = merge(m, s, tm, ts)
-        return pair_reduce(m, s, scratch)
+        m, s = pair_reduce(m, s, scratch)
+        if count:
+            c = sum_reduce(c, scratch)
+        return m, s, c
 
     return load_tile, device_function(row_stats)
 
@@ -132,7 +145,7 @@ def normalize(op: str, kin: str, kout: str, vector: bool, threads: int, slots: i
         wr = w[r if has_where else 0]
         vals = cuda.local.array(values, acc)
         scratch = cuda.shared.array(SCRATCH, acc)
-        m, s = row_stats(xr, wr, has_where, live, nw, lane, tiles, vals, scratch)
+        m, s, _ = row_stats(xr, wr, has_where, live, nw, lane, tiles, vals, scratch)
         nan_row = m != m
         inf_row = m == POS_INF
         empty = m == neg_inf
@@ -189,8 +202,8 @@ def logsumexp(kin: str, kout: str, vector: bool, threads: int, slots: int,
         lane, r, live = coordinates(n_rows)
         vals = cuda.local.array(values, acc)
         scratch = cuda.shared.array(SCRATCH, acc)
-        m, s = row_stats(x[r], w[r if has_where else 0], has_where, live, nw, lane, tiles, vals,
-                         scratch)
+        m, s, _ = row_stats(x[r], w[r if has_where else 0], has_where, live, nw, lane, tiles,
+                            vals, scratch)
         if live and lane == 0:
             res = cuda.local.array(2, acc)
             if m != m:
@@ -218,7 +231,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     when ``has_grad``: ``scale * (softmax(x) - y)`` with ``y`` the (smoothed) one-hot target.
     """
     acc_name, acc = _acc(kin)
-    load_tile, row_stats = _first_pass(kin, vector, threads, slots, cached, False)
+    load_tile, row_stats = _first_pass(kin, vector, threads, slots, cached, False, True)
     width, _, _ = word_io(kin, vector)
     _, _, store_word = word_io(kout, vector)
     _, _, store_loss = word_io(acc_name, False)
@@ -238,29 +251,21 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
         grow = grad[r if has_grad else 0]
         vals = cuda.local.array(values, acc)
         scratch = cuda.shared.array(SCRATCH, acc)
-        m, s = row_stats(xr, wr, has_where, live, nw, lane, tiles, vals, scratch)
+        m, s, count = row_stats(xr, wr, has_where, live, nw, lane, tiles, vals, scratch)
         eps = acc(smoothing)
-        count = acc(nw * width)
-        if has_where:
-            c = zero
-            if live:
-                for i in range(lane, nw * width, threads):
-                    if wr[i]:
-                        c += one
-            count = sum_reduce(c, scratch)
         nan_row = m != m
         inf_row = m == POS_INF
         empty = m == neg_inf
-        special = nan_row or inf_row or empty
-        shift = zero if special else m
-        safe = one if special else s
+        special = nan_row or inf_row
+        shift = zero if (special or empty) else m
+        safe = one if (special or empty) else s
         inv = one / safe
         share = eps / (count if count > zero else one)
         target = index[r] if live else -1
         valid = live and (not has_ignore or target != ignore)
         g_scale = scale[0]
-        zsum = zero
-        z_t = zero  # the target's shifted logit, held by the one thread that loads it
+        zsum = zero  # sum of z over the included positions
+        z_t = zero  # the target's z, held by the one thread that loads it
         for t in range(tiles):
             base = t * (threads * slots) + lane
             if not cached:
@@ -271,26 +276,22 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                     k = j * width + v
                     i = wi * width + v
                     z = vals[k] - shift
-                    allowed = live and wi < nw
-                    if has_where and allowed:
-                        allowed = wr[i]
-                    if allowed:
+                    included = live and wi < nw and z > neg_inf
+                    if included:
                         zsum += z
                     if i == target:
                         z_t = z
                     if has_grad:
                         g = zero
-                        if valid:
-                            if nan_row or inf_row:
-                                p = nan
-                            elif empty:
-                                p = zero
-                            else:
-                                p = exp(z) * inv
-                            y = share if allowed else zero
+                        if not valid:
+                            g = zero
+                        elif special:
+                            g = nan
+                        elif included:
+                            y = share
                             if i == target:
                                 y += one - eps
-                            g = (p - y) * g_scale
+                            g = (exp(z) * inv - y) * g_scale
                         vals[k] = g
                 if has_grad and live and wi < nw:
                     store_word(grow, wi, vals, j * width)
@@ -301,7 +302,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
             res = cuda.local.array(1, acc)
             if not valid:
                 res[0] = zero
-            elif nan_row or inf_row:
+            elif special:
                 res[0] = nan
             else:
                 log_s = log(safe)
@@ -310,7 +311,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                     total += (one - eps) * (z_t - log_s)
                 if eps != zero and count > zero:
                     total += share * (zsum - count * log_s)
-                res[0] = -total
+                res[0] = zero - total
             store_loss(loss[r], 0, res, 0)
 
     return row_kernel
@@ -323,8 +324,9 @@ def vjp(op: str, kin: str, kc: str, kout: str, threads: int, slots: int, rows_pe
 
     softmax_vjp: ``p * (c - sum(p * c))`` with ``c`` zeroed where ``p == 0`` or excluded;
     log_softmax_vjp: ``c - exp(logp) * sum(c)`` over allowed positions (``logp > -inf``).
+    Both accumulate in the accumulator dtype of the output dtype.
     """
-    acc_name, acc = _acc(kin)
+    acc_name, acc = _acc(kout)
     _, load_y, _ = word_io(kin, False)
     _, load_c, _ = word_io(kc, False)
     _, _, store = word_io(kout, False)
