@@ -10,7 +10,7 @@
 
 Run from the repository root::
 
-    python backends/numba-cuda/gpu_check.py [--quick] [--skip-conformance]
+    python backends/numba-cuda/gpu_check.py [--quick] [--skip-conformance] [--sweep]
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ def conformance_worker(target: str) -> None:
         ), flush=True)
 
 
-def conformance() -> list[dict[str, Any]]:
+def conformance(forced_plans: bool = True) -> list[dict[str, Any]]:
     """The kit on both CUDA targets, default and forced multi-tile plans, in parallel."""
     runs = []
     for target in ("torch-cuda", "cupy"):
-        for forced in (None, "64,2"):
+        for forced in (None, "64,2") if forced_plans else (None,):
             env = dict(os.environ)
             if forced:
                 env["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = forced
@@ -299,8 +299,48 @@ def bandwidth_table(quick: bool) -> tuple[list[dict[str, Any]], float]:
     return rows, copy_gbs
 
 
+SWEEP = {
+    ("float32", (32768, 4096)): ["128,16", "256,8", "512,4", "1024,2"],
+    ("bfloat16", (32768, 4096)): ["64,16", "128,8", "256,4", "512,2"],
+    ("float32", (4096, 32768)): ["1024,16", "1024,8", "512,16", "512,8"],
+    ("bfloat16", (4096, 32768)): ["1024,8", "1024,4", "512,8", "256,8"],
+    ("float32", (262144, 128)): ["32,2", "16,4", "8,8", "32,1"],
+    ("bfloat16", (262144, 128)): ["32,1", "16,2", "8,4", "8,2"],
+    ("float32", (256, 524288)): ["1024,8", "1024,4", "512,8", "256,8"],
+    ("bfloat16", (256, 524288)): ["1024,4", "1024,2", "512,4", "1024,8"],
+}
+"""Plans ("threads,slots", slots in 8-byte words) timed for softmax on each shape."""
+
+
+def sweep() -> list[dict[str, Any]]:
+    """softmax under each plan of :data:`SWEEP`: checked, then timed from a CUDA graph."""
+    import torch
+    from softmaxkit_numba_cuda import plan
+
+    import softmaxkit as sk
+
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    out = []
+    for (dname, shape), variants in SWEEP.items():
+        x = (torch.randn(shape, device="cuda", generator=gen) * 3).to(getattr(torch, dname))
+        traffic = 2 * x.numel() * x.element_size()
+        for variant in variants:
+            os.environ[plan.OVERRIDE] = variant
+            try:
+                err = check_rows("softmax", x)
+                t = timed_graph(lambda x=x: sk.softmax(x, axis=-1, backend="numba-cuda"))
+                out.append({"dtype": dname, "shape": f"{shape[0]}x{shape[1]}",
+                            "plan": variant, "relerr": err, "gbs": traffic / t / 1e9})
+                log(json.dumps(out[-1]))
+            except Exception:
+                log(f"sweep {dname} {shape} {variant}: " + traceback.format_exc()[-800:])
+            finally:
+                os.environ.pop(plan.OVERRIDE, None)
+    return out
+
+
 def markdown(rows: list[dict[str, Any]], copy_gbs: float, conf: list[dict[str, Any]],
-             device: str) -> str:
+             device: str, sweep_rows: list[dict[str, Any]] | None = None) -> str:
     lines = [
         f"Device: {device}. Device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written).",
         "",
@@ -320,6 +360,13 @@ def markdown(rows: list[dict[str, Any]], copy_gbs: float, conf: list[dict[str, A
             f"{best:.0f} | {r['eager']:.0f} | {r['torch']:.0f} | {best / copy_gbs:.0%} | "
             f"{best / r['torch']:.2f}x |"
         )
+    if sweep_rows:
+        lines += ["", "softmax under other plans (threads, 8-byte words per thread), CUDA graph:",
+                  "", "| dtype | rows x cols | plan | relerr | GB/s | / copy |",
+                  "|---|---|---|---|---|---|"]
+        for r in sweep_rows:
+            lines.append(f"| {r['dtype']} | {r['shape']} | {r['plan']} | {r['relerr']:.1e} | "
+                         f"{r['gbs']:.0f} | {r['gbs'] / copy_gbs:.0%} |")
     if conf:
         passed = sum(r["status"] == "passed" for r in conf)
         failed = sum(r["status"] == "failed" for r in conf)
@@ -335,6 +382,9 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="smaller shapes")
     parser.add_argument("--skip-conformance", action="store_true")
+    parser.add_argument("--default-plans", action="store_true",
+                        help="run the kit with the default plans only")
+    parser.add_argument("--sweep", action="store_true", help="also time softmax under other plans")
     args = parser.parse_args()
     if args.worker:
         conformance_worker(args.worker)
@@ -352,14 +402,16 @@ def main() -> None:
 
     log(f"numba {numba.__version__}; numpy has row_stack: {hasattr(numpy, 'row_stack')}")
     ensure_registered()
-    conf = [] if args.skip_conformance else conformance()
+    conf = [] if args.skip_conformance else conformance(not args.default_plans)
     log(f"conformance done in {time.time() - t0:.0f} s")
     rows, copy_gbs = bandwidth_table(args.quick)
-    table = markdown(rows, copy_gbs, conf, device)
+    sweep_rows = sweep() if args.sweep else []
+    table = markdown(rows, copy_gbs, conf, device, sweep_rows)
     with open(os.path.join(OUT, "benchmarks-cuda.md"), "w") as f:
         f.write(table)
     with open(os.path.join(OUT, "results.json"), "w") as f:
-        json.dump({"rows": rows, "copy_gbs": copy_gbs, "conformance": conf}, f, indent=1)
+        json.dump({"rows": rows, "copy_gbs": copy_gbs, "conformance": conf,
+                   "sweep": sweep_rows}, f, indent=1)
     log(f"total {time.time() - t0:.0f} s")
     log(table)
 

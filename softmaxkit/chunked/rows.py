@@ -25,7 +25,8 @@ import dask.array as da
 from dask.array.utils import meta_from_array
 
 from ..dispatch import run
-from ..dtypes import accumulator_dtype
+from ..dtypes import accumulator_dtype, dtype_name
+from ..registry import REFERENCE, device_type, registry
 from . import state as st
 
 SPLIT_EVERY = 8
@@ -80,12 +81,42 @@ def _rows_of(xp: Any, a: Any) -> Any:
     return None if a is None else xp.reshape(a, (math.prod(a.shape[:-1]), a.shape[-1]))
 
 
+def _declares_summarize(x: Any) -> bool:
+    device, dtype = device_type(x), dtype_name(x.dtype)
+    return any(b.serves_key("summarize", device, dtype)
+               for name, b in registry().items() if name != REFERENCE)
+
+
+def _summary(xp: Any, x: Any, where: Any) -> tuple[Any, Any]:
+    """``(max, mass)`` of each row of one chunk ``[R, n]``, or a summary equal to it.
+
+    The ``summarize`` kernel of the chunk's backend when a backend other than the reference
+    declares it.  Otherwise the chunk's (fast) ``logsumexp`` kernel on the rows shifted by
+    their maximum: the maximum stays exact, and the log-sum-exp of the shifted rows lies in
+    [0, log n], so rounding it costs the mass only a few units of its last place.  (The
+    log-sum-exp of the unshifted rows would be rounded at the magnitude of the logits.)
+    """
+    if _declares_summarize(x):
+        maximum, mass, _ = run("summarize", xp, x, None, x=x, where=where, values=None)
+        return maximum, mass
+    acc = _acc(xp, x.dtype)
+    a = xp.astype(x, acc, copy=False)
+    if where is not None:
+        a = xp.where(where, a, -math.inf)
+    maximum = xp.max(a, axis=-1)  # NaN when an allowed NaN is present
+    finite = xp.isfinite(maximum)
+    shifted = a - xp.where(finite, maximum, 0.0)[..., None]
+    lse = run("logsumexp", xp, shifted, None, x=shifted, b=None, where=None,
+              return_sign=False, out_dtype=acc)
+    mass = xp.where(finite, xp.exp(xp.where(finite, lse, 0.0)), 0.0)
+    return maximum, mass
+
+
 def _summary_state(x: Any, where: Any) -> Any:
-    """The state of one chunk from the ``summarize`` kernel of the chunk's backend."""
+    """The state of one chunk from its summary (:func:`_summary`)."""
     xp = array_api_compat.array_namespace(x)
     xr, wr = _rows_of(xp, x), _rows_of(xp, where)
-    maximum, mass, _ = run("summarize", xp, xr, None, x=xr, where=wr, values=None)
-    state = st.from_summary(xp, maximum, mass)
+    state = st.from_summary(xp, *_summary(xp, xr, wr))
     return xp.reshape(state, tuple(x.shape[:-1]) + (st.WIDTH,))
 
 
@@ -137,12 +168,14 @@ def _softmax_block(x: Any, where: Any, own: Any, row: Any, *, masked: str, out_d
     live = mass_c != 0
     shift = xp.exp(xp.where(live, level_c - level, 0.0))
     factor = xp.where(live, mass_c * shift / xp.where(mass == 0, 1.0, mass), 0.0)
-    out = part * xp.astype(factor, acc)[..., None]
+    out = part
+    out *= xp.astype(factor, acc)[..., None]  # the kernel's fresh result, scaled in place
     bad = (row[..., st.NAN] != 0) | st.posinf(row)
     if masked == "nan":
         bad = bad | st.empty(row)
-    out = xp.where(bad[..., None], math.nan, out)
-    return xp.astype(out, out_dtype)
+    if bool(xp.any(bad)):
+        out = xp.where(bad[..., None], math.nan, out)
+    return xp.astype(out, out_dtype, copy=False)
 
 
 def _log_softmax_block(x: Any, where: Any, row: Any, *, masked: str, out_dtype: Any) -> Any:

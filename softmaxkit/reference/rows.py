@@ -116,9 +116,14 @@ def logsumexp(
     ``b = 0`` next to ``x = inf`` or NaN contributes nothing, as in SciPy).
     """
     acc = accumulator_dtype(xp, out_dtype)
+    nan_b = None
     if b is not None:
         b = xp.astype(b, acc)
-        keep = b != 0  # NaN weights are kept: they make the row NaN
+        # a NaN weight makes its row NaN wherever where= allows it, even on a -inf logit
+        # (NaN * 0 is NaN, as in SciPy)
+        isnan_b = xp.isnan(b) if where is None else (xp.isnan(b) & where)
+        nan_b = xp.any(isnan_b, axis=-1, keepdims=True)
+        keep = b != 0
         where = keep if where is None else (where & keep)
     s = row_stats(xp, x, where, acc)
     if b is None:
@@ -127,8 +132,8 @@ def logsumexp(
         sign_inf = xp.ones_like(total)
     else:
         allowed = s.x != NEG_INF
-        bz = xp.where(allowed, b, xp.zeros_like(b))
-        nan = s.nan | xp.any(xp.isnan(bz), axis=-1, keepdims=True)
+        bz = xp.where(allowed & ~xp.isnan(b), b, xp.zeros_like(b))
+        nan = s.nan | nan_b
         ok = ~nan
         # sanitized so that no NaN or 0 * inf is formed on rows handled separately
         weights = xp.where(s.special | nan, xp.zeros_like(bz), bz)

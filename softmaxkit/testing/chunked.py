@@ -69,7 +69,7 @@ def random_chunking(n: int, rng: np.random.Generator, most: int = 8) -> tuple[in
     cuts = rng.choice(np.arange(1, n), size=int(rng.integers(0, min(n - 1, most) + 1)),
                       replace=False)
     edges = [0, *sorted(int(c) for c in cuts), n]
-    return tuple(b - a for a, b in zip(edges[:-1], edges[1:]))
+    return tuple(b - a for a, b in zip(edges[:-1], edges[1:], strict=True))
 
 
 def random_rows(seed: int) -> Rows:

@@ -17,6 +17,7 @@ from . import compiler, interop
 from .configs import (
     DECODE_ROWS,
     DECODE_WARPS,
+    AttentionConfig,
     attention_config,
     attention_names,
     decode_name,
@@ -84,9 +85,13 @@ def uses_decode(hq: int, hk: int, lq: int, lk: int) -> bool:
 
 def attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
-    mask: Any, softcap: Any, return_lse: bool,
+    mask: Any, softcap: Any, return_lse: bool, config: AttentionConfig | None = None,
 ) -> tuple[Any, Any]:
-    """Exact attention forward on tensor cores; (out, lse or None)."""
+    """Exact attention forward on tensor cores; (out, lse or None).
+
+    ``config`` overrides the forward tile configuration (one of ``attention_names()``'s);
+    split-KV decoding is used instead for few query rows per key head.
+    """
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, lk = int(k.shape[1]), int(k.shape[2])
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
@@ -119,7 +124,7 @@ def attention(
             out = xp.reshape(out, (b, hq, lq, d))
             lse = xp.reshape(lse, (b, hq, lq))
         else:
-            config = attention_config(d)
+            config = config or attention_config(d)
             out = interop.empty(q, (b, hq, lq, d), dtype)
             lse = interop.empty(q, (b, hq, lq), "float32")
             shared = config.shared_bytes()

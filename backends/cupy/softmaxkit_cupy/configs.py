@@ -98,16 +98,18 @@ ATTENTION_HEAD_DIMS = (64, 128)
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """One forward tile shape: ``warps`` warps of 16 query rows, ``block_n`` keys per tile."""
+    """One forward tile shape: ``warps`` warps of ``16 * m_tiles`` query rows, ``block_n`` keys
+    per tile."""
 
     head_dim: int
-    warps: int = 8
+    warps: int = 4
     block_n: int = 64
+    m_tiles: int = 2
 
     @property
     def block_m(self) -> int:
-        """Query rows per block."""
-        return 16 * self.warps
+        """Query rows per block (each warp owns ``m_tiles`` tiles of 16 rows)."""
+        return 16 * self.m_tiles * self.warps
 
     @property
     def threads(self) -> int:
@@ -120,10 +122,19 @@ class AttentionConfig:
 
     def name(self, dtype: str) -> str:
         """The C++ name expression of the forward kernel for ``dtype``."""
-        return f"sk_attn_fwd<{CTYPES[dtype]}, {self.head_dim}, {self.warps}, {self.block_n}>"
+        return (f"sk_attn_fwd<{CTYPES[dtype]}, {self.head_dim}, {self.warps}, {self.block_n}, "
+                f"{self.m_tiles}>")
 
 
-ATTENTION_CONFIGS = {d: AttentionConfig(d) for d in ATTENTION_HEAD_DIMS}
+ATTENTION_CONFIGS = {
+    64: AttentionConfig(64, warps=4, block_n=64, m_tiles=2),
+    128: AttentionConfig(128, warps=4, block_n=32, m_tiles=2),  # 254 registers, no spill
+}
+"""The forward configuration used for each head dimension."""
+
+ATTENTION_ALTERNATIVES = tuple(AttentionConfig(d, warps=8, block_n=64, m_tiles=1)
+                               for d in ATTENTION_HEAD_DIMS)
+"""Other forward configurations built alongside (compared by gpu_check.py)."""
 
 
 def attention_config(head_dim: int) -> AttentionConfig:
@@ -158,7 +169,8 @@ def merge_name(din: str, dout: str) -> str:
 
 def attention_names() -> tuple[str, ...]:
     """Every name expression of kernels/attention.cu (one module holds them all)."""
-    names = [c.name(t) for c in ATTENTION_CONFIGS.values() for t in ATTENTION_DTYPES]
+    configs = (*ATTENTION_CONFIGS.values(), *ATTENTION_ALTERNATIVES)
+    names = [c.name(t) for c in configs for t in ATTENTION_DTYPES]
     names += [decode_name(t, d) for d in ATTENTION_HEAD_DIMS for t in ATTENTION_DTYPES]
     names += [merge_name(t, t) for t in MERGE_DTYPES]
     names += [merge_name("float32", t) for t in ATTENTION_DTYPES]

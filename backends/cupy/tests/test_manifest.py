@@ -56,7 +56,8 @@ def test_strict_backend_on_host_data_raises_instead_of_running() -> None:
     [
         ("softmax", "bfloat16", "bfloat16", (4, 4096), False, False),
         ("softmax", "float16", "float16", (3, 5, 7), False, False),
-        ("log_softmax", "float32", "float32", (2, 100), False, False),
+        ("log_softmax", "float32", "float32", (2, 100), False, True),
+        ("logsumexp", "float32", "float32", (2, 100), False, False),
         ("softmax", "float64", "float64", (2, 100), False, True),
         ("softmax", "bfloat16", "float32", (2, 100), False, True),
         ("softmax", "bfloat16", "bfloat16", (2, 0), False, True),

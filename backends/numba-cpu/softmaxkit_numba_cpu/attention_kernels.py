@@ -14,11 +14,10 @@ import numpy as np
 from numba import njit
 
 from .bits import like, maxnum
-from .exp import exp_nonpos
-from .lanes import FASTMATH
+from .lanes import FASTMATH, exp_sum
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def key_range(i0, i1, lk, offset, causal, left, right):
     """Keys ``[lo, hi)`` that any query in ``[i0, i1)`` may see (its diagonal is i + offset)."""
     lo = 0
@@ -31,18 +30,23 @@ def key_range(i0, i1, lk, offset, causal, left, right):
     return lo, max(lo, hi)
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def tile_softmax(s, m, mass, bad, i0, j0, offset, causal, left, right, softcap):
-    """Rows of ``s`` (queries ``i0 + i``, keys ``j0 + j``) -> ``exp(s - m)``, 0 where excluded.
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def tile_softmax(s, p, m, mass, bad, i0, j0, offset, causal, left, right, softcap):
+    """Scores ``s`` (queries ``i0 + i``, keys ``j0 + j``) -> ``p = exp(s - m)``, 0 where excluded.
+
+    ``p`` is a separate array: the exponential loop vectorizes only when it does not write the
+    array it reads.
 
     ``m`` and ``mass`` receive each row's maximum and sum (``-inf`` and 0 for a row with no
-    allowed key); ``bad`` marks rows with a NaN or +inf score, whose result is NaN.
+    allowed key); ``bad`` marks rows with a NaN or +inf score, whose result is NaN (the
+    maximum ignores NaN; the sum of ``s - m``, computed anyway, is NaN exactly when a score is).
     """
     nq, nk = s.shape
     ninf = like(s, -np.inf)
     zero = like(s, 0.0)
     for i in range(nq):
         row = s[i]
+        prow = p[i]
         diag = i0 + i + offset
         jmin = 0
         jmax = nk
@@ -51,31 +55,28 @@ def tile_softmax(s, m, mass, bad, i0, j0, offset, causal, left, right, softcap):
         elif right >= 0:
             jmax = min(jmax, diag + right + 1 - j0)
         if left >= 0:
-            jmin = max(0, diag - left - j0)
-        jmax = max(jmax, jmin)
+            jmin = min(nk, max(0, diag - left - j0))
+        jmax = min(nk, max(jmax, jmin))  # allowed keys of this row: [jmin, jmax) of the tile
         if softcap > 0:
             for j in range(jmin, jmax):
                 row[j] = softcap * math.tanh(row[j] / softcap)
         mt = ninf
-        nan = False
         for j in range(jmin, jmax):
             mt = maxnum(mt, row[j])
-        for j in range(jmin, jmax):
-            nan = nan or row[j] != row[j]
-        bad[i] = nan or mt == np.inf
-        m[i] = mt
-        if mt == ninf or bad[i]:
-            mass[i] = zero
-            for j in range(nk):
-                row[j] = zero
-            continue
         for j in range(jmin):
-            row[j] = zero
+            prow[j] = zero
         for j in range(jmax, nk):
-            row[j] = zero
-        total = zero
-        for j in range(jmin, jmax):
-            p = exp_nonpos(row[j] - mt)
-            row[j] = p
-            total += p
+            prow[j] = zero
+        m[i] = mt
+        bad[i] = mt == np.inf
+        if mt == ninf or mt == np.inf:
+            mass[i] = zero
+            for j in range(jmin, jmax):
+                bad[i] = bad[i] or row[j] != row[j]
+                prow[j] = zero
+            continue
+        # exp(s - m) over the allowed keys; chk is NaN exactly when a score is NaN
+        seen = row[jmin:jmax]
+        total, chk = exp_sum(seen, seen, False, mt, prow[jmin:jmax], True)
+        bad[i] = chk != chk
         mass[i] = total

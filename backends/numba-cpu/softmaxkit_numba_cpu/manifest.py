@@ -19,6 +19,9 @@ ROW_OPS = (
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
+ATTENTION_OPS = ("attention",)
+ATTENTION_DTYPES = DTYPES
+
 PRIORITY = 50
 """Above the reference backend (-100): chosen by default for CPU arrays it can run."""
 
@@ -33,8 +36,14 @@ def manifest() -> dict[str, Any]:
     """
     return {
         "name": "numba-cpu",
-        "serves": [{"ops": list(ROW_OPS), "devices": ["cpu"], "dtypes": list(DTYPES)}],
-        "kernels": {op: f"softmaxkit_numba_cpu.rows:{op}" for op in ROW_OPS},
+        "serves": [
+            {"ops": list(ROW_OPS), "devices": ["cpu"], "dtypes": list(DTYPES)},
+            {"ops": list(ATTENTION_OPS), "devices": ["cpu"], "dtypes": list(ATTENTION_DTYPES)},
+        ],
+        "kernels": {
+            **{op: f"softmaxkit_numba_cpu.rows:{op}" for op in ROW_OPS},
+            "attention": "softmaxkit_numba_cpu.attention:attention",
+        },
         "priority": PRIORITY,
         "install_hint": "pip install softmaxkit-numba-cpu",
         "can_run": "softmaxkit_numba_cpu.adapters:can_run",

@@ -24,11 +24,11 @@ from .adapters import (
     storage,
 )
 
-PARALLEL_MIN_ELEMENTS = 1 << 15
+PARALLEL_MIN_ELEMENTS = 1 << 18
 """Below this many elements one thread is faster than starting Numba's thread pool.
 
-Measured on a 2-core machine: launching a ``prange`` loop costs about 150 us with the
-OpenMP layer, about the time one core needs for softmax over 100 000 float32 elements.
+Measured on the 2-core machine: launching a ``prange`` loop costs about 150 us with the
+OpenMP layer, the time one core needs for a softmax over about 150 000 float32 elements.
 """
 
 

@@ -119,7 +119,7 @@ def test_strided_read_only_and_broadcast_mask():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_threaded_path_matches_float64(dtype):
     rng = np.random.default_rng(2)
-    shape = (64, 1024)  # above PARALLEL_MIN_ELEMENTS
+    shape = (256, 1024)  # at PARALLEL_MIN_ELEMENTS
     assert rows.parallel(*shape) == (numba.get_num_threads() > 1)
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     x = rng.normal(scale=4.0, size=shape).astype(np_dtype)
@@ -150,8 +150,8 @@ def test_one_thread_setting_is_followed():
     threads = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
-        assert not rows.parallel(64, 1024)
-        x = np.random.default_rng(3).normal(size=(64, 1024)).astype(np.float32)
+        assert not rows.parallel(256, 1024)
+        x = np.random.default_rng(3).normal(size=(256, 1024)).astype(np.float32)
         check_softmax(sk.softmax(x, axis=-1, backend=NAME), x, "float32")
     finally:
         numba.set_num_threads(threads)

@@ -3,19 +3,37 @@
 from __future__ import annotations
 
 import pytest
-from softmaxkit_numba_cpu.manifest import DTYPES, ROW_OPS
+from softmaxkit_numba_cpu.manifest import ATTENTION_OPS, ROW_OPS
 
 from softmaxkit.testing import Unsupported, cases
 
 BACKEND = "numba-cpu"
-ROW_CASES = cases(target="numpy", ops=ROW_OPS) + cases(target="torch-cpu", ops=ROW_OPS)
+TARGETS = ("numpy", "torch-cpu")
+ROW_CASES = [c for t in TARGETS for c in cases(target=t, ops=ROW_OPS)]
+ATTENTION_CASES = [
+    c for t in TARGETS for c in cases(target=t, ops=ATTENTION_OPS)
+    if set(c.ops) <= set(ATTENTION_OPS)  # gradients and merges are other backends' work
+]
+DECLINED = {"attention_masks"}
+"""Cases this backend declines on purpose (boolean attention masks go to the reference)."""
 
 
 @pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: f"{c.target.name}-{c}")
 def test_row_case(case):
     # every row operation and dtype is served on both targets, so nothing may be declined
-    assert case.dtype in DTYPES
     try:
         case.run(BACKEND)
     except Unsupported as exc:  # pragma: no cover - a failure, with the reason
+        pytest.fail(f"numba-cpu declined a case it serves: {exc}")
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"{c.target.name}-{c}")
+def test_attention_case(case):
+    if case.name in DECLINED:
+        with pytest.raises(Unsupported, match="not a boolean mask"):
+            case.run(BACKEND)
+        return
+    try:
+        case.run(BACKEND)
+    except Unsupported as exc:  # pragma: no cover
         pytest.fail(f"numba-cpu declined a case it serves: {exc}")

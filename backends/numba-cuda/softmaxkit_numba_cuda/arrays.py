@@ -81,7 +81,13 @@ def vectorizable(arrays: list[Any], lib: str, width: int) -> bool:
     """Whether ``[rows, N]`` arrays can be viewed as rows of 8-byte words of ``width`` values."""
     if width <= 1 or lib == "numba":
         return False
-    return all(a.shape[-1] % width == 0 and _address(a, lib) % 8 == 0 for a in arrays)
+    for a in arrays:
+        n = a.shape[-1]
+        if n == 0 or n % width or _address(a, lib) % 8:
+            return False
+        if lib == "torch" and a.stride(-1) != 1:  # a broadcast view reports contiguous
+            return False
+    return True
 
 
 def words(a: Any, lib: str) -> Any:

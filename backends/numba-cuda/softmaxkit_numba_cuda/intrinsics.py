@@ -64,7 +64,7 @@ if SIMULATOR:
         th.syncthreads()
         return other
 
-    def warp_butterfly(value, combine):
+    def warp_butterfly(value, combine, offsets=(16, 8, 4, 2, 1)):
         """The xor-butterfly all-reduce of ``value`` over the warp, as ``shfl_xor`` steps do it.
 
         Lane 0 replays the five exchange steps for all 32 lanes (two barriers instead of ten);
@@ -80,7 +80,7 @@ if SIMULATOR:
         th.syncthreads()
         if lane == 0:
             vals = [deposit[base + k] for k in range(32)]
-            for off in (16, 8, 4, 2, 1):
+            for off in offsets:
                 vals = [combine(vals[k], vals[k ^ off]) for k in range(32)]
             result[base] = vals
         th.syncthreads()

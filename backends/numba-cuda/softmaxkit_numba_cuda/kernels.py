@@ -95,9 +95,7 @@ def log_softmax(*, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> 
 def logsumexp(
     *, xp: Any, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
 ) -> Any:
-    """``log(sum(exp(x)))`` along the last axis; weights ``b`` are declined by ``can_run``."""
-    if b is not None:
-        raise ValueError("numba-cuda logsumexp does not take weights b; use another backend")
+    """``log |sum(b * exp(x))|`` along the last axis, and its sign with ``return_sign``."""
     lib = library(x)
     batch = tuple(x.shape[:-1])
     out = empty(xp, x, batch, out_dtype)
@@ -107,13 +105,23 @@ def logsumexp(
     xr = rows(x, lib)
     n_rows, n = xr.shape
     kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
+    w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
+    s = (kernel_view(sign.reshape(n_rows, 1), lib) if return_sign
+         else dummy(lib, x.device, kout))
+    if b is not None:
+        p = _plan(n, kout, arrays=2)
+        kernel = rowkernels.logsumexp_weighted(kin, dtype_name(b.dtype), kout, p.threads,
+                                               p.slots, p.rows_per_block)
+        with launch(x, lib) as stream:
+            run(kernel, p.grid(n_rows), p.block, stream,
+                kernel_view(xr, lib), kernel_view(rows(b, lib), lib), w, where is not None,
+                kernel_view(out.reshape(n_rows, 1), lib), s, bool(return_sign), n_rows, n,
+                p.tiles)
+        return (out, sign) if return_sign else out
     vector, width, (xv,) = _layout(lib, kin, kin, [xr])
     p = _plan(n // width, kin, width)
     kernel = rowkernels.logsumexp(kin, kout, vector, p.threads, p.slots, p.rows_per_block,
                                   p.cached)
-    w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
-    s = (kernel_view(sign.reshape(n_rows, 1), lib) if return_sign
-         else dummy(lib, x.device, kout))
     with launch(x, lib) as stream:
         run(kernel, p.grid(n_rows), p.block, stream,
             xv, w, where is not None, kernel_view(out.reshape(n_rows, 1), lib), s,
@@ -134,8 +142,6 @@ def cross_entropy(
     out_dtype: Any,
 ) -> tuple[Any, Any]:
     """Per-row loss and, when ``grad_scale`` is given, the fused gradient, in one kernel."""
-    if probs is not None:
-        raise ValueError("numba-cuda cross_entropy takes class-index targets only")
     lib = library(logits)
     if xp is None:
         import array_api_compat
@@ -157,21 +163,27 @@ def cross_entropy(
         vector, width, (xv,) = _layout(lib, kin, kin, [xr])
         gv = dummy(lib, device, "int64" if vector else kout)
     p = _plan(n // width, kin, width, grow=False)  # its second pass needs more registers
+    kp = dtype_name(probs.dtype) if probs is not None else ""
     kernel = rowkernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
-                                      p.rows_per_block, p.cached)
+                                      p.rows_per_block, p.cached, kp)
     if grad_scale is None or not hasattr(grad_scale, "shape"):
         value = 1.0 if grad_scale is None else float(grad_scale)
         scale = xp.full((1,), value, dtype=acc, device=device)
     else:
         scale = xp.reshape(xp.astype(grad_scale, acc), (1,))
-    idx = xp.reshape(xp.astype(index, xp.int64), (-1,))
-    if lib == "torch":
-        idx = idx.contiguous()
+    if index is not None:
+        idx = xp.reshape(xp.astype(index, xp.int64), (-1,))
+        if lib == "torch":
+            idx = idx.contiguous()
+        idx = kernel_view(idx, lib)
+    else:
+        idx = kernel_view(xp.zeros((1,), dtype=xp.int64, device=device), lib)
+    pv = kernel_view(rows(probs, lib), lib) if probs is not None else dummy(lib, device, kin)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, device)
     ignore = 0 if ignore_index is None else int(ignore_index)
     with launch(logits, lib) as stream:
         run(kernel, p.grid(n_rows), p.block, stream,
-            xv, w, where is not None, kernel_view(idx, lib), kernel_view(scale, lib),
+            xv, w, where is not None, idx, pv, kernel_view(scale, lib),
             kernel_view(loss.reshape(n_rows, 1), lib), gv, grad is not None,
             n_rows, n // width, p.tiles, float(label_smoothing), ignore_index is not None,
             ignore)

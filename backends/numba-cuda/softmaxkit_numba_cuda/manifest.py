@@ -2,11 +2,10 @@
 
 Served: the row operations (softmax, log_softmax, logsumexp, cross_entropy with its fused
 gradient, softmax_vjp, log_softmax_vjp) on CUDA devices, for float16, bfloat16, float32 and
-float64, with torch CUDA tensors and CuPy arrays.  Declined, with the reason: logsumexp with
-weights ``b``, cross_entropy with probability targets, rows longer than 2**31 - 1.  Online
-summaries and attention are not served (the registry chooses another backend).  Under Numba's
-CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve numpy arrays on the CPU:
-that is how CI runs them without a GPU.
+float64, with torch CUDA tensors and CuPy arrays.  Declined, with the reason: rows longer
+than 2**31 - 1.  Online summaries and attention are not served (the registry chooses another
+backend).  Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve
+numpy arrays on the CPU: that is how CI runs them without a GPU.
 """
 
 from __future__ import annotations
@@ -50,10 +49,6 @@ def can_run(call: Any) -> bool | str:
             return "runs on CUDA devices (numpy arrays only under NUMBA_ENABLE_CUDASIM=1)"
     elif module not in ("torch", "cupy"):
         return f"takes torch CUDA tensors and CuPy arrays, not {type(x).__name__}"
-    if call.op == "logsumexp" and args.get("b") is not None:
-        return "logsumexp with weights b is not implemented here"
-    if call.op == "cross_entropy" and args.get("probs") is not None:
-        return "cross_entropy with probability targets is not implemented here"
     shape = getattr(x, "shape", ())
     if shape and shape[-1] >= 2**31:
         return "rows of 2**31 or more positions are not supported"

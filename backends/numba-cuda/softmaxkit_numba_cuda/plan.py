@@ -22,6 +22,8 @@ WARP = 32
 ROWS_PER_WARP_BLOCK = 8
 MAX_THREADS = 1024
 MAX_SLOTS = 32
+SUBWARP = (8, 16)
+"""Group sizes below a warp (several rows per warp), available through :data:`OVERRIDE`."""
 OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_PLAN"
 """Environment variable ``"threads,slots"`` that forces a plan (for tests and tuning)."""
 
@@ -60,11 +62,13 @@ class Plan:
 def make(threads: int, slots: int, n: int, warp_rows: int = ROWS_PER_WARP_BLOCK) -> Plan:
     """The plan with ``threads`` threads and ``slots`` values per thread for rows of ``n``.
 
-    A warp-per-row plan (``threads == 32``) puts ``warp_rows`` rows in each block.
+    A warp-per-row plan (``threads == 32``) puts ``warp_rows`` rows in each block; groups of 8
+    or 16 threads put proportionally more.
     """
-    if threads % WARP or not 0 < threads <= MAX_THREADS or not 0 < slots <= 2 * MAX_SLOTS:
+    if (threads % WARP and threads not in SUBWARP) or not 0 < threads <= MAX_THREADS \
+            or not 0 < slots <= 2 * MAX_SLOTS:
         raise ValueError(f"invalid plan: threads={threads}, slots={slots}")
-    rows = warp_rows if threads == WARP else 1
+    rows = warp_rows * WARP // threads if threads <= WARP else 1
     tiles = max(1, -(-n // (threads * slots)))
     return Plan(threads, slots, rows, tiles)
 

@@ -90,36 +90,38 @@ def group_reducers(threads: int, acc_name: str):
     at link time).
     """
     nanmax, merge = summary_ops(acc_name)
-    warps = threads // 32
+    warps = max(1, threads // 32)
     block = threads > 32
+    # xor offsets within a group: a group smaller than a warp never mixes with its neighbours
+    offsets = tuple(o for o in (16, 8, 4, 2, 1) if o < min(threads, 32))
 
     def warp_pair(m, s):
-        for off in (16, 8, 4, 2, 1):
+        for off in offsets:
             om = shfl_xor(m, off)
             os = shfl_xor(s, off)
             m, s = merge(m, s, om, os)
         return m, s
 
     def warp_sum(v):
-        for off in (16, 8, 4, 2, 1):
+        for off in offsets:
             v = v + shfl_xor(v, off)
         return v
 
     def warp_max(v):
-        for off in (16, 8, 4, 2, 1):
+        for off in offsets:
             v = nanmax(v, shfl_xor(v, off))
         return v
 
     if SIMULATOR:  # the same butterfly, replayed with two barriers instead of ten
 
         def warp_pair(m, s):
-            return warp_butterfly((m, s), lambda a, b: merge(a[0], a[1], b[0], b[1]))
+            return warp_butterfly((m, s), lambda a, b: merge(a[0], a[1], b[0], b[1]), offsets)
 
         def warp_sum(v):
-            return warp_butterfly(v, lambda a, b: a + b)
+            return warp_butterfly(v, lambda a, b: a + b, offsets)
 
         def warp_max(v):
-            return warp_butterfly(v, nanmax)
+            return warp_butterfly(v, nanmax, offsets)
 
     warp_pair = device_function(warp_pair)
     warp_sum = device_function(warp_sum)

@@ -22,7 +22,7 @@ from numba import float32, float64
 
 from .intrinsics import NAN, NEG_INF, POS_INF, cuda, device_function, kernel, log_f32, log_f64
 from .reductions import SCRATCH, exponential, group_reducers, summary_ops
-from .storage import word_io
+from .storage import loader, word_io
 
 
 def _acc(kind: str) -> tuple[str, object]:
@@ -108,9 +108,9 @@ def _first_pass(kin: str, vector: bool, threads: int, slots: int, cached: bool,
 def _coordinates(threads: int, rows_per_block: int):
     def coordinates(n_rows):
         tid = cuda.threadIdx.x
-        if threads == 32:
-            lane = tid % 32
-            row = cuda.blockIdx.x * rows_per_block + tid // 32
+        if threads <= 32:
+            lane = tid % threads
+            row = cuda.blockIdx.x * rows_per_block + tid // threads
         else:
             lane = tid
             row = cuda.blockIdx.x
@@ -223,14 +223,18 @@ def logsumexp(kin: str, kout: str, vector: bool, threads: int, slots: int,
 
 @functools.cache
 def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
-                  rows_per_block: int, cached: bool):
-    """Kernel ``(x, w, has_where, index, scale, loss, grad, has_grad, n_rows, nw, tiles,
+                  rows_per_block: int, cached: bool, kp: str = ""):
+    """Kernel ``(x, w, has_where, index, probs, scale, loss, grad, has_grad, n_rows, nw, tiles,
     smoothing, has_ignore, ignore)``.
 
     ``loss`` is ``[rows, 1]`` in the accumulator dtype; ``grad`` (``[rows, W]``) is written
-    when ``has_grad``: ``scale * (softmax(x) - y)`` with ``y`` the (smoothed) one-hot target.
+    when ``has_grad``: ``scale * (softmax(x) - y)`` with ``y`` the (smoothed) target: one-hot
+    of ``index``, or the probabilities ``probs`` (``[rows, N]`` elements of storage ``kp``)
+    when ``kp`` is given.
     """
     acc_name, acc = _acc(kin)
+    soft = kp != ""
+    load_prob = loader(kp or "float32", acc_name)
     load_tile, row_stats = _first_pass(kin, vector, threads, slots, cached, False, True)
     width, _, _ = word_io(kin, vector)
     _, _, store_word = word_io(kout, vector)
@@ -243,10 +247,11 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
     @kernel(threads * rows_per_block, values, acc_name == "float64")
-    def row_kernel(x, w, has_where, index, scale, loss, grad, has_grad, n_rows, nw, tiles,
-                   smoothing, has_ignore, ignore):
+    def row_kernel(x, w, has_where, index, probs, scale, loss, grad, has_grad, n_rows, nw,
+                   tiles, smoothing, has_ignore, ignore):
         lane, r, live = coordinates(n_rows)
         xr = x[r]
+        pr = probs[r if soft else 0]
         wr = w[r if has_where else 0]
         grow = grad[r if has_grad else 0]
         vals = cuda.local.array(values, acc)
@@ -261,8 +266,10 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
         safe = one if (special or empty) else s
         inv = one / safe
         share = eps / (count if count > zero else one)
-        target = index[r] if live else -1
-        valid = live and (not has_ignore or target != ignore)
+        target = index[r] if (live and not soft) else -1
+        valid = live and (soft or not has_ignore or target != ignore)
+        log_s = log(safe)
+        terms = zero  # soft targets: sum of y * log p over y != 0
         g_scale = scale[0]
         zsum = zero  # sum of z over the included positions
         z_t = zero  # the target's z, held by the one thread that loads it
@@ -281,6 +288,14 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                         zsum += z
                     if i == target:
                         z_t = z
+                    y = share if included else zero
+                    if soft:
+                        if live and wi < nw:
+                            y += (one - eps) * load_prob(pr, i)
+                            if y != zero:
+                                terms += y * (z - log_s)
+                    elif i == target:
+                        y += one - eps
                     if has_grad:
                         g = zero
                         if not valid:
@@ -288,24 +303,25 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                         elif special:
                             g = nan
                         elif included:
-                            y = share
-                            if i == target:
-                                y += one - eps
                             g = (exp(z) * inv - y) * g_scale
                         vals[k] = g
                 if has_grad and live and wi < nw:
                     store_word(grow, wi, vals, j * width)
-        if eps != zero:
-            zsum = sum_reduce(zsum, scratch)
-        z_t = sum_reduce(z_t, scratch)
+        if soft:
+            terms = sum_reduce(terms, scratch)
+        else:
+            if eps != zero:
+                zsum = sum_reduce(zsum, scratch)
+            z_t = sum_reduce(z_t, scratch)
         if live and lane == 0:
             res = cuda.local.array(1, acc)
             if not valid:
                 res[0] = zero
             elif special:
                 res[0] = nan
+            elif soft:
+                res[0] = zero - terms
             else:
-                log_s = log(safe)
                 total = zero
                 if eps != one:
                     total += (one - eps) * (z_t - log_s)
@@ -390,5 +406,109 @@ def vjp(op: str, kin: str, kc: str, kout: str, threads: int, slots: int, rows_pe
                     else:
                         ys[j] = ys[j] * (cs[j] - total)
                     store(orow, i, ys, j)
+
+    return row_kernel
+
+
+@functools.cache
+def logsumexp_weighted(kin: str, kb: str, kout: str, threads: int, slots: int,
+                       rows_per_block: int):
+    """Kernel ``(x, b, w, has_where, out, sign, return_sign, n_rows, n, tiles)``: ``log |sum b
+    exp(x)|`` and its sign, elements one by one, in the accumulator dtype of ``kout``.
+
+    A zero weight excludes its position; a NaN weight on an allowed position makes the row
+    NaN; on a ``+inf`` row the result is ``+inf`` with the sign of the weights at ``+inf``
+    (NaN when they have both signs), as in spec/semantics.md.
+    """
+    acc_name, acc = _acc(kout)
+    load_x = loader(kin, acc_name)
+    load_b = loader(kb, acc_name)
+    _, _, store = word_io(kout, False)
+    merge = summary_ops(acc_name)[1]
+    pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
+    exp = exponential(acc_name)
+    log = log_f64 if acc_name == "float64" else log_f32
+    coordinates = _coordinates(threads, rows_per_block)
+    nan, neg_inf, pos_inf, zero, one = (acc(v) for v in (NAN, NEG_INF, POS_INF, 0.0, 1.0))
+
+    def load_tile(xr, br, wr, has_where, live, n, base, xs, bs, flags):
+        """Load a tile of (x, b) with exclusions applied; count NaN / signed +inf weights."""
+        m = neg_inf
+        seen_nan = False
+        for j in range(slots):
+            i = base + j * threads
+            x = neg_inf
+            b = zero
+            if live and i < n:
+                x = load_x(xr, i)
+                b = load_b(br, i)
+                if b == zero or (has_where and not wr[i]):
+                    x = neg_inf  # excluded
+                if x == neg_inf:
+                    b = zero
+                if b != b:
+                    flags[0] += one
+                if x == POS_INF:
+                    if b > zero:
+                        flags[1] += one
+                    elif b < zero:
+                        flags[2] += one
+            xs[j] = x
+            bs[j] = b
+            if x != x:
+                seen_nan = True
+            elif x > m:
+                m = x
+        return nan if seen_nan else m
+
+    load_tile = device_function(load_tile)
+
+    @kernel(threads * rows_per_block, 2 * slots, acc_name == "float64")
+    def row_kernel(x, b, w, has_where, out, sign, return_sign, n_rows, n, tiles):
+        lane, r, live = coordinates(n_rows)
+        xr = x[r]
+        br = b[r]
+        wr = w[r if has_where else 0]
+        xs = cuda.local.array(slots, acc)
+        bs = cuda.local.array(slots, acc)
+        flags = cuda.local.array(3, acc)  # NaN weights, +inf with b > 0, +inf with b < 0
+        flags[0] = zero
+        flags[1] = zero
+        flags[2] = zero
+        scratch = cuda.shared.array(SCRATCH, acc)
+        m = neg_inf
+        s = zero
+        for t in range(tiles):
+            tm = load_tile(xr, br, wr, has_where, live, n, t * (threads * slots) + lane, xs,
+                           bs, flags)
+            ts = zero
+            if tm > neg_inf and tm < POS_INF:
+                for j in range(slots):
+                    if bs[j] == bs[j]:
+                        ts += bs[j] * exp(xs[j] - tm)
+            m, s = merge(m, s, tm, ts)
+        m, s = pair_reduce(m, s, scratch)
+        nan_b = sum_reduce(flags[0], scratch)
+        up = sum_reduce(flags[1], scratch)
+        down = sum_reduce(flags[2], scratch)
+        if live and lane == 0:
+            res = cuda.local.array(2, acc)
+            inf_row = m == POS_INF
+            bad = m != m or nan_b > zero or (inf_row and up > zero and down > zero)
+            if bad:
+                res[0], res[1] = nan, nan
+            elif inf_row:
+                res[0] = pos_inf
+                res[1] = -one if down > zero else one
+            elif m == neg_inf or s == zero:
+                res[0], res[1] = neg_inf, zero
+            else:
+                res[0] = log(abs(s)) + m
+                res[1] = one if s > zero else -one
+            if not return_sign and res[1] < zero:
+                res[0] = nan
+            store(out[r], 0, res, 0)
+            if return_sign:
+                store(sign[r], 0, res, 1)
 
     return row_kernel

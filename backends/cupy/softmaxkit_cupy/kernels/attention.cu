@@ -20,7 +20,7 @@ struct SkAttnArgs {
     long long m_sb, m_sh, m_sq, m_sk;
 };
 
-template <typename T, int D, int WARPS, int BN>
+template <typename T, int D, int WARPS, int BN, int MT>
 __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const unsigned char* __restrict__ mask, T* __restrict__ out, float* __restrict__ lse,
@@ -28,7 +28,10 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
     long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
     long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
     float scale, float softcap, int offset, int causal, int left, int right) {
-    constexpr int BM = 16 * WARPS;
+    // each warp owns MT m16 tiles (16 MT rows), so every K / V fragment read from shared
+    // memory feeds MT tensor-core products; Q fragments are re-read per tile (registers go
+    // to the output accumulator)
+    constexpr int BM = 16 * MT * WARPS;
     constexpr int THREADS = WARPS * 32;
     constexpr int NB = BN / 8;   // n-blocks of the score tile
     constexpr int DB = D / 8;    // n-blocks of the output
@@ -62,11 +65,15 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
     const int tile_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : tile_lo;
 
     const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
-    float o[DB][4];
+    float o[MT][DB][4];
+    float row_max[MT][2], row_sum[MT][2];
 #pragma unroll
-    for (int i = 0; i < DB; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-    float row_max[2] = {-SK_INF, -SK_INF};
-    float row_sum[2] = {0.0f, 0.0f};
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < DB; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+        row_max[mt][0] = row_max[mt][1] = -SK_INF;
+        row_sum[mt][0] = row_sum[mt][1] = 0.0f;
+    }
 
     if (tile_lo < tile_hi) {
         sk_load_tile<T, BM, D, THREADS>(sq, qb, q_sl, lq - m0);
@@ -75,19 +82,12 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
         sk_load_tile<T, BN, D, THREADS>(sv, vb + tile_lo * BN * v_sl, v_sl, lk - tile_lo * BN);
         sk_cp_async_commit();
     }
-    unsigned qf[DK][4];
-    if (tile_lo < tile_hi) {
-        sk_cp_async_wait<1>();  // Q and the first K tile have landed
-        __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < DK; ++kk) sk_frag_a<D>(qf[kk], sq, warp * 16, kk * 16);
-    }
-    const int r_lo = m0 + warp * 16 + g;  // this thread's two rows: r_lo and r_lo + 8
+    const int w0 = warp * 16 * MT;  // this warp's first row in the block
 
     for (int tile = tile_lo; tile < tile_hi; ++tile) {
         const int stage = (tile - tile_lo) & 1;
         const int n0 = tile * BN;
-        sk_cp_async_wait<1>();  // this tile's K has landed
+        sk_cp_async_wait<1>();  // this tile's K (and, the first time, Q) has landed
         __syncthreads();
         if (tile + 1 < tile_hi) {
             sk_load_tile<T, BN, D, THREADS>(sk + (stage ^ 1) * BN * D, kb + (n0 + BN) * k_sl,
@@ -95,18 +95,26 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
         }
         sk_cp_async_commit();
 
-        float s[NB][4];
+        float s[MT][NB][4];
 #pragma unroll
-        for (int i = 0; i < NB; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < NB; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
         const T* ks = sk + stage * BN * D;
 #pragma unroll
         for (int kk = 0; kk < DK; ++kk) {
+            unsigned qf[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) sk_frag_a<D>(qf[mt], sq, w0 + 16 * mt, kk * 16);
 #pragma unroll
             for (int nb = 0; nb < NB; nb += 2) {
                 unsigned bf[4];
                 sk_frag_b<D>(bf, ks, nb * 8, kk * 16);
-                Mma::run(s[nb], qf[kk], bf[0], bf[1]);
-                Mma::run(s[nb + 1], qf[kk], bf[2], bf[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma::run(s[mt][nb], qf[mt], bf[0], bf[1]);
+                    Mma::run(s[mt][nb + 1], qf[mt], bf[2], bf[3]);
+                }
             }
         }
 
@@ -115,51 +123,58 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
                           (right >= 0 && n0 + BN - 1 > m0 + offset + right) ||
                           (left >= 0 && n0 < m0 + BM - 1 + offset - left) || mb != nullptr;
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[nb][e] * qk_scale;
-                if (softcap > 0.0f) x = softcap * tanhf(x / softcap) * SK_LOG2E;
-                if (edge) {
-                    const int i = r_lo + (e >= 2 ? 8 : 0);
-                    const int j = n0 + nb * 8 + 2 * t + (e & 1);
-                    const int d = i + offset;
-                    bool ok = j < lk && (!causal || j <= d) && (left < 0 || j >= d - left) &&
-                              (right < 0 || j <= d + right);
-                    if (ok && mb && i < lq) ok = mb[i * m_sq + j * m_sk] != 0;
-                    if (!ok) x = -SK_INF;
+            for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[mt][nb][e] * qk_scale;
+                    if (softcap > 0.0f) x = softcap * tanhf(x / softcap) * SK_LOG2E;
+                    if (edge) {
+                        const int i = m0 + w0 + 16 * mt + g + (e >= 2 ? 8 : 0);
+                        const int j = n0 + nb * 8 + 2 * t + (e & 1);
+                        const int d = i + offset;
+                        bool ok = j < lk && (!causal || j <= d) && (left < 0 || j >= d - left) &&
+                                  (right < 0 || j <= d + right);
+                        if (ok && mb && i < lq) ok = mb[i * m_sq + j * m_sk] != 0;
+                        if (!ok) x = -SK_INF;
+                    }
+                    s[mt][nb][e] = x;
                 }
-                s[nb][e] = x;
             }
         }
 
         // online softmax: new maxima (over the quad that shares each row), rescale, exponentiate
-        float scale_old[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = row_max[r];
+        for (int mt = 0; mt < MT; ++mt) {
+            float scale_old[2];
 #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float use = mx == -SK_INF ? 0.0f : mx;  // nothing allowed yet: p = 0, O stays 0
-            scale_old[r] = exp2f(row_max[r] - use);
-            row_max[r] = mx;
-            float sum = 0.0f;
+            for (int r = 0; r < 2; ++r) {
+                float mx = row_max[mt][r];
 #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
-                s[nb][2 * r] = exp2f(s[nb][2 * r] - use);
-                s[nb][2 * r + 1] = exp2f(s[nb][2 * r + 1] - use);
-                sum += s[nb][2 * r] + s[nb][2 * r + 1];
+                for (int nb = 0; nb < NB; ++nb)
+                    mx = fmaxf(mx, fmaxf(s[mt][nb][2 * r], s[mt][nb][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float use = mx == -SK_INF ? 0.0f : mx;  // nothing allowed yet: p = 0
+                scale_old[r] = exp2f(row_max[mt][r] - use);
+                row_max[mt][r] = mx;
+                float sum = 0.0f;
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb) {
+                    s[mt][nb][2 * r] = exp2f(s[mt][nb][2 * r] - use);
+                    s[mt][nb][2 * r + 1] = exp2f(s[mt][nb][2 * r + 1] - use);
+                    sum += s[mt][nb][2 * r] + s[mt][nb][2 * r + 1];
+                }
+                row_sum[mt][r] = row_sum[mt][r] * scale_old[r] + sum;
             }
-            row_sum[r] = row_sum[r] * scale_old[r] + sum;
-        }
 #pragma unroll
-        for (int i = 0; i < DB; ++i) {
-            o[i][0] *= scale_old[0];
-            o[i][1] *= scale_old[0];
-            o[i][2] *= scale_old[1];
-            o[i][3] *= scale_old[1];
+            for (int i = 0; i < DB; ++i) {
+                o[mt][i][0] *= scale_old[0];
+                o[mt][i][1] *= scale_old[0];
+                o[mt][i][2] *= scale_old[1];
+                o[mt][i][3] *= scale_old[1];
+            }
         }
 
         sk_cp_async_wait<1>();  // this tile's V has landed
@@ -173,17 +188,23 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
         const T* vs = sv + stage * BN * D;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            unsigned pa[4];
-            pa[0] = Mma::pack(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = Mma::pack(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = Mma::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = Mma::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            unsigned pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = Mma::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = Mma::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = Mma::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = Mma::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int db = 0; db < DB; db += 2) {
                 unsigned bf[4];
                 sk_frag_bt<D>(bf, vs, kk * 16, db * 8);
-                Mma::run(o[db], pa, bf[0], bf[1]);
-                Mma::run(o[db + 1], pa, bf[2], bf[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma::run(o[mt][db], pa[mt], bf[0], bf[1]);
+                    Mma::run(o[mt][db + 1], pa[mt], bf[2], bf[3]);
+                }
             }
         }
     }
@@ -191,22 +212,26 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
 
     // finish: the quad's partial sums, normalize, store out and lse
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = row_sum[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const int i = r_lo + 8 * r;
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        if (i < lq) {
-            T* orow = out + ((static_cast<long long>(b) * hq + h) * lq + i) * D;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int db = 0; db < DB; ++db) {
-                const unsigned packed = Mma::pack(o[db][2 * r] * inv, o[db][2 * r + 1] * inv);
-                *reinterpret_cast<unsigned*>(orow + db * 8 + 2 * t) = packed;
-            }
-            if (lse && t == 0) {
-                lse[(static_cast<long long>(b) * hq + h) * lq + i] =
-                    l > 0.0f ? (row_max[r] + log2f(l)) * SK_LN2 : -SK_INF;
+        for (int r = 0; r < 2; ++r) {
+            float l = row_sum[mt][r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int i = m0 + w0 + 16 * mt + g + 8 * r;
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            if (i < lq) {
+                T* orow = out + ((static_cast<long long>(b) * hq + h) * lq + i) * D;
+#pragma unroll
+                for (int db = 0; db < DB; ++db) {
+                    const unsigned packed =
+                        Mma::pack(o[mt][db][2 * r] * inv, o[mt][db][2 * r + 1] * inv);
+                    *reinterpret_cast<unsigned*>(orow + db * 8 + 2 * t) = packed;
+                }
+                if (lse && t == 0) {
+                    lse[(static_cast<long long>(b) * hq + h) * lq + i] =
+                        l > 0.0f ? (row_max[mt][r] + log2f(l)) * SK_LN2 : -SK_INF;
+                }
             }
         }
     }

@@ -155,10 +155,12 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_vjp(
     }
 }
 
-// Cross-entropy with class-index targets: loss = -sum_i y_i log p_i with
-// y = (1 - eps) onehot(t) + eps / count on the allowed positions (count of them), and, when
-// `grad` is given, grad = scale (p - y).  Rows whose target is ignore_index give loss 0 and
-// gradient 0; a NaN or +inf among the allowed logits gives NaN loss and gradient.
+// Cross-entropy with class-index targets (softmaxkit/reference/rows.py, cross_entropy).  A
+// class is included when the mask allows it and its logit is above -inf; with count the
+// number of included classes, y = (1 - eps) onehot(t) + eps / count on the included ones,
+// loss = -sum_{y > 0} y log p (+inf when target mass sits on an excluded class), and, when
+// `grad` is given, grad = scale (p - y) on included classes and 0 elsewhere.  Rows whose
+// target is ignore_index give loss 0 and gradient 0; an allowed NaN or +inf gives NaN.
 template <typename T, int THREADS, int G, int K>
 __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_xent(
     const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
@@ -167,7 +169,6 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_xent(
     int has_ignore, float smoothing, const float* __restrict__ scale_ptr, float scale_value) {
     constexpr int VEC = 16 / sizeof(T);
     constexpr bool PRECISE = sizeof(T) == 4;
-    typedef typename SkPair<T>::type E2;
     __shared__ float scratch[3 * (THREADS / 32 + 1)];
     const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
     const long long row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
@@ -176,15 +177,17 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_xent(
     const unsigned char* wr = w ? w + row * ld_w : nullptr;
 
     uint4 raw[K];
-    unsigned keep[K];
+    unsigned inc[K];  // included classes: allowed by the mask and above -inf
 #pragma unroll
     for (int j = 0; j < K; ++j) {
         const int base = (j * G + lane) * VEC;
-        keep[j] = sk_load_slot<T>(raw[j], xr, wr, base, n, active, vec_ok, -SK_INF);
+        inc[j] = sk_load_slot<T>(raw[j], xr, wr, base, n, active, vec_ok, -SK_INF);
         T* v = reinterpret_cast<T*>(&raw[j]);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e)  // an excluded logit is -inf, as in the reference
-            if (!((keep[j] >> e) & 1u)) v[e] = sk_from_float<T>(-SK_INF);
+        for (int e = 0; e < VEC; ++e) {
+            if (!((inc[j] >> e) & 1u)) v[e] = sk_from_float<T>(-SK_INF);
+            if (sk_to_float(v[e]) == -SK_INF) inc[j] &= ~(1u << e);
+        }
     }
     float m = -SK_INF;
     int nan = 0;
@@ -198,7 +201,7 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_xent(
             const float f = sk_to_float(v[e]);
             nan |= f != f;
             m = fmaxf(m, f);
-            if ((keep[j] >> e) & 1u) {
+            if ((inc[j] >> e) & 1u) {
                 sum_x += static_cast<decltype(sum_x)>(f);
                 count += 1.0f;
             }
@@ -206,20 +209,14 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_xent(
     }
     typename SkWide<PRECISE>::type s_acc = 0;
     const bool none = m == -SK_INF;
-    E2* ex = reinterpret_cast<E2*>(raw);  // the exponentials replace the logits
 #pragma unroll
     for (int j = 0; j < K; ++j) {
         const T* v = reinterpret_cast<const T*>(&raw[j]);
 #pragma unroll
-        for (int e = 0; e < VEC; e += 2) {
-            const float p0 = none ? 0.0f : sk_exp<PRECISE>(sk_to_float(v[e]) - m);
-            const float p1 = none ? 0.0f : sk_exp<PRECISE>(sk_to_float(v[e + 1]) - m);
-            s_acc += static_cast<decltype(s_acc)>(p0) + static_cast<decltype(s_acc)>(p1);
-            ex[(j * VEC + e) / 2] = sk_pack2(p0, p1, static_cast<E2*>(nullptr));
-        }
+        for (int e = 0; e < VEC; ++e)
+            s_acc += none ? 0 : static_cast<decltype(s_acc)>(sk_exp<PRECISE>(sk_to_float(v[e]) - m));
     }
     float s = static_cast<float>(s_acc);
-    const float m_thread = m;
     sk_group_reduce<THREADS, G, PRECISE>(m, s, nan, scratch);
     float sx = static_cast<float>(sum_x);
     sk_group_sum2<THREADS, G>(sx, count, scratch);
@@ -227,47 +224,44 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_xent(
 
     const long long t = index[row];
     const bool valid = !(has_ignore && t == ignore_index);
-    const bool is_nan = nan != 0;
-    const bool posinf = !is_nan && m == SK_INF;
-    const bool empty = !is_nan && m == -SK_INF;
-    const float logs = sk_log<PRECISE>(s);
+    const bool special = nan != 0 || m == SK_INF;
+    const bool empty = !special && m == -SK_INF;
+    const float logs = empty ? 0.0f : sk_log<PRECISE>(s);
     if (lane == 0) {
         float l = 0.0f;
         if (valid) {
-            if (is_nan || posinf) {
+            if (special) {
                 l = SK_NAN;
             } else {
-                // y > 0 at an excluded target (or any y > 0 on an empty row) gives +inf
-                const bool t_allowed = !wr || wr[t];
                 const float xt = sk_to_float(xr[t]);
-                const float logp_t =
-                    (empty || !t_allowed) ? -SK_INF : (xt - m) - logs;
+                const bool t_included = (!wr || wr[t]) && xt != -SK_INF;
+                const float logp_t = t_included ? (xt - m) - logs : -SK_INF;
                 if (smoothing != 1.0f) l -= (1.0f - smoothing) * logp_t;
-                if (smoothing != 0.0f && count > 0.0f) {
-                    const float sum_logp = empty ? -SK_INF : (sx - count * m) - count * logs;
-                    l -= smoothing / count * sum_logp;
-                }
+                if (smoothing != 0.0f && count > 0.0f)
+                    l -= smoothing / count * ((sx - count * m) - count * logs);
             }
         }
-        loss[row] = l;
+        loss[row] = l + 0.0f;  // +0.0 for a row without target mass
     }
     if (grad == nullptr) return;
     const float gs = scale_ptr ? *scale_ptr : scale_value;
-    const float scale = sk_exp<PRECISE>(m_thread - m) / s;
+    const float inv = empty ? 0.0f : 1.0f / s;
     const float uniform = count > 0.0f ? smoothing / count : 0.0f;
     T* grow = grad + row * n;
 #pragma unroll
     for (int j = 0; j < K; ++j) {
         const int base = (j * G + lane) * VEC;
+        const T* v = reinterpret_cast<const T*>(&raw[j]);
         T o[VEC];
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-            const float2 pr = sk_unpack2(ex[(j * VEC + e) / 2]);
-            const float p = empty ? 0.0f : (e % 2 == 0 ? pr.x : pr.y) * scale;
-            float y = ((keep[j] >> e) & 1u) ? uniform : 0.0f;
-            if (base + e == t) y += 1.0f - smoothing;
-            float g = (p - y) * gs;
-            if (is_nan || posinf) g = SK_NAN;
+            float g = 0.0f;
+            if ((inc[j] >> e) & 1u) {
+                const float p = sk_exp<PRECISE>(sk_to_float(v[e]) - m) * inv;
+                const float y = uniform + (base + e == t ? 1.0f - smoothing : 0.0f);
+                g = (p - y) * gs;
+            }
+            if (special) g = SK_NAN;
             if (!valid) g = 0.0f;
             o[e] = sk_from_float<T>(g);
         }
