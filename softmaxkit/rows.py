@@ -246,7 +246,8 @@ def cross_entropy(
         Mix the target with the uniform distribution over the allowed classes:
         ``y = (1 - eps) * y + eps / C``, as in PyTorch.
     where : array_like of bool, optional
-        ``False`` excludes a class for that row (its probability is 0).
+        ``False`` excludes a class for that row, like a ``-inf`` logit: its probability is 0,
+        its gradient is 0, and target mass on it makes the row's loss ``+inf``.
     return_grad : bool, optional
         Also return ``d loss / d logits = scale * (softmax(logits) - y)`` from the same pass
         (never ``-y / p``).  For ``reduction="none"`` it is the gradient of the sum of the

@@ -103,6 +103,8 @@ def _summary(xp: Any, x: Any, where: Any) -> tuple[Any, Any]:
     a = xp.astype(x, acc, copy=False)
     if where is not None:
         a = xp.where(where, a, -math.inf)
+    if a.shape[-1] == 0:
+        return xp.full(a.shape[:-1], -math.inf, dtype=acc), xp.zeros(a.shape[:-1], dtype=acc)
     maximum = xp.max(a, axis=-1)  # NaN when an allowed NaN is present
     finite = xp.isfinite(maximum)
     shifted = a - xp.where(finite, maximum, 0.0)[..., None]

@@ -18,6 +18,7 @@ from .configs import (
     DECODE_ROWS,
     DECODE_WARPS,
     AttentionConfig,
+    alternative_names,
     attention_config,
     attention_names,
     decode_name,
@@ -44,7 +45,10 @@ def _rows_ready(xp: Any, a: Any) -> Any:
 
 
 def _kernel(name: str, shared: int) -> Any:
-    kernel = compiler.function("attention.cu", attention_names(), name)
+    names = attention_names()
+    if name not in names:  # an alternative forward configuration asked for explicitly
+        names = alternative_names()
+    kernel = compiler.function("attention.cu", names, name)
     if shared > 48 * 1024 and name not in _configured:
         kernel.max_dynamic_shared_size_bytes = shared
         _configured.add(name)

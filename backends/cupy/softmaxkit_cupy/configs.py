@@ -134,7 +134,12 @@ ATTENTION_CONFIGS = {
 
 ATTENTION_ALTERNATIVES = tuple(AttentionConfig(d, warps=8, block_n=64, m_tiles=1)
                                for d in ATTENTION_HEAD_DIMS)
-"""Other forward configurations built alongside (compared by gpu_check.py)."""
+"""Other forward configurations, built on request only (gpu_check.py compares them)."""
+
+
+def alternative_names() -> tuple[str, ...]:
+    """Name expressions of the alternative forward configurations (a module of their own)."""
+    return tuple(c.name(t) for c in ATTENTION_ALTERNATIVES for t in ATTENTION_DTYPES)
 
 
 def attention_config(head_dim: int) -> AttentionConfig:
@@ -169,8 +174,7 @@ def merge_name(din: str, dout: str) -> str:
 
 def attention_names() -> tuple[str, ...]:
     """Every name expression of kernels/attention.cu (one module holds them all)."""
-    configs = (*ATTENTION_CONFIGS.values(), *ATTENTION_ALTERNATIVES)
-    names = [c.name(t) for c in configs for t in ATTENTION_DTYPES]
+    names = [c.name(t) for c in ATTENTION_CONFIGS.values() for t in ATTENTION_DTYPES]
     names += [decode_name(t, d) for d in ATTENTION_HEAD_DIMS for t in ATTENTION_DTYPES]
     names += [merge_name(t, t) for t in MERGE_DTYPES]
     names += [merge_name("float32", t) for t in ATTENTION_DTYPES]

@@ -416,7 +416,7 @@ def logsumexp_weighted(kin: str, kb: str, kout: str, threads: int, slots: int,
     """Kernel ``(x, b, w, has_where, out, sign, return_sign, n_rows, n, tiles)``: ``log |sum b
     exp(x)|`` and its sign, elements one by one, in the accumulator dtype of ``kout``.
 
-    A zero weight excludes its position; a NaN weight on an allowed position makes the row
+    A zero weight excludes its position; a NaN weight where ``where`` allows makes the row
     NaN; on a ``+inf`` row the result is ``+inf`` with the sign of the weights at ``+inf``
     (NaN when they have both signs), as in spec/semantics.md.
     """
@@ -442,12 +442,13 @@ def logsumexp_weighted(kin: str, kb: str, kout: str, threads: int, slots: int,
             if live and i < n:
                 x = load_x(xr, i)
                 b = load_b(br, i)
-                if b == zero or (has_where and not wr[i]):
+                allowed = not has_where or wr[i]
+                if b != b and allowed:
+                    flags[0] += one  # NaN * exp(x) is NaN, even for x = -inf
+                if b == zero or not allowed:
                     x = neg_inf  # excluded
-                if x == neg_inf:
+                if x == neg_inf or b != b:
                     b = zero
-                if b != b:
-                    flags[0] += one
                 if x == POS_INF:
                     if b > zero:
                         flags[1] += one

@@ -25,7 +25,7 @@ sys.path.remove(str(HERE))
 
 JOBS = (("kit", "float32,float64"), ("kit", "float16,bfloat16"), ("plans",))
 KIT_IDS = [f"{c.name}[{c.dtype}]" for c in cases(target="numpy", ops=ROW_OPS)]
-PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p in PLANS for d in ("float32", "bfloat16")
+PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p, dtypes in PLANS.items() for d in dtypes
             for op in ROW_OPS]
 
 
