@@ -27,16 +27,25 @@ def _threads():
         yield
 
 
+# the frontend names output dtypes through the array namespace, and Dask's has no float16
+NO_FLOAT16_NAME = pytest.mark.xfail(
+    strict=True, raises=TypeError, reason="dtype='float16' cannot be named for Dask arrays"
+)
+
+
 def kit_cases():
-    for pieces in (3,):
-        for c in cases(dask_target(pieces), ops=ROW_OPS):
-            yield pytest.param(c, id=f"dask-{pieces}-{c}")
+    for c in cases(dask_target(3), ops=ROW_OPS):
+        marks = [NO_FLOAT16_NAME] if c.name == "output_dtype" else []
+        yield pytest.param(c, id=f"dask-{c}", marks=marks)
 
 
 @pytest.mark.parametrize("case", list(kit_cases()))
 def test_conformance_kit_on_chunked_arrays(case):
+    """Every row case of the kit, with the chunks computed by the reference backend, so that
+    what is checked is the chunking and merging (the fast backends pass the kit on their own)."""
     try:
-        case.run("dask")
+        with dask.config.set(scheduler="synchronous"), sk.backend_opts(prioritize="reference"):
+            case.run("dask")
     except Unsupported as exc:
         if set(case.ops) <= set(ROW_OPS):
             raise AssertionError(f"the dask backend declined a row case: {exc}") from None
@@ -135,15 +144,14 @@ def test_the_dask_backend_runs_and_each_chunk_goes_to_a_chunk_backend():
     with dask.config.set(scheduler="synchronous"), sk.backend_opts(trace=True) as trace:
         sk.softmax(x).compute()
         sk.logsumexp(x).compute()
-    by_op = {}
-    for record in trace:
-        by_op.setdefault(record.op, set()).add(record.backend)
-    assert by_op["logsumexp"] >= {"dask"} and len(by_op["logsumexp"]) == 2
-    chunk_backends = by_op["summarize"] | (by_op["softmax"] - {"dask"})
-    assert "dask" not in chunk_backends and chunk_backends
-    # four chunks: four summaries, four normalizations, four chunk log-sum-exps
-    assert sum(r.op == "summarize" for r in trace) == 4
-    assert sum(r.op == "softmax" and r.backend != "dask" for r in trace) == 4
+    top = [r for r in trace if r.backend == "dask"]
+    assert [r.op for r in top] == ["softmax", "logsumexp"]
+    per_chunk = [r for r in trace if r.backend != "dask"]
+    # four chunks: a summary and a normalization each for softmax, one log-sum-exp each for
+    # logsumexp (a summary without a summarize kernel is a log-sum-exp of the shifted chunk)
+    summaries = [r for r in per_chunk if r.op in ("summarize", "logsumexp")]
+    assert len(summaries) == 8 and sum(r.op == "softmax" for r in per_chunk) == 4
+    assert all(r.device == "cpu" and r.dtype == "float32" for r in per_chunk)
 
 
 def test_results_stay_lazy_until_computed():
@@ -171,3 +179,13 @@ def test_can_run_declines_other_arrays_and_the_manifest_imports_no_dask():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "False"
+
+
+def test_scaling_page_examples_run():
+    import doctest
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"
+    result = doctest.testfile(str(page), module_relative=False,
+                              optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted and result.failed == 0

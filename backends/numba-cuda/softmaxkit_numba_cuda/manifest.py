@@ -1,10 +1,10 @@
 """The backend's manifest and its ``can_run`` hook; importing this module imports no numba.
 
 Served: the row operations (softmax, log_softmax, logsumexp, cross_entropy with its fused
-gradient, softmax_vjp, log_softmax_vjp) on CUDA devices, for float16, bfloat16, float32 and
-float64, with torch CUDA tensors and CuPy arrays.  Declined, with the reason: rows longer
-than 2**31 - 1.  Online summaries and attention are not served (the registry chooses another
-backend).  Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve
+gradient, softmax_vjp, log_softmax_vjp) and online summaries (summarize, merge) on CUDA
+devices, for float16, bfloat16, float32 and float64, with torch CUDA tensors and CuPy arrays.
+Declined, with the reason: rows longer than 2**31 - 1.  Attention is not served (the registry
+chooses another backend).  Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve
 numpy arrays on the CPU: that is how CI runs them without a GPU.
 """
 
@@ -16,9 +16,11 @@ from typing import Any
 NAME = "numba-cuda"
 ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
            "log_softmax_vjp")
+SUMMARY_OPS = ("summarize", "merge")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 _PRIMARY = {"softmax": "x", "log_softmax": "x", "logsumexp": "x", "cross_entropy": "logits",
-            "softmax_vjp": "probs", "log_softmax_vjp": "logprobs"}
+            "softmax_vjp": "probs", "log_softmax_vjp": "logprobs", "summarize": "x",
+            "merge": "maxes"}
 
 
 def _simulated() -> bool:
@@ -28,10 +30,15 @@ def _simulated() -> bool:
 def manifest() -> dict[str, Any]:
     """What the backend serves and where its kernels live (see softmaxkit.registry)."""
     devices = ["cuda", "cpu"] if _simulated() else ["cuda"]
+    kernels = {op: f"softmaxkit_numba_cuda.kernels:{op}" for op in ROW_OPS}
+    kernels.update({op: f"softmaxkit_numba_cuda.summaries:{op}" for op in SUMMARY_OPS})
     return {
         "name": NAME,
-        "serves": [{"ops": list(ROW_OPS), "devices": devices, "dtypes": list(DTYPES)}],
-        "kernels": {op: f"softmaxkit_numba_cuda.kernels:{op}" for op in ROW_OPS},
+        "serves": [{"ops": list(ROW_OPS), "devices": devices, "dtypes": list(DTYPES)},
+                   {"ops": ["summarize"], "devices": devices, "dtypes": list(DTYPES)},
+                   # merge receives summaries in the accumulator dtype
+                   {"ops": ["merge"], "devices": devices, "dtypes": ["float32", "float64"]}],
+        "kernels": kernels,
         # below the CPU backends on simulated numpy arrays, above everything on CUDA
         "priority": 20 if not _simulated() else -50,
         "install_hint": "pip install softmaxkit-numba-cuda (needs numba-cuda and a CUDA GPU)",

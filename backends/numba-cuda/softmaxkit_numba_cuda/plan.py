@@ -83,9 +83,10 @@ def choose(n: int, simulator: bool = False, max_slots: int = MAX_SLOTS) -> Plan:
     if forced:
         threads, slots = (int(v) for v in forced.split(","))
         return make(threads, slots, n)
-    if simulator:  # small groups keep the simulator fast; long rows still take tiles
-        if n <= 2 * WARP:
-            return make(WARP, 2, n, warp_rows=2)
+    if simulator:  # few threads keep the simulator fast; long rows still take tiles
+        if n <= 64:
+            return make(SUBWARP[0], _pow2_at_least(max(1, -(-n // SUBWARP[0]))), n,
+                        warp_rows=2)
         return make(2 * WARP, 2, n)
     if n <= min(16, max_slots) * WARP:
         return make(WARP, _pow2_at_least(max(1, -(-n // WARP))), n)
