@@ -2,7 +2,8 @@
 
 The input is a float32 array of 4 x 2**26 (1 GiB) in a file on disk, chunked along the reduced
 axis into 64 chunks, read through a store that counts its reads.  For each method the table
-gives the time of one run (the median of ``--repeat`` runs, after one untimed warm-up), the
+gives the time of one run (the median of ``--repeat`` rounds in which the methods take turns,
+after one untimed warm-up round), the
 reads of each chunk from the store in one run, and the passes over each chunk: how many tasks
 of the graph take the chunk as input (Dask loads a chunk once and keeps it while later tasks
 need it, so reads stay at 1 while passes count the work done on the data).
@@ -75,27 +76,27 @@ def passes(result: Any, input_name: str) -> float:
     return sum(readers.values()) / max(len(readers), 1)
 
 
-def run(method: Callable[[Any], Any], store: CountingStore, chunk: int, reduce: bool,
-        repeat: int) -> tuple[float, float, float]:
-    """(median seconds, reads per chunk per run, passes per chunk) of ``method``."""
-    name = "input"
-    x = da.from_array(store, chunks=(store.shape[0], chunk), name=name, asarray=True,
+def run_once(method: Callable[[Any], Any], store: CountingStore, chunk: int,
+             reduce: bool, out: np.ndarray) -> tuple[float, float]:
+    """(seconds, reads per chunk) of one run of ``method``."""
+    x = da.from_array(store, chunks=(store.shape[0], chunk), name="input", asarray=True,
                       lock=False)
-    nchunks = -(-store.shape[1] // chunk)
-    out = None if reduce else np.empty(store.shape, dtype=np.float32)
-    times = []
-    for i in range(repeat + 1):
-        store.reads.clear()
-        start = time.perf_counter()
-        result = method(x)
-        if reduce:
-            result.compute()
-        else:
-            da.store(result, out, lock=False)
-        if i:  # the first run warms up the page cache and compiles kernels
-            times.append(time.perf_counter() - start)
-    reads = sum(store.reads.values()) / nchunks
-    return statistics.median(times), reads, passes(method(x), name)
+    store.reads.clear()
+    start = time.perf_counter()
+    result = method(x)
+    if reduce:
+        result.compute()
+    else:
+        da.store(result, out, lock=False)
+    seconds = time.perf_counter() - start
+    return seconds, sum(store.reads.values()) / len(x.chunks[-1])
+
+
+def input_passes(method: Callable[[Any], Any], store: CountingStore, chunk: int) -> float:
+    """Tasks per input chunk that take the chunk as an input, in the graph as built."""
+    x = da.from_array(store, chunks=(store.shape[0], chunk), name="input", asarray=True,
+                      lock=False)
+    return passes(method(x), "input")
 
 
 METHODS: dict[str, tuple[Callable[[Any], Any], bool]] = {
@@ -128,14 +129,25 @@ def main(argv: list[str] | None = None) -> None:
         print()
         print("| operation | method | time (s) | reads / chunk | passes / chunk | speed-up |")
         print("|---|---|---:|---:|---:|---:|")
+        out = np.empty(store.shape, dtype=np.float32)
+        times: dict[str, list[float]] = {label: [] for label in METHODS}
+        reads: dict[str, float] = {}
         with dask.config.set(scheduler="threads", num_workers=args.workers):
-            results = {}
-            for label, (method, reduce) in METHODS.items():
-                results[label] = run(method, store, chunk, reduce, args.repeat)
-        for label, (seconds, reads, npasses) in results.items():
+            # methods take turns in every round, so a change of load hits them alike;
+            # round 0 warms up the page cache and compiles kernels
+            for round_ in range(args.repeat + 1):
+                for label, (method, reduce) in METHODS.items():
+                    seconds, reads[label] = run_once(method, store, chunk, reduce, out)
+                    if round_:
+                        times[label].append(seconds)
+        results = {label: (statistics.median(times[label]), reads[label],
+                           input_passes(METHODS[label][0], store, chunk))
+                   for label in METHODS}
+        for label, (seconds, nreads, npasses) in results.items():
             op, who = label.split()
             speedup = results[f"{op} scipy"][0] / seconds
-            print(f"| {op} | {who} | {seconds:.2f} | {reads:g} | {npasses:g} | {speedup:.2f}x |")
+            print(f"| {op} | {who} | {seconds:.2f} | {nreads:g} | {npasses:g} | "
+                  f"{speedup:.2f}x |")
         backends = sk.backend_opts(trace=True)
         with backends as trace, dask.config.set(scheduler="synchronous"):
             small = da.from_array(np.zeros((2, 64), np.float32), chunks=(2, 32))

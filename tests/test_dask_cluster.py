@@ -78,3 +78,16 @@ def test_a_worker_killed_mid_computation_is_restarted_without_a_wrong_answer(cli
     np.testing.assert_allclose(lse, sk.logsumexp(x, axis=-1, where=w, backend="reference"),
                                rtol=1e-13)
     client.wait_for_workers(2, timeout=60)
+
+
+def test_sharded_attention_on_the_cluster(client):
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.normal(size=(1, 4, 96, 16)), rng.normal(size=(1, 2, 80, 16)),
+               rng.normal(size=(1, 2, 80, 8)))
+    lazy = sk.attention(da.from_array(q, chunks=(1, 4, 32, 16)),
+                        da.from_array(k, chunks=(1, 2, 16, 16)),
+                        da.from_array(v, chunks=(1, 2, 16, 8)), causal=True, return_lse=True)
+    out, lse = client.compute(lazy).result(timeout=TIMEOUT)
+    ref, ref_lse = sk.attention(q, k, v, causal=True, return_lse=True, backend="reference")
+    np.testing.assert_allclose(out, ref, rtol=1e-11, atol=1e-13)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)

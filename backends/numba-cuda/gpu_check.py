@@ -28,7 +28,7 @@ from typing import Any
 
 OUT = os.environ.get("OUT", "/tmp/softmaxkit-gpu-check")
 ROW_OPS = ["softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
-           "log_softmax_vjp"]
+           "log_softmax_vjp", "summarize", "merge"]
 SHAPES = [(32768, 4096), (4096, 32768), (262144, 128), (256, 524288)]
 CE_SHAPES = [(4096, 32768), (4096, 128256)]
 

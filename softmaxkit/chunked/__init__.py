@@ -19,7 +19,7 @@ import array_api_compat
 
 from ..ops import Call
 
-OPERATIONS = ("logsumexp", "softmax", "log_softmax")
+OPERATIONS = ("logsumexp", "softmax", "log_softmax", "attention")
 
 # the argument whose type decides: a dask array there means the call is ours
 _PRIMARY = {"attention": "q"}

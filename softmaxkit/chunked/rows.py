@@ -2,14 +2,14 @@
 
 Each kernel builds a graph of one task per chunk plus a merge tree:
 
-1. per chunk, a state (:mod:`softmaxkit.chunked.state`) from the kernel of whichever backend
-   serves the chunk's array type, device and dtype (``summarize`` for softmax and
-   log_softmax, ``logsumexp`` with signs for logsumexp);
-2. the states of a row merge in a tree (:func:`dask.array.reduction`, ``split_every`` states
+1. per chunk, a state (:mod:`softmaxkit.chunked.state`) from the kernels of whichever backend
+   serves the chunk's array type, device and dtype: a summary ``(max, mass)`` for softmax and
+   log_softmax (:func:`_summary`), the ``logsumexp`` kernel with signs for logsumexp;
+2. the states of a row merge in a tree (:func:`dask.array.reduction`, ``SPLIT_EVERY`` states
    per task), so no task holds more than one chunk of a row;
-3. logsumexp finishes from the merged state; softmax and log_softmax read each chunk once more,
-   run the chunk's backend kernel on it and rescale the result from the chunk's own state to
-   the row's merged one.
+3. logsumexp finishes from the merged state; softmax and log_softmax read each chunk once more:
+   softmax runs the chunk backend's ``softmax`` kernel and rescales its result from the
+   chunk's own state to the row's, log_softmax forms ``(x - max) - log(mass)`` from the row's.
 
 The results agree with the reference kernels at every edge (spec/semantics.md): masks, rows
 with nothing allowed, NaN, ``+inf``, weights ``b`` and signs.
@@ -18,10 +18,12 @@ with nothing allowed, NaN, ``+inf``, weights ``b`` and signs.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import array_api_compat
 import dask.array as da
+import numpy as np
 from dask.array.utils import meta_from_array
 
 from ..dispatch import run
@@ -87,6 +89,22 @@ def _declares_summarize(x: Any) -> bool:
                for name, b in registry().items() if name != REFERENCE)
 
 
+_scratch = threading.local()
+
+
+def _shifted(xp: Any, a: Any, shift: Any) -> Any:
+    """``a - shift``; for numpy chunks into a per-thread buffer that is reused, because a
+    fresh chunk-sized allocation costs more (in page faults) than the subtraction itself."""
+    if not array_api_compat.is_numpy_array(a):
+        return a - shift
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.dtype != a.dtype or buffer.size < a.size:
+        buffer = _scratch.buffer = np.empty(a.size, dtype=a.dtype)
+    out = buffer[: a.size].reshape(a.shape)
+    np.subtract(a, shift, out=out)
+    return out
+
+
 def _summary(xp: Any, x: Any, where: Any) -> tuple[Any, Any]:
     """``(max, mass)`` of each row of one chunk ``[R, n]``, or a summary equal to it.
 
@@ -107,7 +125,7 @@ def _summary(xp: Any, x: Any, where: Any) -> tuple[Any, Any]:
         return xp.full(a.shape[:-1], -math.inf, dtype=acc), xp.zeros(a.shape[:-1], dtype=acc)
     maximum = xp.max(a, axis=-1)  # NaN when an allowed NaN is present
     finite = xp.isfinite(maximum)
-    shifted = a - xp.where(finite, maximum, 0.0)[..., None]
+    shifted = _shifted(xp, a, xp.where(finite, maximum, 0.0)[..., None])
     lse = run("logsumexp", xp, shifted, None, x=shifted, b=None, where=None,
               return_sign=False, out_dtype=acc)
     mass = xp.where(finite, xp.exp(xp.where(finite, lse, 0.0)), 0.0)

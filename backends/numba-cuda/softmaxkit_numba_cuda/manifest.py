@@ -4,8 +4,8 @@ Served: the row operations (softmax, log_softmax, logsumexp, cross_entropy with 
 gradient, softmax_vjp, log_softmax_vjp) and online summaries (summarize, merge) on CUDA
 devices, for float16, bfloat16, float32 and float64, with torch CUDA tensors and CuPy arrays.
 Declined, with the reason: rows longer than 2**31 - 1.  Attention is not served (the registry
-chooses another backend).  Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve
-numpy arrays on the CPU: that is how CI runs them without a GPU.
+chooses another backend).  Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the
+kernels also serve numpy arrays on the CPU: that is how CI runs them without a GPU.
 """
 
 from __future__ import annotations

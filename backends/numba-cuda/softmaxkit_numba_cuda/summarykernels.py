@@ -15,7 +15,7 @@ import functools
 from .intrinsics import NAN, NEG_INF, POS_INF, cuda, device_function, kernel
 from .reductions import SCRATCH, exponential
 from .rowkernels import _acc, _coordinates, _first_pass
-from .storage import loader
+from .storage import VECTOR_WIDTH, loader
 
 
 @functools.cache
@@ -24,14 +24,15 @@ def summarize(kin: str, vector: bool, threads: int, slots: int, rows_per_block: 
     """Kernel ``(x, w, has_where, maxes, masses, n_rows, nw, tiles)``; outputs ``[rows, 1]``."""
     acc_name, acc = _acc(kin)
     _, row_stats = _first_pass(kin, vector, threads, slots, cached, False)
-    width = {"float32": 2, "bfloat16": 4}.get(kin, 1) if vector else 1
+    width = VECTOR_WIDTH[kin] if vector else 1
+    values = slots * width
     coordinates = _coordinates(threads, rows_per_block)
     nan, zero = acc(NAN), acc(0.0)
 
-    @kernel(threads * rows_per_block, slots * width, acc_name == "float64")
+    @kernel(threads * rows_per_block, values, acc_name == "float64")
     def row_kernel(x, w, has_where, maxes, masses, n_rows, nw, tiles):
         lane, r, live = coordinates(n_rows)
-        vals = cuda.local.array(slots * width, acc)
+        vals = cuda.local.array(values, acc)
         scratch = cuda.shared.array(SCRATCH, acc)
         m, s, _ = row_stats(x[r], w[r if has_where else 0], has_where, live, nw, lane, tiles,
                             vals, scratch)

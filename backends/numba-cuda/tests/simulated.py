@@ -23,6 +23,7 @@ import numpy as np
 
 ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
            "log_softmax_vjp")
+SUMMARY_OPS = ("summarize", "merge")
 PLANS = {"32,2": ("float32", "bfloat16"), "64,1": ("float32", "bfloat16"),
          "16,2": ("float32",)}
 """Forced "threads,slots" and the dtypes they run: on rows of 152 each takes several tiles
@@ -36,7 +37,8 @@ def emit(**record: object) -> None:
 def kit(dtypes: list[str]) -> None:
     from softmaxkit.testing import check_backend
 
-    for r in check_backend("numba-cuda", target="numpy", ops=ROW_OPS, dtypes=dtypes):
+    ops = ROW_OPS + SUMMARY_OPS
+    for r in check_backend("numba-cuda", target="numpy", ops=ops, dtypes=dtypes):
         emit(id=f"{r.case}[{r.dtype}]", status=r.status, message=r.message[:500])
 
 

@@ -32,11 +32,15 @@ def test_entry_point_names_the_manifest():
 def test_manifest_serves_cuda_row_operations(monkeypatch):
     monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
     m = manifest()
-    (entry,) = m["serves"]
-    assert entry["devices"] == ["cuda"]
-    assert set(entry["dtypes"]) == {"float16", "bfloat16", "float32", "float64"}
-    assert set(m["kernels"]) == set(entry["ops"])
-    assert "summarize" not in m["kernels"] and "attention" not in m["kernels"]
+    rows, summarize, merge = m["serves"]
+    for entry in m["serves"]:
+        assert entry["devices"] == ["cuda"]
+    assert set(rows["dtypes"]) == set(summarize["dtypes"]) == {
+        "float16", "bfloat16", "float32", "float64"}
+    assert merge["dtypes"] == ["float32", "float64"]  # summaries are in the accumulator dtype
+    served = {op for entry in m["serves"] for op in entry["ops"]}
+    assert set(m["kernels"]) == served
+    assert "attention" not in m["kernels"]
 
 
 def _call(op, device, **args):
