@@ -163,3 +163,25 @@ def test_long_rows_blocked_sum():
     got = sk.logsumexp(x, axis=-1, backend=NAME)
     assert np.all(np.abs(got - lse64(x)) <= 4 * 2.0**-24 * np.abs(lse64(x)))
     check_softmax(sk.softmax(x, axis=-1, backend=NAME), x, "float32")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_threaded_heads_match_float64(causal):
+    # 2 heads x 1024 x 2048 scores: large enough for one thread per head (BLAS on one thread)
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(1, 2, 1024, 32)).astype(np.float32)
+    k = rng.normal(size=(1, 2, 2048, 32)).astype(np.float32)
+    v = rng.normal(size=(1, 2, 2048, 16)).astype(np.float32)
+    with sk.backend_opts(trace=True) as trace:
+        out, lse = sk.attention(q, k, v, causal=causal, return_lse=True)
+    assert trace[-1].backend == NAME
+    s = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(32)
+    if causal:  # bottom-right: query i sees keys j <= i + 1024
+        i = np.arange(1024)[:, None]
+        s = np.where(np.arange(2048)[None, :] <= i + 1024, s, -np.inf)
+    ref_lse = lse64(s)
+    p = np.exp(s - ref_lse[..., None])
+    ref = p @ v.astype(np.float64)
+    check_log(lse, ref_lse, 2048, "float32")
+    scale = p @ np.abs(v.astype(np.float64))
+    assert_within(out, ref, vjp_bound(ref, scale, 2048, "float32"), "attention out")
