@@ -105,25 +105,14 @@ def _shifted(xp: Any, a: Any, shift: Any) -> Any:
     return out
 
 
-LEVEL_LIMIT = 32.0
-"""Largest ``|logsumexp|`` of a chunk's row for which softmax takes ``mass = exp(lse - max)``.
-
-The chunk's ``logsumexp`` kernel rounds its result at the magnitude of ``lse``: at most
-``|lse| * u / 2`` (``u`` the unit roundoff), which becomes a relative error of the mass and so
-of the probabilities: at most ``16 u`` here (1e-6 in float32), within the spec's bound for
-softmax.  log_softmax needs the mass to a few ``u`` (its error is absolute), so it always
-shifts first.
-"""
-
-
-def _summary(xp: Any, x: Any, where: Any, level_limit: float) -> tuple[Any, Any]:
+def _summary(xp: Any, x: Any, where: Any) -> tuple[Any, Any]:
     """``(max, mass)`` of each row of one chunk ``[R, n]``, as ``summarize`` defines them.
 
     The ``summarize`` kernel of the chunk's backend when a backend other than the reference
-    declares it.  Otherwise the exact maximum and the chunk's (fast) ``logsumexp`` kernel:
-    on the rows themselves, ``mass = exp(lse - max)``, when every ``|lse|`` is at most
-    ``level_limit``; else on the rows shifted by their maximum, whose log-sum-exp lies in
-    [0, log n], so rounding it costs the mass only a few units of its last place.
+    declares it.  Otherwise the exact maximum and the chunk's (fast) ``logsumexp`` kernel on
+    the rows shifted by it: their log-sum-exp lies in [0, log n], so rounding it costs the mass
+    only a few units of its last place.  (The log-sum-exp of the unshifted rows is rounded at
+    the magnitude of the logits, which would cost probabilities ``|lse| * u`` of accuracy.)
     """
     if _declares_summarize(x):
         maximum, mass, _ = run("summarize", xp, x, None, x=x, where=where, values=None)
@@ -136,25 +125,18 @@ def _summary(xp: Any, x: Any, where: Any, level_limit: float) -> tuple[Any, Any]
         return xp.full(a.shape[:-1], -math.inf, dtype=acc), xp.zeros(a.shape[:-1], dtype=acc)
     maximum = xp.max(a, axis=-1)  # NaN when an allowed NaN is present
     finite = xp.isfinite(maximum)
-    level = xp.where(finite, maximum, 0.0)
-    if level_limit > 0:
-        lse = run("logsumexp", xp, x, None, x=x, b=None, where=where, return_sign=False,
-                  out_dtype=acc)
-        lse = xp.where(finite, lse, 0.0)
-        if not bool(xp.any(xp.abs(lse) > level_limit)):
-            return maximum, xp.where(finite, xp.exp(lse - level), 0.0)
-    shifted = _shifted(xp, a, level[..., None])
+    shifted = _shifted(xp, a, xp.where(finite, maximum, 0.0)[..., None])
     lse = run("logsumexp", xp, shifted, None, x=shifted, b=None, where=None,
               return_sign=False, out_dtype=acc)
     mass = xp.where(finite, xp.exp(xp.where(finite, lse, 0.0)), 0.0)
     return maximum, mass
 
 
-def _summary_state(x: Any, where: Any, *, level_limit: float) -> Any:
+def _summary_state(x: Any, where: Any) -> Any:
     """The state of one chunk from its summary (:func:`_summary`)."""
     xp = array_api_compat.array_namespace(x)
     xr, wr = _rows_of(xp, x), _rows_of(xp, where)
-    state = st.from_summary(xp, *_summary(xp, xr, wr, level_limit))
+    state = st.from_summary(xp, *_summary(xp, xr, wr))
     return xp.reshape(state, tuple(x.shape[:-1]) + (st.WIDTH,))
 
 
@@ -262,18 +244,17 @@ def logsumexp(
     return (lse, sign) if return_sign else lse
 
 
-def _states(x: Any, where: Any, level_limit: float) -> tuple[Any, Any]:
+def _states(x: Any, where: Any) -> tuple[Any, Any]:
     """Per-chunk states from the chunks' summaries, and each row's merged state."""
     acc = _acc(_chunk_namespace(x), x.dtype)
-    own = _per_chunk(_summary_state, x, where, width=st.WIDTH, dtype=acc,
-                     level_limit=level_limit)
+    own = _per_chunk(_summary_state, x, where, width=st.WIDTH, dtype=acc)
     return own, merged_state(own, acc)
 
 
 def softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
     """Softmax along the last axis in two reads of each chunk (summaries, then normalize)."""
     where = _like_x(x, where)
-    own, row = _states(x, where, LEVEL_LIMIT)
+    own, row = _states(x, where)
     # the row's state has one block along the last axis: it is broadcast to every chunk
     return _per_chunk(_softmax_block, x, where, own, row, width=None, dtype=out_dtype,
                       masked=masked, out_dtype=out_dtype)
@@ -282,6 +263,6 @@ def softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
 def log_softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
     """log_softmax along the last axis in two reads of each chunk."""
     where = _like_x(x, where)
-    _, row = _states(x, where, 0.0)
+    _, row = _states(x, where)
     return _per_chunk(_log_softmax_block, x, where, row, width=None, dtype=out_dtype,
                       masked=masked, out_dtype=out_dtype)
