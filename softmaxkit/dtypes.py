@@ -24,10 +24,13 @@ def dtype_name(dtype: Any) -> str:
     Parameters
     ----------
     dtype
-        A dtype object of numpy (ml_dtypes included), torch, JAX, CuPy or array_api_strict.
+        A dtype object of numpy (ml_dtypes included), torch, JAX, CuPy or array_api_strict,
+        or a numpy scalar type such as ``numpy.float64`` (what ``xp.float64`` is in numpy).
     """
     name = getattr(dtype, "name", None)
-    if not isinstance(name, str):
+    if isinstance(dtype, type):  # numpy scalar types: np.float64 is a class, not a dtype
+        name = dtype.__name__
+    elif not isinstance(name, str):
         name = str(dtype)
     # "torch.float32", "array_api_strict.float32", "dtype('float32')"
     name = name.rsplit(".", 1)[-1]

@@ -295,6 +295,8 @@ def logsumexp_cases() -> list[dict]:
     add("nan_weight", [1.0, 2.0], b=[math.nan, 1.0], return_sign=True)
     add("nan_weight_on_minus_inf", [-INF, 2.0], b=[math.nan, 1.0],
         note="NaN * exp(-inf) is NaN: a NaN weight is never excluded by its logit")
+    add("nan_weight_on_minus_inf_row", [-INF, -INF], b=[math.nan, 1.0],
+        note="a row of -inf logits is not empty when one of its weights is NaN")
     add("inf_opposite_weights", [INF, INF], b=[1.0, -1.0], return_sign=True,
         note="+inf minus +inf: NaN")
     add("inf_negative_weight", [INF, 1.0], b=[-1.0, 1.0], return_sign=True)

@@ -152,10 +152,12 @@ def logsumexp_b_row(x, b, w, has_where, return_sign):
     for j in range(n):
         bj = b[j]
         v = x[j]
-        if (has_where and not w[j]) or bj == 0 or v == -np.inf:
+        if (has_where and not w[j]) or bj == 0:
             continue
-        if bj != bj:
+        if bj != bj:  # NaN * exp(-inf) is NaN: a NaN weight is never excluded by its logit
             nan_b = True
+        if v == -np.inf:
+            continue
         if v != v:
             has_nan = True
         elif v == np.inf:
