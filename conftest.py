@@ -1,0 +1,11 @@
+"""Settings shared by every test directory (core and backends)."""
+
+import os
+
+from hypothesis import settings
+
+# CI replays the same examples on every run, so a red build is reproducible; elsewhere the
+# property tests keep exploring new examples.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
