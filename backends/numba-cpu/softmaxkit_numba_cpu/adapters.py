@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from array_api_compat import is_numpy_namespace, is_torch_namespace
 
-from softmaxkit.dtypes import FLOAT_DTYPES, dtype_name
+from softmaxkit.dtypes import FLOAT_DTYPES, accumulator_name, dtype_name
 from softmaxkit.ops import Call
 
 _STORAGE = {"float16": np.int16, "bfloat16": np.uint16}  # see bits.py
@@ -179,8 +179,8 @@ def empty(shape: tuple[int, ...], dtype: Any, like: Any) -> tuple[Any, np.ndarra
 
 
 def accumulator(dtype: np.dtype) -> type:
-    """The numpy accumulator type for inputs of ``dtype``: float64 for float64, else float32."""
-    return np.float64 if dtype == np.float64 else np.float32
+    """The numpy accumulator type for inputs of ``dtype``, by the core's dtype policy."""
+    return getattr(np, accumulator_name(dtype_name(dtype)))
 
 
 class Output:

@@ -18,6 +18,8 @@ from typing import Any
 import numba
 import numpy as np
 
+from softmaxkit.dtypes import accumulator_dtype
+
 from .adapters import Output, accumulator, empty, numpy_view
 from .attention_kernels import key_range, tile_softmax
 
@@ -92,7 +94,7 @@ def attention(
     lk, dv = kn.shape[2], vn.shape[3]
     result = Output((bsz, hq, lq, dv), q.dtype, q, dtype)
     out_s = result.storage
-    lse_dtype = xp.float64 if dtype == np.float64 else xp.float32
+    lse_dtype = accumulator_dtype(xp, q.dtype)
     lse, lse_s = empty((bsz, hq, lq), lse_dtype, q)
     offset = 0 if causal == "top_left" else lk - lq
     left, right = window

@@ -12,6 +12,8 @@ from typing import Any
 import numba
 import numpy as np
 
+from softmaxkit.dtypes import accumulator_dtype
+
 from . import row_kernels as k
 from .adapters import (
     Output,
@@ -123,7 +125,7 @@ def cross_entropy(
     else:
         target = np.zeros(1, dtype=np.int64)
         p2, pstep = rows(numpy_view(probs).astype(acc)), 1
-    loss = Output(view.shape[:-1], xp.float64 if acc is np.float64 else xp.float32, logits,
+    loss = Output(view.shape[:-1], accumulator_dtype(xp, logits.dtype), logits,
                   np.dtype(acc))
     want_grad = grad_scale is not None
     grad = Output(view.shape if want_grad else (1, 0), out_dtype, logits, compute)
