@@ -33,6 +33,14 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     #   -> (max [R], mass [R], numerator None | [R, Dv]); empty parts are the identity
     #   (factor exactly 1 where a part's max equals the result's); NaN maxima propagate
     "merge": ("maxes", "masses", "numerators"),
+    # normalize(x [R, N], where None | bool [R, N], maxes [R], masses [R] in acc of x's dtype,
+    #   log: bool, masked: "zero" | "nan", out_dtype) -> [R, N] in out_dtype: softmax
+    #   (exp(x - max) / mass) or, with log, log_softmax ((x - max) - log(mass)) of x against a
+    #   summary (max, mass) of a set of positions containing the row's allowed ones (the merged
+    #   summary of all the chunks of a row); the summary classifies the row as the row
+    #   operations do (NaN max: NaN row, +inf max: +inf row, -inf max: empty row); an allowed
+    #   logit above max, or an allowed NaN under a max that is not NaN, is a ValueError
+    "normalize": ("x", "where", "maxes", "masses", "log", "masked", "out_dtype"),
     # attention (spec "Attention"); leading dims broadcast and flattened into B by the frontend
     # q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv]: one dtype, Hq % Hk == 0;
     # scale: float; causal: None | "bottom_right" | "top_left";

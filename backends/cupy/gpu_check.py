@@ -13,6 +13,7 @@ table is also written to ``DIR/benchmarks-cupy.md``.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -373,6 +374,157 @@ def attention_check() -> None:
                 FAILURES.append(f"attention {dtype} {c}")
 
 
+def _materialized_grads(q, k, v, dout, scale, causal, window, mask, softcap):
+    """(dq, dk, dv) in float64 by autograd of the materialized definition (excluded scores
+    filled with a huge negative number so rows with no allowed key differentiate to 0)."""
+    import torch
+
+    qd, kd, vd = (a.detach().double().requires_grad_(True) for a in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    s = (qd @ kd.repeat_interleave(g, 1).transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    lq, lk = q.shape[2], k.shape[2]
+    off = 0 if causal == "top_left" else lk - lq
+    i = torch.arange(lq, device="cuda")[:, None] + off
+    j = torch.arange(lk, device="cuda")[None, :]
+    ok = torch.ones(lq, lk, dtype=torch.bool, device="cuda")
+    if causal:
+        ok &= j <= i
+    left, right = window
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    ok = ok.expand_as(s)
+    if mask is not None:
+        ok = ok & mask
+    p = torch.softmax(s.masked_fill(~ok, -1e300), -1)
+    p = torch.where(ok, p, 0.0)
+    out = p @ vd.repeat_interleave(g, 1)
+    return torch.autograd.grad(out, (qd, kd, vd), dout.double())
+
+
+def _poison(*shapes_dtypes: Any) -> None:
+    """Fill the caching allocator's next blocks with NaN, so outputs a kernel fails to write
+    show up as NaN instead of stale zeros."""
+    import torch
+
+    junk = [torch.full(shape, math.nan, dtype=dt, device="cuda") for shape, dt in shapes_dtypes]
+    del junk
+
+
+BACKWARD_CASES = [
+    dict(b=2, hq=4, hk=4, lq=256, lk=256, d=128),
+    dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right"),
+    dict(b=1, hq=4, hk=1, lq=517, lk=300, d=64, causal="bottom_right"),
+    dict(b=2, hq=4, hk=2, lq=200, lk=333, d=64, causal="top_left"),
+    dict(b=1, hq=4, hk=4, lq=257, lk=700, d=128, window=(100, 20)),
+    dict(b=1, hq=2, hk=2, lq=130, lk=190, d=128, mask=True),
+    dict(b=1, hq=2, hk=1, lq=64, lk=1000, d=64, softcap=5.0, causal="bottom_right"),
+    dict(b=1, hq=2, hk=2, lq=5, lk=3000, d=128),
+    dict(b=1, hq=4, hk=2, lq=333, lk=200, d=128, mask=True, causal="top_left"),
+    dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right", alt=0),
+    dict(b=1, hq=2, hk=2, lq=130, lk=190, d=64, mask=True, softcap=3.0, alt=0),
+    dict(b=1, hq=4, hk=2, lq=257, lk=700, d=128, window=(100, 20), alt=1),
+]
+
+
+@guarded
+def attention_vjp_check() -> None:
+    section("attention backward vs float64 autograd of the materialized definition")
+    import array_api_compat.torch as xpt
+    import torch
+    from softmaxkit_cupy.attention import attention, attention_vjp
+    from softmaxkit_cupy.configs import BACKWARD_ALTERNATIVES
+
+    for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 4e-3)):
+        for c in BACKWARD_CASES:
+            gen = torch.Generator(device="cuda").manual_seed(2)
+            q = torch.randn(c["b"], c["hq"], c["lq"], c["d"], device="cuda", generator=gen)
+            k = torch.randn(c["b"], c["hk"], c["lk"], c["d"], device="cuda", generator=gen)
+            v = torch.randn(c["b"], c["hk"], c["lk"], c["d"], device="cuda", generator=gen)
+            dout = torch.randn(c["b"], c["hq"], c["lq"], c["d"], device="cuda", generator=gen)
+            q, k, v, dout = q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype)
+            mask = None
+            if c.get("mask"):
+                mask = torch.rand(1, 1, c["lq"], c["lk"], device="cuda") > 0.5
+                mask[..., min(3, c["lq"] - 1), :] = False  # a query row with no allowed key
+                mask = mask.expand(c["b"], c["hq"], c["lq"], c["lk"])
+            scale = c["d"] ** -0.5
+            causal, window, softcap = c.get("causal"), c.get("window", (-1, -1)), c.get("softcap")
+            config = None
+            if "alt" in c:
+                config = [a for a in BACKWARD_ALTERNATIVES if a.head_dim == c["d"]][c["alt"]]
+            out, lse = attention(xpt, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
+                                 mask=mask, softcap=softcap, return_lse=True)
+            _poison((q.shape, dtype), (k.shape, dtype), (v.shape, dtype),
+                    ((c["b"] * c["hq"] * (c["lq"] + 128) * c["d"],), torch.float32))
+            got = attention_vjp(xpt, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
+                                causal=causal, window=window, mask=mask, softcap=softcap,
+                                config=config)
+            ref = _materialized_grads(q, k, v, dout, scale, causal, window, mask, softcap)
+            errs = []
+            ok = True
+            for name, g_, r_ in zip(("dq", "dk", "dv"), got, ref, strict=True):
+                finite = bool(torch.isfinite(g_).all())
+                err = float((g_.double() - r_).norm() / max(float(r_.norm()), 1e-30))
+                errs.append(f"{name} {err:.2e}" + ("" if finite else " NONFINITE"))
+                ok = ok and finite and err <= tol
+            if mask is not None:
+                row = min(3, c["lq"] - 1)
+                ok = ok and bool((got[0][:, :, row] == 0).all())
+            label = {k_: v_ for k_, v_ in c.items() if k_ not in ("b",)}
+            print(f"{str(dtype)[6:]} {label}: {', '.join(errs)} {'ok' if ok else 'WRONG'}")
+            if not ok:
+                FAILURES.append(f"attention_vjp {dtype} {c}")
+
+
+@guarded
+def bench_attention_vjp() -> None:
+    import array_api_compat.torch as xpt
+    import torch
+    import torch.nn.functional as F
+    from softmaxkit_cupy.attention import attention, attention_vjp
+    from softmaxkit_cupy.configs import BACKWARD_ALTERNATIVES
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for b, h, L, d in ((4, 32, 4096, 128), (2, 16, 16384, 128)):
+        q, k, v, dout = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(4))
+        for causal in (False, True):
+            flops = 2.5 * 4 * b * h * L * L * d / (2 if causal else 1)
+            kw = dict(scale=d ** -0.5, causal="top_left" if causal else None, window=(-1, -1),
+                      mask=None, softcap=None)
+            out, lse = attention(xpt, q=q, k=k, v=v, return_lse=True, **kw)
+            ours = timed(functools.partial(attention_vjp, xpt, q=q, k=k, v=v, out=out, lse=lse,
+                                           dout=dout, **kw), reps=5, inner=3)
+            peers = []
+            for alt in BACKWARD_ALTERNATIVES:
+                if alt.head_dim != d:
+                    continue
+                ta = timed(functools.partial(attention_vjp, xpt, q=q, k=k, v=v, out=out,
+                                             lse=lse, dout=dout, config=alt, **kw),
+                           reps=3, inner=2)
+                peers.append(f"alt {alt.warps}w/{alt.block_m} {flops / ta / 1e12:.0f}")
+            del out, lse
+            for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+                try:
+                    qkv = tuple(a.clone().requires_grad_(True) for a in (q, k, v))
+                    with sdpa_kernel(backend):
+                        o = F.scaled_dot_product_attention(*qkv, is_causal=causal)
+                    tp = timed(functools.partial(torch.autograd.grad, o, qkv, dout,
+                                                 retain_graph=True), reps=5, inner=3)
+                    peers.append(f"{backend.name.split('_')[0].lower()} {flops / tp / 1e12:.0f}")
+                    del o, qkv
+                except Exception as exc:
+                    peers.append(f"{backend.name}: {type(exc).__name__}")
+            TABLE.append((f"attention bwd bf16 B{b} H{h} L{L} D{d}"
+                          f"{' causal' if causal else ''}",
+                          f"{flops / ours / 1e12:.0f} TFLOP/s", "; ".join(peers)))
+            print(TABLE[-1])
+
+
 @guarded
 def bench_copy() -> float:
     import torch
@@ -500,12 +652,14 @@ def main() -> int:
     rows_check()
     grads_check()
     attention_check()
+    attention_vjp_check()
     conformance()
     print(f"checks took {time.perf_counter() - t0:.0f} s")
     if not opts.skip_bench:
         copy_bw = bench_copy() or 0.0
         bench_rows(copy_bw)
         bench_attention()
+        bench_attention_vjp()
         bench_decode(copy_bw)
         bench_cross_entropy(copy_bw)
     lines = ["| what | measured | notes |", "|---|---|---|"]

@@ -7,9 +7,11 @@ Each kernel builds a graph of one task per chunk plus a merge tree:
    log_softmax (:func:`_summary`), the ``logsumexp`` kernel with signs for logsumexp;
 2. the states of a row merge in a tree (:func:`dask.array.reduction`, ``SPLIT_EVERY`` states
    per task), so no task holds more than one chunk of a row;
-3. logsumexp finishes from the merged state; softmax and log_softmax read each chunk once more:
-   softmax runs the chunk backend's ``softmax`` kernel and rescales its result from the
-   chunk's own state to the row's, log_softmax forms ``(x - max) - log(mass)`` from the row's.
+3. logsumexp finishes from the merged state; softmax and log_softmax read each chunk once more
+   and normalize it with the row's merged summary by the chunk backend's ``normalize`` kernel
+   (one fused pass: ``exp(x - max) / mass`` or ``(x - max) - log(mass)``).  Where only the
+   reference serves ``normalize`` (CuPy chunks today), softmax runs the chunk backend's
+   ``softmax`` kernel instead and rescales it from the chunk's own summary to the row's.
 
 The results agree with the reference kernels at every edge (spec/semantics.md): masks, rows
 with nothing allowed, NaN, ``+inf``, weights ``b`` and signs.
@@ -83,9 +85,10 @@ def _rows_of(xp: Any, a: Any) -> Any:
     return None if a is None else xp.reshape(a, (math.prod(a.shape[:-1]), a.shape[-1]))
 
 
-def _declares_summarize(x: Any) -> bool:
+def _declares(op: str, x: Any) -> bool:
+    """Whether a backend other than the reference serves ``op`` for chunks like ``x``."""
     device, dtype = device_type(x), dtype_name(x.dtype)
-    return any(b.serves_key("summarize", device, dtype)
+    return any(b.serves_key(op, device, dtype)
                for name, b in registry().items() if name != REFERENCE)
 
 
@@ -114,7 +117,7 @@ def _summary(xp: Any, x: Any, where: Any) -> tuple[Any, Any]:
     only a few units of its last place.  (The log-sum-exp of the unshifted rows is rounded at
     the magnitude of the logits, which would cost probabilities ``|lse| * u`` of accuracy.)
     """
-    if _declares_summarize(x):
+    if _declares("summarize", x):
         maximum, mass, _ = run("summarize", xp, x, None, x=x, where=where, values=None)
         return maximum, mass
     acc = _acc(xp, x.dtype)
@@ -174,12 +177,28 @@ def _lse_finish(state: Any, return_sign: bool, out_dtype: Any) -> Any:
     return xp.astype(out, out_dtype)
 
 
+def _normalize_block(x: Any, where: Any, row: Any, *, log: bool, masked: str,
+                     out_dtype: Any) -> Any:
+    """softmax (log_softmax) of one chunk from the row's merged state, by the ``normalize``
+    kernel of the chunk's backend: one pass over the chunk."""
+    xp = array_api_compat.array_namespace(x)
+    xr, wr = _rows_of(xp, x), _rows_of(xp, where)
+    maximum, mass = st.to_summary(xp, xp.reshape(row, (xr.shape[0], st.WIDTH)))
+    out = run("normalize", xp, xr, None, x=xr, where=wr, maxes=maximum, masses=mass, log=log,
+              masked=masked, out_dtype=out_dtype)
+    return xp.reshape(out, tuple(x.shape))
+
+
 def _softmax_block(x: Any, where: Any, own: Any, row: Any, *, masked: str, out_dtype: Any) -> Any:
-    """Softmax of one chunk by its backend, rescaled from the chunk's state to the row's.
+    """Softmax of one chunk: the ``normalize`` kernel of its backend (:func:`_normalize_block`)
+    or, where only the reference offers one, the backend's ``softmax`` kernel rescaled from the
+    chunk's state to the row's.
 
     ``p = p_chunk * mass_c * exp(m_c - m) / mass``: the factor lies in [0, 1] and carries
     only relative rounding, so the result keeps the accuracy of the chunk's kernel.
     """
+    if _declares("normalize", x):
+        return _normalize_block(x, where, row, log=False, masked=masked, out_dtype=out_dtype)
     xp = array_api_compat.array_namespace(x)
     acc = _acc(xp, x.dtype)
     part = run("softmax", xp, x, None, x=x, where=where, masked="zero", out_dtype=acc)
@@ -196,30 +215,6 @@ def _softmax_block(x: Any, where: Any, own: Any, row: Any, *, masked: str, out_d
     if bool(xp.any(bad)):
         out = xp.where(bad[..., None], math.nan, out)
     return xp.astype(out, out_dtype, copy=False)
-
-
-def _log_softmax_block(x: Any, where: Any, row: Any, *, masked: str, out_dtype: Any) -> Any:
-    """log_softmax of one chunk from the row's state: ``(x - m) - log(mass)``.
-
-    Formed directly rather than by shifting the chunk's own log_softmax: the shift would add
-    rounding of the size of ``log(mass_c)`` to results that may be much smaller.
-    """
-    xp = array_api_compat.array_namespace(x)
-    acc = _acc(xp, x.dtype)
-    a = xp.astype(x, acc, copy=False)
-    level, mass = row[..., st.LEVEL], row[..., st.MASS]
-    out = (a - level[..., None]) - xp.log(xp.where(mass == 0, 1.0, mass))[..., None]
-    if where is not None:
-        out = xp.where(where, out, -math.inf)
-    # a row with an allowed +inf: NaN at those positions, every other one tends to -inf
-    allowed_inf = a == math.inf if where is None else (a == math.inf) & where
-    at_inf = xp.where(allowed_inf, math.nan, -math.inf)
-    out = xp.where(st.posinf(row)[..., None], at_inf, out)
-    bad = row[..., st.NAN] != 0
-    if masked == "nan":
-        bad = bad | st.empty(row)
-    out = xp.where(bad[..., None], math.nan, out)
-    return xp.astype(out, out_dtype)
 
 
 # -- the kernels (called by the registry with Dask arrays of shape [..., N]) ------------------
@@ -264,5 +259,5 @@ def log_softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> 
     """log_softmax along the last axis in two reads of each chunk."""
     where = _like_x(x, where)
     _, row = _states(x, where)
-    return _per_chunk(_log_softmax_block, x, where, row, width=None, dtype=out_dtype,
+    return _per_chunk(_normalize_block, x, where, row, width=None, dtype=out_dtype, log=True,
                       masked=masked, out_dtype=out_dtype)

@@ -53,6 +53,16 @@ def from_summary(xp: Any, maximum: Any, mass: Any) -> Any:
     return pack(xp, level, weight, nan, posinf, xp.zeros_like(posinf))
 
 
+def to_summary(xp: Any, state: Any) -> tuple[Any, Any]:
+    """The summary ``(max, mass)`` of a state without weights: the inverse of
+    :func:`from_summary` (NaN maximum for an allowed NaN, ``+inf`` for an allowed ``+inf``,
+    ``(-inf, 0)`` for nothing allowed)."""
+    level, mass = state[..., LEVEL], state[..., MASS]
+    maximum = xp.where(mass == 0, -math.inf, level)
+    maximum = xp.where(posinf(state), math.inf, maximum)
+    return xp.where(state[..., NAN] != 0, math.nan, maximum), mass
+
+
 def merge(xp: Any, states: Any) -> Any:
     """Merge states ``[..., K, WIDTH]`` along the ``K`` axis into one ``[..., WIDTH]``."""
     level, mass = states[..., LEVEL], states[..., MASS]

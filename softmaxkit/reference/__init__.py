@@ -19,6 +19,7 @@ _MODULES = {
     "log_softmax_vjp": "rows",
     "summarize": "summary",
     "merge": "summary",
+    "normalize": "summary",
     "attention": "attention",
     "attention_vjp": "attention",
     "merge_attention": "attention",

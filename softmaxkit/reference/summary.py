@@ -1,10 +1,12 @@
-"""Reference kernels for online summaries: ``summarize`` and the exact n-ary ``merge``.
+"""Reference kernels for online summaries: ``summarize``, the exact n-ary ``merge`` and
+``normalize``.
 
 A summary of the allowed logits of a row is ``(max, mass, numerator)`` with
 ``mass = sum(exp(x - max))`` and ``numerator = sum(exp(x - max) * values)``, in the accumulator
 dtype (spec/semantics.md, "Summaries").  An empty row is ``(-inf, 0, 0)``, the identity of
 :func:`merge`.  :func:`rescale` is the one place a summary is moved to a new reference maximum;
-it branches so that ``-inf - (-inf)`` and ``inf - inf`` are never evaluated.
+it branches so that ``-inf - (-inf)`` and ``inf - inf`` are never evaluated.  :func:`normalize`
+turns a row's summary back into the row's softmax, one chunk of the row at a time.
 """
 
 from __future__ import annotations
@@ -102,6 +104,53 @@ def merge(xp: Any, *, maxes: Any, masses: Any, numerators: Any) -> tuple[Any, An
         num = xp.sum(numerators * factor[..., None], axis=0)
     nan = xp.any(xp.isnan(maxes), axis=0)
     return _poison(xp, nan, m, mass, num)
+
+
+def normalize(
+    xp: Any, *, x: Any, where: Any, maxes: Any, masses: Any, log: bool, masked: str,
+    out_dtype: Any,
+) -> Any:
+    """Softmax (or log_softmax) of the rows of ``x`` [R, N] against given summaries [R].
+
+    ``(maxes, masses)`` summarize a set of positions that contains every allowed position of
+    the row (typically the merge of the summaries of all the chunks of a longer row), so the
+    result is the row's softmax restricted to these positions: ``exp(x - max) / mass``, or
+    ``(x - max) - log(mass)`` with ``log``; excluded positions give 0 (``-inf``).  The summary
+    classifies the row as spec/semantics.md does for softmax and log_softmax: a NaN maximum
+    is a NaN row, ``+inf`` a +inf row, ``-inf`` an empty row (``masked`` decides).
+
+    Raises
+    ------
+    ValueError
+        When an allowed logit exceeds its row's maximum, or is NaN under a maximum that is
+        not: the summary does not cover ``x``.
+    """
+    acc = accumulator_dtype(xp, x.dtype)
+    xa = xp.astype(x, acc)
+    allowed = xa != NEG_INF
+    if where is not None:
+        allowed = allowed & where
+    m = xp.astype(maxes, acc)[..., None]
+    nan, posinf, empty = xp.isnan(m), m == math.inf, m == NEG_INF
+    if bool(xp.any(allowed & ~(xa <= m) & ~nan)):
+        raise ValueError(
+            "the summaries do not cover x: an allowed logit is above its row's maximum or NaN "
+            "(pass the summary of a set of positions that contains the row's)"
+        )
+    regular = ~(nan | posinf | empty)
+    shift = xp.where(regular, m, 0.0)
+    total = xp.where(regular, xp.astype(masses, acc)[..., None], 1.0)
+    z = xp.where(allowed & regular, xa - shift, NEG_INF)
+    bad = nan | empty if masked == "nan" else nan
+    if log:
+        out = z - xp.log(total)
+        at_inf = xp.where(allowed & (xa == math.inf), math.nan, xp.full_like(out, NEG_INF))
+        out = xp.where(posinf, at_inf, out)
+    else:
+        out = xp.exp(z) / total
+        bad = bad | posinf
+    out = xp.where(bad, math.nan, out)
+    return xp.astype(out, out_dtype)
 
 
 def _device(x: Any) -> Any:

@@ -16,6 +16,7 @@ import numpy as np
 import softmaxkit as sk
 
 from .kit import Target, case
+from .tolerance import assert_within, log_bound, softmax_bound
 
 SUMMARY_RTOL = {"float32": 1e-5, "float64": 1e-12}
 """Accumulator dtype -> relative bound of mass and numerator (spec "Summaries")."""
@@ -205,3 +206,119 @@ def case_merge_empty_is_identity(t: Target, dtype: str, backend: str) -> None:
     both = sk.merge(empty, empty, backend=backend)
     assert np.all(t.to_numpy(both.max) == -np.inf) and np.all(t.to_numpy(both.mass) == 0)
     assert np.all(t.to_numpy(both.numerator) == 0), "merging two empty summaries"
+
+
+# -- normalize: a row's softmax, chunk by chunk, from the row's summary ------------------------
+
+
+def _normalize(t: Target, x: Any, where: Any, maxes: Any, masses: Any, *, log: bool,
+               masked: str, out: str | None, backend: str) -> Any:
+    """The ``normalize`` kernel of ``backend`` (strict), called as the chunked backend does."""
+    from ..dispatch import run
+    from ..dtypes import lookup
+
+    out_dtype = x.dtype if out is None else lookup(t.xp, out)
+    return run("normalize", t.xp, x, backend, x=x, where=where, maxes=maxes, masses=masses,
+               log=log, masked=masked, out_dtype=out_dtype)
+
+
+def _special_rows(t: Target, dtype: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of every class the row operations distinguish, as the dtype represents them."""
+    rng = np.random.default_rng(seed)
+    x64 = rng.normal(scale=5.0, size=(7, 40))
+    where = rng.random((7, 40)) < 0.8
+    where[0] = False                    # empty: nothing allowed
+    x64[1, 17] = np.nan                 # NaN row
+    where[1, 17] = True
+    x64[2, [3, 30]] = np.inf            # +inf row: NaN at its +inf positions in log space
+    where[2, [3, 30]] = True
+    x64[3, :25] = -np.inf               # -inf logits are excluded like masked positions
+    x64[4, [5, 6]] = np.nan, np.inf     # excluded NaN and +inf must not leak
+    where[4, [5, 6]] = False
+    x64[5, 20:] += 40.0                 # the maximum lies in a late chunk
+    x64[6] = -np.inf                    # empty through -inf logits
+    return t.to_numpy(t.asarray(x64, dtype)), where
+
+
+@case("normalize")
+def case_normalize_chunks_of_a_row(t: Target, dtype: str, backend: str) -> None:
+    from ..reference import rows as ref_rows
+    from ..reference import summary as ref_summary
+
+    x64, where = _special_rows(t, dtype, 50)
+    xp64 = _numpy_namespace()
+    with np.errstate(invalid="ignore", over="ignore"):
+        m, mass, _ = ref_summary.summarize(xp64, x=x64, where=where, values=None)
+    acc = _acc(dtype)
+    maxes, masses = t.asarray(m, acc), t.asarray(mass, acc)  # the max is exact in acc
+    bounds = (0, 7, 7, 19, 40)  # a chunk of length 0 among them
+    n = x64.shape[-1]
+    for log in (False, True):
+        for masked in ("zero", "nan"):
+            for out in (None, "float64" if dtype == "float32" else "float32"):
+                parts = []
+                for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                    got = _normalize(t, t.asarray(x64[:, lo:hi], dtype),
+                                     t.asarray(where[:, lo:hi], None), maxes, masses,
+                                     log=log, masked=masked, out=out, backend=backend)
+                    want = dtype if out is None else out
+                    got_dtype = str(getattr(got.dtype, "name", got.dtype)).rsplit(".", 1)[-1]
+                    assert got_dtype == want, f"normalize wrote {got_dtype}, expected {want}"
+                    parts.append(t.to_numpy(got))
+                got = np.concatenate(parts, axis=-1)
+                op = ref_rows.log_softmax if log else ref_rows.softmax
+                with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+                    expected = op(xp64, x=x64, where=where, masked=masked,
+                                  out_dtype=np.float64)
+                xs = np.where(where, x64, -np.inf)
+                bound_dtype = dtype if out is None else "float32"
+                what = (f"normalize log={log} masked={masked} out={out or dtype} "
+                        f"[{dtype}] against the row's {'log_' if log else ''}softmax")
+                if log:
+                    bound = log_bound(expected, n, bound_dtype)
+                else:
+                    bound = softmax_bound(expected, xs, n, bound_dtype)
+                assert_within(got, expected, bound, what)
+
+
+@case("normalize")
+def case_normalize_rejects_a_summary_that_does_not_cover_x(
+    t: Target, dtype: str, backend: str
+) -> None:
+    from ..reference import summary as ref_summary
+
+    rng = np.random.default_rng(51)
+    x64 = t.to_numpy(t.asarray(rng.normal(scale=3.0, size=(3, 16)), dtype))
+    xp64 = _numpy_namespace()
+    acc = _acc(dtype)
+    m, mass, _ = ref_summary.summarize(xp64, x=x64[:, :8], where=None, values=None)
+    maxes, masses = t.asarray(m, acc), t.asarray(mass, acc)
+    x64[:, 8:] = x64[:, :8].max(axis=-1, keepdims=True) + 1.0  # above the first half's max
+    nan64 = x64[:, :8].copy()
+    nan64[1, 2] = np.nan
+    empty = (t.asarray(np.full(3, -np.inf), acc), t.asarray(np.zeros(3), acc))
+    problems = {
+        "a logit above the maximum": (x64, (maxes, masses)),
+        "an allowed NaN under a finite maximum": (nan64, (maxes, masses)),
+        "an allowed logit in a row summarized as empty": (x64[:, :8], empty),
+    }
+    for what, (xs, (mx, ms)) in problems.items():
+        for log in (False, True):
+            try:
+                _normalize(t, t.asarray(xs, dtype), None, mx, ms, log=log, masked="zero",
+                           out=None, backend=backend)
+            except ValueError:
+                continue
+            raise AssertionError(f"normalize log={log} accepted {what}")
+    # the same positions excluded by where= are no problem
+    where = np.ones(x64.shape, bool)
+    where[:, 8:] = False
+    got = t.to_numpy(_normalize(t, t.asarray(x64, dtype), t.asarray(where, None), maxes,
+                                masses, log=False, masked="zero", out=None, backend=backend))
+    assert np.all(got[:, 8:] == 0), "normalize: masked positions must give 0"
+
+
+def _numpy_namespace() -> Any:
+    import array_api_compat.numpy as xp
+
+    return xp

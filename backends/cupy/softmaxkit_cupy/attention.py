@@ -18,9 +18,15 @@ from .configs import (
     DECODE_ROWS,
     DECODE_WARPS,
     AttentionConfig,
+    BackwardConfig,
     alternative_names,
     attention_config,
     attention_names,
+    backward_alternative_names,
+    backward_config,
+    backward_dq_name,
+    backward_names,
+    backward_pre_name,
     decode_name,
     decode_shared_bytes,
     merge_name,
@@ -45,10 +51,15 @@ def _rows_ready(xp: Any, a: Any) -> Any:
 
 
 def _kernel(name: str, shared: int) -> Any:
-    names = attention_names()
-    if name not in names:  # an alternative forward configuration asked for explicitly
-        names = alternative_names()
-    kernel = compiler.function("attention.cu", names, name)
+    if name.startswith("sk_attn_bwd"):
+        filename, names = "attention_bwd.cu", backward_names()
+        if name not in names:  # an alternative backward configuration asked for explicitly
+            names = backward_alternative_names()
+    else:
+        filename, names = "attention.cu", attention_names()
+        if name not in names:  # an alternative forward configuration asked for explicitly
+            names = alternative_names()
+    kernel = compiler.function(filename, names, name)
     if shared > 48 * 1024 and name not in _configured:
         kernel.max_dynamic_shared_size_bytes = shared
         _configured.add(name)
@@ -160,3 +171,65 @@ def merge_attention(xp: Any, *, outs: Any, lses: Any) -> tuple[Any, Any]:
     with interop.launch_context(outs):
         return _merge(outs, lses, interop.name(outs))
 
+
+
+def attention_vjp(
+    xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
+    causal: Any, window: tuple[int, int], mask: Any, softcap: Any,
+    config: BackwardConfig | None = None,
+) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) of exact attention on tensor cores, recomputing P from ``lse``.
+
+    Three launches: the rows' lse (log2 units) and ``delta = rowsum(dout * out)``; the main
+    kernel, parallel over key tiles, which writes dk and dv and adds dq's partial products
+    into a float32 buffer; and dq's conversion to the input dtype.  ``config`` overrides the
+    tile configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks).
+    """
+    b, hq, lq, d = (int(s) for s in q.shape)
+    hk, lk = int(k.shape[1]), int(k.shape[2])
+    q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
+    lse = interop.contiguous(lse)
+    dtype = interop.name(q)
+    config = config or backward_config(d)
+    lq_pad = -(-lq // config.block_m) * config.block_m
+    rows = b * hq * lq_pad
+    lse2 = interop.empty(q, (rows,), "float32")
+    delta = interop.empty(q, (rows,), "float32")
+    dq_acc = interop.zeros(q, (rows * d,), "float32")
+    dq = interop.empty(q, (b, hq, lq, d), dtype)
+    dk = interop.empty(q, (b, hk, lk, d), dtype)
+    dv = interop.empty(q, (b, hk, lk, d), dtype)
+    m_ptr, m_strides = 0, (0, 0, 0, 0)
+    if mask is not None:
+        m_ptr, m_strides = interop.pointer(mask), interop.element_strides(mask)
+    offset = 0 if causal == "top_left" else lk - lq
+    left, right = (int(w) for w in window)
+    qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))
+    ptr = interop.pointer
+    with interop.launch_context(q):
+        pre = _kernel(backward_pre_name(dtype, d), 0)
+        per_block = 256 // (d // 8)
+        pre((-(-rows // per_block),), (256,), (
+            np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
+            np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
+            *(np.int64(s) for s in os_[:3]), *(np.int64(s) for s in gs[:3]),
+            np.int32(hq), np.int32(lq), np.int32(lq_pad), np.int64(rows)))
+        shared = config.shared_bytes()
+        main = _kernel(config.name(dtype), shared)
+        strides = (*(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),
+                   *(np.int64(s) for s in vs[:3]), *(np.int64(s) for s in gs[:3]),
+                   *(np.int64(s) for s in m_strides))
+        main((-(-lk // config.block_n), hk, b), (config.threads,), (
+            np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(dout)),
+            np.uint64(m_ptr), np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
+            np.uint64(ptr(dq_acc)), np.uint64(ptr(dk)), np.uint64(ptr(dv)), *strides,
+            np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), np.int32(lq_pad),
+            np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
+            np.int32(offset), np.int32(causal is not None), np.int32(left), np.int32(right),
+        ), shared_mem=shared)
+        chunks = b * hq * lq * d // 8
+        convert = _kernel(backward_dq_name(dtype, d), 0)
+        convert((-(-chunks // 256),), (256,), (
+            np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.float32(scale), np.int32(lq),
+            np.int32(lq_pad), np.int64(chunks)))
+    return dq, dk, dv

@@ -181,6 +181,79 @@ def attention_names() -> tuple[str, ...]:
     return tuple(names)
 
 
+@dataclass(frozen=True)
+class BackwardConfig:
+    """One backward tile shape: ``warps`` warps of 16 keys each (``block_n`` keys per block),
+    query tiles of ``block_m`` rows."""
+
+    head_dim: int
+    warps: int = 8
+    block_m: int = 64
+
+    @property
+    def block_n(self) -> int:
+        """Keys per block (each warp owns 16)."""
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 32 * self.warps
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: K, V, two stages of Q and dO, dS^T (16-bit), and two stages
+        of the rows' lse and delta (float32)."""
+        d, n, m = self.head_dim, self.block_n, self.block_m
+        return (2 * n * d + 4 * m * d + n * m) * 2 + 4 * m * 4
+
+    def name(self, dtype: str) -> str:
+        """The C++ name expression of the backward kernel for ``dtype``."""
+        return f"sk_attn_bwd<{CTYPES[dtype]}, {self.head_dim}, {self.warps}, {self.block_m}>"
+
+
+BACKWARD_CONFIGS = {
+    64: BackwardConfig(64, warps=4, block_m=64),
+    128: BackwardConfig(128, warps=8, block_m=64),
+}
+"""The backward configuration used for each head dimension."""
+
+BACKWARD_ALTERNATIVES = (
+    BackwardConfig(64, warps=8, block_m=64),
+    BackwardConfig(128, warps=4, block_m=64),
+    BackwardConfig(128, warps=8, block_m=32),
+)
+"""Other backward configurations, built on request only (gpu_check.py compares them)."""
+
+
+def backward_config(head_dim: int) -> BackwardConfig:
+    """The backward configuration for ``head_dim`` (a key of :data:`BACKWARD_CONFIGS`)."""
+    return BACKWARD_CONFIGS[head_dim]
+
+
+def backward_pre_name(dtype: str, head_dim: int) -> str:
+    """The name expression of the backward's row preprocessing (lse in log2, delta)."""
+    return f"sk_attn_bwd_pre<{CTYPES[dtype]}, {head_dim}>"
+
+
+def backward_dq_name(dtype: str, head_dim: int) -> str:
+    """The name expression of the backward's dQ conversion (float32 sums to the dtype)."""
+    return f"sk_attn_bwd_dq<{CTYPES[dtype]}, {head_dim}>"
+
+
+def backward_names() -> tuple[str, ...]:
+    """Every name expression of kernels/attention_bwd.cu the backend uses by default."""
+    names = [c.name(t) for c in BACKWARD_CONFIGS.values() for t in ATTENTION_DTYPES]
+    for d in ATTENTION_HEAD_DIMS:
+        names += [backward_pre_name(t, d) for t in ATTENTION_DTYPES]
+        names += [backward_dq_name(t, d) for t in ATTENTION_DTYPES]
+    return tuple(names)
+
+
+def backward_alternative_names() -> tuple[str, ...]:
+    """Name expressions of the alternative backward configurations (a module of their own)."""
+    return tuple(c.name(t) for c in BACKWARD_ALTERNATIVES for t in ATTENTION_DTYPES)
+
+
 GRAD_OPS = {"softmax_vjp": 3, "log_softmax_vjp": 4, "cross_entropy": None}
 """Row operations of kernels/rowgrads.cu (VJPs with the kernel's OP argument)."""
 
@@ -226,4 +299,5 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules = [("rows.cu", names) for _, _, _, names in row_modules()]
     modules += [("rowgrads.cu", names) for _, _, names in grad_modules()]
     modules.append(("attention.cu", list(attention_names())))
+    modules.append(("attention_bwd.cu", list(backward_names())))
     return modules

@@ -92,6 +92,18 @@ def empty(like: Any, shape: tuple[int, ...], dtype: str) -> Any:
         return cupy.empty(shape, dtype=dtype)
 
 
+def zeros(like: Any, shape: tuple[int, ...], dtype: str) -> Any:
+    """A zero-filled array of ``shape`` and dtype name ``dtype`` beside ``like``."""
+    if is_torch(like):
+        import torch
+
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=like.device)
+    import cupy
+
+    with cupy.cuda.Device(like.device.id):
+        return cupy.zeros(shape, dtype=dtype)
+
+
 def name(a: Any) -> str:
     """The softmaxkit dtype name of ``a``."""
     return dtype_name(a.dtype)

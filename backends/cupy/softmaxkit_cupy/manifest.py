@@ -36,12 +36,14 @@ def manifest() -> dict[str, Any]:
     """The manifest of the ``cupy`` backend (see :mod:`softmaxkit.registry`)."""
     kernels = {op: f"softmaxkit_cupy.rows:{op}" for op in (*ROW_OPS, *GRAD_OPS)}
     kernels["attention"] = "softmaxkit_cupy.attention:attention"
+    kernels["attention_vjp"] = "softmaxkit_cupy.attention:attention_vjp"
     kernels["merge_attention"] = "softmaxkit_cupy.attention:merge_attention"
     return {
         "name": "cupy",
         "serves": [
             {"ops": sorted((*ROW_OPS, *GRAD_OPS)), "devices": ["cuda"], "dtypes": list(DTYPES)},
-            {"ops": ["attention"], "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
+            {"ops": ["attention", "attention_vjp"], "devices": ["cuda"],
+             "dtypes": list(ATTENTION_DTYPES)},
             {"ops": ["merge_attention"], "devices": ["cuda"], "dtypes": list(MERGE_DTYPES)},
         ],
         "kernels": kernels,
@@ -78,6 +80,8 @@ def can_run(call: Any) -> bool | str:
         return _can_run_grads(call)
     if call.op == "attention":
         return _can_run_attention(call)
+    if call.op == "attention_vjp":
+        return _can_run_attention_vjp(call)
     if call.op == "merge_attention":
         return _can_run_merge(call)
     return f"no kernel for {call.op}"
@@ -94,6 +98,37 @@ def _can_run_attention(call: Any) -> bool | str:
     return attention_reason(
         _name(q.dtype), tuple(q.shape), tuple(k.shape), tuple(v.shape)
     ) or True
+
+
+def _can_run_attention_vjp(call: Any) -> bool | str:
+    args = call.args
+    lib = _library(args["q"])
+    if lib is None:
+        return ("inputs must be CuPy arrays or PyTorch CUDA tensors, "
+                f"got {type(args['q']).__name__}")
+    names = ("k", "v", "out", "lse", "dout", "mask")
+    if any(args.get(n) is not None and _library(args[n]) != lib for n in names):
+        return "q, k, v, out, lse, dout and mask must live in one library"
+    dtype = _name(args["q"].dtype)
+    if any(_name(args[n].dtype) != dtype for n in ("k", "v", "out", "dout")):
+        return "q, k, v, out and dout must share one dtype"
+    if _name(args["lse"].dtype) != "float32":
+        return "lse must be float32"
+    return attention_vjp_reason(
+        dtype, tuple(args["q"].shape), tuple(args["k"].shape), tuple(args["v"].shape)
+    ) or True
+
+
+def attention_vjp_reason(
+    dtype: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...]
+) -> str | None:
+    """Why the backward kernels cannot run these inputs, or None when they can."""
+    reason = attention_reason(dtype, q_shape, k_shape, v_shape)
+    if reason is not None:
+        return reason
+    if k_shape[2] == 0:
+        return "zero-size keys are left to the reference"
+    return None
 
 
 def _can_run_merge(call: Any) -> bool | str:

@@ -89,3 +89,27 @@ def test_row_reasons(op, din, dout, shape, weighted, declined) -> None:
 def test_attention_reasons(dtype, q, k, v, declined) -> None:
     reason = mf.attention_reason(dtype, q, k, v)
     assert (reason is not None) == declined, reason
+
+
+@pytest.mark.parametrize(
+    ("dtype", "q", "k", "declined"),
+    [
+        ("bfloat16", (2, 8, 100, 128), (2, 2, 300, 128), False),
+        ("float16", (1, 4, 1, 64), (1, 4, 9, 64), False),
+        ("float16", (1, 4, 7, 64), (1, 4, 0, 64), True),
+        ("float32", (1, 4, 16, 64), (1, 4, 16, 64), True),
+        ("bfloat16", (1, 4, 16, 32), (1, 4, 16, 32), True),
+    ],
+)
+def test_attention_vjp_reasons(dtype, q, k, declined) -> None:
+    reason = mf.attention_vjp_reason(dtype, q, k, k)
+    assert (reason is not None) == declined, reason
+
+
+def test_attention_vjp_declines_mixed_dtypes_and_cpu_tensors() -> None:
+    torch = pytest.importorskip("torch")
+    q = torch.zeros((1, 1, 4, 64), dtype=torch.bfloat16)
+    lse = torch.zeros((1, 1, 4), dtype=torch.float32)
+    args = {"q": q, "k": q, "v": q, "out": q, "lse": lse, "dout": q, "mask": None}
+    call = Call("attention_vjp", None, "cpu", "bfloat16", args)
+    assert "CUDA tensors" in mf.can_run(call)

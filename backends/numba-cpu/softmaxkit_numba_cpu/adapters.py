@@ -82,8 +82,6 @@ def can_run(call: Call) -> bool | str:
             name = str(out_dtype)
         if name not in FLOAT_DTYPES:
             return f"numba-cpu cannot write dtype {name}"
-    if call.op == "attention" and call.args.get("mask") is not None:
-        return "numba-cpu attention takes causal and window limits, not a boolean mask"
     for name, value in call.args.items():
         reason = _decline_array(name, value, lib)
         if reason:

@@ -1,18 +1,23 @@
-"""Attention forward as softmaxkit calls it: ``attention(*, xp, q, k, v, ...)``.
+"""Attention as softmaxkit calls it: ``attention(*, xp, q, k, v, ...)`` and its gradient.
 
-Queries are taken in tiles of :data:`TILE_Q`; for each tile only the keys its rows may see
-(causal and window limits) are multiplied: ``S = (scale * Q) K^T`` and ``P V`` are BLAS
-products through numpy, and the softmax of the tile is compiled
-(:func:`~.attention_kernels.tile_softmax`, which releases the GIL).  Large calls give each of
-Numba's threads a share of the heads, with BLAS limited to one thread meanwhile
-(threadpoolctl), so the two thread pools never nest.  At most ``TILE_Q x Lk`` scores exist
-at a time per thread, never ``Lq x Lk``.  float32 and float64 are computed as they are,
-float16 and bfloat16 in float32; boolean masks are declined (:func:`~.adapters.can_run`).
+The compiled kernels (:mod:`.attention_kernels`, :mod:`.attention_grad_kernels`) read
+C-contiguous arrays in the accumulator dtype: float32 and float64 inputs are used in place
+when their layout allows, float16 and bfloat16 are converted to float32 once (the output is
+rounded once at the end).  Boolean masks are read in place, broadcast views included, through
+a flat view and four element strides (:func:`mask_view`).
+
+Threads: Numba's threads (``NUMBA_NUM_THREADS``, ``numba.set_num_threads``) share the tiles;
+the BLAS products inside them must then run on one thread each, or OpenBLAS's own threads
+would compete with Numba's for the same cores.  :func:`single_threaded_blas` limits every
+loaded BLAS library to one thread for the duration of a call and restores it after.  Which
+OpenBLAS kernel runs also matters: OpenBLAS picks it from the CPU unless the environment
+variable ``OPENBLAS_CORETYPE`` names one (docs/benchmarks-cpu.md, "Attention").
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import math
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numba
@@ -20,57 +25,65 @@ import numpy as np
 
 from softmaxkit.dtypes import accumulator_dtype
 
-from .adapters import Output, accumulator, empty, numpy_view
-from .attention_kernels import key_range, tile_softmax
+from .adapters import Output, accumulator, empty, numpy_view, readable
 
-TILE_Q = 256
-"""Queries per tile: large enough for efficient BLAS products, small enough to stay in cache."""
+PARALLEL_MIN_SCORES = 1 << 16
+"""Below this many scores (``B * Hq * Lq * Lk``) one thread does all the work."""
 
-PARALLEL_MIN_SCORES = 1 << 22
-"""Below this many scores (``Lq * Lk * heads``) one thread does all heads."""
+_NO_MASK = (np.ones(1, dtype=np.bool_), (0, 0, 0, 0))
+_controller: Any = None
 
 
-def _heads(qn: np.ndarray, kn: np.ndarray, vn: np.ndarray, out: np.ndarray, lse: np.ndarray,
-           heads: list[tuple[int, int]], flags: tuple[Any, ...]) -> None:
-    """Attention for the (batch, head) pairs ``heads``, written into ``out`` and ``lse``."""
-    causal, offset, left, right, cap, scale = flags
-    lq, lk = qn.shape[2], kn.shape[2]
-    group = qn.shape[1] // kn.shape[1]
-    dtype = qn.dtype
-    rows = min(TILE_Q, lq)
-    buf = np.empty(rows * lk, dtype=dtype)
-    pbuf = np.empty(rows * lk, dtype=dtype)
-    qs = np.empty((rows, qn.shape[3]), dtype=dtype)
-    m = np.empty(TILE_Q, dtype=dtype)
-    mass = np.empty(TILE_Q, dtype=dtype)
-    bad = np.empty(TILE_Q, dtype=np.bool_)
-    for b, h in heads:
-        kh, vh = kn[b, h // group], vn[b, h // group]
-        for i0 in range(0, lq, TILE_Q):
-            i1 = min(i0 + TILE_Q, lq)
-            nq = i1 - i0
-            lo, hi = key_range(i0, i1, lk, offset, causal, left, right)
-            o = out[b, h, i0:i1]
-            if hi <= lo:
-                o[...] = 0
-                lse[b, h, i0:i1] = -np.inf
-                continue
-            s = buf[: nq * (hi - lo)].reshape(nq, hi - lo)
-            p = pbuf[: nq * (hi - lo)].reshape(nq, hi - lo)
-            np.multiply(qn[b, h, i0:i1], scale, out=qs[:nq])
-            np.matmul(qs[:nq], kh[lo:hi].T, out=s)
-            tile_softmax(s, p, m, mass, bad, i0, lo, offset, causal, left, right, cap)
-            np.matmul(p, vh[lo:hi], out=o)
-            ms, ls, bs = m[:nq], mass[:nq], bad[:nq]
-            empty_rows = ls == 0
-            o /= np.where(empty_rows, 1, ls)[:, None]
-            o[empty_rows] = 0
-            with np.errstate(divide="ignore"):
-                row_lse = ms + np.log(ls)
-            row_lse[empty_rows] = -np.inf
-            o[bs] = np.nan
-            row_lse[bs] = np.nan
-            lse[b, h, i0:i1] = row_lse
+def single_threaded_blas() -> AbstractContextManager:
+    """A context in which every loaded BLAS library (SciPy's included) runs on one thread."""
+    global _controller
+    if _controller is None:
+        import scipy.linalg.cython_blas  # noqa: F401  (loads the BLAS the kernels call)
+        from threadpoolctl import ThreadpoolController
+
+        _controller = ThreadpoolController()
+    return _controller.limit(limits=1, user_api="blas")
+
+
+def mask_view(mask: Any) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """``(flat, strides)``: mask element ``[b, h, i, j]`` is ``flat[b*s0 + h*s1 + i*s2 + j*s3]``.
+
+    ``flat`` is a 1-D view of the memory the mask spans (no copy, also for stride-0
+    broadcast views); a mask with negative strides is copied first.
+    """
+    if mask is None:
+        return _NO_MASK
+    m = numpy_view(mask)
+    if m.size == 0:
+        return _NO_MASK
+    if m.dtype != np.bool_ or any(s < 0 for s in m.strides):
+        m = np.ascontiguousarray(m, dtype=np.bool_)
+    extent = 1 + sum((n - 1) * s for n, s in zip(m.shape, m.strides, strict=True))
+    flat = np.lib.stride_tricks.as_strided(m, shape=(extent,), strides=(1,), writeable=False)
+    return readable(flat), tuple(int(s) for s in m.strides)
+
+
+def compute_arrays(*arrays: Any) -> tuple[np.ndarray, ...]:
+    """The arrays as C-contiguous numpy arrays in their accumulator dtype (views when possible).
+
+    Read-only arrays are passed as writable aliases (:func:`~.adapters.readable`): the kernels
+    never write their inputs, and one compiled kernel serves both.
+    """
+    dtype = np.dtype(accumulator(numpy_view(arrays[0]).dtype))
+    return tuple(readable(np.ascontiguousarray(numpy_view(a), dtype=dtype)) for a in arrays)
+
+
+def workers_for(tasks: int, scores: int) -> int:
+    """Numba threads worth using: one below :data:`PARALLEL_MIN_SCORES`, never more than tasks."""
+    if scores < PARALLEL_MIN_SCORES:
+        return 1
+    return max(1, min(numba.get_num_threads(), tasks))
+
+
+def band(causal: Any, window: tuple[int, int], lq: int, lk: int) -> tuple[int, bool, int, int]:
+    """``(offset, causal, left, right)``: query ``i``'s diagonal is key ``i + offset``."""
+    offset = 0 if causal == "top_left" else lk - lq
+    return offset, causal is not None, int(window[0]), int(window[1])
 
 
 def attention(
@@ -86,29 +99,60 @@ def attention(
     softcap: Any,
     return_lse: bool,
 ) -> tuple[Any, Any]:
-    """``softmax(scale q k^T) v`` per head, and the log-sum-exp of each row when asked."""
-    # 16-bit inputs are computed in float32 (the accumulator) and the output rounded once
-    dtype = np.dtype(accumulator(numpy_view(q).dtype))
-    qn, kn, vn = (np.ascontiguousarray(numpy_view(a), dtype=dtype) for a in (q, k, v))
+    """``softmax(scale q k^T) v`` per head, and the natural-log log-sum-exp of each row."""
+    from . import attention_kernels as kernels  # compiled on first use, not on import
+
+    qn, kn, vn = compute_arrays(q, k, v)
     bsz, hq, lq, _ = qn.shape
     lk, dv = kn.shape[2], vn.shape[3]
-    result = Output((bsz, hq, lq, dv), q.dtype, q, dtype)
-    out_s = result.storage
-    lse_dtype = accumulator_dtype(xp, q.dtype)
-    lse, lse_s = empty((bsz, hq, lq), lse_dtype, q)
-    offset = 0 if causal == "top_left" else lk - lq
-    left, right = window
-    cap = dtype.type(float(softcap) if softcap else 0.0)
-    flags = (causal is not None, offset, left, right, cap, dtype.type(scale))
-    heads = [(b, h) for b in range(bsz) for h in range(hq)]
-    workers = min(numba.get_num_threads(), len(heads))
-    if workers > 1 and lq * lk * len(heads) >= PARALLEL_MIN_SCORES:
-        # one head per thread, each with a one-thread BLAS: no nested thread pools
-        from threadpoolctl import threadpool_limits
-
-        shares = [heads[i::workers] for i in range(workers)]
-        with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda share: _heads(qn, kn, vn, out_s, lse_s, share, flags), shares))
-    else:
-        _heads(qn, kn, vn, out_s, lse_s, heads, flags)
+    result = Output((bsz, hq, lq, dv), q.dtype, q, qn.dtype)
+    lse, lse_s = empty((bsz, hq, lq), accumulator_dtype(xp, q.dtype), q)
+    flat, strides = mask_view(mask)
+    offset, is_causal, left, right = band(causal, window, lq, lk)
+    tile_q, tile_k = kernels.TILE_Q, kernels.TILE_K
+    workers = workers_for(bsz * hq * math.ceil(lq / tile_q), bsz * hq * lq * lk)
+    with single_threaded_blas():
+        kernels.forward(qn, kn, vn, result.storage, lse_s, float(scale), offset, is_causal, left,
+                        right, float(softcap or 0.0), flat, strides, mask is not None, workers,
+                        tile_q, tile_k)
     return result.finish(), (lse if return_lse else None)
+
+
+def attention_vjp(
+    xp: Any,
+    *,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    scale: float,
+    causal: Any,
+    window: tuple[int, int],
+    mask: Any,
+    softcap: Any,
+) -> tuple[Any, Any, Any]:
+    """``(dq, dk, dv)`` of attention by recomputation from ``lse`` (natural log)."""
+    from . import attention_grad_kernels as kernels
+
+    qn, kn, vn, on, don = compute_arrays(q, k, v, out, dout)
+    lse_n = readable(np.ascontiguousarray(numpy_view(lse), dtype=qn.dtype))
+    bsz, hq, lq, d = qn.shape
+    hk, lk = kn.shape[1], kn.shape[2]
+    # D_i = <dout_i, out_i>; 0 on rows with no key (their gradient is 0 whatever out holds)
+    delta = np.einsum("bhid,bhid->bhi", don, on)
+    delta[lse_n == -np.inf] = 0
+    grads = [Output(a.shape, x.dtype, q, qn.dtype) for a, x in ((qn, q), (kn, k), (vn, v))]
+    flat, strides = mask_view(mask)
+    offset, is_causal, left, right = band(causal, window, lq, lk)
+    tile_q, tile_k = kernels.TILE_Q, kernels.TILE_K
+    workers = workers_for(bsz * hk * math.ceil(lk / tile_k), bsz * hq * lq * lk)
+    parts = np.zeros((workers, bsz, hq, lq, d), dtype=qn.dtype)
+    with single_threaded_blas():
+        kernels.backward(qn, kn, vn, don, lse_n, delta, parts, grads[1].storage,
+                         grads[2].storage, float(scale), offset, is_causal, left, right,
+                         float(softcap or 0.0), flat, strides, mask is not None, workers,
+                         tile_q, tile_k)
+    np.sum(parts, axis=0, out=grads[0].storage)
+    return tuple(g.finish() for g in grads)

@@ -1,9 +1,22 @@
-"""Compiled part of the attention forward: the online softmax of one tile of scores.
+"""Compiled attention forward: query tiles x key tiles, BLAS products, online softmax.
 
-:func:`tile_softmax` receives the scores of a tile of queries against the keys they may see
-(``S = (scale * Q) K^T``, a BLAS product made by the caller), applies softcap and the
-causal / window limits row by row, and turns each row into ``exp(s - m)`` in place with its
-maximum ``m`` and mass ``l``.  The caller multiplies by ``V`` (BLAS) and divides by ``l``.
+For each (batch, head, tile of :data:`TILE_Q` queries) the kernel walks the keys that tile
+may see (causal and window limits, :func:`key_range`) in tiles of up to :data:`TILE_K`:
+
+1. ``S = Q_s K_t^T`` with the scale folded into the query tile once (``Q_s = scale * Q``),
+   a BLAS product into a per-thread buffer (:func:`~.attention_blas.gemm`);
+2. on each row of ``S``: softcap, then the excluded keys set to ``-inf`` (only on tiles
+   that cut the causal / window band, and wherever a boolean mask is given), the tile's
+   maximum, ``P = exp(S - m)`` with the backend's vectorized exponential, and the online
+   rescale of the row's running mass and output by ``exp(m_old - m_new)``;
+3. ``O += P V_t``, a BLAS product accumulating into the tile's output.
+
+Key tiles that lie entirely outside a query tile's band are never computed.  The running
+maximum, mass and output are in the accumulator dtype (float32, float64 for float64), the
+output is normalized once at the end, and a row with no allowed key gets ``out = 0`` and
+``lse = -inf`` without evaluating ``-inf - (-inf)``.  A row with an allowed NaN or ``+inf``
+score gets NaN.  Numba's threads share the tasks (a thread takes every ``workers``-th one,
+which balances the causal triangle); BLAS must run single-threaded meanwhile.
 """
 
 from __future__ import annotations
@@ -11,10 +24,18 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
+from .attention_blas import gemm
 from .bits import like, maxnum
-from .lanes import FASTMATH, exp_sum
+from .exp import exp_nonpos
+from .lanes import FASTMATH
+
+TILE_Q = 128
+"""Queries per tile: the rows of each BLAS product."""
+
+TILE_K = 512
+"""Keys per tile: ``S`` and ``P`` of one tile (2 x 128 x 512 float32) stay in L2."""
 
 
 @njit(cache=True, nogil=True)
@@ -30,53 +51,186 @@ def key_range(i0, i1, lk, offset, causal, left, right):
     return lo, max(lo, hi)
 
 
+@njit(cache=True, nogil=True)
+def band_covers(i0, i1, j0, j1, offset, causal, left, right):
+    """Whether every query in ``[i0, i1)`` may see every key in ``[j0, j1)`` (causal, window)."""
+    if causal:
+        if j1 - 1 > i0 + offset:
+            return False
+    elif right >= 0 and j1 - 1 > i0 + offset + right:
+        return False
+    return not (left >= 0 and j0 < i1 - 1 + offset - left)
+
+
+@njit(cache=True, nogil=True)
+def row_limits(diag, nk, causal, left, right):
+    """The allowed keys ``[jmin, jmax)`` of a tile row whose diagonal is tile column ``diag``."""
+    jmax = nk
+    if causal:
+        jmax = min(nk, diag + 1)
+    elif right >= 0:
+        jmax = min(nk, diag + right + 1)
+    jmin = 0
+    if left >= 0:
+        jmin = min(nk, max(0, diag - left))
+    return jmin, max(jmin, jmax)
+
+
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def tile_softmax(s, p, m, mass, bad, i0, j0, offset, causal, left, right, softcap):
-    """Scores ``s`` (queries ``i0 + i``, keys ``j0 + j``) -> ``p = exp(s - m)``, 0 where excluded.
+def exclude(s, nq, nk, i0, j0, offset, causal, left, right, mask, strides, has_mask, b, h):
+    """Set the excluded scores of the tile ``s[:nq, :nk]`` to ``-inf`` (band and mask).
 
-    ``p`` is a separate array: the exponential loop vectorizes only when it does not write the
-    array it reads.
-
-    ``m`` and ``mass`` receive each row's maximum and sum (``-inf`` and 0 for a row with no
-    allowed key); ``bad`` marks rows with a NaN or +inf score, whose result is NaN (the
-    maximum ignores NaN; the sum of ``s - m``, computed anyway, is NaN exactly when a score is).
+    The mask element ``[b, h, i, j]`` is ``mask[b*strides[0] + ... + j*strides[3]]``.
     """
-    nq, nk = s.shape
+    ninf = like(s, -np.inf)
+    sb, sh, si, sj = strides
+    for i in range(nq):
+        row = s[i]
+        jmin, jmax = row_limits(i0 + i + offset - j0, nk, causal, left, right)
+        for j in range(jmin):
+            row[j] = ninf
+        for j in range(jmax, nk):
+            row[j] = ninf
+        if has_mask:
+            base = b * sb + h * sh + (i0 + i) * si + j0 * sj
+            for j in range(jmin, jmax):
+                if not mask[base + j * sj]:
+                    row[j] = ninf
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def cap_scores(s, nq, nk, softcap):
+    """``s = softcap * tanh(s / softcap)`` on the tile ``s[:nq, :nk]``."""
+    inv = like(s, 1.0) / softcap
+    for i in range(nq):
+        row = s[i]
+        for j in range(nk):
+            row[j] = softcap * math.tanh(row[j] * inv)
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def online_softmax(s, p, m, mass, bad, acc, nq, nk):
+    """Fold the score tile ``s[:nq, :nk]`` into each row's running (max, mass, output).
+
+    Writes ``p = exp(s - m_new)`` (0 at excluded keys, whose score is ``-inf``) for the
+    caller's ``acc += p V``, after rescaling ``acc`` and ``mass`` by ``exp(m_old - m_new)``.
+    """
     ninf = like(s, -np.inf)
     zero = like(s, 0.0)
+    dv = acc.shape[1]
     for i in range(nq):
         row = s[i]
         prow = p[i]
-        diag = i0 + i + offset
-        jmin = 0
-        jmax = nk
-        if causal:
-            jmax = min(jmax, diag + 1 - j0)
-        elif right >= 0:
-            jmax = min(jmax, diag + right + 1 - j0)
-        if left >= 0:
-            jmin = min(nk, max(0, diag - left - j0))
-        jmax = min(nk, max(jmax, jmin))  # allowed keys of this row: [jmin, jmax) of the tile
-        if softcap > 0:
-            for j in range(jmin, jmax):
-                row[j] = softcap * math.tanh(row[j] / softcap)
         mt = ninf
-        for j in range(jmin, jmax):
+        for j in range(nk):
             mt = maxnum(mt, row[j])
-        for j in range(jmin):
-            prow[j] = zero
-        for j in range(jmax, nk):
-            prow[j] = zero
-        m[i] = mt
-        bad[i] = mt == np.inf
-        if mt == ninf or mt == np.inf:
-            mass[i] = zero
-            for j in range(jmin, jmax):
-                bad[i] = bad[i] or row[j] != row[j]
+        if mt == ninf or mt == np.inf or bad[i]:
+            # no finite allowed score (or the row is already NaN): the tile adds nothing,
+            # unless a score is +inf or NaN (the maximum skips NaN), which makes the row NaN
+            if not bad[i]:
+                bad[i] = mt == np.inf
+                for j in range(nk):
+                    bad[i] = bad[i] or row[j] != row[j]
+            for j in range(nk):
                 prow[j] = zero
             continue
-        # exp(s - m) over the allowed keys; chk is NaN exactly when a score is NaN
-        seen = row[jmin:jmax]
-        total, chk = exp_sum(seen, seen, False, mt, prow[jmin:jmax], True)
-        bad[i] = chk != chk
-        mass[i] = total
+        m_old = m[i]
+        m_new = maxnum(m_old, mt)
+        total = zero
+        chk = zero  # NaN exactly when an allowed score is NaN (the maximum skips NaN)
+        for j in range(nk):
+            z = row[j] - m_new
+            chk += z
+            e = exp_nonpos(z)
+            prow[j] = e
+            total += e
+        if chk != chk:
+            bad[i] = True
+        if m_old != m_new:
+            alpha = exp_nonpos(m_old - m_new)  # m_old = -inf (first allowed tile) gives 0
+            mass[i] = mass[i] * alpha
+            arow = acc[i]
+            for c in range(dv):
+                arow[c] *= alpha
+            m[i] = m_new
+        mass[i] += total
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def finish_rows(out, lse, b, h, i0, nq, m, mass, bad, acc):
+    """Normalize the tile's rows into ``out`` and ``lse``: 0 and -inf for empty rows."""
+    dv = acc.shape[1]
+    nan = like(acc, np.nan)
+    for i in range(nq):
+        orow = out[b, h, i0 + i]
+        arow = acc[i]
+        if bad[i]:
+            lse[b, h, i0 + i] = nan
+            for c in range(dv):
+                orow[c] = nan
+        elif mass[i] == 0:
+            lse[b, h, i0 + i] = -np.inf
+            for c in range(dv):
+                orow[c] = 0
+        else:
+            inv = like(acc, 1.0) / mass[i]
+            lse[b, h, i0 + i] = m[i] + np.log(mass[i])
+            for c in range(dv):
+                orow[c] = arow[c] * inv
+
+
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True)
+def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask, strides,
+            has_mask, workers, tile_q, tile_k):
+    """Attention of C-contiguous ``q [B, Hq, Lq, D]``, ``k``, ``v [B, Hk, Lk, D|Dv]``.
+
+    Writes ``out [B, Hq, Lq, Dv]`` and the natural-log ``lse [B, Hq, Lq]``, all arrays in the
+    accumulator dtype.  ``offset`` places query ``i``'s diagonal at key ``i + offset``;
+    ``left`` / ``right`` are the window (-1 unbounded); ``softcap`` 0 means none; the mask
+    (:func:`exclude`) is read only when ``has_mask``.
+    """
+    nb, hq, lq, d = q.shape
+    hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hk
+    ntiles = (lq + tile_q - 1) // tile_q
+    ntasks = nb * hq * ntiles
+    sc = like(q, scale)
+    for w in prange(workers):
+        qs = np.empty((tile_q, max(d, 1)), dtype=q.dtype)
+        s = np.empty((tile_q, tile_k), dtype=q.dtype)
+        p = np.empty((tile_q, tile_k), dtype=q.dtype)
+        acc = np.empty((tile_q, max(dv, 1)), dtype=q.dtype)
+        m = np.empty(tile_q, dtype=q.dtype)
+        mass = np.empty(tile_q, dtype=q.dtype)
+        bad = np.empty(tile_q, dtype=np.bool_)
+        for task in range(w, ntasks, workers):
+            bh = task // ntiles
+            i0 = (task - bh * ntiles) * tile_q
+            b = bh // hq
+            h = bh - b * hq
+            kv = b * hk + h // group
+            nq = min(tile_q, lq - i0)
+            lo, hi = key_range(i0, i0 + nq, lk, offset, causal, left, right)
+            m[:] = -np.inf
+            mass[:] = 0
+            bad[:] = False
+            acc[:] = 0
+            if hi > lo:
+                for i in range(nq):
+                    for c in range(d):
+                        qs[i, c] = q[b, h, i0 + i, c] * sc
+                for j0 in range(lo, hi, tile_k):
+                    nk = min(tile_k, hi - j0)
+                    gemm(0, 1, nq, nk, d, 1.0, qs, 0, max(d, 1), k, (kv * lk + j0) * d,
+                         max(d, 1), 0.0, s, 0, tile_k)
+                    if softcap > 0:
+                        cap_scores(s, nq, nk, softcap)
+                    if has_mask or not band_covers(i0, i0 + nq, j0, j0 + nk, offset, causal,
+                                                   left, right):
+                        exclude(s, nq, nk, i0, j0, offset, causal, left, right, mask,
+                                strides, has_mask, b, h)
+                    online_softmax(s, p, m, mass, bad, acc, nq, nk)
+                    if dv > 0:
+                        gemm(0, 0, nq, dv, nk, 1.0, p, 0, tile_k, v, (kv * lk + j0) * dv, dv,
+                             1.0, acc, 0, dv)
+            finish_rows(out, lse, b, h, i0, nq, m, mass, bad, acc)

@@ -12,10 +12,10 @@ TARGETS = ("numpy", "torch-cpu")
 ROW_CASES = [c for t in TARGETS for c in cases(target=t, ops=ROW_OPS)]
 ATTENTION_CASES = [
     c for t in TARGETS for c in cases(target=t, ops=ATTENTION_OPS)
-    if set(c.ops) <= set(ATTENTION_OPS)  # gradients and merges are other backends' work
+    if set(c.ops) <= set(ATTENTION_OPS)  # merges are tested with the summary kernels
 ]
-DECLINED = {"attention_masks"}
-"""Cases this backend declines on purpose (boolean attention masks go to the reference)."""
+DECLINED: set[str] = set()
+"""Cases this backend declines on purpose (none: every attention option is served)."""
 
 
 @pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: f"{c.target.name}-{c}")

@@ -78,23 +78,17 @@ def _address(a: Any, lib: str) -> int:
 
 
 def vectorizable(arrays: list[Any], lib: str, width: int) -> bool:
-    """Whether ``[rows, N]`` arrays can be viewed as rows of 8-byte words of ``width`` values."""
+    """Whether ``[rows, N]`` arrays can be read and written in 16-byte words of ``width``
+    values: every row starts on a 16-byte boundary and holds whole words."""
     if width <= 1 or lib == "numba":
         return False
     for a in arrays:
         n = a.shape[-1]
-        if n == 0 or n % width or _address(a, lib) % 8:
+        if n == 0 or n % width or _address(a, lib) % 16:
             return False
         if lib == "torch" and a.stride(-1) != 1:  # a broadcast view reports contiguous
             return False
     return True
-
-
-def words(a: Any, lib: str) -> Any:
-    """The ``[rows, N]`` array ``a`` as ``[rows, N / width]`` 8-byte integer words (a view)."""
-    if lib == "torch":
-        return a.view(_torch().int64)
-    return a.view(np.int64)
 
 
 def empty(xp: Any, like: Any, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -102,17 +96,17 @@ def empty(xp: Any, like: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     return xp.empty(shape, dtype=dtype, device=getattr(like, "device", None))
 
 
-def dummy(lib: str, device: Any, dtype: str = "bool") -> Any:
-    """A tiny ``[1, 1]`` array standing for an absent optional argument of ``dtype``."""
-    key = (lib, str(device), dtype)
+def dummy(lib: str, device: Any, dtype: str = "bool", ndim: int = 2) -> Any:
+    """A tiny array (``ndim`` axes of length 1) standing for an absent argument of ``dtype``."""
+    key = (lib, str(device), dtype, ndim)
     d = _dummies.get(key)
     if d is None:
         np_dtype = np.int16 if dtype == "bfloat16" else np.dtype(dtype)
         if lib == "numpy" or SIMULATOR:
-            d = np.ones((1, 1), dtype=np_dtype)
+            d = np.ones((1,) * ndim, dtype=np_dtype)
         else:
             with _on_device(device_index(device, lib)):
-                d = cuda.device_array((1, 1), dtype=np_dtype)
+                d = cuda.device_array((1,) * ndim, dtype=np_dtype)
         _dummies[key] = d
     return d
 

@@ -26,11 +26,6 @@ NAN = math.nan
 
 if SIMULATOR:
 
-    def exp2_f32(x):
-        """``2**x`` in float32."""
-        with np.errstate(all="ignore"):
-            return np.float32(np.exp2(np.float32(x)))
-
     def exp_f64(x):
         """``e**x`` in float64."""
         with np.errstate(all="ignore"):
@@ -54,6 +49,16 @@ if SIMULATOR:
         """The bit pattern of float32 ``value`` as an unsigned 32-bit integer."""
         return int(np.array(value, dtype=np.float32).view(np.uint32)[()])
 
+    def f64_from_words(lo, hi):
+        """The float64 whose bit pattern is ``hi << 32 | lo`` (two unsigned 32-bit words)."""
+        bits = (int(hi) & 0xFFFFFFFF) << 32 | (int(lo) & 0xFFFFFFFF)
+        return np.array(bits, dtype=np.uint64).view(np.float64)[()]
+
+    def words_from_f64(value):
+        """The low and high 32-bit words of float64 ``value``'s bit pattern."""
+        bits = int(np.array(value, dtype=np.float64).view(np.uint64)[()])
+        return np.uint32(bits & 0xFFFFFFFF), np.uint32(bits >> 32)
+
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``lane ^ lane_mask``; every thread of the block must call it."""
         th = threading.current_thread()
@@ -68,7 +73,8 @@ if SIMULATOR:
         """The xor-butterfly all-reduce of ``value`` over the warp, as ``shfl_xor`` steps do it.
 
         Lane 0 replays the five exchange steps for all 32 lanes (two barriers instead of ten);
-        every thread of the block must call it.
+        every thread of the block must call it.  A block of fewer than 32 threads is one
+        partial warp (the offsets then stay below its size).
         """
         th = threading.current_thread()
         state = th._manager.__dict__
@@ -79,20 +85,16 @@ if SIMULATOR:
         deposit[th.thread_id] = value
         th.syncthreads()
         if lane == 0:
-            vals = [deposit[base + k] for k in range(32)]
+            width = min(32, th._manager._block_dim[0])
+            vals = [deposit[base + k] for k in range(width)]
             for off in offsets:
-                vals = [combine(vals[k], vals[k ^ off]) for k in range(32)]
+                vals = [combine(vals[k], vals[k ^ off]) for k in range(width)]
             result[base] = vals
         th.syncthreads()
         return result[base][lane]
 
 else:
     from numba.cuda import libdevice
-
-    @cuda.jit(device=True)
-    def exp2_f32(x):
-        """``2**x`` in float32 (``ex2.approx``)."""
-        return libdevice.exp2f(x)
 
     @cuda.jit(device=True)
     def exp_f64(x):
@@ -118,6 +120,16 @@ else:
     def bits_from_f32(value):
         """The bit pattern of float32 ``value`` as an unsigned 32-bit integer."""
         return uint32(libdevice.float_as_int(value))
+
+    @cuda.jit(device=True)
+    def f64_from_words(lo, hi):
+        """The float64 whose bit pattern is ``hi << 32 | lo`` (two unsigned 32-bit words)."""
+        return libdevice.hiloint2double(int32(hi), int32(lo))
+
+    @cuda.jit(device=True)
+    def words_from_f64(value):
+        """The low and high 32-bit words of float64 ``value``'s bit pattern."""
+        return uint32(libdevice.double2loint(value)), uint32(libdevice.double2hiint(value))
 
     @cuda.jit(device=True)
     def shfl_xor(value, lane_mask):
@@ -156,15 +168,21 @@ def f32_to_bf16(value):
 _REGISTERS = {1: 32, 2: 32, 4: 32, 8: 40, 16: 56, 32: 64}
 
 
-def kernel(block: int, slots: int, wide: bool = False):
-    """Decorator compiling a kernel for blocks of ``block`` threads holding ``slots`` values.
+def register_cap(block: int, values: int, wide: bool = False) -> int:
+    """Registers per thread allowed to a kernel of ``block`` threads holding ``values`` values.
 
-    On the GPU the register budget grows with the values each thread holds (doubled for
-    float64, ``wide``), is capped so that a block always fits one multiprocessor (64K
-    registers), and is low enough for short rows that 2048 threads can be resident per
-    multiprocessor, keeping enough loads in flight to saturate memory.
+    The budget grows with the values each thread holds (doubled for float64, ``wide``), is
+    capped so that a block always fits one multiprocessor (64K registers), and is low enough
+    for short rows that 2048 threads can be resident per multiprocessor, keeping enough loads
+    in flight to saturate memory.
     """
+    budget = _REGISTERS.get(values, 64) * (2 if wide else 1)
+    return max(32, min(255, budget, 65536 // block))
+
+
+def kernel(block: int, values: int, wide: bool = False):
+    """Decorator compiling a kernel for blocks of ``block`` threads holding ``values`` values
+    per thread, under :func:`register_cap` registers."""
     if SIMULATOR:
         return cuda.jit
-    budget = _REGISTERS.get(slots, 64) * (2 if wide else 1)
-    return cuda.jit(max_registers=max(32, min(255, budget, 65536 // block)))
+    return cuda.jit(max_registers=register_cap(block, values, wide))

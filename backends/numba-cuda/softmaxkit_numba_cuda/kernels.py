@@ -1,10 +1,10 @@
 """The backend's kernels in the form the registry calls: ``fn(*, xp, **params)``.
 
 Each function takes the frontend's ``[..., N]`` arrays (validated, dtype policy applied),
-views them as ``[rows, N]`` without copying when they are contiguous -- as rows of 8-byte
-words when the dtype allows (float32, bfloat16) -- chooses the plan for the row length
-(:mod:`.plan`), and launches the row kernel on the caller's device and current stream.
-Results are arrays of the caller's library.
+views them as ``[rows, N]`` without copying when they are contiguous, chooses the plan for
+the row length (:mod:`.plan`) -- in 16-byte words when the rows allow it -- and launches the
+row kernel on the caller's device and current stream.  Results are arrays of the caller's
+library.
 """
 
 from __future__ import annotations
@@ -17,24 +17,17 @@ from softmaxkit.dtypes import FLOAT_DTYPES, accumulator_name, lookup
 from softmaxkit.dtypes import dtype_name as _dtype_name
 
 from . import plan as plans
-from . import rowkernels
-from .arrays import (
-    dummy,
-    empty,
-    kernel_view,
-    launch,
-    library,
-    rows,
-    run,
-    vectorizable,
-    words,
-)
-from .intrinsics import SIMULATOR
+from . import rowkernels, tiled
+from .arrays import dummy, empty, kernel_view, launch, library, rows, run, vectorizable
+from .intrinsics import SIMULATOR, cuda, register_cap
 from .storage import VECTOR_WIDTH
 
-MAX_VALUES = 16
-"""Values a thread holds in registers per tile (half of it for float64); twice as many for
-rows that would otherwise not fit one block (up to 32768 elements), so they are read once."""
+WORD_SLOTS = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 4}
+"""16-byte words a thread holds: 16 values (8 for float64), read before the first use."""
+ELEMENT_SLOTS = {"float32": 16, "bfloat16": 16, "float16": 16, "float64": 8}
+"""Elements a thread holds when rows are read element by element."""
+TILE_VALUES = 8
+"""Values per array a thread holds per tile in the tiled kernels (two arrays each)."""
 
 
 def dtype_name(dtype: Any) -> str:
@@ -45,22 +38,59 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def _plan(n_words: int, kind: str, width: int = 1, arrays: int = 1,
-          grow: bool = True) -> plans.Plan:
-    """The plan for rows of ``n_words`` words of ``width`` values of storage ``kind``."""
-    values = MAX_VALUES // arrays // (2 if kind == "float64" else 1)
-    if grow and n_words * width > plans.MAX_THREADS * values and arrays == 1:
-        values *= 2
-    return plans.choose(n_words, simulator=SIMULATOR, max_slots=max(1, values // width))
+def _plan(n_words: int, kind: str, vector: bool) -> plans.Plan:
+    slots = (WORD_SLOTS if vector else ELEMENT_SLOTS)[kind]
+    return plans.choose(n_words, slots, simulator=SIMULATOR)
+
+
+def _tiled_plan(n: int, kind: str, width: int = 1) -> plans.Plan:
+    values = TILE_VALUES // (2 if kind == "float64" else 1)
+    return plans.choose(n, max(1, values // width), simulator=SIMULATOR)
 
 
 def _layout(lib: str, kin: str, kout: str, arrays: list[Any]) -> tuple[bool, int, list[Any]]:
-    """Whether to use word loads, the word width, and the kernel views of ``arrays``."""
-    width = VECTOR_WIDTH.get(kin, 1)
+    """Whether to use 16-byte words, the word width, and the kernel views of ``arrays``."""
+    width = VECTOR_WIDTH[kin]
     vector = kin == kout and vectorizable(arrays, lib, width)
-    if not vector:
-        return False, 1, [kernel_view(a, lib) for a in arrays]
-    return True, width, [kernel_view(words(a, lib), lib) for a in arrays]
+    return vector, (width if vector else 1), [kernel_view(a, lib) for a in arrays]
+
+
+_capacity: dict[tuple[int, int, int], int] = {}
+
+
+def resident_blocks(block: int, registers: int) -> int:
+    """A lower bound on the blocks of a kernel that the current device holds at once."""
+    device = cuda.get_current_device()
+    key = (device.id, block, registers)
+    found = _capacity.get(key)
+    if found is None:
+        per_sm = min(32, 2048 // block, 65536 // (block * registers))
+        found = _capacity[key] = max(1, per_sm) * device.MULTIPROCESSOR_COUNT
+    return found
+
+
+def _phases(p: plans.Plan, values: int, wide: bool, waits: bool) -> tuple[int, ...]:
+    """The launches of a split plan: ``(0,)``, one launch whose blocks wait for their row,
+    while at most half the resident capacity is needed; otherwise ``(1, 2)`` (see
+    :mod:`.rowkernels`)."""
+    if not (p.split and waits):
+        return (0,)
+    if SIMULATOR or 2 * p.chunks > resident_blocks(p.block, register_cap(p.block, values, wide)):
+        return (1, 2)
+    return (0,)
+
+
+def _workspace(xp: Any, like: Any, lib: str, p: plans.Plan, n_rows: int, acc: Any,
+               fields: int) -> tuple[Any, Any]:
+    """Kernel views of the summaries ``[fields, rows * chunks]`` and zeroed counters
+    ``[rows + 1]`` of a split plan (tiny placeholders otherwise)."""
+    device = getattr(like, "device", None)
+    if not p.split:
+        return (dummy(lib, device, dtype_name(acc)),
+                dummy(lib, device, "int32", ndim=1))
+    ws = xp.empty((fields, n_rows * p.chunks), dtype=acc, device=device)
+    sync = xp.zeros((n_rows + 1,), dtype=xp.int32, device=device)
+    return kernel_view(ws, lib), kernel_view(sync, lib)
 
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
@@ -72,13 +102,17 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     n_rows, n = xr.shape
     kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
     vector, width, (xv, ov) = _layout(lib, kin, kout, [xr, out.reshape(n_rows, n)])
-    p = _plan(n // width, kin, width)
-    kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots,
-                                  p.rows_per_block, p.cached)
+    p = _plan(n // width, kin, vector)
+    kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots, p.rows_per_block,
+                                  p.split, where is not None)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
+    acc = lookup(xp, accumulator_name(kin))
+    ws, sync = _workspace(xp, x, lib, p, n_rows, acc, 2)
+    values = p.slots * width
     with launch(x, lib) as stream:
-        run(kernel, p.grid(n_rows), p.block, stream,
-            xv, w, where is not None, masked == "nan", ov, n_rows, n // width, p.tiles)
+        for phase in _phases(p, values, kin == "float64", True):
+            run(kernel, p.grid(n_rows), p.block, stream, xv, w, masked == "nan", ov, n_rows,
+                n // width, p.chunks, ws, sync, phase)
     return out
 
 
@@ -92,6 +126,29 @@ def log_softmax(*, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> 
     return _normalize("log_softmax", xp, x, where, masked, out_dtype)
 
 
+def row_reduce(op: str, xp: Any, x: Any, where: Any, out: Any, second: Any,
+               return_second: bool) -> None:
+    """Launch the one-pass reduction ``op`` (``"logsumexp"`` or ``"summarize"``) of the rows of
+    ``x`` into ``out`` and ``second`` (``[rows]`` arrays; ``second`` may be ``None``)."""
+    lib = library(x)
+    xr = rows(x, lib)
+    n_rows, n = xr.shape
+    kin, kout = dtype_name(x.dtype), dtype_name(out.dtype)
+    vector, width, (xv,) = _layout(lib, kin, kin, [xr])
+    p = _plan(n // width, kin, vector)
+    kernel = rowkernels.reduce(op, kin, kout, vector, p.threads, p.slots, p.rows_per_block,
+                               p.split, where is not None)
+    w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
+    acc = lookup(xp, accumulator_name(kin))
+    ws, sync = _workspace(xp, x, lib, p, n_rows, acc, 2)
+    sv = (kernel_view(second.reshape(n_rows, 1), lib) if second is not None
+          else dummy(lib, x.device, kout))
+    with launch(x, lib) as stream:
+        run(kernel, p.grid(n_rows), p.block, stream, xv, w,
+            kernel_view(out.reshape(n_rows, 1), lib), sv, bool(return_second), n_rows,
+            n // width, p.chunks, ws, sync)
+
+
 def logsumexp(
     *, xp: Any, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
 ) -> Any:
@@ -102,31 +159,40 @@ def logsumexp(
     sign = empty(xp, x, batch, out_dtype) if return_sign else None
     if out.size == 0:
         return (out, sign) if return_sign else out
+    if b is None:
+        row_reduce("logsumexp", xp, x, where, out, sign, return_sign)
+        return (out, sign) if return_sign else out
     xr = rows(x, lib)
     n_rows, n = xr.shape
     kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     s = (kernel_view(sign.reshape(n_rows, 1), lib) if return_sign
          else dummy(lib, x.device, kout))
-    if b is not None:
-        p = _plan(n, kout, arrays=2)
-        kernel = rowkernels.logsumexp_weighted(kin, dtype_name(b.dtype), kout, p.threads,
-                                               p.slots, p.rows_per_block)
-        with launch(x, lib) as stream:
-            run(kernel, p.grid(n_rows), p.block, stream,
-                kernel_view(xr, lib), kernel_view(rows(b, lib), lib), w, where is not None,
-                kernel_view(out.reshape(n_rows, 1), lib), s, bool(return_sign), n_rows, n,
-                p.tiles)
-        return (out, sign) if return_sign else out
-    vector, width, (xv,) = _layout(lib, kin, kin, [xr])
-    p = _plan(n // width, kin, width)
-    kernel = rowkernels.logsumexp(kin, kout, vector, p.threads, p.slots, p.rows_per_block,
-                                  p.cached)
+    p = _tiled_plan(n, kout)
+    kernel = tiled.logsumexp_weighted(kin, dtype_name(b.dtype), kout, p.threads, p.slots,
+                                      p.rows_per_block)
     with launch(x, lib) as stream:
-        run(kernel, p.grid(n_rows), p.block, stream,
-            xv, w, where is not None, kernel_view(out.reshape(n_rows, 1), lib), s,
-            bool(return_sign), n_rows, n // width, p.tiles)
+        run(kernel, p.grid_rows(n_rows), p.block, stream,
+            kernel_view(xr, lib), kernel_view(rows(b, lib), lib), w, where is not None,
+            kernel_view(out.reshape(n_rows, 1), lib), s, bool(return_sign), n_rows, n,
+            p.chunks)
     return (out, sign) if return_sign else out
+
+
+def _grad_scale(xp: Any, grad_scale: Any, acc: Any, device: Any) -> Any:
+    if grad_scale is None or not hasattr(grad_scale, "shape"):
+        value = 1.0 if grad_scale is None else float(grad_scale)
+        return xp.full((1,), value, dtype=acc, device=device)
+    return xp.reshape(xp.astype(grad_scale, acc), (1,))
+
+
+def _index(xp: Any, index: Any, lib: str, device: Any) -> Any:
+    if index is None:
+        return kernel_view(xp.zeros((1,), dtype=xp.int64, device=device), lib)
+    idx = xp.reshape(xp.astype(index, xp.int64), (-1,))
+    if lib == "torch":
+        idx = idx.contiguous()
+    return kernel_view(idx, lib)
 
 
 def cross_entropy(
@@ -161,32 +227,32 @@ def cross_entropy(
         vector, width, (xv, gv) = _layout(lib, kin, kout, [xr, grad.reshape(n_rows, n)])
     else:
         vector, width, (xv,) = _layout(lib, kin, kin, [xr])
-        gv = dummy(lib, device, "int64" if vector else kout)
-    p = _plan(n // width, kin, width, grow=False)  # its second pass needs more registers
-    kp = dtype_name(probs.dtype) if probs is not None else ""
-    kernel = rowkernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
-                                      p.rows_per_block, p.cached, kp)
-    if grad_scale is None or not hasattr(grad_scale, "shape"):
-        value = 1.0 if grad_scale is None else float(grad_scale)
-        scale = xp.full((1,), value, dtype=acc, device=device)
-    else:
-        scale = xp.reshape(xp.astype(grad_scale, acc), (1,))
-    if index is not None:
-        idx = xp.reshape(xp.astype(index, xp.int64), (-1,))
-        if lib == "torch":
-            idx = idx.contiguous()
-        idx = kernel_view(idx, lib)
-    else:
-        idx = kernel_view(xp.zeros((1,), dtype=xp.int64, device=device), lib)
-    pv = kernel_view(rows(probs, lib), lib) if probs is not None else dummy(lib, device, kin)
+        gv = dummy(lib, device, kout)
+    scale = kernel_view(_grad_scale(xp, grad_scale, acc, device), lib)
+    idx = _index(xp, index, lib, device)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, device)
     ignore = 0 if ignore_index is None else int(ignore_index)
+    lv = kernel_view(loss.reshape(n_rows, 1), lib)
+    if probs is not None:  # probability targets: the tiled kernel
+        p = _tiled_plan(n // width, kin, width)
+        kernel = tiled.cross_entropy(kin, kout, vector, p.threads, p.slots, p.rows_per_block,
+                                     p.chunks == 1, dtype_name(probs.dtype))
+        pv = kernel_view(rows(probs, lib), lib)
+        with launch(logits, lib) as stream:
+            run(kernel, p.grid_rows(n_rows), p.block, stream, xv, w, where is not None, idx,
+                pv, scale, lv, gv, grad is not None, n_rows, n // width, p.chunks,
+                float(label_smoothing), ignore_index is not None, ignore)
+        return loss, grad
+    p = _plan(n // width, kin, vector)
+    smooth = float(label_smoothing) != 0.0
+    kernel = rowkernels.cross_entropy(kin, kout, vector, p.threads, p.slots, p.rows_per_block,
+                                      p.split, where is not None, grad is not None, smooth)
+    ws, sync = _workspace(xp, logits, lib, p, n_rows, acc, 4 if smooth else 2)
     with launch(logits, lib) as stream:
-        run(kernel, p.grid(n_rows), p.block, stream,
-            xv, w, where is not None, idx, pv, kernel_view(scale, lib),
-            kernel_view(loss.reshape(n_rows, 1), lib), gv, grad is not None,
-            n_rows, n // width, p.tiles, float(label_smoothing), ignore_index is not None,
-            ignore)
+        for phase in _phases(p, p.slots * width, kin == "float64", grad is not None):
+            run(kernel, p.grid(n_rows), p.block, stream, xv, w, idx, scale, lv, gv, n_rows,
+                n // width, p.chunks, ws, sync, phase, float(label_smoothing),
+                ignore_index is not None, ignore)
     return loss, grad
 
 
@@ -197,16 +263,16 @@ def _vjp(op: str, xp: Any, y: Any, c: Any, where: Any, out_dtype: Any) -> Any:
         return out
     yr, cr = rows(y, lib), rows(c, lib)
     n_rows, n = yr.shape
-    p = _plan(n, dtype_name(y.dtype), arrays=2)
-    kernel = rowkernels.vjp(
+    p = _tiled_plan(n, dtype_name(y.dtype))
+    kernel = tiled.vjp(
         op, dtype_name(y.dtype), dtype_name(c.dtype), dtype_name(out_dtype), p.threads,
-        p.slots, p.rows_per_block, p.cached,
+        p.slots, p.rows_per_block, p.chunks == 1,
     )
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, y.device)
     with launch(y, lib) as stream:
-        run(kernel, p.grid(n_rows), p.block, stream,
+        run(kernel, p.grid_rows(n_rows), p.block, stream,
             kernel_view(yr, lib), kernel_view(cr, lib), w, where is not None,
-            kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.tiles)
+            kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.chunks)
     return out
 
 

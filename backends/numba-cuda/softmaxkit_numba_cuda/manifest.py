@@ -1,11 +1,14 @@
 """The backend's manifest and its ``can_run`` hook; importing this module imports no numba.
 
 Served: the row operations (softmax, log_softmax, logsumexp, cross_entropy with its fused
-gradient, softmax_vjp, log_softmax_vjp) and online summaries (summarize, merge) on CUDA
+gradient, softmax_vjp, log_softmax_vjp), online summaries (summarize, merge) and the merge of
+partial attention states (merge_attention, which ``merge_attention_states`` calls) on CUDA
 devices, for float16, bfloat16, float32 and float64, with torch CUDA tensors and CuPy arrays.
-Declined, with the reason: rows longer than 2**31 - 1.  Attention is not served (the registry
-chooses another backend).  Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the
-kernels also serve numpy arrays on the CPU: that is how CI runs them without a GPU.
+Declined, with the reason: rows longer than 2**31 - 1.  Not served, so the registry chooses
+another backend: attention forward and backward (numba-cuda has no access to the tensor-core
+instructions that make them fast) and merge_attention_vjp.  Under Numba's CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve numpy arrays on the CPU: that is how CI
+runs them without a GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ SUMMARY_OPS = ("summarize", "merge")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 _PRIMARY = {"softmax": "x", "log_softmax": "x", "logsumexp": "x", "cross_entropy": "logits",
             "softmax_vjp": "probs", "log_softmax_vjp": "logprobs", "summarize": "x",
-            "merge": "maxes"}
+            "merge": "maxes", "merge_attention": "outs"}
 
 
 def _simulated() -> bool:
@@ -32,12 +35,14 @@ def manifest() -> dict[str, Any]:
     devices = ["cuda", "cpu"] if _simulated() else ["cuda"]
     kernels = {op: f"softmaxkit_numba_cuda.kernels:{op}" for op in ROW_OPS}
     kernels.update({op: f"softmaxkit_numba_cuda.summaries:{op}" for op in SUMMARY_OPS})
+    kernels["merge_attention"] = "softmaxkit_numba_cuda.attention:merge_attention"
     return {
         "name": NAME,
         "serves": [{"ops": list(ROW_OPS), "devices": devices, "dtypes": list(DTYPES)},
                    {"ops": ["summarize"], "devices": devices, "dtypes": list(DTYPES)},
                    # merge receives summaries in the accumulator dtype
-                   {"ops": ["merge"], "devices": devices, "dtypes": ["float32", "float64"]}],
+                   {"ops": ["merge"], "devices": devices, "dtypes": ["float32", "float64"]},
+                   {"ops": ["merge_attention"], "devices": devices, "dtypes": list(DTYPES)}],
         "kernels": kernels,
         # below the CPU backends on simulated numpy arrays, above everything on CUDA
         "priority": 20 if not _simulated() else -50,

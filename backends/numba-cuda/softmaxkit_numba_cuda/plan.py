@@ -1,16 +1,19 @@
-"""How a row of length N is spread over threads: the strategy by row length.
+"""How a row of N words is spread over threads and blocks: the strategy by row length.
 
-* short rows (up to 16 words per lane): a warp per row, several rows per block, reductions by
-  shuffles;
-* medium rows (up to 1024 threads x ``max_slots`` words): a block per row, the whole row held
-  in registers between the reduction pass and the writing pass, so it is read once;
-* long rows: a block per row walking the row in tiles; the writing pass reads each tile
-  again (from L2 where it is still resident).
+A *group* of ``threads`` threads holds one *chunk* of ``threads * slots`` words in registers,
+each thread ``slots`` words at positions ``lane + threads * j`` (each load instruction of a
+warp reads consecutive addresses).  A word is 16 bytes of a row (4 float32, 8 bfloat16) or,
+when the row cannot be read in 16-byte words, one element.
 
-N counts words: single elements, or 8-byte words of 2 float32 / 4 bfloat16 values.  Each
-thread holds ``slots`` words per tile at positions ``lane + threads * j``, so each load
-instruction of a warp reads consecutive addresses (coalesced).  This module imports no
-numba: the plan is plain arithmetic, tested on its own.
+* short rows (up to ``32 * slots`` words): a group of up to 32 threads per row (a warp or a
+  part of one), several rows per block, reductions by shuffles;
+* medium rows (up to ``block * slots`` words): a block per row;
+* long rows: the row is split into ``chunks`` chunks of ``block * slots`` words, one block
+  each; every block reads its chunk once, keeps it on chip, and the blocks of a row combine
+  their (max, sum) summaries (see :mod:`.rowkernels`).
+
+Kernels that walk a row in tiles instead (:mod:`.tiled`) read ``chunks`` as the number of
+tiles.  This module imports no numba: the plan is plain arithmetic, tested on its own.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import os
 from dataclasses import dataclass
 
 WARP = 32
-ROWS_PER_WARP_BLOCK = 8
+GROUP_THREADS = 256
+"""Threads of a block made of several short-row groups."""
+BLOCK = 256
+"""Threads of a block holding one chunk of a long row."""
 MAX_THREADS = 1024
-MAX_SLOTS = 32
-SUBWARP = (8, 16)
-"""Group sizes below a warp (several rows per warp), available through :data:`OVERRIDE`."""
 OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_PLAN"
 """Environment variable ``"threads,slots"`` that forces a plan (for tests and tuning)."""
 
@@ -37,61 +40,71 @@ def _pow2_at_least(v: int) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """Threads per row, values per thread per tile, rows per block, tiles per row."""
+    """Threads per group, words per thread, rows per block, chunks per row."""
 
     threads: int
     slots: int
     rows_per_block: int
-    tiles: int
+    chunks: int
 
     @property
     def block(self) -> int:
         """Threads per block."""
         return self.threads * self.rows_per_block
 
+    @property
+    def chunk_words(self) -> int:
+        """Words of a row held by one group."""
+        return self.threads * self.slots
+
     def grid(self, n_rows: int) -> int:
-        """Blocks to launch for ``n_rows`` rows (at least one)."""
+        """Blocks to launch for ``n_rows`` rows: one per group of rows, or per chunk."""
+        if self.chunks > 1:
+            return max(1, n_rows * self.chunks)
+        return self.grid_rows(n_rows)
+
+    def grid_rows(self, n_rows: int) -> int:
+        """Blocks to launch for ``n_rows`` rows when a group walks its row's chunks as tiles."""
         return max(1, -(-n_rows // self.rows_per_block))
 
     @property
-    def cached(self) -> bool:
-        """Whether the row stays in registers between the two passes (read once)."""
-        return self.tiles == 1
+    def split(self) -> bool:
+        """Whether a row spans several chunks."""
+        return self.chunks > 1
 
 
-def make(threads: int, slots: int, n: int, warp_rows: int = ROWS_PER_WARP_BLOCK) -> Plan:
-    """The plan with ``threads`` threads and ``slots`` values per thread for rows of ``n``.
+def make(threads: int, slots: int, n: int, group_threads: int = GROUP_THREADS) -> Plan:
+    """The plan with ``threads`` threads of ``slots`` words each for rows of ``n`` words.
 
-    A warp-per-row plan (``threads == 32``) puts ``warp_rows`` rows in each block; groups of 8
-    or 16 threads put proportionally more.
+    Groups of 32 threads or fewer share a block of ``group_threads`` threads (several rows per
+    block); larger groups are a block each.
     """
-    if (threads % WARP and threads not in SUBWARP) or not 0 < threads <= MAX_THREADS \
-            or not 0 < slots <= 2 * MAX_SLOTS:
+    if threads & (threads - 1) or not 0 < threads <= MAX_THREADS or not 0 < slots <= 64:
         raise ValueError(f"invalid plan: threads={threads}, slots={slots}")
-    rows = warp_rows * WARP // threads if threads <= WARP else 1
-    tiles = max(1, -(-n // (threads * slots)))
-    return Plan(threads, slots, rows, tiles)
+    rows = max(1, group_threads // threads) if threads <= WARP else 1
+    chunks = max(1, -(-n // (threads * slots)))
+    if chunks > 1 and threads < 2 * WARP:
+        raise ValueError(f"a row split across blocks needs blocks of 64 threads or more "
+                         f"(threads={threads})")
+    return Plan(threads, slots, rows, chunks)
 
 
-def choose(n: int, simulator: bool = False, max_slots: int = MAX_SLOTS) -> Plan:
-    """The plan for rows of length ``n`` (see the module docstring).
+def choose(n: int, slots: int, simulator: bool = False, block: int = BLOCK) -> Plan:
+    """The plan for rows of ``n`` words, ``slots`` words per thread (see the module docstring).
 
-    ``max_slots`` caps the values a thread holds: lower for float64 and for kernels that hold
-    two arrays (the VJPs), so that the row stays in registers without spilling.
+    ``slots`` is the caller's register budget: fewer for float64 and for kernels that hold
+    two arrays.  :data:`OVERRIDE` replaces the choice.
     """
     forced = os.environ.get(OVERRIDE)
     if forced:
-        threads, slots = (int(v) for v in forced.split(","))
-        return make(threads, slots, n)
-    if simulator:  # few threads keep the simulator fast; long rows still take tiles
-        if n <= 64:
-            return make(SUBWARP[0], _pow2_at_least(max(1, -(-n // SUBWARP[0]))), n,
-                        warp_rows=2)
+        threads, slots = (int(v) for v in forced.split(",")[:2])
+        if n <= threads * slots or threads >= 2 * WARP:
+            return make(threads, slots, n)
+        return make(2 * WARP, slots, n)  # a short-row group too small for this row
+    if simulator:  # few threads keep the simulator fast; long rows are still split
+        if n <= 16:
+            return make(_pow2_at_least(max(1, -(-n // 2))), 2, n, group_threads=16)
         return make(2 * WARP, 2, n)
-    if n <= min(16, max_slots) * WARP:
-        return make(WARP, _pow2_at_least(max(1, -(-n // WARP))), n)
-    if n <= MAX_THREADS * max_slots:
-        per_thread = min(16, max_slots)
-        threads = min(MAX_THREADS, max(2 * WARP, _pow2_at_least(-(-n // per_thread))))
-        return make(threads, _pow2_at_least(-(-n // threads)), n)
-    return make(MAX_THREADS, min(16, max_slots), n)
+    if n <= WARP * slots:
+        return make(_pow2_at_least(max(1, -(-n // slots))), slots, n)
+    return make(min(block, max(2 * WARP, _pow2_at_least(-(-n // slots)))), slots, n)

@@ -25,10 +25,10 @@ from .intrinsics import (
     SIMULATOR,
     cuda,
     device_function,
-    exp2_f32,
     exp_f64,
     shfl_xor,
 )
+from .wide import ex2, max_nan
 
 if SIMULATOR:
     from .intrinsics import warp_butterfly
@@ -36,7 +36,11 @@ if SIMULATOR:
 
 @functools.cache
 def exponential(acc_name: str):
-    """Device function ``exp(d)`` in the accumulator type (float32 through ``exp2``)."""
+    """Device function ``exp(d)`` in the accumulator type.
+
+    float32: ``ex2.approx.ftz`` of ``d * log2 e``; ``d`` is formed first (``x - max``), so the
+    argument's rounding error is relative to ``|x - max|``, as the spec's bound assumes.
+    """
     if acc_name == "float64":
 
         def exp(d):
@@ -45,9 +49,27 @@ def exponential(acc_name: str):
     else:
 
         def exp(d):
-            return exp2_f32(float32(d) * float32(LOG2E))
+            return ex2(float32(d) * float32(LOG2E))
 
     return device_function(exp)
+
+
+@functools.cache
+def thread_max(acc_name: str):
+    """Device function ``tmax(a, b)``: the maximum, NaN if either is NaN (``max.NaN.f32``)."""
+    if acc_name == "float64":
+
+        def tmax(a, b):
+            if a != a or b != b:
+                return float64(NAN)
+            return a if a >= b else b
+
+    else:
+
+        def tmax(a, b):
+            return max_nan(a, b)
+
+    return device_function(tmax)
 
 
 @functools.cache

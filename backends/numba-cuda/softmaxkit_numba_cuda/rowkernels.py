@@ -1,28 +1,64 @@
-"""The row kernels, built per (operation, dtypes, plan) and compiled on first use.
+"""Row kernels that read each row once and hold it on chip: softmax, log_softmax, logsumexp,
+summaries and cross-entropy with its fused gradient (index targets).
 
-Every kernel takes 2-D C-contiguous ``[rows, W]`` arrays of *words*: one element each, or
-(float32, bfloat16) 8-byte integers packing 2 or 4 elements, so a warp moves 256 consecutive
-bytes per instruction.  A thread holds ``slots`` words per tile at ``lane + threads * j``.
+Layout (:mod:`.plan`).  A group of ``threads`` threads holds a chunk of ``threads * slots``
+words of a row in registers (a word: 16 bytes, or one element).  Short and medium rows are one
+chunk: a group per row.  Long rows are split into ``chunks`` chunks, one block each.
 
-First pass.  When the row fits in one tile it stays in registers: the group reduces the
-maximum, then the sum of ``exp(v - max)`` (one exponential per element; softmax keeps the
-exponentials for the second pass).  Longer rows are read tile by tile, each tile's maximum and
-sum folded into the thread's running summary (the online recurrence), and the group merges
-the summaries.  Excluded positions (``where`` False) and the masked tail of the last tile
-enter as ``-inf``, which the maximum ignores and the exponential sends to zero: nothing is
-multiplied by zero to exclude it.  Second pass: the outputs, from registers, or reading each
-tile again.  Special rows (a NaN, a ``+inf``, nothing allowed) follow spec/semantics.md.
+One pass over the chunk.  Each thread loads its words (all loads issued before the first
+use), takes its own maximum ``m_t`` and sum ``s_t = sum exp(v - m_t)`` (keeping the
+exponentials when the outputs need them), and the group merges the pairs ``(m_t, s_t)`` with
+the online-softmax rule into the chunk's summary ``(m, s)``.  Excluded positions (``where``
+False) and the tail past the row's end enter as ``-inf``, which the maximum ignores and the
+exponential sends to zero: nothing is multiplied by zero to exclude it.  Each output is then
+``e * exp(m_t - M) / S`` (softmax) or ``(x - M) - log S`` (log_softmax) with the row's
+``(M, S)``: one multiply or two adds per element, the chunk never read again.
+
+Long rows: each block publishes its chunk's summary to a workspace and counts itself in on a
+per-row counter.
+
+* logsumexp, summarize, cross-entropy without gradient: the block that arrives last merges
+  the row's summaries and writes the result; no block waits for another.
+* softmax, log_softmax, cross-entropy with gradient (``phase`` 0): every block waits until
+  its row's counter reaches ``chunks``, merges the summaries and writes its chunk from
+  registers, so the row is read once.  A block takes a *ticket* from a counter when it
+  starts and works on chunk ``ticket % chunks`` of row ``ticket // chunks``.  Tickets are
+  taken in the order blocks start running, so when ticket ``t`` is taken every lower ticket
+  is held by a block that is running or done, and every block publishes before it waits:
+  only the row of the highest ticket can have blocks still waiting, at most ``chunks - 1``
+  of them, and the next block to start completes that row's tickets.  The scheme can stall
+  only if fewer than ``chunks`` blocks of this kernel can be resident at once; the caller
+  keeps ``chunks`` well below the device's resident-block capacity (:mod:`.kernels`).
+* otherwise (``phase`` 1 then 2: Numba's simulator, which runs blocks one after another, and
+  rows too long for the capacity bound): a first launch publishes, a second reads each
+  chunk again and writes it (two reads and one write, counted as such).
+
+Special rows (a NaN, a ``+inf``, nothing allowed) follow spec/semantics.md.  The workspace
+(summaries ``ws [fields, rows * chunks]``, counters ``sync [rows + 1]``, zero) is allocated
+for each call by the caller.
 """
 
 from __future__ import annotations
 
 import functools
 
-from numba import float32, float64
+from numba import float32, float64, int32
 
-from .intrinsics import NAN, NEG_INF, POS_INF, cuda, device_function, kernel, log_f32, log_f64
-from .reductions import SCRATCH, exponential, group_reducers, summary_ops
-from .storage import loader, word_io
+from .intrinsics import (
+    NAN,
+    NEG_INF,
+    POS_INF,
+    cuda,
+    device_function,
+    kernel,
+    log_f32,
+    log_f64,
+)
+from .reductions import SCRATCH, exponential, group_reducers, summary_ops, thread_max
+from .storage import loader, storer, word_io
+from .wide import load_acquire, load_l2, nanosleep
+
+SUMMARY = "summarize"
 
 
 def _acc(kind: str) -> tuple[str, object]:
@@ -30,84 +66,22 @@ def _acc(kind: str) -> tuple[str, object]:
 
 
 @functools.cache
-def _first_pass(kin: str, vector: bool, threads: int, slots: int, cached: bool,
-                keep_exp: bool, count: bool = False):
-    """Device functions ``load_tile`` and ``row_stats``: the row's maximum, normalizer and
-    (with ``count``) number of included positions (allowed, above ``-inf``)."""
-    acc_name, acc = _acc(kin)
-    width, load_word, _ = word_io(kin, vector)
-    values = slots * width
-    merge = summary_ops(acc_name)[1]
-    pair_reduce, sum_reduce, max_reduce = group_reducers(threads, acc_name)
-    exp = exponential(acc_name)
-    neg_inf, zero, nan = acc(NEG_INF), acc(0.0), acc(NAN)
+def _placement(threads: int, rows_per_block: int, split: bool):
+    """Device function ``place(n_rows, chunks, tickets, sync, ticket) -> (lane, row, chunk,
+    live)``; with ``tickets`` a split row's blocks are placed in the order they start."""
 
-    def load_tile(xr, wr, has_where, live, nw, base, vals):
-        """Load one tile into ``vals``; return its maximum (NaN if it holds a NaN) and the
-        number of its values above ``-inf`` (when counting)."""
-        m = neg_inf
-        seen_nan = False
-        included = zero
-        for j in range(slots):
-            wi = base + j * threads
-            if live and wi < nw:
-                load_word(xr, wi, vals, j * width)
-                for v in range(width):
-                    x = vals[j * width + v]
-                    if has_where:
-                        if not wr[wi * width + v]:
-                            x = neg_inf  # excluded by the max/exp contract
-                            vals[j * width + v] = x
-                    if x != x:
-                        seen_nan = True
-                    elif x > m:
-                        m = x
-                    if count and x > neg_inf:
-                        included += acc(1.0)
-            else:
-                for v in range(width):
-                    vals[j * width + v] = neg_inf
-        return (nan if seen_nan else m), included
-
-    load_tile = device_function(load_tile)
-
-    def row_stats(xr, wr, has_where, live, nw, lane, tiles, vals, scratch):
-        """``(m, s, count)`` of the row, the same in every thread of the group."""
-        if cached:
-            tm, c = load_tile(xr, wr, has_where, live, nw, lane, vals)
-            m = max_reduce(tm, scratch)
-            if count:
-                c = sum_reduce(c, scratch)
-            s = zero
-            if m > neg_inf and m < POS_INF:
-                for k in range(values):
-                    e = exp(vals[k] - m)
-                    s += e
-                    if keep_exp:
-                        vals[k] = e
-            return m, sum_reduce(s, scratch), c
-        m = neg_inf
-        s = zero
-        c = zero
-        for t in range(tiles):
-            tm, tc = load_tile(xr, wr, has_where, live, nw, t * (threads * slots) + lane, vals)
-            c += tc
-            ts = zero
-            if tm > neg_inf and tm < POS_INF:
-                for k in range(values):
-                    ts += exp(vals[k] - tm)
-            m, s = merge(m, s, tm, ts)
-        m, s = pair_reduce(m, s, scratch)
-        if count:
-            c = sum_reduce(c, scratch)
-        return m, s, c
-
-    return load_tile, device_function(row_stats)
-
-
-def _coordinates(threads: int, rows_per_block: int):
-    def coordinates(n_rows):
+    def place(n_rows, chunks, tickets, sync, ticket):
         tid = cuda.threadIdx.x
+        if split:
+            if tickets:
+                if tid == 0:
+                    ticket[0] = cuda.atomic.add(sync, n_rows, 1)
+                cuda.syncthreads()
+                t = ticket[0]
+            else:
+                t = cuda.blockIdx.x
+            r = t // chunks
+            return tid, r, t - r * chunks, True
         if threads <= 32:
             lane = tid % threads
             row = cuda.blockIdx.x * rows_per_block + tid // threads
@@ -115,401 +89,400 @@ def _coordinates(threads: int, rows_per_block: int):
             lane = tid
             row = cuda.blockIdx.x
         live = row < n_rows
-        return lane, (row if live else 0), live
+        return lane, (row if live else 0), 0, live
 
-    return device_function(coordinates)
+    return device_function(place)
 
 
 @functools.cache
-def normalize(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
-              rows_per_block: int, cached: bool):
-    """Kernel ``(x, w, has_where, masked_nan, out, n_rows, nw, tiles)`` for softmax or
-    log_softmax; ``nw`` is the row length in words."""
-    acc_name, acc = _acc(kin)
-    is_log = op == "log_softmax"
-    keep_exp = cached and not is_log
-    load_tile, row_stats = _first_pass(kin, vector, threads, slots, cached, keep_exp)
-    width, _, _ = word_io(kin, vector)
-    _, _, store_word = word_io(kout, vector)
+def _chunk_io(kind: str, vector: bool, threads: int, slots: int, has_where: bool):
+    """Device functions ``load_chunk(xr, wr, live, nw, base, vals) -> thread maximum`` and
+    ``store_chunk(orow, live, nw, base, vals)`` for the words ``base + threads * j``."""
+    acc_name, acc = _acc(kind)
+    width, load_word, store_word = word_io(kind, vector)
     values = slots * width
-    exp = exponential(acc_name)
-    log = log_f64 if acc_name == "float64" else log_f32
-    coordinates = _coordinates(threads, rows_per_block)
-    nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
+    tmax = thread_max(acc_name)
+    neg_inf = acc(NEG_INF)
 
-    @kernel(threads * rows_per_block, values, acc_name == "float64")
-    def row_kernel(x, w, has_where, masked_nan, out, n_rows, nw, tiles):
-        lane, r, live = coordinates(n_rows)
-        xr = x[r]
-        orow = out[r]
-        wr = w[r if has_where else 0]
-        vals = cuda.local.array(values, acc)
-        scratch = cuda.shared.array(SCRATCH, acc)
-        m, s, _ = row_stats(xr, wr, has_where, live, nw, lane, tiles, vals, scratch)
-        nan_row = m != m
-        inf_row = m == POS_INF
-        empty = m == neg_inf
-        special = nan_row or inf_row or empty
-        shift = zero if special else m
-        safe = one if special else s
-        bad = nan_row or inf_row or (masked_nan and empty)
-        log_s = log(safe)
-        inv = one / safe
-        for t in range(tiles):
-            base = t * (threads * slots) + lane
-            if not cached:
-                load_tile(xr, wr, has_where, live, nw, base, vals)
-            for k in range(values):
-                v = vals[k]
-                if is_log:
-                    if nan_row or (masked_nan and empty):
-                        o = nan
-                    elif inf_row:
-                        o = nan if v == POS_INF else neg_inf
-                    else:
-                        o = (v - shift) - log_s
-                elif bad:
-                    o = nan
-                elif keep_exp:
-                    o = zero if empty else v * inv  # v holds exp(x - max) here
+    def load_chunk(xr, wr, live, nw, base, vals):
+        if live and base + (slots - 1) * threads < nw:  # the common case: no bounds checks
+            for j in range(slots):
+                load_word(xr, base + j * threads, vals, j * width)
+        else:
+            for j in range(slots):
+                wi = base + j * threads
+                if live and wi < nw:
+                    load_word(xr, wi, vals, j * width)
                 else:
-                    o = exp(v - shift) * inv
-                vals[k] = o
+                    for v in range(width):
+                        vals[j * width + v] = neg_inf
+        if has_where:
+            for j in range(slots):
+                wi = base + j * threads
+                if live and wi < nw:
+                    for v in range(width):
+                        if not wr[wi * width + v]:
+                            vals[j * width + v] = neg_inf  # excluded: the max/exp contract
+        m = neg_inf
+        for k in range(values):
+            m = tmax(m, vals[k])
+        return m
+
+    def store_chunk(orow, live, nw, base, vals):
+        if live and base + (slots - 1) * threads < nw:
+            for j in range(slots):
+                store_word(orow, base + j * threads, vals, j * width)
+        else:
             for j in range(slots):
                 wi = base + j * threads
                 if live and wi < nw:
                     store_word(orow, wi, vals, j * width)
 
+    return device_function(load_chunk), device_function(store_chunk)
+
+
+@functools.cache
+def _thread_sum(acc_name: str, values: int, keep_exp: bool, count: bool):
+    """Device function ``thread_sum(vals, m) -> (s, included, zsum)``: ``s = sum exp(v - m)``
+    over the thread's values (stored back in ``vals`` with ``keep_exp``, zeros when ``m`` is
+    not finite); with ``count``, the number of values above ``-inf`` and the sum of their
+    ``v - m``."""
+    acc = float64 if acc_name == "float64" else float32
+    exp = exponential(acc_name)
+    neg_inf, zero, one = acc(NEG_INF), acc(0.0), acc(1.0)
+
+    def thread_sum(vals, m):
+        s = zero
+        c = zero
+        z = zero
+        if m > neg_inf and m < POS_INF:
+            for k in range(values):
+                v = vals[k]
+                d = v - m
+                e = exp(d)
+                s += e
+                if count and v > neg_inf:
+                    c += one
+                    z += d
+                if keep_exp:
+                    vals[k] = e
+        elif keep_exp:  # nothing allowed here (or the row is special): no exponentials
+            for k in range(values):
+                vals[k] = zero
+        return s, c, z
+
+    return device_function(thread_sum)
+
+
+@functools.cache
+def _exchange(threads: int, acc_name: str, fields: int):
+    """Device functions for the blocks of a split row: ``publish``, ``wait``, ``gather`` and
+    ``gather_counts`` (see the module docstring)."""
+    acc = float64 if acc_name == "float64" else float32
+    merge = summary_ops(acc_name)[1]
+    pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
+    neg_inf, zero = acc(NEG_INF), acc(0.0)
+
+    def publish(ws, sync, r, c, chunks, m, s, cnt, z, flag):
+        """Write the chunk's summary, count the block in; True in every thread of the block
+        that arrives last at its row."""
+        if cuda.threadIdx.x == 0:
+            k = r * chunks + c
+            ws[0, k] = m
+            ws[1, k] = s
+            if fields == 4:
+                ws[2, k] = cnt
+                ws[3, k] = z
+            cuda.threadfence()  # the summary is visible before the count
+            flag[0] = int32(cuda.atomic.add(sync, r, 1) == chunks - 1)
+        cuda.syncthreads()
+        last = flag[0] != 0
+        if last:
+            cuda.threadfence()
+        return last
+
+    def wait(sync, r, chunks):
+        if cuda.threadIdx.x == 0:
+            while load_acquire(sync, r) < chunks:
+                nanosleep(100)
+            cuda.threadfence()
+        cuda.syncthreads()
+
+    def gather(ws, r, chunks, scratch):
+        """The row's summary ``(M, S)``, in every thread."""
+        m = neg_inf
+        s = zero
+        for k in range(cuda.threadIdx.x, chunks, threads):
+            i = r * chunks + k
+            m, s = merge(m, s, load_l2(ws[0], i), load_l2(ws[1], i))
+        return pair_reduce(m, s, scratch)
+
+    def gather_counts(ws, r, chunks, m, scratch):
+        """The row's included count and sum of ``x - M`` over them (``M`` finite)."""
+        cnt = zero
+        z = zero
+        for k in range(cuda.threadIdx.x, chunks, threads):
+            i = r * chunks + k
+            ck = load_l2(ws[2], i)
+            if ck > zero:
+                cnt += ck
+                z += load_l2(ws[3], i) + ck * (load_l2(ws[0], i) - m)
+        return sum_reduce(cnt, scratch), sum_reduce(z, scratch)
+
+    return (device_function(publish), device_function(wait), device_function(gather),
+            device_function(gather_counts))
+
+
+def _values(kind: str, vector: bool, slots: int) -> int:
+    return slots * word_io(kind, vector)[0]
+
+
+@functools.cache
+def normalize(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
+              rows_per_block: int, split: bool, has_where: bool):
+    """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, ws, sync, phase)`` for softmax or
+    log_softmax over ``[rows, N]`` element arrays; ``nw`` is the row length in words."""
+    acc_name, acc = _acc(kin)
+    is_log = op == "log_softmax"
+    values = _values(kin, vector, slots)
+    load_chunk, _ = _chunk_io(kin, vector, threads, slots, has_where)
+    _, store_chunk = _chunk_io(kout, vector, threads, slots, False)
+    thread_sum = _thread_sum(acc_name, values, not is_log, False)
+    pair_reduce = group_reducers(threads, acc_name)[0]
+    publish, wait, gather, _ = _exchange(threads, acc_name, 2)
+    place = _placement(threads, rows_per_block, split)
+    exp = exponential(acc_name)
+    log = log_f64 if acc_name == "float64" else log_f32
+    nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
+
+    @kernel(threads * rows_per_block, values, acc_name == "float64")
+    def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, ws, sync, phase):
+        ticket = cuda.shared.array(1, int32)
+        scratch = cuda.shared.array(SCRATCH, acc)
+        lane, r, c, live = place(n_rows, chunks, phase == 0, sync, ticket)
+        base = c * (threads * slots) + lane
+        vals = cuda.local.array(values, acc)
+        m_t = load_chunk(x[r], w[r if has_where else 0], live, nw, base, vals)
+        s_t, _, _ = thread_sum(vals, m_t)
+        m, s = pair_reduce(m_t, s_t, scratch)
+        if split:
+            if phase != 2:
+                publish(ws, sync, r, c, chunks, m, s, zero, zero, ticket)
+                if phase == 1:
+                    return
+                wait(sync, r, chunks)
+            m, s = gather(ws, r, chunks, scratch)
+        nan_row = m != m
+        inf_row = m == POS_INF
+        empty = m == neg_inf
+        if is_log:
+            if nan_row or (masked_nan and empty):
+                for k in range(values):
+                    vals[k] = nan
+            elif inf_row:
+                for k in range(values):
+                    vals[k] = nan if vals[k] == POS_INF else neg_inf
+            elif not empty:  # an empty row's values are -inf already
+                log_s = log(s)
+                for k in range(values):
+                    vals[k] = (vals[k] - m) - log_s
+        else:
+            if nan_row or inf_row or (masked_nan and empty):
+                f = nan
+            elif empty or m_t == neg_inf:
+                f = zero
+            else:
+                f = exp(m_t - m) * (one / s)
+            for k in range(values):
+                vals[k] = vals[k] * f  # f is NaN for a NaN or +inf row
+        store_chunk(out[r], live, nw, base, vals)
+
     return row_kernel
 
 
 @functools.cache
-def logsumexp(kin: str, kout: str, vector: bool, threads: int, slots: int,
-              rows_per_block: int, cached: bool):
-    """Kernel ``(x, w, has_where, out, sign, return_sign, n_rows, nw, tiles)``; ``out`` and
-    ``sign`` are ``[rows, 1]``."""
+def reduce(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
+           rows_per_block: int, split: bool, has_where: bool):
+    """Kernel ``(x, w, out, sign, return_sign, n_rows, nw, chunks, ws, sync)``.
+
+    ``op == "logsumexp"``: ``out`` (``[rows, 1]`` of ``kout``) receives ``M + log S`` and
+    ``sign`` its sign.  ``op == "summarize"``: ``out`` and ``sign`` (``[rows, 1]`` in the
+    accumulator dtype) receive the row's maximum and mass (spec "Summaries").
+    """
     acc_name, acc = _acc(kin)
-    _, row_stats = _first_pass(kin, vector, threads, slots, cached, False)
-    width, _, _ = word_io(kin, vector)
-    _, _, store = word_io(kout, False)
-    values = slots * width
+    values = _values(kin, vector, slots)
+    load_chunk, _ = _chunk_io(kin, vector, threads, slots, has_where)
+    thread_sum = _thread_sum(acc_name, values, False, False)
+    pair_reduce = group_reducers(threads, acc_name)[0]
+    publish, _, gather, _ = _exchange(threads, acc_name, 2)
+    place = _placement(threads, rows_per_block, split)
+    store = storer(acc_name if op == SUMMARY else kout)
     log = log_f64 if acc_name == "float64" else log_f32
-    coordinates = _coordinates(threads, rows_per_block)
+    summary = op == SUMMARY
     nan, neg_inf, pos_inf, zero, one = (acc(v) for v in (NAN, NEG_INF, POS_INF, 0.0, 1.0))
 
     @kernel(threads * rows_per_block, values, acc_name == "float64")
-    def row_kernel(x, w, has_where, out, sign, return_sign, n_rows, nw, tiles):
-        lane, r, live = coordinates(n_rows)
-        vals = cuda.local.array(values, acc)
+    def row_kernel(x, w, out, sign, return_sign, n_rows, nw, chunks, ws, sync):
+        flag = cuda.shared.array(1, int32)
         scratch = cuda.shared.array(SCRATCH, acc)
-        m, s, _ = row_stats(x[r], w[r if has_where else 0], has_where, live, nw, lane, tiles,
-                            vals, scratch)
+        lane, r, c, live = place(n_rows, chunks, False, sync, flag)
+        vals = cuda.local.array(values, acc)
+        m_t = load_chunk(x[r], w[r if has_where else 0], live, nw, c * (threads * slots) + lane,
+                         vals)
+        s_t, _, _ = thread_sum(vals, m_t)
+        m, s = pair_reduce(m_t, s_t, scratch)
+        if split:
+            if not publish(ws, sync, r, c, chunks, m, s, zero, zero, flag):
+                return
+            m, s = gather(ws, r, chunks, scratch)
         if live and lane == 0:
-            res = cuda.local.array(2, acc)
-            if m != m:
-                res[0], res[1] = nan, nan
-            elif m == POS_INF:
-                res[0], res[1] = pos_inf, one
-            elif m == neg_inf:
-                res[0], res[1] = neg_inf, zero
+            if summary:
+                if m != m or m == POS_INF:
+                    s = nan
+                elif m == neg_inf:
+                    s = zero
+                store(out[r], 0, m)
+                store(sign[r], 0, s)
             else:
-                res[0], res[1] = m + log(s), one
-            store(out[r], 0, res, 0)
-            if return_sign:
-                store(sign[r], 0, res, 1)
+                if m != m:
+                    res, sg = nan, nan
+                elif m == POS_INF:
+                    res, sg = pos_inf, one
+                elif m == neg_inf:
+                    res, sg = neg_inf, zero
+                else:
+                    res, sg = m + log(s), one
+                store(out[r], 0, res)
+                if return_sign:
+                    store(sign[r], 0, sg)
 
     return row_kernel
 
 
 @functools.cache
 def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
-                  rows_per_block: int, cached: bool, kp: str = ""):
-    """Kernel ``(x, w, has_where, index, probs, scale, loss, grad, has_grad, n_rows, nw, tiles,
-    smoothing, has_ignore, ignore)``.
+                  rows_per_block: int, split: bool, has_where: bool, has_grad: bool,
+                  smooth: bool):
+    """Kernel ``(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, phase,
+    smoothing, has_ignore, ignore)``: the loss of each row against the class ``index[r]``
+    (smoothed by ``smoothing`` when ``smooth``) into ``loss [rows, 1]`` (accumulator dtype)
+    and, with ``has_grad``, ``grad = scale * (softmax(x) - y)`` into ``grad [rows, N]``.
 
-    ``loss`` is ``[rows, 1]`` in the accumulator dtype; ``grad`` (``[rows, W]``) is written
-    when ``has_grad``: ``scale * (softmax(x) - y)`` with ``y`` the (smoothed) target: one-hot
-    of ``index``, or the probabilities ``probs`` (``[rows, N]`` elements of storage ``kp``)
-    when ``kp`` is given.
+    The target's logit is read once per row; the gradient is written from registers with
+    ``y`` the smoothing share only, then the thread that owns the target position rewrites
+    that one element.
     """
     acc_name, acc = _acc(kin)
-    soft = kp != ""
-    load_prob = loader(kp or "float32", acc_name)
-    load_tile, row_stats = _first_pass(kin, vector, threads, slots, cached, False, True)
-    width, _, _ = word_io(kin, vector)
-    _, _, store_word = word_io(kout, vector)
-    _, _, store_loss = word_io(acc_name, False)
-    values = slots * width
-    sum_reduce = group_reducers(threads, acc_name)[1]
+    values = _values(kin, vector, slots)
+    width = word_io(kin, vector)[0]
+    load_chunk, _ = _chunk_io(kin, vector, threads, slots, has_where)
+    _, store_chunk = _chunk_io(kout, vector, threads, slots, False)
+    keep_exp = has_grad and not smooth
+    thread_sum = _thread_sum(acc_name, values, keep_exp, smooth)
+    pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
+    publish, wait, gather, gather_counts = _exchange(threads, acc_name, 4 if smooth else 2)
+    place = _placement(threads, rows_per_block, split)
+    load = loader(kin, acc_name)
+    store = storer(kout)
+    store_loss = storer(acc_name)
     exp = exponential(acc_name)
     log = log_f64 if acc_name == "float64" else log_f32
-    coordinates = _coordinates(threads, rows_per_block)
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
     @kernel(threads * rows_per_block, values, acc_name == "float64")
-    def row_kernel(x, w, has_where, index, probs, scale, loss, grad, has_grad, n_rows, nw,
-                   tiles, smoothing, has_ignore, ignore):
-        lane, r, live = coordinates(n_rows)
-        xr = x[r]
-        pr = probs[r if soft else 0]
-        wr = w[r if has_where else 0]
-        grow = grad[r if has_grad else 0]
-        vals = cuda.local.array(values, acc)
+    def row_kernel(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, phase,
+                   smoothing, has_ignore, ignore):
+        flag = cuda.shared.array(1, int32)
         scratch = cuda.shared.array(SCRATCH, acc)
-        m, s, count = row_stats(xr, wr, has_where, live, nw, lane, tiles, vals, scratch)
-        eps = acc(smoothing)
-        nan_row = m != m
-        inf_row = m == POS_INF
-        empty = m == neg_inf
-        special = nan_row or inf_row
-        shift = zero if (special or empty) else m
-        safe = one if (special or empty) else s
-        inv = one / safe
-        share = eps / (count if count > zero else one)
-        target = index[r] if (live and not soft) else -1
-        valid = live and (soft or not has_ignore or target != ignore)
-        log_s = log(safe)
-        terms = zero  # soft targets: sum of y * log p over y != 0
-        g_scale = scale[0]
-        zsum = zero  # sum of z over the included positions
-        z_t = zero  # the target's z, held by the one thread that loads it
-        for t in range(tiles):
-            base = t * (threads * slots) + lane
-            if not cached:
-                load_tile(xr, wr, has_where, live, nw, base, vals)
-            for j in range(slots):
-                wi = base + j * threads
-                for v in range(width):
-                    k = j * width + v
-                    i = wi * width + v
-                    z = vals[k] - shift
-                    included = live and wi < nw and z > neg_inf
-                    if included:
-                        zsum += z
-                    if i == target:
-                        z_t = z
-                    y = share if included else zero
-                    if soft:
-                        if live and wi < nw:
-                            y += (one - eps) * load_prob(pr, i)
-                            if y != zero:
-                                terms += y * (z - log_s)
-                    elif i == target:
-                        y += one - eps
-                    if has_grad:
-                        g = zero
-                        if not valid:
-                            g = zero
-                        elif special:
-                            g = nan
-                        elif included:
-                            g = (exp(z) * inv - y) * g_scale
-                        vals[k] = g
-                if has_grad and live and wi < nw:
-                    store_word(grow, wi, vals, j * width)
-        if soft:
-            terms = sum_reduce(terms, scratch)
-        else:
-            if eps != zero:
-                zsum = sum_reduce(zsum, scratch)
-            z_t = sum_reduce(z_t, scratch)
-        if live and lane == 0:
-            res = cuda.local.array(1, acc)
-            if not valid:
-                res[0] = zero
-            elif special:
-                res[0] = nan
-            elif soft:
-                res[0] = zero - terms
+        waits = split and has_grad
+        lane, r, c, live = place(n_rows, chunks, waits and phase == 0, sync, flag)
+        xr = x[r]
+        wr = w[r if has_where else 0]
+        base = c * (threads * slots) + lane
+        vals = cuda.local.array(values, acc)
+        m_t = load_chunk(xr, wr, live, nw, base, vals)
+        s_t, c_t, z_t = thread_sum(vals, m_t)
+        m, s = pair_reduce(m_t, s_t, scratch)
+        cnt = zero
+        zsum = zero
+        if smooth and not split:
+            cnt = sum_reduce(c_t, scratch)
+            zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
+        writes_loss = c == 0
+        if split:
+            if smooth:
+                cnt = sum_reduce(c_t, scratch)
+                zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
+            if waits:
+                if phase != 2:
+                    publish(ws, sync, r, c, chunks, m, s, cnt, zsum, flag)
+                    if phase == 1:
+                        return
+                    wait(sync, r, chunks)
             else:
+                if not publish(ws, sync, r, c, chunks, m, s, cnt, zsum, flag):
+                    return
+                writes_loss = True
+            m, s = gather(ws, r, chunks, scratch)
+            if smooth and m > neg_inf and m < POS_INF:
+                cnt, zsum = gather_counts(ws, r, chunks, m, scratch)
+        eps = acc(smoothing)
+        n = nw * width
+        target = index[r] if live else -1
+        valid = live and (not has_ignore or target != ignore)
+        special = m != m or m == POS_INF
+        normal = not special and m > neg_inf
+        log_s = log(s) if normal else zero
+        inv = one / s if normal else zero
+        share = eps / cnt if cnt > zero else eps
+        g_scale = scale[0]
+        in_row = valid and target >= 0 and target < n
+        # the thread whose word holds the target (it rewrites that gradient element)
+        tw = target // width - c * (threads * slots)
+        owns = in_row and tw >= 0 and tw < threads * slots and tw % threads == lane
+        x_t = nan
+        if in_row and (owns or (writes_loss and lane == 0)):
+            x_t = load(xr, target)
+            if has_where:
+                if not wr[target]:
+                    x_t = neg_inf
+        if has_grad:
+            if not valid:
+                for k in range(values):
+                    vals[k] = zero
+            elif special:
+                for k in range(values):
+                    vals[k] = nan
+            elif not normal:
+                for k in range(values):
+                    vals[k] = zero
+            elif smooth:
+                for k in range(values):
+                    v = vals[k]
+                    vals[k] = (exp(v - m) * inv - share) * g_scale if v > neg_inf else zero
+            else:
+                f = zero if m_t == neg_inf else exp(m_t - m) * inv * g_scale
+                for k in range(values):
+                    vals[k] = vals[k] * f
+            store_chunk(grad[r], live, nw, base, vals)
+            if owns and normal and x_t > neg_inf:
+                g = exp(x_t - m) * inv - (one - eps)
+                if smooth:
+                    g -= share
+                store(grad[r], target, g * g_scale)
+        if writes_loss and live and lane == 0:
+            if not valid:
+                res = zero
+            elif special:
+                res = nan
+            else:
+                z = x_t - (m if normal else zero)
                 total = zero
                 if eps != one:
-                    total += (one - eps) * (z_t - log_s)
-                if eps != zero and count > zero:
-                    total += share * (zsum - count * log_s)
-                res[0] = zero - total
-            store_loss(loss[r], 0, res, 0)
-
-    return row_kernel
-
-
-@functools.cache
-def vjp(op: str, kin: str, kc: str, kout: str, threads: int, slots: int, rows_per_block: int,
-        cached: bool):
-    """Kernel ``(y, c, w, has_where, out, n_rows, n, tiles)`` (softmax_vjp, log_softmax_vjp).
-
-    softmax_vjp: ``p * (c - sum(p * c))`` with ``c`` zeroed where ``p == 0`` or excluded;
-    log_softmax_vjp: ``c - exp(logp) * sum(c)`` over allowed positions (``logp > -inf``).
-    Both accumulate in the accumulator dtype of the output dtype.
-    """
-    acc_name, acc = _acc(kout)
-    _, load_y, _ = word_io(kin, False)
-    _, load_c, _ = word_io(kc, False)
-    _, _, store = word_io(kout, False)
-    sum_reduce = group_reducers(threads, acc_name)[1]
-    exp = exponential(acc_name)
-    coordinates = _coordinates(threads, rows_per_block)
-    is_log = op == "log_softmax_vjp"
-    neg_inf, zero = acc(NEG_INF), acc(0.0)
-
-    def load_pair(yr, cr, wr, has_where, live, n, base, ys, cs):
-        part = zero
-        for j in range(slots):
-            i = base + j * threads
-            ys[j] = zero
-            cs[j] = zero
-            if live and i < n:
-                load_y(yr, i, ys, j)
-                load_c(cr, i, cs, j)
-                allowed = True
-                if has_where:
-                    allowed = wr[i]
-                if is_log:
-                    if not allowed or ys[j] == neg_inf:
-                        cs[j] = zero
-                        ys[j] = neg_inf
-                else:
-                    if not allowed:
-                        ys[j] = zero
-                        cs[j] = zero
-                    if ys[j] == zero:
-                        cs[j] = zero  # a zero-probability position contributes nothing
-            part += cs[j] if is_log else ys[j] * cs[j]
-        return part
-
-    load_pair = device_function(load_pair)
-
-    @kernel(threads * rows_per_block, 2 * slots, acc_name == "float64")
-    def row_kernel(y, c, w, has_where, out, n_rows, n, tiles):
-        lane, r, live = coordinates(n_rows)
-        yr = y[r]
-        cr = c[r]
-        wr = w[r if has_where else 0]
-        orow = out[r]
-        ys = cuda.local.array(slots, acc)
-        scratch = cuda.shared.array(SCRATCH, acc)
-        cs = cuda.local.array(slots, acc)
-        total = zero
-        for t in range(tiles):
-            total += load_pair(yr, cr, wr, has_where, live, n, t * (threads * slots) + lane,
-                               ys, cs)
-        total = sum_reduce(total, scratch)
-        for t in range(tiles):
-            base = t * (threads * slots) + lane
-            if not cached:
-                load_pair(yr, cr, wr, has_where, live, n, base, ys, cs)
-            for j in range(slots):
-                i = base + j * threads
-                if live and i < n:
-                    if is_log:
-                        ys[j] = zero if ys[j] == neg_inf else cs[j] - exp(ys[j]) * total
-                    else:
-                        ys[j] = ys[j] * (cs[j] - total)
-                    store(orow, i, ys, j)
-
-    return row_kernel
-
-
-@functools.cache
-def logsumexp_weighted(kin: str, kb: str, kout: str, threads: int, slots: int,
-                       rows_per_block: int):
-    """Kernel ``(x, b, w, has_where, out, sign, return_sign, n_rows, n, tiles)``: ``log |sum b
-    exp(x)|`` and its sign, elements one by one, in the accumulator dtype of ``kout``.
-
-    A zero weight excludes its position; a NaN weight where ``where`` allows makes the row
-    NaN; on a ``+inf`` row the result is ``+inf`` with the sign of the weights at ``+inf``
-    (NaN when they have both signs), as in spec/semantics.md.
-    """
-    acc_name, acc = _acc(kout)
-    load_x = loader(kin, acc_name)
-    load_b = loader(kb, acc_name)
-    _, _, store = word_io(kout, False)
-    merge = summary_ops(acc_name)[1]
-    pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
-    exp = exponential(acc_name)
-    log = log_f64 if acc_name == "float64" else log_f32
-    coordinates = _coordinates(threads, rows_per_block)
-    nan, neg_inf, pos_inf, zero, one = (acc(v) for v in (NAN, NEG_INF, POS_INF, 0.0, 1.0))
-
-    def load_tile(xr, br, wr, has_where, live, n, base, xs, bs, flags):
-        """Load a tile of (x, b) with exclusions applied; count NaN / signed +inf weights."""
-        m = neg_inf
-        seen_nan = False
-        for j in range(slots):
-            i = base + j * threads
-            x = neg_inf
-            b = zero
-            if live and i < n:
-                x = load_x(xr, i)
-                b = load_b(br, i)
-                allowed = not has_where or wr[i]
-                if b != b and allowed:
-                    flags[0] += one  # NaN * exp(x) is NaN, even for x = -inf
-                if b == zero or not allowed:
-                    x = neg_inf  # excluded
-                if x == neg_inf or b != b:
-                    b = zero
-                if x == POS_INF:
-                    if b > zero:
-                        flags[1] += one
-                    elif b < zero:
-                        flags[2] += one
-            xs[j] = x
-            bs[j] = b
-            if x != x:
-                seen_nan = True
-            elif x > m:
-                m = x
-        return nan if seen_nan else m
-
-    load_tile = device_function(load_tile)
-
-    @kernel(threads * rows_per_block, 2 * slots, acc_name == "float64")
-    def row_kernel(x, b, w, has_where, out, sign, return_sign, n_rows, n, tiles):
-        lane, r, live = coordinates(n_rows)
-        xr = x[r]
-        br = b[r]
-        wr = w[r if has_where else 0]
-        xs = cuda.local.array(slots, acc)
-        bs = cuda.local.array(slots, acc)
-        flags = cuda.local.array(3, acc)  # NaN weights, +inf with b > 0, +inf with b < 0
-        flags[0] = zero
-        flags[1] = zero
-        flags[2] = zero
-        scratch = cuda.shared.array(SCRATCH, acc)
-        m = neg_inf
-        s = zero
-        for t in range(tiles):
-            tm = load_tile(xr, br, wr, has_where, live, n, t * (threads * slots) + lane, xs,
-                           bs, flags)
-            ts = zero
-            if tm > neg_inf and tm < POS_INF:
-                for j in range(slots):
-                    if bs[j] == bs[j]:
-                        ts += bs[j] * exp(xs[j] - tm)
-            m, s = merge(m, s, tm, ts)
-        m, s = pair_reduce(m, s, scratch)
-        nan_b = sum_reduce(flags[0], scratch)
-        up = sum_reduce(flags[1], scratch)
-        down = sum_reduce(flags[2], scratch)
-        if live and lane == 0:
-            res = cuda.local.array(2, acc)
-            inf_row = m == POS_INF
-            bad = m != m or nan_b > zero or (inf_row and up > zero and down > zero)
-            if bad:
-                res[0], res[1] = nan, nan
-            elif inf_row:
-                res[0] = pos_inf
-                res[1] = -one if down > zero else one
-            elif m == neg_inf or s == zero:
-                res[0], res[1] = neg_inf, zero
-            else:
-                res[0] = log(abs(s)) + m
-                res[1] = one if s > zero else -one
-            if not return_sign and res[1] < zero:
-                res[0] = nan
-            store(out[r], 0, res, 0)
-            if return_sign:
-                store(sign[r], 0, res, 1)
+                    total += (one - eps) * (z - log_s)
+                if smooth and cnt > zero:
+                    total += share * (zsum - cnt * log_s)
+                res = zero - total
+            store_loss(loss[r], 0, res)
 
     return row_kernel

@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import functools
 
-from numba import float32, float64, int16, int64
+from numba import float32, float64, int16
 from numba.core.types import float16
 
-from .intrinsics import bf16_to_f32, bits_from_f32, device_function, f32_from_bits, f32_to_bf16
+from .intrinsics import (
+    bf16_to_f32,
+    bits_from_f32,
+    device_function,
+    f32_from_bits,
+    f32_to_bf16,
+    f64_from_words,
+    words_from_f64,
+)
+from .wide import load16, pack_bf16, pack_f16, store16, unpack_f16
 
 ACCUMULATOR = {"float16": float32, "bfloat16": float32, "float32": float32, "float64": float64}
 """Storage dtype name -> the numba type the kernels accumulate in."""
@@ -53,50 +62,71 @@ def storer(kind: str):
     return device_function(store)
 
 
-VECTOR_WIDTH = {"float32": 2, "bfloat16": 4}
-"""Values per 8-byte word for the storage dtypes that are loaded and stored as words."""
+VECTOR_WIDTH = {"float64": 2, "float32": 4, "float16": 8, "bfloat16": 8}
+"""Values per 16-byte word for each storage dtype (rows are loaded and stored as words)."""
 
 
 @functools.cache
 def word_io(kind: str, vector: bool):
     """``(width, load_word, store_word)`` for rows of storage ``kind``.
 
-    With ``vector`` (float32 and bfloat16 only), rows are viewed as 8-byte integer words and
-    each load or store moves ``width`` values at once (2 float32 or 4 bfloat16): a warp then
-    reads 256 consecutive bytes per instruction.  Otherwise a word is one element.
-    ``load_word(row, wi, vals, off)`` writes the word's values to ``vals[off:off + width]``
-    in the accumulator type; ``store_word(row, wi, vals, off)`` rounds and stores them.
+    With ``vector``, each load or store moves one 16-byte word of ``width`` values (4 float32,
+    8 bfloat16 or float16, 2 float64), so a warp moves 512 consecutive bytes per instruction;
+    the row must be 16-byte aligned and its length a multiple of ``width``.  Otherwise a word
+    is one element.  ``load_word(row, wi, vals, off)`` writes word ``wi``'s values to
+    ``vals[off:off + width]`` in the accumulator type; ``store_word(row, wi, vals, off)``
+    rounds and stores them.  ``row`` is a row of elements (bfloat16 as int16).
     """
     if vector and kind == "float32":
 
         def load_word(row, wi, vals, off):
-            w = row[wi]
-            vals[off] = f32_from_bits(w & 0xFFFFFFFF)
-            vals[off + 1] = f32_from_bits((w >> 32) & 0xFFFFFFFF)
+            a, b, c, d = load16(row, wi * 4)
+            vals[off] = f32_from_bits(a)
+            vals[off + 1] = f32_from_bits(b)
+            vals[off + 2] = f32_from_bits(c)
+            vals[off + 3] = f32_from_bits(d)
 
         def store_word(row, wi, vals, off):
-            lo = int64(bits_from_f32(float32(vals[off])))
-            hi = int64(bits_from_f32(float32(vals[off + 1])))
-            row[wi] = lo | (hi << 32)
-
-        return 2, device_function(load_word), device_function(store_word)
-    if vector and kind == "bfloat16":
-
-        def load_word(row, wi, vals, off):
-            w = row[wi]
-            vals[off] = f32_from_bits((w << 16) & 0xFFFF0000)
-            vals[off + 1] = f32_from_bits(w & 0xFFFF0000)
-            vals[off + 2] = f32_from_bits((w >> 16) & 0xFFFF0000)
-            vals[off + 3] = f32_from_bits((w >> 32) & 0xFFFF0000)
-
-        def store_word(row, wi, vals, off):
-            b0 = int64(f32_to_bf16(float32(vals[off])))
-            b1 = int64(f32_to_bf16(float32(vals[off + 1])))
-            b2 = int64(f32_to_bf16(float32(vals[off + 2])))
-            b3 = int64(f32_to_bf16(float32(vals[off + 3])))
-            row[wi] = b0 | (b1 << 16) | (b2 << 32) | (b3 << 48)
+            store16(row, wi * 4, bits_from_f32(float32(vals[off])),
+                    bits_from_f32(float32(vals[off + 1])), bits_from_f32(float32(vals[off + 2])),
+                    bits_from_f32(float32(vals[off + 3])))
 
         return 4, device_function(load_word), device_function(store_word)
+    if vector and kind in ("bfloat16", "float16"):
+        bf16 = kind == "bfloat16"
+        pack = pack_bf16 if bf16 else pack_f16
+
+        def load_word(row, wi, vals, off):
+            words = load16(row, wi * 8)
+            for k in range(4):
+                u = words[k]
+                if bf16:  # a bfloat16 is the high half of a float32
+                    vals[off + 2 * k] = f32_from_bits(u << 16)
+                    vals[off + 2 * k + 1] = f32_from_bits(u & 0xFFFF0000)
+                else:
+                    lo, hi = unpack_f16(u)
+                    vals[off + 2 * k] = lo
+                    vals[off + 2 * k + 1] = hi
+
+        def store_word(row, wi, vals, off):
+            store16(row, wi * 8, pack(vals[off], vals[off + 1]),
+                    pack(vals[off + 2], vals[off + 3]), pack(vals[off + 4], vals[off + 5]),
+                    pack(vals[off + 6], vals[off + 7]))
+
+        return 8, device_function(load_word), device_function(store_word)
+    if vector and kind == "float64":
+
+        def load_word(row, wi, vals, off):
+            a, b, c, d = load16(row, wi * 2)
+            vals[off] = f64_from_words(a, b)
+            vals[off + 1] = f64_from_words(c, d)
+
+        def store_word(row, wi, vals, off):
+            lo0, hi0 = words_from_f64(vals[off])
+            lo1, hi1 = words_from_f64(vals[off + 1])
+            store16(row, wi * 2, lo0, hi0, lo1, hi1)
+
+        return 2, device_function(load_word), device_function(store_word)
     acc_name = "float64" if kind == "float64" else "float32"
     load = loader(kind, acc_name)
     store = storer(kind)

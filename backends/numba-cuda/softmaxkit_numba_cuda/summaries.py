@@ -10,7 +10,7 @@ from softmaxkit.dtypes import accumulator_name, lookup
 
 from . import summarykernels
 from .arrays import dummy, empty, kernel_view, launch, library, rows, run
-from .kernels import _layout, _plan, dtype_name
+from .kernels import dtype_name, row_reduce
 
 
 def _contiguous(a: Any, lib: str) -> Any:
@@ -36,20 +36,14 @@ def summarize(*, xp: Any, x: Any, where: Any, values: Any) -> tuple[Any, Any, An
         num = empty(xp, x, (n_rows, values.shape[-1]), acc)
     if n_rows == 0:
         return m, mass, num
-    xr = rows(x, lib)
-    vector, width, (xv,) = _layout(lib, kin, kin, [xr])
-    p = _plan(n // width, kin, width)
-    w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
-    kernel = summarykernels.summarize(kin, vector, p.threads, p.slots, p.rows_per_block,
-                                      p.cached)
-    mv = kernel_view(m.reshape(n_rows, 1), lib)
-    with launch(x, lib) as stream:
-        run(kernel, p.grid(n_rows), p.block, stream, xv, w, where is not None, mv,
-            kernel_view(mass.reshape(n_rows, 1), lib), n_rows, n // width, p.tiles)
-        if num is not None and num.shape[-1] > 0:
-            vv = kernel_view(_contiguous(values, lib), lib)
+    row_reduce("summarize", xp, x, where, m, mass, True)
+    if num is not None and num.shape[-1] > 0:
+        xr = rows(x, lib)
+        w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
+        with launch(x, lib) as stream:
             run(summarykernels.numerators(kin), n_rows, 128, stream, kernel_view(xr, lib), w,
-                where is not None, vv, mv, kernel_view(num, lib), n)
+                where is not None, kernel_view(_contiguous(values, lib), lib),
+                kernel_view(m.reshape(n_rows, 1), lib), kernel_view(num, lib), n)
     return m, mass, num
 
 

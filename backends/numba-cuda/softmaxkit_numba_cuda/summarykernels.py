@@ -1,4 +1,6 @@
-"""Online-softmax summaries on the GPU: ``summarize`` rows and ``merge`` summaries exactly.
+"""Online-softmax summaries on the GPU: the numerators of ``summarize`` and the exact
+``merge`` of summaries (the maxima and masses of ``summarize`` come from
+:func:`.rowkernels.reduce`).
 
 A summary of a row's allowed logits is ``(max, mass, numerator)`` with
 ``mass = sum(exp(x - max))`` and ``numerator = sum(exp(x - max) * values)`` in the accumulator
@@ -13,39 +15,9 @@ from __future__ import annotations
 import functools
 
 from .intrinsics import NAN, NEG_INF, POS_INF, cuda, device_function, kernel
-from .reductions import SCRATCH, exponential
-from .rowkernels import _acc, _coordinates, _first_pass
-from .storage import VECTOR_WIDTH, loader
-
-
-@functools.cache
-def summarize(kin: str, vector: bool, threads: int, slots: int, rows_per_block: int,
-              cached: bool):
-    """Kernel ``(x, w, has_where, maxes, masses, n_rows, nw, tiles)``; outputs ``[rows, 1]``."""
-    acc_name, acc = _acc(kin)
-    _, row_stats = _first_pass(kin, vector, threads, slots, cached, False)
-    width = VECTOR_WIDTH[kin] if vector else 1
-    values = slots * width
-    coordinates = _coordinates(threads, rows_per_block)
-    nan, zero = acc(NAN), acc(0.0)
-
-    @kernel(threads * rows_per_block, values, acc_name == "float64")
-    def row_kernel(x, w, has_where, maxes, masses, n_rows, nw, tiles):
-        lane, r, live = coordinates(n_rows)
-        vals = cuda.local.array(values, acc)
-        scratch = cuda.shared.array(SCRATCH, acc)
-        m, s, _ = row_stats(x[r], w[r if has_where else 0], has_where, live, nw, lane, tiles,
-                            vals, scratch)
-        if live and lane == 0:
-            maxes[r, 0] = m
-            if m != m or m == POS_INF:
-                masses[r, 0] = nan
-            elif m == NEG_INF:
-                masses[r, 0] = zero
-            else:
-                masses[r, 0] = s
-
-    return row_kernel
+from .reductions import exponential
+from .rowkernels import _acc
+from .storage import loader
 
 
 @functools.cache

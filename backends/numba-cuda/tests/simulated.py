@@ -23,11 +23,13 @@ import numpy as np
 
 ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
            "log_softmax_vjp")
-SUMMARY_OPS = ("summarize", "merge")
-PLANS = {"32,2": ("float32", "bfloat16"), "64,1": ("float32", "bfloat16"),
-         "16,2": ("float32",)}
-"""Forced "threads,slots" and the dtypes they run: on rows of 152 each takes several tiles
-per row; a warp per row, a block of two warps per row, two rows per warp."""
+SUMMARY_OPS = ("summarize", "merge", "merge_attention")
+PLAN_OPS = ROW_OPS + ("cross_entropy_hard", "summarize")
+PLANS = {"64,1": (600, ("float32", "bfloat16")), "64,2": (302, ("float64", "float32")),
+         "8,2": (40, ("float32", "bfloat16"))}
+"""Forced "threads,slots" -> (row length, dtypes): rows split across 2-3 blocks (16-byte
+words, and for float32 rows of 302 elements, which are read element by element), and groups
+of 8 threads holding a short row each."""
 
 
 def emit(**record: object) -> None:
@@ -42,17 +44,17 @@ def kit(dtypes: list[str]) -> None:
         emit(id=f"{r.case}[{r.dtype}]", status=r.status, message=r.message[:500])
 
 
-def _inputs(rng: np.random.Generator, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+def _inputs(rng: np.random.Generator, dtype: str, n: int) -> tuple[np.ndarray, np.ndarray]:
     import array_api_compat.numpy as xp
 
     from softmaxkit.dtypes import lookup
 
-    x = rng.normal(scale=5.0, size=(6, 152))
+    x = rng.normal(scale=5.0, size=(6, n))
     x[1, 7] = np.nan
     x[2, 3] = np.inf
     x[3, :] = -np.inf
     x[4, ::2] = -np.inf
-    where = rng.random((6, 152)) < 0.8
+    where = rng.random((6, n)) < 0.8
     where[5, :] = False
     return x.astype(lookup(xp, dtype)), where
 
@@ -71,44 +73,56 @@ def _compare(got: np.ndarray, expected: np.ndarray, dtype: str) -> None:
     np.testing.assert_allclose(got[fin], expected[fin], rtol=rtol * 16, atol=atol * 16)
 
 
-def plans() -> None:
+def _outputs(op: str, backend: str, x: np.ndarray, where: np.ndarray, target: np.ndarray,
+             cot: np.ndarray) -> list:
     import softmaxkit as sk
 
+    n = x.shape[-1]
+    if op in ("softmax", "log_softmax"):
+        fn = getattr(sk, op)
+        return [fn(x, axis=-1, where=where, backend=backend),
+                fn(x, axis=-1, masked="nan", backend=backend)]
+    if op == "logsumexp":
+        return list(sk.logsumexp(x, axis=-1, return_sign=True, where=where, backend=backend))
+    if op == "summarize":
+        s = sk.summarize(x, axis=-1, where=where, backend=backend)
+        return [s.max, s.mass]
+    if op.startswith("cross_entropy"):
+        xf = np.where(np.isfinite(x.astype(np.float64)), x, 0).astype(x.dtype)
+        allowed = where | (np.arange(n) == target[:, None])
+        with sk.backend_opts(prioritize=backend):
+            if op == "cross_entropy":  # smoothed, masked, with gradient
+                return list(sk.cross_entropy(
+                    xf, target, reduction="none", ignore_index=-1, label_smoothing=0.1,
+                    where=allowed, return_grad=True, backend=backend))
+            # plain targets: the gradient written from the kept exponentials, and the
+            # loss alone (the last block of a row writes it)
+            loss, grad = sk.cross_entropy(xf, target, reduction="none", ignore_index=-1,
+                                          return_grad=True, backend=backend)
+            alone = sk.cross_entropy(x, target, reduction="none", ignore_index=-1,
+                                     backend=backend)
+            return [loss, grad, alone]
+    primal = (sk.softmax if op == "softmax_vjp" else sk.log_softmax)(
+        x, axis=-1, where=where, backend="reference")
+    fn = getattr(sk, op)
+    with sk.backend_opts(prioritize=backend):
+        return [fn(primal, cot, axis=-1, where=where)]
+
+
+def plans() -> None:
     rng = np.random.default_rng(7)
-    for forced, dtypes in PLANS.items():
+    for forced, (n, dtypes) in PLANS.items():
         os.environ["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = forced
         for dtype in dtypes:
-            x, where = _inputs(rng, dtype)
-            target = rng.integers(0, 152, size=6)
+            x, where = _inputs(rng, dtype, n)
+            target = rng.integers(0, n, size=6)
             target[0] = -1
             cot = rng.normal(size=x.shape).astype(x.dtype)
-            for op in ROW_OPS:
+            for op in PLAN_OPS:
                 rid = f"plan[{forced}]-{op}[{dtype}]"
                 try:
-                    outs = {}
-                    for backend in ("numba-cuda", "reference"):
-                        if op in ("softmax", "log_softmax"):
-                            fn = getattr(sk, op)
-                            outs[backend] = [fn(x, axis=-1, where=where, backend=backend),
-                                             fn(x, axis=-1, masked="nan", backend=backend)]
-                        elif op == "logsumexp":
-                            lse, sign = sk.logsumexp(x, axis=-1, return_sign=True,
-                                                     where=where, backend=backend)
-                            outs[backend] = [lse, sign]
-                        elif op == "cross_entropy":
-                            xf = np.where(np.isfinite(x.astype(np.float64)), x, 0).astype(x.dtype)
-                            with sk.backend_opts(prioritize=backend):
-                                outs[backend] = list(sk.cross_entropy(
-                                    xf, target, reduction="none", ignore_index=-1,
-                                    label_smoothing=0.1, where=where | (np.arange(152) ==
-                                                                         target[:, None]),
-                                    return_grad=True, backend=backend))
-                        else:
-                            primal = (sk.softmax if op == "softmax_vjp" else sk.log_softmax)(
-                                x, axis=-1, where=where, backend="reference")
-                            fn = getattr(sk, op)
-                            with sk.backend_opts(prioritize=backend):
-                                outs[backend] = [fn(primal, cot, axis=-1, where=where)]
+                    outs = {b: _outputs(op, b, x, where, target, cot)
+                            for b in ("numba-cuda", "reference")}
                     for got, expected in zip(outs["numba-cuda"], outs["reference"], strict=True):
                         _compare(got, expected, dtype)
                     emit(id=rid, status="passed", message="")

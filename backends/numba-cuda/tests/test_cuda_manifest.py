@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -32,15 +33,19 @@ def test_entry_point_names_the_manifest():
 def test_manifest_serves_cuda_row_operations(monkeypatch):
     monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
     m = manifest()
-    rows, summarize, merge = m["serves"]
+    rows, summarize, merge, merge_attention = m["serves"]
     for entry in m["serves"]:
         assert entry["devices"] == ["cuda"]
-    assert set(rows["dtypes"]) == set(summarize["dtypes"]) == {
-        "float16", "bfloat16", "float32", "float64"}
+    assert set(rows["dtypes"]) == set(summarize["dtypes"]) == set(merge_attention["dtypes"]) \
+        == {"float16", "bfloat16", "float32", "float64"}
     assert merge["dtypes"] == ["float32", "float64"]  # summaries are in the accumulator dtype
     served = {op for entry in m["serves"] for op in entry["ops"]}
     assert set(m["kernels"]) == served
-    assert "attention" not in m["kernels"]
+    assert "merge_attention" in served
+    # declined, and said so in the manifest's docstring
+    for op in ("attention", "attention_vjp", "merge_attention_vjp"):
+        assert op not in m["kernels"]
+        assert op in importlib.import_module("softmaxkit_numba_cuda.manifest").__doc__
 
 
 def _call(op, device, **args):
@@ -55,24 +60,32 @@ def test_can_run_declines_host_arrays_without_the_simulator(monkeypatch):
     assert can_run(_call("softmax", "cpu", x=np.zeros((2, 3)))) is True
 
 
-@pytest.mark.parametrize("n", [0, 1, 31, 33, 128, 512, 513, 4096, 8192, 32768, 32769, 524288])
-@pytest.mark.parametrize("max_slots", [32, 16, 8])
-def test_plans_cover_every_row(n, max_slots):
-    p = plan.choose(n, max_slots=max_slots)
-    assert p.threads * p.slots * p.tiles >= n
-    assert (p.threads % 32 == 0 or p.threads in (8, 16)) and p.block <= 1024
-    if n <= 32 * min(16, max_slots):
-        assert p.threads <= 32 and p.cached  # a warp (or part of one) per row, read once
-    elif n <= 1024 * max_slots:
-        assert p.rows_per_block == 1 and p.cached and p.slots <= max_slots
-    else:
-        assert not p.cached and p.slots <= max_slots
+@pytest.mark.parametrize("n", [0, 1, 3, 31, 33, 128, 512, 513, 1024, 4096, 8192, 32768, 131072])
+@pytest.mark.parametrize("slots", [1, 2, 4, 16])
+def test_plans_cover_every_row(n, slots):
+    p = plan.choose(n, slots)
+    assert p.threads * p.slots * p.chunks >= max(n, 1)
+    assert p.threads & (p.threads - 1) == 0 and p.block <= 1024 and p.slots == slots
+    if n <= 32 * slots:  # a warp or part of one per row, read once
+        assert p.threads <= 32 and p.chunks == 1
+        assert p.threads == 1 or (p.threads // 2) * slots < n  # no more threads than needed
+    elif n <= plan.BLOCK * slots:
+        assert p.rows_per_block == 1 and p.chunks == 1
+    else:  # split across blocks of BLOCK threads, each chunk but the last full
+        assert p.threads == plan.BLOCK and p.split
+        assert (p.chunks - 1) * p.chunk_words < n
+        assert p.grid(10) == 10 * p.chunks
 
 
 def test_plan_override(monkeypatch):
     monkeypatch.setenv(plan.OVERRIDE, "64,2")
-    p = plan.choose(1000)
-    assert (p.threads, p.slots, p.tiles) == (64, 2, 8)
+    p = plan.choose(1000, 4)
+    assert (p.threads, p.slots, p.chunks) == (64, 2, 8)
+    monkeypatch.setenv(plan.OVERRIDE, "8,2")
+    assert plan.choose(16, 4).threads == 8  # a short row: groups of 8 threads
+    assert plan.choose(1000, 4).threads == 64  # a split row needs blocks of 64 threads or more
     with pytest.raises(ValueError):
         plan.make(48, 2, 10)
-    assert plan.make(16, 2, 10).rows_per_block == 16  # two rows per warp
+    with pytest.raises(ValueError):
+        plan.make(32, 2, 100)  # a warp cannot hold a chunk of a split row
+    assert plan.make(16, 2, 10).rows_per_block == 16

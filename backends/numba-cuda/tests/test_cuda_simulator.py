@@ -19,14 +19,14 @@ from softmaxkit.testing import cases
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from simulated import PLANS, ROW_OPS, SUMMARY_OPS  # noqa: E402
+from simulated import PLAN_OPS, PLANS, ROW_OPS, SUMMARY_OPS  # noqa: E402
 
 sys.path.remove(str(HERE))
 
 JOBS = (("kit", "float32,float64"), ("kit", "float16,bfloat16"), ("plans",))
 KIT_IDS = [f"{c.name}[{c.dtype}]" for c in cases(target="numpy", ops=ROW_OPS + SUMMARY_OPS)]
-PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p, dtypes in PLANS.items() for d in dtypes
-            for op in ROW_OPS]
+PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p, (_, dtypes) in PLANS.items() for d in dtypes
+            for op in PLAN_OPS]
 
 
 @pytest.fixture(scope="module")

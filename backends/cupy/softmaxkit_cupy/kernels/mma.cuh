@@ -67,8 +67,12 @@ template <> struct SkMma<__half> {
 
 // A [rows x D] tile of 16-bit values in shared memory, row-major with the 16-byte chunks of
 // row r permuted by c ^ (r % 8), so the eight rows one ldmatrix reads hit distinct banks.
+// Rows of fewer than eight chunks (D < 64) share a 128-byte line with their neighbours, so
+// the permutation follows the line index instead.
 template <int D> __device__ __forceinline__ int sk_swz(int r, int col) {
-    return r * D + ((((col >> 3) ^ (r & 7))) << 3) + (col & 7);
+    constexpr int CH = D / 8;
+    const int perm = CH >= 8 ? (r & 7) : ((r / (8 / CH)) & (CH - 1));
+    return r * D + ((((col >> 3) ^ perm)) << 3) + (col & 7);
 }
 
 // Copy rows [0, ROWS) of a tile (row stride ld elements) into shared memory; rows at or
@@ -102,6 +106,16 @@ __device__ __forceinline__ void sk_frag_b(unsigned (&b)[4], const void* tile, in
     const int r = n0 + (lane & 7) + (lane >> 4) * 8;
     const int c = k0 + ((lane >> 3) & 1) * 8;
     sk_ldmatrix_x4(b, static_cast<const unsigned short*>(tile) + sk_swz<D>(r, c));
+}
+
+// An A fragment (rows m0..m0+15, columns k0..k0+15) of a matrix stored transposed, as a
+// [k x m] tile, through the transposing ldmatrix (e.g. dS from a tile of dS^T).
+template <int W>
+__device__ __forceinline__ void sk_frag_at(unsigned (&a)[4], const void* tile, int k0, int m0) {
+    const int lane = threadIdx.x & 31;
+    const int r = k0 + (lane & 7) + (lane >> 4) * 8;
+    const int c = m0 + ((lane >> 3) & 1) * 8;
+    sk_ldmatrix_x4_trans(a, static_cast<const unsigned short*>(tile) + sk_swz<W>(r, c));
 }
 
 // B fragments of two n-blocks (columns n0..n0+15) from a [k x n] tile (e.g. values, k = key),

@@ -1,0 +1,340 @@
+// Attention backward on tensor cores (FlashAttention-2 order), recomputing the probabilities
+// from the forward's lse:
+//
+//   P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - D) with D = rowsum(dO * O)
+//   (times 1 - tanh^2 under softcap), dK = scale dS^T Q, dQ = scale dS K.
+//
+// sk_attn_bwd_pre writes, per query row, lse in log2 units (+inf for a row with no allowed
+// key, so its P is exactly 0) and D, both padded to whole query tiles.  sk_attn_bwd runs one
+// block per BN = 16 * WARPS keys of one (batch, key head): the K and V tiles stay in shared
+// memory while the query tiles of every query head of the group stream through a two-stage
+// cp.async pipeline; warp w owns keys [16 w, 16 w + 16) and accumulates their dK and dV in
+// registers (float32), so dK and dV are summed over the group without atomics.  dS goes
+// through shared memory once per tile to form dQ's partial product, added into a float32
+// buffer with vector reductions; sk_attn_bwd_dq scales it and rounds it to the input dtype.
+#include "mma.cuh"
+
+#define SK_LOG2E 1.4426950408889634f
+
+__device__ __forceinline__ float sk_ex2(float x) {
+    float y;  // one MUFU op; -inf gives +0 and tiny results flush to 0
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ void sk_red_add2(float* p, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+
+// One group of D / 8 threads per row of [B * Hq, lq_pad]: lse2 = lse * log2 e (+inf where lse
+// is -inf or the row is padding), delta = sum(dO * O) (0 there).
+template <typename T, int D>
+__global__ void __launch_bounds__(256) sk_attn_bwd_pre(
+    const T* __restrict__ out, const T* __restrict__ dout, const float* __restrict__ lse,
+    float* __restrict__ lse2, float* __restrict__ delta, long long o_sb, long long o_sh,
+    long long o_sl, long long g_sb, long long g_sh, long long g_sl, int hq, int lq,
+    int lq_pad, long long rows) {
+    constexpr int G = D / 8;
+    const long long r = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) / G;
+    const int c = threadIdx.x % G;
+    const bool live = r < rows;
+    const long long bh = live ? r / lq_pad : 0;
+    const int i = live ? static_cast<int>(r % lq_pad) : 0;
+    const int b = static_cast<int>(bh / hq), h = static_cast<int>(bh % hq);
+    const bool row = live && i < lq;
+    float l = SK_INF, acc = 0.0f;
+    if (row) l = lse[bh * lq + i];
+    if (row && l != -SK_INF) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(out + b * o_sb + h * o_sh + i * o_sl + c * 8);
+        const uint4 gv = *reinterpret_cast<const uint4*>(dout + b * g_sb + h * g_sh + i * g_sl + c * 8);
+        const T* op = reinterpret_cast<const T*>(&ov);
+        const T* gp = reinterpret_cast<const T*>(&gv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc += sk_to_float(op[e]) * sk_to_float(gp[e]);
+    }
+#pragma unroll
+    for (int off = G / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (live && c == 0) {
+        const bool empty = !row || l == -SK_INF;
+        lse2[r] = empty ? SK_INF : l * SK_LOG2E;
+        delta[r] = empty ? 0.0f : acc;
+    }
+}
+
+// dq [B, Hq, Lq, D] (contiguous) = scale * acc [B, Hq, lq_pad, D]; 8 elements per thread.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) sk_attn_bwd_dq(
+    const float* __restrict__ acc, T* __restrict__ dq, float scale, int lq, int lq_pad,
+    long long chunks) {
+    const long long c = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
+    if (c >= chunks) return;
+    const long long e = c * 8, row = e / D;
+    const long long bh = row / lq, i = row % lq;
+    const float* src = acc + (bh * lq_pad + i) * D + e % D;
+    const float4 a = *reinterpret_cast<const float4*>(src);
+    const float4 b = *reinterpret_cast<const float4*>(src + 4);
+    uint4 o;
+    o.x = SkMma<T>::pack(a.x * scale, a.y * scale);
+    o.y = SkMma<T>::pack(a.z * scale, a.w * scale);
+    o.z = SkMma<T>::pack(b.x * scale, b.y * scale);
+    o.w = SkMma<T>::pack(b.z * scale, b.w * scale);
+    *reinterpret_cast<uint4*>(dq + e) = o;
+}
+
+// The main backward kernel: block (key tile, key head, batch), BN = 16 * WARPS keys, query
+// tiles of BM rows.  Shared memory: K, V [BN x D]; Q, dO [2][BM x D]; dS^T [BN x BM];
+// lse2, delta [2][BM] (float).
+template <typename T, int D, int WARPS, int BM>
+__global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const unsigned char* __restrict__ mask,
+    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    T* __restrict__ dk, T* __restrict__ dv, long long q_sb, long long q_sh, long long q_sl,
+    long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
+    long long v_sl, long long g_sb, long long g_sh, long long g_sl, long long m_sb,
+    long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
+    int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
+    constexpr int BN = 16 * WARPS;
+    constexpr int THREADS = WARPS * 32;
+    constexpr int NB = BM / 8;   // n-blocks of S^T (query columns)
+    constexpr int DB = D / 8;    // n-blocks of dK, dV
+    constexpr int DK = D / 16;   // k-slices of the head dimension
+    // dQ's [BM x D] partial product: WM x WN warps, each 16 rows x D / WN columns, computed
+    // in passes of at most 64 columns (32 accumulators)
+    constexpr int WM = BM / 16;
+    constexpr int WN = WARPS / WM;
+    constexpr int QCOLS = D / WN;
+    constexpr int PCOLS = QCOLS < 64 ? QCOLS : 64;
+    static_assert(WARPS % WM == 0 && QCOLS % PCOLS == 0 && PCOLS % 16 == 0, "dQ warp layout");
+    typedef SkMma<T> Mma;
+    extern __shared__ __align__(16) unsigned char sk_smem[];
+    T* sk = reinterpret_cast<T*>(sk_smem);
+    T* sv = sk + BN * D;
+    T* sq = sv + BN * D;       // 2 stages
+    T* sg = sq + 2 * BM * D;   // dO, 2 stages
+    T* sds = sg + 2 * BM * D;  // dS^T
+    float* sl = reinterpret_cast<float*>(sds + BN * BM);  // lse2, 2 stages
+    float* sd = sl + 2 * BM;                               // delta, 2 stages
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int n0 = blockIdx.x * BN, kh = blockIdx.y, b = blockIdx.z;
+    const int group = hq / hk;
+    const T* kb = k + b * k_sb + kh * k_sh + static_cast<long long>(n0) * k_sl;
+    const T* vb = v + b * v_sb + kh * v_sh + static_cast<long long>(n0) * v_sl;
+
+    // query rows any key of this tile may be seen by
+    int m_lo = 0, m_hi = lq;
+    {
+        const int last = min(n0 + BN, lk) - 1;
+        if (causal) m_lo = max(m_lo, n0 - offset);
+        if (right >= 0) m_lo = max(m_lo, n0 - offset - right);
+        if (left >= 0) m_hi = min(m_hi, last + left - offset + 1);
+    }
+    const int t_lo = m_lo / BM;
+    const int tiles = m_hi > m_lo ? (m_hi + BM - 1) / BM - t_lo : 0;
+    const int total = group * tiles;
+
+    auto load_stage = [&](int it, int st) {
+        const int h = kh * group + it / tiles;
+        const int m0 = (t_lo + it % tiles) * BM;
+        const long long qo = b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
+        const long long go = b * g_sb + h * g_sh + static_cast<long long>(m0) * g_sl;
+        sk_load_tile<T, BM, D, THREADS>(sq + st * BM * D, q + qo, q_sl, lq - m0);
+        sk_load_tile<T, BM, D, THREADS>(sg + st * BM * D, dout + go, g_sl, lq - m0);
+        const long long ro = (static_cast<long long>(b) * hq + h) * lq_pad + m0;
+        for (int c = threadIdx.x; c < BM / 2; c += THREADS) {  // BM / 4 chunks of each
+            const bool is_l = c < BM / 4;
+            const int cc = is_l ? c : c - BM / 4;
+            float* dst = (is_l ? sl : sd) + st * BM + 4 * cc;
+            sk_cp_async16(dst, (is_l ? lse2 : delta) + ro + 4 * cc, true);
+        }
+    };
+
+    float dk_acc[DB][4], dv_acc[DB][4];
+#pragma unroll
+    for (int i = 0; i < DB; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[i][e] = dv_acc[i][e] = 0.0f;
+    }
+    const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
+    const int w0 = warp * 16;  // this warp's first key in the tile
+
+    if (total > 0) {
+        sk_load_tile<T, BN, D, THREADS>(sk, kb, k_sl, lk - n0);
+        sk_load_tile<T, BN, D, THREADS>(sv, vb, v_sl, lk - n0);
+        load_stage(0, 0);
+    }
+    sk_cp_async_commit();
+
+    for (int it = 0; it < total; ++it) {
+        const int st = it & 1;
+        if (it + 1 < total) load_stage(it + 1, st ^ 1);
+        sk_cp_async_commit();
+        sk_cp_async_wait<1>();  // this stage (and, the first time, K and V) has landed
+        __syncthreads();
+        const int h = kh * group + it / tiles;
+        const int m0 = (t_lo + it % tiles) * BM;
+        const T* sqs = sq + st * BM * D;
+        const T* sgs = sg + st * BM * D;
+
+        // dP^T = V_w dO^T and S^T = K_w Q^T: 16 keys x BM queries per warp
+        float dp[NB][4], s[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] = 0.0f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) {
+            unsigned af[4];
+            sk_frag_a<D>(af, sv, w0, kk * 16);
+#pragma unroll
+            for (int nb = 0; nb < NB; nb += 2) {
+                unsigned bf[4];
+                sk_frag_b<D>(bf, sgs, nb * 8, kk * 16);
+                Mma::run(dp[nb], af, bf[0], bf[1]);
+                Mma::run(dp[nb + 1], af, bf[2], bf[3]);
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) {
+            unsigned af[4];
+            sk_frag_a<D>(af, sk, w0, kk * 16);
+#pragma unroll
+            for (int nb = 0; nb < NB; nb += 2) {
+                unsigned bf[4];
+                sk_frag_b<D>(bf, sqs, nb * 8, kk * 16);
+                Mma::run(s[nb], af, bf[0], bf[1]);
+                Mma::run(s[nb + 1], af, bf[2], bf[3]);
+            }
+        }
+
+        // scores in log2 units (softcapped: softcap tanh(s / softcap)), exclusions as -inf
+        const float* sls = sl + st * BM;
+        const float* sdl = sd + st * BM;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[nb][e] * qk_scale;
+                if (softcap > 0.0f) x = softcap * tanhf(x / softcap) * SK_LOG2E;
+                s[nb][e] = x;
+            }
+        }
+        const bool edge = n0 + BN > lk || (causal && n0 + BN - 1 > m0 + offset) ||
+                          (right >= 0 && n0 + BN - 1 > m0 + offset + right) ||
+                          (left >= 0 && n0 < m0 + BM - 1 + offset - left) || mask != nullptr;
+        if (edge) {
+            const unsigned char* mh = mask ? mask + b * m_sb + h * m_sh : nullptr;
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = m0 + nb * 8 + 2 * t + (e & 1);
+                    const int j = n0 + w0 + g + (e >= 2 ? 8 : 0);
+                    const int dg = i + offset;
+                    bool ok = j < lk && (!causal || j <= dg) && (left < 0 || j >= dg - left) &&
+                              (right < 0 || j <= dg + right);
+                    if (ok && mh && i < lq) ok = mh[i * m_sq + j * m_sk] != 0;
+                    if (!ok) s[nb][e] = -SK_INF;
+                }
+            }
+        }
+        // P^T = exp2(S^T - lse2) and dS^T = P^T (dP^T - delta), times 1 - tanh^2 under
+        // softcap (tanh clamped so excluded scores, -inf, give 0, not 0 * inf)
+        const float th_scale = softcap > 0.0f ? 1.0f / (softcap * SK_LOG2E) : 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int ci = nb * 8 + 2 * t + (e & 1);  // query column in the tile
+                const float p = sk_ex2(s[nb][e] - sls[ci]);
+                const float th = fmaxf(s[nb][e] * th_scale, -1.0f);
+                s[nb][e] = p;
+                dp[nb][e] = p * (dp[nb][e] - sdl[ci]) * (1.0f - th * th);
+            }
+        }
+
+        // dV_w += P^T dO and dK_w += dS^T Q (k = the tile's queries)
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+            unsigned pa[4], da[4];
+            pa[0] = Mma::pack(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = Mma::pack(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = Mma::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = Mma::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            da[0] = Mma::pack(dp[2 * kk][0], dp[2 * kk][1]);
+            da[1] = Mma::pack(dp[2 * kk][2], dp[2 * kk][3]);
+            da[2] = Mma::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            da[3] = Mma::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+#pragma unroll
+            for (int db = 0; db < DB; db += 2) {
+                unsigned bf[4];
+                sk_frag_bt<D>(bf, sgs, kk * 16, db * 8);
+                Mma::run(dv_acc[db], pa, bf[0], bf[1]);
+                Mma::run(dv_acc[db + 1], pa, bf[2], bf[3]);
+                sk_frag_bt<D>(bf, sqs, kk * 16, db * 8);
+                Mma::run(dk_acc[db], da, bf[0], bf[1]);
+                Mma::run(dk_acc[db + 1], da, bf[2], bf[3]);
+            }
+            // dS^T to shared memory ([key][query]) for dQ
+            *reinterpret_cast<unsigned*>(sds + sk_swz<BM>(w0 + g, kk * 16 + 2 * t)) = da[0];
+            *reinterpret_cast<unsigned*>(sds + sk_swz<BM>(w0 + g + 8, kk * 16 + 2 * t)) = da[1];
+            *reinterpret_cast<unsigned*>(sds + sk_swz<BM>(w0 + g, kk * 16 + 8 + 2 * t)) = da[2];
+            *reinterpret_cast<unsigned*>(sds + sk_swz<BM>(w0 + g + 8, kk * 16 + 8 + 2 * t)) =
+                da[3];
+        }
+        __syncthreads();
+
+        // dQ[BM x D] += dS K (unscaled), added into the float32 buffer
+        {
+            const int wm = warp % WM, wn = warp / WM;
+            float* qrow = dq_acc + ((static_cast<long long>(b) * hq + h) * lq_pad + m0 +
+                                    wm * 16 + g) * D;
+#pragma unroll
+            for (int pass = 0; pass < QCOLS / PCOLS; ++pass) {
+                const int c0 = wn * QCOLS + pass * PCOLS;
+                float acc[PCOLS / 8][4];
+#pragma unroll
+                for (int i = 0; i < PCOLS / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk) {
+                    unsigned af[4];
+                    sk_frag_at<BM>(af, sds, kk * 16, wm * 16);
+#pragma unroll
+                    for (int nb = 0; nb < PCOLS / 8; nb += 2) {
+                        unsigned bf[4];
+                        sk_frag_bt<D>(bf, sk, kk * 16, c0 + nb * 8);
+                        Mma::run(acc[nb], af, bf[0], bf[1]);
+                        Mma::run(acc[nb + 1], af, bf[2], bf[3]);
+                    }
+                }
+#pragma unroll
+                for (int nb = 0; nb < PCOLS / 8; ++nb) {
+                    const int col = c0 + nb * 8 + 2 * t;
+                    sk_red_add2(qrow + col, acc[nb][0], acc[nb][1]);
+                    sk_red_add2(qrow + 8 * D + col, acc[nb][2], acc[nb][3]);
+                }
+            }
+        }
+    }
+    sk_cp_async_wait<0>();
+
+    // dK (scaled) and dV of this warp's keys; keys of a tile no query sees get zeros
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = n0 + w0 + g + 8 * r;
+        if (j < lk) {
+            const long long base = ((static_cast<long long>(b) * hk + kh) * lk + j) * D;
+#pragma unroll
+            for (int db = 0; db < DB; ++db) {
+                const int col = db * 8 + 2 * t;
+                *reinterpret_cast<unsigned*>(dk + base + col) =
+                    Mma::pack(dk_acc[db][2 * r] * scale, dk_acc[db][2 * r + 1] * scale);
+                *reinterpret_cast<unsigned*>(dv + base + col) =
+                    Mma::pack(dv_acc[db][2 * r], dv_acc[db][2 * r + 1]);
+            }
+        }
+    }
+}

@@ -1,0 +1,107 @@
+"""Compile the backend's hot kernels to PTX for sm_90 and report what the compiler made of
+them, without a GPU: registers, spills and stack frame (``ptxas -v`` under the kernel's
+register cap), local-memory accesses, and the width of the global loads and stores.
+
+Needs numba-cuda's NVVM and NVRTC libraries and ``ptxas`` on ``PATH`` (the CUDA toolkit)::
+
+    python backends/numba-cuda/ptx_report.py [--keep DIR]
+
+A row kernel that keeps its chunk in registers shows ``local 0``; 16-byte words show as
+``ld.global.nc.v4`` / ``st.global.v4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+STORAGE = {"float32": "float32", "bfloat16": "int16", "float16": "float16", "float64": "float64"}
+
+
+def kernels():
+    """(name, kernel, signature, block, values, wide) of the kernels the benchmarks run."""
+    from softmaxkit_numba_cuda import kernels as k
+    from softmaxkit_numba_cuda import rowkernels
+
+    out = []
+    for kind in ("float32", "bfloat16", "float64"):
+        st = STORAGE[kind]
+        acc = "float64" if kind == "float64" else "float32"
+        slots = k.WORD_SLOTS[kind]
+        for threads, split in ((8, False), (256, False), (256, True)):
+            rows = 256 // threads if threads <= 32 else 1
+            common = (f"int64, int64, int64, {acc}[:, ::1], int32[::1]")
+            for op in ("softmax", "log_softmax"):
+                fn = rowkernels.normalize(op, kind, kind, True, threads, slots, rows, split,
+                                          False)
+                sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], {common}, "
+                       "int64)")
+                out.append((f"{op}-{kind}-{threads}{'-split' if split else ''}", fn, sig,
+                            threads * rows, slots, kind))
+            fn = rowkernels.reduce("logsumexp", kind, kind, True, threads, slots, rows, split,
+                                   False)
+            sig = (f"({st}[:, ::1], boolean[:, ::1], {st}[:, ::1], {st}[:, ::1], boolean, "
+                   f"{common})")
+            out.append((f"logsumexp-{kind}-{threads}{'-split' if split else ''}", fn, sig,
+                        threads * rows, slots, kind))
+            if kind != "float64":
+                fn = rowkernels.cross_entropy(kind, kind, True, threads, slots, rows, split,
+                                              False, True, False)
+                sig = (f"({st}[:, ::1], boolean[:, ::1], int64[::1], {acc}[::1], "
+                       f"{acc}[:, ::1], {st}[:, ::1], {common}, int64, float64, boolean, "
+                       "int64)")
+                out.append((f"cross_entropy-{kind}-{threads}{'-split' if split else ''}", fn,
+                            sig, threads * rows, slots, kind))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", help="write the PTX files to this folder")
+    parser.add_argument("--only", help="names containing this text")
+    args = parser.parse_args()
+    import types
+
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda
+
+    # device functions are compiled for the current device's architecture: stand in sm_90
+    dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+
+    from softmaxkit_numba_cuda.intrinsics import register_cap
+    from softmaxkit_numba_cuda.storage import VECTOR_WIDTH
+
+    ptxas = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
+    folder = args.keep or tempfile.mkdtemp()
+    os.makedirs(folder, exist_ok=True)
+    print(f"{'kernel':34s} {'cap':>4s} {'regs':>5s} {'spill':>6s} {'local':>6s} "
+          f"{'ld.v4':>6s} {'st.v4':>6s} {'ld':>4s}")
+    failed = False
+    for name, fn, sig, block, slots, kind in kernels():
+        if args.only and args.only not in name:
+            continue
+        ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
+        path = os.path.join(folder, f"{name}.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        cap = register_cap(block, slots * VECTOR_WIDTH[kind], kind == "float64")
+        done = subprocess.run([ptxas, "-arch=sm_90", "-v", f"-maxrregcount={cap}", path,
+                               "-o", os.devnull], capture_output=True, text=True)
+        regs = re.search(r"Used (\d+) registers", done.stderr)
+        spill = re.search(r"(\d+) bytes spill stores", done.stderr)
+        local = len(re.findall(r"\b(?:ld|st)\.local", ptx))
+        print(f"{name:34s} {cap:4d} {regs.group(1) if regs else '?':>5s} "
+              f"{spill.group(1) if spill else '?':>6s} {local:6d} "
+              f"{ptx.count('ld.global.nc.v4'):6d} {ptx.count('st.global.v4'):6d} "
+              f"{len(re.findall(r'ld.global', ptx)):4d}")
+        failed |= done.returncode != 0 or local > 0
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

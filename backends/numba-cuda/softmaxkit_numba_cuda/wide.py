@@ -1,0 +1,228 @@
+"""16-byte loads and stores, packed 16-bit conversions, fast exp2 and the cross-block loads.
+
+numba emits at most 8-byte accesses for array element loads, and its ``math`` functions go
+through libdevice; these intrinsics write the PTX that a memory-bound row kernel wants:
+
+* ``load16(row, i)`` / ``store16(row, i, a, b, c, d)``: the 16 bytes at element ``i`` of a
+  1-D array as four 32-bit words (``ld.global.nc.v4.u32`` / ``st.global.v4.u32``); ``i`` must
+  be a multiple of ``16 / itemsize`` and the row 16-byte aligned (the caller checks);
+* ``ex2(x)``: ``2**x`` in float32 by ``ex2.approx.ftz.f32`` (relative error about 2 ulp,
+  subnormal results flushed to zero);
+* ``max_nan(a, b)``: the float32 maximum that propagates NaN (``max.NaN.f32``);
+* ``pack_bf16(lo, hi)`` / ``pack_f16(lo, hi)``: two float32 values rounded to nearest even and
+  packed into one word (``cvt.rn.bf16x2.f32`` / ``cvt.rn.f16x2.f32``, NaN stays NaN);
+  ``unpack_f16(u)``: the two float16 halves of a word as float32;
+* ``load_acquire(a, i)`` (``ld.acquire.gpu``) and ``load_l2(a, i)`` (``ld.relaxed.gpu``):
+  32-bit integer and float loads that see other blocks' writes (never a stale L1 line);
+  ``nanosleep(ns)``.
+
+Under Numba's CUDA simulator each has a numpy form on the same bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .intrinsics import SIMULATOR, cuda
+
+if SIMULATOR:
+
+    def load16(row, i):
+        """The 16 bytes at element ``i`` of ``row`` as four unsigned 32-bit words."""
+        k = 16 // row.itemsize
+        w = np.ascontiguousarray(row[i:i + k]).view(np.uint32)
+        return w[0], w[1], w[2], w[3]
+
+    def store16(row, i, a, b, c, d):
+        """Store four 32-bit words as the 16 bytes at element ``i`` of ``row``."""
+        k = 16 // row.itemsize
+        row[i:i + k] = np.array([a, b, c, d], dtype=np.uint32).view(row.dtype)
+
+    def ex2(x):
+        """``2**x`` in float32, subnormal results flushed to zero as ``.ftz`` does."""
+        with np.errstate(all="ignore"):
+            r = np.exp2(np.float32(x))
+        return np.float32(0.0) if abs(r) < np.finfo(np.float32).tiny else r
+
+    def max_nan(a, b):
+        """The larger of ``a`` and ``b``, NaN if either is NaN."""
+        if a != a or b != b:
+            return np.float32(np.nan)
+        return np.float32(a if a >= b else b)
+
+    def _bf16_bits(v):
+        u = int(np.array(v, dtype=np.float32).view(np.uint32)[()])
+        if v != v:
+            return 0x7FFF
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+    def pack_bf16(lo, hi):
+        """bfloat16 bits of ``lo`` (low half) and ``hi`` (high half), rounded to nearest even."""
+        return np.uint32(_bf16_bits(lo) | (_bf16_bits(hi) << 16))
+
+    def pack_f16(lo, hi):
+        """float16 bits of ``lo`` (low half) and ``hi`` (high half), rounded to nearest even."""
+        with np.errstate(all="ignore"):
+            h = np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.uint16)
+        return np.uint32(int(h[0]) | (int(h[1]) << 16))
+
+    def unpack_f16(u):
+        """The low and high float16 halves of word ``u`` as float32."""
+        h = np.array([int(u) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16)
+        return np.float32(h[0]), np.float32(h[1])
+
+    def load_acquire(a, i):
+        """``a[i]`` as another block last published it."""
+        return a[i]
+
+    def load_l2(a, i):
+        """``a[i]`` read from the L2 cache (coherent across blocks)."""
+        return a[i]
+
+    def nanosleep(ns):
+        """Pause the thread for about ``ns`` nanoseconds (nothing in the simulator)."""
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _I32 = ir.IntType(32)
+    _F32 = ir.FloatType()
+
+    def _pointer(context, builder, aryty, ary, idx):
+        arr = context.make_array(aryty)(context, builder, value=ary)
+        return cgutils.get_item_pointer(context, builder, aryty, arr, [idx], wraparound=False)
+
+    @intrinsic
+    def load16(typingctx, row, i):
+        sig = types.UniTuple(types.uint32, 4)(row, i)
+
+        def codegen(context, builder, sig, args):
+            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
+            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ptr.type])
+            asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+                               "=r,=r,=r,=r,l")
+            res = builder.call(asm, [ptr])
+            words = [builder.extract_value(res, k) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, words)
+
+        return sig, codegen
+
+    @intrinsic
+    def store16(typingctx, row, i, a, b, c, d):
+        sig = types.void(row, i, a, b, c, d)
+
+        def codegen(context, builder, sig, args):
+            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
+            words = [context.cast(builder, v, t, types.uint32)
+                     for v, t in zip(args[2:], sig.args[2:], strict=True)]
+            fnty = ir.FunctionType(ir.VoidType(), [ptr.type] + [_I32] * 4)
+            asm = ir.InlineAsm(fnty, "st.global.v4.u32 [$0], {$1, $2, $3, $4};",
+                               "l,r,r,r,r,~{memory}", side_effect=True)
+            builder.call(asm, [ptr] + words)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _unary_f32(asm_text):
+        @intrinsic
+        def impl(typingctx, x):
+            sig = types.float32(types.float32)
+
+            def codegen(context, builder, sig, args):
+                v = context.cast(builder, args[0], sig.args[0], types.float32)
+                asm = ir.InlineAsm(ir.FunctionType(_F32, [_F32]), asm_text, "=f,f")
+                return builder.call(asm, [v])
+
+            return sig, codegen
+
+        return impl
+
+    ex2 = _unary_f32("ex2.approx.ftz.f32 $0, $1;")
+
+    @intrinsic
+    def max_nan(typingctx, a, b):
+        sig = types.float32(types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            vals = [context.cast(builder, v, t, types.float32)
+                    for v, t in zip(args, sig.args, strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(_F32, [_F32, _F32]), "max.NaN.f32 $0, $1, $2;",
+                               "=f,f,f")
+            return builder.call(asm, vals)
+
+        return sig, codegen
+
+    def _pack(kind):
+        @intrinsic
+        def impl(typingctx, lo, hi):
+            sig = types.uint32(types.float32, types.float32)
+
+            def codegen(context, builder, sig, args):
+                lo_v, hi_v = (context.cast(builder, v, t, types.float32)
+                              for v, t in zip(args, sig.args, strict=True))
+                # cvt.rn.{kind}x2.f32 d, a, b puts a in the high half and b in the low half
+                asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
+                                   f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f")
+                return builder.call(asm, [hi_v, lo_v])
+
+            return sig, codegen
+
+        return impl
+
+    pack_bf16 = _pack("bf16")
+    pack_f16 = _pack("f16")
+
+    @intrinsic
+    def unpack_f16(typingctx, u):
+        sig = types.UniTuple(types.float32, 2)(u)
+
+        def codegen(context, builder, sig, args):
+            word = context.cast(builder, args[0], sig.args[0], types.uint32)
+            fnty = ir.FunctionType(ir.LiteralStructType([_F32, _F32]), [_I32])
+            asm = ir.InlineAsm(
+                fnty,
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; "
+                "cvt.f32.f16 $1, hi; }",
+                "=f,=f,r")
+            res = builder.call(asm, [word])
+            halves = [builder.extract_value(res, k) for k in range(2)]
+            return context.make_tuple(builder, sig.return_type, halves)
+
+        return sig, codegen
+
+    def _coherent_load(semantics):
+        @intrinsic
+        def impl(typingctx, a, i):
+            dtype = a.dtype
+            if dtype not in (types.int32, types.float32, types.float64):
+                return None
+            sig = dtype(a, i)
+
+            def codegen(context, builder, sig, args):
+                ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
+                ty = context.get_value_type(dtype)
+                bits, reg = (64, "d") if dtype == types.float64 else (32, "r")
+                if dtype == types.float32:
+                    reg = "f"
+                # side effects and a memory clobber: the load stays where it is written
+                # (inside a polling loop, after a fence)
+                asm = ir.InlineAsm(ir.FunctionType(ty, [ptr.type]),
+                                   f"ld.{semantics}.gpu.global.b{bits} $0, [$1];",
+                                   f"={reg},l,~{{memory}}", side_effect=True)
+                return builder.call(asm, [ptr])
+
+            return sig, codegen
+
+        return impl
+
+    load_acquire = _coherent_load("acquire")
+    load_l2 = _coherent_load("relaxed")
+
+    def nanosleep(ns):
+        """Pause the thread for about ``ns`` nanoseconds."""
+        cuda.nanosleep(ns)
+
+    nanosleep = cuda.jit(device=True)(nanosleep)
