@@ -160,7 +160,7 @@ def _prepare(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any] | None = N
             mask = xp.reshape(mask, (1,) * (3 - mask.ndim) + tuple(mask.shape))
     layout = _Layout(xp, q, k, v, mask)
     common = xp.result_type(q.dtype, k.dtype, v.dtype)
-    qf, kf, vf = (layout.flat(xp, xp.astype(a, common)) for a in (q, k, v))
+    qf, kf, vf = (layout.flat(xp, xp.astype(a, common, copy=False)) for a in (q, k, v))
     mf = None
     if mask is not None:
         full = (layout.hq, layout.lq, layout.lk)
@@ -310,19 +310,19 @@ def attention_vjp(
             raise ValueError(f"{name} of shape {tuple(a.shape)} must have shape {shape}")
         flat[name] = xp.reshape(a, (layout.b,) + shape[len(layout.lead):])
     acc = accumulator_dtype(xp, qf.dtype)
-    lse_f = xp.astype(flat["lse"], acc)
+    lse_f = xp.astype(flat["lse"], acc, copy=False)
     if base == "2":
         lse_f = lse_f * LN2
     dq, dk, dv = run(
         "attention_vjp", xp, qf, backend,
-        q=qf, k=kf, v=vf, out=xp.astype(flat["out"], qf.dtype), lse=lse_f,
-        dout=xp.astype(flat["dout"], qf.dtype), scale=_scale(scale, layout.d),
+        q=qf, k=kf, v=vf, out=xp.astype(flat["out"], qf.dtype, copy=False), lse=lse_f,
+        dout=xp.astype(flat["dout"], qf.dtype, copy=False), scale=_scale(scale, layout.d),
         causal=_causal(causal), window=_window(window), mask=mf, softcap=_softcap(softcap),
     )
     grads = []
     for g, a in ((dq, q0), (dk, k0), (dv, v0)):
         g = _unbroadcast(xp, layout.unflat(xp, g), tuple(a.shape))
-        grads.append(xp.astype(g, a.dtype))
+        grads.append(xp.astype(g, a.dtype, copy=False))
     return tuple(grads)
 
 

@@ -74,6 +74,34 @@ def timed(fn: Any, reps: int = 7, inner: int = 10, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_seconds(fn: Any, inner: int = 10, reps: int = 7) -> float:
+    """Median device seconds per call of ``fn`` replayed from a captured CUDA graph of
+    ``inner`` calls (no host launch cost between them)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3 / inner)
+    del graph
+    return statistics.median(times)
+
+
 def host_seconds(fn: Any, calls: int = 200) -> float:
     """Host time per call of ``fn`` (launches are asynchronous; the queue is drained after)."""
     import torch
@@ -85,6 +113,41 @@ def host_seconds(fn: Any, calls: int = 200) -> float:
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) / calls
+
+
+def _compile_one(job: tuple[str, tuple[str, ...]]) -> tuple[str, int, float]:
+    from softmaxkit_cupy import compiler
+
+    t0 = time.perf_counter()
+    compiler.module(job[0], job[1])
+    return job[0], len(job[1]), time.perf_counter() - t0
+
+
+@guarded
+def precompile() -> None:
+    """Build every module (declared and alternative configurations) in parallel processes,
+    filling CuPy's on-disk cache, so the steps after this load them instead of compiling."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from softmaxkit_cupy import configs
+
+    section("precompile (parallel NVRTC builds into CuPy's cache)")
+    jobs = [(f, tuple(n)) for f, n in configs.all_modules()]
+    jobs.append(("attention.cu", configs.alternative_names()))
+    jobs.append(("attention_bwd.cu", configs.backward_alternative_names()))
+    jobs += [("attention.cu", (f"sk_mma_probe<{c}>",)) for c in ("sk_bf16", "__half")]
+    for op in ("softmax", "log_softmax"):
+        jobs.append(("rows.cu", tuple(c.name(op, "bfloat16", "bfloat16")
+                                      for c in configs.ROW_ALTERNATIVES)))
+    jobs.sort(key=lambda j: -len(j[1]))
+    t0 = time.perf_counter()
+    workers = min(len(jobs), os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for filename, count, sec in pool.map(_compile_one, jobs):
+            print(f"{filename}: {count} kernels in {sec:.0f} s")
+    print(f"{len(jobs)} modules in {time.perf_counter() - t0:.0f} s on {workers} processes")
 
 
 @guarded
@@ -333,8 +396,11 @@ def attention_check() -> None:
         dict(b=1, hq=2, hk=1, lq=64, lk=1000, d=64, softcap=5.0, causal="bottom_right"),
         dict(b=1, hq=2, hk=2, lq=5, lk=3000, d=128),
         dict(b=1, hq=2, hk=2, lq=100, lk=0, d=128),
-        dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right", alt=True),
-        dict(b=1, hq=2, hk=2, lq=130, lk=190, d=64, mask=True, alt=True),
+        dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right", alt=0),
+        dict(b=1, hq=2, hk=2, lq=130, lk=190, d=64, mask=True, alt=0),
+        dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right", alt=1),
+        dict(b=1, hq=4, hk=4, lq=257, lk=700, d=128, window=(100, 20), softcap=4.0, alt=1),
+        dict(b=2, hq=4, hk=4, lq=256, lk=256, d=128, alt=1),
         # split-KV decoding: (Hq / Hk) * Lq <= 16 and Lk >= 256
         dict(b=2, hq=8, hk=2, lq=1, lk=3000, d=128),
         dict(b=1, hq=4, hk=1, lq=4, lk=1000, d=64, causal="bottom_right"),
@@ -356,10 +422,12 @@ def attention_check() -> None:
             scale = c["d"] ** -0.5
             causal = c.get("causal")
             window = c.get("window", (-1, -1))
-            alt = next(a for a in ATTENTION_ALTERNATIVES if a.head_dim == c["d"])
+            config = None
+            if "alt" in c:
+                config = [a for a in ATTENTION_ALTERNATIVES if a.head_dim == c["d"]][c["alt"]]
             out, lse = attention(xpt, q=q, k=k, v=v, scale=scale, causal=causal,
                                  window=window, mask=mask, softcap=c.get("softcap"),
-                                 return_lse=True, config=alt if c.get("alt") else None)
+                                 return_lse=True, config=config)
             ref, ref_lse = _materialized(q, k, v, scale, causal, window, mask, c.get("softcap"))
             empty = ~torch.isfinite(ref_lse)
             denom = max(float(ref.norm()), 1e-30)
@@ -565,6 +633,48 @@ def bench_rows(copy_bw: float) -> None:
 
 
 @guarded
+def bench_rows_sweep(copy_bw: float) -> None:
+    """Every row configuration that holds each benchmark shape's rows, timed from CUDA graphs
+    (device time only), beside torch in the same way: which configuration to declare."""
+    import array_api_compat.torch as xpt
+    import torch
+    from softmaxkit_cupy.configs import ROW_ALTERNATIVES, ROW_CONFIGS, row_config
+    from softmaxkit_cupy.rows import launch_rows
+
+    section("row configurations (graph replay, device time)")
+    for dtype in (torch.bfloat16,):
+        for rows, n in ROW_SHAPES:
+            x = torch.randn(rows, n, device="cuda").to(dtype)
+            nbytes = 2 * x.numel() * x.element_size()
+            out = torch.empty_like(x)
+            for op, peer in (("softmax", torch.softmax), ("log_softmax", torch.log_softmax)):
+                default = row_config(n, 2)
+                found = []
+                for config in sorted(set(ROW_CONFIGS + ROW_ALTERNATIVES),
+                                     key=lambda c: (c.threads, c.group, c.k, c.cluster)):
+                    if config.capacity(2) < n or config.capacity(2) >= 4 * n:
+                        continue
+                    try:
+                        sec = graph_seconds(functools.partial(
+                            launch_rows, op, xpt, x, None, out, config=config))
+                    except Exception as exc:
+                        print(f"{op} {rows}x{n} {config}: {type(exc).__name__} {exc}")
+                        continue
+                    bw = nbytes / sec / 1e9
+                    found.append((bw, config))
+                    mark = " (declared)" if config == default else ""
+                    print(f"{op} {str(dtype)[6:]} {rows}x{n} {config}: {bw:.0f} GB/s "
+                          f"{100 * bw / copy_bw:.0f}% of copy{mark}", flush=True)
+                tp = graph_seconds(functools.partial(peer, x, -1))
+                best = max(found, key=lambda f: f[0])
+                TABLE.append((f"graph {op} {str(dtype)[6:]} {rows}x{n}",
+                              f"{best[0]:.0f} GB/s",
+                              f"{100 * best[0] / copy_bw:.0f}% of copy by {best[1]}; "
+                              f"torch {nbytes / tp / 1e9:.0f} GB/s"))
+                print(TABLE[-1], flush=True)
+
+
+@guarded
 def bench_attention() -> None:
     import array_api_compat.torch as xpt
     import torch
@@ -640,7 +750,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--only", default="",
+                        help="comma-separated steps to run (default: all), e.g. "
+                             "attention,backward,bench-attention,bench-backward,sweep")
     opts = parser.parse_args()
+    steps = set(filter(None, opts.only.split(",")))
+
+    def want(step: str) -> bool:
+        return not steps or step in steps
+
     import cupy
     import torch
 
@@ -648,20 +766,35 @@ def main() -> int:
           f"cupy {cupy.__version__}; python {sys.version.split()[0]}")
     register_backend()
     t0 = time.perf_counter()
-    probe()
-    rows_check()
-    grads_check()
-    attention_check()
-    attention_vjp_check()
-    conformance()
+    precompile()
+    if want("probe"):
+        probe()
+    if want("rows"):
+        rows_check()
+    if want("grads"):
+        grads_check()
+    if want("attention"):
+        attention_check()
+    if want("backward"):
+        attention_vjp_check()
+    if want("conformance"):
+        conformance()
     print(f"checks took {time.perf_counter() - t0:.0f} s")
     if not opts.skip_bench:
         copy_bw = bench_copy() or 0.0
-        bench_rows(copy_bw)
-        bench_attention()
-        bench_attention_vjp()
-        bench_decode(copy_bw)
-        bench_cross_entropy(copy_bw)
+        if want("bench-rows"):
+            bench_rows(copy_bw)
+        if want("sweep"):
+            bench_rows_sweep(copy_bw or 4200.0)
+        if want("bench-attention"):
+            bench_attention()
+        if want("bench-backward"):
+            bench_attention_vjp()
+        if want("bench-decode"):
+            bench_decode(copy_bw)
+        if want("bench-xent"):
+            bench_cross_entropy(copy_bw)
+    print(f"total {time.perf_counter() - t0:.0f} s")
     lines = ["| what | measured | notes |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in TABLE]
     lines.append(f"\nfailures: {len(FAILURES)}" + (f" ({'; '.join(FAILURES)})" if FAILURES

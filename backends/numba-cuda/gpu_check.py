@@ -1,12 +1,18 @@
 """Check and benchmark the numba-cuda backend on a CUDA GPU, in one run.
 
-1. the conformance kit on the ``torch-cuda`` and ``cupy`` targets (default plans, and with
-   a forced small plan so that the multi-tile path runs on the kit's shapes too);
-2. the benchmark shapes, checked against float64 references computed by torch on fresh
-   random inputs, with the outputs' memory poisoned before each checked call;
+1. the conformance kit on the ``torch-cuda`` and ``cupy`` targets, with the default plans and
+   with a forced small plan (``64,1``) under which the kit's longer rows are split across
+   blocks, one process per (target, plan, dtype);
+2. each benchmark shape checked against a float64 reference computed by torch on fresh random
+   inputs, the outputs' memory poisoned with NaN before each checked call;
 3. timings side by side in this run: a device-to-device copy (the bandwidth ceiling),
    softmaxkit (dispatched to numba-cuda) and torch, eager and replayed from a CUDA graph;
+   with ``--sweep``, other row plans too;
 4. a table in markdown, printed last and written to ``$OUT/benchmarks-cuda.md``.
+
+Kernels compile on the CPU (numba), which takes seconds per kernel, so the work runs in
+worker processes that compile in parallel (on a few rows of each shape, which take the same
+plan) and take turns, under one lock, for everything that runs on the GPU at full size.
 
 Run from the repository root::
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -27,17 +34,20 @@ from collections.abc import Callable
 from typing import Any
 
 OUT = os.environ.get("OUT", "/tmp/softmaxkit-gpu-check")
-ROW_OPS = ["softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
-           "log_softmax_vjp", "summarize", "merge"]
+KIT_OPS = ["softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
+           "log_softmax_vjp", "summarize", "merge", "merge_attention"]
 SHAPES = [(32768, 4096), (4096, 32768), (262144, 128), (256, 524288)]
+QUICK_SHAPES = [(4096, 4096), (1024, 32768), (65536, 128), (64, 524288)]
 CE_SHAPES = [(4096, 32768), (4096, 128256)]
+MERGE_SHAPES = [(8, 64 * 32, 128)]
+"""merge_attention (parts, rows, Dv): 8 key splits of a decode step, 64 x 32 query rows."""
+FORCED_KIT_PLAN = "64,1"
+PLAN_ENV = "SOFTMAXKIT_NUMBA_CUDA_PLAN"
+REGISTERS_ENV = "SOFTMAXKIT_NUMBA_CUDA_REGISTERS"
 
 
 def log(*args: Any) -> None:
     print(*args, flush=True)
-
-
-# -- conformance -------------------------------------------------------------------------------
 
 
 def ensure_registered() -> None:
@@ -48,43 +58,59 @@ def ensure_registered() -> None:
         from softmaxkit_numba_cuda.manifest import manifest
 
         registry.register(manifest())
-        log("numba-cuda registered from its manifest (the entry point is not installed)")
 
 
-def conformance_worker(target: str) -> None:
-    """Run the kit on ``target`` (in a subprocess) and print one JSON line per case."""
+# -- conformance -------------------------------------------------------------------------------
+
+
+def conformance_worker(target: str, dtype: str) -> None:
+    """Run the kit on ``target`` for ``dtype`` and print one JSON line per case."""
     from softmaxkit.testing import check_backend
 
     ensure_registered()
-    for r in check_backend("numba-cuda", target=target, ops=ROW_OPS):
+    for r in check_backend("numba-cuda", target=target, ops=KIT_OPS, dtypes=[dtype]):
         print("RESULT " + json.dumps(
             {"case": r.case, "dtype": r.dtype, "status": r.status, "message": r.message[:400]}
         ), flush=True)
 
 
-def conformance(forced_plans: bool = True) -> list[dict[str, Any]]:
-    """The kit on both CUDA targets, default and forced multi-tile plans, in parallel."""
+def conformance(forced_plans: bool = True, timeout: float = 200.0) -> list[dict[str, Any]]:
+    """The kit on both CUDA targets, default and forced plans, every dtype, in parallel; a
+    worker still running after ``timeout`` seconds is stopped and reported."""
     runs = []
     for target in ("torch-cuda", "cupy"):
-        for forced in (None, "64,2") if forced_plans else (None,):
-            env = dict(os.environ)
-            if forced:
-                env["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = forced
-            proc = subprocess.Popen(
-                [sys.executable, __file__, "--worker", target], env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )
-            runs.append((target, forced or "default", proc))
+        for forced in (None, FORCED_KIT_PLAN) if forced_plans else (None,):
+            for dtype in ("float16", "bfloat16", "float32", "float64"):
+                if target == "cupy" and dtype == "bfloat16":
+                    continue  # CuPy has no bfloat16
+                if forced and dtype in ("float16", "float64") and target == "cupy":
+                    continue  # the split paths are the same code for every storage dtype
+                env = dict(os.environ)
+                env.pop(PLAN_ENV, None)
+                if forced:
+                    env[PLAN_ENV] = forced
+                proc = subprocess.Popen(
+                    [sys.executable, __file__, "--worker", target, dtype], env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                runs.append((target, forced or "default", dtype, proc))
     rows = []
-    for target, plan, proc in runs:
-        out, _ = proc.communicate(timeout=300)
-        with open(os.path.join(OUT, f"conformance-{target}-{plan.replace(',', 'x')}.log"),
-                  "w") as f:
-            f.write(out)
+    deadline = time.time() + timeout
+    for target, plan, dtype, proc in runs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            out += "\nstopped: out of time"
+            rows.append({"case": "(worker)", "dtype": dtype, "status": "failed",
+                         "message": "stopped: out of time", "target": target, "plan": plan})
+        if proc.returncode:
+            with open(os.path.join(OUT, "conformance-failures.log"), "a") as f:
+                f.write(f"== {target} plan={plan} {dtype}\n{out}\n")
         got = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not got:
-            log(f"conformance {target} plan={plan}: worker failed (rc={proc.returncode})")
-            log(out[-3000:])
+            log(f"conformance {target} plan={plan} {dtype}: worker failed "
+                f"(rc={proc.returncode})\n{out[-3000:]}")
         for r in got:
             r.update(target=target, plan=plan)
             rows.append(r)
@@ -137,7 +163,17 @@ def timed_graph(fn: Callable[[], Any], iters: int = 10, reps: int = 7) -> float 
     return timed(graph.replay, iters=1, reps=reps) / iters
 
 
-# -- checks on the benchmark shapes ------------------------------------------------------------
+def copy_bandwidth() -> float:
+    """GB/s (read + write) of a 1 GiB device-to-device copy by torch."""
+    import torch
+
+    src = torch.randn(128 * 2**20, device="cuda")
+    dst = torch.empty_like(src)
+    t = timed(lambda: dst.copy_(src), iters=20)
+    return 2 * src.numel() * 4 / t / 1e9
+
+
+# -- checks ------------------------------------------------------------------------------------
 
 
 def poison(shape: tuple[int, ...], dtype: Any) -> None:
@@ -158,24 +194,20 @@ def relerr(got: Any, ref: Any) -> float:
     return float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref))
 
 
+def run_rows(op: str, x: Any) -> Any:
+    import softmaxkit as sk
+
+    return getattr(sk, op)(x, axis=-1, backend="numba-cuda")
+
+
 def check_rows(op: str, x: Any) -> float:
     import torch
 
-    import softmaxkit as sk
-
     x64 = x.double()
-    if op == "logsumexp":
-        ref = torch.logsumexp(x64, -1)
-        poison((x.shape[0],), x.dtype)
-        got = sk.logsumexp(x, axis=-1, backend="numba-cuda")
-    elif op == "softmax":
-        ref = torch.softmax(x64, -1)
-        poison(tuple(x.shape), x.dtype)
-        got = sk.softmax(x, axis=-1, backend="numba-cuda")
-    else:
-        ref = torch.log_softmax(x64, -1)
-        poison(tuple(x.shape), x.dtype)
-        got = sk.log_softmax(x, axis=-1, backend="numba-cuda")
+    ref = {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
+           "logsumexp": torch.logsumexp}[op](x64, -1)
+    poison(tuple(ref.shape), x.dtype)
+    got = run_rows(op, x)
     assert got.dtype == x.dtype and got.device == x.device
     return relerr(got, ref)
 
@@ -193,36 +225,57 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
     return relerr(loss.reshape(1), ref_loss.detach().reshape(1)), relerr(grad, x64.grad)
 
 
-# -- benchmarks --------------------------------------------------------------------------------
+# -- benchmark jobs (worker processes) -----------------------------------------------------------
 
 
-def bench_rows(op: str, x: Any) -> dict[str, Any]:
-    """Check, then time softmaxkit and torch on ``op`` over the rows of ``x``."""
+def _random(shape: tuple[int, ...], dtype: str, seed: int) -> Any:
     import torch
 
-    import softmaxkit as sk
-
-    err = check_rows(op, x)
-    ours = {"softmax": sk.softmax, "log_softmax": sk.log_softmax,
-            "logsumexp": sk.logsumexp}[op]
-    theirs = {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
-              "logsumexp": torch.logsumexp}[op]
-    nbytes = x.numel() * x.element_size()
-    traffic = nbytes if op == "logsumexp" else 2 * nbytes
-    t_eager = timed(lambda: ours(x, axis=-1))
-    t_graph = timed_graph(lambda: ours(x, axis=-1))
-    t_torch = timed(lambda: theirs(x, -1))
-    return {
-        "op": op, "dtype": str(x.dtype).split(".")[-1],
-        "shape": f"{x.shape[0]}x{x.shape[1]}",
-        "relerr": err, "eager": traffic / t_eager / 1e9,
-        "graph": traffic / t_graph / 1e9 if t_graph else None,
-        "torch": traffic / t_torch / 1e9, "t_us": (t_graph or t_eager) * 1e6,
-    }
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, device="cuda", generator=gen) * 3).to(getattr(torch, dtype))
 
 
-def bench_ce(x: Any, target: Any) -> dict[str, Any]:
-    """Check, then time the fused cross-entropy (loss and gradient) against torch's."""
+def rows_job(dtype: str, shape: tuple[int, int], ops: tuple[str, ...], plan: str | None,
+             lock: Any, seed: int) -> list[dict[str, Any]]:
+    """Check then time ``ops`` on rows of ``shape`` (with a forced ``plan`` in a sweep)."""
+    import torch
+
+
+    if plan:
+        os.environ[PLAN_ENV] = ",".join(plan.split(",")[:2])
+        if plan.count(",") == 2:  # "threads,slots,registers"
+            os.environ[REGISTERS_ENV] = plan.split(",")[2]
+    ensure_registered()
+    for op in ops:  # compile on a few rows of the same length (the same plan)
+        run_rows(op, _random((2, shape[1]), dtype, seed))
+    torch.cuda.synchronize()
+    out = []
+    with lock:
+        x = _random(shape, dtype, seed)
+        nbytes = x.numel() * x.element_size()
+        for op in ops:
+            try:
+                err = check_rows(op, x)
+                traffic = nbytes if op == "logsumexp" else 2 * nbytes
+                theirs = {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
+                          "logsumexp": torch.logsumexp}[op]
+                t_graph = timed_graph(lambda op=op: run_rows(op, x))
+                row = {"op": op, "dtype": dtype, "shape": f"{shape[0]}x{shape[1]}",
+                       "plan": plan or "default", "relerr": err,
+                       "graph": traffic / t_graph / 1e9 if t_graph else None}
+                if not plan:
+                    t_eager = timed(lambda op=op: run_rows(op, x))
+                    t_torch = timed(lambda theirs=theirs: theirs(x, -1))
+                    row.update(eager=traffic / t_eager / 1e9, torch=traffic / t_torch / 1e9)
+                out.append(row)
+            except Exception:
+                out.append({"op": op, "dtype": dtype, "shape": f"{shape[0]}x{shape[1]}",
+                            "plan": plan or "default", "error": traceback.format_exc()[-1500:]})
+    return out
+
+
+def ce_job(shape: tuple[int, int], plan: str | None, lock: Any, seed: int) -> list[dict]:
+    """Check then time the fused cross-entropy (loss and gradient) against torch's."""
     import array_api_compat.torch as xpt
     import torch
     import torch.nn.functional as F
@@ -230,165 +283,259 @@ def bench_ce(x: Any, target: Any) -> dict[str, Any]:
 
     import softmaxkit as sk
 
-    err_loss, err_grad = check_ce(x, target)
-    scale = torch.full((), 1.0 / x.shape[0], dtype=torch.float32, device="cuda")
-    xt = x.detach().clone().requires_grad_(True)
+    if plan:
+        os.environ[PLAN_ENV] = plan
+    ensure_registered()
 
-    def fused() -> Any:
+    def fused(x: Any, target: Any, scale: Any) -> Any:
         return kernels.cross_entropy(
             xp=xpt, logits=x, index=target, probs=None, where=None, ignore_index=None,
             label_smoothing=0.0, grad_scale=scale, out_dtype=x.dtype)
 
-    def public() -> Any:
-        return sk.cross_entropy(x, target, return_grad=True)
-
-    def torch_ce() -> Any:
-        xt.grad = None
-        F.cross_entropy(xt, target).backward()
-
-    t_fused = timed(fused)
-    t_graph = timed_graph(fused)
-    t_public = timed(public)
-    t_torch = timed(torch_ce)
-    traffic = 2 * x.numel() * x.element_size()
-    return {
-        "op": "cross_entropy+grad", "dtype": str(x.dtype).split(".")[-1],
-        "shape": f"{x.shape[0]}x{x.shape[1]}", "relerr": max(err_loss, err_grad),
-        "eager": traffic / t_fused / 1e9,
-        "graph": traffic / t_graph / 1e9 if t_graph else None,
-        "torch": traffic / t_torch / 1e9, "t_us": (t_graph or t_fused) * 1e6,
-        "public_us": t_public * 1e6, "torch_us": t_torch * 1e6,
-    }
-
-
-def copy_bandwidth() -> float:
-    """GB/s (read + write) of a 1 GiB device-to-device copy by torch."""
-    import torch
-
-    src = torch.randn(128 * 2**20, device="cuda")
-    dst = torch.empty_like(src)
-    t = timed(lambda: dst.copy_(src), iters=20)
-    return 2 * src.numel() * 4 / t / 1e9
-
-
-def bandwidth_table(quick: bool) -> tuple[list[dict[str, Any]], float]:
-    import torch
-
-    gen = torch.Generator(device="cuda").manual_seed(1234)
-    copy_gbs = copy_bandwidth()
-    log(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
-    rows = []
-    shapes = SHAPES if not quick else [(4096, 4096), (1024, 32768), (65536, 128), (64, 524288)]
-    for dtype in (torch.float32, torch.bfloat16):
-        for shape in shapes:
-            x = (torch.randn(shape, device="cuda", generator=gen) * 3).to(dtype)
-            for op in ("softmax", "log_softmax", "logsumexp"):
-                try:
-                    rows.append(bench_rows(op, x))
-                    log(json.dumps(rows[-1]))
-                except Exception:
-                    log(f"{op} {dtype} {shape}: " + traceback.format_exc())
-    for shape in CE_SHAPES if not quick else [(1024, 32768)]:
+    small = _random((2, shape[1]), "bfloat16", seed)
+    small_t = torch.zeros(2, dtype=torch.int64, device="cuda")
+    fused(small, small_t, torch.ones((), device="cuda"))
+    sk.cross_entropy(small, small_t, return_grad=True, backend="numba-cuda")
+    torch.cuda.synchronize()
+    with lock:
         try:
-            x = (torch.randn(shape, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+            x = _random(shape, "bfloat16", seed)
+            gen = torch.Generator(device="cuda").manual_seed(seed + 1)
             target = torch.randint(0, shape[1], (shape[0],), device="cuda", generator=gen)
-            rows.append(bench_ce(x, target))
-            log(json.dumps(rows[-1]))
+            err_loss, err_grad = check_ce(x, target)
+            scale = torch.full((), 1.0 / x.shape[0], dtype=torch.float32, device="cuda")
+            xt = x.detach().clone().requires_grad_(True)
+
+            def torch_ce() -> Any:
+                xt.grad = None
+                F.cross_entropy(xt, target).backward()
+
+            t_graph = timed_graph(lambda: fused(x, target, scale))
+            row = {"op": "cross_entropy+grad", "dtype": "bfloat16",
+                   "shape": f"{shape[0]}x{shape[1]}", "plan": plan or "default",
+                   "relerr": max(err_loss, err_grad)}
+            traffic = 2 * x.numel() * x.element_size()
+            row["graph"] = traffic / t_graph / 1e9 if t_graph else None
+            if not plan:
+                t_fused = timed(lambda: fused(x, target, scale))
+                t_public = timed(lambda: sk.cross_entropy(x, target, return_grad=True,
+                                                          backend="numba-cuda"))
+                t_torch = timed(torch_ce)
+                row.update(eager=traffic / t_fused / 1e9, torch=traffic / t_torch / 1e9,
+                           public_us=t_public * 1e6, torch_us=t_torch * 1e6,
+                           fused_us=(t_graph or t_fused) * 1e6)
+            return [row]
         except Exception:
-            log(f"cross_entropy {shape}: " + traceback.format_exc())
-    return rows, copy_gbs
+            return [{"op": "cross_entropy+grad", "dtype": "bfloat16",
+                     "shape": f"{shape[0]}x{shape[1]}", "plan": plan or "default",
+                     "error": traceback.format_exc()[-1500:]}]
 
 
-SWEEP = {
-    ("float32", (32768, 4096)): ["128,16", "256,8", "512,4", "1024,2"],
-    ("bfloat16", (32768, 4096)): ["64,16", "128,8", "256,4", "512,2"],
-    ("float32", (4096, 32768)): ["1024,16", "1024,8", "512,16", "512,8"],
-    ("bfloat16", (4096, 32768)): ["1024,8", "1024,4", "512,8", "256,8"],
-    ("float32", (262144, 128)): ["32,2", "16,4", "8,8", "32,1"],
-    ("bfloat16", (262144, 128)): ["32,1", "16,2", "8,4", "8,2"],
-    ("float32", (256, 524288)): ["1024,8", "1024,4", "512,8", "256,8"],
-    ("bfloat16", (256, 524288)): ["1024,4", "1024,2", "512,4", "1024,8"],
-}
-"""Plans ("threads,slots", slots in 8-byte words) timed for softmax on each shape."""
-
-
-def sweep() -> list[dict[str, Any]]:
-    """softmax under each plan of :data:`SWEEP`: checked, then timed from a CUDA graph."""
+def merge_job(dtype: str, shape: tuple[int, int, int], lock: Any, seed: int) -> list[dict]:
+    """Check then time merge_attention_states against the reference backend on the GPU."""
     import torch
-    from softmaxkit_numba_cuda import plan
 
     import softmaxkit as sk
 
-    gen = torch.Generator(device="cuda").manual_seed(99)
-    out = []
-    for (dname, shape), variants in SWEEP.items():
-        x = (torch.randn(shape, device="cuda", generator=gen) * 3).to(getattr(torch, dname))
-        traffic = 2 * x.numel() * x.element_size()
-        for variant in variants:
-            os.environ[plan.OVERRIDE] = variant
-            try:
-                err = check_rows("softmax", x)
-                t = timed_graph(lambda x=x: sk.softmax(x, axis=-1, backend="numba-cuda"))
-                out.append({"dtype": dname, "shape": f"{shape[0]}x{shape[1]}",
-                            "plan": variant, "relerr": err, "gbs": traffic / t / 1e9})
-                log(json.dumps(out[-1]))
-            except Exception:
-                log(f"sweep {dname} {shape} {variant}: " + traceback.format_exc()[-800:])
-            finally:
-                os.environ.pop(plan.OVERRIDE, None)
-    return out
+    ensure_registered()
+    parts, rows, dv = shape
+    acc = torch.float64 if dtype == "float64" else torch.float32
+
+    def inputs(r: int) -> tuple[Any, Any]:
+        outs = _random((parts, r, dv), dtype, seed)
+        gen = torch.Generator(device="cuda").manual_seed(seed + 2)
+        lses = (torch.randn((parts, r), device="cuda", generator=gen) * 4).to(acc)
+        lses[0, ::7] = -float("inf")  # empty parts
+        lses[:, 3] = -float("inf")  # a row with every part empty
+        return outs, lses
+
+    sk.merge_attention_states(*inputs(8), backend="numba-cuda")
+    torch.cuda.synchronize()
+    with lock:
+        try:
+            outs, lses = inputs(rows)
+            ref_out, ref_lse = sk.merge_attention_states(outs.double(), lses.double(),
+                                                         backend="reference")
+            poison((rows, dv), outs.dtype)
+            out, lse = sk.merge_attention_states(outs, lses, backend="numba-cuda")
+            assert bool(torch.all(out[3] == 0)) and bool(torch.all(lse[3] == -float("inf")))
+            fin = torch.isfinite(ref_lse)
+            err = max(relerr(out, ref_out), relerr(lse[fin], ref_lse[fin]))
+            traffic = (outs.numel() * outs.element_size() + lses.numel() * lses.element_size()
+                       + out.numel() * out.element_size() + lse.numel() * lse.element_size())
+            t_graph = timed_graph(lambda: sk.merge_attention_states(outs, lses,
+                                                                    backend="numba-cuda"))
+            t_ref = timed(lambda: sk.merge_attention_states(outs, lses, backend="reference"))
+            return [{"op": "merge_attention", "dtype": dtype,
+                     "shape": f"{parts}x{rows}x{dv}", "plan": "default", "relerr": err,
+                     "graph": traffic / t_graph / 1e9 if t_graph else None,
+                     "eager": None, "torch": traffic / t_ref / 1e9}]
+        except Exception:
+            return [{"op": "merge_attention", "dtype": dtype, "shape": f"{parts}x{rows}x{dv}",
+                     "plan": "default", "error": traceback.format_exc()[-1500:]}]
+
+
+def _job(args: tuple) -> list[dict[str, Any]]:
+    import torch
+
+    kind, params, lock = args
+    torch.cuda.empty_cache()  # the previous job's arrays
+    try:
+        return {"rows": rows_job, "ce": ce_job, "merge": merge_job}[kind](*params, lock=lock,
+                                                                           seed=1234)
+    except Exception:
+        return [{"op": kind, "dtype": "", "shape": str(params[:2]), "plan": "",
+                 "error": traceback.format_exc()[-1500:]}]
+
+
+SWEEP = {
+    ("float32", (32768, 4096)): ["128,8", "512,2", "1024,1", "256,2", "256,1", "256,4,40",
+                                 "256,4,32"],
+    ("float32", (4096, 32768)): ["512,4", "1024,4", "256,8", "256,2", "512,8"],
+    ("float32", (262144, 128)): ["16,2", "32,1", "4,8"],
+    ("float32", (256, 524288)): ["512,4", "1024,4", "256,8", "256,2"],
+    ("bfloat16", (32768, 4096)): ["128,4", "512,1", "64,8", "256,1", "256,2,40", "256,2,32"],
+    ("bfloat16", (4096, 32768)): ["256,4", "512,2", "1024,2", "128,4"],
+    ("bfloat16", (262144, 128)): ["16,1", "4,4", "2,8"],
+    ("bfloat16", (256, 524288)): ["256,4", "512,2", "1024,2", "512,4"],
+}
+"""Plans ("threads,slots[,registers]", slots in 16-byte words) timed for softmax and
+logsumexp."""
+CE_SWEEP = {(4096, 32768): ["512,2", "256,4", "1024,1"], (4096, 128256): ["512,2", "256,4"]}
+
+
+def jobs(quick: bool, sweep: bool, lock: Any) -> list[tuple]:
+    ops = ("softmax", "log_softmax", "logsumexp")
+    todo = []
+    for dtype in ("float32", "bfloat16"):
+        for shape in QUICK_SHAPES if quick else SHAPES:
+            todo.append(("rows", (dtype, shape, ops, None), lock))
+    for shape in [(1024, 32768)] if quick else CE_SHAPES:
+        todo.append(("ce", (shape, None), lock))
+    for dtype in ("float32", "bfloat16"):
+        for shape in MERGE_SHAPES:
+            todo.append(("merge", (dtype, shape), lock))
+    if sweep:
+        for (dtype, shape), plans in SWEEP.items():
+            for plan in plans:
+                todo.append(("rows", (dtype, shape, ("softmax", "logsumexp"), plan), lock))
+        for shape, plans in CE_SWEEP.items():
+            for plan in plans:
+                todo.append(("ce", (shape, plan), lock))
+    return todo
+
+
+# -- report ------------------------------------------------------------------------------------
 
 
 def markdown(rows: list[dict[str, Any]], copy_gbs: float, conf: list[dict[str, Any]],
-             device: str, sweep_rows: list[dict[str, Any]] | None = None) -> str:
+             device: str) -> str:
     lines = [
         f"Device: {device}. Device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written).",
         "",
         "GB/s count bytes read + written (softmax, log_softmax, cross_entropy: logits read, "
-        "gradient written), bytes read for logsumexp. `graph`: softmaxkit calls replayed from "
-        "a CUDA graph (kernel throughput); `eager`: plain Python calls (launch overhead "
-        "included); torch eager. relerr: ||out - ref|| / ||ref|| against float64.",
+        "gradient written; merge_attention: every input and output), bytes read for "
+        "logsumexp. `graph`: softmaxkit calls replayed from a CUDA graph (kernel throughput); "
+        "`eager`: plain Python calls (launch overhead included); torch eager (for "
+        "merge_attention: the reference backend on the GPU). relerr: ||out - ref|| / ||ref|| "
+        "against float64.",
         "",
         "| op | dtype | rows x cols | relerr | softmaxkit graph GB/s | eager GB/s | "
         "torch GB/s | graph / copy | vs torch |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        best = r["graph"] or r["eager"]
+        if r.get("plan", "default") != "default" or "error" in r:
+            continue
+        best = r.get("graph") or r.get("eager")
+        if not best:
+            continue
+        eager = f"{r['eager']:.0f}" if r.get("eager") else "-"
         lines.append(
             f"| {r['op']} | {r['dtype']} | {r['shape']} | {r['relerr']:.1e} | "
-            f"{best:.0f} | {r['eager']:.0f} | {r['torch']:.0f} | {best / copy_gbs:.0%} | "
-            f"{best / r['torch']:.2f}x |"
-        )
-    if sweep_rows:
-        lines += ["", "softmax under other plans (threads, 8-byte words per thread), CUDA graph:",
-                  "", "| dtype | rows x cols | plan | relerr | GB/s | / copy |",
-                  "|---|---|---|---|---|---|"]
-        for r in sweep_rows:
-            lines.append(f"| {r['dtype']} | {r['shape']} | {r['plan']} | {r['relerr']:.1e} | "
-                         f"{r['gbs']:.0f} | {r['gbs'] / copy_gbs:.0%} |")
+            f"{best:.0f} | {eager} | {r['torch']:.0f} | {best / copy_gbs:.0%} | "
+            f"{best / r['torch']:.2f}x |")
+    swept = [r for r in rows if r.get("plan", "default") != "default" and r.get("graph")]
+    if swept:
+        lines += ["", "Other plans (threads, 16-byte words per thread), CUDA graph:", "",
+                  "| op | dtype | rows x cols | plan | relerr | GB/s | / copy |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in swept:
+            lines.append(f"| {r['op']} | {r['dtype']} | {r['shape']} | {r['plan']} | "
+                         f"{r['relerr']:.1e} | {r['graph']:.0f} | {r['graph'] / copy_gbs:.0%} |")
+    for r in rows:
+        if "public_us" in r:
+            lines.append(f"\ncross_entropy {r['shape']}: fused kernel {r['fused_us']:.0f} us, "
+                         f"public call (eager) {r['public_us']:.0f} us, torch forward + "
+                         f"backward {r['torch_us']:.0f} us.")
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        lines += ["", f"Errors: {len(errors)} (see the log)."]
     if conf:
         passed = sum(r["status"] == "passed" for r in conf)
         failed = sum(r["status"] == "failed" for r in conf)
         unsupported = sum(r["status"] == "unsupported" for r in conf)
-        lines += ["", f"Conformance kit (torch-cuda and cupy targets, default and forced "
-                  f"multi-tile plans): {passed} passed, {failed} failed, "
+        lines += ["", f"Conformance kit (torch-cuda and cupy targets, default plans and "
+                  f"{FORCED_KIT_PLAN} forced): {passed} passed, {failed} failed, "
                   f"{unsupported} unsupported."]
     return "\n".join(lines) + "\n"
 
 
+ORDER = {"softmax": 0, "log_softmax": 1, "logsumexp": 2, "cross_entropy+grad": 3,
+         "merge_attention": 4}
+
+
+def _row_key(r: dict[str, Any]) -> tuple:
+    shapes = [f"{a}x{b}" for a, b in SHAPES + QUICK_SHAPES + CE_SHAPES]
+    shape = r.get("shape", "")
+    return (r.get("plan") != "default", ORDER.get(r.get("op"), 9) >= 3,
+            r.get("dtype") != "float32", shapes.index(shape) if shape in shapes else 99,
+            ORDER.get(r.get("op"), 9), r.get("plan", ""))
+
+
+def run_jobs(job: Callable[[tuple], list[dict[str, Any]]], todo: list[tuple], workers: int,
+             deadline: float, first: Callable[[], Any], lock: Any, ctx: Any) -> tuple[Any, list]:
+    """Run ``job`` over ``todo`` in ``workers`` processes; ``first()`` runs under ``lock``
+    while they start.  Stops at ``deadline`` (``time.time()``), keeping what came back."""
+    rows: list[dict[str, Any]] = []
+    pool = ctx.Pool(workers, maxtasksperchild=1)  # a fresh process (and settings) per job
+    try:
+        pending = pool.imap_unordered(job, todo)
+        with lock:
+            ceiling = first()
+        while True:
+            try:
+                got = pending.next(timeout=max(1.0, deadline - time.time()))
+            except StopIteration:
+                break
+            except multiprocessing.TimeoutError:
+                log(f"out of time: {len(todo) - len(rows)} jobs or fewer left undone")
+                break
+            for r in got:
+                log(json.dumps(r))
+            rows.extend(got)
+    finally:
+        pool.terminate()
+    return ceiling, rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="smaller shapes")
     parser.add_argument("--skip-conformance", action="store_true")
     parser.add_argument("--default-plans", action="store_true",
                         help="run the kit with the default plans only")
-    parser.add_argument("--sweep", action="store_true", help="also time softmax under other plans")
+    parser.add_argument("--sweep", action="store_true", help="also time other row plans")
+    parser.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1),
+                        help="worker processes")
+    parser.add_argument("--budget", type=float, default=480.0,
+                        help="seconds for the whole run; unfinished work is reported as such")
     args = parser.parse_args()
     if args.worker:
-        conformance_worker(args.worker)
+        conformance_worker(*args.worker)
         return
+    t0 = time.time()
     os.makedirs(OUT, exist_ok=True)
     import numpy
     import torch
@@ -396,22 +543,22 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     log(f"{device}; python {sys.version.split()[0]}; numpy {numpy.__version__}; "
         f"torch {torch.__version__}")
-    t0 = time.time()
-    import numba
-    from softmaxkit_numba_cuda import kernels  # noqa: F401  (applies the numpy 2.5 shim)
-
-    log(f"numba {numba.__version__}; numpy has row_stack: {hasattr(numpy, 'row_stack')}")
-    ensure_registered()
-    conf = [] if args.skip_conformance else conformance(not args.default_plans)
+    conf = ([] if args.skip_conformance
+            else conformance(not args.default_plans, timeout=0.45 * args.budget))
     log(f"conformance done in {time.time() - t0:.0f} s")
-    rows, copy_gbs = bandwidth_table(args.quick)
-    sweep_rows = sweep() if args.sweep else []
-    table = markdown(rows, copy_gbs, conf, device, sweep_rows)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        lock = manager.Lock()
+        todo = jobs(args.quick, args.sweep, lock)
+        copy_gbs, rows = run_jobs(_job, todo, args.jobs, t0 + args.budget - 15, copy_bandwidth,
+                                  lock, ctx)
+    log(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
+    rows.sort(key=_row_key)
+    table = markdown(rows, copy_gbs, conf, device)
     with open(os.path.join(OUT, "benchmarks-cuda.md"), "w") as f:
         f.write(table)
     with open(os.path.join(OUT, "results.json"), "w") as f:
-        json.dump({"rows": rows, "copy_gbs": copy_gbs, "conformance": conf,
-                   "sweep": sweep_rows}, f, indent=1)
+        json.dump({"rows": rows, "copy_gbs": copy_gbs, "conformance": conf}, f, indent=1)
     log(f"total {time.time() - t0:.0f} s")
     log(table)
 

@@ -140,6 +140,8 @@ def attention(
             lse = xp.reshape(lse, (b, hq, lq))
         else:
             config = config or attention_config(d)
+            if mask is not None and not config.mask:
+                raise ValueError(f"{config} is built without boolean-mask support")
             out = interop.empty(q, (b, hq, lq, d), dtype)
             lse = interop.empty(q, (b, hq, lq), "float32")
             shared = config.shared_bytes()

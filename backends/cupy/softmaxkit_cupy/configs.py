@@ -30,13 +30,15 @@ class RowConfig:
     """One row-kernel shape: ``group`` threads per row segment, ``k`` 16-byte loads each.
 
     ``group < threads`` packs several rows per block, ``group == threads`` is one block per
-    row, ``cluster > 1`` splits a row over a thread-block cluster.
+    row, ``cluster > 1`` splits a row over a thread-block cluster; ``loop`` launches only the
+    resident blocks, which walk the rows and load each next row before finishing the current.
     """
 
     threads: int
     group: int
     k: int
     cluster: int = 1
+    loop: bool = False
 
     def capacity(self, itemsize: int) -> int:
         """The longest row this configuration holds, in elements."""
@@ -45,6 +47,8 @@ class RowConfig:
     def name(self, op: str, din: str, dout: str) -> str:
         """The C++ name expression of this instantiation."""
         head = f"{CTYPES[din]}, {CTYPES[dout]}, {ROW_OPS[op]}, {self.threads}"
+        if self.loop:
+            return f"sk_rows_loop<{head}, {self.group}, {self.k}>"
         if self.cluster == 1:
             return f"sk_rows<{head}, {self.group}, {self.k}>"
         return f"sk_rows_cluster<{head}, {self.k}, {self.cluster}>"
@@ -68,6 +72,22 @@ ROW_CONFIGS: tuple[RowConfig, ...] = (
     RowConfig(512, 512, 16, 8),
 )
 """Ordered by capacity: the first that holds a row serves it."""
+
+
+ROW_ALTERNATIVES: tuple[RowConfig, ...] = (
+    RowConfig(128, 4, 4),
+    RowConfig(256, 8, 2),
+    RowConfig(256, 4, 4, loop=True),
+    RowConfig(128, 4, 4, loop=True),
+    RowConfig(256, 8, 2, loop=True),
+    RowConfig(128, 128, 4, loop=True),
+    RowConfig(256, 256, 2, loop=True),
+    RowConfig(1024, 1024, 4),
+    RowConfig(1024, 1024, 4, loop=True),
+    RowConfig(512, 512, 8, loop=True),
+    RowConfig(1024, 1024, 8, 8),
+)
+"""Other row configurations, built on request only (gpu_check.py compares them)."""
 
 
 def row_config(n: int, itemsize: int) -> RowConfig | None:
@@ -99,12 +119,13 @@ ATTENTION_HEAD_DIMS = (64, 128)
 @dataclass(frozen=True)
 class AttentionConfig:
     """One forward tile shape: ``warps`` warps of ``16 * m_tiles`` query rows, ``block_n`` keys
-    per tile."""
+    per tile; ``mask=False`` builds it without boolean-mask support (fewer registers)."""
 
     head_dim: int
     warps: int = 4
     block_n: int = 64
     m_tiles: int = 2
+    mask: bool = True
 
     @property
     def block_m(self) -> int:
@@ -123,17 +144,19 @@ class AttentionConfig:
     def name(self, dtype: str) -> str:
         """The C++ name expression of the forward kernel for ``dtype``."""
         return (f"sk_attn_fwd<{CTYPES[dtype]}, {self.head_dim}, {self.warps}, {self.block_n}, "
-                f"{self.m_tiles}>")
+                f"{self.m_tiles}, {'true' if self.mask else 'false'}>")
 
 
 ATTENTION_CONFIGS = {
     64: AttentionConfig(64, warps=4, block_n=64, m_tiles=2),
-    128: AttentionConfig(128, warps=4, block_n=32, m_tiles=2),  # 254 registers, no spill
+    128: AttentionConfig(128, warps=4, block_n=32, m_tiles=2),  # 238 registers, no spill
 }
 """The forward configuration used for each head dimension."""
 
-ATTENTION_ALTERNATIVES = tuple(AttentionConfig(d, warps=8, block_n=64, m_tiles=1)
-                               for d in ATTENTION_HEAD_DIMS)
+ATTENTION_ALTERNATIVES = (
+    *(AttentionConfig(d, warps=8, block_n=64, m_tiles=1) for d in ATTENTION_HEAD_DIMS),
+    AttentionConfig(128, warps=4, block_n=64, m_tiles=2, mask=False),
+)
 """Other forward configurations, built on request only (gpu_check.py compares them)."""
 
 

@@ -14,7 +14,16 @@ from typing import Any
 import numpy as np
 
 from . import compiler, interop
-from .configs import ITEMSIZE, grad_config, grad_modules, grad_name, row_config, row_modules
+from .configs import (
+    ITEMSIZE,
+    ROW_ALTERNATIVES,
+    RowConfig,
+    grad_config,
+    grad_modules,
+    grad_name,
+    row_config,
+    row_modules,
+)
 
 _NAMES = {(op, din, dout): tuple(names) for op, din, dout, names in row_modules()}
 
@@ -24,21 +33,43 @@ def _aligned(address: int, stride_bytes: int, width: int) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(op: str, din: str, dout: str, n: int, rows: int) -> tuple[Any, int, int]:
-    """The kernel, grid and block size for ``rows`` rows of ``n`` elements (cached)."""
-    config = row_config(n, ITEMSIZE[din])
-    if config is None:  # can_run declines these rows
+def _plan(op: str, din: str, dout: str, n: int, rows: int,
+          config: RowConfig | None = None) -> tuple[Any, int, int]:
+    """The kernel, grid and block size for ``rows`` rows of ``n`` elements (cached).
+
+    ``config`` overrides the configuration (benchmarks compare alternatives; those build in a
+    module of their own)."""
+    names = _NAMES[(op, din, dout)]
+    if config is None:
+        config = row_config(n, ITEMSIZE[din])
+    elif config.name(op, din, dout) not in names:
+        names = tuple(c.name(op, din, dout) for c in ROW_ALTERNATIVES)
+    if config is None or n > config.capacity(ITEMSIZE[din]):  # can_run declines these rows
         raise ValueError(f"rows of {n} elements are longer than the row kernels hold")
-    kernel = compiler.function("rows.cu", _NAMES[(op, din, dout)], config.name(op, din, dout))
+    kernel = compiler.function("rows.cu", names, config.name(op, din, dout))
     if config.cluster > 1:
         grid = rows * config.cluster
     else:
         grid = -(-rows // (config.threads // config.group))
+    if config.loop:
+        grid = min(grid, _resident_blocks(kernel, config.threads))
     return kernel, grid, config.threads
 
 
+def _resident_blocks(kernel: Any, threads: int) -> int:
+    """How many blocks of ``kernel`` the device holds at once (registers and threads)."""
+    import cupy
+
+    attributes = cupy.cuda.Device().attributes
+    regs = -(-int(kernel.num_regs) // 8) * 8  # allocated per warp in units of 256
+    per_sm = min(attributes["MaxThreadsPerMultiProcessor"] // threads,
+                 attributes["MaxRegistersPerMultiprocessor"] // max(1, regs * threads), 32)
+    return max(1, per_sm) * int(attributes["MultiProcessorCount"])
+
+
 def launch_rows(
-    op: str, xp: Any, x: Any, where: Any, out: Any, masked_nan: bool = False
+    op: str, xp: Any, x: Any, where: Any, out: Any, masked_nan: bool = False,
+    config: RowConfig | None = None,
 ) -> None:
     """Run row operation ``op`` of ``x`` ([..., N]) into ``out`` ([..., N], or [...] for lse)."""
     din, dout = interop.name(x), interop.name(out)
@@ -46,7 +77,7 @@ def launch_rows(
     rows = math.prod(x.shape[:-1])
     in_size, out_size = ITEMSIZE[din], ITEMSIZE[dout]
     vec = 16 // in_size
-    kernel, grid, threads = _plan(op, din, dout, n, rows)
+    kernel, grid, threads = _plan(op, din, dout, n, rows, config)
     x2, ld_x = interop.as_rows(xp, x)
     x_ptr, o_ptr = interop.pointer(x2), interop.pointer(out)
     ld_o = n if op != "logsumexp" else 1

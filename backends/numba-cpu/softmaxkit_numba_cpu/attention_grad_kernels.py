@@ -14,7 +14,8 @@ For each pair of tiles (``i`` queries, ``j`` keys), with ``D_i = <dout_i, out_i>
 all products BLAS (:func:`~.attention_blas.gemm`).  dK and dV of a key tile are summed over
 the query heads of the group in the task's own buffers and written once; dQ receives
 contributions from every key tile, so each thread adds into its own dQ buffer and the caller
-sums the buffers.  Accumulation is in the accumulator dtype (float32, float64 for float64).
+sums the buffers.  Threads take tasks from a shared counter (:mod:`.attention_schedule`).
+Accumulation is in the accumulator dtype (float32, float64 for float64).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import numpy as np
 from numba import njit, prange
 
 from .attention_blas import gemm
-from .attention_kernels import band_covers, exclude
+from .attention_kernels import band_covers, exclude, query_range
+from .attention_schedule import next_task
 from .bits import like
 from .exp import exp_nonpos
 from .lanes import FASTMATH
@@ -35,19 +37,6 @@ TILE_Q = 128
 
 TILE_K = 128
 """Keys per tile: the rows of dK and dV a task owns."""
-
-
-@njit(cache=True, nogil=True)
-def query_range(j0, j1, lq, offset, causal, left, right):
-    """Queries ``[lo, hi)`` that may see a key in ``[j0, j1)`` (query i's diagonal: i + offset)."""
-    lo = 0
-    hi = lq
-    if causal or right >= 0:
-        reach = 0 if causal else right
-        lo = max(0, j0 - offset - reach)
-    if left >= 0:
-        hi = min(lq, j1 - offset + left)
-    return lo, max(lo, hi)
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -122,11 +111,13 @@ def backward(q, k, v, dout, lse, delta, dq_parts, dk, dv, scale, offset, causal,
     hk, lk, dvn = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hk
     ntiles = (lk + tile_k - 1) // tile_k
-    ntasks = nb * hk * ntiles
+    nbk = nb * hk
+    ntasks = nbk * ntiles
     sc = like(q, scale)
     capped = softcap > 0
     dd = max(d, 1)
     ddv = max(dvn, 1)
+    counter = np.zeros(1, dtype=np.int64)
     for w in prange(workers):
         s = np.empty((tile_q, tile_k), dtype=q.dtype)
         p = np.empty((tile_q, tile_k), dtype=q.dtype)
@@ -134,9 +125,13 @@ def backward(q, k, v, dout, lse, delta, dq_parts, dk, dv, scale, offset, causal,
         t = np.empty((tile_q if capped else 1, tile_k), dtype=q.dtype)
         dk_t = np.empty((tile_k, dd), dtype=q.dtype)
         dv_t = np.empty((tile_k, ddv), dtype=q.dtype)
-        for task in range(w, ntasks, workers):
-            bk = task // ntiles
-            j0 = (task - bk * ntiles) * tile_k
+        while True:
+            task = next_task(counter)
+            if task >= ntasks:
+                break
+            # the first key tiles first: under a causal mask the most queries see them
+            bk = task % nbk
+            j0 = (task // nbk) * tile_k
             b = bk // hk
             kvh = bk - b * hk
             nk = min(tile_k, lk - j0)

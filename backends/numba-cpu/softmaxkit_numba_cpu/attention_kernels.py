@@ -15,8 +15,8 @@ Key tiles that lie entirely outside a query tile's band are never computed.  The
 maximum, mass and output are in the accumulator dtype (float32, float64 for float64), the
 output is normalized once at the end, and a row with no allowed key gets ``out = 0`` and
 ``lse = -inf`` without evaluating ``-inf - (-inf)``.  A row with an allowed NaN or ``+inf``
-score gets NaN.  Numba's threads share the tasks (a thread takes every ``workers``-th one,
-which balances the causal triangle); BLAS must run single-threaded meanwhile.
+score gets NaN.  Numba's threads take tasks one at a time from a shared counter
+(:mod:`.attention_schedule`), longest first; BLAS must run single-threaded meanwhile.
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ import numpy as np
 from numba import njit, prange
 
 from .attention_blas import gemm
+from .attention_schedule import next_task
 from .bits import like, maxnum
 from .exp import exp_nonpos
 from .lanes import FASTMATH
 
-TILE_Q = 128
+TILE_Q = 256
 """Queries per tile: the rows of each BLAS product."""
 
 TILE_K = 512
-"""Keys per tile: ``S`` and ``P`` of one tile (2 x 128 x 512 float32) stay in L2."""
+"""Keys per tile: ``S`` and ``P`` of one tile (2 x 256 x 512 float32) fit in a 1 MiB L2."""
 
 
 @njit(cache=True, nogil=True)
@@ -48,6 +49,19 @@ def key_range(i0, i1, lk, offset, causal, left, right):
         hi = min(lk, i1 - 1 + offset + reach + 1)
     if left >= 0:
         lo = max(0, i0 + offset - left)
+    return lo, max(lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def query_range(j0, j1, lq, offset, causal, left, right):
+    """Queries ``[lo, hi)`` that may see a key in ``[j0, j1)`` (query i's diagonal: i + offset)."""
+    lo = 0
+    hi = lq
+    if causal or right >= 0:
+        reach = 0 if causal else right
+        lo = max(0, j0 - offset - reach)
+    if left >= 0:
+        hi = min(lq, j1 - offset + left)
     return lo, max(lo, hi)
 
 
@@ -193,9 +207,11 @@ def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hk
     ntiles = (lq + tile_q - 1) // tile_q
-    ntasks = nb * hq * ntiles
+    nbh = nb * hq
+    ntasks = nbh * ntiles
     sc = like(q, scale)
-    for w in prange(workers):
+    counter = np.zeros(1, dtype=np.int64)
+    for _ in prange(workers):
         qs = np.empty((tile_q, max(d, 1)), dtype=q.dtype)
         s = np.empty((tile_q, tile_k), dtype=q.dtype)
         p = np.empty((tile_q, tile_k), dtype=q.dtype)
@@ -203,9 +219,13 @@ def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask
         m = np.empty(tile_q, dtype=q.dtype)
         mass = np.empty(tile_q, dtype=q.dtype)
         bad = np.empty(tile_q, dtype=np.bool_)
-        for task in range(w, ntasks, workers):
-            bh = task // ntiles
-            i0 = (task - bh * ntiles) * tile_q
+        while True:
+            task = next_task(counter)
+            if task >= ntasks:
+                break
+            # the last query tiles first: under a causal mask they are the longest
+            bh = task % nbh
+            i0 = (ntiles - 1 - task // nbh) * tile_q
             b = bh // hq
             h = bh - b * hq
             kv = b * hk + h // group
@@ -221,16 +241,23 @@ def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask
                         qs[i, c] = q[b, h, i0 + i, c] * sc
                 for j0 in range(lo, hi, tile_k):
                     nk = min(tile_k, hi - j0)
-                    gemm(0, 1, nq, nk, d, 1.0, qs, 0, max(d, 1), k, (kv * lk + j0) * d,
-                         max(d, 1), 0.0, s, 0, tile_k)
+                    # only the rows of the tile that see some of these keys
+                    r0, r1 = query_range(j0, j0 + nk, lq, offset, causal, left, right)
+                    r0 = max(r0, i0) - i0
+                    r1 = min(r1, i0 + nq) - i0
+                    if r1 <= r0:
+                        continue
+                    nr = r1 - r0
+                    gemm(0, 1, nr, nk, d, 1.0, qs, r0 * max(d, 1), max(d, 1), k,
+                         (kv * lk + j0) * d, max(d, 1), 0.0, s, 0, tile_k)
                     if softcap > 0:
-                        cap_scores(s, nq, nk, softcap)
-                    if has_mask or not band_covers(i0, i0 + nq, j0, j0 + nk, offset, causal,
-                                                   left, right):
-                        exclude(s, nq, nk, i0, j0, offset, causal, left, right, mask,
+                        cap_scores(s, nr, nk, softcap)
+                    if has_mask or not band_covers(i0 + r0, i0 + r1, j0, j0 + nk, offset,
+                                                   causal, left, right):
+                        exclude(s, nr, nk, i0 + r0, j0, offset, causal, left, right, mask,
                                 strides, has_mask, b, h)
-                    online_softmax(s, p, m, mass, bad, acc, nq, nk)
+                    online_softmax(s, p, m[r0:], mass[r0:], bad[r0:], acc[r0:], nr, nk)
                     if dv > 0:
-                        gemm(0, 0, nq, dv, nk, 1.0, p, 0, tile_k, v, (kv * lk + j0) * dv, dv,
-                             1.0, acc, 0, dv)
+                        gemm(0, 0, nr, dv, nk, 1.0, p, 0, tile_k, v, (kv * lk + j0) * dv, dv,
+                             1.0, acc, r0 * dv, dv)
             finish_rows(out, lse, b, h, i0, nq, m, mass, bad, acc)

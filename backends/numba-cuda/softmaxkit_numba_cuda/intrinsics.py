@@ -9,10 +9,11 @@ the kernel logic the simulator runs in CI is the logic the GPU runs.
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import numpy as np
-from numba import float32, int32, uint32
+from numba import float32, int32, int64, uint32, uint64
 
 from .compat import import_cuda, simulator_enabled
 
@@ -58,6 +59,14 @@ if SIMULATOR:
         """The low and high 32-bit words of float64 ``value``'s bit pattern."""
         bits = int(np.array(value, dtype=np.float64).view(np.uint64)[()])
         return np.uint32(bits & 0xFFFFFFFF), np.uint32(bits >> 32)
+
+    def u64_from_f64(value):
+        """The bit pattern of float64 ``value`` as an unsigned 64-bit integer."""
+        return np.array(value, dtype=np.float64).view(np.uint64)[()]
+
+    def f64_from_u64(bits):
+        """The float64 whose bit pattern is the unsigned 64-bit integer ``bits``."""
+        return np.array(bits, dtype=np.uint64).view(np.float64)[()]
 
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``lane ^ lane_mask``; every thread of the block must call it."""
@@ -132,6 +141,16 @@ else:
         return uint32(libdevice.double2loint(value)), uint32(libdevice.double2hiint(value))
 
     @cuda.jit(device=True)
+    def u64_from_f64(value):
+        """The bit pattern of float64 ``value`` as an unsigned 64-bit integer."""
+        return uint64(libdevice.double_as_longlong(value))
+
+    @cuda.jit(device=True)
+    def f64_from_u64(bits):
+        """The float64 whose bit pattern is the unsigned 64-bit integer ``bits``."""
+        return libdevice.longlong_as_double(int64(bits))
+
+    @cuda.jit(device=True)
     def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``lane ^ lane_mask`` (all 32 lanes take part)."""
         return cuda.shfl_xor_sync(0xFFFFFFFF, value, lane_mask)
@@ -166,6 +185,8 @@ def f32_to_bf16(value):
 
 
 _REGISTERS = {1: 32, 2: 32, 4: 32, 8: 40, 16: 56, 32: 64}
+REGISTERS_OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_REGISTERS"
+"""Environment variable forcing the register budget of kernels compiled afterwards (tuning)."""
 
 
 def register_cap(block: int, values: int, wide: bool = False) -> int:
@@ -176,7 +197,8 @@ def register_cap(block: int, values: int, wide: bool = False) -> int:
     for short rows that 2048 threads can be resident per multiprocessor, keeping enough loads
     in flight to saturate memory.
     """
-    budget = _REGISTERS.get(values, 64) * (2 if wide else 1)
+    forced = os.environ.get(REGISTERS_OVERRIDE)
+    budget = int(forced) if forced else _REGISTERS.get(values, 64) * (2 if wide else 1)
     return max(32, min(255, budget, 65536 // block))
 
 

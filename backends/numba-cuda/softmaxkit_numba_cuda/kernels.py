@@ -19,11 +19,13 @@ from softmaxkit.dtypes import dtype_name as _dtype_name
 from . import plan as plans
 from . import rowkernels, tiled
 from .arrays import dummy, empty, kernel_view, launch, library, rows, run, vectorizable
-from .intrinsics import SIMULATOR, cuda, register_cap
+from .intrinsics import SIMULATOR
 from .storage import VECTOR_WIDTH
 
-WORD_SLOTS = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 4}
-"""16-byte words a thread holds: 16 values (8 for float64), read before the first use."""
+WORD_SLOTS = {"float32": (4, 4, 8), "bfloat16": (2, 4, 4), "float16": (2, 4, 4),
+              "float64": (2, 2, 2)}
+"""16-byte words a thread holds for short, medium and long (split) rows: 8 to 32 values,
+read before the first use (chosen by the H200 sweep of gpu_check.py)."""
 ELEMENT_SLOTS = {"float32": 16, "bfloat16": 16, "float16": 16, "float64": 8}
 """Elements a thread holds when rows are read element by element."""
 TILE_VALUES = 8
@@ -39,7 +41,7 @@ def dtype_name(dtype: Any) -> str:
 
 
 def _plan(n_words: int, kind: str, vector: bool) -> plans.Plan:
-    slots = (WORD_SLOTS if vector else ELEMENT_SLOTS)[kind]
+    slots = WORD_SLOTS[kind] if vector else (ELEMENT_SLOTS[kind],) * 3
     return plans.choose(n_words, slots, simulator=SIMULATOR)
 
 
@@ -55,42 +57,29 @@ def _layout(lib: str, kin: str, kout: str, arrays: list[Any]) -> tuple[bool, int
     return vector, (width if vector else 1), [kernel_view(a, lib) for a in arrays]
 
 
-_capacity: dict[tuple[int, int, int], int] = {}
-
-
-def resident_blocks(block: int, registers: int) -> int:
-    """A lower bound on the blocks of a kernel that the current device holds at once."""
-    device = cuda.get_current_device()
-    key = (device.id, block, registers)
-    found = _capacity.get(key)
-    if found is None:
-        per_sm = min(32, 2048 // block, 65536 // (block * registers))
-        found = _capacity[key] = max(1, per_sm) * device.MULTIPROCESSOR_COUNT
-    return found
-
-
-def _phases(p: plans.Plan, values: int, wide: bool, waits: bool) -> tuple[int, ...]:
-    """The launches of a split plan: ``(0,)``, one launch whose blocks wait for their row,
-    while at most half the resident capacity is needed; otherwise ``(1, 2)`` (see
-    :mod:`.rowkernels`)."""
-    if not (p.split and waits):
-        return (0,)
-    if SIMULATOR or 2 * p.chunks > resident_blocks(p.block, register_cap(p.block, values, wide)):
-        return (1, 2)
-    return (0,)
-
-
-def _workspace(xp: Any, like: Any, lib: str, p: plans.Plan, n_rows: int, acc: Any,
-               fields: int) -> tuple[Any, Any]:
-    """Kernel views of the summaries ``[fields, rows * chunks]`` and zeroed counters
-    ``[rows + 1]`` of a split plan (tiny placeholders otherwise)."""
+def _counters(xp: Any, like: Any, lib: str, p: plans.Plan, n_rows: int, acc: Any,
+              fields: int) -> tuple[Any, Any]:
+    """Kernel views of the summaries ``[fields, rows * chunks]`` and zeroed arrival counters
+    ``[rows]`` of a split row whose last block writes the result (placeholders otherwise)."""
     device = getattr(like, "device", None)
     if not p.split:
-        return (dummy(lib, device, dtype_name(acc)),
-                dummy(lib, device, "int32", ndim=1))
+        return dummy(lib, device, dtype_name(acc)), dummy(lib, device, "int32", ndim=1)
     ws = xp.empty((fields, n_rows * p.chunks), dtype=acc, device=device)
-    sync = xp.zeros((n_rows + 1,), dtype=xp.int32, device=device)
+    sync = xp.zeros((n_rows,), dtype=xp.int32, device=device)
     return kernel_view(ws, lib), kernel_view(sync, lib)
+
+
+def _slots(xp: Any, like: Any, lib: str, p: plans.Plan, n_rows: int, acc_name: str) -> Any:
+    """Kernel view of the zeroed 64-bit summary slots of a split row whose blocks wait for
+    the row's summary (a placeholder otherwise)."""
+    device = getattr(like, "device", None)
+    if not p.split:
+        return dummy(lib, device, "uint64")
+    fields = rowkernels.SLOT_FIELDS[acc_name]
+    # int64 storage (every library has it), read as unsigned words by the kernel
+    wsp = kernel_view(xp.zeros((fields, n_rows * p.chunks), dtype=xp.int64, device=device),
+                      lib)
+    return wsp.view(np.uint64)
 
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
@@ -106,13 +95,10 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots, p.rows_per_block,
                                   p.split, where is not None)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
-    acc = lookup(xp, accumulator_name(kin))
-    ws, sync = _workspace(xp, x, lib, p, n_rows, acc, 2)
-    values = p.slots * width
+    wsp = _slots(xp, x, lib, p, n_rows, accumulator_name(kin))
     with launch(x, lib) as stream:
-        for phase in _phases(p, values, kin == "float64", True):
-            run(kernel, p.grid(n_rows), p.block, stream, xv, w, masked == "nan", ov, n_rows,
-                n // width, p.chunks, ws, sync, phase)
+        run(kernel, p.grid(n_rows), p.block, stream, xv, w, masked == "nan", ov, n_rows,
+            n // width, p.chunks, wsp)
     return out
 
 
@@ -140,7 +126,7 @@ def row_reduce(op: str, xp: Any, x: Any, where: Any, out: Any, second: Any,
                                p.split, where is not None)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     acc = lookup(xp, accumulator_name(kin))
-    ws, sync = _workspace(xp, x, lib, p, n_rows, acc, 2)
+    ws, sync = _counters(xp, x, lib, p, n_rows, acc, 2)
     sv = (kernel_view(second.reshape(n_rows, 1), lib) if second is not None
           else dummy(lib, x.device, kout))
     with launch(x, lib) as stream:
@@ -247,12 +233,16 @@ def cross_entropy(
     smooth = float(label_smoothing) != 0.0
     kernel = rowkernels.cross_entropy(kin, kout, vector, p.threads, p.slots, p.rows_per_block,
                                       p.split, where is not None, grad is not None, smooth)
-    ws, sync = _workspace(xp, logits, lib, p, n_rows, acc, 4 if smooth else 2)
+    if grad is not None:
+        ws, sync = _counters(xp, logits, lib, plans.make(1, 1, 1), n_rows, acc, 0)
+        wsp = _slots(xp, logits, lib, p, n_rows, accumulator_name(kin))
+    else:
+        ws, sync = _counters(xp, logits, lib, p, n_rows, acc, 4 if smooth else 2)
+        wsp = _slots(xp, logits, lib, plans.make(1, 1, 1), n_rows, accumulator_name(kin))
     with launch(logits, lib) as stream:
-        for phase in _phases(p, p.slots * width, kin == "float64", grad is not None):
-            run(kernel, p.grid(n_rows), p.block, stream, xv, w, idx, scale, lv, gv, n_rows,
-                n // width, p.chunks, ws, sync, phase, float(label_smoothing),
-                ignore_index is not None, ignore)
+        run(kernel, p.grid(n_rows), p.block, stream, xv, w, idx, scale, lv, gv, n_rows,
+            n // width, p.chunks, ws, sync, wsp, float(label_smoothing),
+            ignore_index is not None, ignore)
     return loss, grad
 
 

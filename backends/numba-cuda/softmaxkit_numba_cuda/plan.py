@@ -89,22 +89,26 @@ def make(threads: int, slots: int, n: int, group_threads: int = GROUP_THREADS) -
     return Plan(threads, slots, rows, chunks)
 
 
-def choose(n: int, slots: int, simulator: bool = False, block: int = BLOCK) -> Plan:
-    """The plan for rows of ``n`` words, ``slots`` words per thread (see the module docstring).
+def choose(n: int, slots: int | tuple[int, int, int], simulator: bool = False,
+           block: int = BLOCK) -> Plan:
+    """The plan for rows of ``n`` words (see the module docstring).
 
-    ``slots`` is the caller's register budget: fewer for float64 and for kernels that hold
-    two arrays.  :data:`OVERRIDE` replaces the choice.
+    ``slots`` is the words a thread holds (the caller's register budget), or a triple for
+    short, medium and long rows.  :data:`OVERRIDE` replaces the choice.
     """
+    short, medium, long = (slots,) * 3 if isinstance(slots, int) else slots
     forced = os.environ.get(OVERRIDE)
     if forced:
-        threads, slots = (int(v) for v in forced.split(",")[:2])
-        if n <= threads * slots or threads >= 2 * WARP:
-            return make(threads, slots, n)
-        return make(2 * WARP, slots, n)  # a short-row group too small for this row
+        threads, k = (int(v) for v in forced.split(",")[:2])
+        if n <= threads * k or threads >= 2 * WARP:
+            return make(threads, k, n)
+        return make(2 * WARP, k, n)  # a short-row group too small for this row
     if simulator:  # few threads keep the simulator fast; long rows are still split
         if n <= 16:
             return make(_pow2_at_least(max(1, -(-n // 2))), 2, n, group_threads=16)
         return make(2 * WARP, 2, n)
-    if n <= WARP * slots:
-        return make(_pow2_at_least(max(1, -(-n // slots))), slots, n)
-    return make(min(block, max(2 * WARP, _pow2_at_least(-(-n // slots)))), slots, n)
+    if n <= WARP * short:
+        return make(_pow2_at_least(max(1, -(-n // short))), short, n)
+    if n <= block * medium:
+        return make(max(2 * WARP, _pow2_at_least(-(-n // medium))), medium, n)
+    return make(block, long, n)

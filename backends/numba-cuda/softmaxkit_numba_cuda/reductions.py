@@ -134,7 +134,18 @@ def group_reducers(threads: int, acc_name: str):
             v = nanmax(v, shfl_xor(v, off))
         return v
 
-    if SIMULATOR:  # the same butterfly, replayed with two barriers instead of ten
+    if not offsets:  # a group of one thread: nothing to exchange
+
+        def warp_pair(m, s):
+            return m, s
+
+        def warp_sum(v):
+            return v
+
+        def warp_max(v):
+            return v
+
+    elif SIMULATOR:  # the same butterfly, replayed with two barriers instead of ten
 
         def warp_pair(m, s):
             return warp_butterfly((m, s), lambda a, b: merge(a[0], a[1], b[0], b[1]), offsets)

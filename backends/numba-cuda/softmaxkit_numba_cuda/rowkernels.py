@@ -14,49 +14,53 @@ exponential sends to zero: nothing is multiplied by zero to exclude it.  Each ou
 ``e * exp(m_t - M) / S`` (softmax) or ``(x - M) - log S`` (log_softmax) with the row's
 ``(M, S)``: one multiply or two adds per element, the chunk never read again.
 
-Long rows: each block publishes its chunk's summary to a workspace and counts itself in on a
-per-row counter.
+Long rows: block ``b`` holds chunk ``b % chunks`` of row ``b // chunks`` and publishes the
+chunk's summary to a workspace.
 
-* logsumexp, summarize, cross-entropy without gradient: the block that arrives last merges
-  the row's summaries and writes the result; no block waits for another.
-* softmax, log_softmax, cross-entropy with gradient (``phase`` 0): every block waits until
-  its row's counter reaches ``chunks``, merges the summaries and writes its chunk from
-  registers, so the row is read once.  A block takes a *ticket* from a counter when it
-  starts and works on chunk ``ticket % chunks`` of row ``ticket // chunks``.  Tickets are
-  taken in the order blocks start running, so when ticket ``t`` is taken every lower ticket
-  is held by a block that is running or done, and every block publishes before it waits:
-  only the row of the highest ticket can have blocks still waiting, at most ``chunks - 1``
-  of them, and the next block to start completes that row's tickets.  The scheme can stall
-  only if fewer than ``chunks`` blocks of this kernel can be resident at once; the caller
-  keeps ``chunks`` well below the device's resident-block capacity (:mod:`.kernels`).
-* otherwise (``phase`` 1 then 2: Numba's simulator, which runs blocks one after another, and
-  rows too long for the capacity bound): a first launch publishes, a second reads each
-  chunk again and writes it (two reads and one write, counted as such).
+* logsumexp, summarize, cross-entropy without gradient: each block counts itself in on a
+  per-row counter; the block that arrives last merges the row's summaries and writes the
+  result.  No block waits for another.
+* softmax, log_softmax, cross-entropy with gradient: every block needs the whole row's
+  summary before it writes its chunk from registers (so the row is read once).  A summary is
+  one 64-bit slot (two float32; float64 summaries use a flag slot and four more), written
+  with a release store and read with acquire loads, so one read both finds and fetches it.
+  A block polls its row's slots for at most :data:`WAIT_NS` nanoseconds; a chunk whose
+  summary has not appeared by then is summarized by the waiting block itself, from device
+  memory, with the same arithmetic in the same order, and published on its owner's behalf.
+  No wait is unbounded, so the kernel cannot deadlock whatever the order in which the
+  hardware schedules blocks or how many are resident; in the common case the blocks of a row
+  run together (consecutive block indices) and each chunk is read once.  Numba's simulator,
+  which runs blocks one after another, takes the fallback for the first block of each row.
 
-Special rows (a NaN, a ``+inf``, nothing allowed) follow spec/semantics.md.  The workspace
-(summaries ``ws [fields, rows * chunks]``, counters ``sync [rows + 1]``, zero) is allocated
-for each call by the caller.
+Special rows (a NaN, a ``+inf``, nothing allowed) follow spec/semantics.md.  The workspaces
+(``ws [fields, rows * chunks]`` and counters ``sync [rows]`` for the last-arriving block;
+zeroed 64-bit slots ``wsp [slots, rows * chunks]`` for the waiting blocks) are allocated for
+each call by the caller.
 """
 
 from __future__ import annotations
 
 import functools
 
-from numba import float32, float64, int32
+from numba import float32, float64, int32, uint64
 
 from .intrinsics import (
     NAN,
     NEG_INF,
     POS_INF,
+    bits_from_f32,
     cuda,
     device_function,
+    f32_from_bits,
+    f64_from_u64,
     kernel,
     log_f32,
     log_f64,
+    u64_from_f64,
 )
 from .reductions import SCRATCH, exponential, group_reducers, summary_ops, thread_max
 from .storage import loader, storer, word_io
-from .wide import load_acquire, load_l2, nanosleep
+from .wide import globaltimer, load_acquire, load_l2, nanosleep, store_release
 
 SUMMARY = "summarize"
 
@@ -67,19 +71,12 @@ def _acc(kind: str) -> tuple[str, object]:
 
 @functools.cache
 def _placement(threads: int, rows_per_block: int, split: bool):
-    """Device function ``place(n_rows, chunks, tickets, sync, ticket) -> (lane, row, chunk,
-    live)``; with ``tickets`` a split row's blocks are placed in the order they start."""
+    """Device function ``place(n_rows, chunks) -> (lane, row, chunk, live)``."""
 
-    def place(n_rows, chunks, tickets, sync, ticket):
+    def place(n_rows, chunks):
         tid = cuda.threadIdx.x
         if split:
-            if tickets:
-                if tid == 0:
-                    ticket[0] = cuda.atomic.add(sync, n_rows, 1)
-                cuda.syncthreads()
-                t = ticket[0]
-            else:
-                t = cuda.blockIdx.x
+            t = cuda.blockIdx.x
             r = t // chunks
             return tid, r, t - r * chunks, True
         if threads <= 32:
@@ -142,6 +139,55 @@ def _chunk_io(kind: str, vector: bool, threads: int, slots: int, has_where: bool
 
 
 @functools.cache
+def _chunk_stream(kind: str, vector: bool, threads: int, slots: int, has_where: bool,
+                  count: bool):
+    """Device function ``stream_stats(xr, wr, nw, base) -> (m, s, included, zsum)``: what
+    ``load_chunk`` and ``thread_sum`` give for the thread's words ``base + threads * j``, the
+    same operations in the same order, reading one word at a time (twice) from memory."""
+    acc_name, acc = _acc(kind)
+    width, load_word, _ = word_io(kind, vector)
+    tmax = thread_max(acc_name)
+    exp = exponential(acc_name)
+    neg_inf, zero, one = acc(NEG_INF), acc(0.0), acc(1.0)
+
+    def load_one(xr, wr, nw, wi, buf):
+        if wi < nw:
+            load_word(xr, wi, buf, 0)
+            if has_where:
+                for v in range(width):
+                    if not wr[wi * width + v]:
+                        buf[v] = neg_inf
+        else:
+            for v in range(width):
+                buf[v] = neg_inf
+
+    load_one = device_function(load_one)
+
+    def stream_stats(xr, wr, nw, base):
+        buf = cuda.local.array(width, acc)
+        m = neg_inf
+        for j in range(slots):
+            load_one(xr, wr, nw, base + j * threads, buf)
+            for v in range(width):
+                m = tmax(m, buf[v])
+        s = zero
+        c = zero
+        z = zero
+        if m > neg_inf and m < POS_INF:
+            for j in range(slots):
+                load_one(xr, wr, nw, base + j * threads, buf)
+                for v in range(width):
+                    d = buf[v] - m
+                    s += exp(d)
+                    if count and buf[v] > neg_inf:
+                        c += one
+                        z += d
+        return m, s, c, z
+
+    return device_function(stream_stats)
+
+
+@functools.cache
 def _thread_sum(acc_name: str, values: int, keep_exp: bool, count: bool):
     """Device function ``thread_sum(vals, m) -> (s, included, zsum)``: ``s = sum exp(v - m)``
     over the thread's values (stored back in ``vals`` with ``keep_exp``, zeros when ``m`` is
@@ -175,9 +221,9 @@ def _thread_sum(acc_name: str, values: int, keep_exp: bool, count: bool):
 
 
 @functools.cache
-def _exchange(threads: int, acc_name: str, fields: int):
-    """Device functions for the blocks of a split row: ``publish``, ``wait``, ``gather`` and
-    ``gather_counts`` (see the module docstring)."""
+def _last_arriver(threads: int, acc_name: str, fields: int):
+    """Device functions ``publish``, ``gather`` and ``gather_counts`` for the blocks of a
+    split row when the block that arrives last writes the row's result."""
     acc = float64 if acc_name == "float64" else float32
     merge = summary_ops(acc_name)[1]
     pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
@@ -201,13 +247,6 @@ def _exchange(threads: int, acc_name: str, fields: int):
             cuda.threadfence()
         return last
 
-    def wait(sync, r, chunks):
-        if cuda.threadIdx.x == 0:
-            while load_acquire(sync, r) < chunks:
-                nanosleep(100)
-            cuda.threadfence()
-        cuda.syncthreads()
-
     def gather(ws, r, chunks, scratch):
         """The row's summary ``(M, S)``, in every thread."""
         m = neg_inf
@@ -229,8 +268,148 @@ def _exchange(threads: int, acc_name: str, fields: int):
                 z += load_l2(ws[3], i) + ck * (load_l2(ws[0], i) - m)
         return sum_reduce(cnt, scratch), sum_reduce(z, scratch)
 
-    return (device_function(publish), device_function(wait), device_function(gather),
-            device_function(gather_counts))
+    return device_function(publish), device_function(gather), device_function(gather_counts)
+
+
+WAIT_NS = 20_000
+"""How long a block polls for another block's chunk summary before computing it itself."""
+POLL_NS = 64
+SLOT_FIELDS = {"float32": 2, "float64": 5}
+"""64-bit slots per chunk summary: ``(max, sum)`` and ``(count, zsum)`` packed as float32
+pairs; or a flag and four float64 bit patterns."""
+
+
+@functools.cache
+def _slots(acc_name: str, fields: int):
+    """Device functions ``publish(wsp, k, m, s, cnt, z)`` (one thread),
+    ``peek(wsp, k) -> (published, m, s)`` and ``counts(wsp, k) -> (cnt, z)`` (after a peek
+    that found the summary) on the 64-bit slots of chunk ``k``."""
+    acc = float64 if acc_name == "float64" else float32
+    nan = acc(NAN)
+    low = uint64(0xFFFFFFFF)
+    shift = uint64(32)
+
+    if acc_name == "float32":
+
+        def pack(a, b):
+            return uint64(bits_from_f32(a)) | (uint64(bits_from_f32(b)) << shift)
+
+        def unpack(w):
+            return f32_from_bits(w & low), f32_from_bits(w >> shift)
+
+        pack = device_function(pack)
+        unpack = device_function(unpack)
+
+        def publish(wsp, k, m, s, cnt, z):
+            if fields == 4:
+                wsp[1, k] = pack(cnt, z)
+            store_release(wsp[0], k, pack(m, s))  # never 0: a finite max has a sum >= 1
+
+        def peek(wsp, k):
+            w = load_acquire(wsp[0], k)
+            m, s = unpack(w)
+            return w != uint64(0), m, s
+
+        def counts(wsp, k):
+            return unpack(load_l2(wsp[1], k))
+
+    else:
+
+        def publish(wsp, k, m, s, cnt, z):
+            wsp[1, k] = u64_from_f64(m)
+            wsp[2, k] = u64_from_f64(s)
+            if fields == 4:
+                wsp[3, k] = u64_from_f64(cnt)
+                wsp[4, k] = u64_from_f64(z)
+            store_release(wsp[0], k, uint64(1))
+
+        def peek(wsp, k):
+            if load_acquire(wsp[0], k) == uint64(0):
+                return False, nan, nan
+            return (True, f64_from_u64(load_l2(wsp[1], k)),
+                    f64_from_u64(load_l2(wsp[2], k)))
+
+        def counts(wsp, k):
+            return f64_from_u64(load_l2(wsp[3], k)), f64_from_u64(load_l2(wsp[4], k))
+
+    return device_function(publish), device_function(peek), device_function(counts)
+
+
+@functools.cache
+def _row_summary(kind: str, vector: bool, threads: int, slots: int, has_where: bool,
+                 fields: int):
+    """Device function ``collect(wsp, xr, wr, nw, r, chunks, scratch, flag) -> (M, S, count,
+    zsum)``: the whole row's summary for a block of a split row that has published its own
+    chunk's (see the module docstring: bounded polling, then the missing chunks computed
+    here).  ``count`` and ``zsum`` are the included positions and their ``sum(x - M)``
+    (with ``fields == 4``, and ``M`` finite)."""
+    acc_name, acc = _acc(kind)
+    counting = fields == 4
+    publish, peek, counts = _slots(acc_name, fields)
+    stream_stats = _chunk_stream(kind, vector, threads, slots, has_where, counting)
+    merge = summary_ops(acc_name)[1]
+    pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
+    neg_inf, zero = acc(NEG_INF), acc(0.0)
+    wait = uint64(WAIT_NS)
+
+    def shifted(cnt, z, m_part, m):
+        return z + cnt * (m_part - m) if cnt > zero else zero
+
+    shifted = device_function(shifted)
+
+    def collect(wsp, xr, wr, nw, r, chunks, scratch, flag):
+        tid = cuda.threadIdx.x
+        m = neg_inf
+        s = zero
+        missing = 0
+        for k in range(tid, chunks, threads):
+            ok, mk, sk = peek(wsp, r * chunks + k)
+            if not ok:
+                start = globaltimer()
+                while not ok and globaltimer() - start < wait:
+                    nanosleep(POLL_NS)
+                    ok, mk, sk = peek(wsp, r * chunks + k)
+            if ok:
+                m, s = merge(m, s, mk, sk)
+            else:
+                missing = 1
+        if cuda.syncthreads_or(int32(missing)):
+            # rare: summarize the chunks whose blocks have not published, publish for them
+            for k in range(chunks):
+                if tid == 0:
+                    ok, _, _ = peek(wsp, r * chunks + k)
+                    flag[0] = int32(0 if ok else 1)
+                cuda.syncthreads()
+                if flag[0] != 0:
+                    mt, st, ct, zt = stream_stats(xr, wr, nw, k * (threads * slots) + tid)
+                    mk, sk = pair_reduce(mt, st, scratch)
+                    ck = zero
+                    zk = zero
+                    if counting:
+                        ck = sum_reduce(ct, scratch)
+                        zk = sum_reduce(shifted(ct, zt, mt, mk), scratch)
+                    if tid == 0:
+                        publish(wsp, r * chunks + k, mk, sk, ck, zk)
+                cuda.syncthreads()
+            m = neg_inf
+            s = zero
+            for k in range(tid, chunks, threads):
+                _, mk, sk = peek(wsp, r * chunks + k)
+                m, s = merge(m, s, mk, sk)
+        m, s = pair_reduce(m, s, scratch)
+        cnt = zero
+        z = zero
+        if counting and m > neg_inf and m < POS_INF:
+            for k in range(tid, chunks, threads):
+                _, mk, _ = peek(wsp, r * chunks + k)
+                ck, zk = counts(wsp, r * chunks + k)
+                cnt += ck
+                z += shifted(ck, zk, mk, m)
+            cnt = sum_reduce(cnt, scratch)
+            z = sum_reduce(z, scratch)
+        return m, s, cnt, z
+
+    return device_function(collect)
 
 
 def _values(kind: str, vector: bool, slots: int) -> int:
@@ -240,8 +419,8 @@ def _values(kind: str, vector: bool, slots: int) -> int:
 @functools.cache
 def normalize(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
               rows_per_block: int, split: bool, has_where: bool):
-    """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, ws, sync, phase)`` for softmax or
-    log_softmax over ``[rows, N]`` element arrays; ``nw`` is the row length in words."""
+    """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` for softmax or log_softmax
+    over ``[rows, N]`` element arrays; ``nw`` is the row length in words."""
     acc_name, acc = _acc(kin)
     is_log = op == "log_softmax"
     values = _values(kin, vector, slots)
@@ -249,29 +428,28 @@ def normalize(op: str, kin: str, kout: str, vector: bool, threads: int, slots: i
     _, store_chunk = _chunk_io(kout, vector, threads, slots, False)
     thread_sum = _thread_sum(acc_name, values, not is_log, False)
     pair_reduce = group_reducers(threads, acc_name)[0]
-    publish, wait, gather, _ = _exchange(threads, acc_name, 2)
+    publish = _slots(acc_name, 2)[0]
+    collect = _row_summary(kin, vector, threads, slots, has_where, 2)
     place = _placement(threads, rows_per_block, split)
     exp = exponential(acc_name)
     log = log_f64 if acc_name == "float64" else log_f32
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
     @kernel(threads * rows_per_block, values, acc_name == "float64")
-    def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, ws, sync, phase):
-        ticket = cuda.shared.array(1, int32)
+    def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp):
+        flag = cuda.shared.array(1, int32)
         scratch = cuda.shared.array(SCRATCH, acc)
-        lane, r, c, live = place(n_rows, chunks, phase == 0, sync, ticket)
+        lane, r, c, live = place(n_rows, chunks)
         base = c * (threads * slots) + lane
+        wr = w[r if has_where else 0]
         vals = cuda.local.array(values, acc)
-        m_t = load_chunk(x[r], w[r if has_where else 0], live, nw, base, vals)
+        m_t = load_chunk(x[r], wr, live, nw, base, vals)
         s_t, _, _ = thread_sum(vals, m_t)
         m, s = pair_reduce(m_t, s_t, scratch)
         if split:
-            if phase != 2:
-                publish(ws, sync, r, c, chunks, m, s, zero, zero, ticket)
-                if phase == 1:
-                    return
-                wait(sync, r, chunks)
-            m, s = gather(ws, r, chunks, scratch)
+            if lane == 0:
+                publish(wsp, r * chunks + c, m, s, zero, zero)
+            m, s, _, _ = collect(wsp, x[r], wr, nw, r, chunks, scratch, flag)
         nan_row = m != m
         inf_row = m == POS_INF
         empty = m == neg_inf
@@ -314,7 +492,7 @@ def reduce(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
     load_chunk, _ = _chunk_io(kin, vector, threads, slots, has_where)
     thread_sum = _thread_sum(acc_name, values, False, False)
     pair_reduce = group_reducers(threads, acc_name)[0]
-    publish, _, gather, _ = _exchange(threads, acc_name, 2)
+    publish, gather, _ = _last_arriver(threads, acc_name, 2)
     place = _placement(threads, rows_per_block, split)
     store = storer(acc_name if op == SUMMARY else kout)
     log = log_f64 if acc_name == "float64" else log_f32
@@ -325,7 +503,7 @@ def reduce(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
     def row_kernel(x, w, out, sign, return_sign, n_rows, nw, chunks, ws, sync):
         flag = cuda.shared.array(1, int32)
         scratch = cuda.shared.array(SCRATCH, acc)
-        lane, r, c, live = place(n_rows, chunks, False, sync, flag)
+        lane, r, c, live = place(n_rows, chunks)
         vals = cuda.local.array(values, acc)
         m_t = load_chunk(x[r], w[r if has_where else 0], live, nw, c * (threads * slots) + lane,
                          vals)
@@ -363,7 +541,7 @@ def reduce(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
 def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                   rows_per_block: int, split: bool, has_where: bool, has_grad: bool,
                   smooth: bool):
-    """Kernel ``(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, phase,
+    """Kernel ``(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
     smoothing, has_ignore, ignore)``: the loss of each row against the class ``index[r]``
     (smoothed by ``smoothing`` when ``smooth``) into ``loss [rows, 1]`` (accumulator dtype)
     and, with ``has_grad``, ``grad = scale * (softmax(x) - y)`` into ``grad [rows, N]``.
@@ -380,7 +558,10 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     keep_exp = has_grad and not smooth
     thread_sum = _thread_sum(acc_name, values, keep_exp, smooth)
     pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
-    publish, wait, gather, gather_counts = _exchange(threads, acc_name, 4 if smooth else 2)
+    fields = 4 if smooth else 2
+    publish, gather, gather_counts = _last_arriver(threads, acc_name, fields)
+    publish_slot = _slots(acc_name, fields)[0]
+    collect = _row_summary(kin, vector, threads, slots, has_where, fields)
     place = _placement(threads, rows_per_block, split)
     load = loader(kin, acc_name)
     store = storer(kout)
@@ -390,12 +571,11 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
     @kernel(threads * rows_per_block, values, acc_name == "float64")
-    def row_kernel(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, phase,
+    def row_kernel(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
                    smoothing, has_ignore, ignore):
         flag = cuda.shared.array(1, int32)
         scratch = cuda.shared.array(SCRATCH, acc)
-        waits = split and has_grad
-        lane, r, c, live = place(n_rows, chunks, waits and phase == 0, sync, flag)
+        lane, r, c, live = place(n_rows, chunks)
         xr = x[r]
         wr = w[r if has_where else 0]
         base = c * (threads * slots) + lane
@@ -405,27 +585,22 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
         m, s = pair_reduce(m_t, s_t, scratch)
         cnt = zero
         zsum = zero
-        if smooth and not split:
+        if smooth:
             cnt = sum_reduce(c_t, scratch)
             zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
         writes_loss = c == 0
         if split:
-            if smooth:
-                cnt = sum_reduce(c_t, scratch)
-                zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
-            if waits:
-                if phase != 2:
-                    publish(ws, sync, r, c, chunks, m, s, cnt, zsum, flag)
-                    if phase == 1:
-                        return
-                    wait(sync, r, chunks)
+            if has_grad:
+                if lane == 0:
+                    publish_slot(wsp, r * chunks + c, m, s, cnt, zsum)
+                m, s, cnt, zsum = collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
             else:
                 if not publish(ws, sync, r, c, chunks, m, s, cnt, zsum, flag):
                     return
                 writes_loss = True
-            m, s = gather(ws, r, chunks, scratch)
-            if smooth and m > neg_inf and m < POS_INF:
-                cnt, zsum = gather_counts(ws, r, chunks, m, scratch)
+                m, s = gather(ws, r, chunks, scratch)
+                if smooth and m > neg_inf and m < POS_INF:
+                    cnt, zsum = gather_counts(ws, r, chunks, m, scratch)
         eps = acc(smoothing)
         n = nw * width
         target = index[r] if live else -1

@@ -13,13 +13,17 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
   packed into one word (``cvt.rn.bf16x2.f32`` / ``cvt.rn.f16x2.f32``, NaN stays NaN);
   ``unpack_f16(u)``: the two float16 halves of a word as float32;
 * ``load_acquire(a, i)`` (``ld.acquire.gpu``) and ``load_l2(a, i)`` (``ld.relaxed.gpu``):
-  32-bit integer and float loads that see other blocks' writes (never a stale L1 line);
-  ``nanosleep(ns)``.
+  loads of 32-bit integers, 64-bit unsigned integers and floats that see other blocks' writes
+  (never a stale L1 line); ``store_release(a, i, v)`` (``st.release.gpu``): a 64-bit store
+  ordered after every earlier write of the thread;
+* ``globaltimer()``: the GPU's nanosecond clock; ``nanosleep(ns)``.
 
 Under Numba's CUDA simulator each has a numpy form on the same bits.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -79,6 +83,14 @@ if SIMULATOR:
         """``a[i]`` read from the L2 cache (coherent across blocks)."""
         return a[i]
 
+    def store_release(a, i, v):
+        """``a[i] = v``, after every earlier write of the thread."""
+        a[i] = v
+
+    def globaltimer():
+        """Nanoseconds on a clock shared by every thread."""
+        return time.perf_counter_ns()
+
     def nanosleep(ns):
         """Pause the thread for about ``ns`` nanoseconds (nothing in the simulator)."""
 
@@ -90,6 +102,8 @@ else:
 
     _I32 = ir.IntType(32)
     _F32 = ir.FloatType()
+    _REGISTER = {types.int32: (32, "r"), types.float32: (32, "f"), types.float64: (64, "d"),
+                 types.uint64: (64, "l")}
 
     def _pointer(context, builder, aryty, ary, idx):
         arr = context.make_array(aryty)(context, builder, value=ary)
@@ -197,16 +211,14 @@ else:
         @intrinsic
         def impl(typingctx, a, i):
             dtype = a.dtype
-            if dtype not in (types.int32, types.float32, types.float64):
+            if dtype not in _REGISTER:
                 return None
             sig = dtype(a, i)
 
             def codegen(context, builder, sig, args):
                 ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
                 ty = context.get_value_type(dtype)
-                bits, reg = (64, "d") if dtype == types.float64 else (32, "r")
-                if dtype == types.float32:
-                    reg = "f"
+                bits, reg = _REGISTER[dtype]
                 # side effects and a memory clobber: the load stays where it is written
                 # (inside a polling loop, after a fence)
                 asm = ir.InlineAsm(ir.FunctionType(ty, [ptr.type]),
@@ -220,6 +232,34 @@ else:
 
     load_acquire = _coherent_load("acquire")
     load_l2 = _coherent_load("relaxed")
+
+    @intrinsic
+    def store_release(typingctx, a, i, v):
+        if a.dtype != types.uint64:
+            return None
+        sig = types.void(a, i, v)
+
+        def codegen(context, builder, sig, args):
+            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
+            word = context.cast(builder, args[2], sig.args[2], types.uint64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type, ir.IntType(64)]),
+                               "st.release.gpu.global.b64 [$0], $1;", "l,l,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [ptr, word])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def globaltimer(typingctx):
+        sig = types.uint64()
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(64), []),
+                               "mov.u64 $0, %globaltimer;", "=l", side_effect=True)
+            return builder.call(asm, [])
+
+        return sig, codegen
 
     def nanosleep(ns):
         """Pause the thread for about ``ns`` nanoseconds."""

@@ -9,6 +9,7 @@
 // -inf; a row whose running maximum is still -inf keeps O = 0, l = 0, and ends as out 0,
 // lse -inf (spec "Attention": a row with no allowed key).
 #include "mma.cuh"
+#include "exclusion.cuh"
 
 #define SK_LN2 0.6931471805599453f
 #define SK_LOG2E 1.4426950408889634f
@@ -20,7 +21,7 @@ struct SkAttnArgs {
     long long m_sb, m_sh, m_sq, m_sk;
 };
 
-template <typename T, int D, int WARPS, int BN, int MT>
+template <typename T, int D, int WARPS, int BN, int MT, bool MASK>
 __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const unsigned char* __restrict__ mask, T* __restrict__ out, float* __restrict__ lse,
@@ -30,7 +31,8 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
     float scale, float softcap, int offset, int causal, int left, int right) {
     // each warp owns MT m16 tiles (16 MT rows), so every K / V fragment read from shared
     // memory feeds MT tensor-core products; Q fragments are re-read per tile (registers go
-    // to the output accumulator)
+    // to the output accumulator).  MASK = false builds a kernel without the boolean mask's
+    // code (its loads cost registers the larger tiles need); the caller passes no mask then.
     constexpr int BM = 16 * MT * WARPS;
     constexpr int THREADS = WARPS * 32;
     constexpr int NB = BN / 8;   // n-blocks of the score tile
@@ -51,7 +53,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
     const T* qb = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
     const T* kb = k + b * k_sb + kh * k_sh;
     const T* vb = v + b * v_sb + kh * v_sh;
-    const unsigned char* mb = mask ? mask + b * m_sb + h * m_sh : nullptr;
+    const unsigned char* mb = MASK && mask ? mask + b * m_sb + h * m_sh : nullptr;
 
     // keys any row of this block may see
     int n_lo = 0, n_hi = lk;
@@ -65,6 +67,8 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
     const int tile_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : tile_lo;
 
     const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
+    int rel_lo, rel_hi;
+    sk_relative_limits(causal, left, right, rel_lo, rel_hi);
     float o[MT][DB][4];
     float row_max[MT][2], row_sum[MT][2];
 #pragma unroll
@@ -119,9 +123,6 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
         }
 
         // scores in log2 units, exclusions as -inf
-        const bool edge = n0 + BN > lk || (causal && n0 + BN - 1 > m0 + offset) ||
-                          (right >= 0 && n0 + BN - 1 > m0 + offset + right) ||
-                          (left >= 0 && n0 < m0 + BM - 1 + offset - left) || mb != nullptr;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -130,19 +131,14 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
                 for (int e = 0; e < 4; ++e) {
                     float x = s[mt][nb][e] * qk_scale;
                     if (softcap > 0.0f) x = softcap * tanhf(x / softcap) * SK_LOG2E;
-                    if (edge) {
-                        const int i = m0 + w0 + 16 * mt + g + (e >= 2 ? 8 : 0);
-                        const int j = n0 + nb * 8 + 2 * t + (e & 1);
-                        const int d = i + offset;
-                        bool ok = j < lk && (!causal || j <= d) && (left < 0 || j >= d - left) &&
-                                  (right < 0 || j <= d + right);
-                        if (ok && mb && i < lq) ok = mb[i * m_sq + j * m_sk] != 0;
-                        if (!ok) x = -SK_INF;
-                    }
                     s[mt][nb][e] = x;
                 }
             }
         }
+        const bool edge = n0 + BN > lk || n0 + BN - 1 > m0 + offset + rel_hi ||
+                          n0 < m0 + BM - 1 + offset + rel_lo || mb != nullptr;
+        if (edge) sk_exclude<MT, NB>(s, n0 + 2 * t, lk, n0 + 2 * t - (m0 + w0 + g) - offset,
+                                     rel_lo, rel_hi, mb, m0 + w0 + g, lq, m_sq, m_sk);
 
         // online softmax: new maxima (over the quad that shares each row), rescale, exponentiate
 #pragma unroll
@@ -157,13 +153,13 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 const float use = mx == -SK_INF ? 0.0f : mx;  // nothing allowed yet: p = 0
-                scale_old[r] = exp2f(row_max[mt][r] - use);
+                scale_old[r] = sk_ex2(row_max[mt][r] - use);
                 row_max[mt][r] = mx;
                 float sum = 0.0f;
 #pragma unroll
                 for (int nb = 0; nb < NB; ++nb) {
-                    s[mt][nb][2 * r] = exp2f(s[mt][nb][2 * r] - use);
-                    s[mt][nb][2 * r + 1] = exp2f(s[mt][nb][2 * r + 1] - use);
+                    s[mt][nb][2 * r] = sk_ex2(s[mt][nb][2 * r] - use);
+                    s[mt][nb][2 * r + 1] = sk_ex2(s[mt][nb][2 * r + 1] - use);
                     sum += s[mt][nb][2 * r] + s[mt][nb][2 * r + 1];
                 }
                 row_sum[mt][r] = row_sum[mt][r] * scale_old[r] + sum;

@@ -13,14 +13,9 @@
 // through shared memory once per tile to form dQ's partial product, added into a float32
 // buffer with vector reductions; sk_attn_bwd_dq scales it and rounds it to the input dtype.
 #include "mma.cuh"
+#include "exclusion.cuh"
 
 #define SK_LOG2E 1.4426950408889634f
-
-__device__ __forceinline__ float sk_ex2(float x) {
-    float y;  // one MUFU op; -inf gives +0 and tiny results flush to 0
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 __device__ __forceinline__ void sk_red_add2(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
@@ -158,6 +153,8 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
         for (int e = 0; e < 4; ++e) dk_acc[i][e] = dv_acc[i][e] = 0.0f;
     }
     const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
+    int rel_lo, rel_hi;
+    sk_relative_limits(causal, left, right, rel_lo, rel_hi);
     const int w0 = warp * 16;  // this warp's first key in the tile
 
     if (total > 0) {
@@ -222,24 +219,12 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
                 s[nb][e] = x;
             }
         }
-        const bool edge = n0 + BN > lk || (causal && n0 + BN - 1 > m0 + offset) ||
-                          (right >= 0 && n0 + BN - 1 > m0 + offset + right) ||
-                          (left >= 0 && n0 < m0 + BM - 1 + offset - left) || mask != nullptr;
+        const bool edge = n0 + BN > lk || n0 + BN - 1 > m0 + offset + rel_hi ||
+                          n0 < m0 + BM - 1 + offset + rel_lo || mask != nullptr;
         if (edge) {
             const unsigned char* mh = mask ? mask + b * m_sb + h * m_sh : nullptr;
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = m0 + nb * 8 + 2 * t + (e & 1);
-                    const int j = n0 + w0 + g + (e >= 2 ? 8 : 0);
-                    const int dg = i + offset;
-                    bool ok = j < lk && (!causal || j <= dg) && (left < 0 || j >= dg - left) &&
-                              (right < 0 || j <= dg + right);
-                    if (ok && mh && i < lq) ok = mh[i * m_sq + j * m_sk] != 0;
-                    if (!ok) s[nb][e] = -SK_INF;
-                }
-            }
+            const int j0 = n0 + w0 + g, i0 = m0 + 2 * t;
+            sk_exclude_t<NB>(s, j0, lk, j0 - i0 - offset, rel_lo, rel_hi, mh, i0, lq, m_sq, m_sk);
         }
         // P^T = exp2(S^T - lse2) and dS^T = P^T (dP^T - delta), times 1 - tanh^2 under
         // softcap (tanh clamped so excluded scores, -inf, give 0, not 0 * inf)

@@ -70,33 +70,16 @@ __device__ __forceinline__ void sk_group_reduce(float& m, float& s, int& nan, fl
     }
 }
 
-template <typename Tin, typename Tout, int OP, int THREADS, int G, int K, int CLUSTER>
-__device__ __forceinline__ void sk_rows_body(
-    const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
-    long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
-    int masked_nan) {
+// Load this thread's K 16-byte pieces of row segment [seg0, seg0 + G K VEC) of `row` into
+// raw, excluded and missing positions as -inf.
+template <typename Tin, int G, int K>
+__device__ __forceinline__ void sk_rows_load(
+    uint4 (&raw)[K], const Tin* __restrict__ x, long long ld_x,
+    const unsigned char* __restrict__ w, long long ld_w, long long row, bool active, int seg0,
+    int lane, int n, int vec_ok) {
     constexpr int VEC = 16 / sizeof(Tin);
-    constexpr int CAP = G * K * VEC;
-    constexpr bool PRECISE = sizeof(Tout) == 4;
-    // softmax keeps its exponentials in the output precision (float32 for float32 output)
-    typedef typename SkPair<Tout>::type E2;
-    __shared__ float scratch[3 * (THREADS / 32 + 1)];
-    __shared__ float summary[4];
-
-    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
-    long long row;
-    int seg0 = 0;
-    if (CLUSTER > 1) {
-        row = blockIdx.x / CLUSTER;
-        seg0 = static_cast<int>(sk_cluster_rank()) * CAP;
-    } else {
-        row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
-    }
-    const bool active = row < rows;  // only the last block of packed rows has idle groups
     const Tin* xr = x + row * ld_x;
     const unsigned char* wr = w ? w + row * ld_w : nullptr;
-
-    uint4 raw[K];
 #pragma unroll
     for (int j = 0; j < K; ++j) {
         const int base = seg0 + (j * G + lane) * VEC;
@@ -123,6 +106,17 @@ __device__ __forceinline__ void sk_rows_body(
             }
         }
     }
+}
+
+// Reduce the row held in raw (loaded by sk_rows_load) and write its result.
+template <typename Tin, typename Tout, int OP, int THREADS, int G, int K, int CLUSTER>
+__device__ __forceinline__ void sk_rows_finish(
+    uint4 (&raw)[K], Tout* __restrict__ out, long long ld_o, long long row, bool active,
+    int seg0, int lane, int n, int vec_ok, int masked_nan, float* scratch, float* summary) {
+    constexpr int VEC = 16 / sizeof(Tin);
+    constexpr bool PRECISE = sizeof(Tout) == 4;
+    // softmax keeps its exponentials in the output precision (float32 for float32 output)
+    typedef typename SkPair<Tout>::type E2;
 
     // this thread's summary: maximum (NaN ignored), NaN flag, then the shifted sum
     float m = -SK_INF;
@@ -255,6 +249,30 @@ __device__ __forceinline__ void sk_rows_body(
     if (CLUSTER > 1) sk_cluster_wait();
 }
 
+template <typename Tin, typename Tout, int OP, int THREADS, int G, int K, int CLUSTER>
+__device__ __forceinline__ void sk_rows_body(
+    const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    constexpr int CAP = G * K * (16 / sizeof(Tin));
+    __shared__ float scratch[3 * (THREADS / 32 + 1)];
+    __shared__ float summary[4];
+    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
+    long long row;
+    int seg0 = 0;
+    if (CLUSTER > 1) {
+        row = blockIdx.x / CLUSTER;
+        seg0 = static_cast<int>(sk_cluster_rank()) * CAP;
+    } else {
+        row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+    }
+    const bool active = row < rows;  // only the last block of packed rows has idle groups
+    uint4 raw[K];
+    sk_rows_load<Tin, G, K>(raw, x, ld_x, w, ld_w, row, active, seg0, lane, n, vec_ok);
+    sk_rows_finish<Tin, Tout, OP, THREADS, G, K, CLUSTER>(raw, out, ld_o, row, active, seg0, lane,
+                                                          n, vec_ok, masked_nan, scratch, summary);
+}
+
 // Residency: register caps (32, 40, 64) that keep 2048, 1536 or 1024 threads per
 // multiprocessor for one, two or four loads per thread; the longest rows take what they need.
 #define SK_ROWS_MIN_BLOCKS(THREADS, K) \
@@ -277,4 +295,35 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
     int masked_nan) {
     sk_rows_body<Tin, Tout, OP, THREADS, THREADS, K, CLUSTER>(x, ld_x, w, ld_w, out, ld_o, rows,
                                                               n, vec_ok, masked_nan);
+}
+
+// A grid of resident blocks walking the row groups with a stride, each thread issuing the
+// loads of its next row before it reduces and writes the current one, so loads stay in flight
+// through the reductions and stores (software pipelining across rows).
+template <typename Tin, typename Tout, int OP, int THREADS, int G, int K>
+__global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_rows_loop(
+    const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    constexpr int PER_BLOCK = THREADS / G;
+    __shared__ float scratch[3 * (THREADS / 32 + 1)];
+    __shared__ float summary[4];
+    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
+    const long long groups = (rows + PER_BLOCK - 1) / PER_BLOCK;
+    long long group = blockIdx.x;
+    long long row = group * PER_BLOCK + threadIdx.x / G;
+    uint4 raw[K], next[K];
+    sk_rows_load<Tin, G, K>(raw, x, ld_x, w, ld_w, row, row < rows, 0, lane, n, vec_ok);
+    for (; group < groups; group += gridDim.x) {
+        const long long row_next = row + static_cast<long long>(gridDim.x) * PER_BLOCK;
+        if (group + gridDim.x < groups)
+            sk_rows_load<Tin, G, K>(next, x, ld_x, w, ld_w, row_next, row_next < rows, 0, lane,
+                                    n, vec_ok);
+        sk_rows_finish<Tin, Tout, OP, THREADS, G, K, 1>(raw, out, ld_o, row, row < rows, 0, lane,
+                                                        n, vec_ok, masked_nan, scratch, summary);
+        if (G > 32) __syncthreads();  // the block's scratch is reused by the next row
+#pragma unroll
+        for (int j = 0; j < K; ++j) raw[j] = next[j];
+        row = row_next;
+    }
 }
