@@ -401,6 +401,7 @@ def attention_check() -> None:
         dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right", alt=1),
         dict(b=1, hq=4, hk=4, lq=257, lk=700, d=128, window=(100, 20), softcap=4.0, alt=1),
         dict(b=2, hq=4, hk=4, lq=256, lk=256, d=128, alt=1),
+        dict(b=1, hq=4, hk=2, lq=300, lk=517, d=64, causal="top_left", softcap=3.0, alt=1),
         # split-KV decoding: (Hq / Hk) * Lq <= 16 and Lk >= 256
         dict(b=2, hq=8, hk=2, lq=1, lk=3000, d=128),
         dict(b=1, hq=4, hk=1, lq=4, lk=1000, d=64, causal="bottom_right"),
@@ -632,6 +633,28 @@ def bench_rows(copy_bw: float) -> None:
                 print(TABLE[-1])
 
 
+def _row_excess(op: str, xpt: Any, x: Any, w: Any, config: Any) -> float:
+    """The worst excess over the 16-bit bound of ``op`` by ``config`` on ``x`` (mask ``w``),
+    against float64 with a NaN-poisoned output; NaN or inf mismatches count as excess."""
+    import torch
+    from softmaxkit_cupy.rows import launch_rows
+
+    out = torch.full(x.shape, math.nan, device="cuda", dtype=x.dtype)
+    launch_rows(op, xpt, x, w, out, config=config)
+    ref64 = x.double() if w is None else x.double().masked_fill(~w, -math.inf)
+    ref = torch.softmax(ref64, -1) if op == "softmax" else torch.log_softmax(ref64, -1)
+    ref = torch.nan_to_num(ref, nan=0.0) if op == "softmax" else ref  # empty rows: 0
+    if op == "log_softmax":
+        ref = torch.where(torch.isnan(ref), -math.inf, ref)  # empty rows: -inf
+    got = out.double()
+    fin = torch.isfinite(ref)
+    if not torch.equal(got[~fin], ref[~fin]) or torch.isnan(got[fin]).any():
+        return math.inf
+    rtol, atol = (1.6e-2, 1e-3) if x.dtype == torch.bfloat16 else (2e-3, 1e-4)
+    excess = (got[fin] - ref[fin]).abs() - (atol + rtol * ref[fin].abs())
+    return float(excess.max())
+
+
 @guarded
 def bench_rows_sweep(copy_bw: float) -> None:
     """Every row configuration that holds each benchmark shape's rows, timed from CUDA graphs
@@ -651,8 +674,19 @@ def bench_rows_sweep(copy_bw: float) -> None:
                 default = row_config(n, 2)
                 found = []
                 for config in sorted(set(ROW_CONFIGS + ROW_ALTERNATIVES),
-                                     key=lambda c: (c.threads, c.group, c.k, c.cluster)):
+                                     key=lambda c: (c.threads, c.group, c.k, c.cluster, c.loop)):
                     if config.capacity(2) < n or config.capacity(2) >= 4 * n:
+                        continue
+                    # correct first: this shape, and ragged masked rows up to the capacity
+                    ragged = torch.randn(257, config.capacity(2) - 5, device="cuda").to(dtype)
+                    keep = torch.rand(ragged.shape, device="cuda") > 0.2
+                    keep[3] = False
+                    bad = [f"{r}x{m}" for xx, ww in ((x, None), (ragged, keep))
+                           for r, m in [tuple(xx.shape)]
+                           if _row_excess(op, xpt, xx, ww, config) > 0]
+                    if bad:
+                        FAILURES.append(f"row sweep {op} {config} {bad}")
+                        print(f"WRONG {op} {config} on {bad}")
                         continue
                     try:
                         sec = graph_seconds(functools.partial(
@@ -701,7 +735,8 @@ def bench_attention() -> None:
                     xpt, q=qkv[0], k=qkv[1], v=qkv[2], scale=d ** -0.5,
                     causal="top_left" if causal else None, window=(-1, -1), mask=None,
                     softcap=None, return_lse=True, config=alt), reps=5, inner=3)
-                peers.append(f"alt {alt.warps}w/{alt.block_n}/{alt.m_tiles} "
+                peers.append(f"alt {alt.warps}w/{alt.block_n}/{alt.m_tiles}"
+                             f"{'' if alt.mask else ' nomask'} "
                              f"{flops / ta / 1e12:.0f}")
             for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
                 try:

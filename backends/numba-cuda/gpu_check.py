@@ -284,7 +284,9 @@ def ce_job(shape: tuple[int, int], plan: str | None, lock: Any, seed: int) -> li
     import softmaxkit as sk
 
     if plan:
-        os.environ[PLAN_ENV] = plan
+        os.environ[PLAN_ENV] = ",".join(plan.split(",")[:2])
+        if plan.count(",") == 2:
+            os.environ[REGISTERS_ENV] = plan.split(",")[2]
     ensure_registered()
 
     def fused(x: Any, target: Any, scale: Any) -> Any:
@@ -381,27 +383,54 @@ def _job(args: tuple) -> list[dict[str, Any]]:
     kind, params, lock = args
     torch.cuda.empty_cache()  # the previous job's arrays
     try:
-        return {"rows": rows_job, "ce": ce_job, "merge": merge_job}[kind](*params, lock=lock,
-                                                                           seed=1234)
+        run = {"rows": rows_job, "ce": ce_job, "merge": merge_job, "profile": profile_job}
+        return run[kind](*params, lock=lock, seed=1234)
     except Exception:
         return [{"op": kind, "dtype": "", "shape": str(params[:2]), "plan": "",
                  "error": traceback.format_exc()[-1500:]}]
 
 
 SWEEP = {
-    ("float32", (32768, 4096)): ["128,8", "512,2", "1024,1", "256,2", "256,1", "256,4,40",
-                                 "256,4,32"],
-    ("float32", (4096, 32768)): ["512,4", "1024,4", "256,8", "256,2", "512,8"],
-    ("float32", (262144, 128)): ["16,2", "32,1", "4,8"],
-    ("float32", (256, 524288)): ["512,4", "1024,4", "256,8", "256,2"],
-    ("bfloat16", (32768, 4096)): ["128,4", "512,1", "64,8", "256,1", "256,2,40", "256,2,32"],
-    ("bfloat16", (4096, 32768)): ["256,4", "512,2", "1024,2", "128,4"],
-    ("bfloat16", (262144, 128)): ["16,1", "4,4", "2,8"],
-    ("bfloat16", (256, 524288)): ["256,4", "512,2", "1024,2", "512,4"],
+    ("float32", (32768, 4096)): ["128,8", "128,8,96"],
+    ("float32", (4096, 32768)): ["256,8", "256,8,96", "512,4", "128,8", "1024,2"],
+    ("float32", (256, 524288)): ["256,8", "256,8,96", "512,4", "128,8"],
+    ("bfloat16", (32768, 4096)): ["128,4,64", "256,2", "64,8,96"],
+    ("bfloat16", (4096, 32768)): ["256,4", "256,4,96", "128,4", "512,2"],
+    ("bfloat16", (256, 524288)): ["256,4", "256,4,96", "128,4", "512,2"],
 }
 """Plans ("threads,slots[,registers]", slots in 16-byte words) timed for softmax and
 logsumexp."""
-CE_SWEEP = {(4096, 32768): ["512,2", "256,4", "1024,1"], (4096, 128256): ["512,2", "256,4"]}
+CE_SWEEP = {(4096, 32768): ["256,4", "128,4", "512,2"], (4096, 128256): ["256,4", "128,4"]}
+
+
+def profile_job(lock: Any, seed: int) -> list[dict[str, Any]]:
+    """Where the time of an eager call goes on the host: cProfile of repeated calls."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    ensure_registered()
+    x = _random((65536, 128), "bfloat16", seed)
+    run_rows("softmax", x)
+    torch.cuda.synchronize()
+    with lock:
+        prof = cProfile.Profile()
+        start = time.perf_counter()
+        prof.enable()
+        for _ in range(200):
+            run_rows("softmax", x)
+        prof.disable()
+        torch.cuda.synchronize()
+        per_call = (time.perf_counter() - start) / 200 * 1e6
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    with open(os.path.join(OUT, "profile.txt"), "w") as f:
+        f.write(f"eager softmax 65536x128 bfloat16: {per_call:.0f} us per call\n")
+        f.write(text.getvalue())
+    return [{"op": "profile", "dtype": "bfloat16", "shape": "65536x128", "plan": "profile",
+             "per_call_us": per_call}]
 
 
 def jobs(quick: bool, sweep: bool, lock: Any) -> list[tuple]:
@@ -416,6 +445,7 @@ def jobs(quick: bool, sweep: bool, lock: Any) -> list[tuple]:
         for shape in MERGE_SHAPES:
             todo.append(("merge", (dtype, shape), lock))
     if sweep:
+        todo.append(("profile", (), lock))
         for (dtype, shape), plans in SWEEP.items():
             for plan in plans:
                 todo.append(("rows", (dtype, shape, ("softmax", "logsumexp"), plan), lock))
@@ -464,6 +494,9 @@ def markdown(rows: list[dict[str, Any]], copy_gbs: float, conf: list[dict[str, A
             lines.append(f"| {r['op']} | {r['dtype']} | {r['shape']} | {r['plan']} | "
                          f"{r['relerr']:.1e} | {r['graph']:.0f} | {r['graph'] / copy_gbs:.0%} |")
     for r in rows:
+        if "per_call_us" in r:
+            lines.append(f"\nEager call on the host: softmax {r['shape']} {r['dtype']} takes "
+                         f"{r['per_call_us']:.0f} us per call (profile in profile.txt).")
         if "public_us" in r:
             lines.append(f"\ncross_entropy {r['shape']}: fused kernel {r['fused_us']:.0f} us, "
                          f"public call (eager) {r['public_us']:.0f} us, torch forward + "

@@ -24,7 +24,8 @@ STORAGE = {"float32": "float32", "bfloat16": "int16", "float16": "float16", "flo
 
 
 def kernels():
-    """(name, kernel, signature, block, values, wide) of the kernels the benchmarks run."""
+    """(name, kernel, signature, block, slots, kind) of the kernels the benchmarks run: the
+    default plans of short, medium and long (split) rows of each dtype."""
     from softmaxkit_numba_cuda import kernels as k
     from softmaxkit_numba_cuda import rowkernels
 
@@ -32,31 +33,30 @@ def kernels():
     for kind in ("float32", "bfloat16", "float64"):
         st = STORAGE[kind]
         acc = "float64" if kind == "float64" else "float32"
-        slots = k.WORD_SLOTS[kind]
-        for threads, split in ((8, False), (256, False), (256, True)):
+        short, medium, long = k.WORD_SLOTS[kind]
+        medium_threads = 128 if kind == "bfloat16" else 256
+        for threads, slots, split in ((8, short, False), (medium_threads, medium, False),
+                                      (256, long, True)):
             rows = 256 // threads if threads <= 32 else 1
-            common = (f"int64, int64, int64, {acc}[:, ::1], int32[::1]")
+            tag = f"{kind}-{threads}x{slots}{'-split' if split else ''}"
             for op in ("softmax", "log_softmax"):
                 fn = rowkernels.normalize(op, kind, kind, True, threads, slots, rows, split,
                                           False)
-                sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], {common}, "
-                       "int64)")
-                out.append((f"{op}-{kind}-{threads}{'-split' if split else ''}", fn, sig,
-                            threads * rows, slots, kind))
+                sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
+                       "int64, uint64[:, ::1])")
+                out.append((f"{op}-{tag}", fn, sig, threads * rows, slots, kind))
             fn = rowkernels.reduce("logsumexp", kind, kind, True, threads, slots, rows, split,
                                    False)
             sig = (f"({st}[:, ::1], boolean[:, ::1], {st}[:, ::1], {st}[:, ::1], boolean, "
-                   f"{common})")
-            out.append((f"logsumexp-{kind}-{threads}{'-split' if split else ''}", fn, sig,
-                        threads * rows, slots, kind))
+                   f"int64, int64, int64, {acc}[:, ::1], int32[::1])")
+            out.append((f"logsumexp-{tag}", fn, sig, threads * rows, slots, kind))
             if kind != "float64":
                 fn = rowkernels.cross_entropy(kind, kind, True, threads, slots, rows, split,
                                               False, True, False)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], int64[::1], {acc}[::1], "
-                       f"{acc}[:, ::1], {st}[:, ::1], {common}, int64, float64, boolean, "
-                       "int64)")
-                out.append((f"cross_entropy-{kind}-{threads}{'-split' if split else ''}", fn,
-                            sig, threads * rows, slots, kind))
+                       f"{acc}[:, ::1], {st}[:, ::1], int64, int64, int64, {acc}[:, ::1], "
+                       "int32[::1], uint64[:, ::1], float64, boolean, int64)")
+                out.append((f"cross_entropy-{tag}", fn, sig, threads * rows, slots, kind))
     return out
 
 

@@ -139,7 +139,7 @@ def attention(
             out = xp.reshape(out, (b, hq, lq, d))
             lse = xp.reshape(lse, (b, hq, lq))
         else:
-            config = config or attention_config(d)
+            config = config or attention_config(d, masked=mask is not None)
             if mask is not None and not config.mask:
                 raise ValueError(f"{config} is built without boolean-mask support")
             out = interop.empty(q, (b, hq, lq, d), dtype)

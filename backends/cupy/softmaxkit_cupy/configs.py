@@ -31,7 +31,8 @@ class RowConfig:
 
     ``group < threads`` packs several rows per block, ``group == threads`` is one block per
     row, ``cluster > 1`` splits a row over a thread-block cluster; ``loop`` launches only the
-    resident blocks, which walk the rows and load each next row before finishing the current.
+    resident blocks, which walk the rows and load each next row before finishing the current;
+    ``staged`` (16-bit softmax / log_softmax, clusters) holds the segment in shared memory.
     """
 
     threads: int
@@ -39,16 +40,23 @@ class RowConfig:
     k: int
     cluster: int = 1
     loop: bool = False
+    staged: bool = False
 
     def capacity(self, itemsize: int) -> int:
         """The longest row this configuration holds, in elements."""
         return self.group * self.k * (16 // itemsize) * self.cluster
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory per block (the staged segment)."""
+        return self.threads * self.k * 16 if self.staged else 0
 
     def name(self, op: str, din: str, dout: str) -> str:
         """The C++ name expression of this instantiation."""
         head = f"{CTYPES[din]}, {CTYPES[dout]}, {ROW_OPS[op]}, {self.threads}"
         if self.loop:
             return f"sk_rows_loop<{head}, {self.group}, {self.k}>"
+        if self.staged:
+            return f"sk_rows_staged<{head}, {self.k}, {self.cluster}>"
         if self.cluster == 1:
             return f"sk_rows<{head}, {self.group}, {self.k}>"
         return f"sk_rows_cluster<{head}, {self.k}, {self.cluster}>"
@@ -86,6 +94,11 @@ ROW_ALTERNATIVES: tuple[RowConfig, ...] = (
     RowConfig(1024, 1024, 4, loop=True),
     RowConfig(512, 512, 8, loop=True),
     RowConfig(1024, 1024, 8, 8),
+    RowConfig(1024, 1024, 8, 8, staged=True),
+    RowConfig(512, 512, 16, 8, staged=True),
+    RowConfig(1024, 1024, 4, 2, staged=True),
+    RowConfig(1024, 1024, 4, staged=True),
+    RowConfig(512, 512, 8, staged=True),
 )
 """Other row configurations, built on request only (gpu_check.py compares them)."""
 
@@ -151,22 +164,37 @@ ATTENTION_CONFIGS = {
     64: AttentionConfig(64, warps=4, block_n=64, m_tiles=2),
     128: AttentionConfig(128, warps=4, block_n=32, m_tiles=2),  # 238 registers, no spill
 }
-"""The forward configuration used for each head dimension."""
+"""The forward configuration for each head dimension, with boolean-mask support."""
+
+UNMASKED_CONFIGS = {
+    128: AttentionConfig(128, warps=4, block_n=64, m_tiles=2, mask=False),
+}
+"""Forward configurations for calls without a boolean mask, where they differ: at head
+dimension 128 the mask's code would spill registers with 64-key tiles (H200, bf16, L4096:
+275 TFLOP/s against 240 for the 32-key tiles)."""
 
 ATTENTION_ALTERNATIVES = (
     *(AttentionConfig(d, warps=8, block_n=64, m_tiles=1) for d in ATTENTION_HEAD_DIMS),
-    AttentionConfig(128, warps=4, block_n=64, m_tiles=2, mask=False),
+    AttentionConfig(128, warps=4, block_n=32, m_tiles=2),
+    AttentionConfig(64, warps=4, block_n=64, m_tiles=2, mask=False),
 )
-"""Other forward configurations, built on request only (gpu_check.py compares them)."""
+"""Other forward configurations (gpu_check.py compares them); those not declared above are
+built on request only."""
 
 
 def alternative_names() -> tuple[str, ...]:
-    """Name expressions of the alternative forward configurations (a module of their own)."""
-    return tuple(c.name(t) for c in ATTENTION_ALTERNATIVES for t in ATTENTION_DTYPES)
+    """Name expressions of the alternative forward configurations not declared (a module of
+    their own)."""
+    declared = set(attention_names())
+    return tuple(n for c in ATTENTION_ALTERNATIVES for t in ATTENTION_DTYPES
+                 if (n := c.name(t)) not in declared)
 
 
-def attention_config(head_dim: int) -> AttentionConfig:
-    """The forward configuration for ``head_dim`` (a key of :data:`ATTENTION_CONFIGS`)."""
+def attention_config(head_dim: int, masked: bool = True) -> AttentionConfig:
+    """The forward configuration for ``head_dim`` (a key of :data:`ATTENTION_CONFIGS`), for a
+    call with a boolean mask or (``masked=False``) without one."""
+    if not masked and head_dim in UNMASKED_CONFIGS:
+        return UNMASKED_CONFIGS[head_dim]
     return ATTENTION_CONFIGS[head_dim]
 
 
@@ -197,7 +225,8 @@ def merge_name(din: str, dout: str) -> str:
 
 def attention_names() -> tuple[str, ...]:
     """Every name expression of kernels/attention.cu (one module holds them all)."""
-    names = [c.name(t) for c in ATTENTION_CONFIGS.values() for t in ATTENTION_DTYPES]
+    declared = (*ATTENTION_CONFIGS.values(), *UNMASKED_CONFIGS.values())
+    names = [c.name(t) for c in declared for t in ATTENTION_DTYPES]
     names += [decode_name(t, d) for d in ATTENTION_HEAD_DIMS for t in ATTENTION_DTYPES]
     names += [merge_name(t, t) for t in MERGE_DTYPES]
     names += [merge_name("float32", t) for t in ATTENTION_DTYPES]

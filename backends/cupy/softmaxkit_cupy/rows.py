@@ -34,8 +34,9 @@ def _aligned(address: int, stride_bytes: int, width: int) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(op: str, din: str, dout: str, n: int, rows: int,
-          config: RowConfig | None = None) -> tuple[Any, int, int]:
-    """The kernel, grid and block size for ``rows`` rows of ``n`` elements (cached).
+          config: RowConfig | None = None) -> tuple[Any, int, int, int]:
+    """The kernel, grid, block size and shared memory for ``rows`` rows of ``n`` elements
+    (cached).
 
     ``config`` overrides the configuration (benchmarks compare alternatives; those build in a
     module of their own)."""
@@ -47,13 +48,15 @@ def _plan(op: str, din: str, dout: str, n: int, rows: int,
     if config is None or n > config.capacity(ITEMSIZE[din]):  # can_run declines these rows
         raise ValueError(f"rows of {n} elements are longer than the row kernels hold")
     kernel = compiler.function("rows.cu", names, config.name(op, din, dout))
+    if config.shared_bytes() > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = config.shared_bytes()
     if config.cluster > 1:
         grid = rows * config.cluster
     else:
         grid = -(-rows // (config.threads // config.group))
     if config.loop:
         grid = min(grid, _resident_blocks(kernel, config.threads))
-    return kernel, grid, config.threads
+    return kernel, grid, config.threads, config.shared_bytes()
 
 
 def _resident_blocks(kernel: Any, threads: int) -> int:
@@ -77,7 +80,7 @@ def launch_rows(
     rows = math.prod(x.shape[:-1])
     in_size, out_size = ITEMSIZE[din], ITEMSIZE[dout]
     vec = 16 // in_size
-    kernel, grid, threads = _plan(op, din, dout, n, rows, config)
+    kernel, grid, threads, shared = _plan(op, din, dout, n, rows, config)
     x2, ld_x = interop.as_rows(xp, x)
     x_ptr, o_ptr = interop.pointer(x2), interop.pointer(out)
     ld_o = n if op != "logsumexp" else 1
@@ -95,7 +98,7 @@ def launch_rows(
         np.int32(vec_ok), np.int32(masked_nan),
     )
     with interop.launch_context(x):
-        kernel((grid,), (threads,), args)
+        kernel((grid,), (threads,), args, shared_mem=shared)
 
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:

@@ -7,11 +7,13 @@ may see (causal and window limits, :func:`key_range`) in tiles of up to :data:`T
    a BLAS product into a per-thread buffer (:func:`~.attention_blas.gemm`);
 2. on each row of ``S``: softcap, then the excluded keys set to ``-inf`` (only on tiles
    that cut the causal / window band, and wherever a boolean mask is given), the tile's
-   maximum, ``P = exp(S - m)`` with the backend's vectorized exponential, and the online
-   rescale of the row's running mass and output by ``exp(m_old - m_new)``;
+   maximum, ``P = exp(S - m)`` (written over ``S``) with the backend's vectorized
+   exponential, and the online rescale of the row's running mass and output by
+   ``exp(m_old - m_new)``;
 3. ``O += P V_t``, a BLAS product accumulating into the tile's output.
 
-Key tiles that lie entirely outside a query tile's band are never computed.  The running
+Key tiles that lie entirely outside a query tile's band are never computed, and of the tiles
+the band cuts only the query rows that see some of their keys are.  The running
 maximum, mass and output are in the accumulator dtype (float32, float64 for float64), the
 output is normalized once at the end, and a row with no allowed key gets ``out = 0`` and
 ``lse = -inf`` without evaluating ``-inf - (-inf)``.  A row with an allowed NaN or ``+inf``
@@ -32,11 +34,12 @@ from .bits import like, maxnum
 from .exp import exp_nonpos
 from .lanes import FASTMATH
 
-TILE_Q = 256
-"""Queries per tile: the rows of each BLAS product."""
+TILE_Q = 512
+"""Queries per tile: the rows of each BLAS product (only those that see the key tile)."""
 
-TILE_K = 512
-"""Keys per tile: ``S`` and ``P`` of one tile (2 x 256 x 512 float32) fit in a 1 MiB L2."""
+TILE_K = 256
+"""Keys per tile: the score tile (512 x 256 float32, 512 KiB, ``P`` written over ``S``)
+stays in a 1 MiB L2 next to BLAS's packed copies."""
 
 
 @njit(cache=True, nogil=True)
@@ -123,18 +126,18 @@ def cap_scores(s, nq, nk, softcap):
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def online_softmax(s, p, m, mass, bad, acc, nq, nk):
+def online_softmax(s, m, mass, bad, acc, nq, nk):
     """Fold the score tile ``s[:nq, :nk]`` into each row's running (max, mass, output).
 
-    Writes ``p = exp(s - m_new)`` (0 at excluded keys, whose score is ``-inf``) for the
-    caller's ``acc += p V``, after rescaling ``acc`` and ``mass`` by ``exp(m_old - m_new)``.
+    Overwrites ``s`` with ``p = exp(s - m_new)`` (0 at excluded keys, whose score is
+    ``-inf``) for the caller's ``acc += p V``, after rescaling ``acc`` and ``mass`` by
+    ``exp(m_old - m_new)``.  In place, the tile takes half the cache a separate ``p`` would.
     """
     ninf = like(s, -np.inf)
     zero = like(s, 0.0)
     dv = acc.shape[1]
     for i in range(nq):
         row = s[i]
-        prow = p[i]
         mt = ninf
         for j in range(nk):
             mt = maxnum(mt, row[j])
@@ -146,7 +149,7 @@ def online_softmax(s, p, m, mass, bad, acc, nq, nk):
                 for j in range(nk):
                     bad[i] = bad[i] or row[j] != row[j]
             for j in range(nk):
-                prow[j] = zero
+                row[j] = zero
             continue
         m_old = m[i]
         m_new = maxnum(m_old, mt)
@@ -156,7 +159,7 @@ def online_softmax(s, p, m, mass, bad, acc, nq, nk):
             z = row[j] - m_new
             chk += z
             e = exp_nonpos(z)
-            prow[j] = e
+            row[j] = e
             total += e
         if chk != chk:
             bad[i] = True
@@ -214,7 +217,6 @@ def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask
     for _ in prange(workers):
         qs = np.empty((tile_q, max(d, 1)), dtype=q.dtype)
         s = np.empty((tile_q, tile_k), dtype=q.dtype)
-        p = np.empty((tile_q, tile_k), dtype=q.dtype)
         acc = np.empty((tile_q, max(dv, 1)), dtype=q.dtype)
         m = np.empty(tile_q, dtype=q.dtype)
         mass = np.empty(tile_q, dtype=q.dtype)
@@ -256,8 +258,8 @@ def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask
                                                    causal, left, right):
                         exclude(s, nr, nk, i0 + r0, j0, offset, causal, left, right, mask,
                                 strides, has_mask, b, h)
-                    online_softmax(s, p, m[r0:], mass[r0:], bad[r0:], acc[r0:], nr, nk)
+                    online_softmax(s, m[r0:], mass[r0:], bad[r0:], acc[r0:], nr, nk)
                     if dv > 0:
-                        gemm(0, 0, nr, dv, nk, 1.0, p, 0, tile_k, v, (kv * lk + j0) * dv, dv,
+                        gemm(0, 0, nr, dv, nk, 1.0, s, 0, tile_k, v, (kv * lk + j0) * dv, dv,
                              1.0, acc, r0 * dv, dv)
             finish_rows(out, lse, b, h, i0, nq, m, mass, bad, acc)

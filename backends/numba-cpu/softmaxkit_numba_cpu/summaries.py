@@ -103,6 +103,7 @@ def merge(xp: Any, *, maxes: Any, masses: Any, numerators: Any) -> tuple[Any, An
     dv = nums.shape[-1]
     m, mass = np.empty(r, dtype=dtype), np.empty(r, dtype=dtype)
     num = np.empty((r, dv) if has_num else (1, 0), dtype=dtype)
+    # a part of a row costs an exponential and Dv products: about 64 row elements' work each
     run = k.merge_par if parallel(r, s * (dv + 1) * 64) else k.merge_ser
     run(mx, ms, nums, has_num, m, mass, num)
     return (_from_numpy(m, maxes), _from_numpy(mass, maxes),

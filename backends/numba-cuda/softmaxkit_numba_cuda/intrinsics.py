@@ -184,7 +184,7 @@ def f32_to_bf16(value):
     return int32(rounded & 0xFFFF)
 
 
-_REGISTERS = {1: 32, 2: 32, 4: 32, 8: 40, 16: 56, 32: 64}
+_REGISTERS = {1: 32, 2: 32, 4: 32, 8: 40, 16: 56, 32: 80}
 REGISTERS_OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_REGISTERS"
 """Environment variable forcing the register budget of kernels compiled afterwards (tuning)."""
 

@@ -22,7 +22,7 @@ from .arrays import dummy, empty, kernel_view, launch, library, rows, run, vecto
 from .intrinsics import SIMULATOR
 from .storage import VECTOR_WIDTH
 
-WORD_SLOTS = {"float32": (4, 4, 8), "bfloat16": (2, 4, 4), "float16": (2, 4, 4),
+WORD_SLOTS = {"float32": (4, 4, 4), "bfloat16": (2, 4, 2), "float16": (2, 4, 2),
               "float64": (2, 2, 2)}
 """16-byte words a thread holds for short, medium and long (split) rows: 8 to 32 values,
 read before the first use (chosen by the H200 sweep of gpu_check.py)."""

@@ -61,20 +61,22 @@ def test_can_run_declines_host_arrays_without_the_simulator(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 31, 33, 128, 512, 513, 1024, 4096, 8192, 32768, 131072])
-@pytest.mark.parametrize("slots", [1, 2, 4, 16])
+@pytest.mark.parametrize("slots", [1, 2, 4, 16, (2, 4, 8)])
 def test_plans_cover_every_row(n, slots):
+    short, medium, long = (slots,) * 3 if isinstance(slots, int) else slots
     p = plan.choose(n, slots)
     assert p.threads * p.slots * p.chunks >= max(n, 1)
-    assert p.threads & (p.threads - 1) == 0 and p.block <= 1024 and p.slots == slots
-    if n <= 32 * slots:  # a warp or part of one per row, read once
-        assert p.threads <= 32 and p.chunks == 1
-        assert p.threads == 1 or (p.threads // 2) * slots < n  # no more threads than needed
-    elif n <= plan.BLOCK * slots:
-        assert p.rows_per_block == 1 and p.chunks == 1
+    assert p.threads & (p.threads - 1) == 0 and p.block <= 1024
+    if n <= 32 * short:  # a warp or part of one per row, read once
+        assert p.threads <= 32 and p.chunks == 1 and p.slots == short
+        assert p.threads == 1 or (p.threads // 2) * short < n  # no more threads than needed
+    elif n <= plan.BLOCK * medium:  # a block per row
+        assert p.rows_per_block == 1 and p.chunks == 1 and p.slots == medium
+        assert p.threads == 64 or (p.threads // 2) * medium < n
     else:  # split across blocks of BLOCK threads, each chunk but the last full
-        assert p.threads == plan.BLOCK and p.split
+        assert p.threads == plan.BLOCK and p.slots == long
         assert (p.chunks - 1) * p.chunk_words < n
-        assert p.grid(10) == 10 * p.chunks
+        assert p.grid(10) == 10 * p.chunks if p.split else p.grid(10) == 10
 
 
 def test_plan_override(monkeypatch):

@@ -36,29 +36,20 @@ __device__ __forceinline__ void sk_exclude(float (&s)[MT][NB][4], int j0, int lk
         }
     }
     if (mb == nullptr) return;
-    // the mask's bytes row by row into a bit set, behind a compiler barrier, so only one row's
-    // loads are in flight (all of them at once would take a register each)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int i = i0 + 16 * mt + 8 * r;
-            const unsigned char* row = mb + min(i, lq - 1) * m_sq;
-            unsigned keep = 0;
+            if (i >= lq) continue;  // a row past lq is never stored
+            const unsigned char* row = mb + i * m_sq;
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int j = j0 + nb * 8 + e;
-                    if (j < lk && row[j * m_sk]) keep |= 1u << (2 * nb + e);
+                    if (j < lk && !row[j * m_sk]) s[mt][nb][2 * r + e] = -SK_INF;
                 }
-            }
-            asm volatile("" ::: "memory");
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    if (!(keep >> (2 * nb + e) & 1u)) s[mt][nb][2 * r + e] = -SK_INF;
             }
         }
     }

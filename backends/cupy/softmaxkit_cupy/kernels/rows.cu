@@ -11,8 +11,9 @@
 // Edge rules (spec/semantics.md, softmaxkit/reference/rows.py): excluded positions become
 // -inf at load; an allowed NaN makes the row NaN; an allowed +inf makes softmax NaN,
 // log_softmax NaN at the +inf positions and -inf elsewhere, logsumexp +inf; a row with
-// nothing above -inf gives 0 / -inf / -inf, or NaN under masked="nan".
-#include "common.cuh"
+// nothing above -inf gives 0 / -inf / -inf, or NaN under masked="nan".  (mma.cuh brings the
+// asynchronous copies the staged kernel uses.)
+#include "mma.cuh"
 
 #define SK_SOFTMAX 0
 #define SK_LOG_SOFTMAX 1
@@ -67,6 +68,67 @@ __device__ __forceinline__ void sk_group_reduce(float& m, float& s, int& nan, fl
             nan |= __shfl_xor_sync(0xffffffffu, nan, off);
             sk_merge<PRECISE>(m, s, m2, s2);
         }
+    }
+}
+
+// Merge (m, s, nan) over the row: the group, then (CLUSTER > 1) the cluster's blocks through
+// distributed shared memory.  Every thread of the block ends with the row's summary.
+template <int THREADS, int G, int CLUSTER, bool PRECISE>
+__device__ __forceinline__ void sk_rows_reduce(float& m, float& s, int& nan, float* scratch,
+                                               float* summary) {
+    sk_group_reduce<THREADS, G, PRECISE>(m, s, nan, scratch);
+    if (CLUSTER > 1) {
+        if (threadIdx.x == 0) {
+            summary[0] = m;
+            summary[1] = s;
+            summary[2] = __int_as_float(nan);
+        }
+        sk_cluster_arrive();
+        sk_cluster_wait();
+        if (threadIdx.x < 32) {
+            const unsigned r = threadIdx.x;
+            m = r < CLUSTER ? sk_cluster_load(&summary[0], r) : -SK_INF;
+            s = r < CLUSTER ? sk_cluster_load(&summary[1], r) : 0.0f;
+            nan = r < CLUSTER ? __float_as_int(sk_cluster_load(&summary[2], r)) : 0;
+#pragma unroll
+            for (int off = 16; off > 0; off /= 2) {
+                float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+                float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+                nan |= __shfl_xor_sync(0xffffffffu, nan, off);
+                sk_merge<PRECISE>(m, s, m2, s2);
+            }
+        }
+        // peers may still read this block's summary: leave only after they all arrive again
+        sk_cluster_arrive();
+        if (threadIdx.x == 0) {
+            scratch[0] = m;
+            scratch[1] = s;
+            scratch[2] = __int_as_float(nan);
+        }
+        __syncthreads();
+        m = scratch[0];
+        s = scratch[1];
+        nan = __float_as_int(scratch[2]);
+    }
+}
+
+// Write one piece of VEC results at base (16-byte or 8-byte stores on aligned rows).
+template <typename Tout, int VEC>
+__device__ __forceinline__ void sk_rows_store(Tout* orow, int base, int n, int vec_ok,
+                                              Tout (&o)[VEC]) {
+    if (vec_ok && base < n) {
+        constexpr int BYTES = VEC * sizeof(Tout);
+        if (BYTES >= 16) {
+#pragma unroll
+            for (int c = 0; c < BYTES / 16; ++c)
+                reinterpret_cast<uint4*>(orow + base)[c] = reinterpret_cast<uint4*>(o)[c];
+        } else {
+            *reinterpret_cast<uint2*>(orow + base) = *reinterpret_cast<uint2*>(o);
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+            if (base + e < n) orow[base + e] = o[e];
     }
 }
 
@@ -152,40 +214,7 @@ __device__ __forceinline__ void sk_rows_finish(
     float s = static_cast<float>(s_acc);
     const float m_thread = m;
 
-    sk_group_reduce<THREADS, G, PRECISE>(m, s, nan, scratch);
-    if (CLUSTER > 1) {
-        if (threadIdx.x == 0) {
-            summary[0] = m;
-            summary[1] = s;
-            summary[2] = __int_as_float(nan);
-        }
-        sk_cluster_arrive();
-        sk_cluster_wait();
-        if (threadIdx.x < 32) {
-            const unsigned r = threadIdx.x;
-            m = r < CLUSTER ? sk_cluster_load(&summary[0], r) : -SK_INF;
-            s = r < CLUSTER ? sk_cluster_load(&summary[1], r) : 0.0f;
-            nan = r < CLUSTER ? __float_as_int(sk_cluster_load(&summary[2], r)) : 0;
-#pragma unroll
-            for (int off = 16; off > 0; off /= 2) {
-                float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-                float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-                nan |= __shfl_xor_sync(0xffffffffu, nan, off);
-                sk_merge<PRECISE>(m, s, m2, s2);
-            }
-        }
-        // peers may still read this block's summary: leave only after they all arrive again
-        sk_cluster_arrive();
-        if (threadIdx.x == 0) {
-            scratch[0] = m;
-            scratch[1] = s;
-            scratch[2] = __int_as_float(nan);
-        }
-        __syncthreads();
-        m = scratch[0];
-        s = scratch[1];
-        nan = __float_as_int(scratch[2]);
-    }
+    sk_rows_reduce<THREADS, G, CLUSTER, PRECISE>(m, s, nan, scratch, summary);
 
     if (active) {
         const bool is_nan = nan != 0;
@@ -229,20 +258,7 @@ __device__ __forceinline__ void sk_rows_finish(
                     }
                     o[e] = sk_from_float<Tout>(r);
                 }
-                if (vec_ok && base < n) {
-                    constexpr int BYTES = VEC * sizeof(Tout);
-                    if (BYTES >= 16) {
-#pragma unroll
-                        for (int c = 0; c < BYTES / 16; ++c)
-                            reinterpret_cast<uint4*>(orow + base)[c] = reinterpret_cast<uint4*>(o)[c];
-                    } else {
-                        *reinterpret_cast<uint2*>(orow + base) = *reinterpret_cast<uint2*>(o);
-                    }
-                } else {
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e)
-                        if (base + e < n) orow[base + e] = o[e];
-                }
+                sk_rows_store<Tout, VEC>(orow, base, n, vec_ok, o);
             }
         }
     }
@@ -300,8 +316,13 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
 // A grid of resident blocks walking the row groups with a stride, each thread issuing the
 // loads of its next row before it reduces and writes the current one, so loads stay in flight
 // through the reductions and stores (software pipelining across rows).
+// Two rows' pieces per thread (current and next): caps of 64, 80 and 128 registers.
+#define SK_ROWS_LOOP_MIN_BLOCKS(THREADS, K) \
+    ((K) <= 2 ? 1024 / (THREADS) : (K) <= 4 ? ((768 / (THREADS)) > 0 ? 768 / (THREADS) : 1) \
+              : ((512 / (THREADS)) > 0 ? 512 / (THREADS) : 1))
+
 template <typename Tin, typename Tout, int OP, int THREADS, int G, int K>
-__global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_rows_loop(
+__global__ void __launch_bounds__(THREADS, SK_ROWS_LOOP_MIN_BLOCKS(THREADS, K)) sk_rows_loop(
     const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
     long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
     int masked_nan) {
@@ -326,4 +347,108 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
         for (int j = 0; j < K; ++j) raw[j] = next[j];
         row = row_next;
     }
+}
+
+// Long rows split over a cluster with the segment staged in shared memory instead of registers
+// (THREADS * K 16-byte pieces per block, loaded with cp.async on aligned unmasked rows): no
+// register pressure however long the segment, at the cost of re-reading it from shared memory
+// for the sum and the output (softmax recomputes its exponentials there).  16-bit results only.
+template <typename Tin, typename Tout, int OP, int THREADS, int K, int CLUSTER>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 / THREADS)
+    sk_rows_staged(
+    const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    static_assert(sizeof(Tout) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
+    constexpr int VEC = 16 / sizeof(Tin);
+    constexpr int CAP = THREADS * K * VEC;
+    extern __shared__ uint4 sk_stage[];
+    __shared__ float scratch[3 * (THREADS / 32 + 1)];
+    __shared__ float summary[4];
+    const int lane = threadIdx.x;
+    const long long row = blockIdx.x / CLUSTER;
+    const int seg0 = static_cast<int>(sk_cluster_rank()) * CAP;
+    const Tin* xr = x + row * ld_x;
+    const bool fast = vec_ok && w == nullptr;
+    uint4 none;
+    {
+        Tin* v = reinterpret_cast<Tin*>(&none);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) v[e] = sk_from_float<Tin>(-SK_INF);
+    }
+    // each thread stages, and later reads, only its own pieces: no barrier needed
+#pragma unroll 1
+    for (int j = 0; j < K; ++j) {
+        const int base = seg0 + (j * THREADS + lane) * VEC;
+        uint4* dst = &sk_stage[j * THREADS + lane];
+        if (fast && base < n) {
+            sk_cp_async16(dst, xr + base, true);
+        } else if (base >= n) {
+            *dst = none;
+        } else {
+            uint4 piece[1];
+            sk_rows_load<Tin, THREADS, 1>(piece, x, ld_x, w, ld_w, row, true, seg0 + j * THREADS * VEC,
+                                          lane, n, vec_ok);
+            *dst = piece[0];
+        }
+    }
+    sk_cp_async_commit();
+    sk_cp_async_wait<0>();
+
+    float m = -SK_INF;
+    int nan = 0;
+#pragma unroll 2
+    for (int j = 0; j < K; ++j) {
+        const uint4 piece = sk_stage[j * THREADS + lane];
+        const Tin* v = reinterpret_cast<const Tin*>(&piece);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const float f = sk_to_float(v[e]);
+            nan |= f != f;
+            m = fmaxf(m, f);
+        }
+    }
+    float s = 0.0f;
+    if (m != -SK_INF) {
+#pragma unroll 2
+        for (int j = 0; j < K; ++j) {
+            const uint4 piece = sk_stage[j * THREADS + lane];
+            const Tin* v = reinterpret_cast<const Tin*>(&piece);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) s += sk_exp<false>(sk_to_float(v[e]) - m);
+        }
+    }
+    sk_rows_reduce<THREADS, THREADS, CLUSTER, false>(m, s, nan, scratch, summary);
+
+    const bool is_nan = nan != 0;
+    const bool posinf = !is_nan && m == SK_INF;
+    const bool empty = !is_nan && m == -SK_INF;
+    const float logs = sk_log<false>(s);
+    const float inv = 1.0f / s;
+    Tout* orow = out + row * ld_o;
+#pragma unroll 2
+    for (int j = 0; j < K; ++j) {
+        const int base = seg0 + (j * THREADS + lane) * VEC;
+        const uint4 piece = sk_stage[j * THREADS + lane];
+        const Tin* v = reinterpret_cast<const Tin*>(&piece);
+        Tout o[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const float f = sk_to_float(v[e]);
+            float r;
+            if (OP == SK_SOFTMAX) {
+                r = sk_exp<false>(f - m) * inv;
+                if (is_nan || posinf || (empty && masked_nan)) r = SK_NAN;
+                else if (empty) r = 0.0f;
+            } else {
+                r = (f - m) - logs;
+                if (is_nan || (empty && masked_nan)) r = SK_NAN;
+                else if (posinf) r = f == SK_INF ? SK_NAN : -SK_INF;
+                else if (empty) r = -SK_INF;
+            }
+            o[e] = sk_from_float<Tout>(r);
+        }
+        sk_rows_store<Tout, VEC>(orow, base, n, vec_ok, o);
+    }
+    if (CLUSTER > 1) sk_cluster_wait();
 }
