@@ -207,7 +207,10 @@ def _weights(xp: Any, lses: Any) -> tuple[Any, Any, Any]:
     empty = total == 0
     safe = xp.where(empty, 1.0, total)
     lse = xp.where(empty, NEG_INF, m + xp.log(safe))
-    return w / safe[None, ...], lse, empty
+    # rescale() gives NaN maxima weight 0; a NaN part makes the whole merged row NaN.
+    nan = xp.any(xp.isnan(lses), axis=0)
+    lse = xp.where(nan, xp.nan, lse)
+    return xp.where(nan[None, ...], xp.nan, w / safe[None, ...]), lse, empty
 
 
 def merge_attention(xp: Any, *, outs: Any, lses: Any) -> tuple[Any, Any]:

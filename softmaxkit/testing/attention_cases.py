@@ -276,6 +276,31 @@ def case_merge_attention_conventions(t: Target, dtype: str, backend: str) -> Non
     check_forward(t, dtype, (got_out, lse_e), expected, "merge_attention lse_base=2")
 
 
+@case("merge_attention")
+def case_merge_attention_nan_part(t: Target, dtype: str, backend: str) -> None:
+    rng = np.random.default_rng(33)
+    outs64 = rng.normal(size=(3, 4, 5))
+    lses64 = rng.normal(scale=2.0, size=(3, 4))
+    lses64[1, 0] = np.nan  # a NaN part: the row is NaN, never read as empty
+    lses64[:, 2] = -np.inf
+    lses64[0, 2] = np.nan  # NaN beside empty parts
+    acc = _acc(dtype)
+    outs, lses = t.asarray(outs64, dtype), t.asarray(lses64, acc)
+    out, lse = (t.to_numpy(a) for a in sk.merge_attention_states(outs, lses, backend=backend))
+    for row in (0, 2):
+        assert np.all(np.isnan(out[row])) and np.isnan(lse[row]), (
+            f"merge_attention_states: a NaN lse in row {row} gave out={out[row]}, "
+            f"lse={lse[row]}; expected NaN")
+    keep = [1, 3]
+    expected = ref.merge_states(t.to_numpy(outs)[:, keep], t.to_numpy(lses)[:, keep])
+    out_tol, lse_tol, _ = ATTENTION_TOLERANCES[dtype]
+    err = ref.rel_frobenius(out[keep], expected[0])
+    lerr = float(np.max(np.abs(lse[keep] - expected[1])))
+    assert err <= out_tol and lerr <= lse_tol, (
+        f"merge_attention_states [{dtype}]: rows beside a NaN row off by {err:.3g} (out), "
+        f"{lerr:.3g} (lse)")
+
+
 @case("merge_attention_vjp")
 def case_merge_attention_vjp(t: Target, dtype: str, backend: str) -> None:
     rng = np.random.default_rng(32)
