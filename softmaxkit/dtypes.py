@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """Names of the floating dtypes every backend may be asked for, narrowest first."""
 
@@ -79,6 +81,9 @@ def default_float(xp: Any, device: Any = None) -> Any:
 def lookup(xp: Any, name: str) -> Any:
     """The dtype object of ``xp`` called ``name``; bfloat16 comes from ml_dtypes for numpy."""
     dtype = getattr(xp, name, None)
+    if dtype is None and getattr(xp, "float32", None) is np.float32:
+        # a namespace over numpy's dtypes that omits some of them (Dask's has no float16)
+        dtype = getattr(np, name, None)
     if dtype is None and name == "bfloat16":
         import ml_dtypes  # numpy and libraries built on it spell bfloat16 through ml_dtypes
 

@@ -27,16 +27,9 @@ def _threads():
         yield
 
 
-# the frontend names output dtypes through the array namespace, and Dask's has no float16
-NO_FLOAT16_NAME = pytest.mark.xfail(
-    strict=True, raises=TypeError, reason="dtype='float16' cannot be named for Dask arrays"
-)
-
-
 def kit_cases():
     for c in cases(dask_target(3), ops=ROW_OPS):
-        marks = [NO_FLOAT16_NAME] if c.name == "output_dtype" else []
-        yield pytest.param(c, id=f"dask-{c}", marks=marks)
+        yield pytest.param(c, id=f"dask-{c}")
 
 
 @pytest.mark.parametrize("case", list(kit_cases()))
