@@ -210,7 +210,9 @@ def rows_check() -> None:
 
     tol = {torch.bfloat16: (1.6e-2, 1e-3), torch.float16: (2e-3, 1e-4),
            torch.float32: (2e-6, 1e-7)}
-    shapes = ROW_SHAPES + [(1000, 1000), (37, 12345), (5, 200003), (64, 7), (3, 65536 + 8)]
+    # ragged rows (scalar path) and masks (n % 3 == 1), the staged kernels among them
+    shapes = ROW_SHAPES + [(1000, 1000), (37, 12345), (5, 200003), (64, 7), (3, 65536 + 8),
+                           (7, 30001), (3, 400003), (9, 32768)]
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows, n in shapes:
             if dtype == torch.float32 and n > 262144:
@@ -610,27 +612,34 @@ def bench_copy() -> float:
 
 @guarded
 def bench_rows(copy_bw: float) -> None:
+    """Row kernels against torch on the benchmark shapes: device time from CUDA graph replays
+    (the kernels alone), then eager calls (host dispatch included)."""
     import array_api_compat.torch as xpt
     import torch
     from softmaxkit_cupy import rows as kr
+    from softmaxkit_cupy.configs import row_config
 
     for dtype in (torch.bfloat16, torch.float16):
         for rows, n in ROW_SHAPES:
             x = torch.randn(rows, n, device="cuda").to(dtype)
             nbytes = 2 * x.numel() * x.element_size()
             for op, peer in (("softmax", torch.softmax), ("log_softmax", torch.log_softmax)):
-                fn = getattr(kr, op)
-                ours = timed(lambda fn=fn, x=x, dt=dtype: fn(xpt, x=x, where=None,
-                                                              masked="zero", out_dtype=dt))
-                theirs = timed(lambda peer=peer, x=x: peer(x, -1))
-                bw, pbw = nbytes / ours / 1e9, nbytes / theirs / 1e9
-                frac = f"{100 * bw / copy_bw:.0f}% of copy" if copy_bw else ""
-                host = host_seconds(lambda fn=fn, x=x, dt=dtype: fn(
-                    xpt, x=x, where=None, masked="zero", out_dtype=dt), calls=50)
-                TABLE.append((f"{op} {str(dtype)[6:]} {rows}x{n}",
-                              f"{bw:.0f} GB/s", f"{frac}; torch {pbw:.0f} GB/s; "
-                              f"{ours * 1e6:.0f} us/call, host {host * 1e6:.0f} us"))
-                print(TABLE[-1])
+                call = functools.partial(getattr(kr, op), xpt, x=x, where=None, masked="zero",
+                                         out_dtype=dtype)
+                graph = graph_seconds(call)
+                eager = timed(call)
+                torch_graph = graph_seconds(functools.partial(peer, x, -1))
+                host = host_seconds(call, calls=50)
+                bw = nbytes / graph / 1e9
+                config = row_config(n, 2, staged=True)
+                TABLE.append((f"{op} {str(dtype)[6:]} {rows}x{n}", f"{bw:.0f} GB/s",
+                              f"{100 * bw / copy_bw:.0f}% of copy; torch "
+                              f"{nbytes / torch_graph / 1e9:.0f} GB/s; eager "
+                              f"{nbytes / eager / 1e9:.0f} GB/s (host {host * 1e6:.0f} us/call); "
+                              f"{config.threads}x{config.k}"
+                              f"{f' cluster {config.cluster}' if config.cluster > 1 else ''}"
+                              f"{' staged' if config.staged else ''}"))
+                print(TABLE[-1], flush=True)
 
 
 def _row_excess(op: str, xpt: Any, x: Any, w: Any, config: Any) -> float:
@@ -671,10 +680,10 @@ def bench_rows_sweep(copy_bw: float) -> None:
             nbytes = 2 * x.numel() * x.element_size()
             out = torch.empty_like(x)
             for op, peer in (("softmax", torch.softmax), ("log_softmax", torch.log_softmax)):
-                default = row_config(n, 2)
+                default = row_config(n, 2, staged=True)
                 found = []
                 for config in sorted(set(ROW_CONFIGS + ROW_ALTERNATIVES),
-                                     key=lambda c: (c.threads, c.group, c.k, c.cluster, c.loop)):
+                                     key=lambda c: (c.threads, c.group, c.k, c.cluster, c.staged)):
                     if config.capacity(2) < n or config.capacity(2) >= 4 * n:
                         continue
                     # correct first: this shape, and ragged masked rows up to the capacity
@@ -819,7 +828,7 @@ def main() -> int:
         copy_bw = bench_copy() or 0.0
         if want("bench-rows"):
             bench_rows(copy_bw)
-        if want("sweep"):
+        if "sweep" in steps:  # on request only: it compares the alternatives
             bench_rows_sweep(copy_bw or 4200.0)
         if want("bench-attention"):
             bench_attention()

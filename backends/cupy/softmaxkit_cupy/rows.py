@@ -23,6 +23,7 @@ from .configs import (
     grad_name,
     row_config,
     row_modules,
+    row_staged,
 )
 
 _NAMES = {(op, din, dout): tuple(names) for op, din, dout, names in row_modules()}
@@ -42,7 +43,7 @@ def _plan(op: str, din: str, dout: str, n: int, rows: int,
     module of their own)."""
     names = _NAMES[(op, din, dout)]
     if config is None:
-        config = row_config(n, ITEMSIZE[din])
+        config = row_config(n, ITEMSIZE[din], row_staged(op, din, dout))
     elif config.name(op, din, dout) not in names:
         names = tuple(c.name(op, din, dout) for c in ROW_ALTERNATIVES)
     if config is None or n > config.capacity(ITEMSIZE[din]):  # can_run declines these rows
@@ -54,20 +55,7 @@ def _plan(op: str, din: str, dout: str, n: int, rows: int,
         grid = rows * config.cluster
     else:
         grid = -(-rows // (config.threads // config.group))
-    if config.loop:
-        grid = min(grid, _resident_blocks(kernel, config.threads))
     return kernel, grid, config.threads, config.shared_bytes()
-
-
-def _resident_blocks(kernel: Any, threads: int) -> int:
-    """How many blocks of ``kernel`` the device holds at once (registers and threads)."""
-    import cupy
-
-    attributes = cupy.cuda.Device().attributes
-    regs = -(-int(kernel.num_regs) // 8) * 8  # allocated per warp in units of 256
-    per_sm = min(attributes["MaxThreadsPerMultiProcessor"] // threads,
-                 attributes["MaxRegistersPerMultiprocessor"] // max(1, regs * threads), 32)
-    return max(1, per_sm) * int(attributes["MultiProcessorCount"])
 
 
 def launch_rows(

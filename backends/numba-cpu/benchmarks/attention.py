@@ -7,6 +7,10 @@ the best of ``--repeats`` calls are printed, with the largest difference from SD
 the load average, the thread counts and the OpenBLAS kernel in use::
 
     python backends/numba-cpu/benchmarks/attention.py --repeats 9
+    python backends/numba-cpu/benchmarks/attention.py --threads 1 --cpu-time
+
+On a shared machine the second form (one thread each, CPU time of the process) compares the
+work each library does, whatever else runs meanwhile.
 """
 
 from __future__ import annotations
@@ -24,16 +28,17 @@ import torch
 import softmaxkit as sk
 
 
-def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Wall-clock seconds of each function, called in turn ``repeats`` times after a warm-up."""
+def alternate(fns: dict[str, Callable[[], object]], repeats: int,
+              clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds of each function by ``clock``, called in turn ``repeats`` times after a warm-up."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 
@@ -52,7 +57,14 @@ def main() -> None:
     parser.add_argument("--shape", default="1,8,2048,64", help="B,H,L,D")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--backward", action="store_true", help="also time the gradient")
+    parser.add_argument("--threads", type=int, help="threads for both libraries (default: all)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="measure the process's CPU time instead of wall-clock time")
     opts = parser.parse_args()
+    if opts.threads:
+        numba.set_num_threads(opts.threads)
+        torch.set_num_threads(opts.threads)
+    clock = time.process_time if opts.cpu_time else time.perf_counter
     b, h, n, d = (int(x) for x in opts.shape.split(","))
     rng = np.random.default_rng(0)
     q, k, v, g = (torch.from_numpy(rng.standard_normal((b, h, n, d), dtype=np.float32))
@@ -61,7 +73,8 @@ def main() -> None:
     env = {name: os.environ.get(name) for name in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), numba "
           f"{numba.__version__} ({numba.get_num_threads()} threads); B{b} H{h} L{n} D{d} "
-          f"float32; load average {os.getloadavg()[0]:.2f}")
+          f"float32; {'CPU' if opts.cpu_time else 'wall-clock'} ms; load average "
+          f"{os.getloadavg()[0]:.2f}")
     print(f"BLAS: {blas_kernels()}; environment: {env}")
     print(f"{'pass':9s}{'causal':7s}{'sk median':>10s}{'sdpa median':>12s}{'speed-up':>9s}"
           f"{'sk best':>9s}{'sdpa best':>10s}{'speed-up':>9s}{'max |diff|':>11s}")
@@ -79,7 +92,7 @@ def main() -> None:
         times = alternate({
             "sk": lambda c=causal: sk.attention(q, k, v, causal=c, backend="numba-cpu"),
             "torch": lambda c=causal: sdpa(q, k, v, is_causal=c),
-        }, opts.repeats)
+        }, opts.repeats, clock)
         row("forward", causal, times, diff)
         if not opts.backward:
             continue
@@ -95,8 +108,8 @@ def main() -> None:
 
         diff = max(float((a - e).abs().max()) for a, e in zip(sk_grad(), torch_grad(),
                                                                strict=True))
-        row("fwd+bwd", causal, alternate({"sk": sk_grad, "torch": torch_grad}, opts.repeats),
-            diff)
+        row("fwd+bwd", causal,
+            alternate({"sk": sk_grad, "torch": torch_grad}, opts.repeats, clock), diff)
 
 
 if __name__ == "__main__":

@@ -109,12 +109,16 @@ def attention(
     lse, lse_s = empty((bsz, hq, lq), accumulator_dtype(xp, q.dtype), q)
     flat, strides = mask_view(mask)
     offset, is_causal, left, right = band(causal, window, lq, lk)
-    tile_q, tile_k = kernels.TILE_Q, kernels.TILE_K
+    tile_q, tile_k = kernels.TILE_Q, -(-kernels.TILE_K // 16) * 16
     workers = workers_for(bsz * hq * math.ceil(lq / tile_q), bsz * hq * lq * lk)
+    d = qn.shape[3]
+    # float32 keys in panels for the register-blocked products (attention_microkernels.py)
+    panels = (kn.shape[0] * kn.shape[1], 16 * math.ceil(lk / 16) * d)
+    kp = np.empty(panels if qn.dtype == np.float32 and d else (0, 0), dtype=np.float32)
     with single_threaded_blas():
         kernels.forward(qn, kn, vn, result.storage, lse_s, float(scale), offset, is_causal, left,
                         right, float(softcap or 0.0), flat, strides, mask is not None, workers,
-                        tile_q, tile_k)
+                        tile_q, tile_k, kp)
     return result.finish(), (lse if return_lse else None)
 
 

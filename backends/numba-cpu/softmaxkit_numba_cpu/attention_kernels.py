@@ -1,16 +1,17 @@
-"""Compiled attention forward: query tiles x key tiles, BLAS products, online softmax.
+"""Compiled attention forward: query tiles x key tiles, tiled products, online softmax.
 
 For each (batch, head, tile of :data:`TILE_Q` queries) the kernel walks the keys that tile
 may see (causal and window limits, :func:`key_range`) in tiles of up to :data:`TILE_K`:
 
 1. ``S = Q_s K_t^T`` with the scale folded into the query tile once (``Q_s = scale * Q``),
-   a BLAS product into a per-thread buffer (:func:`~.attention_blas.gemm`);
+   into a per-thread buffer: in float32 a register-blocked product that also keeps each row's
+   maximum (:mod:`.attention_microkernels`), in float64 BLAS (:mod:`.attention_blas`);
 2. on each row of ``S``: softcap, then the excluded keys set to ``-inf`` (only on tiles
    that cut the causal / window band, and wherever a boolean mask is given), the tile's
-   maximum, ``P = exp(S - m)`` (written over ``S``) with the backend's vectorized
-   exponential, and the online rescale of the row's running mass and output by
-   ``exp(m_old - m_new)``;
-3. ``O += P V_t``, a BLAS product accumulating into the tile's output.
+   maximum (unless the product kept it), ``P = exp(S - m)`` (written over ``S``) with the
+   backend's vectorized exponential, and the online rescale of the row's running mass and
+   output by ``exp(m_old - m_new)``;
+3. ``O += P V_t``, accumulated into the tile's output (microkernel or BLAS likewise).
 
 Key tiles that lie entirely outside a query tile's band are never computed, and of the tiles
 the band cuts only the query rows that see some of their keys are.  The running
@@ -28,7 +29,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .attention_blas import gemm
+from .attention_microkernels import PANEL, accumulate, pack_keys, scores
 from .attention_schedule import next_task
 from .bits import like, maxnum
 from .exp import exp_nonpos
@@ -126,12 +127,14 @@ def cap_scores(s, nq, nk, softcap):
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def online_softmax(s, m, mass, bad, acc, nq, nk):
+def online_softmax(s, m, mass, bad, acc, nq, nk, mx, premax):
     """Fold the score tile ``s[:nq, :nk]`` into each row's running (max, mass, output).
 
     Overwrites ``s`` with ``p = exp(s - m_new)`` (0 at excluded keys, whose score is
     ``-inf``) for the caller's ``acc += p V``, after rescaling ``acc`` and ``mass`` by
     ``exp(m_old - m_new)``.  In place, the tile takes half the cache a separate ``p`` would.
+    With ``premax`` the tile's row maxima are those of the lanes ``mx[i, :8]`` (kept by the
+    score microkernel) instead of a pass over ``s``.
     """
     ninf = like(s, -np.inf)
     zero = like(s, 0.0)
@@ -139,8 +142,12 @@ def online_softmax(s, m, mass, bad, acc, nq, nk):
     for i in range(nq):
         row = s[i]
         mt = ninf
-        for j in range(nk):
-            mt = maxnum(mt, row[j])
+        if premax:
+            for j in range(8):
+                mt = maxnum(mt, like(s, mx[i, j]))
+        else:
+            for j in range(nk):
+                mt = maxnum(mt, row[j])
         if mt == ninf or mt == np.inf or bad[i]:
             # no finite allowed score (or the row is already NaN): the tile adds nothing,
             # unless a score is +inf or NaN (the maximum skips NaN), which makes the row NaN
@@ -198,13 +205,15 @@ def finish_rows(out, lse, b, h, i0, nq, m, mass, bad, acc):
 
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True)
 def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask, strides,
-            has_mask, workers, tile_q, tile_k):
+            has_mask, workers, tile_q, tile_k, kp):
     """Attention of C-contiguous ``q [B, Hq, Lq, D]``, ``k``, ``v [B, Hk, Lk, D|Dv]``.
 
     Writes ``out [B, Hq, Lq, Dv]`` and the natural-log ``lse [B, Hq, Lq]``, all arrays in the
     accumulator dtype.  ``offset`` places query ``i``'s diagonal at key ``i + offset``;
     ``left`` / ``right`` are the window (-1 unbounded); ``softcap`` 0 means none; the mask
-    (:func:`exclude`) is read only when ``has_mask``.
+    (:func:`exclude`) is read only when ``has_mask``.  ``kp`` receives the float32 keys in
+    panels (:func:`~.attention_microkernels.pack_keys`; ``[B * Hk, >= 16 * ceil(Lk/16) * D]``)
+    or is a ``[0, 0]`` float32 array for the BLAS products.  ``tile_k`` is a multiple of 16.
     """
     nb, hq, lq, d = q.shape
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -213,10 +222,14 @@ def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask
     nbh = nb * hq
     ntasks = nbh * ntiles
     sc = like(q, scale)
+    if kp.shape[0] > 0:
+        for bk in prange(nb * hk):
+            pack_keys(k, kp, bk)
     counter = np.zeros(1, dtype=np.int64)
     for _ in prange(workers):
         qs = np.empty((tile_q, max(d, 1)), dtype=q.dtype)
         s = np.empty((tile_q, tile_k), dtype=q.dtype)
+        mx = np.empty((tile_q, 8), dtype=np.float32)
         acc = np.empty((tile_q, max(dv, 1)), dtype=q.dtype)
         m = np.empty(tile_q, dtype=q.dtype)
         mass = np.empty(tile_q, dtype=q.dtype)
@@ -233,6 +246,7 @@ def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask
             kv = b * hk + h // group
             nq = min(tile_q, lq - i0)
             lo, hi = key_range(i0, i0 + nq, lk, offset, causal, left, right)
+            lo -= lo % PANEL  # key tiles start on a panel; keys before the band are masked
             m[:] = -np.inf
             mass[:] = 0
             bad[:] = False
@@ -250,16 +264,17 @@ def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask
                     if r1 <= r0:
                         continue
                     nr = r1 - r0
-                    gemm(0, 1, nr, nk, d, 1.0, qs, r0 * max(d, 1), max(d, 1), k,
-                         (kv * lk + j0) * d, max(d, 1), 0.0, s, 0, tile_k)
+                    premax = scores(qs, r0, nr, d, k, kp, kv, j0, nk, s, tile_k, mx)
                     if softcap > 0:
+                        premax = False
                         cap_scores(s, nr, nk, softcap)
                     if has_mask or not band_covers(i0 + r0, i0 + r1, j0, j0 + nk, offset,
                                                    causal, left, right):
+                        premax = False
                         exclude(s, nr, nk, i0 + r0, j0, offset, causal, left, right, mask,
                                 strides, has_mask, b, h)
-                    online_softmax(s, m[r0:], mass[r0:], bad[r0:], acc[r0:], nr, nk)
+                    online_softmax(s, m[r0:], mass[r0:], bad[r0:], acc[r0:], nr, nk, mx,
+                                   premax)
                     if dv > 0:
-                        gemm(0, 0, nr, dv, nk, 1.0, s, 0, tile_k, v, (kv * lk + j0) * dv, dv,
-                             1.0, acc, r0 * dv, dv)
+                        accumulate(s, tile_k, nr, nk, v, (kv * lk + j0) * dv, dv, acc, r0)
             finish_rows(out, lse, b, h, i0, nq, m, mass, bad, acc)

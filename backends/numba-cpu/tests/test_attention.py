@@ -129,6 +129,32 @@ def test_backward_across_tiles(small_tiles, setting, dtype):
         assert np.all(got[0][0, 1, 3] == 0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("options", [
+    {}, {"causal": True}, {"window": (9, 40)}, {"softcap": 3.0}, {"mask": "full"},
+], ids=str)
+def test_register_blocked_products(small_tiles, options, dtype):
+    # float32 runs the microkernels: blocks of 6 query rows (here 16-row tiles leave 4 over),
+    # panels of 16 keys (150 keys leave a partial panel), 16 value columns (Dv = 32)
+    q, k, v, dout = _inputs(dtype, 9, 2, 2, 1, 70, 150, d=24, dv=32)
+    kw = _options(2, 70, 150, options)
+    got = sk.attention(q, k, v, return_lse=True, backend=NAME, **kw)
+    _check_forward(got, ref.attention(q, k, v, **_reference_kw(kw)), dtype)
+    # a NaN query row and a +inf score: those rows NaN, the others exact
+    q[0, 1, 5, 0] = np.nan
+    k[1, 0, 7] = 0
+    k[1, 0, 7, 0] = np.inf
+    q[1, :, :, 0] = np.abs(q[1, :, :, 0]) + 0.5
+    out, lse = sk.attention(q, k, v, return_lse=True, backend=NAME)
+    assert np.all(np.isnan(out[0, 1, 5])) and np.isnan(lse[0, 1, 5])
+    assert np.all(np.isnan(out[1])) and np.all(np.isnan(lse[1]))
+    e_out, e_lse = ref.attention(q[:1], k[:1], v[:1])
+    keep = np.ones(70, dtype=bool)
+    keep[5] = False
+    assert ref.rel_frobenius(out[0, 1, keep], e_out[0, 1, keep]) <= BOUNDS[dtype][0]
+    assert ref.rel_frobenius(out[0, 0], e_out[0, 0]) <= BOUNDS[dtype][0]
+
+
 def test_empty_keys_and_empty_rows_are_exact():
     q, k, v, dout = _inputs("float32", 1, 1, 2, 2, 5, 0)
     out, lse = sk.attention(q, k, v, return_lse=True, backend=NAME)

@@ -8,9 +8,10 @@ Each part ``(out_s, lse_s)`` is the summary ``(max = lse_s, mass = 1, numerator 
 
 A part with ``lse_s = -inf`` is empty: weight 0, its ``out_s`` never read.  ``w_s`` is exactly
 1 where ``lse_s == M`` (so two ``+inf`` never meet in a subtraction) and 0 where ``M`` is not
-finite otherwise; all parts empty gives ``(0, -inf)``, and a NaN ``lse_s`` leaves no weight
-(the reference's rule).  One thread per output element: the ``S`` log-sum-exps of its row
-are read by every thread of the row (a broadcast within a warp), each ``out_s`` element once.
+finite otherwise; all parts empty gives ``(0, -inf)``; a NaN ``lse_s`` makes the row's ``out``
+and ``lse`` NaN (spec "Merging partial attention states").  One thread per output element:
+the ``S`` log-sum-exps of its row are read by every thread of the row (a broadcast within a
+warp), each ``out_s`` element once.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ def _merge_kernel(kind: str):
                 m = acc(NAN)
             elif v > m and m == m:
                 m = v
+        if m != m:  # a NaN part: the merged row is NaN
+            if d == 0:
+                lse[r] = m
+            if dv > 0:
+                store(out[r], d, m)
+            return
         total = zero
         for p in range(parts):
             v = lses[p, r]

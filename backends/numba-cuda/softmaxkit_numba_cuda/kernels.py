@@ -17,15 +17,17 @@ from softmaxkit.dtypes import FLOAT_DTYPES, accumulator_name, lookup
 from softmaxkit.dtypes import dtype_name as _dtype_name
 
 from . import plan as plans
-from . import rowkernels, tiled
+from . import rowkernels, staged, tiled
 from .arrays import dummy, empty, kernel_view, launch, library, rows, run, vectorizable
 from .intrinsics import SIMULATOR
 from .storage import VECTOR_WIDTH
 
-WORD_SLOTS = {"float32": (4, 4, 4), "bfloat16": (2, 4, 2), "float16": (2, 4, 2),
+WORD_SLOTS = {"float32": (4, 4, 8), "bfloat16": (2, 4, 4), "float16": (2, 4, 4),
               "float64": (2, 2, 2)}
 """16-byte words a thread holds for short, medium and long (split) rows: 8 to 32 values,
-read before the first use (chosen by the H200 sweep of gpu_check.py)."""
+all loaded before the first use (chosen from the H200 sweeps of gpu_check.py)."""
+SPLIT_THREADS = {"float32": 256, "bfloat16": 128, "float16": 128, "float64": 256}
+"""Threads of a block holding one chunk of a split row (16-bit rows: 128 x 4 words, 8 KB)."""
 ELEMENT_SLOTS = {"float32": 16, "bfloat16": 16, "float16": 16, "float64": 8}
 """Elements a thread holds when rows are read element by element."""
 TILE_VALUES = 8
@@ -41,8 +43,10 @@ def dtype_name(dtype: Any) -> str:
 
 
 def _plan(n_words: int, kind: str, vector: bool) -> plans.Plan:
-    slots = WORD_SLOTS[kind] if vector else (ELEMENT_SLOTS[kind],) * 3
-    return plans.choose(n_words, slots, simulator=SIMULATOR)
+    if vector:
+        return plans.choose(n_words, WORD_SLOTS[kind], simulator=SIMULATOR,
+                            block=SPLIT_THREADS[kind])
+    return plans.choose(n_words, ELEMENT_SLOTS[kind], simulator=SIMULATOR)
 
 
 def _tiled_plan(n: int, kind: str, width: int = 1) -> plans.Plan:
@@ -92,8 +96,11 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
     vector, width, (xv, ov) = _layout(lib, kin, kout, [xr, out.reshape(n_rows, n)])
     p = _plan(n // width, kin, vector)
-    kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots, p.rows_per_block,
-                                  p.split, where is not None)
+    if staged.enabled(kin, p.split, vector, where is not None, kin == kout):
+        kernel = staged.normalize(op, kin, p.threads, p.slots)
+    else:
+        kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots,
+                                      p.rows_per_block, p.split, where is not None)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     wsp = _slots(xp, x, lib, p, n_rows, accumulator_name(kin))
     with launch(x, lib) as stream:

@@ -7,7 +7,8 @@ when the row cannot be read in 16-byte words, one element.
 
 * short rows (up to ``32 * slots`` words): a group of up to 32 threads per row (a warp or a
   part of one), several rows per block, reductions by shuffles;
-* medium rows (up to ``block * slots`` words): a block per row;
+* medium rows (up to ``block * slots`` words, ``block`` = 256 or 128 threads): a block per
+  row;
 * long rows: the row is split into ``chunks`` chunks of ``block * slots`` words, one block
   each; every block reads its chunk once, keeps it on chip, and the blocks of a row combine
   their (max, sum) summaries (see :mod:`.rowkernels`).
@@ -94,7 +95,8 @@ def choose(n: int, slots: int | tuple[int, int, int], simulator: bool = False,
     """The plan for rows of ``n`` words (see the module docstring).
 
     ``slots`` is the words a thread holds (the caller's register budget), or a triple for
-    short, medium and long rows.  :data:`OVERRIDE` replaces the choice.
+    short, medium and long rows; ``block`` the threads of a block that holds a medium row or
+    a chunk of a long one.  :data:`OVERRIDE` replaces the choice.
     """
     short, medium, long = (slots,) * 3 if isinstance(slots, int) else slots
     forced = os.environ.get(OVERRIDE)

@@ -273,7 +273,10 @@ def _last_arriver(threads: int, acc_name: str, fields: int):
 
 WAIT_NS = 20_000
 """How long a block polls for another block's chunk summary before computing it itself."""
-POLL_NS = 64
+SPIN_POLLS = 4
+"""Polls (one L2 round trip each) before the first pause."""
+POLL_NS = 32
+MAX_POLL_NS = 512
 SLOT_FIELDS = {"float32": 2, "float64": 5}
 """64-bit slots per chunk summary: ``(max, sum)`` and ``(count, zsum)`` packed as float32
 pairs; or a flag and four float64 bit patterns."""
@@ -366,8 +369,13 @@ def _row_summary(kind: str, vector: bool, threads: int, slots: int, has_where: b
             ok, mk, sk = peek(wsp, r * chunks + k)
             if not ok:
                 start = globaltimer()
+                polls = 0
+                pause = POLL_NS
                 while not ok and globaltimer() - start < wait:
-                    nanosleep(POLL_NS)
+                    polls += 1
+                    if polls > SPIN_POLLS:  # then back off: fewer L2 requests
+                        nanosleep(pause)
+                        pause = min(2 * pause, MAX_POLL_NS)
                     ok, mk, sk = peek(wsp, r * chunks + k)
             if ok:
                 m, s = merge(m, s, mk, sk)

@@ -138,3 +138,50 @@ def word_io(kind: str, vector: bool):
         store(row, wi, vals[off])
 
     return 1, device_function(load_one), device_function(store_one)
+
+
+@functools.cache
+def word_codec(kind: str):
+    """``(width, decode, encode)`` for 16-byte words of float32, bfloat16 or float16 held as
+    four 32-bit words (a word staged in shared memory): ``decode(a, b, c, d, vals, off)``
+    writes the ``width`` values to ``vals[off:off + width]`` as float32; ``encode(vals, off)``
+    rounds them and returns the four words."""
+    if kind == "float32":
+
+        def decode(a, b, c, d, vals, off):
+            vals[off] = f32_from_bits(a)
+            vals[off + 1] = f32_from_bits(b)
+            vals[off + 2] = f32_from_bits(c)
+            vals[off + 3] = f32_from_bits(d)
+
+        def encode(vals, off):
+            return (bits_from_f32(float32(vals[off])), bits_from_f32(float32(vals[off + 1])),
+                    bits_from_f32(float32(vals[off + 2])),
+                    bits_from_f32(float32(vals[off + 3])))
+
+        return 4, device_function(decode), device_function(encode)
+    bf16 = kind == "bfloat16"
+    pack = pack_bf16 if bf16 else pack_f16
+
+    def half_pair(u, vals, off):
+        if bf16:  # a bfloat16 is the high half of a float32
+            vals[off] = f32_from_bits(u << 16)
+            vals[off + 1] = f32_from_bits(u & 0xFFFF0000)
+        else:
+            lo, hi = unpack_f16(u)
+            vals[off] = lo
+            vals[off + 1] = hi
+
+    half_pair = device_function(half_pair)
+
+    def decode(a, b, c, d, vals, off):
+        half_pair(a, vals, off)
+        half_pair(b, vals, off + 2)
+        half_pair(c, vals, off + 4)
+        half_pair(d, vals, off + 6)
+
+    def encode(vals, off):
+        return (pack(vals[off], vals[off + 1]), pack(vals[off + 2], vals[off + 3]),
+                pack(vals[off + 4], vals[off + 5]), pack(vals[off + 6], vals[off + 7]))
+
+    return 8, device_function(decode), device_function(encode)

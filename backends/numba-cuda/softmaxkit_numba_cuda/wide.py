@@ -16,7 +16,11 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
   loads of 32-bit integers, 64-bit unsigned integers and floats that see other blocks' writes
   (never a stale L1 line); ``store_release(a, i, v)`` (``st.release.gpu``): a 64-bit store
   ordered after every earlier write of the thread;
-* ``globaltimer()``: the GPU's nanosecond clock; ``nanosleep(ns)``.
+* ``globaltimer()``: the GPU's nanosecond clock; ``nanosleep(ns)``;
+* ``cp_async16(stage, j, row, i)``: copy the 16 bytes at element ``i`` of a global row to
+  element ``j`` of a shared ``uint32`` array without passing through registers
+  (``cp.async.cg.shared.global``); ``cp_async_wait()`` waits for the thread's copies
+  (``cp.async.wait_all``), after which the thread may read what it copied.
 
 Under Numba's CUDA simulator each has a numpy form on the same bits.
 """
@@ -90,6 +94,14 @@ if SIMULATOR:
     def globaltimer():
         """Nanoseconds on a clock shared by every thread."""
         return time.perf_counter_ns()
+
+    def cp_async16(stage, j, row, i):
+        """Copy the 16 bytes at element ``i`` of ``row`` to ``stage[j:j + 4]``."""
+        k = 16 // row.itemsize
+        stage[j:j + 4] = np.ascontiguousarray(row[i:i + k]).view(np.uint32)
+
+    def cp_async_wait():
+        """Wait for the thread's asynchronous copies (they are synchronous here)."""
 
     def nanosleep(ns):
         """Pause the thread for about ``ns`` nanoseconds (nothing in the simulator)."""
@@ -251,6 +263,36 @@ else:
         return sig, codegen
 
     @intrinsic
+    def cp_async16(typingctx, stage, j, row, i):
+        sig = types.void(stage, j, row, i)
+
+        def codegen(context, builder, sig, args):
+            dst = _pointer(context, builder, sig.args[0], args[0], args[1])
+            src = _pointer(context, builder, sig.args[2], args[2], args[3])
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [dst.type, src.type]),
+                "{ .reg .u64 sa, ga; .reg .u32 s32; cvta.to.shared.u64 sa, $0; "
+                "cvt.u32.u64 s32, sa; cvta.to.global.u64 ga, $1; "
+                "cp.async.cg.shared.global [s32], [ga], 16; }",
+                "l,l,~{memory}", side_effect=True)
+            builder.call(asm, [dst, src])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_wait(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;",
+                               "~{memory}", side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
     def globaltimer(typingctx):
         sig = types.uint64()
 
@@ -263,6 +305,6 @@ else:
 
     def nanosleep(ns):
         """Pause the thread for about ``ns`` nanoseconds."""
-        cuda.nanosleep(ns)
+        cuda.nanosleep(types.uint32(ns))
 
     nanosleep = cuda.jit(device=True)(nanosleep)

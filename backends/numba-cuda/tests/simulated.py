@@ -25,11 +25,13 @@ ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp"
            "log_softmax_vjp")
 SUMMARY_OPS = ("summarize", "merge", "merge_attention")
 PLAN_OPS = ROW_OPS + ("cross_entropy_hard", "summarize")
-PLANS = {"64,1": (600, ("float32", "bfloat16")), "64,2": (302, ("float64", "float32")),
-         "8,2": (40, ("float32", "bfloat16"))}
-"""Forced "threads,slots" -> (row length, dtypes): rows split across 2-3 blocks (16-byte
-words, and for float32 rows of 302 elements, which are read element by element), and groups
-of 8 threads holding a short row each."""
+PLANS = {"64,1": (600, ("float32", "bfloat16"), PLAN_OPS),
+         "64,2": (302, ("float64", "float32"), PLAN_OPS),
+         "8,2": (40, ("float32", "bfloat16"), PLAN_OPS),
+         "64,1,staged": (600, ("float32", "bfloat16"), ("softmax", "log_softmax"))}
+"""Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
+(16-byte words, and for float32 rows of 302 elements, which are read element by element),
+groups of 8 threads holding a short row each, and split rows staged in shared memory."""
 
 
 def emit(**record: object) -> None:
@@ -111,14 +113,15 @@ def _outputs(op: str, backend: str, x: np.ndarray, where: np.ndarray, target: np
 
 def plans() -> None:
     rng = np.random.default_rng(7)
-    for forced, (n, dtypes) in PLANS.items():
-        os.environ["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = forced
+    for forced, (n, dtypes, ops) in PLANS.items():
+        os.environ["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = forced.removesuffix(",staged")
+        os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGED"] = "1" if forced.endswith(",staged") else "0"
         for dtype in dtypes:
             x, where = _inputs(rng, dtype, n)
             target = rng.integers(0, n, size=6)
             target[0] = -1
             cot = rng.normal(size=x.shape).astype(x.dtype)
-            for op in PLAN_OPS:
+            for op in ops:
                 rid = f"plan[{forced}]-{op}[{dtype}]"
                 try:
                     outs = {b: _outputs(op, b, x, where, target, cot)
@@ -129,6 +132,7 @@ def plans() -> None:
                 except Exception:
                     emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
     os.environ.pop("SOFTMAXKIT_NUMBA_CUDA_PLAN", None)
+    os.environ.pop("SOFTMAXKIT_NUMBA_CUDA_STAGED", None)
 
 
 def main() -> None:

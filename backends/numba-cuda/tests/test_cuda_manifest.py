@@ -79,6 +79,15 @@ def test_plans_cover_every_row(n, slots):
         assert p.grid(10) == 10 * p.chunks if p.split else p.grid(10) == 10
 
 
+def test_plans_with_smaller_blocks():
+    """16-bit rows use blocks of 128 threads for medium rows and for the chunks of long ones."""
+    medium = plan.choose(512, (2, 4, 4), block=128)
+    assert (medium.threads, medium.slots, medium.chunks) == (128, 4, 1)
+    long = plan.choose(4096, (2, 4, 4), block=128)
+    assert (long.threads, long.slots, long.chunks, long.rows_per_block) == (128, 4, 8, 1)
+    assert long.grid(3) == 24
+
+
 def test_plan_override(monkeypatch):
     monkeypatch.setenv(plan.OVERRIDE, "64,2")
     p = plan.choose(1000, 4)

@@ -19,20 +19,21 @@ from softmaxkit.testing import cases
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from simulated import PLAN_OPS, PLANS, ROW_OPS, SUMMARY_OPS  # noqa: E402
+from simulated import PLANS, ROW_OPS, SUMMARY_OPS  # noqa: E402
 
 sys.path.remove(str(HERE))
 
 JOBS = (("kit", "float32,float64"), ("kit", "float16,bfloat16"), ("plans",))
 KIT_IDS = [f"{c.name}[{c.dtype}]" for c in cases(target="numpy", ops=ROW_OPS + SUMMARY_OPS)]
-PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p, (_, dtypes) in PLANS.items() for d in dtypes
-            for op in PLAN_OPS]
+PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p, (_, dtypes, ops) in PLANS.items() for d in dtypes
+            for op in ops]
 
 
 @pytest.fixture(scope="module")
 def simulated() -> dict[str, dict]:
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     env.pop("SOFTMAXKIT_NUMBA_CUDA_PLAN", None)
+    env.pop("SOFTMAXKIT_NUMBA_CUDA_STAGED", None)
     procs = [subprocess.Popen([sys.executable, str(HERE / "simulated.py"), *job], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for job in JOBS]

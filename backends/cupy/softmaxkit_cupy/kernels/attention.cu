@@ -475,7 +475,8 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
 }
 
 // Merge partial attention states (softmaxkit.ops "merge_attention"): one warp per row r of
-// outs [S, R, Dv] and lses [S, R] (natural log, -inf = empty part); out [R, Dv], lse [R].
+// outs [S, R, Dv] and lses [S, R] (natural log, -inf = empty part, NaN = a NaN row);
+// out [R, Dv], lse [R].
 template <typename Tin, typename Tout>
 __global__ void __launch_bounds__(256) sk_merge_attn(
     const Tin* __restrict__ outs, const float* __restrict__ lses, Tout* __restrict__ out,
@@ -484,9 +485,19 @@ __global__ void __launch_bounds__(256) sk_merge_attn(
     const int lane = threadIdx.x % 32;
     if (r >= rows) return;
     float m = -SK_INF;
-    for (int s = lane; s < parts; s += 32) m = fmaxf(m, lses[s * rows + r]);
+    bool nan = false;
+    for (int s = lane; s < parts; s += 32) {
+        const float ls = lses[s * rows + r];
+        nan |= ls != ls;
+        m = fmaxf(m, ls);
+    }
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (__any_sync(0xffffffffu, nan)) {  // a NaN part makes the row NaN (never empty)
+        for (int c = lane; c < dv; c += 32) out[r * dv + c] = sk_from_float<Tout>(SK_NAN);
+        if (lane == 0) lse[r] = SK_NAN;
+        return;
+    }
     const float use = m == -SK_INF ? 0.0f : m;
     float total = 0.0f;
     for (int s = lane; s < parts; s += 32) {

@@ -313,42 +313,6 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
                                                               n, vec_ok, masked_nan);
 }
 
-// A grid of resident blocks walking the row groups with a stride, each thread issuing the
-// loads of its next row before it reduces and writes the current one, so loads stay in flight
-// through the reductions and stores (software pipelining across rows).
-// Two rows' pieces per thread (current and next): caps of 64, 80 and 128 registers.
-#define SK_ROWS_LOOP_MIN_BLOCKS(THREADS, K) \
-    ((K) <= 2 ? 1024 / (THREADS) : (K) <= 4 ? ((768 / (THREADS)) > 0 ? 768 / (THREADS) : 1) \
-              : ((512 / (THREADS)) > 0 ? 512 / (THREADS) : 1))
-
-template <typename Tin, typename Tout, int OP, int THREADS, int G, int K>
-__global__ void __launch_bounds__(THREADS, SK_ROWS_LOOP_MIN_BLOCKS(THREADS, K)) sk_rows_loop(
-    const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
-    long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
-    int masked_nan) {
-    constexpr int PER_BLOCK = THREADS / G;
-    __shared__ float scratch[3 * (THREADS / 32 + 1)];
-    __shared__ float summary[4];
-    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
-    const long long groups = (rows + PER_BLOCK - 1) / PER_BLOCK;
-    long long group = blockIdx.x;
-    long long row = group * PER_BLOCK + threadIdx.x / G;
-    uint4 raw[K], next[K];
-    sk_rows_load<Tin, G, K>(raw, x, ld_x, w, ld_w, row, row < rows, 0, lane, n, vec_ok);
-    for (; group < groups; group += gridDim.x) {
-        const long long row_next = row + static_cast<long long>(gridDim.x) * PER_BLOCK;
-        if (group + gridDim.x < groups)
-            sk_rows_load<Tin, G, K>(next, x, ld_x, w, ld_w, row_next, row_next < rows, 0, lane,
-                                    n, vec_ok);
-        sk_rows_finish<Tin, Tout, OP, THREADS, G, K, 1>(raw, out, ld_o, row, row < rows, 0, lane,
-                                                        n, vec_ok, masked_nan, scratch, summary);
-        if (G > 32) __syncthreads();  // the block's scratch is reused by the next row
-#pragma unroll
-        for (int j = 0; j < K; ++j) raw[j] = next[j];
-        row = row_next;
-    }
-}
-
 // Long rows split over a cluster with the segment staged in shared memory instead of registers
 // (THREADS * K 16-byte pieces per block, loaded with cp.async on aligned unmasked rows): no
 // register pressure however long the segment, at the cost of re-reading it from shared memory
