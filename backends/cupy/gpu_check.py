@@ -1,13 +1,17 @@
 """Check and benchmark the CuPy backend on a CUDA GPU, printing a table last.
 
-Runs, in order: the tensor-core data-path probe; the conformance kit against ``backend="cupy"``
-(torch-cuda target for bfloat16, float16 and float32; cupy target for float16 and float32);
-row kernels on the benchmark shapes against float64 with poisoned outputs; attention against
-a float64 materialized reference; then the benchmarks (device-to-device copy, row kernels
-against torch, attention forward against torch SDPA's flash and cuDNN backends).
+Runs, in order: a parallel build of every kernel module into CuPy's cache; the tensor-core
+data-path probe; row kernels on the benchmark shapes (and ragged, masked ones) against float64
+with poisoned outputs; cross-entropy and the VJPs against float64; attention forward against a
+float64 materialized reference and the backward against float64 autograd of it; the
+conformance kit against ``backend="cupy"`` (torch-cuda target for bfloat16, float16 and
+float32; cupy target for float16 and float32); then the benchmarks (device-to-device copy; row
+kernels against torch, device time from CUDA graph replays and eager calls; attention forward
+and backward against torch SDPA's flash and cuDNN backends; split-KV decoding; cross-entropy).
 
-Usage: ``python backends/cupy/gpu_check.py [--out DIR] [--skip-bench]``; with ``--out`` the
-table is also written to ``DIR/benchmarks-cupy.md``.
+Usage: ``python backends/cupy/gpu_check.py [--out DIR] [--skip-bench] [--only STEPS]``; with
+``--out`` the table is also written to ``DIR/benchmarks-cupy.md``.  ``--only sweep`` times
+every alternative row configuration instead (not part of the default run).
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ MERGE_SHAPES = [(8, 64 * 32, 128)]
 FORCED_KIT_PLAN = "64,1"
 PLAN_ENV = "SOFTMAXKIT_NUMBA_CUDA_PLAN"
 REGISTERS_ENV = "SOFTMAXKIT_NUMBA_CUDA_REGISTERS"
+STAGED_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
 
 
 def log(*args: Any) -> None:
@@ -63,14 +64,26 @@ def ensure_registered() -> None:
 # -- conformance -------------------------------------------------------------------------------
 
 
-def conformance_worker(target: str, dtype: str) -> None:
-    """Run the kit on ``target`` for ``dtype`` and print one JSON line per case."""
-    from softmaxkit.testing import check_backend
+def conformance_worker(target: str, dtype: str, group: int = 0, groups: int = 1) -> None:
+    """Run every ``groups``-th case of the kit (from ``group``) on ``target`` for ``dtype`` and
+    print one JSON line per case."""
+    from softmaxkit.testing import kit
 
     ensure_registered()
-    for r in check_backend("numba-cuda", target=target, ops=KIT_OPS, dtypes=[dtype]):
+    for i, c in enumerate(kit.cases(target, KIT_OPS, [dtype])):
+        if i % groups != group:
+            continue
+        status, message = "passed", ""
+        try:
+            c.run("numba-cuda")
+        except kit.Unsupported as exc:
+            status, message = "unsupported", str(exc)
+        except AssertionError as exc:
+            status, message = "failed", str(exc)
+        except Exception as exc:  # a crash is a failure, with its type
+            status, message = "failed", f"{type(exc).__name__}: {exc}"
         print("RESULT " + json.dumps(
-            {"case": r.case, "dtype": r.dtype, "status": r.status, "message": r.message[:400]}
+            {"case": c.name, "dtype": c.dtype, "status": status, "message": message[:400]}
         ), flush=True)
 
 
@@ -89,10 +102,13 @@ def conformance(forced_plans: bool = True, timeout: float = 200.0) -> list[dict[
                 env.pop(PLAN_ENV, None)
                 if forced:
                     env[PLAN_ENV] = forced
-                proc = subprocess.Popen(
-                    [sys.executable, __file__, "--worker", target, dtype], env=env,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                runs.append((target, forced or "default", dtype, proc))
+                groups = 2 if target == "torch-cuda" else 1  # compiling is the slow part
+                for group in range(groups):
+                    proc = subprocess.Popen(
+                        [sys.executable, __file__, "--worker", target, dtype, str(group),
+                         str(groups)], env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                    runs.append((target, forced or "default", dtype, proc))
     rows = []
     deadline = time.time() + timeout
     for target, plan, dtype, proc in runs:
@@ -228,6 +244,20 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 # -- benchmark jobs (worker processes) -----------------------------------------------------------
 
 
+def use_plan(plan: str | None) -> None:
+    """Force ``plan``: ``"threads,slots"``, then optionally a register budget and/or
+    ``staged`` (split rows staged in shared memory), comma-separated."""
+    if not plan:
+        return
+    parts = plan.split(",")
+    os.environ[PLAN_ENV] = ",".join(parts[:2])
+    for extra in parts[2:]:
+        if extra == "staged":
+            os.environ[STAGED_ENV] = "1"
+        else:
+            os.environ[REGISTERS_ENV] = extra
+
+
 def _random(shape: tuple[int, ...], dtype: str, seed: int) -> Any:
     import torch
 
@@ -241,10 +271,7 @@ def rows_job(dtype: str, shape: tuple[int, int], ops: tuple[str, ...], plan: str
     import torch
 
 
-    if plan:
-        os.environ[PLAN_ENV] = ",".join(plan.split(",")[:2])
-        if plan.count(",") == 2:  # "threads,slots,registers"
-            os.environ[REGISTERS_ENV] = plan.split(",")[2]
+    use_plan(plan)
     ensure_registered()
     for op in ops:  # compile on a few rows of the same length (the same plan)
         run_rows(op, _random((2, shape[1]), dtype, seed))
@@ -283,10 +310,7 @@ def ce_job(shape: tuple[int, int], plan: str | None, lock: Any, seed: int) -> li
 
     import softmaxkit as sk
 
-    if plan:
-        os.environ[PLAN_ENV] = ",".join(plan.split(",")[:2])
-        if plan.count(",") == 2:
-            os.environ[REGISTERS_ENV] = plan.split(",")[2]
+    use_plan(plan)
     ensure_registered()
 
     def fused(x: Any, target: Any, scale: Any) -> Any:
@@ -391,16 +415,14 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (32768, 4096)): ["128,8", "128,8,96"],
-    ("float32", (4096, 32768)): ["256,8", "256,8,96", "512,4", "128,8", "1024,2"],
-    ("float32", (256, 524288)): ["256,8", "256,8,96", "512,4", "128,8"],
-    ("bfloat16", (32768, 4096)): ["128,4,64", "256,2", "64,8,96"],
-    ("bfloat16", (4096, 32768)): ["256,4", "256,4,96", "128,4", "512,2"],
-    ("bfloat16", (256, 524288)): ["256,4", "256,4,96", "128,4", "512,2"],
+    ("float32", (4096, 32768)): ["256,8,staged", "256,4,staged"],
+    ("float32", (256, 524288)): ["256,8,staged"],
+    ("bfloat16", (4096, 32768)): ["128,8,staged", "256,4,staged"],
+    ("bfloat16", (256, 524288)): ["128,8,staged"],
 }
-"""Plans ("threads,slots[,registers]", slots in 16-byte words) timed for softmax and
-logsumexp."""
-CE_SWEEP = {(4096, 32768): ["256,4", "128,4", "512,2"], (4096, 128256): ["256,4", "128,4"]}
+"""Plans ("threads,slots[,registers][,staged]", slots in 16-byte words) timed for softmax and
+log_softmax on the split rows: the default kernels, and the chunks staged in shared memory."""
+CE_SWEEP: dict[tuple[int, int], list[str]] = {}
 
 
 def profile_job(lock: Any, seed: int) -> list[dict[str, Any]]:
@@ -445,10 +467,9 @@ def jobs(quick: bool, sweep: bool, lock: Any) -> list[tuple]:
         for shape in MERGE_SHAPES:
             todo.append(("merge", (dtype, shape), lock))
     if sweep:
-        todo.append(("profile", (), lock))
         for (dtype, shape), plans in SWEEP.items():
             for plan in plans:
-                todo.append(("rows", (dtype, shape, ("softmax", "logsumexp"), plan), lock))
+                todo.append(("rows", (dtype, shape, ("softmax", "log_softmax"), plan), lock))
         for shape, plans in CE_SWEEP.items():
             for plan in plans:
                 todo.append(("ce", (shape, plan), lock))
@@ -554,19 +575,22 @@ def run_jobs(job: Callable[[tuple], list[dict[str, Any]]], todo: list[tuple], wo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="smaller shapes")
     parser.add_argument("--skip-conformance", action="store_true")
     parser.add_argument("--default-plans", action="store_true",
                         help="run the kit with the default plans only")
     parser.add_argument("--sweep", action="store_true", help="also time other row plans")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the host side of eager calls")
     parser.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1),
                         help="worker processes")
     parser.add_argument("--budget", type=float, default=480.0,
                         help="seconds for the whole run; unfinished work is reported as such")
     args = parser.parse_args()
     if args.worker:
-        conformance_worker(*args.worker)
+        target, dtype, group, groups = args.worker
+        conformance_worker(target, dtype, int(group), int(groups))
         return
     t0 = time.time()
     os.makedirs(OUT, exist_ok=True)
@@ -577,12 +601,14 @@ def main() -> None:
     log(f"{device}; python {sys.version.split()[0]}; numpy {numpy.__version__}; "
         f"torch {torch.__version__}")
     conf = ([] if args.skip_conformance
-            else conformance(not args.default_plans, timeout=0.45 * args.budget))
+            else conformance(not args.default_plans, timeout=0.55 * args.budget))
     log(f"conformance done in {time.time() - t0:.0f} s")
     ctx = multiprocessing.get_context("spawn")
     with ctx.Manager() as manager:
         lock = manager.Lock()
         todo = jobs(args.quick, args.sweep, lock)
+        if args.profile:
+            todo.append(("profile", (), lock))
         copy_gbs, rows = run_jobs(_job, todo, args.jobs, t0 + args.budget - 15, copy_bandwidth,
                                   lock, ctx)
     log(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")

@@ -34,9 +34,9 @@ def kernels():
         st = STORAGE[kind]
         acc = "float64" if kind == "float64" else "float32"
         short, medium, long = k.WORD_SLOTS[kind]
-        medium_threads = 128 if kind == "bfloat16" else 256
-        for threads, slots, split in ((8, short, False), (medium_threads, medium, False),
-                                      (256, long, True)):
+        block = k.SPLIT_THREADS[kind]
+        for threads, slots, split in ((8, short, False), (block, medium, False),
+                                      (block, long, True)):
             rows = 256 // threads if threads <= 32 else 1
             tag = f"{kind}-{threads}x{slots}{'-split' if split else ''}"
             for op in ("softmax", "log_softmax"):
