@@ -112,13 +112,17 @@ def attention(
     tile_q, tile_k = kernels.TILE_Q, -(-kernels.TILE_K // 16) * 16
     workers = workers_for(bsz * hq * math.ceil(lq / tile_q), bsz * hq * lq * lk)
     d = qn.shape[3]
-    # float32 keys in panels for the register-blocked products (attention_microkernels.py)
-    panels = (kn.shape[0] * kn.shape[1], 16 * math.ceil(lk / 16) * d)
-    kp = np.empty(panels if qn.dtype == np.float32 and d else (0, 0), dtype=np.float32)
+    # float32 keys and values in panels for the register-blocked products
+    # (attention_microkernels.py); float64, and value dims not a multiple of 16, use BLAS
+    heads, keys = kn.shape[0] * kn.shape[1], 16 * math.ceil(lk / 16)
+    f32 = qn.dtype == np.float32
+    kp = np.empty((heads, keys * d) if f32 and d else (0, 0), dtype=np.float32)
+    vp = np.empty((heads, keys * dv) if f32 and dv and dv % 16 == 0 else (0, 0),
+                  dtype=np.float32)
     with single_threaded_blas():
         kernels.forward(qn, kn, vn, result.storage, lse_s, float(scale), offset, is_causal, left,
                         right, float(softcap or 0.0), flat, strides, mask is not None, workers,
-                        tile_q, tile_k, kp)
+                        tile_q, tile_k, kp, vp)
     return result.finish(), (lse if return_lse else None)
 
 

@@ -29,8 +29,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .attention_microkernels import PANEL, accumulate, pack_keys, scores
-from .attention_schedule import next_task
+from .attention_microkernels import PANEL, accumulate, pack_keys, pack_values, scores
+from .attention_schedule import claim, flag, next_task, set_flag
 from .bits import like, maxnum
 from .exp import exp_nonpos
 from .lanes import FASTMATH
@@ -205,15 +205,16 @@ def finish_rows(out, lse, b, h, i0, nq, m, mass, bad, acc):
 
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True)
 def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask, strides,
-            has_mask, workers, tile_q, tile_k, kp):
+            has_mask, workers, tile_q, tile_k, kp, vp):
     """Attention of C-contiguous ``q [B, Hq, Lq, D]``, ``k``, ``v [B, Hk, Lk, D|Dv]``.
 
     Writes ``out [B, Hq, Lq, Dv]`` and the natural-log ``lse [B, Hq, Lq]``, all arrays in the
     accumulator dtype.  ``offset`` places query ``i``'s diagonal at key ``i + offset``;
     ``left`` / ``right`` are the window (-1 unbounded); ``softcap`` 0 means none; the mask
     (:func:`exclude`) is read only when ``has_mask``.  ``kp`` receives the float32 keys in
-    panels (:func:`~.attention_microkernels.pack_keys`; ``[B * Hk, >= 16 * ceil(Lk/16) * D]``)
-    or is a ``[0, 0]`` float32 array for the BLAS products.  ``tile_k`` is a multiple of 16.
+    panels (:func:`~.attention_microkernels.pack_keys`; ``[B * Hk, 16 * ceil(Lk/16) * D]``)
+    and ``vp`` the values (:func:`~.attention_microkernels.pack_values`, same size with
+    ``Dv``), or each is a ``[0, 0]`` float32 array for BLAS.  ``tile_k`` is a multiple of 16.
     """
     nb, hq, lq, d = q.shape
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -222,9 +223,7 @@ def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask
     nbh = nb * hq
     ntasks = nbh * ntiles
     sc = like(q, scale)
-    if kp.shape[0] > 0:
-        for bk in prange(nb * hk):
-            pack_keys(k, kp, bk)
+    packed = np.zeros(nb * hk, dtype=np.int64)  # 0: to do, 1: in progress, 2: done
     counter = np.zeros(1, dtype=np.int64)
     for _ in prange(workers):
         qs = np.empty((tile_q, max(d, 1)), dtype=q.dtype)
@@ -245,6 +244,17 @@ def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask
             h = bh - b * hq
             kv = b * hk + h // group
             nq = min(tile_q, lq - i0)
+            if flag(packed, kv) != 2:
+                # this head's keys and values in panels, by the first task that needs them
+                if claim(packed, kv):
+                    if kp.shape[0] > 0:
+                        pack_keys(k, kp, kv)
+                    if vp.shape[0] > 0:
+                        pack_values(v, vp, kv)
+                    set_flag(packed, kv, 2)
+                else:
+                    while flag(packed, kv) != 2:
+                        pass
             lo, hi = key_range(i0, i0 + nq, lk, offset, causal, left, right)
             lo -= lo % PANEL  # key tiles start on a panel; keys before the band are masked
             m[:] = -np.inf
@@ -276,5 +286,5 @@ def forward(q, k, v, out, lse, scale, offset, causal, left, right, softcap, mask
                     online_softmax(s, m[r0:], mass[r0:], bad[r0:], acc[r0:], nr, nk, mx,
                                    premax)
                     if dv > 0:
-                        accumulate(s, tile_k, nr, nk, v, (kv * lk + j0) * dv, dv, acc, r0)
+                        accumulate(s, tile_k, nr, nk, v, vp, kv, j0, acc, r0)
             finish_rows(out, lse, b, h, i0, nq, m, mass, bad, acc)

@@ -11,7 +11,8 @@ time zeroing ``S``, reading it back and packing both operands for every tile, an
   8-lane accumulators (query values broadcast, one FMA per lane), writes ``S`` once, and
   keeps each row's lanewise maximum on the way, so the softmax needs no maximum pass;
 * :func:`accumulate` adds ``P V`` to the output six rows x 16 columns at a time, reading
-  ``P`` where the softmax wrote it and ``V`` in place.
+  ``P`` where the softmax wrote it and ``V`` from panels of 16 value columns
+  (:func:`pack_values`, ``[Lk][16]``), also laid out once per head.
 
 Both are overloaded on the dtype: float64 uses BLAS (:func:`~.attention_blas.gemm`), and so
 do float32 calls whose value dim is not a multiple of 16 (``accumulate``) or whose head dim
@@ -200,6 +201,25 @@ def pack_keys(k, kp, bk):
                 dst[base + lane] = k[b, h, j, c] if j < lk else 0
 
 
+@njit(cache=True, nogil=True)
+def pack_values(v, vp, bk):
+    """Values of (batch, kv head) ``bk`` of ``v [B, Hk, Lk, Dv]`` into column panels ``vp[bk]``.
+
+    ``vp[bk, (p * L + j) * 16 + l] = v[b, h, j, p * 16 + l]`` with ``L = 16 * ceil(Lk / 16)``,
+    0 past the last key; ``Dv`` is a multiple of 16.
+    """
+    hk, lk, dv = v.shape[1], v.shape[2], v.shape[3]
+    b = bk // hk
+    h = bk - b * hk
+    rows = (lk + PANEL - 1) // PANEL * PANEL
+    dst = vp[bk]
+    for p in range(dv // PANEL):
+        for j in range(rows):
+            base = (p * rows + j) * PANEL
+            for lane in range(PANEL):
+                dst[base + lane] = v[b, h, j, p * PANEL + lane] if j < lk else 0
+
+
 @njit(fastmath={"contract"}, cache=True, nogil=True)
 def score_rows(qs, nr, d, kp, panel_off, npanels, s, lds, mx):
     """``S[:nr, :16 * npanels]`` of query rows ``qs[:nr]`` against consecutive key panels.
@@ -216,17 +236,19 @@ def score_rows(qs, nr, d, kp, panel_off, npanels, s, lds, mx):
 
 
 @njit(fastmath={"contract"}, cache=True, nogil=True)
-def value_rows(p, ldp, nr, nk, v, v_off, dv, o, o_off):
-    """``O[:nr] += P[:nr, :nk] V[:nk]`` with ``o`` rows of ``dv`` (a multiple of 16).
+def value_rows(p, ldp, nr, nk, vp, j0, dv, o, o_off):
+    """``O[:nr] += P[:nr, :nk] V[j0:j0+nk]`` from the value panels ``vp`` of one head.
 
-    16 value columns at a time: those columns of ``V`` stay in L1 while all the rows pass.
+    16 value columns at a time: that panel of ``V`` stays in L1 while all the rows pass.
     """
+    rows = vp.shape[0] // dv
     full = nr - nr % ROWS
     for c in range(0, dv, PANEL):
+        v_off = (c * rows) + j0 * PANEL
         for r in range(0, full, ROWS):
-            value_block(6, p, r * ldp, ldp, v, v_off + c, dv, nk, o, o_off + r * dv + c, dv)
+            value_block(6, p, r * ldp, ldp, vp, v_off, PANEL, nk, o, o_off + r * dv + c, dv)
         for r in range(full, nr):
-            value_block(1, p, r * ldp, ldp, v, v_off + c, dv, nk, o, o_off + r * dv + c, dv)
+            value_block(1, p, r * ldp, ldp, vp, v_off, PANEL, nk, o, o_off + r * dv + c, dv)
 
 
 def scores(qs, r0, nr, d, k, kp, bk, j0, nk, s, lds, mx):  # pragma: no cover - overloaded
@@ -238,8 +260,8 @@ def scores(qs, r0, nr, d, k, kp, bk, j0, nk, s, lds, mx):  # pragma: no cover - 
     raise NotImplementedError
 
 
-def accumulate(p, lds, nr, nk, v, v_off, dv, acc, r0):  # pragma: no cover - overloaded
-    """``acc[r0:r0+nr] += P[:nr, :nk] V`` with ``V`` the rows of ``v`` from flat ``v_off``."""
+def accumulate(p, lds, nr, nk, v, vp, bk, j0, acc, r0):  # pragma: no cover - overloaded
+    """``acc[r0:r0+nr] += P[:nr, :nk] V[bk, j0:j0+nk]``; ``vp`` the value panels or ``[0, 0]``."""
     raise NotImplementedError
 
 
@@ -264,16 +286,23 @@ def _scores(qs, r0, nr, d, k, kp, bk, j0, nk, s, lds, mx):
     return blas
 
 
+@njit(cache=True, nogil=True)
+def value_product(p, lds, nr, nk, v, bk, j0, acc, r0):
+    """``acc[r0:r0+nr] += P[:nr, :nk] V[bk, j0:j0+nk]`` by BLAS."""
+    lk, dv = v.shape[2], v.shape[3]
+    gemm(0, 0, nr, dv, nk, 1.0, p, 0, lds, v, (bk * lk + j0) * dv, dv, 1.0, acc, r0 * dv, dv)
+
+
 @overload(accumulate, jit_options={"cache": True})
-def _accumulate(p, lds, nr, nk, v, v_off, dv, acc, r0):
+def _accumulate(p, lds, nr, nk, v, vp, bk, j0, acc, r0):
     if p.dtype == types.float32:
-        def impl(p, lds, nr, nk, v, v_off, dv, acc, r0):
-            if dv % PANEL == 0:
-                value_rows(p, lds, nr, nk, v, v_off, dv, acc, r0 * dv)
+        def impl(p, lds, nr, nk, v, vp, bk, j0, acc, r0):
+            if vp.shape[0] > 0:
+                value_rows(p, lds, nr, nk, vp[bk], j0, v.shape[3], acc, r0 * v.shape[3])
             else:
-                gemm(0, 0, nr, dv, nk, 1.0, p, 0, lds, v, v_off, dv, 1.0, acc, r0 * dv, dv)
+                value_product(p, lds, nr, nk, v, bk, j0, acc, r0)
         return impl
 
-    def blas(p, lds, nr, nk, v, v_off, dv, acc, r0):
-        gemm(0, 0, nr, dv, nk, 1.0, p, 0, lds, v, v_off, dv, 1.0, acc, r0 * dv, dv)
+    def blas(p, lds, nr, nk, v, vp, bk, j0, acc, r0):
+        value_product(p, lds, nr, nk, v, bk, j0, acc, r0)
     return blas

@@ -170,6 +170,18 @@ def test_empty_keys_and_empty_rows_are_exact():
     assert np.all(dq[:, :, :5] == 0) and np.any(dq[:, :, 5:] != 0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("d", "dv"), [(0, 16), (16, 0), (0, 0)])
+def test_zero_head_dims(d, dv, dtype):
+    q, k, v, dout = _inputs(dtype, 10, 1, 2, 1, 20, 30, d=d, dv=dv)
+    out, lse = sk.attention(q, k, v, causal=True, scale=1.0, return_lse=True, backend=NAME)
+    _check_forward((out, lse), ref.attention(q, k, v, causal="bottom_right", scale=1.0), dtype)
+    grads = sk.attention_vjp(q, k, v, out, lse, dout, causal=True, scale=1.0, backend=NAME)
+    expected = ref.attention_vjp(q, k, v, dout, causal="bottom_right", scale=1.0)
+    for g, e in zip(grads, expected, strict=True):
+        assert g.shape == e.shape and ref.rel_frobenius(g, e) <= BOUNDS[dtype][2]
+
+
 def test_nonfinite_scores_poison_only_their_rows():
     q, k, v, _ = _inputs("float32", 3, 1, 1, 1, 8, 8)
     q[0, 0, 2, 0] = np.nan  # row 2: every score NaN

@@ -10,8 +10,8 @@ when the row cannot be read in 16-byte words, one element.
 * medium rows (up to ``block * slots`` words, ``block`` = 256 or 128 threads): a block per
   row;
 * long rows: the row is split into ``chunks`` chunks of ``block * slots`` words, one block
-  each; every block reads its chunk once, keeps it on chip, and the blocks of a row combine
-  their (max, sum) summaries (see :mod:`.rowkernels`).
+  (of whole warps) each; every block reads its chunk once, keeps it on chip, and the blocks
+  of a row combine their (max, sum) summaries (see :mod:`.rowkernels`).
 
 Kernels that walk a row in tiles instead (:mod:`.tiled`) read ``chunks`` as the number of
 tiles.  This module imports no numba: the plan is plain arithmetic, tested on its own.
@@ -82,11 +82,11 @@ def make(threads: int, slots: int, n: int, group_threads: int = GROUP_THREADS) -
     """
     if threads & (threads - 1) or not 0 < threads <= MAX_THREADS or not 0 < slots <= 64:
         raise ValueError(f"invalid plan: threads={threads}, slots={slots}")
-    rows = max(1, group_threads // threads) if threads <= WARP else 1
     chunks = max(1, -(-n // (threads * slots)))
-    if chunks > 1 and threads < 2 * WARP:
-        raise ValueError(f"a row split across blocks needs blocks of 64 threads or more "
+    if chunks > 1 and threads < WARP:
+        raise ValueError(f"a row split across blocks needs blocks of whole warps "
                          f"(threads={threads})")
+    rows = max(1, group_threads // threads) if threads <= WARP and chunks == 1 else 1
     return Plan(threads, slots, rows, chunks)
 
 
@@ -102,13 +102,13 @@ def choose(n: int, slots: int | tuple[int, int, int], simulator: bool = False,
     forced = os.environ.get(OVERRIDE)
     if forced:
         threads, k = (int(v) for v in forced.split(",")[:2])
-        if n <= threads * k or threads >= 2 * WARP:
+        if n <= threads * k or threads >= WARP:
             return make(threads, k, n)
-        return make(2 * WARP, k, n)  # a short-row group too small for this row
+        return make(WARP, k, n)  # a short-row group too small for this row
     if simulator:  # few threads keep the simulator fast; long rows are still split
         if n <= 16:
             return make(_pow2_at_least(max(1, -(-n // 2))), 2, n, group_threads=16)
-        return make(2 * WARP, 2, n)
+        return make(WARP, 4, n, group_threads=WARP)
     if n <= WARP * short:
         return make(_pow2_at_least(max(1, -(-n // short))), short, n)
     if n <= block * medium:

@@ -25,13 +25,13 @@ ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp"
            "log_softmax_vjp")
 SUMMARY_OPS = ("summarize", "merge", "merge_attention")
 PLAN_OPS = ROW_OPS + ("cross_entropy_hard", "summarize")
-PLANS = {"64,1": (600, ("float32", "bfloat16"), PLAN_OPS),
-         "64,2": (302, ("float64", "float32"), PLAN_OPS),
-         "8,2": (40, ("float32", "bfloat16"), PLAN_OPS),
-         "64,1,staged": (600, ("float32", "bfloat16"), ("softmax", "log_softmax"))}
+PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
+         "32,4": (302, ("float64", "float32"), PLAN_OPS),
+         "32,1,staged": (304, ("float32", "bfloat16"), ("softmax", "log_softmax"))}
 """Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
-(16-byte words, and for float32 rows of 302 elements, which are read element by element),
-groups of 8 threads holding a short row each, and split rows staged in shared memory."""
+of one warp, in 16-byte words and, for float32 rows of 302 elements, element by element; the
+same with split rows staged in shared memory.  (Short rows, a group of threads each, are the
+simulator's default plan in the kit.)"""
 
 
 def emit(**record: object) -> None:

@@ -94,9 +94,11 @@ def test_plan_override(monkeypatch):
     assert (p.threads, p.slots, p.chunks) == (64, 2, 8)
     monkeypatch.setenv(plan.OVERRIDE, "8,2")
     assert plan.choose(16, 4).threads == 8  # a short row: groups of 8 threads
-    assert plan.choose(1000, 4).threads == 64  # a split row needs blocks of 64 threads or more
+    split = plan.choose(1000, 4)  # a split row needs blocks of whole warps
+    assert (split.threads, split.rows_per_block, split.chunks) == (32, 1, 16)
     with pytest.raises(ValueError):
         plan.make(48, 2, 10)
     with pytest.raises(ValueError):
-        plan.make(32, 2, 100)  # a warp cannot hold a chunk of a split row
+        plan.make(16, 2, 100)  # part of a warp cannot hold a chunk of a split row
     assert plan.make(16, 2, 10).rows_per_block == 16
+    assert plan.make(32, 1, 100).rows_per_block == 1  # a warp holding one chunk of a row
