@@ -5,9 +5,12 @@ picks for the input), for each peer library that is installed (torch, scipy.spec
 cupyx.scipy.special on CUDA) and for a plain copy of the same array, the bandwidth ceiling.
 Each contender's result is first compared with a float64 reference on the same inputs;
 softmaxkit must be within the spec's tolerance before anything is timed.  Times are medians
-of several repeats after a warm-up; on CUDA they are measured with events after a
-synchronize.  Throughput counts the bytes read and written (only the bytes read for
-logsumexp, whose output is one value per row).
+of several repeats after a warm-up, the samples of the contenders of a case taken in turn so
+that a change of load on a shared machine weighs on all of them alike; on CUDA they are
+measured with events after a synchronize.  The table's first line gives the versions, the
+thread counts and the load average at the start and the end of the run.  Throughput counts
+the bytes read and written (only the bytes read for logsumexp, whose output is one value per
+row).
 
 Extending: add an :class:`Operation` to :data:`OPERATIONS`, a :class:`Peer` to
 :data:`PEERS`, or shapes to :data:`DEFAULT_SHAPES` / :data:`QUICK_SHAPES`.
@@ -214,32 +217,50 @@ def time_call(fn: Callable[[], Any], device: str = "cpu", repeats: int = 5,
     last about ``min_time`` seconds; on CUDA the samples are timed with CUDA events on the
     current stream after a synchronize.
     """
-    sync = _synchronizer(device)
-    start = time.perf_counter()
-    fn()
-    sync()
-    first = time.perf_counter() - start
-    number = max(1, min(1000, int(min_time / max(first, 1e-7))))
-    samples = []
-    for _ in range(repeats):
-        if device == "cpu":
-            t0 = time.perf_counter()
-            for _ in range(number):
-                fn()
-            samples.append((time.perf_counter() - t0) / number)
-        else:
-            import torch
+    return time_calls([fn], device, repeats, min_time)[0]
 
-            begin = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            sync()
-            begin.record()
-            for _ in range(number):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(begin.elapsed_time(end) / 1e3 / number)
-    return statistics.median(samples)
+
+def time_calls(fns: Sequence[Callable[[], Any]], device: str = "cpu", repeats: int = 5,
+               min_time: float = 0.02) -> list[float]:
+    """The median time of one call of each of ``fns`` in seconds, sampled in turn.
+
+    Like :func:`time_call`, but the samples of the functions alternate (sample 1 of each,
+    then sample 2 of each, ...), so a change of load on a shared machine during the run
+    slows every contender alike instead of whichever happened to run then.
+    """
+    sync = _synchronizer(device)
+    numbers = []
+    for fn in fns:
+        start = time.perf_counter()
+        fn()
+        sync()
+        first = time.perf_counter() - start
+        numbers.append(max(1, min(1000, int(min_time / max(first, 1e-7)))))
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, number, mine in zip(fns, numbers, samples, strict=True):
+            mine.append(_sample(fn, number, device, sync))
+    return [statistics.median(mine) for mine in samples]
+
+
+def _sample(fn: Callable[[], Any], number: int, device: str, sync: Callable[[], None]) -> float:
+    """Seconds per call over ``number`` calls of ``fn``."""
+    if device == "cpu":
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        return (time.perf_counter() - t0) / number
+    import torch
+
+    begin = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    sync()
+    begin.record()
+    for _ in range(number):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / number
 
 
 # -- a run -----------------------------------------------------------------------------------
@@ -363,49 +384,61 @@ def run(
             contenders.append((peer.name, *peer.load()))
         except ImportError:
             continue
-    # one input per (dtype, shape), shared by every operation and contender
-    work = [(op, dt, tuple(s), c) for dt in dtypes for s in shapes for op in ops
-            for c in [*contenders, ("copy", None, None)]]
     out = Run(device, environment=_environment(device, [c[0] for c in contenders]))
+    load_at_start = _load()
     rng = np.random.default_rng(seed)
-    inputs: dict[tuple[str, tuple[int, int]], tuple[np.ndarray, dict[str, np.ndarray]]] = {}
-    copies: dict[tuple[str, tuple[int, int]], tuple[float, float]] = {}
-    for op, dtype, shape, (name, to_native, fns) in _progress(work, progress):
-        key = (dtype, shape)
-        if key not in inputs:
-            inputs.clear()  # one input set alive at a time: large shapes are 64 MiB each
-            inputs[key] = (rng.normal(scale=4.0, size=shape).astype(np.float32), {})
-        x32, expected = inputs[key]
-        result = Result(op, dtype, shape, name)
-        out.results.append(result)
-        if name == "copy":  # measured once per input, shown with every operation
-            if key not in copies:
-                native = (_numpy_native if device == "cpu" else _torch_native)(
-                    x32, dtype, device)
-                seconds = time_call(_copier(native), device, repeats, min_time)
-                copies[key] = (seconds, 2 * _nbytes(native) / seconds / 1e9)
-            result.seconds, result.gbps = copies[key]
-            result.note = "bandwidth ceiling"
-            continue
-        try:
-            native = to_native(x32, dtype, device)
-            with _trace() as trace:
-                got = fns[op](native)
-        except Exception as exc:  # a peer without this dtype or op
-            result.note = f"{type(exc).__name__}: {str(exc)[:60]}"
-            continue
-        if op not in expected:
-            # the float64 reference of the values the contenders actually see
-            expected[op] = OPERATIONS[op].reference(_to_float64(native))
-        got64 = _to_float64(got)
-        finite = np.isfinite(expected[op])
-        result.max_error = float(np.max(np.abs(got64 - expected[op])[finite], initial=0.0))
-        if name == "softmaxkit":
-            result.note = "on " + ", ".join(dict.fromkeys(r.backend for r in trace))
-            _check(op, got64, expected[op], _to_float64(native), dtype)
-        result.seconds = time_call(lambda f=fns[op], a=native: f(a), device, repeats, min_time)
-        result.gbps = OPERATIONS[op].traffic(_nbytes(native)) / result.seconds / 1e9
+    cases = [(dt, tuple(s), op) for dt in dtypes for s in shapes for op in ops]
+    x32: np.ndarray | None = None
+    key: tuple[str, tuple[int, int]] | None = None
+    for dtype, shape, op in _progress(cases, progress):
+        if key != (dtype, shape):  # one input per (dtype, shape): large shapes are 64 MiB
+            key, x32 = (dtype, shape), None  # the previous input is freed first
+            x32 = rng.normal(scale=4.0, size=shape).astype(np.float32)
+            copy_native = (_numpy_native if device == "cpu" else _torch_native)(
+                x32, dtype, device)
+        assert x32 is not None
+        timed: list[tuple[Result, Callable[[], Any], int]] = []
+        expected = None
+        for name, to_native, fns in contenders:
+            result = Result(op, dtype, shape, name)
+            out.results.append(result)
+            try:
+                native = to_native(x32, dtype, device)
+                with _trace() as trace:
+                    got = fns[op](native)
+            except Exception as exc:  # a peer without this dtype or op
+                result.note = f"{type(exc).__name__}: {str(exc)[:60]}"
+                continue
+            if expected is None:
+                # the float64 reference of the values the contenders actually see
+                expected = OPERATIONS[op].reference(_to_float64(native))
+            got64 = _to_float64(got)
+            finite = np.isfinite(expected)
+            result.max_error = float(np.max(np.abs(got64 - expected)[finite], initial=0.0))
+            if name == "softmaxkit":
+                result.note = "on " + ", ".join(dict.fromkeys(r.backend for r in trace))
+                _check(op, got64, expected, _to_float64(native), dtype)
+            del got, got64
+            timed.append((result, lambda f=fns[op], a=native: f(a),
+                          OPERATIONS[op].traffic(_nbytes(native))))
+        copy = Result(op, dtype, shape, "copy", note="bandwidth ceiling")
+        out.results.append(copy)
+        timed.append((copy, _copier(copy_native), 2 * _nbytes(copy_native)))
+        seconds = time_calls([fn for _, fn, _ in timed], device, repeats, min_time)
+        for (result, _, moved), sec in zip(timed, seconds, strict=True):
+            result.seconds, result.gbps = sec, moved / sec / 1e9
+    out.environment += f", load average {load_at_start} at the start, {_load()} at the end"
     return out
+
+
+def _load() -> str:
+    """The one-minute load average, or "n/a" where the system does not report one."""
+    import os
+
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except (AttributeError, OSError):
+        return "n/a"
 
 
 def _check(op: str, got: np.ndarray, expected: np.ndarray, x: np.ndarray, dtype: str) -> None:

@@ -4,7 +4,8 @@ Times the forward (and with ``--backward`` the gradient: ``attention_vjp`` again
 autograd through SDPA) for float32 B1 H8 L2048 D64 by default, causal and not.  The two
 libraries alternate call by call so that a burst of other load hits both; the median and
 the best of ``--repeats`` calls are printed, with the largest difference from SDPA's output,
-the load average, the thread counts and the OpenBLAS kernel in use::
+the forward's relative Frobenius error against SDPA in float64 (spec bound for float32:
+1e-5), the load average, the thread counts and the OpenBLAS kernel in use::
 
     python backends/numba-cpu/benchmarks/attention.py --repeats 9
     python backends/numba-cpu/benchmarks/attention.py --threads 1 --cpu-time
@@ -77,23 +78,27 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f}")
     print(f"BLAS: {blas_kernels()}; environment: {env}")
     print(f"{'pass':9s}{'causal':7s}{'sk median':>10s}{'sdpa median':>12s}{'speed-up':>9s}"
-          f"{'sk best':>9s}{'sdpa best':>10s}{'speed-up':>9s}{'max |diff|':>11s}")
+          f"{'sk best':>9s}{'sdpa best':>10s}{'speed-up':>9s}{'max |diff|':>11s}"
+          f"{'rel err f64':>12s}")
 
-    def row(name: str, causal: bool, times: dict[str, list[float]], diff: float) -> None:
+    def row(name: str, causal: bool, times: dict[str, list[float]], diff: float,
+            rel: str = "") -> None:
         med = {key: 1e3 * statistics.median(t) for key, t in times.items()}
         best = {key: 1e3 * min(t) for key, t in times.items()}
         print(f"{name:9s}{causal!s:7s}{med['sk']:10.1f}{med['torch']:12.1f}"
               f"{med['torch'] / med['sk']:8.2f}x{best['sk']:9.1f}{best['torch']:10.1f}"
-              f"{best['torch'] / best['sk']:8.2f}x{diff:11.1e}")
+              f"{best['torch'] / best['sk']:8.2f}x{diff:11.1e}{rel}")
 
     for causal in (False, True):
         ours, lse = sk.attention(q, k, v, causal=causal, return_lse=True, backend="numba-cpu")
         diff = float((ours - sdpa(q, k, v, is_causal=causal)).abs().max())
+        exact = sdpa(q.double(), k.double(), v.double(), is_causal=causal)
+        err = float(torch.linalg.norm(ours.double() - exact) / torch.linalg.norm(exact))
         times = alternate({
             "sk": lambda c=causal: sk.attention(q, k, v, causal=c, backend="numba-cpu"),
             "torch": lambda c=causal: sdpa(q, k, v, is_causal=c),
         }, opts.repeats, clock)
-        row("forward", causal, times, diff)
+        row("forward", causal, times, diff, f"{err:12.1e}")
         if not opts.backward:
             continue
         leaves = tuple(x.clone().requires_grad_() for x in (q, k, v))

@@ -17,7 +17,8 @@ variable ``OPENBLAS_CORETYPE`` names one (docs/benchmarks-cpu.md, "Attention").
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import numba
@@ -27,8 +28,9 @@ from softmaxkit.dtypes import accumulator_dtype
 
 from .adapters import Output, accumulator, empty, numpy_view, readable
 
-PARALLEL_MIN_SCORES = 1 << 16
-"""Below this many scores (``B * Hq * Lq * Lk``) one thread does all the work."""
+PARALLEL_MIN_SCORES = 1 << 20
+"""Below this many scores (``B * Hq * Lq * Lk``, about 4 ms of one core's work at D = 64) one
+thread does all the work: waking the others can cost milliseconds on a busy machine."""
 
 _NO_MASK = (np.ones(1, dtype=np.bool_), (0, 0, 0, 0))
 _controller: Any = None
@@ -43,6 +45,24 @@ def single_threaded_blas() -> AbstractContextManager:
 
         _controller = ThreadpoolController()
     return _controller.limit(limits=1, user_api="blas")
+
+
+@contextmanager
+def numba_threads(workers: int) -> Iterator[None]:
+    """Run the enclosed kernel with ``workers`` of Numba's threads.
+
+    A parallel region wakes every thread of Numba's pool even when fewer have work, and on a
+    busy machine each wake-up can cost milliseconds: small calls run on one thread alone.
+    """
+    before = numba.get_num_threads()
+    if workers >= before:
+        yield
+        return
+    numba.set_num_threads(workers)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
 
 
 def mask_view(mask: Any) -> tuple[np.ndarray, tuple[int, int, int, int]]:
@@ -119,7 +139,7 @@ def attention(
     kp = np.empty((heads, keys * d) if f32 and d else (0, 0), dtype=np.float32)
     vp = np.empty((heads, keys * dv) if f32 and dv and dv % 16 == 0 else (0, 0),
                   dtype=np.float32)
-    with single_threaded_blas():
+    with single_threaded_blas(), numba_threads(workers):
         kernels.forward(qn, kn, vn, result.storage, lse_s, float(scale), offset, is_causal, left,
                         right, float(softcap or 0.0), flat, strides, mask is not None, workers,
                         tile_q, tile_k, kp, vp)
@@ -157,7 +177,7 @@ def attention_vjp(
     tile_q, tile_k = kernels.TILE_Q, kernels.TILE_K
     workers = workers_for(bsz * hk * math.ceil(lk / tile_k), bsz * hq * lq * lk)
     parts = np.zeros((workers, bsz, hq, lq, d), dtype=qn.dtype)
-    with single_threaded_blas():
+    with single_threaded_blas(), numba_threads(workers):
         kernels.backward(qn, kn, vn, don, lse_n, delta, parts, grads[1].storage,
                          grads[2].storage, float(scale), offset, is_causal, left, right,
                          float(softcap or 0.0), flat, strides, mask is not None, workers,
