@@ -18,6 +18,7 @@ Extending: add an :class:`Operation` to :data:`OPERATIONS`, a :class:`Peer` to
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -109,7 +110,7 @@ def _numpy_native(x: np.ndarray, dtype: str, device: str) -> Any:
     return np.ascontiguousarray(x.astype(lookup(np, dtype)))
 
 
-def _load_softmaxkit() -> tuple[Callable, dict[str, Callable]]:
+def _load_softmaxkit(backend: str | None = None) -> tuple[Callable, dict[str, Callable]]:
     import softmaxkit as sk
 
     def native(x: np.ndarray, dtype: str, device: str) -> Any:
@@ -118,9 +119,9 @@ def _load_softmaxkit() -> tuple[Callable, dict[str, Callable]]:
             x, dtype, device)
 
     return native, {
-        "softmax": lambda a: sk.softmax(a, axis=-1),
-        "log_softmax": lambda a: sk.log_softmax(a, axis=-1),
-        "logsumexp": lambda a: sk.logsumexp(a, axis=-1),
+        "softmax": lambda a: sk.softmax(a, axis=-1, backend=backend),
+        "log_softmax": lambda a: sk.log_softmax(a, axis=-1, backend=backend),
+        "logsumexp": lambda a: sk.logsumexp(a, axis=-1, backend=backend),
     }
 
 
@@ -290,7 +291,7 @@ class Run:
 
     def table(self) -> str:
         """The results as a text table, with each contender's speed relative to softmaxkit."""
-        head = (f"{'op':<12} {'dtype':<9} {'shape':<12} {'contender':<11} {'ms':>9} "
+        head = (f"{'op':<12} {'dtype':<9} {'shape':<12} {'contender':<14} {'ms':>9} "
                 f"{'GB/s':>8} {'sk speed-up':>11} {'max err':>9}  note")
         lines = [self.environment, head, "-" * len(head)] if self.environment else [
             head, "-" * len(head)]
@@ -310,7 +311,7 @@ class Run:
                 ms = "" if math.isnan(r.seconds) else f"{r.seconds * 1e3:.3f}"
                 gbps = "" if math.isnan(r.gbps) else f"{r.gbps:.1f}"
                 lines.append(
-                    f"{op:<12} {dtype:<9} {'x'.join(map(str, shape)):<12} {r.contender:<11} "
+                    f"{op:<12} {dtype:<9} {'x'.join(map(str, shape)):<12} {r.contender:<14} "
                     f"{ms:>9} {gbps:>8} {ratio:>11} {err:>9}  {note}"
                 )
         lines.append("sk speed-up: the contender's time / softmaxkit's (above 1: softmaxkit is "
@@ -366,18 +367,24 @@ def run(
     progress: bool = True,
     seed: int = 0,
     min_time: float = 0.02,
+    backends: Sequence[str] = (),
 ) -> Run:
     """Time ``ops`` for every dtype and shape, softmaxkit next to each installed peer.
 
     Each timed sample repeats a call for about ``min_time`` seconds (see :func:`time_call`).
+    Each backend named in ``backends`` is also timed on its own (contender ``sk:NAME``, the
+    call made with ``backend=NAME``), next to softmaxkit's default choice, to compare
+    backends that serve the same calls.
 
     Raises
     ------
     AssertionError
         When softmaxkit's result is outside the spec's tolerance (nothing is timed then).
     """
+    forced = [Peer(f"sk:{b}", SOFTMAXKIT.devices, functools.partial(_load_softmaxkit, b))
+              for b in backends]
     contenders = []
-    for peer in [SOFTMAXKIT, *PEERS]:
+    for peer in [SOFTMAXKIT, *forced, *PEERS]:
         if device not in peer.devices:
             continue
         try:
@@ -415,7 +422,7 @@ def run(
             got64 = _to_float64(got)
             finite = np.isfinite(expected)
             result.max_error = float(np.max(np.abs(got64 - expected)[finite], initial=0.0))
-            if name == "softmaxkit":
+            if name == "softmaxkit" or name.startswith("sk:"):
                 result.note = "on " + ", ".join(dict.fromkeys(r.backend for r in trace))
                 _check(op, got64, expected, _to_float64(native), dtype)
             del got, got64

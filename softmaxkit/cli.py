@@ -6,7 +6,8 @@
 ``softmaxkit verify [--backend NAME] [--target numpy|array_api_strict|torch-cpu|...]``
     the conformance kit against one backend (or every installed one), as a pass/fail table;
     the exit status is 1 when a case fails.
-``softmaxkit bench [--quick] [--ops ...] [--dtype ...] [--shapes ...] [--device cpu|cuda]``
+``softmaxkit bench [--quick] [--ops ...] [--dtype ...] [--shapes ...] [--device cpu|cuda]
+[--backends NAME ...]``
     times the operations on the default path next to the installed peers (see
     :mod:`softmaxkit.bench`), with ``--plot FILE.png`` for a chart.
 """
@@ -174,6 +175,7 @@ def _bench(args: argparse.Namespace) -> int:
             repeats=3 if args.quick else args.repeats,
             min_time=0.002 if args.quick else 0.02,
             progress=not args.no_progress,
+            backends=args.backends or (),
         )
     except AssertionError as exc:
         print(f"softmaxkit gave a wrong result, so nothing was timed: {exc}", file=sys.stderr)
@@ -215,6 +217,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--shapes", nargs="+", type=_shape, help="ROWSxN, e.g. 4096x4096")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     b.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is kept)")
+    b.add_argument("--backends", nargs="+", metavar="NAME",
+                   help="also time these backends on their own, next to the default choice")
     b.add_argument("--plot", metavar="FILE.png", help="save a chart of GB/s")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=_bench)
