@@ -91,11 +91,14 @@ class Peer:
         Returns ``(to_native, ops)`` or raises ImportError when the library is missing:
         ``to_native(x_float32_numpy, dtype_name, device)`` builds its input and ``ops`` maps
         an operation name to ``fn(native) -> result``.
+    skip
+        Dtypes it is not timed in, each with the reason shown in the table.
     """
 
     name: str
     devices: tuple[str, ...]
     load: Callable[[], tuple[Callable[[np.ndarray, str, str], Any], dict[str, Callable]]]
+    skip: dict[str, str] = field(default_factory=dict)
 
 
 def _torch_native(x: np.ndarray, dtype: str, device: str) -> Any:
@@ -164,7 +167,8 @@ def _load_cupyx() -> tuple[Callable, dict[str, Callable]]:
 SOFTMAXKIT = Peer("softmaxkit", ("cpu", "cuda"), _load_softmaxkit)
 PEERS: list[Peer] = [
     Peer("torch", ("cpu", "cuda"), _load_torch),
-    Peer("scipy", ("cpu",), _load_scipy),
+    Peer("scipy", ("cpu",), _load_scipy, skip=dict.fromkeys(
+        ("float16", "bfloat16"), "not timed: numpy emulates 16-bit arithmetic (seconds a call)")),
     Peer("cupyx", ("cuda",), _load_cupyx),
 ]
 """The peers, tried in this order; a peer whose library is missing is left out."""
@@ -388,7 +392,7 @@ def run(
         if device not in peer.devices:
             continue
         try:
-            contenders.append((peer.name, *peer.load()))
+            contenders.append((peer.name, *peer.load(), peer.skip))
         except ImportError:
             continue
     out = Run(device, environment=_environment(device, [c[0] for c in contenders]))
@@ -406,9 +410,12 @@ def run(
         assert x32 is not None
         timed: list[tuple[Result, Callable[[], Any], int]] = []
         expected = None
-        for name, to_native, fns in contenders:
+        for name, to_native, fns, skip in contenders:
             result = Result(op, dtype, shape, name)
             out.results.append(result)
+            if dtype in skip:
+                result.note = skip[dtype]
+                continue
             try:
                 native = to_native(x32, dtype, device)
                 with _trace() as trace:

@@ -41,7 +41,8 @@ def _info(args: argparse.Namespace) -> int:
             ops = ",".join(entry["ops"]) if entry["ops"] != ["*"] else "all operations"
             devices = ",".join(entry["devices"]) if entry["devices"] != ["*"] else "any device"
             dtypes = ",".join(entry["dtypes"]) if entry["dtypes"] != ["*"] else "any dtype"
-            print(f"  {'':<14}   serves {ops} on {devices} for {dtypes}")
+            own = f" (priority {entry['priority']})" if "priority" in entry else ""
+            print(f"  {'':<14}   serves {ops} on {devices} for {dtypes}{own}")
     print(f"environment: {ENV_PRIORITIZE} and {ENV_BLOCK} are read at discovery")
 
     devices = ["cpu", "cuda"]

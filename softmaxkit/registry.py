@@ -11,12 +11,15 @@ A backend is a distribution that declares, in its ``pyproject.toml``::
     the backend's name (str).
 ``serves``
     a list of ``{"ops": [...], "devices": [...], "dtypes": [...]}`` entries; ``"*"`` in a list
-    matches anything.  The backend serves the cross product of each entry.
+    matches anything.  The backend serves the cross product of each entry.  An entry may
+    carry its own ``"priority"`` (an int), which then applies to what it covers: a backend
+    that wins some dtypes and loses others to a peer says so there.
 ``kernels``
     ``{op: "module:qualname"}``, imported on first use.
 ``priority``
     an int, higher wins (default 0; the reference backend has -100), or a mapping
-    ``{op: int}`` with an optional ``"*"`` default.
+    ``{op: int}`` with an optional ``"*"`` default; a ``serves`` entry's own priority
+    comes first.
 ``install_hint``
     what to install when the backend is missing, shown in errors (optional).
 ``can_run`` / ``should_run``
@@ -109,7 +112,8 @@ class Backend:
     """A registered backend, built from its manifest; kernels are imported on first use."""
 
     name: str
-    serves: tuple[tuple[frozenset[str], frozenset[str], frozenset[str]], ...]
+    # (ops, devices, dtypes, priority or None) per serves entry
+    serves: tuple[tuple[frozenset[str], frozenset[str], frozenset[str], int | None], ...]
     kernels: Mapping[str, str]
     priority: Mapping[str, int]
     install_hint: str = ""
@@ -151,10 +155,14 @@ class Backend:
         for entry in manifest.get("serves", ()):
             if not isinstance(entry, Mapping):
                 raise ValueError(f"manifest of {name!r}: each 'serves' entry must be a mapping")
-            serves.append(tuple(
+            own = entry.get("priority")
+            if own is not None and (not isinstance(own, int) or isinstance(own, bool)):
+                raise ValueError(f"manifest of {name!r}: a serves entry's 'priority' must be "
+                                 f"an int, got {own!r}")
+            serves.append((*(
                 _strings(entry.get(key, ("*",)), f"manifest of {name!r}: serves {key}")
                 for key in ("ops", "devices", "dtypes")
-            ))
+            ), own))
         priority = manifest.get("priority", 0)
         if not isinstance(priority, Mapping):
             priority = {"*": priority}
@@ -184,11 +192,18 @@ class Backend:
             (op in ops or "*" in ops)
             and (device in devices or "*" in devices)
             and (dtype in dts or "*" in dts)
-            for ops, devices, dts in self.serves
+            for ops, devices, dts, _ in self.serves
         )
 
-    def priority_for(self, op: str) -> int:
-        """The declared priority of this backend for ``op``."""
+    def priority_for(self, op: str, device: str = "*", dtype: str = "*") -> int:
+        """The declared priority of this backend for (op, device, dtype): that of the first
+        serves entry covering it that declares one, else the backend's for ``op``."""
+        for ops, devices, dts, own in self.serves:
+            if own is not None and all(
+                v in names or "*" in names for v, names in
+                ((op, ops), (device, devices), (dtype, dts))
+            ):
+                return own
         return int(self.priority.get(op, self.priority.get("*", 0)))
 
     def _warn_once(self, message: str) -> None:
@@ -249,8 +264,9 @@ class Backend:
             "name": self.name,
             "operations": sorted(self.kernels),
             "serves": [
-                {"ops": sorted(o), "devices": sorted(d), "dtypes": sorted(t)}
-                for o, d, t in self.serves
+                {"ops": sorted(o), "devices": sorted(d), "dtypes": sorted(t),
+                 **({} if own is None else {"priority": own})}
+                for o, d, t, own in self.serves
             ],
             "priority": dict(self.priority),
             "install_hint": self.install_hint,
@@ -518,7 +534,7 @@ def _candidates(
 
     def rank(b: Backend) -> tuple[int, bool, int]:
         preferred = prioritize.index(b.name) if b.name in prioritize else len(prioritize)
-        return (preferred, b.name == REFERENCE, -b.priority_for(op))
+        return (preferred, b.name == REFERENCE, -b.priority_for(op, device, dtype))
 
     return tuple(sorted(serving, key=rank)), tuple(left_out)
 

@@ -273,12 +273,33 @@ GOOD = {
         ({"serves": [{"ops": "softmax"}]}, "serves ops"),
         ({"serves": ["cpu"]}, "serves"),
         ({"priority": "high"}, "priority"),
+        ({"serves": [{"ops": ["softmax"], "priority": "high"}]}, "serves entry's 'priority'"),
         ({"can_run": 3}, "can_run"),
     ],
 )
 def test_bad_manifests_are_rejected_naming_the_field(change, message):
     with pytest.raises(ValueError, match=message):
         Backend.from_manifest({**GOOD, **change})
+
+
+def test_a_serves_entry_priority_ranks_its_dtypes_only(fresh, x32):
+    kernel = {"softmax": "softmaxkit.reference.rows:softmax"}
+    both = {"ops": ["softmax"], "devices": ["cpu"]}
+    registry.register({"name": "wide", "kernels": kernel, "priority": 1000,
+                       "serves": [{**both, "dtypes": ["float32", "float64"]}]})
+    registry.register({"name": "narrow", "kernels": kernel, "priority": 999, "serves": [
+        {**both, "dtypes": ["float64"], "priority": 1001},
+        {**both, "dtypes": ["float32"]},
+    ]})
+    try:
+        chosen = {dt: choose(row_call("softmax", x32.astype(dt)))[0].name
+                  for dt in ("float32", "float64")}
+        assert chosen == {"float32": "wide", "float64": "narrow"}
+        described = sk.backends()["narrow"]["serves"]
+        assert [e.get("priority") for e in described] == [1001, None]
+    finally:
+        registry.unregister("wide")
+        registry.unregister("narrow")
 
 
 def test_register_before_discovery_and_name_clash(fresh, x32):

@@ -26,10 +26,14 @@ from .configs import (
 DTYPES = ("float16", "bfloat16", "float32")
 
 PRIORITY = 25
-"""Above the Numba CUDA backend (20) and the reference (-100).  On the H200 the 16-bit row
-kernels beat torch by 1.4-2.6x on short rows and the attention kernels are the only
-tensor-core ones (docs/benchmarks-cupy.md); the two CUDA backends' row kernels have not been
-timed side by side yet."""
+"""Above the Numba CUDA backend (20) and the reference (-100): the attention kernels are the
+only tensor-core ones, and in eager calls on the H200 the 16-bit row kernels ran at 3.3 TB/s
+where Numba CUDA's reached 0.7-0.9 TB/s (``softmaxkit bench --device cuda --backends
+numba-cuda cupy``, docs/benchmarks-cupy.md)."""
+
+FLOAT32_ROW_PRIORITY = 15
+"""float32 rows rank below Numba CUDA (20): side by side it was as fast (4096x32768) or
+faster (32768x4096: 3.4 against 2.6 TB/s)."""
 
 
 def manifest() -> dict[str, Any]:
@@ -41,7 +45,10 @@ def manifest() -> dict[str, Any]:
     return {
         "name": "cupy",
         "serves": [
-            {"ops": sorted((*ROW_OPS, *GRAD_OPS)), "devices": ["cuda"], "dtypes": list(DTYPES)},
+            {"ops": sorted((*ROW_OPS, *GRAD_OPS)), "devices": ["cuda"],
+             "dtypes": [d for d in DTYPES if d != "float32"]},
+            {"ops": sorted((*ROW_OPS, *GRAD_OPS)), "devices": ["cuda"], "dtypes": ["float32"],
+             "priority": FLOAT32_ROW_PRIORITY},
             {"ops": ["attention", "attention_vjp"], "devices": ["cuda"],
              "dtypes": list(ATTENTION_DTYPES)},
             {"ops": ["merge_attention"], "devices": ["cuda"], "dtypes": list(MERGE_DTYPES)},

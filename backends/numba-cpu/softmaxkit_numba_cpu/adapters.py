@@ -18,6 +18,8 @@ from array_api_compat import is_numpy_namespace, is_torch_namespace
 from softmaxkit.dtypes import FLOAT_DTYPES, accumulator_name, dtype_name
 from softmaxkit.ops import Call
 
+from .buffers import result_array
+
 _STORAGE = {"float16": np.int16, "bfloat16": np.uint16}  # see bits.py
 _NO_MASK = np.ones((1, 1), dtype=bool)
 
@@ -160,16 +162,17 @@ def empty(shape: tuple[int, ...], dtype: Any, like: Any) -> tuple[Any, np.ndarra
 
     Torch results are numpy allocations handed to torch (``torch.from_numpy``, no copy):
     numpy asks for transparent huge pages on large arrays, which makes the first write of a
-    64 MiB result several times cheaper than on a ``torch.empty`` buffer.
+    64 MiB result several times cheaper than on a ``torch.empty`` buffer.  Large results start
+    on a cache line and reuse released buffers (:func:`~.buffers.result_array`).
     """
     if isinstance(like, np.ndarray):
-        result = np.empty(shape, dtype=dtype)
+        result = result_array(shape, dtype)
         return result, storage(result)
     import torch
 
     np_dtype = numpy_dtype(dtype)
     bf16 = np_dtype.name == "bfloat16"
-    raw = np.empty(shape, dtype=np.uint16 if bf16 else np_dtype)
+    raw = result_array(shape, np.uint16 if bf16 else np_dtype)
     result = torch.from_numpy(raw)
     if bf16:
         result = result.view(torch.bfloat16)

@@ -111,38 +111,30 @@ def maxnum(typingctx, a, b):
     return a(a, b), codegen
 
 
-def _scale_codegen(width: int, bias: int, mant: int, low: int, lift: int):
-    fty = _F32 if width == 32 else ir.DoubleType()
+@intrinsic
+def pow2_lifted(typingctx, t):
+    """``2**(n + LIFT)`` from ``t = n + 1.5 * 2**p``, the rounded sum of :mod:`.exp`.
+
+    ``n`` sits in the low bits of ``t``: one integer add moves it to the biased exponent
+    ``n + LIFT + bias`` and a shift puts that in the exponent field (p = 23, bias 127,
+    LIFT 32 for float32; p = 52, bias 1023, LIFT 64 for float64).  Valid for ``n`` down to
+    ``-LIFT - bias + 1``, below every ``n`` that :mod:`.exp` produces.
+    """
+    if t == types.float32:
+        width, mant, bias, lift, magic = 32, 23, 127, 32, 0x4B400000
+    elif t == types.float64:
+        width, mant, bias, lift, magic = 64, 52, 1023, 64, 0x4338000000000000
+    else:
+        return None
     ity = ir.IntType(width)
+    offset = (bias + lift - magic) % (1 << width)
 
     def codegen(context, builder, signature, args):
-        p, nf = args
-        n = builder.fptosi(nf, ity)
-        small = builder.icmp_signed("<", n, ir.Constant(ity, low))
-        lifted = builder.select(small, ir.Constant(ity, lift), ir.Constant(ity, 0))
-        e = builder.add(builder.add(n, ir.Constant(ity, bias)), lifted)
-        s = builder.bitcast(builder.shl(e, ir.Constant(ity, mant)), fty)
-        back = builder.select(small, ir.Constant(fty, 2.0 ** -lift), ir.Constant(fty, 1.0))
-        return builder.fmul(builder.fmul(p, s), back)
+        bits = builder.bitcast(args[0], ity)
+        e = builder.shl(builder.add(bits, ir.Constant(ity, offset)), ir.Constant(ity, mant))
+        return builder.bitcast(e, args[0].type)
 
-    return codegen
-
-
-@intrinsic
-def scale_pow2(typingctx, p, nf):
-    """``p * 2**nf`` for an integral ``nf`` in [-160, 0] (float32) or [-1100, 0] (float64).
-
-    ``2**nf`` is written into the exponent field; below the normal range the scale is lifted
-    by ``2**lift`` and the product brought back by one multiplication, so a subnormal result
-    is rounded once.
-    """
-    if p == types.float32 and nf == types.float32:
-        return types.float32(types.float32, types.float32), _scale_codegen(32, 127, 23, -125, 64)
-    if p == types.float64 and nf == types.float64:
-        return types.float64(types.float64, types.float64), _scale_codegen(
-            64, 1023, 52, -1021, 128
-        )
-    return None
+    return t(t), codegen
 
 
 def widen(v):  # pragma: no cover - replaced by the overload inside compiled code
@@ -196,15 +188,3 @@ def _like(v, c):
     if v == types.float64 or (isinstance(v, types.Array) and v.dtype == types.float64):
         return lambda v, c: np.float64(c)
     return lambda v, c: np.float32(c)
-
-
-def scratch(x, n):  # pragma: no cover
-    """A new 1-D array of ``n`` elements in the accumulator type of array ``x``."""
-    raise NotImplementedError
-
-
-@overload(scratch, jit_options={"cache": True})
-def _scratch(x, n):
-    if x.dtype == types.float64:
-        return lambda x, n: np.empty(n, dtype=np.float64)
-    return lambda x, n: np.empty(n, dtype=np.float32)

@@ -1,8 +1,22 @@
 """Per-row reductions shared by the row kernels: the row maximum and the shifted sum.
 
-A row is ``x`` (storage, see :mod:`.bits`) with an optional boolean row ``w`` (``False``
-excludes a position, exactly like a logit of -inf).  :func:`row_stats` returns the row's kind
-and, for an ordinary row, its maximum ``m`` and ``s = sum(exp(x - m))``:
+A row is ``x[r0:r0 + n]`` of a flat storage array ``x`` (see :mod:`.bits`), with an optional
+boolean row ``w[q0:q0 + n]`` (``False`` excludes a position, exactly like a logit of -inf).
+Rows are addressed by offsets into flat arrays, not by views: a view costs two atomic
+reference-count updates, which add up on short rows.  Indices are unsigned, so the compiler
+sees no negative index to wrap around (which would keep the loops from vectorizing).
+
+The row is read in blocks of :data:`BLOCK` elements: each block's maximum ``m_b`` and lifted
+sum ``s_b = sum(2**LIFT exp(x - m_b))`` (:func:`~softmaxkit_numba_cpu.exp.exp_lifted`) are
+taken while the block is in the L1 cache, so the row is read from memory once whatever its
+length; the row's maximum is ``M = max m_b`` and its lifted sum ``S = sum s_b exp(m_b - M)``
+(float64).  A softmax keeps the block's terms in ``buf`` and scales them by
+``exp(m_b - M) / S`` at the end (the seeds' block summary and merge, within one row).
+Without a mask, the maximum of the next block (the rest of the row, then the next row) is
+taken in steps alternating with the exponentials of the current one, so reading memory
+overlaps computing.
+
+:func:`summarize` returns the row's kind and, for an ordinary row, ``M`` and ``S``:
 
 ``NORMAL``
     at least one allowed finite logit above -inf, no allowed NaN or +inf;
@@ -13,54 +27,116 @@ and, for an ordinary row, its maximum ``m`` and ``s = sum(exp(x - m))``:
 ``EMPTY``
     no allowed position above -inf.
 
-The hot path never tests for NaN element by element: the maximum ignores NaN, and the sum of
-the shifted logits ``z = x - m`` (computed anyway) is NaN exactly when an allowed logit is
-NaN.  Only rows whose maximum is not finite, or whose check sum is NaN, take the slow scalar
-classification.
+The hot loops never test for NaN element by element: the maximum ignores NaN, and the lifted
+exponential lets NaN through, so a block with an allowed NaN has a NaN sum.  Only blocks
+whose maximum is not finite take the slow scalar classification.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+import math
 
-from .bits import like, maxnum, put, widen
-from .exp import exp_nonpos
+import numpy as np
+from numba import njit, types, uint64
+from numba.extending import overload
+
+from .bits import like, maxnum, widen
+from .exp import exp_lifted, unlift
 
 NORMAL, NAN, POSINF, EMPTY = 0, 1, 2, 3
 
 FASTMATH = {"reassoc", "contract", "nsz"}
 """Reassociation lets the sums vectorize; NaN and infinities keep their IEEE meaning."""
 
-BLOCK = 1024
-"""Block length of the summation: float32 lanes within a block, blocks added in float64."""
+BLOCK = 2048
+"""Elements per block: a float32 block and its terms (16 KiB) stay in the 32 KiB L1 cache."""
+
+STEP = 256
+"""Elements per step of :func:`block_exp_next`: its exponential and maximum loops alternate."""
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def row_max(x, w, has_where):
-    """Maximum of the allowed logits, ignoring NaN (-inf for none).
+def max_of(x, j0, n):
+    """Maximum of ``x[j0:j0 + n]`` ignoring NaN (-inf for none), in the accumulator type.
 
     ``maxnum`` makes the loop a vectorized reduction: lanewise maxima, one reduction at the end.
     """
     m = like(x, -np.inf)
-    if has_where:
-        ninf = like(x, -np.inf)
-        for j in range(x.shape[0]):
-            m = maxnum(m, widen(x[j]) if w[j] else ninf)
-    else:
-        for j in range(x.shape[0]):
-            m = maxnum(m, widen(x[j]))
+    a = uint64(j0)
+    for t in range(uint64(0), uint64(n)):
+        m = maxnum(m, widen(x[a + t]))
     return m
 
 
+@njit(fastmath=FASTMATH, cache=True)
+def exp_sum_of(x, j0, n, m, buf, k0, store):
+    """``sum(2**LIFT exp(x[j0:j0 + n] - m))``; with ``store`` the terms go to ``buf[k0:]``."""
+    s = like(m, 0.0)
+    a = uint64(j0)
+    if store:
+        b = uint64(k0)
+        for t in range(uint64(0), uint64(n)):
+            e = exp_lifted(widen(x[a + t]) - m)
+            buf[b + t] = e
+            s += e
+    else:
+        for t in range(uint64(0), uint64(n)):
+            s += exp_lifted(widen(x[a + t]) - m)
+    return s
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def masked_max_of(x, j0, w, q0, n):
+    """:func:`max_of` over the positions of ``x[j0:j0 + n]`` allowed by ``w[q0:q0 + n]``."""
+    m = like(x, -np.inf)
+    ninf = like(x, -np.inf)
+    a = uint64(j0)
+    c = uint64(q0)
+    for t in range(uint64(0), uint64(n)):
+        m = maxnum(m, widen(x[a + t]) if w[c + t] else ninf)
+    return m
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def masked_exp_sum_of(x, j0, w, q0, n, m, buf, k0, store):
+    """:func:`exp_sum_of` with excluded positions adding (and storing) nothing."""
+    s = like(m, 0.0)
+    ninf = like(m, -np.inf)
+    a = uint64(j0)
+    c = uint64(q0)
+    b = uint64(k0)
+    for t in range(uint64(0), uint64(n)):
+        e = exp_lifted(widen(x[a + t]) - m if w[c + t] else ninf)
+        if store:
+            buf[b + t] = e
+        s += e
+    return s
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def block_exp_next(x, j0, n, m, buf, k0, store, n0, nn):
+    """:func:`exp_sum_of` of ``x[j0:j0 + n]``, and the maximum of ``x[n0:n0 + nn]``.
+
+    The two alternate in steps of :data:`STEP` elements, so the next block is read from
+    memory (by these loads and the hardware prefetcher they start) while this block's
+    exponentials are computed, not after.  (One loop doing both does not vectorize.)
+    """
+    s = 0.0
+    mn = like(m, -np.inf)
+    for c in range(0, max(n, nn), STEP):
+        s += exp_sum_of(x, j0 + c, max(0, min(STEP, n - c)), m, buf, k0 + c, store)
+        mn = maxnum(mn, max_of(x, n0 + c, max(0, min(STEP, nn - c))))
+    return like(m, s), mn
+
+
 @njit(cache=True)
-def special_kind(x, w, has_where):
-    """Classify a row whose maximum is not finite or whose check sum is NaN (scalar loop)."""
+def special_kind(x, j0, w, q0, has_where, n):
+    """Classify ``x[j0:j0 + n]``: NAN, POSINF or EMPTY (a scalar loop, for rare blocks)."""
     posinf = False
-    for j in range(x.shape[0]):
-        if has_where and not w[j]:
+    for t in range(n):
+        if has_where and not w[q0 + t]:
             continue
-        v = widen(x[j])
+        v = widen(x[j0 + t])
         if v != v:
             return NAN
         if v == np.inf:
@@ -68,53 +144,109 @@ def special_kind(x, w, has_where):
     return POSINF if posinf else EMPTY
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def exp_sum(x, w, has_where, m, out, store):
-    """``(sum(exp(x - m)), sum(x - m))`` over allowed positions; optionally ``out = exp(x - m)``.
-
-    Blocks of :data:`BLOCK` are summed in the accumulator type (vectorized, so each lane adds
-    a few dozen terms) and the block sums are added in float64.
-    """
-    n = x.shape[0]
-    zero = like(m, 0.0)
-    ninf = like(m, -np.inf)
-    total = 0.0
-    chk = zero
-    for b0 in range(0, n, BLOCK):
-        b1 = min(b0 + BLOCK, n)
-        s = zero
-        if has_where:
-            for j in range(b0, b1):
-                allowed = w[j]
-                z = widen(x[j]) - m if allowed else ninf
-                chk += z if allowed else zero
-                e = exp_nonpos(z)
-                if store:
-                    put(out, j, e)
-                s += e
-        elif store:
-            for j in range(b0, b1):
-                z = widen(x[j]) - m
-                chk += z
-                e = exp_nonpos(z)
-                put(out, j, e)
-                s += e
-        else:
-            for j in range(b0, b1):
-                z = widen(x[j]) - m
-                chk += z
-                s += exp_nonpos(z)
-        total += s
-    return like(m, total), chk
+@njit(cache=True)
+def _block_max(x, j0, w, q0, has_where, n):
+    return masked_max_of(x, j0, w, q0, n) if has_where else max_of(x, j0, n)
 
 
 @njit(cache=True)
-def row_stats(x, w, has_where, out, store):
-    """``(kind, m, s)`` of one row; ``out`` receives ``exp(x - m)`` when ``store`` and NORMAL."""
-    m = row_max(x, w, has_where)
-    if m - m == m - m:  # finite
-        s, chk = exp_sum(x, w, has_where, m, out, store)
-        if chk == chk:
-            return NORMAL, m, s
-        return NAN, m, s
-    return special_kind(x, w, has_where), m, like(m, 0.0)
+def summarize(x, r0, n, stop, w, q0, has_where, buf, store, bmax, bsum, first):
+    """``(kind, M, S, after)`` of the row ``x[r0:r0 + n]`` (``S`` lifted, float64).
+
+    ``x`` is flat storage in which the rows of this batch end at ``stop``; ``w[q0:q0 + n]``
+    is the row's mask when ``has_where``.  Without a mask the maximum of each block is taken
+    while the previous block's exponentials are computed: ``first`` is the maximum of this
+    row's first block when the previous row took it (NaN otherwise) and ``after`` is the
+    maximum of the next row's first block (NaN when not taken).  ``bmax`` and ``bsum``
+    (float64, at least one per block) receive each block's maximum and lifted sum; with
+    ``store``, ``buf[:n]`` receives the terms ``2**LIFT exp(x - m_b)`` of each block (0 in a
+    block with no allowed finite logit).
+    """
+    nb = (n + BLOCK - 1) // BLOCK
+    m = like(x, -np.inf)
+    zero = like(x, 0.0)
+    nan = like(x, np.nan)
+    mb = first
+    if has_where or mb != mb:
+        mb = _block_max(x, r0, w, q0, has_where, min(BLOCK, n))
+    special = False
+    for b in range(nb):
+        b0 = b * BLOCK
+        size = min(BLOCK, n - b0)
+        # the next block: the rest of this row, then the first block of the next row
+        n0 = r0 + b0 + size
+        nn = min(min(BLOCK, n - b0 - size) if b + 1 < nb else min(BLOCK, n), stop - n0)
+        bmax[b] = mb
+        bsum[b] = zero
+        if mb - mb == mb - mb:  # finite
+            if has_where:
+                bsum[b] = masked_exp_sum_of(x, r0 + b0, w, q0 + b0, size, mb, buf, b0, store)
+                nxt = nan
+                if b + 1 < nb:
+                    nxt = masked_max_of(x, n0, w, q0 + b0 + size, nn)
+            else:
+                bsum[b], nxt = block_exp_next(x, r0 + b0, size, mb, buf, b0, store, n0, nn)
+            m = maxnum(m, mb)
+            mb = nxt
+            continue
+        # no allowed finite logit: all -inf (excluded), or NaN / +inf somewhere
+        if mb == np.inf or special_kind(x, r0 + b0, w, q0 + b0, has_where, size) != EMPTY:
+            special = True
+            break
+        if store:
+            for t in range(size):
+                buf[b0 + t] = zero
+        if has_where:
+            mb = masked_max_of(x, n0, w, q0 + b0 + size, nn) if b + 1 < nb else nan
+        else:
+            mb = max_of(x, n0, nn)
+    after = nan if has_where or special else mb
+    if special or m == -np.inf:
+        return special_kind(x, r0, w, q0, has_where, n), m, 0.0, after
+    total = 0.0
+    for b in range(nb):
+        if bmax[b] == m:  # the common case, and every row of one block
+            total += bsum[b]
+        elif bmax[b] != -np.inf:
+            total += bsum[b] * math.exp(bmax[b] - np.float64(m))
+    if total != total:  # an allowed NaN in a block with a finite maximum
+        return NAN, m, total, after
+    return NORMAL, m, total, after
+
+
+@njit(cache=True)
+def log_total(v, total):
+    """``log(S * 2**-LIFT)``, the log of the real sum of a lifted sum ``S`` (float64).
+
+    The power of two is removed before the log (exactly), not subtracted after it, which
+    would cost the absolute error of a log near ``LIFT * ln 2``.
+    """
+    return math.log(total * unlift(v))
+
+
+def blocks(n):  # pragma: no cover - replaced by the overload inside compiled code
+    """Number of blocks of a row of ``n`` elements."""
+    return (n + BLOCK - 1) // BLOCK
+
+
+@overload(blocks, jit_options={"cache": True})
+def _blocks(n):
+    if isinstance(n, types.Integer):
+        return lambda n: (n + BLOCK - 1) // BLOCK
+    return None
+
+
+@njit(cache=True)
+def row_stats(x, w, has_where):
+    """``(kind, m, s)`` of one row with ``s = sum(exp(x - m))`` (real, not lifted).
+
+    For kernels that take one row at a time (cross-entropy); it allocates its block scratch.
+    """
+    n = x.shape[0]
+    nb = max(1, blocks(n))
+    bmax = np.empty(nb, dtype=np.float64)
+    bsum = np.empty(nb, dtype=np.float64)
+    kind, m, total, _ = summarize(x, 0, n, n, w, 0, has_where, bmax, False, bmax, bsum,
+                                  like(x, np.nan))
+    s = total * unlift(m) if kind == NORMAL else 0.0
+    return kind, m, like(m, s)

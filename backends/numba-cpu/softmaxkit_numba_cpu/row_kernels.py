@@ -2,11 +2,17 @@
 
 Every ``*_row`` function follows softmaxkit/reference/rows.py (the executable spec) for one
 row; the special rows (:mod:`.lanes`) are written out explicitly so no ``-inf - (-inf)`` or
-``inf / inf`` is ever evaluated.  Each operation has two drivers over rows with one body:
-``*_par`` (``prange``, threads as Numba is set) and ``*_ser`` (one thread, for inputs too small
-to repay starting the threads).  Arrays are 2-D C-contiguous storage views (:mod:`.bits`);
-a mask ``w`` is a 2-D boolean array whose row ``i * wstep`` belongs to row ``i`` (``wstep`` is
-0 for a mask shared by all rows).
+``inf / inf`` is ever evaluated.  Softmax, log_softmax and logsumexp read each row from
+memory once (:func:`~.lanes.summarize`) and write their rows with streaming stores
+(:mod:`.stores`).
+
+Each operation has two drivers over rows with one body: ``*_par`` (``prange``, threads as
+Numba is set) and ``*_ser`` (one thread, for inputs too small to repay starting the
+threads).  The threads of ``*_par`` take batches of about :data:`BATCH_BYTES` of rows from a
+shared counter, so one slowed by other work on the machine leaves its rows to the others,
+and their scratch arrays are allocated before the parallel loop, one per thread.  Arrays are
+2-D C-contiguous storage views (:mod:`.bits`); a mask ``w`` is a 2-D boolean array whose row
+``i * wstep`` belongs to row ``i`` (``wstep`` is 0 for a mask shared by all rows).
 """
 
 from __future__ import annotations
@@ -14,11 +20,20 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types, uint64
+from numba.extending import overload
 
-from .bits import like, put, scratch, widen
-from .exp import exp_nonpos
-from .lanes import EMPTY, NAN, NORMAL, POSINF, row_stats
+from .bits import like, put, widen
+from .exp import exp_nonpos, unlift
+from .lanes import BLOCK, EMPTY, NAN, NORMAL, POSINF, blocks, log_total, row_stats, summarize
+from .stores import (
+    LANES,
+    aligned_span,
+    fence,
+    fetch_add,
+    stream_scaled,
+    stream_shifted,
+)
 
 
 @njit(cache=True)
@@ -27,110 +42,279 @@ def _fill(out, value):
         put(out, j, value)
 
 
+@njit(cache=True)
+def _fill_at(out, o0, n, value):
+    for t in range(n):
+        put(out, o0 + t, value)
+
+
+# -- streamed row writes -----------------------------------------------------------------
+# out[o0:o0 + n] from src[s0:s0 + n]: whole cache lines streamed, the rest stored plainly;
+# compiled without reassociation, since h * g may be below the float32 range
+
+
+@njit(fastmath={"contract"}, cache=True)
+def _scale_plain(out, o0, src, s0, n, h, g):
+    a = uint64(o0)
+    b = uint64(s0)
+    for t in range(uint64(0), uint64(n)):
+        put(out, a + t, (src[b + t] * h) * g)
+
+
+@njit(fastmath={"contract"}, cache=True)
+def scale_into(out, o0, src, s0, n, h, g):
+    """``out[o0 + t] = (src[s0 + t] * h) * g`` for ``t < n``, streamed where ``out`` allows."""
+    a, b = aligned_span(out, o0, o0 + n)
+    _scale_plain(out, o0, src, s0, a - o0, h, g)
+    for j in range(a, b, LANES):
+        stream_scaled(out, j, src, s0 + (j - o0), h, g)
+    _scale_plain(out, b, src, s0 + (b - o0), o0 + n - b, h, g)
+
+
+@njit(fastmath={"contract"}, cache=True)
+def _shift_plain(out, o0, x, s0, n, a, b):
+    c = uint64(o0)
+    d = uint64(s0)
+    for t in range(uint64(0), uint64(n)):
+        put(out, c + t, (widen(x[d + t]) - a) - b)
+
+
+@njit(fastmath={"contract"}, cache=True)
+def shift_into(out, o0, x, s0, n, a, b):
+    """``out[o0 + t] = (x[s0 + t] - a) - b`` for ``t < n``, streamed where ``out`` allows."""
+    first, last = aligned_span(out, o0, o0 + n)
+    _shift_plain(out, o0, x, s0, first - o0, a, b)
+    for j in range(first, last, LANES):
+        stream_shifted(out, j, x, s0 + (j - o0), a, b)
+    _shift_plain(out, last, x, s0 + (last - o0), o0 + n - last, a, b)
+
+
+def scratch_rows(x, rows, n):  # pragma: no cover - replaced by the overload
+    """A new ``[rows, n]`` array in the accumulator type of array ``x``."""
+    raise NotImplementedError
+
+
+@overload(scratch_rows, jit_options={"cache": True})
+def _scratch_rows(x, rows, n):
+    if x.dtype == types.float64:
+        return lambda x, rows, n: np.empty((rows, n), dtype=np.float64)
+    return lambda x, rows, n: np.empty((rows, n), dtype=np.float32)
+
+
+# -- threads ---------------------------------------------------------------------------------
+
+BATCH_BYTES = 1 << 16
+"""Input bytes a thread takes at a time (whole rows, at least one)."""
+
+
+@njit(cache=True)
+def _batch(x):
+    """Rows per batch: about :data:`BATCH_BYTES` of ``x``."""
+    return max(1, BATCH_BYTES // max(1, x.shape[1] * x.itemsize))
+
+
+@njit(cache=True)
+def _workers(x, threads):
+    """Threads worth starting: at most one per batch of rows, at least one."""
+    batches = (x.shape[0] + _batch(x) - 1) // _batch(x)
+    return max(1, min(batches, threads))
+
+
+@njit(cache=True)
+def _take(counter, batch, r):
+    """The next batch of rows ``(lo, hi)`` from the shared counter (``lo == r``: none left)."""
+    lo = min(fetch_add(counter, 0, batch), r)
+    return lo, min(lo + batch, r)
+
+
+@njit(cache=True)
+def _flat(a):
+    """A 2-D C-contiguous array as 1-D (rows are addressed by offsets, see :mod:`.lanes`)."""
+    return a.reshape(a.shape[0] * a.shape[1])
+
+
 # -- softmax ---------------------------------------------------------------------------------
 
 
 @njit(cache=True)
-def softmax_row(x, w, has_where, masked_nan, buf, out):
-    """exp(x - m) / s: the exponentials go to ``buf`` (accumulator type, in cache), then out."""
-    kind, m, s = row_stats(x, w, has_where, buf, True)
+def softmax_row(x, r0, n, stop, w, q0, has_where, masked_nan, buf, bmax, bsum, out, first):
+    """``exp(x - M) / S`` of ``x[r0:r0 + n]`` into ``out[r0:r0 + n]`` (flat arrays).
+
+    The block terms are kept in ``buf`` (in cache).  Block ``b``'s terms are
+    ``2**LIFT exp(x - m_b)``; their factor ``exp(m_b - M) / S`` (with the lifted ``S``) is
+    applied as ``h * 2**-2LIFT`` so that ``h`` stays a normal number.  Returns the maximum
+    of the next row's first block (see :func:`~.lanes.summarize`).
+    """
+    kind, m, total, after = summarize(x, r0, n, stop, w, q0, has_where, buf, True, bmax, bsum,
+                                      first)
     if kind == NORMAL:
-        inv = like(m, 1.0) / s
-        for j in range(x.shape[0]):
-            put(out, j, buf[j] * inv)
+        u = unlift(m)
+        g = like(m, u * u)
+        for b in range(blocks(n)):
+            b0 = b * BLOCK
+            mb = bmax[b]
+            f = 1.0 if mb == m else (0.0 if mb == -np.inf else math.exp(mb - np.float64(m)))
+            scale_into(out, r0 + b0, buf, b0, min(BLOCK, n - b0), like(m, f / total / (u * u)),
+                       g)
     elif kind == EMPTY and not masked_nan:
-        _fill(out, like(m, 0.0))
+        _fill_at(out, r0, n, like(m, 0.0))
     else:
-        _fill(out, like(m, np.nan))
+        _fill_at(out, r0, n, like(m, np.nan))
+    return after
+
+
+@njit(cache=True)
+def _softmax_rows(x, w, wstep, has_where, masked_nan, out, lo, hi, buf, bmax, bsum):
+    n = x.shape[1]
+    xs, os, ws = _flat(x), _flat(out), _flat(w)
+    first = like(x, np.nan)
+    for i in range(lo, hi):
+        first = softmax_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where, masked_nan,
+                            buf, bmax, bsum, os, first)
 
 
 @njit(parallel=True, cache=True)
 def softmax_par(x, w, wstep, has_where, masked_nan, out, threads):
     r, n = x.shape
-    chunks = min(r, 4 * threads)
-    for c in prange(chunks):
-        buf = scratch(x, n)  # one buffer per chunk of rows
-        for i in range(c * r // chunks, (c + 1) * r // chunks):
-            softmax_row(x[i], w[i * wstep], has_where, masked_nan, buf, out[i])
+    workers = _workers(x, threads)
+    batch = _batch(x)
+    counter = np.zeros(1, dtype=np.int64)
+    # scratch for each worker, allocated outside the parallel loop: Numba hoists an
+    # allocation out of a prange body, which would make the workers share it
+    bufs = scratch_rows(x, workers, n)
+    bmax = np.empty((workers, max(1, blocks(n))))
+    bsum = np.empty((workers, max(1, blocks(n))))
+    for c in prange(workers):
+        lo, hi = _take(counter, batch, r)
+        while lo < r:
+            _softmax_rows(x, w, wstep, has_where, masked_nan, out, lo, hi, bufs[c], bmax[c],
+                          bsum[c])
+            lo, hi = _take(counter, batch, r)
+        fence()
 
 
 @njit(cache=True)
 def softmax_ser(x, w, wstep, has_where, masked_nan, out):
-    buf = scratch(x, x.shape[1])
-    for i in range(x.shape[0]):
-        softmax_row(x[i], w[i * wstep], has_where, masked_nan, buf, out[i])
+    r, n = x.shape
+    bmax = np.empty(max(1, blocks(n)))
+    _softmax_rows(x, w, wstep, has_where, masked_nan, out, 0, r, scratch_rows(x, 1, n)[0],
+                  bmax, np.empty_like(bmax))
+    fence()
 
 
 # -- log_softmax -----------------------------------------------------------------------------
 
 
 @njit(cache=True)
-def log_softmax_row(x, w, has_where, masked_nan, out):
-    """(x - m) - log(s); excluded positions -inf."""
-    kind, m, s = row_stats(x, w, has_where, out, False)
+def log_softmax_row(x, r0, n, stop, w, q0, has_where, masked_nan, bmax, bsum, out, first):
+    """(x - M) - log(S) of ``x[r0:r0 + n]`` into ``out[r0:r0 + n]``; excluded positions -inf."""
+    kind, m, total, after = summarize(x, r0, n, stop, w, q0, has_where, bmax, False, bmax,
+                                      bsum, first)
     ninf = like(m, -np.inf)
     nan = like(m, np.nan)
     if kind == NORMAL:
-        ls = like(m, math.log(s))
+        ls = like(m, log_total(m, total))
         if has_where:
-            for j in range(x.shape[0]):
-                put(out, j, (widen(x[j]) - m) - ls if w[j] else ninf)
+            for t in range(n):
+                put(out, r0 + t, (widen(x[r0 + t]) - m) - ls if w[q0 + t] else ninf)
         else:
-            for j in range(x.shape[0]):
-                put(out, j, (widen(x[j]) - m) - ls)
+            shift_into(out, r0, x, r0, n, m, ls)
     elif kind == POSINF:
         inf = like(m, np.inf)
-        for j in range(x.shape[0]):
-            allowed = not has_where or w[j]
-            put(out, j, nan if allowed and widen(x[j]) == inf else ninf)
+        for t in range(n):
+            allowed = not has_where or w[q0 + t]
+            put(out, r0 + t, nan if allowed and widen(x[r0 + t]) == inf else ninf)
     elif kind == EMPTY and not masked_nan:
-        _fill(out, ninf)
+        _fill_at(out, r0, n, ninf)
     else:
-        _fill(out, nan)
+        _fill_at(out, r0, n, nan)
+    return after
+
+
+@njit(cache=True)
+def _log_softmax_rows(x, w, wstep, has_where, masked_nan, out, lo, hi, bmax, bsum):
+    n = x.shape[1]
+    xs, os, ws = _flat(x), _flat(out), _flat(w)
+    first = like(x, np.nan)
+    for i in range(lo, hi):
+        first = log_softmax_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where,
+                                masked_nan, bmax, bsum, os, first)
 
 
 @njit(parallel=True, cache=True)
-def log_softmax_par(x, w, wstep, has_where, masked_nan, out):
-    for i in prange(x.shape[0]):
-        log_softmax_row(x[i], w[i * wstep], has_where, masked_nan, out[i])
+def log_softmax_par(x, w, wstep, has_where, masked_nan, out, threads):
+    r, n = x.shape
+    workers = _workers(x, threads)
+    batch = _batch(x)
+    counter = np.zeros(1, dtype=np.int64)
+    bmax = np.empty((workers, max(1, blocks(n))))
+    bsum = np.empty((workers, max(1, blocks(n))))
+    for c in prange(workers):
+        lo, hi = _take(counter, batch, r)
+        while lo < r:
+            _log_softmax_rows(x, w, wstep, has_where, masked_nan, out, lo, hi, bmax[c],
+                              bsum[c])
+            lo, hi = _take(counter, batch, r)
+        fence()
 
 
 @njit(cache=True)
 def log_softmax_ser(x, w, wstep, has_where, masked_nan, out):
-    for i in range(x.shape[0]):
-        log_softmax_row(x[i], w[i * wstep], has_where, masked_nan, out[i])
+    bmax = np.empty(max(1, blocks(x.shape[1])))
+    _log_softmax_rows(x, w, wstep, has_where, masked_nan, out, 0, x.shape[0], bmax,
+                      np.empty_like(bmax))
+    fence()
 
 
 # -- logsumexp -------------------------------------------------------------------------------
 
 
 @njit(cache=True)
-def logsumexp_row(x, w, has_where):
-    """``(lse, sign)`` of one row without weights."""
-    kind, m, s = row_stats(x, w, has_where, x, False)
+def logsumexp_row(x, r0, n, stop, w, q0, has_where, bmax, bsum, first):
+    """``(lse, sign, after)`` of ``x[r0:r0 + n]`` without weights (``after``: summarize)."""
+    kind, m, total, after = summarize(x, r0, n, stop, w, q0, has_where, bmax, False, bmax,
+                                      bsum, first)
     if kind == NORMAL:
-        return m + like(m, math.log(s)), like(m, 1.0)
+        return like(m, m + log_total(m, total)), like(m, 1.0), after
     if kind == NAN:
-        return like(m, np.nan), like(m, np.nan)
+        return like(m, np.nan), like(m, np.nan), after
     if kind == POSINF:
-        return like(m, np.inf), like(m, 1.0)
-    return like(m, -np.inf), like(m, 0.0)
+        return like(m, np.inf), like(m, 1.0), after
+    return like(m, -np.inf), like(m, 0.0), after
+
+
+@njit(cache=True)
+def _logsumexp_rows(x, w, wstep, has_where, lse, sign, lo, hi, bmax, bsum):
+    n = x.shape[1]
+    xs, ws = _flat(x), _flat(w)
+    first = like(x, np.nan)
+    for i in range(lo, hi):
+        value, sg, first = logsumexp_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where,
+                                         bmax, bsum, first)
+        put(lse, i, value)
+        put(sign, i, sg)
 
 
 @njit(parallel=True, cache=True)
-def logsumexp_par(x, w, wstep, has_where, lse, sign):
-    for i in prange(x.shape[0]):
-        value, sg = logsumexp_row(x[i], w[i * wstep], has_where)
-        put(lse, i, value)
-        put(sign, i, sg)
+def logsumexp_par(x, w, wstep, has_where, lse, sign, threads):
+    r, n = x.shape
+    workers = _workers(x, threads)
+    batch = _batch(x)
+    counter = np.zeros(1, dtype=np.int64)
+    bmax = np.empty((workers, max(1, blocks(n))))
+    bsum = np.empty((workers, max(1, blocks(n))))
+    for c in prange(workers):
+        lo, hi = _take(counter, batch, r)
+        while lo < r:
+            _logsumexp_rows(x, w, wstep, has_where, lse, sign, lo, hi, bmax[c], bsum[c])
+            lo, hi = _take(counter, batch, r)
 
 
 @njit(cache=True)
 def logsumexp_ser(x, w, wstep, has_where, lse, sign):
-    for i in range(x.shape[0]):
-        value, sg = logsumexp_row(x[i], w[i * wstep], has_where)
-        put(lse, i, value)
-        put(sign, i, sg)
+    bmax = np.empty(max(1, blocks(x.shape[1])))
+    _logsumexp_rows(x, w, wstep, has_where, lse, sign, 0, x.shape[0], bmax,
+                    np.empty_like(bmax))
 
 
 @njit(cache=True)
@@ -214,7 +398,7 @@ def cross_entropy_row(x, w, has_where, target, probs, has_index, eps, valid, sca
     ``log p = -inf`` and gradient 0.
     """
     n = x.shape[0]
-    kind, m, s = row_stats(x, w, has_where, x, False)
+    kind, m, s = row_stats(x, w, has_where)
     zero = like(m, 0.0)
     one = like(m, 1.0)
     ninf = like(m, -np.inf)

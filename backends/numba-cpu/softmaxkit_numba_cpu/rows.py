@@ -61,9 +61,10 @@ def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> A
         k.softmax_par(x2, w2, wstep, has_where, nan, o2, numba.get_num_threads())
     elif which == "softmax":
         k.softmax_ser(x2, w2, wstep, has_where, nan, o2)
+    elif par:
+        k.log_softmax_par(x2, w2, wstep, has_where, nan, o2, numba.get_num_threads())
     else:
-        run = k.log_softmax_par if par else k.log_softmax_ser
-        run(x2, w2, wstep, has_where, nan, o2)
+        k.log_softmax_ser(x2, w2, wstep, has_where, nan, o2)
     return out.finish()
 
 
@@ -95,8 +96,10 @@ def logsumexp(
     sign = Output(batch, out_dtype, x, compute)
     lse_s, sign_s = lse.storage.reshape(-1), sign.storage.reshape(-1)
     if b is None:
-        run = k.logsumexp_par if parallel(*x2.shape) else k.logsumexp_ser
-        run(x2, w2, wstep, has_where, lse_s, sign_s)
+        if parallel(*x2.shape):
+            k.logsumexp_par(x2, w2, wstep, has_where, lse_s, sign_s, numba.get_num_threads())
+        else:
+            k.logsumexp_ser(x2, w2, wstep, has_where, lse_s, sign_s)
     else:
         k.logsumexp_b_ser(x2, b2, w2, wstep, has_where, bool(return_sign), lse_s, sign_s)
     return (lse.finish(), sign.finish()) if return_sign else lse.finish()

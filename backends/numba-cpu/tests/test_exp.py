@@ -7,11 +7,13 @@ import math
 import numpy as np
 import pytest
 from numba import njit
-from softmaxkit_numba_cpu.exp import exp_f32, exp_f64
+from softmaxkit_numba_cpu.exp import LIFT32, LIFT64, exp_f32, exp_f64, exp_lifted
 from softmaxkit_numba_cpu.exp_error import ABS_BOUND, REL_BOUND, TINY, scan
+from softmaxkit_numba_cpu.lanes import FASTMATH
 
 
-@njit(cache=True)
+# the kernels' fast-math flags: the rounding constant must survive them
+@njit(fastmath=FASTMATH, cache=True)
 def _apply32(z):
     out = np.empty(z.size, dtype=np.float32)
     for i in range(z.size):
@@ -19,7 +21,15 @@ def _apply32(z):
     return out
 
 
-@njit(cache=True)
+@njit(fastmath=FASTMATH, cache=True)
+def _lifted(z):
+    out = np.empty_like(z)
+    for i in range(z.size):
+        out[i] = exp_lifted(z[i])
+    return out
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def _apply64(z):
     out = np.empty(z.size, dtype=np.float64)
     for i in range(z.size):
@@ -69,3 +79,22 @@ def test_float64_exp(low):
     assert np.all(np.abs(got[~normal] - exact[~normal]) <= 2 * 2.0**-1074)
     assert _apply64(np.array([-np.inf, -800.0, 0.0]))[:2].tolist() == [0.0, 0.0]
     assert math.isclose(_apply64(np.array([0.0]))[0], 1.0, rel_tol=0, abs_tol=0)
+
+
+@pytest.mark.parametrize("dtype, lift", [(np.float32, LIFT32), (np.float64, LIFT64)])
+def test_lifted_exponential_is_exp_times_a_power_of_two(dtype, lift):
+    # what the row kernels sum and store: 2**LIFT exp(z), a normal number down to the
+    # underflow threshold, equal to exp(z) * 2**LIFT wherever exp(z) itself is normal
+    low = -87.0 if dtype == np.float32 else -700.0
+    z = np.linspace(low, 0.0, 100_001).astype(dtype)
+    got = _lifted(z)
+    apply = _apply32 if dtype == np.float32 else _apply64
+    assert np.array_equal(got * dtype(2.0**-lift), apply(z))
+    assert np.all(got >= np.finfo(dtype).tiny)
+    # at and below the underflow threshold (-inf included): a constant that is 0 unlifted
+    floor = -104.0 if dtype == np.float32 else -746.0
+    edge = _lifted(np.array([floor, 2 * floor, -np.inf], dtype=dtype))
+    assert edge[0] > 0 and np.all(edge == edge[0]) and edge[0] * dtype(2.0**-lift) == 0
+    # NaN goes through (the kernels find NaN rows by their sums); exp_f32 maps it to 0
+    assert np.isnan(_lifted(np.array([np.nan], dtype=dtype))[0])
+    assert apply(np.array([np.nan], dtype=dtype))[0] == 0

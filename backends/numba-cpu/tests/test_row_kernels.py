@@ -1,0 +1,173 @@
+"""The row kernels' blocks, streaming stores and thread shares, against float64 references.
+
+The kernels read a row in blocks (:data:`~softmaxkit_numba_cpu.lanes.BLOCK` elements), keep
+each block's maximum and lifted sum and combine them; results are written with aligned
+non-temporal stores between scalar heads and tails.  These tests put block boundaries,
+alignments, special values and thread shares where those mechanisms could go wrong, and
+check every result against float64 numpy within the spec's bounds.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import softmaxkit_numba_cpu.row_kernels as k
+from softmaxkit_numba_cpu.adapters import storage
+from softmaxkit_numba_cpu.lanes import BLOCK
+
+from softmaxkit.testing.tolerance import assert_within, log_bound, softmax_bound
+
+NO_MASK = np.ones((1, 1), dtype=bool)
+DTYPES = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16,
+          "float16": np.float16}
+
+
+def _ref(x64):
+    """float64 softmax, log_softmax and logsumexp of rows with at least one finite logit."""
+    m = np.max(x64, axis=-1, keepdims=True)
+    e = np.exp(x64 - m)
+    s = e.sum(axis=-1, keepdims=True)
+    lse = m + np.log(s)
+    return e / s, x64 - lse, lse[..., 0]
+
+
+def _run(x, threads, where=None):
+    """softmax, log_softmax and logsumexp of 2-D ``x`` (any dtype) through the kernels."""
+    x2 = storage(x)
+    if where is None:
+        w, wstep, has_where = NO_MASK, 0, False
+    else:
+        w, wstep, has_where = where, 1, True
+    p, lp = np.empty_like(x), np.empty_like(x)
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    lse, sign = np.empty(x.shape[0], dtype=acc), np.empty(x.shape[0], dtype=acc)
+    if threads:
+        k.softmax_par(x2, w, wstep, has_where, False, storage(p), threads)
+        k.log_softmax_par(x2, w, wstep, has_where, False, storage(lp), threads)
+        k.logsumexp_par(x2, w, wstep, has_where, lse, sign, threads)
+    else:
+        k.softmax_ser(x2, w, wstep, has_where, False, storage(p))
+        k.log_softmax_ser(x2, w, wstep, has_where, False, storage(lp))
+        k.logsumexp_ser(x2, w, wstep, has_where, lse, sign)
+    return [a.astype(np.float64) for a in (p, lp, lse)]
+
+
+def _check(x, got, dtype, x64=None):
+    x64 = x.astype(np.float64) if x64 is None else x64
+    n = x.shape[-1]
+    p, lp, lse = _ref(x64)
+    assert_within(got[0], p, softmax_bound(p, x64, n, dtype), f"softmax {dtype}")
+    assert_within(got[1], lp, log_bound(lp, n, dtype), f"log_softmax {dtype}")
+    assert_within(got[2], lse, log_bound(lse, n, "float32" if dtype != "float64" else dtype),
+                  f"logsumexp {dtype}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n", [1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5])
+def test_row_lengths_around_blocks(dtype, n):
+    rng = np.random.default_rng(n)
+    x = rng.normal(scale=4.0, size=(3, n)).astype(DTYPES[dtype])
+    for threads in (0, 2):
+        _check(x, _run(x, threads), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocks_far_below_the_row_maximum(dtype):
+    # block maxima 0, -40, -90, -120 and -300 below the row's: their scale factors
+    # exp(m_b - M) / S reach below the float32 range, and results become subnormal or 0
+    rng = np.random.default_rng(7)
+    offsets = np.array([-40.0, 0.0, -90.0, -120.0, -300.0])
+    x = rng.normal(size=(2, 5 * BLOCK)) + np.repeat(offsets, BLOCK)[None, :]
+    x = x.astype(DTYPES[dtype])
+    for threads in (0, 2):
+        got = _run(x, threads)
+        _check(x, got, dtype)
+        assert np.all(got[0][:, 4 * BLOCK:] == 0)  # exp(-300) is below every float32
+
+
+def test_special_values_in_any_block():
+    n = 3 * BLOCK
+    x = np.random.default_rng(8).normal(size=(6, n)).astype(np.float32)
+    x[0, 2 * BLOCK + 5] = np.nan  # NaN in a block with a finite maximum
+    x[1, BLOCK:2 * BLOCK] = -np.inf  # a whole block excluded
+    x[2, BLOCK:2 * BLOCK] = -np.inf
+    x[2, BLOCK + 3] = np.nan  # NaN in a block whose maximum is -inf
+    x[3, n - 1] = np.inf  # +inf in the last block
+    x[4, :] = -np.inf  # nothing allowed
+    for threads in (0, 2):
+        p, lp, lse = _run(x, threads)
+        assert np.all(np.isnan(p[[0, 2, 3]])) and np.all(np.isnan(lse[[0, 2]]))
+        assert lse[3] == np.inf and np.isnan(lp[3, n - 1]) and np.all(lp[3, :-1] == -np.inf)
+        assert np.all(np.isnan(lp[[0, 2]]))
+        assert np.all(p[4] == 0) and np.all(lp[4] == -np.inf) and lse[4] == -np.inf
+        assert np.all(p[1, BLOCK:2 * BLOCK] == 0) and np.all(lp[1, BLOCK:2 * BLOCK] == -np.inf)
+        _check(x[[1, 5]], [p[[1, 5]], lp[[1, 5]], lse[[1, 5]]], "float32")
+
+
+def test_mask_across_blocks():
+    rng = np.random.default_rng(9)
+    x = rng.normal(scale=3.0, size=(4, 2 * BLOCK + 3)).astype(np.float32)
+    where = rng.random(x.shape) > 0.5
+    where[1, :BLOCK] = False  # a block with nothing allowed
+    x64 = np.where(where, x.astype(np.float64), -np.inf)
+    for threads in (0, 2):
+        got = _run(x, threads, where)
+        _check(x, got, "float32", x64)
+        assert np.all(got[0][~where] == 0) and np.all(got[1][~where] == -np.inf)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shift", [0, 1, 3, 5, 7])
+def test_streamed_rows_at_every_alignment(dtype, shift):
+    # outputs that start 0..7 elements past an aligned address, rows not a multiple of 8:
+    # the scalar head and tail around the streamed part, and nothing outside is touched
+    rng = np.random.default_rng(shift)
+    r, n = 5, 203
+    x = rng.normal(scale=2.0, size=(r, n)).astype(DTYPES[dtype])
+    x2 = storage(x)
+    for threads in (0, 2):
+        for which in ("softmax", "log_softmax"):
+            buffer = np.full(r * n + 16, 7, dtype=x2.dtype)
+            out = buffer[shift:shift + r * n].reshape(r, n)
+            if which == "softmax" and threads:
+                k.softmax_par(x2, NO_MASK, 0, False, False, out, threads)
+            elif which == "softmax":
+                k.softmax_ser(x2, NO_MASK, 0, False, False, out)
+            elif threads:
+                k.log_softmax_par(x2, NO_MASK, 0, False, False, out, threads)
+            else:
+                k.log_softmax_ser(x2, NO_MASK, 0, False, False, out)
+            assert np.all(buffer[:shift] == 7) and np.all(buffer[shift + r * n:] == 7)
+            got = out.view(x.dtype).astype(np.float64)
+            x64 = x.astype(np.float64)
+            p, lp, _ = _ref(x64)
+            if which == "softmax":
+                assert_within(got, p, softmax_bound(p, x64, n, dtype), "softmax")
+            else:
+                assert_within(got, lp, log_bound(lp, n, dtype), "log_softmax")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_thread_shares_give_the_one_thread_result(threads):
+    # every row is computed the same way whichever share of rows it falls in
+    x = np.random.default_rng(10).normal(scale=5.0, size=(37, 300)).astype(np.float32)
+    serial = _run(x, 0)
+    _check(x, serial, "float32")
+    for a, b in zip(serial, _run(x, threads), strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_every_row_kernel_can_be_cached():
+    # a kernel that embeds a run-time address (a large global array, a function pointer)
+    # cannot be cached by Numba, which then warns and recompiles it in every process
+    x = np.random.default_rng(11).normal(size=(4, 9)).astype(np.float32)
+    _run(x, 0)
+    _run(x, 2)
+    compiled = 0
+    for name in dir(k):
+        dispatcher = getattr(k, name)
+        for cres in getattr(dispatcher, "overloads", {}).values():
+            compiled += 1
+            assert not cres.library.has_dynamic_globals, name
+    assert compiled >= 6
