@@ -68,7 +68,8 @@ def _check(x, got, dtype, x64=None):
 def test_row_lengths_around_blocks(dtype, n):
     rng = np.random.default_rng(n)
     x = rng.normal(scale=4.0, size=(3, n)).astype(DTYPES[dtype])
-    for threads in (0, 2):
+    # the threaded driver runs the same row code; in float64 it is left out to save compiling
+    for threads in (0,) if dtype == "float64" else (0, 2):
         _check(x, _run(x, threads), dtype)
 
 
