@@ -416,3 +416,5 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
     }
     if (CLUSTER > 1) sk_cluster_wait();
 }
+
+#include "rows16.cuh"

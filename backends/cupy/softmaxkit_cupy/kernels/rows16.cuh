@@ -1,0 +1,356 @@
+// Lean 16-bit row kernels: softmax and log_softmax from 16-bit inputs to results of the same
+// type, the same edge rules as rows.cu (whose loader, reductions and stores they share), with
+// the per-element work cut to what the 16-bit bound needs:
+//   - every 16-byte load of a full row segment is issued before the first use
+//     (ld.global.nc.L1::no_allocate.v4), results leave as whole 16-byte stores;
+//   - the thread maximum is taken on the packed words (max.NaN.bf16x2 / .f16x2: one
+//     instruction per two elements, and a NaN anywhere reaches the maximum, so no per-element
+//     NaN test);
+//   - exponentials are one subtraction, one multiply by log2(e) and one ex2.approx.ftz (its
+//     2^-22 relative error and flushing below 2^-126 are inside the spec's u_A and tiny_D
+//     terms); softmax keeps them in float32 registers, so each probability is one multiply
+//     and one rounding, never a re-rounded 16-bit exponential;
+//   - special rows (NaN, +inf, nothing allowed) take a separate, row-uniform branch, so the
+//     regular path has no per-element selects.
+// (x - M) is formed before scaling: folding M * log2(e) into one FMA would cost |M| u_A of
+// relative error, outside the spec's bound for large |M|.
+#pragma once
+
+#define SK_LOG2E 1.4426950408889634f
+
+template <typename T> struct SkPacked;
+template <> struct SkPacked<sk_bf16> {
+    static __device__ __forceinline__ unsigned max2(unsigned a, unsigned b) {
+        unsigned d;
+        asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+        return d;
+    }
+    static __device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
+    static __device__ __forceinline__ float hi(unsigned w) {
+        return __uint_as_float(w & 0xffff0000u);
+    }
+    static __device__ __forceinline__ unsigned pack(float a, float b) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<unsigned*>(&v);
+    }
+};
+template <> struct SkPacked<__half> {
+    static __device__ __forceinline__ unsigned max2(unsigned a, unsigned b) {
+        unsigned d;
+        asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+        return d;
+    }
+    static __device__ __forceinline__ float lo(unsigned w) {
+        return __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+    }
+    static __device__ __forceinline__ float hi(unsigned w) {
+        return __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+    }
+    static __device__ __forceinline__ unsigned pack(float a, float b) {
+        __half2 v = __floats2half2_rn(a, b);
+        return *reinterpret_cast<unsigned*>(&v);
+    }
+};
+
+__device__ __forceinline__ uint4 sk_ld_stream(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+template <bool CS> __device__ __forceinline__ void sk_st16(void* p, uint4 v) {
+    if (CS) {
+        asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};"
+                     ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+    } else {
+        asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
+                     ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+    }
+}
+__device__ __forceinline__ uint4 sk_ld_shared16(const uint4* p) {
+    uint4 v;
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(s) : "memory");
+    return v;
+}
+__device__ __forceinline__ unsigned sk_word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ void sk_set_word(uint4& v, int i, unsigned w) {
+    if (i == 0) v.x = w; else if (i == 1) v.y = w; else if (i == 2) v.z = w; else v.w = w;
+}
+
+// The packed maximum of N 16-byte pieces as a float, and whether any element is NaN.
+template <typename T, int N>
+__device__ __forceinline__ float sk_pieces_max(const uint4 (&p)[N], int& nan) {
+    // four independent chains, one per word of a piece
+    unsigned w0 = p[0].x, w1 = p[0].y, w2 = p[0].z, w3 = p[0].w;
+#pragma unroll
+    for (int j = 1; j < N; ++j) {
+        w0 = SkPacked<T>::max2(w0, p[j].x);
+        w1 = SkPacked<T>::max2(w1, p[j].y);
+        w2 = SkPacked<T>::max2(w2, p[j].z);
+        w3 = SkPacked<T>::max2(w3, p[j].w);
+    }
+    const unsigned top = SkPacked<T>::max2(SkPacked<T>::max2(w0, w1), SkPacked<T>::max2(w2, w3));
+    const float a = SkPacked<T>::lo(top), b = SkPacked<T>::hi(top);
+    nan |= (a != a) | (b != b);
+    return fmaxf(a, b);
+}
+
+// The output of a special row (is_nan, posinf, empty) at an element of value f.
+template <int OP>
+__device__ __forceinline__ float sk_special(float f, bool is_nan, bool posinf, int masked_nan) {
+    if (OP == SK_SOFTMAX) return (is_nan || posinf || masked_nan) ? SK_NAN : 0.0f;
+    if (is_nan || (!posinf && masked_nan)) return SK_NAN;
+    if (posinf) return f == SK_INF ? SK_NAN : -SK_INF;
+    return -SK_INF;
+}
+
+// Write piece j of results (o) at element base: one 16-byte store where the row allows it.
+template <typename T, bool CS>
+__device__ __forceinline__ void sk_put16(T* orow, int base, int n, int vec_ok, bool fast,
+                                         uint4 o) {
+    if (fast) {
+        sk_st16<CS>(orow + base, o);
+    } else {
+        T v[8];
+        *reinterpret_cast<uint4*>(v) = o;
+        sk_rows_store<T, 8>(orow, base, n, vec_ok, v);
+    }
+}
+
+// One row segment per G threads, K 16-byte pieces per thread, held in registers.
+template <typename T, int OP, int THREADS, int G, int K, bool CS>
+__global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_rows16(
+    const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    static_assert(sizeof(T) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
+    constexpr int VEC = 8;
+    __shared__ float scratch[3 * (THREADS / 32 + 1)];
+    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
+    const long long row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+    const bool active = row < rows;
+    // the whole segment in range and 16-byte aligned: no per-piece tests
+    const bool full = active && vec_ok && (lane + (K - 1) * G) * VEC < n;
+    uint4 raw[K];
+    if (full && w == nullptr) {
+        const T* xr = x + row * ld_x + lane * VEC;
+#pragma unroll
+        for (int j = 0; j < K; ++j) raw[j] = sk_ld_stream(xr + j * G * VEC);
+    } else {
+        sk_rows_load<T, G, K>(raw, x, ld_x, w, ld_w, row, active, 0, lane, n, vec_ok);
+    }
+
+    int nan = 0;
+    const float m = sk_pieces_max<T, K>(raw, nan);
+    // the shift for this thread's exponentials: its maximum when finite (otherwise every
+    // exponential is 0 (-inf) or the row is special and they are not used)
+    const float ms = (m > -SK_INF && m < SK_INF) ? m : 0.0f;
+    float ex[OP == SK_SOFTMAX ? K * VEC : 1];
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned word = sk_word(raw[j], i);
+            const float a = sk_ex2((SkPacked<T>::lo(word) - ms) * SK_LOG2E);
+            const float b = sk_ex2((SkPacked<T>::hi(word) - ms) * SK_LOG2E);
+            s += a + b;
+            if (OP == SK_SOFTMAX) {
+                ex[j * VEC + 2 * i] = a;
+                ex[j * VEC + 2 * i + 1] = b;
+            }
+        }
+    }
+    float mr = nan ? -SK_INF : m;
+    sk_group_reduce<THREADS, G, false>(mr, s, nan, scratch);
+
+    if (!active) return;
+    const bool is_nan = nan != 0;
+    const bool posinf = !is_nan && mr == SK_INF;
+    const bool empty = !is_nan && mr == -SK_INF;
+    T* orow = out + row * ld_o;
+    const bool fast_out = active && vec_ok && (lane + (K - 1) * G) * VEC < n;
+    if (!(is_nan || posinf || empty)) {
+        if (OP == SK_SOFTMAX) {
+            const float scale = m == -SK_INF ? 0.0f : sk_ex2((ms - mr) * SK_LOG2E) / s;
+#pragma unroll
+            for (int j = 0; j < K; ++j) {
+                uint4 o;
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    sk_set_word(o, i, SkPacked<T>::pack(ex[j * VEC + 2 * i] * scale,
+                                                        ex[j * VEC + 2 * i + 1] * scale));
+                sk_put16<T, CS>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
+            }
+        } else {
+            const float logs = sk_log<false>(s);
+#pragma unroll
+            for (int j = 0; j < K; ++j) {
+                uint4 o;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const unsigned word = sk_word(raw[j], i);
+                    sk_set_word(o, i, SkPacked<T>::pack((SkPacked<T>::lo(word) - mr) - logs,
+                                                        (SkPacked<T>::hi(word) - mr) - logs));
+                }
+                sk_put16<T, CS>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < K; ++j) {
+            uint4 o;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const unsigned word = sk_word(raw[j], i);
+                sk_set_word(o, i, SkPacked<T>::pack(
+                    sk_special<OP>(SkPacked<T>::lo(word), is_nan, posinf, masked_nan),
+                    sk_special<OP>(SkPacked<T>::hi(word), is_nan, posinf, masked_nan)));
+            }
+            sk_put16<T, CS>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
+        }
+    }
+}
+
+__device__ __forceinline__ void sk_cp_async_wait_n(int n) {
+    switch (n) {
+        case 0: sk_cp_async_wait<0>(); break;
+        case 1: sk_cp_async_wait<1>(); break;
+        case 2: sk_cp_async_wait<2>(); break;
+        case 3: sk_cp_async_wait<3>(); break;
+        case 4: sk_cp_async_wait<4>(); break;
+        case 5: sk_cp_async_wait<5>(); break;
+        case 6: sk_cp_async_wait<6>(); break;
+        default: sk_cp_async_wait<7>(); break;
+    }
+}
+
+// Long rows: a block (or, CLUSTER > 1, a cluster of blocks) per row, each thread's K pieces
+// staged in shared memory by cp.async in GROUPS commit groups; the thread folds each group
+// into its running (max, sum) as soon as it lands, while later groups are still in flight.
+// The outputs recompute their exponentials from the staged inputs (one FMA-shifted ex2).
+template <typename T, int OP, int THREADS, int K, int CLUSTER, int GROUPS, bool CS>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 / THREADS)
+    sk_rows16_staged(
+    const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    static_assert(sizeof(T) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
+    static_assert(K % GROUPS == 0 && GROUPS <= 8, "whole groups, at most 8 in flight");
+    constexpr int VEC = 8;
+    constexpr int PER = K / GROUPS;
+    constexpr int CAP = THREADS * K * VEC;
+    extern __shared__ uint4 sk_stage[];
+    __shared__ float scratch[3 * (THREADS / 32 + 1)];
+    __shared__ float summary[4];
+    const int lane = threadIdx.x;
+    const long long row = blockIdx.x / CLUSTER;
+    const int seg0 = CLUSTER > 1 ? static_cast<int>(sk_cluster_rank()) * CAP : 0;
+    const T* xr = x + row * ld_x;
+    const bool fast = vec_ok && w == nullptr;
+    // each thread stages, and later reads, only its own pieces: no barrier needed
+    if (fast && seg0 + CAP <= n) {  // the whole segment in range: no per-piece tests
+        const T* src = xr + seg0 + lane * VEC;
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g) {
+#pragma unroll
+            for (int q = 0; q < PER; ++q) {
+                const int j = g * PER + q;
+                sk_cp_async16(&sk_stage[j * THREADS + lane], src + j * THREADS * VEC, true);
+            }
+            sk_cp_async_commit();
+        }
+    } else {
+#pragma unroll 1
+        for (int j = 0; j < K; ++j) {
+            const int base = seg0 + (j * THREADS + lane) * VEC;
+            uint4* dst = &sk_stage[j * THREADS + lane];
+            if (fast && base < n) {
+                sk_cp_async16(dst, xr + base, true);
+            } else {
+                uint4 piece[1];
+                sk_rows_load<T, THREADS, 1>(piece, x, ld_x, w, ld_w, row, true,
+                                            seg0 + j * THREADS * VEC, lane, n, vec_ok);
+                *dst = piece[0];
+            }
+        }
+        sk_cp_async_commit();
+        sk_cp_async_wait<0>();  // landed: the group waits below return at once
+    }
+
+    float m = -SK_INF, s = 0.0f;
+    int nan = 0;
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g) {
+        sk_cp_async_wait_n(GROUPS - 1 - g);
+        uint4 p[PER];
+#pragma unroll
+        for (int q = 0; q < PER; ++q) p[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
+        int gnan = 0;
+        const float gm = sk_pieces_max<T, PER>(p, gnan);
+        nan |= gnan;
+        const float mn = fmaxf(m, gm);  // NaN groups leave m alone: the row is NaN anyway
+        if (mn > m) {  // rescale the running sum (0 while m is -inf); mn may be +inf
+            s = m == -SK_INF ? 0.0f : s * sk_ex2((m - mn) * SK_LOG2E);
+            m = mn;
+        }
+        if (m > -SK_INF && m < SK_INF) {
+#pragma unroll
+            for (int q = 0; q < PER; ++q)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const unsigned word = sk_word(p[q], i);
+                    s += sk_ex2((SkPacked<T>::lo(word) - m) * SK_LOG2E) +
+                         sk_ex2((SkPacked<T>::hi(word) - m) * SK_LOG2E);
+                }
+        }
+    }
+    sk_rows_reduce<THREADS, THREADS, CLUSTER, false>(m, s, nan, scratch, summary);
+
+    const bool is_nan = nan != 0;
+    const bool posinf = !is_nan && m == SK_INF;
+    const bool empty = !is_nan && m == -SK_INF;
+    T* orow = out + row * ld_o;
+    if (!(is_nan || posinf || empty)) {
+        const float log2s = log2f(s);
+        const float logs = sk_log<false>(s);
+#pragma unroll 4
+        for (int j = 0; j < K; ++j) {
+            const int base = seg0 + (j * THREADS + lane) * VEC;
+            const uint4 p = sk_ld_shared16(&sk_stage[j * THREADS + lane]);
+            uint4 o;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const unsigned word = sk_word(p, i);
+                const float a = SkPacked<T>::lo(word) - m, b = SkPacked<T>::hi(word) - m;
+                if (OP == SK_SOFTMAX) {
+                    sk_set_word(o, i, SkPacked<T>::pack(sk_ex2(fmaf(a, SK_LOG2E, -log2s)),
+                                                        sk_ex2(fmaf(b, SK_LOG2E, -log2s))));
+                } else {
+                    sk_set_word(o, i, SkPacked<T>::pack(a - logs, b - logs));
+                }
+            }
+            sk_put16<T, CS>(orow, base, n, vec_ok, vec_ok && base < n, o);
+        }
+    } else {
+#pragma unroll 1
+        for (int j = 0; j < K; ++j) {
+            const int base = seg0 + (j * THREADS + lane) * VEC;
+            const uint4 p = sk_ld_shared16(&sk_stage[j * THREADS + lane]);
+            uint4 o;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const unsigned word = sk_word(p, i);
+                sk_set_word(o, i, SkPacked<T>::pack(
+                    sk_special<OP>(SkPacked<T>::lo(word), is_nan, posinf, masked_nan),
+                    sk_special<OP>(SkPacked<T>::hi(word), is_nan, posinf, masked_nan)));
+            }
+            sk_put16<T, CS>(orow, base, n, vec_ok, vec_ok && base < n, o);
+        }
+    }
+    if (CLUSTER > 1) sk_cluster_wait();
+}

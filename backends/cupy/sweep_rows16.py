@@ -1,0 +1,301 @@
+"""Compare 16-bit row-kernel variants on the H200: check each against float64, then time it.
+
+Every variant (the current ``sk_rows`` / ``sk_rows_staged`` instantiations and the lean
+``sk_rows16`` / ``sk_rows16_staged`` ones of kernels/rows16.cuh) is first run on the benchmark
+shape and on ragged, masked rows with special rows (NaN, +inf, empty) into NaN-poisoned
+outputs and held to the spec's bounds against float64; only variants that pass are timed (CUDA
+graph replay of 10 calls, device time), beside torch and a device-to-device copy.
+
+Usage: ``python backends/cupy/sweep_rows16.py [--out DIR] [--dtypes bfloat16,float16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+CT = {"bfloat16": "sk_bf16", "float16": "__half"}
+OPS = {"softmax": 0, "log_softmax": 1}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel shape: ``staged`` block per row segment, else ``group`` threads per row."""
+
+    label: str
+    threads: int
+    group: int
+    k: int
+    cluster: int = 1
+    staged: bool = False
+    lean: bool = True
+    groups: int = 1
+    cs: bool = False
+
+    def capacity(self) -> int:
+        return (self.threads if self.staged else self.group) * self.k * 8 * self.cluster
+
+    def name(self, op: str, dtype: str) -> str:
+        t, o, cs = CT[dtype], OPS[op], "true" if self.cs else "false"
+        if self.staged and self.lean:
+            return (f"sk_rows16_staged<{t}, {o}, {self.threads}, {self.k}, {self.cluster}, "
+                    f"{self.groups}, {cs}>")
+        if self.staged:
+            return f"sk_rows_staged<{t}, {t}, {o}, {self.threads}, {self.k}, {self.cluster}>"
+        if self.lean:
+            return f"sk_rows16<{t}, {o}, {self.threads}, {self.group}, {self.k}, {cs}>"
+        return f"sk_rows<{t}, {t}, {o}, {self.threads}, {self.group}, {self.k}>"
+
+    def shared(self) -> int:
+        return self.threads * self.k * 16 if self.staged else 0
+
+
+def R(label: str, threads: int, group: int, k: int, **kw: object) -> Variant:
+    return Variant(label, threads, group, k, **kw)
+
+
+def S(label: str, threads: int, k: int, cluster: int = 1, **kw: object) -> Variant:
+    return Variant(label, threads, threads, k, cluster, staged=True, **kw)
+
+
+SWEEP: dict[tuple[int, int], list[Variant]] = {
+    (32768, 4096): [
+        R("old 128x4", 128, 128, 4, lean=False),
+        R("lean 128x4", 128, 128, 4),
+        R("lean 128x4 cs", 128, 128, 4, cs=True),
+        R("lean 256x2", 256, 256, 2),
+        R("lean 512x1", 512, 512, 1),
+        R("lean 64x8", 64, 64, 8),
+    ],
+    (262144, 128): [
+        R("old 256 g4x4", 256, 4, 4, lean=False),
+        R("lean 256 g4x4", 256, 4, 4),
+        R("lean 256 g4x4 cs", 256, 4, 4, cs=True),
+        R("lean 256 g8x2", 256, 8, 2),
+        R("lean 128 g8x2", 128, 8, 2),
+        R("lean 256 g16x1", 256, 16, 1),
+    ],
+    (4096, 32768): [
+        S("old 512x8 staged", 512, 8, lean=False),
+        S("lean 512x8 g4", 512, 8, groups=4),
+        S("lean 512x8 g2", 512, 8, groups=2),
+        S("lean 512x8 g8", 512, 8, groups=8),
+        S("lean 512x8 g4 cs", 512, 8, groups=4, cs=True),
+        S("lean 1024x4 g4", 1024, 4, groups=4),
+        S("lean 256x16 g8", 256, 16, groups=8),
+        S("lean 256x8 c2 g4", 256, 8, 2, groups=4),
+        S("lean 512x4 c2 g4", 512, 4, 2, groups=4),
+    ],
+    (256, 524288): [
+        S("old 1024x8 c8 staged", 1024, 8, 8, lean=False),
+        S("lean 1024x8 c8 g4", 1024, 8, 8, groups=4),
+        S("lean 1024x8 c8 g8", 1024, 8, 8, groups=8),
+        S("lean 512x16 c8 g8", 512, 16, 8, groups=8),
+        S("lean 512x8 c16 g4", 512, 8, 16, groups=4),
+        S("lean 1024x4 c16 g4", 1024, 4, 16, groups=4),
+        S("lean 256x16 c16 g8", 256, 16, 16, groups=8),
+    ],
+}
+
+
+def _names(dtypes: list[str]) -> list[str]:
+    return sorted({v.name(op, d) for vs in SWEEP.values() for v in vs for op in OPS
+                   for d in dtypes})
+
+
+def _build(names: tuple[str, ...]) -> tuple[int, float]:
+    from softmaxkit_cupy import compiler
+
+    t0 = time.perf_counter()
+    compiler.module("rows.cu", names)
+    return len(names), time.perf_counter() - t0
+
+
+_KERNELS: dict[str, object] = {}
+_READY: set[object] = set()
+
+
+def kernel(name: str) -> object:
+    from softmaxkit_cupy import compiler
+
+    found = _KERNELS.get(name)
+    if found is None:
+        found = compiler.function("rows.cu", (name,), name)
+        _KERNELS[name] = found
+    return found
+
+
+def launch(v: Variant, op: str, x: object, w: object, out: object, masked_nan: bool = False):
+    import cupy
+    from softmaxkit_cupy import interop
+
+    rows, n = x.shape
+    vec_ok = int(n % 8 == 0)
+    fn = kernel(v.name(op, "bfloat16" if str(x.dtype) == "torch.bfloat16" else "float16"))
+    if fn not in _READY:  # function attributes once, before any graph capture
+        if v.shared() > 48 * 1024:
+            fn.max_dynamic_shared_size_bytes = v.shared()
+        if v.cluster > 8:  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+            cupy.cuda.driver.funcSetAttribute(fn.kernel.ptr, 14, 1)
+        _READY.add(fn)
+    grid = rows * v.cluster if v.staged else -(-rows // (v.threads // v.group))
+    wp = 0 if w is None else w.data_ptr()
+    args = (np.uint64(x.data_ptr()), np.int64(n), np.uint64(wp), np.int64(n if w is not None
+                                                                               else 0),
+            np.uint64(out.data_ptr()), np.int64(n), np.int64(rows), np.int32(n),
+            np.int32(vec_ok), np.int32(masked_nan))
+    with interop.launch_context(x):
+        fn((grid,), (v.threads,), args, shared_mem=v.shared())
+
+
+def excess(op: str, x: object, w: object, got: object, masked_nan: bool = False) -> float:
+    """The worst excess over the spec's bound (inf for a wrong special value)."""
+    import torch
+
+    u = 2.0 ** -8 if x.dtype == torch.bfloat16 else 2.0 ** -11
+    tiny = 2.0 ** -126 if x.dtype == torch.bfloat16 else 2.0 ** -14
+    ua = 2.0 ** -24
+    x64 = x.double() if w is None else x.double().masked_fill(~w, -math.inf)
+    n = x.shape[-1]
+    empty = (x64 == -math.inf).all(-1, keepdim=True)
+    if op == "softmax":
+        ref = torch.softmax(x64, -1)
+        ref = torch.where(empty, math.nan if masked_nan else 0.0, ref)
+    else:
+        ref = torch.log_softmax(x64, -1)
+        # a row with +inf (and no NaN): NaN at the +inf positions, -inf elsewhere
+        posinf = (x64 == math.inf).any(-1, keepdim=True) & ~torch.isnan(x64).any(-1, keepdim=True)
+        ref = torch.where(posinf, torch.where(x64 == math.inf, math.nan, -math.inf), ref)
+        ref = torch.where(empty, math.nan if masked_nan else -math.inf, ref)
+    g = got.double()
+    fin = torch.isfinite(ref)
+    special_ok = bool(torch.equal(torch.isnan(g), torch.isnan(ref))) and bool(
+        torch.equal(g[~fin & ~torch.isnan(ref)], ref[~fin & ~torch.isnan(ref)]))
+    if not special_ok or bool(torch.isnan(g[fin]).any()):
+        return math.inf
+    if op == "softmax":
+        m = torch.where(empty, 0.0, x64.nan_to_num(nan=0.0, posinf=0.0).amax(-1, keepdim=True))
+        d = (x64 - m).abs().nan_to_num(nan=0.0, posinf=0.0)
+        bound = (2 * u + ua * (8 + n + 2 * d)) * ref.abs() + tiny
+    else:
+        bound = 2 * u * ref.abs() + ua * (8 + n + 2 * ref.abs())
+    e = ((g - ref).abs() - bound)[fin]
+    return float(e.max()) if e.numel() else 0.0
+
+
+def check(v: Variant, op: str, dtype: object, shape: tuple[int, int]) -> list[str]:
+    """Failures of ``v`` on the benchmark shape and on ragged, masked and special rows."""
+    import torch
+
+    bad = []
+    cap = v.capacity()
+    cases = [("bench", shape, False, False)]
+    few = 67 if cap <= 8192 else 9
+    cases += [("ragged+mask", (few, cap - 5), True, True),
+              ("aligned+mask", (few, cap - 8), True, True),
+              ("aligned", (few, cap - 8), False, True),
+              ("half", (few, cap // 2 + 3), False, False)]
+    for label, (rows, n), masked, special in cases:
+        if n < 1:
+            continue
+        x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
+        w = None
+        if masked:
+            w = torch.rand(rows, n, device="cuda") > 0.2
+            w[min(3, rows - 1)] = False  # an empty row
+        if special and rows > 8:
+            x[5, n // 3] = math.nan
+            x[7, n // 2] = math.inf
+            x[8, 0] = math.inf
+            x[8, n - 1] = math.inf
+            x[2] = -math.inf  # nothing above -inf
+            if w is not None:
+                w[5, n // 3] = True
+                w[7, n // 2] = True
+                w[8, 0] = True
+                w[8, n - 1] = True
+        for masked_nan in ((False, True) if masked else (False,)):
+            out = torch.full((rows, n), math.nan, device="cuda", dtype=dtype)
+            launch(v, op, x, w, out, masked_nan)
+            torch.cuda.synchronize()
+            e = excess(op, x, w, out, masked_nan)
+            if e > 0:
+                bad.append(f"{label} {rows}x{n} masked_nan={masked_nan}: excess {e:.3g}")
+    return bad
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--dtypes", default="bfloat16,float16")
+    opts = parser.parse_args()
+    dtypes = opts.dtypes.split(",")
+    import multiprocessing
+
+    import torch
+    from gpu_check import graph_seconds
+
+    t0 = time.perf_counter()
+    names = _names(dtypes)
+    workers = os.cpu_count() or 4
+    chunks = [tuple((n,)) for n in names]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_build, chunks))
+    print(f"built {len(names)} kernels in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    copy_bw = 2 * a.numel() / graph_seconds(lambda a=a, b=b: b.copy_(a)) / 1e9
+    del a, b
+    print(f"copy (graph): {copy_bw:.0f} GB/s", flush=True)
+    lines = [f"copy {copy_bw:.0f} GB/s"]
+    failures = []
+    for dname in dtypes:
+        dtype = getattr(torch, dname)
+        for shape, variants in SWEEP.items():
+            x = torch.randn(*shape, device="cuda").to(dtype)
+            out = torch.empty_like(x)
+            nbytes = 2 * x.numel() * x.element_size()
+            for op in OPS:
+                peer = torch.softmax if op == "softmax" else torch.log_softmax
+                tt = graph_seconds(lambda peer=peer, x=x: peer(x, -1))
+                row = [f"{op} {dname} {shape[0]}x{shape[1]}: torch {nbytes / tt / 1e9:.0f}"]
+                for v in variants:
+                    try:
+                        bad = check(v, op, dtype, shape)
+                    except Exception as exc:  # a launch failure is a result too
+                        bad = [f"{type(exc).__name__}: {exc}"]
+                    if bad:
+                        failures.append(f"{op} {dname} {v.label}: {bad}")
+                        print(f"WRONG {op} {dname} {v.label}: {bad}", flush=True)
+                        row.append(f"{v.label} WRONG")
+                        continue
+                    sec = graph_seconds(
+                        lambda v=v, op=op, x=x, out=out: launch(v, op, x, None, out))
+                    bw = nbytes / sec / 1e9
+                    row.append(f"{v.label} {bw:.0f} ({100 * bw / copy_bw:.0f}%)")
+                    print(f"{op} {dname} {shape[0]}x{shape[1]} {v.label}: {bw:.0f} GB/s "
+                          f"{100 * bw / copy_bw:.0f}% of copy", flush=True)
+                lines.append("; ".join(row))
+            del x, out
+    text = "\n".join(lines) + f"\nfailures: {len(failures)}\n" + "\n".join(failures)
+    print("\n" + text)
+    if opts.out is not None:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        (opts.out / "sweep_rows16.txt").write_text(text + "\n")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
