@@ -45,6 +45,8 @@ FORCED_KIT_PLAN = "64,1"
 PLAN_ENV = "SOFTMAXKIT_NUMBA_CUDA_PLAN"
 REGISTERS_ENV = "SOFTMAXKIT_NUMBA_CUDA_REGISTERS"
 STAGED_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
+STAGE_PLAN_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_PLAN"
+GROUPS_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
 
 
 def log(*args: Any) -> None:
@@ -102,7 +104,7 @@ def conformance(forced_plans: bool = True, timeout: float = 200.0) -> list[dict[
                 env.pop(PLAN_ENV, None)
                 if forced:
                     env[PLAN_ENV] = forced
-                groups = 2 if target == "torch-cuda" else 1  # compiling is the slow part
+                groups = 2  # compiling is the slow part: two processes per worker
                 for group in range(groups):
                     proc = subprocess.Popen(
                         [sys.executable, __file__, "--worker", target, dtype, str(group),
@@ -245,15 +247,20 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 
 
 def use_plan(plan: str | None) -> None:
-    """Force ``plan``: ``"threads,slots"``, then optionally a register budget and/or
-    ``staged`` (split rows staged in shared memory), comma-separated."""
+    """Force ``plan``: ``"threads,slots"``, then comma-separated options: ``staged`` (the plan
+    of the rows staged in shared memory), ``registers`` (the register kernels, no staging),
+    ``gN`` (N copy groups per thread in the staged kernels), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")
-    os.environ[PLAN_ENV] = ",".join(parts[:2])
+    os.environ[STAGE_PLAN_ENV if "staged" in parts else PLAN_ENV] = ",".join(parts[:2])
     for extra in parts[2:]:
         if extra == "staged":
             os.environ[STAGED_ENV] = "1"
+        elif extra == "registers":
+            os.environ[STAGED_ENV] = "0"
+        elif extra.startswith("g"):
+            os.environ[GROUPS_ENV] = extra[1:]
         else:
             os.environ[REGISTERS_ENV] = extra
 
@@ -415,14 +422,19 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (4096, 32768)): ["256,8,staged", "256,4,staged"],
-    ("float32", (256, 524288)): ["256,8,staged"],
-    ("bfloat16", (4096, 32768)): ["128,8,staged", "256,4,staged"],
-    ("bfloat16", (256, 524288)): ["128,8,staged"],
+    ("float32", (4096, 32768)): ["256,16,staged", "512,8,staged,g1", "512,6,staged",
+                                 "256,8,staged", "256,8,registers"],
+    ("float32", (256, 524288)): ["256,16,staged", "256,24,staged", "512,8,staged,g1"],
+    ("bfloat16", (4096, 32768)): ["256,16,staged", "512,8,staged,g1", "256,8,staged",
+                                  "128,4,registers"],
+    ("bfloat16", (256, 524288)): ["256,16,staged", "512,12,staged"],
 }
-"""Plans ("threads,slots[,registers][,staged]", slots in 16-byte words) timed for softmax and
-log_softmax on the split rows: the default kernels, and the chunks staged in shared memory."""
-CE_SWEEP: dict[tuple[int, int], list[str]] = {}
+"""Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
+softmax and log_softmax on the long rows next to the default (staged) plans."""
+CE_SWEEP: dict[tuple[int, int], list[str]] = {
+    (4096, 32768): ["256,16,staged", "128,4,registers"],
+    (4096, 128256): ["256,16,staged"],
+}
 
 
 def profile_job(lock: Any, seed: int) -> list[dict[str, Any]]:

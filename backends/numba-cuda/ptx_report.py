@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+VALUES = {"float32": 4, "bfloat16": 8}
+"""Values per 16-byte word (a staged kernel holds one word's values: its cap is that of 8)."""
 STORAGE = {"float32": "float32", "bfloat16": "int16", "float16": "float16", "float64": "float64"}
 
 
@@ -27,7 +29,7 @@ def kernels():
     """(name, kernel, signature, block, slots, kind) of the kernels the benchmarks run: the
     default plans of short, medium and long (split) rows of each dtype."""
     from softmaxkit_numba_cuda import kernels as k
-    from softmaxkit_numba_cuda import rowkernels
+    from softmaxkit_numba_cuda import rowkernels, staged
 
     out = []
     for kind in ("float32", "bfloat16", "float64"):
@@ -57,6 +59,20 @@ def kernels():
                        f"{acc}[:, ::1], {st}[:, ::1], int64, int64, int64, {acc}[:, ::1], "
                        "int32[::1], uint64[:, ::1], float64, boolean, int64)")
                 out.append((f"cross_entropy-{tag}", fn, sig, threads * rows, slots, kind))
+    for kind in ("float32", "bfloat16"):
+        st = STORAGE[kind]
+        for threads, slots in ((512, 8), (256, 16)):
+            tag = f"{kind}-{threads}x{slots}-staged"
+            for op in ("softmax", "log_softmax"):
+                fn = staged.normalize(op, kind, threads, slots, False)
+                sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
+                       "int64, uint64[:, ::1])")
+                out.append((f"{op}-{tag}", fn, sig, threads, 8 // VALUES[kind], kind))
+            fn = staged.cross_entropy(kind, threads, slots, False, False)
+            sig = (f"({st}[:, ::1], boolean[:, ::1], int64[::1], float32[::1], "
+                   f"float32[:, ::1], {st}[:, ::1], int64, int64, int64, float32[:, ::1], "
+                   "int32[::1], uint64[:, ::1], float64, boolean, int64)")
+            out.append((f"cross_entropy-{tag}", fn, sig, threads, 8 // VALUES[kind], kind))
     return out
 
 

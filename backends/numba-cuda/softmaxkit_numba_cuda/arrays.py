@@ -170,8 +170,34 @@ def launch(a: Any, lib: str) -> Iterator[Any]:
         yield _stream_for(ptr)
 
 
-def run(kernel: Any, grid: int, block: int, stream: Any, *args: Any) -> None:
-    """Launch ``kernel``; numba's occupancy advice for small grids is not shown to callers."""
+_SHARED_ALLOWED: dict[int, int] = {}
+"""id of a compiled kernel -> the dynamic shared memory it has been allowed."""
+
+
+def _allow_shared(compiled: Any, config: Any) -> None:
+    """Let ``compiled`` take ``config.sharedmem`` bytes of dynamic shared memory (above 48 KB
+    a kernel must opt in) and prefer the largest shared-memory carveout."""
+    size = int(config.sharedmem)
+    if _SHARED_ALLOWED.get(id(compiled), -1) >= size:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    cufunc = compiled._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, size, cufunc.handle, cufunc.device.id)
+    cufunc.set_shared_memory_carveout(100)
+    _SHARED_ALLOWED[id(compiled)] = size
+
+
+def run(kernel: Any, grid: int, block: int, stream: Any, *args: Any, shared: int = 0) -> None:
+    """Launch ``kernel`` with ``shared`` bytes of dynamic shared memory; numba's occupancy
+    advice for small grids is not shown to callers."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*GPU under-utilization")
-        kernel[grid, block, stream](*args)
+        if not shared:
+            kernel[grid, block, stream](*args)
+            return
+        config = kernel[grid, block, stream, shared]
+        if not SIMULATOR:
+            config.pre_launch_callbacks.append(_allow_shared)
+        config(*args)

@@ -96,8 +96,11 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
     vector, width, (xv, ov) = _layout(lib, kin, kout, [xr, out.reshape(n_rows, n)])
     p = _plan(n // width, kin, vector)
-    if staged.enabled(kin, p.split, vector, where is not None, kin == kout):
-        kernel = staged.normalize(op, kin, p.threads, p.slots)
+    shared = 0
+    if staged.enabled(kin, p.split, vector, kin == kout):
+        p = plans.staged(n // width, SIMULATOR)
+        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None)
+        shared = staged.shared_bytes(p.threads, p.slots)
     else:
         kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots,
                                       p.rows_per_block, p.split, where is not None)
@@ -105,7 +108,7 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     wsp = _slots(xp, x, lib, p, n_rows, accumulator_name(kin))
     with launch(x, lib) as stream:
         run(kernel, p.grid(n_rows), p.block, stream, xv, w, masked == "nan", ov, n_rows,
-            n // width, p.chunks, wsp)
+            n // width, p.chunks, wsp, shared=shared)
     return out
 
 
@@ -238,8 +241,15 @@ def cross_entropy(
         return loss, grad
     p = _plan(n // width, kin, vector)
     smooth = float(label_smoothing) != 0.0
-    kernel = rowkernels.cross_entropy(kin, kout, vector, p.threads, p.slots, p.rows_per_block,
-                                      p.split, where is not None, grad is not None, smooth)
+    shared = 0
+    if grad is not None and staged.enabled(kin, p.split, vector, kin == kout):
+        p = plans.staged(n // width, SIMULATOR)
+        kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth)
+        shared = staged.shared_bytes(p.threads, p.slots)
+    else:
+        kernel = rowkernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
+                                          p.rows_per_block, p.split, where is not None,
+                                          grad is not None, smooth)
     if grad is not None:
         ws, sync = _counters(xp, logits, lib, plans.make(1, 1, 1), n_rows, acc, 0)
         wsp = _slots(xp, logits, lib, p, n_rows, accumulator_name(kin))
@@ -249,7 +259,7 @@ def cross_entropy(
     with launch(logits, lib) as stream:
         run(kernel, p.grid(n_rows), p.block, stream, xv, w, idx, scale, lv, gv, n_rows,
             n // width, p.chunks, ws, sync, wsp, float(label_smoothing),
-            ignore_index is not None, ignore)
+            ignore_index is not None, ignore, shared=shared)
     return loss, grad
 
 

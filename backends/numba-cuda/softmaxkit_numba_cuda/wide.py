@@ -20,7 +20,10 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
 * ``cp_async16(stage, j, row, i)``: copy the 16 bytes at element ``i`` of a global row to
   element ``j`` of a shared ``uint32`` array without passing through registers
   (``cp.async.cg.shared.global``); ``cp_async_wait()`` waits for the thread's copies
-  (``cp.async.wait_all``), after which the thread may read what it copied.
+  (``cp.async.wait_all``), after which the thread may read what it copied;
+  ``cp_async_commit()`` closes a group of copies (``cp.async.commit_group``) and
+  ``cp_async_pending(n)`` waits until at most ``n`` of the thread's groups, 0 to 3, are still
+  in flight (``cp.async.wait_group``; more than 3 waits as for 3).
 
 Under Numba's CUDA simulator each has a numpy form on the same bits.
 """
@@ -102,6 +105,12 @@ if SIMULATOR:
 
     def cp_async_wait():
         """Wait for the thread's asynchronous copies (they are synchronous here)."""
+
+    def cp_async_commit():
+        """Close the thread's current group of asynchronous copies."""
+
+    def cp_async_pending(n):
+        """Wait until at most ``n`` groups of copies are in flight (they are done here)."""
 
     def nanosleep(ns):
         """Pause the thread for about ``ns`` nanoseconds (nothing in the simulator)."""
@@ -291,6 +300,38 @@ else:
             return context.get_dummy_value()
 
         return sig, codegen
+
+    def _asm_statement(text):
+        @intrinsic
+        def impl(typingctx):
+            sig = types.void()
+
+            def codegen(context, builder, sig, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
+                                   side_effect=True)
+                builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return impl
+
+    cp_async_commit = _asm_statement("cp.async.commit_group;")
+    _wait_group = [_asm_statement(f"cp.async.wait_group {n};") for n in range(4)]
+    _wait0, _wait1, _wait2, _wait3 = _wait_group
+
+    @cuda.jit(device=True)
+    def cp_async_pending(n):
+        """Wait until at most ``n`` of the thread's groups of copies are in flight (the
+        instruction takes a constant: 0 to 3; more waits as for 3)."""
+        if n <= 0:
+            _wait0()
+        elif n == 1:
+            _wait1()
+        elif n == 2:
+            _wait2()
+        else:
+            _wait3()
 
     @intrinsic
     def globaltimer(typingctx):

@@ -25,12 +25,18 @@ ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp"
            "log_softmax_vjp")
 SUMMARY_OPS = ("summarize", "merge", "merge_attention")
 PLAN_OPS = ROW_OPS + ("cross_entropy_hard", "summarize")
+STAGED_OPS = ("softmax", "log_softmax", "cross_entropy", "cross_entropy_hard")
 PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "32,4": (302, ("float64", "float32"), PLAN_OPS),
-         "32,1,staged": (304, ("float32", "bfloat16"), ("softmax", "log_softmax"))}
+         "32,1,staged": (304, ("float32", "bfloat16"), STAGED_OPS),
+         "staged-800": (800, ("float32",), STAGED_OPS),
+         "staged-1608": (1608, ("bfloat16", "float16"), STAGED_OPS),
+         "staged-2200": (2200, ("float32",), STAGED_OPS)}
 """Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
 of one warp, in 16-byte words and, for float32 rows of 302 elements, element by element; the
-same with split rows staged in shared memory.  (Short rows, a group of threads each, are the
+same with split rows staged in shared memory.  "staged-N": the default plans on rows of N
+elements, which the register plan splits: staged in shared memory, one block per row (200 and
+201 words) or two blocks (550 words).  (Short rows, a group of threads each, are the
 simulator's default plan in the kit.)"""
 
 
@@ -114,8 +120,12 @@ def _outputs(op: str, backend: str, x: np.ndarray, where: np.ndarray, target: np
 def plans() -> None:
     rng = np.random.default_rng(7)
     for forced, (n, dtypes, ops) in PLANS.items():
-        os.environ["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = forced.removesuffix(",staged")
-        os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGED"] = "1" if forced.endswith(",staged") else "0"
+        if forced.startswith("staged-"):
+            os.environ.pop("SOFTMAXKIT_NUMBA_CUDA_PLAN", None)
+        else:
+            os.environ["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = forced.removesuffix(",staged")
+        os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGED"] = "0" if forced[0].isdigit() and not \
+            forced.endswith(",staged") else "1"
         for dtype in dtypes:
             x, where = _inputs(rng, dtype, n)
             target = rng.integers(0, n, size=6)

@@ -102,3 +102,28 @@ def test_plan_override(monkeypatch):
         plan.make(16, 2, 100)  # part of a warp cannot hold a chunk of a split row
     assert plan.make(16, 2, 10).rows_per_block == 16
     assert plan.make(32, 1, 100).rows_per_block == 1  # a warp holding one chunk of a row
+
+
+@pytest.mark.parametrize("n", [1025, 2048, 4095, 4096, 4097, 8192, 16032, 65536, 131072])
+def test_staged_plans_fit_shared_memory(n):
+    p = plan.staged(n)
+    words = p.threads * p.slots
+    assert p.rows_per_block == 1 and p.block == p.threads
+    assert words * plan.WORD_BYTES <= plan.STAGE_BYTES  # three blocks per multiprocessor
+    assert p.chunks == -(-n * plan.WORD_BYTES // plan.STAGE_BYTES)  # the fewest chunks
+    assert (p.chunks - 1) * words < n <= p.chunks * words  # every chunk holds part of the row
+    if n <= 4096:  # a bfloat16 row of 32768 values: one block, no exchange
+        assert p.chunks == 1
+
+
+def test_staged_plan_overrides(monkeypatch):
+    monkeypatch.setenv(plan.OVERRIDE, "64,1")
+    assert plan.staged(300) == plan.make(64, 1, 300, group_threads=64)
+    monkeypatch.setenv(plan.STAGE_OVERRIDE, "256,16")
+    assert plan.staged(8192).chunks == 2
+    p = plan.staged(100, simulator=True)
+    assert (p.threads, p.chunks, p.rows_per_block) == (256, 1, 1)
+    monkeypatch.delenv(plan.STAGE_OVERRIDE)
+    monkeypatch.delenv(plan.OVERRIDE)
+    assert plan.staged(200, simulator=True).chunks == 1  # one warp of 8 words each
+    assert plan.staged(300, simulator=True).chunks == 2
