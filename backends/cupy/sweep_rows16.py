@@ -40,13 +40,13 @@ class Variant:
     staged: bool = False
     lean: bool = True
     groups: int = 1
-    cs: bool = False
+    mode: int = 0  # cache-mode bits of rows16.cuh (1 st.cs, 2 ld.cs, 4 L2 prefetch)
 
     def capacity(self) -> int:
         return (self.threads if self.staged else self.group) * self.k * 8 * self.cluster
 
     def name(self, op: str, dtype: str) -> str:
-        t, o, cs = CT[dtype], OPS[op], "true" if self.cs else "false"
+        t, o, cs = CT[dtype], OPS[op], self.mode
         if self.staged and self.lean:
             return (f"sk_rows16_staged<{t}, {o}, {self.threads}, {self.k}, {self.cluster}, "
                     f"{self.groups}, {cs}>")
@@ -72,38 +72,42 @@ SWEEP: dict[tuple[int, int], list[Variant]] = {
     (32768, 4096): [
         R("old 128x4", 128, 128, 4, lean=False),
         R("lean 128x4", 128, 128, 4),
-        R("lean 128x4 cs", 128, 128, 4, cs=True),
-        R("lean 256x2", 256, 256, 2),
-        R("lean 512x1", 512, 512, 1),
-        R("lean 64x8", 64, 64, 8),
+        R("lean 128x4 st.cs", 128, 128, 4, mode=1),
+        R("lean 128x4 st.cs ld.cs", 128, 128, 4, mode=3),
+        R("lean 128x4 st.cs pf", 128, 128, 4, mode=5),
+        R("lean 64x8 st.cs", 64, 64, 8, mode=1),
+        R("lean 256x2 st.cs", 256, 256, 2, mode=1),
     ],
     (262144, 128): [
         R("old 256 g4x4", 256, 4, 4, lean=False),
-        R("lean 256 g4x4", 256, 4, 4),
-        R("lean 256 g4x4 cs", 256, 4, 4, cs=True),
-        R("lean 256 g8x2", 256, 8, 2),
+        R("lean 256 g4x4 st.cs", 256, 4, 4, mode=1),
+        R("lean 128 g4x4 st.cs", 128, 4, 4, mode=1),
         R("lean 128 g8x2", 128, 8, 2),
-        R("lean 256 g16x1", 256, 16, 1),
+        R("lean 128 g8x2 st.cs", 128, 8, 2, mode=1),
+        R("lean 128 g8x2 st.cs ld.cs", 128, 8, 2, mode=3),
+        R("lean 128 g8x2 st.cs pf", 128, 8, 2, mode=5),
+        R("lean 256 g8x2 st.cs", 256, 8, 2, mode=1),
+        R("lean 256 g16x1 st.cs", 256, 16, 1, mode=1),
+        R("lean 64 g8x2 st.cs", 64, 8, 2, mode=1),
     ],
     (4096, 32768): [
         S("old 512x8 staged", 512, 8, lean=False),
-        S("lean 512x8 g4", 512, 8, groups=4),
-        S("lean 512x8 g2", 512, 8, groups=2),
-        S("lean 512x8 g8", 512, 8, groups=8),
-        S("lean 512x8 g4 cs", 512, 8, groups=4, cs=True),
-        S("lean 1024x4 g4", 1024, 4, groups=4),
-        S("lean 256x16 g8", 256, 16, groups=8),
         S("lean 256x8 c2 g4", 256, 8, 2, groups=4),
-        S("lean 512x4 c2 g4", 512, 4, 2, groups=4),
+        S("lean 256x8 c2 g4 st.cs", 256, 8, 2, groups=4, mode=1),
+        S("lean 256x8 c2 g8", 256, 8, 2, groups=8),
+        S("lean 128x16 c2 g8", 128, 16, 2, groups=8),
+        S("lean 256x4 c4 g4", 256, 4, 4, groups=4),
+        S("lean 128x8 c4 g4", 128, 8, 4, groups=4),
+        S("lean 1024x4 g4", 1024, 4, groups=4),
     ],
     (256, 524288): [
         S("old 1024x8 c8 staged", 1024, 8, 8, lean=False),
-        S("lean 1024x8 c8 g4", 1024, 8, 8, groups=4),
-        S("lean 1024x8 c8 g8", 1024, 8, 8, groups=8),
-        S("lean 512x16 c8 g8", 512, 16, 8, groups=8),
-        S("lean 512x8 c16 g4", 512, 8, 16, groups=4),
-        S("lean 1024x4 c16 g4", 1024, 4, 16, groups=4),
         S("lean 256x16 c16 g8", 256, 16, 16, groups=8),
+        S("lean 256x16 c16 g8 st.cs", 256, 16, 16, groups=8, mode=1),
+        S("lean 256x16 c16 g4", 256, 16, 16, groups=4),
+        S("lean 128x32 c16 g8", 128, 32, 16, groups=8),
+        S("lean 512x8 c16 g8", 512, 8, 16, groups=8),
+        S("lean 1024x8 c8 g8", 1024, 8, 8, groups=8),
     ],
 }
 
@@ -243,7 +247,7 @@ def main() -> int:
     import multiprocessing
 
     import torch
-    from gpu_check import graph_seconds
+    from gpu_check import graph_seconds, timed
 
     t0 = time.perf_counter()
     names = _names(dtypes)
@@ -255,10 +259,11 @@ def main() -> int:
 
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
     b = torch.empty_like(a)
-    copy_bw = 2 * a.numel() / graph_seconds(lambda a=a, b=b: b.copy_(a)) / 1e9
+    copy_graph = 2 * a.numel() / graph_seconds(lambda a=a, b=b: b.copy_(a)) / 1e9
+    copy_bw = 2 * a.numel() / timed(lambda a=a, b=b: b.copy_(a)) / 1e9  # as gpu_check.py
+    print(f"copy (events, eager): {copy_bw:.0f} GB/s; (graph) {copy_graph:.0f} GB/s")
     del a, b
-    print(f"copy (graph): {copy_bw:.0f} GB/s", flush=True)
-    lines = [f"copy {copy_bw:.0f} GB/s"]
+    lines = [f"copy {copy_bw:.0f} GB/s (events), {copy_graph:.0f} GB/s (graph)"]
     failures = []
     for dname in dtypes:
         dtype = getattr(torch, dname)

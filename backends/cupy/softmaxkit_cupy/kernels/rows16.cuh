@@ -52,14 +52,28 @@ template <> struct SkPacked<__half> {
     }
 };
 
-__device__ __forceinline__ uint4 sk_ld_stream(const void* p) {
+// Cache modes of the global accesses (MODE bits): 1 streaming stores (st.global.cs), 2
+// streaming loads (ld.global.cs.nc), 4 a 256-byte L2 prefetch with each load.
+#define SK_ST_CS 1
+#define SK_LD_CS 2
+#define SK_LD_PF 4
+
+template <int MODE> __device__ __forceinline__ uint4 sk_ld_stream(const void* p) {
     uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    if (MODE & SK_LD_CS) {
+        asm("ld.global.cs.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else if (MODE & SK_LD_PF) {
+        asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else {
+        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    }
     return v;
 }
-template <bool CS> __device__ __forceinline__ void sk_st16(void* p, uint4 v) {
-    if (CS) {
+template <int MODE> __device__ __forceinline__ void sk_st16(void* p, uint4 v) {
+    if (MODE & SK_ST_CS) {
         asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};"
                      ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
     } else {
@@ -99,6 +113,49 @@ __device__ __forceinline__ float sk_pieces_max(const uint4 (&p)[N], int& nan) {
     return fmaxf(a, b);
 }
 
+__device__ __forceinline__ float sk_max_nan(float a, float b) {
+    float d;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+// Each thread's (m, s) (m NaN where the thread saw a NaN) -> the group's (M, S) in every thread
+// of it: M the maximum (NaN if any m is), S the sum of the s rescaled from their m to M.  Two
+// plain butterflies (maximum, then sum) instead of a merge per step; blocks (G > 32) combine
+// the warps' pairs through shared memory.
+template <int THREADS, int G>
+__device__ __forceinline__ void sk_lean_reduce(float& m, float& s, float* scratch) {
+    constexpr int WIDTH = G < 32 ? G : 32;
+    float top = m;
+#pragma unroll
+    for (int off = WIDTH / 2; off > 0; off /= 2)
+        top = sk_max_nan(top, __shfl_xor_sync(0xffffffffu, top, off));
+    s = m == -SK_INF ? 0.0f : s * sk_ex2((m - top) * SK_LOG2E);
+#pragma unroll
+    for (int off = WIDTH / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+    m = top;
+    if (G > 32) {
+        constexpr int WARPS = THREADS / 32;
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        if (lane == 0) {
+            scratch[warp] = m;
+            scratch[WARPS + warp] = s;
+        }
+        __syncthreads();
+        top = scratch[0];
+#pragma unroll
+        for (int i = 1; i < WARPS; ++i) top = sk_max_nan(top, scratch[i]);
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < WARPS; ++i) {
+            const float mi = scratch[i];
+            sum += mi == -SK_INF ? 0.0f : scratch[WARPS + i] * sk_ex2((mi - top) * SK_LOG2E);
+        }
+        m = top;
+        s = sum;
+    }
+}
+
 // The output of a special row (is_nan, posinf, empty) at an element of value f.
 template <int OP>
 __device__ __forceinline__ float sk_special(float f, bool is_nan, bool posinf, int masked_nan) {
@@ -109,11 +166,11 @@ __device__ __forceinline__ float sk_special(float f, bool is_nan, bool posinf, i
 }
 
 // Write piece j of results (o) at element base: one 16-byte store where the row allows it.
-template <typename T, bool CS>
+template <typename T, int MODE>
 __device__ __forceinline__ void sk_put16(T* orow, int base, int n, int vec_ok, bool fast,
                                          uint4 o) {
     if (fast) {
-        sk_st16<CS>(orow + base, o);
+        sk_st16<MODE>(orow + base, o);
     } else {
         T v[8];
         *reinterpret_cast<uint4*>(v) = o;
@@ -122,7 +179,7 @@ __device__ __forceinline__ void sk_put16(T* orow, int base, int n, int vec_ok, b
 }
 
 // One row segment per G threads, K 16-byte pieces per thread, held in registers.
-template <typename T, int OP, int THREADS, int G, int K, bool CS>
+template <typename T, int OP, int THREADS, int G, int K, int MODE>
 __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_rows16(
     const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
     long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
@@ -139,7 +196,7 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
     if (full && w == nullptr) {
         const T* xr = x + row * ld_x + lane * VEC;
 #pragma unroll
-        for (int j = 0; j < K; ++j) raw[j] = sk_ld_stream(xr + j * G * VEC);
+        for (int j = 0; j < K; ++j) raw[j] = sk_ld_stream<MODE>(xr + j * G * VEC);
     } else {
         sk_rows_load<T, G, K>(raw, x, ld_x, w, ld_w, row, active, 0, lane, n, vec_ok);
     }
@@ -165,13 +222,13 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
             }
         }
     }
-    float mr = nan ? -SK_INF : m;
-    sk_group_reduce<THREADS, G, false>(mr, s, nan, scratch);
+    float mr = nan ? SK_NAN : m;
+    sk_lean_reduce<THREADS, G>(mr, s, scratch);
 
     if (!active) return;
-    const bool is_nan = nan != 0;
-    const bool posinf = !is_nan && mr == SK_INF;
-    const bool empty = !is_nan && mr == -SK_INF;
+    const bool is_nan = mr != mr;
+    const bool posinf = mr == SK_INF;
+    const bool empty = mr == -SK_INF;
     T* orow = out + row * ld_o;
     const bool fast_out = active && vec_ok && (lane + (K - 1) * G) * VEC < n;
     if (!(is_nan || posinf || empty)) {
@@ -184,7 +241,7 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
                 for (int i = 0; i < 4; ++i)
                     sk_set_word(o, i, SkPacked<T>::pack(ex[j * VEC + 2 * i] * scale,
                                                         ex[j * VEC + 2 * i + 1] * scale));
-                sk_put16<T, CS>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
+                sk_put16<T, MODE>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
             }
         } else {
             const float logs = sk_log<false>(s);
@@ -197,7 +254,7 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
                     sk_set_word(o, i, SkPacked<T>::pack((SkPacked<T>::lo(word) - mr) - logs,
                                                         (SkPacked<T>::hi(word) - mr) - logs));
                 }
-                sk_put16<T, CS>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
+                sk_put16<T, MODE>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
             }
         }
     } else {
@@ -211,7 +268,7 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
                     sk_special<OP>(SkPacked<T>::lo(word), is_nan, posinf, masked_nan),
                     sk_special<OP>(SkPacked<T>::hi(word), is_nan, posinf, masked_nan)));
             }
-            sk_put16<T, CS>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
+            sk_put16<T, MODE>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
         }
     }
 }
@@ -233,7 +290,7 @@ __device__ __forceinline__ void sk_cp_async_wait_n(int n) {
 // staged in shared memory by cp.async in GROUPS commit groups; the thread folds each group
 // into its running (max, sum) as soon as it lands, while later groups are still in flight.
 // The outputs recompute their exponentials from the staged inputs (one FMA-shifted ex2).
-template <typename T, int OP, int THREADS, int K, int CLUSTER, int GROUPS, bool CS>
+template <typename T, int OP, int THREADS, int K, int CLUSTER, int GROUPS, int MODE>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 / THREADS)
     sk_rows16_staged(
     const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
@@ -334,7 +391,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
                     sk_set_word(o, i, SkPacked<T>::pack(a - logs, b - logs));
                 }
             }
-            sk_put16<T, CS>(orow, base, n, vec_ok, vec_ok && base < n, o);
+            sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n, o);
         }
     } else {
 #pragma unroll 1
@@ -349,7 +406,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
                     sk_special<OP>(SkPacked<T>::lo(word), is_nan, posinf, masked_nan),
                     sk_special<OP>(SkPacked<T>::hi(word), is_nan, posinf, masked_nan)));
             }
-            sk_put16<T, CS>(orow, base, n, vec_ok, vec_ok && base < n, o);
+            sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n, o);
         }
     }
     if (CLUSTER > 1) sk_cluster_wait();
