@@ -143,8 +143,7 @@ def precompile() -> None:
     jobs.append(("attention_bwd.cu", configs.backward_alternative_names()))
     jobs += [("attention.cu", (f"sk_mma_probe<{c}>",)) for c in ("sk_bf16", "__half")]
     for op in ("softmax", "log_softmax"):
-        jobs.append(("rows.cu", tuple(c.name(op, "bfloat16", "bfloat16")
-                                      for c in configs.ROW_ALTERNATIVES)))
+        jobs.append(("rows.cu", configs.row_alternative_names(op, "bfloat16", "bfloat16")))
     jobs.sort(key=lambda j: -len(j[1]))
     t0 = time.perf_counter()
     workers = min(len(jobs), os.cpu_count() or 1)
@@ -639,14 +638,12 @@ def bench_rows(copy_bw: float) -> None:
                 torch_graph = graph_seconds(functools.partial(peer, x, -1))
                 host = host_seconds(call, calls=50)
                 bw = nbytes / graph / 1e9
-                config = row_config(n, 2, staged=True)
+                config = row_config(n, 2, lean=True)
                 TABLE.append((f"{op} {str(dtype)[6:]} {rows}x{n}", f"{bw:.0f} GB/s",
                               f"{100 * bw / copy_bw:.0f}% of copy; torch "
                               f"{nbytes / torch_graph / 1e9:.0f} GB/s; eager "
                               f"{nbytes / eager / 1e9:.0f} GB/s (host {host * 1e6:.0f} us/call); "
-                              f"{config.threads}x{config.k}"
-                              f"{f' cluster {config.cluster}' if config.cluster > 1 else ''}"
-                              f"{' staged' if config.staged else ''}"))
+                              f"{config.describe()}"))
                 print(TABLE[-1], flush=True)
 
 
@@ -678,7 +675,7 @@ def bench_rows_sweep(copy_bw: float) -> None:
     (device time only), beside torch in the same way: which configuration to declare."""
     import array_api_compat.torch as xpt
     import torch
-    from softmaxkit_cupy.configs import ROW_ALTERNATIVES, ROW_CONFIGS, row_config
+    from softmaxkit_cupy.configs import ROW16_CONFIGS, ROW_ALTERNATIVES, ROW_CONFIGS, row_config
     from softmaxkit_cupy.rows import launch_rows
 
     section("row configurations (graph replay, device time)")
@@ -688,10 +685,11 @@ def bench_rows_sweep(copy_bw: float) -> None:
             nbytes = 2 * x.numel() * x.element_size()
             out = torch.empty_like(x)
             for op, peer in (("softmax", torch.softmax), ("log_softmax", torch.log_softmax)):
-                default = row_config(n, 2, staged=True)
+                default = row_config(n, 2, lean=True)
                 found = []
-                for config in sorted(set(ROW_CONFIGS + ROW_ALTERNATIVES),
-                                     key=lambda c: (c.threads, c.group, c.k, c.cluster, c.staged)):
+                for config in sorted(set(ROW_CONFIGS + ROW16_CONFIGS + ROW_ALTERNATIVES),
+                                     key=lambda c: (c.lean, c.threads, c.group, c.k, c.cluster,
+                                                    c.staged, c.groups, c.mode)):
                     if config.capacity(2) < n or config.capacity(2) >= 4 * n:
                         continue
                     # correct first: this shape, and ragged masked rows up to the capacity

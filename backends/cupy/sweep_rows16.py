@@ -41,6 +41,7 @@ class Variant:
     lean: bool = True
     groups: int = 1
     mode: int = 0  # cache-mode bits of rows16.cuh (1 st.cs, 2 ld.cs, 4 L2 prefetch)
+    loop: bool = False  # resident blocks walk the rows (sk_rows16_loop)
 
     def capacity(self) -> int:
         return (self.threads if self.staged else self.group) * self.k * 8 * self.cluster
@@ -53,7 +54,8 @@ class Variant:
         if self.staged:
             return f"sk_rows_staged<{t}, {t}, {o}, {self.threads}, {self.k}, {self.cluster}>"
         if self.lean:
-            return f"sk_rows16<{t}, {o}, {self.threads}, {self.group}, {self.k}, {cs}>"
+            kind = "sk_rows16_loop" if self.loop else "sk_rows16"
+            return f"{kind}<{t}, {o}, {self.threads}, {self.group}, {self.k}, {cs}>"
         return f"sk_rows<{t}, {t}, {o}, {self.threads}, {self.group}, {self.k}>"
 
     def shared(self) -> int:
@@ -71,43 +73,29 @@ def S(label: str, threads: int, k: int, cluster: int = 1, **kw: object) -> Varia
 SWEEP: dict[tuple[int, int], list[Variant]] = {
     (32768, 4096): [
         R("old 128x4", 128, 128, 4, lean=False),
-        R("lean 128x4", 128, 128, 4),
-        R("lean 128x4 st.cs", 128, 128, 4, mode=1),
-        R("lean 128x4 st.cs ld.cs", 128, 128, 4, mode=3),
-        R("lean 128x4 st.cs pf", 128, 128, 4, mode=5),
-        R("lean 64x8 st.cs", 64, 64, 8, mode=1),
         R("lean 256x2 st.cs", 256, 256, 2, mode=1),
+        R("lean 128x4 st.cs", 128, 128, 4, mode=1),
+        R("loop 256x2 st.cs", 256, 256, 2, mode=1, loop=True),
+        R("loop 128x4 st.cs", 128, 128, 4, mode=1, loop=True),
+        R("loop 256x1 st.cs", 256, 256, 1, mode=1, loop=True),
     ],
     (262144, 128): [
         R("old 256 g4x4", 256, 4, 4, lean=False),
-        R("lean 256 g4x4 st.cs", 256, 4, 4, mode=1),
-        R("lean 128 g4x4 st.cs", 128, 4, 4, mode=1),
-        R("lean 128 g8x2", 128, 8, 2),
-        R("lean 128 g8x2 st.cs", 128, 8, 2, mode=1),
-        R("lean 128 g8x2 st.cs ld.cs", 128, 8, 2, mode=3),
-        R("lean 128 g8x2 st.cs pf", 128, 8, 2, mode=5),
-        R("lean 256 g8x2 st.cs", 256, 8, 2, mode=1),
         R("lean 256 g16x1 st.cs", 256, 16, 1, mode=1),
-        R("lean 64 g8x2 st.cs", 64, 8, 2, mode=1),
+        R("lean 256 g8x2 st.cs", 256, 8, 2, mode=1),
+        R("loop 256 g16x1 st.cs", 256, 16, 1, mode=1, loop=True),
+        R("loop 256 g8x2 st.cs", 256, 8, 2, mode=1, loop=True),
+        R("loop 128 g8x2 st.cs", 128, 8, 2, mode=1, loop=True),
+        R("loop 256 g4x4 st.cs", 256, 4, 4, mode=1, loop=True),
     ],
     (4096, 32768): [
-        S("old 512x8 staged", 512, 8, lean=False),
         S("lean 256x8 c2 g4", 256, 8, 2, groups=4),
-        S("lean 256x8 c2 g4 st.cs", 256, 8, 2, groups=4, mode=1),
-        S("lean 256x8 c2 g8", 256, 8, 2, groups=8),
-        S("lean 128x16 c2 g8", 128, 16, 2, groups=8),
-        S("lean 256x4 c4 g4", 256, 4, 4, groups=4),
-        S("lean 128x8 c4 g4", 128, 8, 4, groups=4),
-        S("lean 1024x4 g4", 1024, 4, groups=4),
+        S("lean 256x8 c2 g2", 256, 8, 2, groups=2),
     ],
     (256, 524288): [
-        S("old 1024x8 c8 staged", 1024, 8, 8, lean=False),
-        S("lean 256x16 c16 g8", 256, 16, 16, groups=8),
-        S("lean 256x16 c16 g8 st.cs", 256, 16, 16, groups=8, mode=1),
         S("lean 256x16 c16 g4", 256, 16, 16, groups=4),
-        S("lean 128x32 c16 g8", 128, 32, 16, groups=8),
-        S("lean 512x8 c16 g8", 512, 8, 16, groups=8),
-        S("lean 1024x8 c8 g8", 1024, 8, 8, groups=8),
+        S("lean 256x16 c16 g2", 256, 16, 16, groups=2),
+        S("lean 256x16 c16 g8", 256, 16, 16, groups=8),
     ],
 }
 
@@ -153,6 +141,11 @@ def launch(v: Variant, op: str, x: object, w: object, out: object, masked_nan: b
             cupy.cuda.driver.funcSetAttribute(fn.kernel.ptr, 14, 1)
         _READY.add(fn)
     grid = rows * v.cluster if v.staged else -(-rows // (v.threads // v.group))
+    if v.loop:  # the resident blocks of every multiprocessor, no more
+        per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            fn.kernel.ptr, v.threads, 0)
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        grid = min(grid, per_sm * sms)
     wp = 0 if w is None else w.data_ptr()
     args = (np.uint64(x.data_ptr()), np.int64(n), np.uint64(wp), np.int64(n if w is not None
                                                                                else 0),

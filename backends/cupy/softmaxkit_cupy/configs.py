@@ -30,8 +30,10 @@ class RowConfig:
     """One row-kernel shape: ``group`` threads per row segment, ``k`` 16-byte loads each.
 
     ``group < threads`` packs several rows per block, ``group == threads`` is one block per
-    row, ``cluster > 1`` splits a row over a thread-block cluster; ``staged`` (16-bit softmax
-    and log_softmax) holds the row segment in shared memory instead of registers.
+    row, ``cluster > 1`` splits a row over a thread-block cluster.  ``lean`` configurations
+    are the 16-bit softmax / log_softmax kernels of kernels/rows16.cuh: in registers, or
+    (``staged``) with the segment in shared memory, loaded in ``groups`` cp.async groups;
+    ``mode`` holds their cache-mode bits (1: streaming stores).
     """
 
     threads: int
@@ -39,6 +41,9 @@ class RowConfig:
     k: int
     cluster: int = 1
     staged: bool = False
+    lean: bool = False
+    groups: int = 1
+    mode: int = 0
 
     def capacity(self, itemsize: int) -> int:
         """The longest row this configuration holds, in elements."""
@@ -50,12 +55,30 @@ class RowConfig:
 
     def name(self, op: str, din: str, dout: str) -> str:
         """The C++ name expression of this instantiation."""
+        if self.lean:
+            if not row_lean(op, din, dout):
+                raise ValueError(f"no 16-bit row kernel for {op} {din} -> {dout}")
+            head = f"{CTYPES[din]}, {ROW_OPS[op]}, {self.threads}"
+            if self.staged:
+                return (f"sk_rows16_staged<{head}, {self.k}, {self.cluster}, {self.groups}, "
+                        f"{self.mode}>")
+            return f"sk_rows16<{head}, {self.group}, {self.k}, {self.mode}>"
         head = f"{CTYPES[din]}, {CTYPES[dout]}, {ROW_OPS[op]}, {self.threads}"
-        if self.staged:
-            return f"sk_rows_staged<{head}, {self.k}, {self.cluster}>"
         if self.cluster == 1:
             return f"sk_rows<{head}, {self.group}, {self.k}>"
         return f"sk_rows_cluster<{head}, {self.k}, {self.cluster}>"
+
+    def describe(self) -> str:
+        """A short label: threads, group x loads, cluster, staging."""
+        text = f"{self.threads}x{self.k}" if self.group == self.threads else (
+            f"{self.threads} threads, {self.group}x{self.k} per row")
+        if self.cluster > 1:
+            text += f" cluster {self.cluster}"
+        if self.staged:
+            text += f" staged ({self.groups} groups)"
+        if self.mode & 1:
+            text += " st.cs"
+        return text
 
 
 ROW_CONFIGS: tuple[RowConfig, ...] = (
@@ -69,65 +92,100 @@ ROW_CONFIGS: tuple[RowConfig, ...] = (
     RowConfig(128, 128, 4),
     RowConfig(256, 256, 4),
     RowConfig(256, 256, 4, 2),
-    RowConfig(512, 512, 8, staged=True),
     RowConfig(256, 256, 4, 4),
     RowConfig(256, 256, 4, 8),
     RowConfig(1024, 1024, 4, 4),
     RowConfig(1024, 1024, 4, 8),
-    RowConfig(1024, 1024, 8, 8, staged=True),
     RowConfig(512, 512, 16, 8),
 )
-"""Ordered by capacity among the configurations a call may use (:func:`row_staged`): the
-first that holds a row serves it.  The staged ones serve 16-bit softmax and log_softmax where
-they were measured faster on the H200 (bf16, graph replay): 75% of the copy bandwidth against
-59% for the 4-block cluster at 4096 x 32768, 55% against 24-45% at 256 x 524288, whose
-register-held segments spill."""
+"""The general row kernels (float32, logsumexp), ordered by capacity: the first that holds a
+row serves it."""
 
+ROW16_CONFIGS: tuple[RowConfig, ...] = (
+    RowConfig(256, 4, 1, lean=True, mode=1),
+    RowConfig(256, 8, 1, lean=True, mode=1),
+    RowConfig(256, 16, 1, lean=True, mode=1),
+    RowConfig(256, 32, 1, lean=True, mode=1),
+    RowConfig(256, 32, 2, lean=True, mode=1),
+    RowConfig(256, 32, 4, lean=True, mode=1),
+    RowConfig(128, 128, 2, lean=True, mode=1),
+    RowConfig(256, 256, 2, lean=True, mode=1),
+    RowConfig(256, 256, 4, lean=True, mode=1),
+    RowConfig(256, 256, 8, staged=True, lean=True, groups=4),
+    RowConfig(256, 256, 8, 2, staged=True, lean=True, groups=4),
+    RowConfig(256, 256, 8, 4, staged=True, lean=True, groups=4),
+    RowConfig(256, 256, 8, 8, staged=True, lean=True, groups=4),
+    RowConfig(256, 256, 16, 8, staged=True, lean=True, groups=4),
+    RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4),
+)
+"""The lean 16-bit softmax / log_softmax kernels (:func:`row_lean`), ordered by capacity.  On
+the H200 (graph replay, sweep_rows16.py): 16 threads of one load per 128-element row, 256
+threads of 2 loads per 4096-element row with streaming stores (86-87% of the copy bandwidth
+against 74-80% for the general kernel); longer rows staged in shared memory in 32 KB blocks
+(85-87% at 4096 x 32768, two-block clusters) or 64 KB blocks over 16-block clusters
+(77-79% at 256 x 524288, against 55-59% for 8 blocks of 128 KB)."""
 
 ROW_ALTERNATIVES: tuple[RowConfig, ...] = (
     RowConfig(128, 4, 4),
     RowConfig(256, 8, 2),
     RowConfig(1024, 1024, 4),
     RowConfig(1024, 1024, 8, 8),
-    RowConfig(512, 512, 16, 8, staged=True),
-    RowConfig(1024, 1024, 4, 2, staged=True),
-    RowConfig(1024, 1024, 4, staged=True),
+    RowConfig(128, 128, 4, lean=True, mode=1),
+    RowConfig(64, 64, 8, lean=True, mode=1),
+    RowConfig(128, 8, 2, lean=True, mode=1),
+    RowConfig(256, 8, 2, lean=True, mode=1),
+    RowConfig(512, 512, 8, staged=True, lean=True, groups=4),
+    RowConfig(1024, 1024, 4, staged=True, lean=True, groups=4),
+    RowConfig(512, 512, 8, 16, staged=True, lean=True, groups=4),
 )
 """Other row configurations, built on request only (gpu_check.py compares them)."""
 
-
-def row_staged(op: str, din: str, dout: str) -> bool:
-    """Whether the staged configurations serve ``op`` from ``din`` to ``dout`` (16-bit softmax
-    and log_softmax; the kernel has no float32 or logsumexp form)."""
-    return op in ("softmax", "log_softmax") and ITEMSIZE[din] == 2 and ITEMSIZE[dout] == 2
+NON_PORTABLE_CLUSTER = 8
+"""Clusters larger than this need the non-portable cluster-size attribute at launch."""
 
 
-def row_configs(staged: bool) -> tuple[RowConfig, ...]:
-    """The configurations of :data:`ROW_CONFIGS` a call may use, in order."""
-    return tuple(c for c in ROW_CONFIGS if staged or not c.staged)
+def row_lean(op: str, din: str, dout: str) -> bool:
+    """Whether the lean 16-bit kernels serve ``op`` from ``din`` to ``dout`` (softmax and
+    log_softmax from a 16-bit type to itself)."""
+    return op in ("softmax", "log_softmax") and din == dout and ITEMSIZE[din] == 2
 
 
-def row_config(n: int, itemsize: int, staged: bool = False) -> RowConfig | None:
-    """The smallest configuration that holds a row of ``n`` elements, or None if none does;
-    ``staged`` admits the staged configurations (see :func:`row_staged`)."""
-    for config in row_configs(staged):
+def row_configs(lean: bool) -> tuple[RowConfig, ...]:
+    """The configurations a call may use, in order: :data:`ROW16_CONFIGS` for the calls
+    :func:`row_lean` admits, :data:`ROW_CONFIGS` otherwise."""
+    return ROW16_CONFIGS if lean else ROW_CONFIGS
+
+
+def row_config(n: int, itemsize: int, lean: bool = False) -> RowConfig | None:
+    """The smallest configuration that holds a row of ``n`` elements, or None if none does."""
+    for config in row_configs(lean):
         if n <= config.capacity(itemsize):
             return config
     return None
 
 
 def max_row_length(itemsize: int) -> int:
-    """The longest row the row kernels hold on chip."""
+    """The longest row the row kernels hold on chip (the lean list holds as long a row)."""
     return ROW_CONFIGS[-1].capacity(itemsize)
 
 
 def row_modules() -> list[tuple[str, str, str, list[str]]]:
     """Every row module the backend may build: ``(op, din, dout, name_expressions)``."""
     return [
-        (op, din, dout, [c.name(op, din, dout) for c in row_configs(row_staged(op, din, dout))])
+        (op, din, dout, [c.name(op, din, dout) for c in row_configs(row_lean(op, din, dout))])
         for op in ROW_OPS
         for din, dout in ROW_DTYPE_PAIRS
     ]
+
+
+def row_alternative_names(op: str, din: str, dout: str) -> tuple[str, ...]:
+    """The name expressions of the module that serves configurations given explicitly (every
+    declared and alternative configuration that applies to ``op`` from ``din`` to ``dout``)."""
+    lean = row_lean(op, din, dout)
+    found = dict.fromkeys(c.name(op, din, dout)
+                          for c in (*ROW_CONFIGS, *ROW16_CONFIGS, *ROW_ALTERNATIVES)
+                          if lean or not c.lean)
+    return tuple(found)
 
 
 ATTENTION_DTYPES = ("float16", "bfloat16")

@@ -16,17 +16,20 @@ import numpy as np
 from . import compiler, interop
 from .configs import (
     ITEMSIZE,
-    ROW_ALTERNATIVES,
+    NON_PORTABLE_CLUSTER,
     RowConfig,
     grad_config,
     grad_modules,
     grad_name,
+    row_alternative_names,
     row_config,
+    row_lean,
     row_modules,
-    row_staged,
 )
 
 _NAMES = {(op, din, dout): tuple(names) for op, din, dout, names in row_modules()}
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+"""``CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED`` (cuda.h; CuPy names no constant)."""
 
 
 def _aligned(address: int, stride_bytes: int, width: int) -> bool:
@@ -43,15 +46,20 @@ def _plan(op: str, din: str, dout: str, n: int, rows: int,
     module of their own)."""
     names = _NAMES[(op, din, dout)]
     if config is None:
-        config = row_config(n, ITEMSIZE[din], row_staged(op, din, dout))
+        config = row_config(n, ITEMSIZE[din], row_lean(op, din, dout))
     elif config.name(op, din, dout) not in names:
-        names = tuple(c.name(op, din, dout) for c in ROW_ALTERNATIVES)
+        names = row_alternative_names(op, din, dout)
     if config is None or n > config.capacity(ITEMSIZE[din]):  # can_run declines these rows
         raise ValueError(f"rows of {n} elements are longer than the row kernels hold")
     kernel = compiler.function("rows.cu", names, config.name(op, din, dout))
     if config.shared_bytes() > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = config.shared_bytes()
-    if config.cluster > 1:
+    if config.cluster > NON_PORTABLE_CLUSTER:
+        from cupy.cuda import driver
+
+        # 16-block clusters are non-portable: the kernel must opt in (sm_90 allows 16)
+        driver.funcSetAttribute(kernel.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    if config.cluster > 1 or config.staged:
         grid = rows * config.cluster
     else:
         grid = -(-rows // (config.threads // config.group))

@@ -7,55 +7,79 @@ import re
 import pytest
 from softmaxkit_cupy.compiler import source
 from softmaxkit_cupy.configs import (
+    NON_PORTABLE_CLUSTER,
+    ROW16_CONFIGS,
     ROW_ALTERNATIVES,
     ROW_CONFIGS,
     all_modules,
     max_row_length,
+    row_alternative_names,
     row_config,
     row_configs,
+    row_lean,
     row_modules,
-    row_staged,
 )
 
 
-@pytest.mark.parametrize(("itemsize", "staged"), [(2, False), (2, True), (4, False)])
-def test_row_config_is_the_smallest_that_holds_the_row(itemsize: int, staged: bool) -> None:
-    usable = row_configs(staged)
+@pytest.mark.parametrize(("itemsize", "lean"), [(2, False), (2, True), (4, False)])
+def test_row_config_is_the_smallest_that_holds_the_row(itemsize: int, lean: bool) -> None:
+    usable = row_configs(lean)
     capacities = [c.capacity(itemsize) for c in usable]
     assert capacities == sorted(capacities)
     lengths = sorted({1, 2, 7, 8, 9, 127, 128, 129, 4095, 4096, 4097, 32768, 65537,
                       max_row_length(itemsize)} | set(capacities) | {c + 1 for c in capacities})
     for n in lengths:
-        config = row_config(n, itemsize, staged)
+        config = row_config(n, itemsize, lean)
         if n > max_row_length(itemsize):
             assert config is None
             continue
         assert config is not None and config.capacity(itemsize) >= n
-        assert staged or not config.staged
+        assert config.lean == lean
         smaller = [c for c in usable if c.capacity(itemsize) < config.capacity(itemsize)]
         assert all(c.capacity(itemsize) < n for c in smaller)
 
 
-def test_staged_configurations_serve_16_bit_softmax_only() -> None:
-    assert row_staged("softmax", "bfloat16", "bfloat16")
-    assert row_staged("log_softmax", "float16", "float16")
-    assert not row_staged("logsumexp", "bfloat16", "bfloat16")
-    assert not row_staged("softmax", "float32", "float32")
+def test_lean_configurations_serve_16_bit_softmax_only() -> None:
+    assert row_lean("softmax", "bfloat16", "bfloat16")
+    assert row_lean("log_softmax", "float16", "float16")
+    assert not row_lean("logsumexp", "bfloat16", "bfloat16")
+    assert not row_lean("softmax", "float32", "float32")
+    assert not row_lean("softmax", "bfloat16", "float32")
     for op, din, dout, names in row_modules():
-        assert any("sk_rows_staged" in n for n in names) == row_staged(op, din, dout)
-    # the long 16-bit rows of the benchmarks take the staged kernels
-    assert row_config(32768, 2, staged=True).staged
-    assert row_config(524288, 2, staged=True).staged
-    assert not row_config(4096, 2, staged=True).staged
+        assert all(n.startswith("sk_rows16") == row_lean(op, din, dout) for n in names)
+    with pytest.raises(ValueError):
+        ROW16_CONFIGS[0].name("logsumexp", "bfloat16", "bfloat16")
+    # the lean list holds rows as long as the general one
+    assert ROW16_CONFIGS[-1].capacity(2) == max_row_length(2)
+    # the benchmark shapes: 16 threads per 128-element row, 256 x 2 loads per 4096, staged
+    # 32 KB blocks in 2-block clusters at 32768 and 64 KB blocks in 16-block clusters at 524288
+    assert row_config(128, 2, lean=True) == ROW16_CONFIGS[2]
+    assert (row_config(4096, 2, lean=True).threads, row_config(4096, 2, lean=True).k) == (256, 2)
+    long = row_config(32768, 2, lean=True)
+    assert long.staged and long.cluster == 2 and long.shared_bytes() == 32 * 1024
+    longest = row_config(524288, 2, lean=True)
+    assert longest.staged and longest.cluster == 16 and longest.shared_bytes() == 64 * 1024
 
 
 def test_configurations_are_well_formed() -> None:
-    for c in ROW_CONFIGS + ROW_ALTERNATIVES:
+    for c in ROW_CONFIGS + ROW16_CONFIGS + ROW_ALTERNATIVES:
         assert c.threads % 32 == 0 and c.threads <= 1024
         assert c.group <= 32 or c.group == c.threads  # packed rows stay inside one warp
-        assert c.threads % c.group == 0 and c.cluster in (1, 2, 4, 8)
+        assert c.threads % c.group == 0 and c.cluster in (1, 2, 4, 8, 16)
+        assert c.cluster <= NON_PORTABLE_CLUSTER or (c.lean and c.staged)
         assert c.cluster == 1 or c.group == c.threads
-        assert not c.staged or (c.group == c.threads and c.shared_bytes() <= 227 * 1024)
+        assert not c.staged or (c.lean and c.group == c.threads
+                                and c.shared_bytes() <= 227 * 1024 and c.k % c.groups == 0
+                                and c.groups <= 8)
+
+
+def test_alternative_module_holds_every_applicable_configuration() -> None:
+    names = row_alternative_names("softmax", "bfloat16", "bfloat16")
+    assert len(set(names)) == len(names)
+    assert all(c.name("softmax", "bfloat16", "bfloat16") in names
+               for c in ROW_CONFIGS + ROW16_CONFIGS + ROW_ALTERNATIVES)
+    assert not any("sk_rows16" in n for n in row_alternative_names("logsumexp", "float16",
+                                                                     "float16"))
 
 
 def test_every_module_names_distinct_kernels_defined_in_its_source() -> None:

@@ -12,7 +12,7 @@
 // -inf at load; an allowed NaN makes the row NaN; an allowed +inf makes softmax NaN,
 // log_softmax NaN at the +inf positions and -inf elsewhere, logsumexp +inf; a row with
 // nothing above -inf gives 0 / -inf / -inf, or NaN under masked="nan".  (mma.cuh brings the
-// asynchronous copies the staged kernel uses.)
+// asynchronous copies the staged kernels of rows16.cuh use.)
 #include "mma.cuh"
 
 #define SK_SOFTMAX 0
@@ -313,108 +313,6 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
                                                               n, vec_ok, masked_nan);
 }
 
-// Long rows split over a cluster with the segment staged in shared memory instead of registers
-// (THREADS * K 16-byte pieces per block, loaded with cp.async on aligned unmasked rows): no
-// register pressure however long the segment, at the cost of re-reading it from shared memory
-// for the sum and the output (softmax recomputes its exponentials there).  16-bit results only.
-template <typename Tin, typename Tout, int OP, int THREADS, int K, int CLUSTER>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 / THREADS)
-    sk_rows_staged(
-    const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
-    long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
-    int masked_nan) {
-    static_assert(sizeof(Tout) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
-    constexpr int VEC = 16 / sizeof(Tin);
-    constexpr int CAP = THREADS * K * VEC;
-    extern __shared__ uint4 sk_stage[];
-    __shared__ float scratch[3 * (THREADS / 32 + 1)];
-    __shared__ float summary[4];
-    const int lane = threadIdx.x;
-    const long long row = blockIdx.x / CLUSTER;
-    const int seg0 = static_cast<int>(sk_cluster_rank()) * CAP;
-    const Tin* xr = x + row * ld_x;
-    const bool fast = vec_ok && w == nullptr;
-    uint4 none;
-    {
-        Tin* v = reinterpret_cast<Tin*>(&none);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) v[e] = sk_from_float<Tin>(-SK_INF);
-    }
-    // each thread stages, and later reads, only its own pieces: no barrier needed
-#pragma unroll 1
-    for (int j = 0; j < K; ++j) {
-        const int base = seg0 + (j * THREADS + lane) * VEC;
-        uint4* dst = &sk_stage[j * THREADS + lane];
-        if (fast && base < n) {
-            sk_cp_async16(dst, xr + base, true);
-        } else if (base >= n) {
-            *dst = none;
-        } else {
-            uint4 piece[1];
-            sk_rows_load<Tin, THREADS, 1>(piece, x, ld_x, w, ld_w, row, true, seg0 + j * THREADS * VEC,
-                                          lane, n, vec_ok);
-            *dst = piece[0];
-        }
-    }
-    sk_cp_async_commit();
-    sk_cp_async_wait<0>();
-
-    float m = -SK_INF;
-    int nan = 0;
-#pragma unroll 2
-    for (int j = 0; j < K; ++j) {
-        const uint4 piece = sk_stage[j * THREADS + lane];
-        const Tin* v = reinterpret_cast<const Tin*>(&piece);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-            const float f = sk_to_float(v[e]);
-            nan |= f != f;
-            m = fmaxf(m, f);
-        }
-    }
-    float s = 0.0f;
-    if (m != -SK_INF) {
-#pragma unroll 2
-        for (int j = 0; j < K; ++j) {
-            const uint4 piece = sk_stage[j * THREADS + lane];
-            const Tin* v = reinterpret_cast<const Tin*>(&piece);
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) s += sk_exp<false>(sk_to_float(v[e]) - m);
-        }
-    }
-    sk_rows_reduce<THREADS, THREADS, CLUSTER, false>(m, s, nan, scratch, summary);
-
-    const bool is_nan = nan != 0;
-    const bool posinf = !is_nan && m == SK_INF;
-    const bool empty = !is_nan && m == -SK_INF;
-    const float logs = sk_log<false>(s);
-    const float inv = 1.0f / s;
-    Tout* orow = out + row * ld_o;
-#pragma unroll 2
-    for (int j = 0; j < K; ++j) {
-        const int base = seg0 + (j * THREADS + lane) * VEC;
-        const uint4 piece = sk_stage[j * THREADS + lane];
-        const Tin* v = reinterpret_cast<const Tin*>(&piece);
-        Tout o[VEC];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-            const float f = sk_to_float(v[e]);
-            float r;
-            if (OP == SK_SOFTMAX) {
-                r = sk_exp<false>(f - m) * inv;
-                if (is_nan || posinf || (empty && masked_nan)) r = SK_NAN;
-                else if (empty) r = 0.0f;
-            } else {
-                r = (f - m) - logs;
-                if (is_nan || (empty && masked_nan)) r = SK_NAN;
-                else if (posinf) r = f == SK_INF ? SK_NAN : -SK_INF;
-                else if (empty) r = -SK_INF;
-            }
-            o[e] = sk_from_float<Tout>(r);
-        }
-        sk_rows_store<Tout, VEC>(orow, base, n, vec_ok, o);
-    }
-    if (CLUSTER > 1) sk_cluster_wait();
-}
-
+// 16-bit softmax and log_softmax have leaner kernels of their own (registers or shared-memory
+// staging):
 #include "rows16.cuh"

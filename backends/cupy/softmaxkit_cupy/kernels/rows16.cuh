@@ -178,29 +178,28 @@ __device__ __forceinline__ void sk_put16(T* orow, int base, int n, int vec_ok, b
     }
 }
 
-// One row segment per G threads, K 16-byte pieces per thread, held in registers.
-template <typename T, int OP, int THREADS, int G, int K, int MODE>
-__global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_rows16(
-    const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
-    long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
-    int masked_nan) {
-    static_assert(sizeof(T) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
-    constexpr int VEC = 8;
-    __shared__ float scratch[3 * (THREADS / 32 + 1)];
-    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
-    const long long row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
-    const bool active = row < rows;
-    // the whole segment in range and 16-byte aligned: no per-piece tests
-    const bool full = active && vec_ok && (lane + (K - 1) * G) * VEC < n;
-    uint4 raw[K];
-    if (full && w == nullptr) {
-        const T* xr = x + row * ld_x + lane * VEC;
+// Load a thread's K pieces of row segment [0, G K VEC) of `row` (all loads issued before any
+// use where the segment is whole, aligned and unmasked; otherwise through sk_rows_load).
+template <typename T, int G, int K, int MODE>
+__device__ __forceinline__ void sk_rows16_fetch(
+    uint4 (&raw)[K], const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, long long row, bool active, int lane, int n, int vec_ok) {
+    if (active && vec_ok && w == nullptr && (lane + (K - 1) * G) * 8 < n) {
+        const T* xr = x + row * ld_x + lane * 8;
 #pragma unroll
-        for (int j = 0; j < K; ++j) raw[j] = sk_ld_stream<MODE>(xr + j * G * VEC);
+        for (int j = 0; j < K; ++j) raw[j] = sk_ld_stream<MODE>(xr + j * G * 8);
     } else {
         sk_rows_load<T, G, K>(raw, x, ld_x, w, ld_w, row, active, 0, lane, n, vec_ok);
     }
+}
 
+// Reduce the row held in raw (by the G threads of its group) and write its result.  Every
+// thread of the block calls it (the reduction synchronizes blocks with G > 32).
+template <typename T, int OP, int THREADS, int G, int K, int MODE>
+__device__ __forceinline__ void sk_rows16_finish(
+    const uint4 (&raw)[K], T* __restrict__ out, long long ld_o, long long row, bool active,
+    int lane, int n, int vec_ok, int masked_nan, float* scratch) {
+    constexpr int VEC = 8;
     int nan = 0;
     const float m = sk_pieces_max<T, K>(raw, nan);
     // the shift for this thread's exponentials: its maximum when finite (otherwise every
@@ -230,7 +229,7 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
     const bool posinf = mr == SK_INF;
     const bool empty = mr == -SK_INF;
     T* orow = out + row * ld_o;
-    const bool fast_out = active && vec_ok && (lane + (K - 1) * G) * VEC < n;
+    const bool fast_out = vec_ok && (lane + (K - 1) * G) * VEC < n;
     if (!(is_nan || posinf || empty)) {
         if (OP == SK_SOFTMAX) {
             const float scale = m == -SK_INF ? 0.0f : sk_ex2((ms - mr) * SK_LOG2E) / s;
@@ -270,6 +269,55 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
             }
             sk_put16<T, MODE>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
         }
+    }
+}
+
+// One row segment per G threads, K 16-byte pieces per thread, held in registers.
+template <typename T, int OP, int THREADS, int G, int K, int MODE>
+__global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_rows16(
+    const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    static_assert(sizeof(T) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
+    __shared__ float scratch[2 * (THREADS / 32 + 1)];
+    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
+    const long long row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+    const bool active = row < rows;
+    uint4 raw[K];
+    sk_rows16_fetch<T, G, K, MODE>(raw, x, ld_x, w, ld_w, row, active, lane, n, vec_ok);
+    sk_rows16_finish<T, OP, THREADS, G, K, MODE>(raw, out, ld_o, row, active, lane, n, vec_ok,
+                                                 masked_nan, scratch);
+}
+
+// The same with a grid of resident blocks walking the rows: each step issues the loads of the
+// group's next row before reducing and writing the current one, so a multiprocessor always has
+// loads in flight.  Trip counts are uniform per block (idle groups reduce -inf rows and write
+// nothing), so the block's barriers and the warps' shuffles always see every thread.
+template <typename T, int OP, int THREADS, int G, int K, int MODE>
+__global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_rows16_loop(
+    const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    static_assert(sizeof(T) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
+    constexpr int PER_BLOCK = THREADS / G;
+    constexpr int SCRATCH = 2 * (THREADS / 32 + 1);
+    __shared__ float scratch[2 * SCRATCH];  // alternate halves: a step's reads before the next
+    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
+    const long long stride = static_cast<long long>(gridDim.x) * PER_BLOCK;
+    long long first = static_cast<long long>(blockIdx.x) * PER_BLOCK;
+    long long row = first + threadIdx.x / G;
+    uint4 cur[K];
+    sk_rows16_fetch<T, G, K, MODE>(cur, x, ld_x, w, ld_w, row, row < rows, lane, n, vec_ok);
+    for (int step = 0; first < rows; ++step, first += stride, row += stride) {
+        uint4 next[K];
+        if (first + stride < rows)
+            sk_rows16_fetch<T, G, K, MODE>(next, x, ld_x, w, ld_w, row + stride,
+                                           row + stride < rows, lane, n, vec_ok);
+        sk_rows16_finish<T, OP, THREADS, G, K, MODE>(cur, out, ld_o, row, row < rows, lane, n,
+                                                     vec_ok, masked_nan,
+                                                     scratch + (step & 1) * SCRATCH);
+#pragma unroll
+        for (int j = 0; j < K; ++j) cur[j] = next[j];
     }
 }
 
