@@ -46,7 +46,7 @@ PLAN_ENV = "SOFTMAXKIT_NUMBA_CUDA_PLAN"
 REGISTERS_ENV = "SOFTMAXKIT_NUMBA_CUDA_REGISTERS"
 STAGED_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
 STAGE_PLAN_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_PLAN"
-GROUPS_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
+RING_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
 
 
 def log(*args: Any) -> None:
@@ -249,7 +249,7 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 def use_plan(plan: str | None) -> None:
     """Force ``plan``: ``"threads,slots"``, then comma-separated options: ``staged`` (the plan
     of the rows staged in shared memory), ``registers`` (the register kernels, no staging),
-    ``gN`` (N copy groups per thread in the staged kernels), or a register budget."""
+    ``ringN`` (N stages per block in the staged kernels), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")
@@ -259,8 +259,8 @@ def use_plan(plan: str | None) -> None:
             os.environ[STAGED_ENV] = "1"
         elif extra == "registers":
             os.environ[STAGED_ENV] = "0"
-        elif extra.startswith("g"):
-            os.environ[GROUPS_ENV] = extra[1:]
+        elif extra.startswith("ring"):
+            os.environ[RING_ENV] = extra[4:]
         else:
             os.environ[REGISTERS_ENV] = extra
 
@@ -422,18 +422,18 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (4096, 32768)): ["256,16,staged", "512,8,staged,g1", "512,6,staged",
-                                 "256,8,staged", "256,8,registers"],
-    ("float32", (256, 524288)): ["256,16,staged", "256,24,staged", "512,8,staged,g1"],
-    ("bfloat16", (4096, 32768)): ["256,16,staged", "512,8,staged,g1", "256,8,staged",
-                                  "128,4,registers"],
-    ("bfloat16", (256, 524288)): ["256,16,staged", "512,12,staged"],
+    ("float32", (4096, 32768)): ["256,16,staged", "256,16,staged,ring1", "256,6,staged",
+                                 "256,4,staged", "256,8,registers"],
+    ("float32", (256, 524288)): ["256,16,staged", "256,16,staged,ring1", "256,4,staged"],
+    ("bfloat16", (4096, 32768)): ["256,16,staged", "256,16,staged,ring1", "256,6,staged",
+                                  "256,4,staged", "512,8,staged"],
+    ("bfloat16", (256, 524288)): ["256,16,staged", "256,16,staged,ring1", "256,4,staged"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
 softmax and log_softmax on the long rows next to the default (staged) plans."""
 CE_SWEEP: dict[tuple[int, int], list[str]] = {
-    (4096, 32768): ["256,16,staged", "128,4,registers"],
-    (4096, 128256): ["256,16,staged"],
+    (4096, 32768): ["256,16,staged", "256,16,staged,ring1"],
+    (4096, 128256): ["256,16,staged,ring1"],
 }
 
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 VALUES = {"float32": 4, "bfloat16": 8}
-"""Values per 16-byte word (a staged kernel holds one word's values: its cap is that of 8)."""
+"""Values per 16-byte word (a staged kernel's register cap is given in values)."""
 STORAGE = {"float32": "float32", "bfloat16": "int16", "float16": "float16", "float64": "float64"}
 
 
@@ -61,18 +61,19 @@ def kernels():
                 out.append((f"cross_entropy-{tag}", fn, sig, threads * rows, slots, kind))
     for kind in ("float32", "bfloat16"):
         st = STORAGE[kind]
-        for threads, slots in ((512, 8), (256, 16)):
-            tag = f"{kind}-{threads}x{slots}-staged"
+        for threads, slots, stages in ((256, 8, 2), (256, 16, 1), (256, 16, 2)):
+            tag = f"{kind}-{threads}x{slots}-staged{stages}"
+            cap_slots = staged._fit(threads, slots, stages)[1] // VALUES[kind]
             for op in ("softmax", "log_softmax"):
-                fn = staged.normalize(op, kind, threads, slots, False)
+                fn = staged.normalize(op, kind, threads, slots, False, stages)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
                        "int64, uint64[:, ::1])")
-                out.append((f"{op}-{tag}", fn, sig, threads, 8 // VALUES[kind], kind))
-            fn = staged.cross_entropy(kind, threads, slots, False, False)
+                out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))
+            fn = staged.cross_entropy(kind, threads, slots, False, False, stages)
             sig = (f"({st}[:, ::1], boolean[:, ::1], int64[::1], float32[::1], "
                    f"float32[:, ::1], {st}[:, ::1], int64, int64, int64, float32[:, ::1], "
                    "int32[::1], uint64[:, ::1], float64, boolean, int64)")
-            out.append((f"cross_entropy-{tag}", fn, sig, threads, 8 // VALUES[kind], kind))
+            out.append((f"cross_entropy-{tag}", fn, sig, threads, cap_slots, kind))
     return out
 
 

@@ -120,6 +120,20 @@ def device_index(device: Any, lib: str) -> int:
     return 0
 
 
+_multiprocessors: dict[int, int] = {}
+
+
+def multiprocessors(a: Any, lib: str) -> int:
+    """Multiprocessors of the device that holds ``a`` (numba's device attribute)."""
+    index = device_index(getattr(a, "device", None), lib)
+    count = _multiprocessors.get(index)
+    if count is None:
+        with _on_device(index):
+            count = int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+        _multiprocessors[index] = count
+    return count
+
+
 def _torch() -> Any:
     import torch
 

@@ -18,7 +18,17 @@ from softmaxkit.dtypes import dtype_name as _dtype_name
 
 from . import plan as plans
 from . import rowkernels, staged, tiled
-from .arrays import dummy, empty, kernel_view, launch, library, rows, run, vectorizable
+from .arrays import (
+    dummy,
+    empty,
+    kernel_view,
+    launch,
+    library,
+    multiprocessors,
+    rows,
+    run,
+    vectorizable,
+)
 from .intrinsics import SIMULATOR
 from .storage import VECTOR_WIDTH
 
@@ -86,6 +96,17 @@ def _slots(xp: Any, like: Any, lib: str, p: plans.Plan, n_rows: int, acc_name: s
     return wsp.view(np.uint64)
 
 
+def _staged_launch(p: plans.Plan, n_rows: int, stages: int, like: Any,
+                   lib: str) -> tuple[int, int]:
+    """Blocks and dynamic shared memory of a staged kernel (:mod:`.staged`)."""
+    if SIMULATOR:  # two rows at a time: each block takes several items in turn
+        resident = 2 * p.chunks
+    else:
+        resident = multiprocessors(like, lib) * staged.blocks_per_sm(p.threads, p.slots, stages)
+    return (staged.grid(n_rows, p.chunks, resident, stages),
+            staged.shared_bytes(p.threads, p.slots, stages))
+
+
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
     lib = library(x)
     out = empty(xp, x, tuple(x.shape), out_dtype)
@@ -96,18 +117,19 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
     vector, width, (xv, ov) = _layout(lib, kin, kout, [xr, out.reshape(n_rows, n)])
     p = _plan(n // width, kin, vector)
-    shared = 0
     if staged.enabled(kin, p.split, vector, kin == kout):
+        stages = staged.ring()
         p = plans.staged(n // width, SIMULATOR)
-        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None)
-        shared = staged.shared_bytes(p.threads, p.slots)
+        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None, stages)
+        blocks, shared = _staged_launch(p, n_rows, stages, x, lib)
     else:
         kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots,
                                       p.rows_per_block, p.split, where is not None)
+        blocks, shared = p.grid(n_rows), 0
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     wsp = _slots(xp, x, lib, p, n_rows, accumulator_name(kin))
     with launch(x, lib) as stream:
-        run(kernel, p.grid(n_rows), p.block, stream, xv, w, masked == "nan", ov, n_rows,
+        run(kernel, blocks, p.block, stream, xv, w, masked == "nan", ov, n_rows,
             n // width, p.chunks, wsp, shared=shared)
     return out
 
@@ -241,15 +263,17 @@ def cross_entropy(
         return loss, grad
     p = _plan(n // width, kin, vector)
     smooth = float(label_smoothing) != 0.0
-    shared = 0
     if grad is not None and staged.enabled(kin, p.split, vector, kin == kout):
+        stages = staged.ring()
         p = plans.staged(n // width, SIMULATOR)
-        kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth)
-        shared = staged.shared_bytes(p.threads, p.slots)
+        kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth,
+                                      stages)
+        blocks, shared = _staged_launch(p, n_rows, stages, logits, lib)
     else:
         kernel = rowkernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
                                           p.rows_per_block, p.split, where is not None,
                                           grad is not None, smooth)
+        blocks, shared = p.grid(n_rows), 0
     if grad is not None:
         ws, sync = _counters(xp, logits, lib, plans.make(1, 1, 1), n_rows, acc, 0)
         wsp = _slots(xp, logits, lib, p, n_rows, accumulator_name(kin))
@@ -257,7 +281,7 @@ def cross_entropy(
         ws, sync = _counters(xp, logits, lib, p, n_rows, acc, 4 if smooth else 2)
         wsp = _slots(xp, logits, lib, plans.make(1, 1, 1), n_rows, accumulator_name(kin))
     with launch(logits, lib) as stream:
-        run(kernel, p.grid(n_rows), p.block, stream, xv, w, idx, scale, lv, gv, n_rows,
+        run(kernel, blocks, p.block, stream, xv, w, idx, scale, lv, gv, n_rows,
             n // width, p.chunks, ws, sync, wsp, float(label_smoothing),
             ignore_index is not None, ignore, shared=shared)
     return loss, grad

@@ -14,8 +14,8 @@ when the row cannot be read in 16-byte words, one element.
   of a row combine their (max, sum) summaries (see :mod:`.rowkernels`).
 
 Rows that the register plan splits, read in 16-byte words, are staged in shared memory
-instead (:func:`staged`, :mod:`.staged`): a block per row when the row fits in
-:data:`STAGE_BYTES`, else a block per chunk of the fewest equal chunks that fit.
+instead (:func:`staged`, :mod:`.staged`): one chunk when the row fits in a stage of
+:data:`STAGE_BYTES`, else the fewest equal chunks that fit.
 
 Kernels that walk a row in tiles instead (:mod:`.tiled`) read ``chunks`` as the number of
 tiles.  This module imports no numba: the plan is plain arithmetic, tested on its own.
@@ -33,10 +33,10 @@ BLOCK = 256
 """Threads of a block holding one chunk of a long row."""
 MAX_THREADS = 1024
 WORD_BYTES = 16
-STAGE_BYTES = 64 * 1024
-"""Shared memory of a block staging a row or a chunk of one: three blocks of 512 threads fit on
-a multiprocessor of 228 KB (and 64K registers at 40 per thread)."""
-STAGE_THREADS = 512
+STAGE_BYTES = 32 * 1024
+"""Shared memory of a stage holding a row or a chunk of one (a block has two: three blocks fit
+on a multiprocessor of 228 KB)."""
+STAGE_THREADS = 256
 OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_PLAN"
 """Environment variable ``"threads,slots"`` that forces a plan (for tests and tuning)."""
 STAGE_OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_STAGE_PLAN"
@@ -129,9 +129,8 @@ def choose(n: int, slots: int | tuple[int, int, int], simulator: bool = False,
 
 def staged(n: int, simulator: bool = False, stage_bytes: int = STAGE_BYTES) -> Plan:
     """The plan for rows of ``n`` 16-byte words staged in shared memory: one block per row
-    when the row fits in ``stage_bytes``, else the fewest equal chunks that fit, one block
-    each; :data:`STAGE_THREADS` threads (half as many for chunks of at most 2048 words), one
-    row per block.
+    when the row fits in ``stage_bytes``, else the fewest equal chunks that fit;
+    :data:`STAGE_THREADS` threads a block (one chunk at a time).
 
     :data:`STAGE_OVERRIDE`, else :data:`OVERRIDE`, replaces the choice when it names whole
     warps.
@@ -145,5 +144,4 @@ def staged(n: int, simulator: bool = False, stage_bytes: int = STAGE_BYTES) -> P
         return make(WARP, min(8, -(-n // WARP)), n, group_threads=WARP)
     chunks = max(1, -(-n * WORD_BYTES // stage_bytes))
     words = -(-n // chunks)
-    threads = STAGE_THREADS if words > 4 * STAGE_THREADS else STAGE_THREADS // 2
-    return make(threads, -(-words // threads), n, group_threads=threads)
+    return make(STAGE_THREADS, -(-words // STAGE_THREADS), n, group_threads=STAGE_THREADS)

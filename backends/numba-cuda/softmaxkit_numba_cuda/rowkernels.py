@@ -140,10 +140,13 @@ def _chunk_io(kind: str, vector: bool, threads: int, slots: int, has_where: bool
 
 @functools.cache
 def _chunk_stream(kind: str, vector: bool, threads: int, slots: int, has_where: bool,
-                  count: bool):
+                  count: bool, rolled: bool = False):
     """Device function ``stream_stats(xr, wr, nw, base) -> (m, s, included, zsum)``: what
     ``load_chunk`` and ``thread_sum`` give for the thread's words ``base + threads * j``, the
-    same operations in the same order, reading one word at a time (twice) from memory."""
+    same operations in the same order, reading one word at a time (twice) from memory.
+
+    ``rolled``: the loops' trip count is not a compile-time constant, so they are not
+    unrolled (a rare path that should not claim registers of the kernel around it)."""
     acc_name, acc = _acc(kind)
     width, load_word, _ = word_io(kind, vector)
     tmax = thread_max(acc_name)
@@ -166,7 +169,8 @@ def _chunk_stream(kind: str, vector: bool, threads: int, slots: int, has_where: 
     def stream_stats(xr, wr, nw, base):
         buf = cuda.local.array(width, acc)
         m = neg_inf
-        for j in range(slots):
+        n_slots = (slots if nw >= 0 else 0) if rolled else slots
+        for j in range(n_slots):
             load_one(xr, wr, nw, base + j * threads, buf)
             for v in range(width):
                 m = tmax(m, buf[v])
@@ -174,7 +178,7 @@ def _chunk_stream(kind: str, vector: bool, threads: int, slots: int, has_where: 
         c = zero
         z = zero
         if m > neg_inf and m < POS_INF:
-            for j in range(slots):
+            for j in range(n_slots):
                 load_one(xr, wr, nw, base + j * threads, buf)
                 for v in range(width):
                     d = buf[v] - m
@@ -340,7 +344,7 @@ def _slots(acc_name: str, fields: int):
 
 @functools.cache
 def _row_summary(kind: str, vector: bool, threads: int, slots: int, has_where: bool,
-                 fields: int):
+                 fields: int, rolled: bool = False):
     """Device function ``collect(wsp, xr, wr, nw, r, chunks, scratch, flag) -> (M, S, count,
     zsum)``: the whole row's summary for a block of a split row that has published its own
     chunk's (see the module docstring: bounded polling, then the missing chunks computed
@@ -349,7 +353,7 @@ def _row_summary(kind: str, vector: bool, threads: int, slots: int, has_where: b
     acc_name, acc = _acc(kind)
     counting = fields == 4
     publish, peek, counts = _slots(acc_name, fields)
-    stream_stats = _chunk_stream(kind, vector, threads, slots, has_where, counting)
+    stream_stats = _chunk_stream(kind, vector, threads, slots, has_where, counting, rolled)
     merge = summary_ops(acc_name)[1]
     pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
     neg_inf, zero = acc(NEG_INF), acc(0.0)

@@ -1,21 +1,25 @@
 """Long rows staged in shared memory: softmax, log_softmax and cross-entropy with its gradient.
 
-A row longer than a block holds in registers is copied to shared memory with ``cp.async``
-(the copy never passes through registers), one block per row when the row fits in
-:data:`.plan.STAGE_BYTES`, otherwise one block per chunk of the fewest equal chunks that fit
-(:func:`.plan.staged`).  A block needs few registers (one word's values at a time) and
-several blocks fit on a multiprocessor, so many bytes are in flight; a row that fits one block
-exchanges nothing with other blocks.
+A row longer than a block holds in registers is cut into the fewest equal chunks that fit a
+stage of shared memory (:func:`.plan.staged`; one chunk when the row fits) and each chunk is
+copied to a stage with ``cp.async``, which never passes through registers: a block needs few
+registers (one word's values at a time) and several blocks fit on a multiprocessor.
 
-Each thread copies its words ``base + threads * j`` in :func:`groups` groups and takes its
-maximum over each group as it lands (the maximum does not depend on the order), then its sum
-of exponentials over the staged words, then writes its outputs from the staged words: the
-arithmetic and its order are those of the register kernels (:mod:`.rowkernels`), so the
-summaries of the chunks of a split row are the same whether a block or the fallback of the
-summary exchange computes them.  Each thread reads back only the words it copied, so no
-barrier is needed between the copy and the reads.  Excluded positions (``where`` False) are
-overwritten with ``-inf`` in the staged words before the first use; the tail past the row's
-end is never read.
+Work items are the chunks, item ``t`` being chunk ``t % chunks`` of row ``t // chunks``.  With
+a ring of two stages (:func:`ring`, the default) the grid is persistent: a block takes items
+``t, t + grid, t + 2 grid, ...`` and starts copying its next item into the other stage before
+it works on the current one, so the copy of the next chunk overlaps the current chunk's
+arithmetic, its wait for the row's summary and its stores.  The grid is what fits on the
+device at once, a multiple of ``chunks`` (:func:`grid`), so the chunks of a row are worked on
+together.  With one stage, each block takes one item.
+
+Per item, each thread waits for its own copies, overwrites its excluded values (``where``
+False) with ``-inf`` and takes its maximum, then its sum of exponentials, and the block merges
+the pairs; the blocks of a split row exchange their summaries as in :mod:`.rowkernels` (a
+bounded wait, then the missing chunks summarized from device memory with the same arithmetic
+in the same order).  Outputs are written from the staged words.  Each thread reads back only
+the words it copied, so no barrier is needed between a copy and its reads, nor before a stage
+is refilled.
 
 Staged kernels serve rows that the register plan splits, read in 16-byte words (float32,
 bfloat16, float16, the same dtype in and out); the environment variable :data:`ENABLE` = ``0``
@@ -29,18 +33,29 @@ import os
 
 from numba import float32, int32, uint32
 
-from .intrinsics import NAN, NEG_INF, POS_INF, cuda, device_function, kernel, log_f32
+from .intrinsics import (
+    NAN,
+    NEG_INF,
+    POS_INF,
+    cuda,
+    device_function,
+    kernel,
+    log_f32,
+    register_cap,
+)
 from .plan import WORD_BYTES
 from .reductions import SCRATCH, exponential, group_reducers, thread_max
-from .rowkernels import _placement, _row_summary, _slots
+from .rowkernels import _row_summary, _slots
 from .storage import loader, storer, word_codec
 from .wide import cp_async16, cp_async_commit, cp_async_pending, store16
 
 ENABLE = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
-GROUPS = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
-"""Environment variable: the copy groups a thread's words are split into (tuning)."""
+RING = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
+"""Environment variable: stages per block, 2 (persistent grid, next chunk copied ahead) or 1."""
 KINDS = ("float32", "bfloat16", "float16")
-DEFAULT_GROUPS = 4
+SHARED_PER_SM = 228 * 1024
+"""Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
+BLOCK_OVERHEAD = 1536
 
 
 def enabled(kind: str, split: bool, vector: bool, same_dtype: bool) -> bool:
@@ -49,70 +64,86 @@ def enabled(kind: str, split: bool, vector: bool, same_dtype: bool) -> bool:
             and kind in KINDS)
 
 
-def groups(slots: int) -> int:
-    """Copy groups of a thread's ``slots`` words (at most 4, each of whole words)."""
-    g = int(os.environ.get(GROUPS, DEFAULT_GROUPS))
-    g = max(1, min(g, 4, slots))
-    while slots % g:
-        g -= 1
-    return g
+def ring() -> int:
+    """Stages per block: 2 (the default) or 1."""
+    return 1 if os.environ.get(RING) == "1" else 2
 
 
-def shared_bytes(threads: int, slots: int) -> int:
-    """Dynamic shared memory of a block staging ``threads * slots`` words."""
-    return threads * slots * WORD_BYTES
+def shared_bytes(threads: int, slots: int, stages: int) -> int:
+    """Dynamic shared memory of a block with ``stages`` stages of ``threads * slots`` words."""
+    return stages * threads * slots * WORD_BYTES
+
+
+def _fit(threads: int, slots: int, stages: int) -> tuple[int, int]:
+    """``(blocks per multiprocessor, values)``: the blocks that shared memory and threads
+    allow on sm_90, and the values per thread that set the kernel's register budget
+    (:func:`.intrinsics.register_cap`: 40, 56 or 80 registers, as many as those blocks leave;
+    the fallback of the summary exchange keeps many values live)."""
+    smem = shared_bytes(threads, slots, stages) + BLOCK_OVERHEAD
+    blocks = max(1, min(SHARED_PER_SM // smem, 2048 // threads))
+    values = 8 if blocks * threads > 1024 else 16 if blocks * threads > 768 else 32
+    return min(blocks, 65536 // (threads * register_cap(threads, values))), values
+
+
+def blocks_per_sm(threads: int, slots: int, stages: int) -> int:
+    """Blocks of a staged kernel that fit on one multiprocessor."""
+    return _fit(threads, slots, stages)[0]
+
+
+def grid(n_rows: int, chunks: int, resident: int, stages: int) -> int:
+    """Blocks to launch for ``n_rows`` rows of ``chunks`` chunks when ``resident`` blocks fit
+    on the device: one per item with one stage (or when a row has more chunks than fit),
+    else the largest multiple of ``chunks`` that fits, at most one per item."""
+    total = n_rows * chunks
+    if stages == 1 or chunks > resident:
+        return total
+    return min(total, resident // chunks * chunks)
 
 
 @functools.cache
-def _stage(kind: str, threads: int, slots: int, has_where: bool, n_groups: int,
-           count: bool):
-    """Device functions of a thread's staged words ``base + threads * j`` (``lane`` its
-    thread index): ``load(stage, xr, wr, nw, base, lane) -> m_t`` copies them, masks them and
-    returns their maximum; ``sums(stage, nw, base, lane, m_t) -> (s_t, included, zsum)``
-    as :func:`.rowkernels._thread_sum` (``included``, ``zsum`` with ``count``)."""
+def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool):
+    """Device functions on a thread's words ``base + threads * j`` of a chunk, staged at
+    ``off`` (in 32-bit words) in shared memory, ``lane`` the thread's index:
+
+    * ``issue(stage, off, xr, nw, base, lane)``: start copying them (no wait);
+    * ``land(stage, off, wr, nw, base, lane) -> m_t``: after the wait, overwrite the excluded
+      values with ``-inf`` (with ``where``) and return their maximum;
+    * ``sums(stage, off, nw, base, lane, m_t) -> (s_t, included, zsum)``: as
+      :func:`.rowkernels._thread_sum` (``included``, ``zsum`` with ``count``).
+    """
     width, decode, encode = word_codec(kind)
     tmax = thread_max("float32")
     exp = exponential("float32")
-    per = slots // n_groups
     neg_inf, zero, one = float32(NEG_INF), float32(0.0), float32(1.0)
 
-    def load(stage, xr, wr, nw, base, lane):
-        for g in range(n_groups):
-            for j in range(g * per, (g + 1) * per):
-                if base + j * threads < nw:
-                    cp_async16(stage, (lane + j * threads) * 4, xr,
-                               (base + j * threads) * width)
-            cp_async_commit()
+    def issue(stage, off, xr, nw, base, lane):
+        for j in range(slots):
+            if base + j * threads < nw:
+                cp_async16(stage, off + (lane + j * threads) * 4, xr,
+                           (base + j * threads) * width)
+
+    def land(stage, off, wr, nw, base, lane):
         buf = cuda.local.array(width, float32)
         m = neg_inf
-        if has_where:  # every word lands, then the excluded values become -inf
-            cp_async_pending(0)
-            for j in range(slots):
-                wi = base + j * threads
-                if wi < nw:
-                    q = (lane + j * threads) * 4
-                    decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
-                    for v in range(width):
+        for j in range(slots):
+            wi = base + j * threads
+            if wi < nw:
+                q = off + (lane + j * threads) * 4
+                decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
+                for v in range(width):
+                    if has_where:
                         if not wr[wi * width + v]:
                             buf[v] = neg_inf
-                        m = tmax(m, buf[v])
+                    m = tmax(m, buf[v])
+                if has_where:
                     a, b, c, d = encode(buf, 0)
                     stage[q] = a
                     stage[q + 1] = b
                     stage[q + 2] = c
                     stage[q + 3] = d
-            return m
-        for g in range(n_groups):
-            cp_async_pending(n_groups - 1 - g)  # the maximum of a group as it lands
-            for j in range(g * per, (g + 1) * per):
-                if base + j * threads < nw:
-                    q = (lane + j * threads) * 4
-                    decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
-                    for v in range(width):
-                        m = tmax(m, buf[v])
         return m
 
-    def sums(stage, nw, base, lane, m_t):
+    def sums(stage, off, nw, base, lane, m_t):
         buf = cuda.local.array(width, float32)
         s = zero
         c = zero
@@ -120,7 +151,7 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, n_groups: int,
         if m_t > neg_inf and m_t < POS_INF:
             for j in range(slots):
                 if base + j * threads < nw:
-                    q = (lane + j * threads) * 4
+                    q = off + (lane + j * threads) * 4
                     decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
                     for v in range(width):
                         d = buf[v] - m_t
@@ -130,194 +161,254 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, n_groups: int,
                             z += d
         return s, c, z
 
-    return device_function(load), device_function(sums)
+    return device_function(issue), device_function(land), device_function(sums)
 
 
 @functools.cache
-def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool):
+def _items(threads: int, slots: int, stages: int, issue):
+    """Device functions that walk a block's items (see the module docstring):
+    ``first() -> t`` and ``arrive(stage, x, nw, chunks, total, t, k) -> off``, which copies
+    item ``t + grid`` ahead (two stages), waits for the copies of item ``t`` (the block's
+    ``k``-th) and returns where it is staged."""
+    words = threads * slots
+    span = words * 4  # 32-bit words of a stage
+
+    def first(stage, x, nw, chunks, total):
+        t = cuda.blockIdx.x
+        if stages == 2:
+            if t < total:
+                r = t // chunks
+                issue(stage, 0, x[r], nw, (t - r * chunks) * words + cuda.threadIdx.x,
+                      cuda.threadIdx.x)
+            cp_async_commit()
+        return t
+
+    def arrive(stage, x, nw, chunks, total, t, k):
+        lane = cuda.threadIdx.x
+        if stages == 2:
+            nxt = t + cuda.gridDim.x
+            if nxt < total:
+                r = nxt // chunks
+                issue(stage, ((k + 1) & 1) * span, x[r], nw, (nxt - r * chunks) * words + lane,
+                      lane)
+            cp_async_commit()
+            cp_async_pending(1)  # item t's copies have landed, the next may be in flight
+            return (k & 1) * span
+        r = t // chunks
+        issue(stage, 0, x[r], nw, (t - r * chunks) * words + lane, lane)
+        cp_async_commit()
+        cp_async_pending(0)
+        return 0
+
+    return device_function(first), device_function(arrive)
+
+
+@functools.cache
+def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, stages: int):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` (the signature of
-    :func:`.rowkernels.normalize`): one block of ``threads`` per chunk of
-    ``threads * slots`` words, launched with :func:`shared_bytes` of dynamic shared memory."""
+    :func:`.rowkernels.normalize`): chunks of ``threads * slots`` words, blocks of ``threads``
+    with ``stages`` stages (:func:`shared_bytes` of dynamic shared memory, :func:`grid`
+    blocks)."""
     is_log = op == "log_softmax"
     width, decode, encode = word_codec(kind)
     words = threads * slots
-    load, sums = _stage(kind, threads, slots, has_where, groups(slots), False)
+    issue, land, sums = _stage(kind, threads, slots, has_where, False)
+    first, arrive = _items(threads, slots, stages, issue)
     exp = exponential("float32")
     pair_reduce = group_reducers(threads, "float32")[0]
     publish = _slots("float32", 2)[0]
-    collect = _row_summary(kind, True, threads, slots, has_where, 2)
-    place = _placement(threads, 1, True)
+    collect = _row_summary(kind, True, threads, slots, has_where, 2, True)
     nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
 
-    @kernel(threads, 8)  # a word's values and a few indices: 40 registers
+    @kernel(threads, _fit(threads, slots, stages)[1])
     def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp):
         stage = cuda.shared.array(0, uint32)
         flag = cuda.shared.array(1, int32)
         scratch = cuda.shared.array(SCRATCH, float32)
-        lane, r, c, _ = place(n_rows, chunks)
-        xr = x[r]
-        wr = w[r if has_where else 0]
-        orow = out[r]
-        base = c * words + lane
-        m_t = load(stage, xr, wr, nw, base, lane)
-        s_t, _, _ = sums(stage, nw, base, lane, m_t)
-        m, s = pair_reduce(m_t, s_t, scratch)
-        if chunks > 1:  # the row's summary from its other blocks
-            if lane == 0:
-                publish(wsp, r * chunks + c, m, s, zero, zero)
-            m, s, _, _ = collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
-        nan_row = m != m
-        inf_row = m == POS_INF
-        empty = m == neg_inf
-        log_s = log_f32(s) if not (nan_row or inf_row or empty) else zero
-        f = zero
-        if nan_row or inf_row or (masked_nan and empty):
-            f = nan
-        elif not empty and m_t > neg_inf:
-            f = exp(m_t - m) * (one / s)
+        lane = cuda.threadIdx.x
+        total = n_rows * chunks
         buf = cuda.local.array(width, float32)
-        for j in range(slots):
-            wi = base + j * threads
-            if wi < nw:
-                q = (lane + j * threads) * 4
-                decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
-                for v in range(width):
-                    x_v = buf[v]
-                    if is_log:
-                        if nan_row or (masked_nan and empty):
+        t = first(stage, x, nw, chunks, total)
+        k = 0
+        while t < total:
+            off = arrive(stage, x, nw, chunks, total, t, k)
+            r = t // chunks
+            c = t - r * chunks
+            xr = x[r]
+            wr = w[r if has_where else 0]
+            orow = out[r]
+            base = c * words + lane
+            m_t = land(stage, off, wr, nw, base, lane)
+            s_t, _, _ = sums(stage, off, nw, base, lane, m_t)
+            m, s = pair_reduce(m_t, s_t, scratch)
+            if chunks > 1:  # the row's summary from its other blocks
+                if lane == 0:
+                    publish(wsp, r * chunks + c, m, s, zero, zero)
+                m, s, _, _ = collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
+            nan_row = m != m
+            inf_row = m == POS_INF
+            empty = m == neg_inf
+            log_s = log_f32(s) if not (nan_row or inf_row or empty) else zero
+            f = zero
+            if nan_row or inf_row or (masked_nan and empty):
+                f = nan
+            elif not empty and m_t > neg_inf:
+                f = exp(m_t - m) * (one / s)
+            for j in range(slots):
+                wi = base + j * threads
+                if wi < nw:
+                    q = off + (lane + j * threads) * 4
+                    decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
+                    for v in range(width):
+                        x_v = buf[v]
+                        if is_log:
+                            if nan_row or (masked_nan and empty):
+                                o = nan
+                            elif inf_row:
+                                o = nan if x_v == POS_INF else neg_inf
+                            elif empty:
+                                o = x_v  # -inf: nothing is allowed
+                            else:
+                                o = (x_v - m) - log_s
+                        elif f != f:
                             o = nan
-                        elif inf_row:
-                            o = nan if x_v == POS_INF else neg_inf
-                        elif empty:
-                            o = x_v  # -inf: nothing is allowed
+                        elif f == zero:
+                            o = zero
                         else:
-                            o = (x_v - m) - log_s
-                    elif f != f:
-                        o = nan
-                    elif f == zero:
-                        o = zero
-                    else:
-                        o = exp(x_v - m_t) * f
-                    buf[v] = o
-                a, b, c2, d = encode(buf, 0)
-                store16(orow, wi * width, a, b, c2, d)
+                            o = exp(x_v - m_t) * f
+                        buf[v] = o
+                    a, b, c2, d = encode(buf, 0)
+                    store16(orow, wi * width, a, b, c2, d)
+            t += cuda.gridDim.x
+            k += 1
 
     return row_kernel
 
 
 @functools.cache
-def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: bool):
+def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: bool,
+                  stages: int):
     """Kernel ``(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
     smoothing, has_ignore, ignore)`` (the signature of :func:`.rowkernels.cross_entropy`) with
-    the fused gradient, one block of ``threads`` per chunk of ``threads * slots`` words.
+    the fused gradient, laid out as :func:`normalize`.
 
     The loss and the gradient are those of the register kernel: ``grad = scale *
     (softmax(x) - y)`` written from the staged words with ``y`` the smoothing share only, then
-    the thread that owns the target position rewrites that one element; block 0 of the row
-    writes the loss.  ``ws`` and ``sync`` are unused.
+    the thread that owns the target position rewrites that one element; the block of the
+    row's first chunk writes the loss.  ``ws`` and ``sync`` are unused.
     """
     width, decode, encode = word_codec(kind)
     words = threads * slots
     fields = 4 if smooth else 2
-    load, sums = _stage(kind, threads, slots, has_where, groups(slots), smooth)
+    issue, land, sums = _stage(kind, threads, slots, has_where, smooth)
+    first, arrive = _items(threads, slots, stages, issue)
     exp = exponential("float32")
     pair_reduce, sum_reduce, _ = group_reducers(threads, "float32")
     publish = _slots("float32", fields)[0]
-    collect = _row_summary(kind, True, threads, slots, has_where, fields)
-    place = _placement(threads, 1, True)
+    collect = _row_summary(kind, True, threads, slots, has_where, fields, True)
     load_one = loader(kind, "float32")
     store = storer(kind)
     store_loss = storer("float32")
     nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
 
-    @kernel(threads, 8)
+    @kernel(threads, _fit(threads, slots, stages)[1])
     def row_kernel(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
                    smoothing, has_ignore, ignore):
         stage = cuda.shared.array(0, uint32)
         flag = cuda.shared.array(1, int32)
         scratch = cuda.shared.array(SCRATCH, float32)
-        lane, r, c, _ = place(n_rows, chunks)
-        xr = x[r]
-        wr = w[r if has_where else 0]
-        grow = grad[r]
-        base = c * words + lane
-        m_t = load(stage, xr, wr, nw, base, lane)
-        s_t, c_t, z_t = sums(stage, nw, base, lane, m_t)
-        m, s = pair_reduce(m_t, s_t, scratch)
-        cnt = zero
-        zsum = zero
-        if smooth:
-            cnt = sum_reduce(c_t, scratch)
-            zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
-        if chunks > 1:
-            if lane == 0:
-                publish(wsp, r * chunks + c, m, s, cnt, zsum)
-            m, s, cnt, zsum = collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
+        lane = cuda.threadIdx.x
+        total = n_rows * chunks
         eps = float32(smoothing)
         n = nw * width
-        target = index[r]
-        valid = not has_ignore or target != ignore
-        special = m != m or m == POS_INF
-        normal = not special and m > neg_inf
-        log_s = log_f32(s) if normal else zero
-        inv = one / s if normal else zero
-        share = eps / cnt if cnt > zero else eps
         g_scale = scale[0]
-        in_row = valid and target >= 0 and target < n
-        # the thread whose word holds the target (it rewrites that gradient element)
-        tw = target // width - c * words
-        owns = in_row and tw >= 0 and tw < words and tw % threads == lane
-        writes_loss = c == 0
-        x_t = nan
-        if in_row and (owns or (writes_loss and lane == 0)):
-            x_t = load_one(xr, target)
-            if has_where:
-                if not wr[target]:
-                    x_t = neg_inf
-        f = zero  # the plain gradient: exp(x - m_t) * f
-        if valid and normal and not smooth and m_t > neg_inf:
-            f = exp(m_t - m) * inv * g_scale
         buf = cuda.local.array(width, float32)
-        for j in range(slots):
-            wi = base + j * threads
-            if wi < nw:
-                q = (lane + j * threads) * 4
-                decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
-                for v in range(width):
-                    x_v = buf[v]
-                    if not valid:
-                        o = zero
-                    elif special:
-                        o = nan
-                    elif not normal:
-                        o = zero
-                    elif smooth:
-                        o = (exp(x_v - m) * inv - share) * g_scale if x_v > neg_inf else zero
-                    elif f == zero:
-                        o = zero
-                    else:
-                        o = exp(x_v - m_t) * f
-                    buf[v] = o
-                a, b, c2, d = encode(buf, 0)
-                store16(grow, wi * width, a, b, c2, d)
-        if owns and normal and x_t > neg_inf:
-            g = exp(x_t - m) * inv - (one - eps)
+        t = first(stage, x, nw, chunks, total)
+        k = 0
+        while t < total:
+            off = arrive(stage, x, nw, chunks, total, t, k)
+            r = t // chunks
+            c = t - r * chunks
+            xr = x[r]
+            wr = w[r if has_where else 0]
+            grow = grad[r]
+            base = c * words + lane
+            m_t = land(stage, off, wr, nw, base, lane)
+            s_t, c_t, z_t = sums(stage, off, nw, base, lane, m_t)
+            m, s = pair_reduce(m_t, s_t, scratch)
+            cnt = zero
+            zsum = zero
             if smooth:
-                g -= share
-            store(grow, target, g * g_scale)
-        if writes_loss and lane == 0:
-            if not valid:
-                res = zero
-            elif special:
-                res = nan
-            else:
-                z = x_t - (m if normal else zero)
-                total = zero
-                if eps != one:
-                    total += (one - eps) * (z - log_s)
-                if smooth and cnt > zero:
-                    total += share * (zsum - cnt * log_s)
-                res = zero - total
-            store_loss(loss[r], 0, res)
+                cnt = sum_reduce(c_t, scratch)
+                zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
+            if chunks > 1:
+                if lane == 0:
+                    publish(wsp, r * chunks + c, m, s, cnt, zsum)
+                m, s, cnt, zsum = collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
+            target = index[r]
+            valid = not has_ignore or target != ignore
+            special = m != m or m == POS_INF
+            normal = not special and m > neg_inf
+            log_s = log_f32(s) if normal else zero
+            inv = one / s if normal else zero
+            share = eps / cnt if cnt > zero else eps
+            in_row = valid and target >= 0 and target < n
+            # the thread whose word holds the target (it rewrites that gradient element)
+            tw = target // width - c * words
+            owns = in_row and tw >= 0 and tw < words and tw % threads == lane
+            writes_loss = c == 0
+            x_t = nan
+            if in_row and (owns or (writes_loss and lane == 0)):
+                x_t = load_one(xr, target)
+                if has_where:
+                    if not wr[target]:
+                        x_t = neg_inf
+            f = zero  # the plain gradient: exp(x - m_t) * f
+            if valid and normal and not smooth and m_t > neg_inf:
+                f = exp(m_t - m) * inv * g_scale
+            for j in range(slots):
+                wi = base + j * threads
+                if wi < nw:
+                    q = off + (lane + j * threads) * 4
+                    decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
+                    for v in range(width):
+                        x_v = buf[v]
+                        if not valid:
+                            o = zero
+                        elif special:
+                            o = nan
+                        elif not normal:
+                            o = zero
+                        elif smooth:
+                            o = ((exp(x_v - m) * inv - share) * g_scale if x_v > neg_inf
+                                 else zero)
+                        elif f == zero:
+                            o = zero
+                        else:
+                            o = exp(x_v - m_t) * f
+                        buf[v] = o
+                    a, b, c2, d = encode(buf, 0)
+                    store16(grow, wi * width, a, b, c2, d)
+            if owns and normal and x_t > neg_inf:
+                g = exp(x_t - m) * inv - (one - eps)
+                if smooth:
+                    g -= share
+                store(grow, target, g * g_scale)
+            if writes_loss and lane == 0:
+                if not valid:
+                    res = zero
+                elif special:
+                    res = nan
+                else:
+                    z = x_t - (m if normal else zero)
+                    total_loss = zero
+                    if eps != one:
+                        total_loss += (one - eps) * (z - log_s)
+                    if smooth and cnt > zero:
+                        total_loss += share * (zsum - cnt * log_s)
+                    res = zero - total_loss
+                store_loss(loss[r], 0, res)
+            t += cuda.gridDim.x
+            k += 1
 
     return row_kernel

@@ -109,10 +109,10 @@ def test_staged_plans_fit_shared_memory(n):
     p = plan.staged(n)
     words = p.threads * p.slots
     assert p.rows_per_block == 1 and p.block == p.threads
-    assert words * plan.WORD_BYTES <= plan.STAGE_BYTES  # three blocks per multiprocessor
+    assert words * plan.WORD_BYTES <= plan.STAGE_BYTES
     assert p.chunks == -(-n * plan.WORD_BYTES // plan.STAGE_BYTES)  # the fewest chunks
     assert (p.chunks - 1) * words < n <= p.chunks * words  # every chunk holds part of the row
-    if n <= 4096:  # a bfloat16 row of 32768 values: one block, no exchange
+    if n <= plan.STAGE_BYTES // plan.WORD_BYTES:  # one chunk: no exchange between blocks
         assert p.chunks == 1
 
 
