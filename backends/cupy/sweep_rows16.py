@@ -41,21 +41,23 @@ class Variant:
     lean: bool = True
     groups: int = 1
     mode: int = 0  # cache-mode bits of rows16.cuh (1 st.cs, 2 ld.cs, 4 L2 prefetch)
-    loop: bool = False  # resident blocks walk the rows (sk_rows16_loop)
+    kr: int = 0  # staged with kr more pieces per thread in registers (sk_rows16_hybrid)
 
     def capacity(self) -> int:
-        return (self.threads if self.staged else self.group) * self.k * 8 * self.cluster
+        return (self.threads if self.staged else self.group) * (self.k + self.kr) * 8 * self.cluster
 
     def name(self, op: str, dtype: str) -> str:
         t, o, cs = CT[dtype], OPS[op], self.mode
+        if self.kr:
+            return (f"sk_rows16_hybrid<{t}, {o}, {self.threads}, {self.kr}, {self.k}, "
+                    f"{self.cluster}, {self.groups}, {cs}>")
         if self.staged and self.lean:
             return (f"sk_rows16_staged<{t}, {o}, {self.threads}, {self.k}, {self.cluster}, "
                     f"{self.groups}, {cs}>")
         if self.staged:
             return f"sk_rows_staged<{t}, {t}, {o}, {self.threads}, {self.k}, {self.cluster}>"
         if self.lean:
-            kind = "sk_rows16_loop" if self.loop else "sk_rows16"
-            return f"{kind}<{t}, {o}, {self.threads}, {self.group}, {self.k}, {cs}>"
+            return f"sk_rows16<{t}, {o}, {self.threads}, {self.group}, {self.k}, {cs}>"
         return f"sk_rows<{t}, {t}, {o}, {self.threads}, {self.group}, {self.k}>"
 
     def shared(self) -> int:
@@ -72,32 +74,36 @@ def S(label: str, threads: int, k: int, cluster: int = 1, **kw: object) -> Varia
 
 SWEEP: dict[tuple[int, int], list[Variant]] = {
     (32768, 4096): [
-        R("old 128x4", 128, 128, 4, lean=False),
+        R("general 128x4", 128, 128, 4, lean=False),
         R("lean 256x2 st.cs", 256, 256, 2, mode=1),
         R("lean 128x4 st.cs", 128, 128, 4, mode=1),
-        R("loop 256x2 st.cs", 256, 256, 2, mode=1, loop=True),
-        R("loop 128x4 st.cs", 128, 128, 4, mode=1, loop=True),
-        R("loop 256x1 st.cs", 256, 256, 1, mode=1, loop=True),
+        R("lean 128x4", 128, 128, 4),
+        R("lean 64x8 st.cs", 64, 64, 8, mode=1),
     ],
     (262144, 128): [
-        R("old 256 g4x4", 256, 4, 4, lean=False),
+        R("general 256 g4x4", 256, 4, 4, lean=False),
         R("lean 256 g16x1 st.cs", 256, 16, 1, mode=1),
         R("lean 256 g8x2 st.cs", 256, 8, 2, mode=1),
-        R("loop 256 g16x1 st.cs", 256, 16, 1, mode=1, loop=True),
-        R("loop 256 g8x2 st.cs", 256, 8, 2, mode=1, loop=True),
-        R("loop 128 g8x2 st.cs", 128, 8, 2, mode=1, loop=True),
-        R("loop 256 g4x4 st.cs", 256, 4, 4, mode=1, loop=True),
+        R("lean 128 g8x2 st.cs", 128, 8, 2, mode=1),
+        R("lean 256 g4x4 st.cs", 256, 4, 4, mode=1),
     ],
     (4096, 32768): [
         S("lean 256x8 c2 g4", 256, 8, 2, groups=4),
-        S("lean 256x8 c2 g2", 256, 8, 2, groups=2),
+        S("lean 256x8 c2 g4 st.cs", 256, 8, 2, groups=4, mode=1),
+        S("lean 512x8 g4", 512, 8, groups=4),
+        S("lean 1024x4 g4", 1024, 4, groups=4),
     ],
     (256, 524288): [
         S("lean 256x16 c16 g4", 256, 16, 16, groups=4),
-        S("lean 256x16 c16 g2", 256, 16, 16, groups=2),
         S("lean 256x16 c16 g8", 256, 16, 16, groups=8),
+        S("lean 512x8 c16 g4", 512, 8, 16, groups=4),
+        S("lean 1024x8 c8 g4", 1024, 8, 8, groups=4),
+        S("hybrid 256x(8+8) c16 g4", 256, 8, 16, groups=4, kr=8),
+        S("hybrid 512x(8+8) c8 g4", 512, 8, 8, groups=4, kr=8),
     ],
 }
+"""Variants per benchmark shape; the first lean one of each is the declared configuration
+(configs.ROW16_CONFIGS), which main() also times against other buffer layouts."""
 
 
 def _names(dtypes: list[str]) -> list[str]:
@@ -141,11 +147,6 @@ def launch(v: Variant, op: str, x: object, w: object, out: object, masked_nan: b
             cupy.cuda.driver.funcSetAttribute(fn.kernel.ptr, 14, 1)
         _READY.add(fn)
     grid = rows * v.cluster if v.staged else -(-rows // (v.threads // v.group))
-    if v.loop:  # the resident blocks of every multiprocessor, no more
-        per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            fn.kernel.ptr, v.threads, 0)
-        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        grid = min(grid, per_sm * sms)
     wp = 0 if w is None else w.data_ptr()
     args = (np.uint64(x.data_ptr()), np.int64(n), np.uint64(wp), np.int64(n if w is not None
                                                                                else 0),
@@ -284,6 +285,26 @@ def main() -> int:
                     row.append(f"{v.label} {bw:.0f} ({100 * bw / copy_bw:.0f}%)")
                     print(f"{op} {dname} {shape[0]}x{shape[1]} {v.label}: {bw:.0f} GB/s "
                           f"{100 * bw / copy_bw:.0f}% of copy", flush=True)
+                # the declared kernel with other buffer layouts: the output right after the
+                # input (as above), after a 3 MB gap, and the public call (a fresh output
+                # from the allocator on every call, as gpu_check.py times it)
+                import array_api_compat.torch as xpt
+                from softmaxkit_cupy import rows as kr
+                from softmaxkit_cupy.configs import row_config
+
+                declared = row_config(shape[1], 2, lean=True)
+                gap = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+                out2 = torch.empty_like(x)
+                sec_gap = graph_seconds(lambda op=op, x=x, out2=out2, c=declared: kr.launch_rows(
+                    op, xpt, x, None, out2, config=c))
+                sec_pub = graph_seconds(lambda op=op, x=x, dtype=dtype: getattr(kr, op)(
+                    xpt, x=x, where=None, masked="zero", out_dtype=dtype))
+                bw_gap, bw_pub = nbytes / sec_gap / 1e9, nbytes / sec_pub / 1e9
+                row.append(f"declared {declared.describe()}: after a 3 MB gap {bw_gap:.0f} "
+                           f"({100 * bw_gap / copy_bw:.0f}%), public call {bw_pub:.0f} "
+                           f"({100 * bw_pub / copy_bw:.0f}%)")
+                print(row[-1], flush=True)
+                del gap, out2
                 lines.append("; ".join(row))
             del x, out
     text = "\n".join(lines) + f"\nfailures: {len(failures)}\n" + "\n".join(failures)

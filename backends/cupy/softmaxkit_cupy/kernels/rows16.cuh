@@ -289,38 +289,6 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
                                                  masked_nan, scratch);
 }
 
-// The same with a grid of resident blocks walking the rows: each step issues the loads of the
-// group's next row before reducing and writing the current one, so a multiprocessor always has
-// loads in flight.  Trip counts are uniform per block (idle groups reduce -inf rows and write
-// nothing), so the block's barriers and the warps' shuffles always see every thread.
-template <typename T, int OP, int THREADS, int G, int K, int MODE>
-__global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_rows16_loop(
-    const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
-    long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
-    int masked_nan) {
-    static_assert(sizeof(T) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
-    constexpr int PER_BLOCK = THREADS / G;
-    constexpr int SCRATCH = 2 * (THREADS / 32 + 1);
-    __shared__ float scratch[2 * SCRATCH];  // alternate halves: a step's reads before the next
-    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
-    const long long stride = static_cast<long long>(gridDim.x) * PER_BLOCK;
-    long long first = static_cast<long long>(blockIdx.x) * PER_BLOCK;
-    long long row = first + threadIdx.x / G;
-    uint4 cur[K];
-    sk_rows16_fetch<T, G, K, MODE>(cur, x, ld_x, w, ld_w, row, row < rows, lane, n, vec_ok);
-    for (int step = 0; first < rows; ++step, first += stride, row += stride) {
-        uint4 next[K];
-        if (first + stride < rows)
-            sk_rows16_fetch<T, G, K, MODE>(next, x, ld_x, w, ld_w, row + stride,
-                                           row + stride < rows, lane, n, vec_ok);
-        sk_rows16_finish<T, OP, THREADS, G, K, MODE>(cur, out, ld_o, row, row < rows, lane, n,
-                                                     vec_ok, masked_nan,
-                                                     scratch + (step & 1) * SCRATCH);
-#pragma unroll
-        for (int j = 0; j < K; ++j) cur[j] = next[j];
-    }
-}
-
 __device__ __forceinline__ void sk_cp_async_wait_n(int n) {
     switch (n) {
         case 0: sk_cp_async_wait<0>(); break;
@@ -456,6 +424,141 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
             }
             sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n, o);
         }
+    }
+    if (CLUSTER > 1) sk_cluster_wait();
+}
+
+// Long rows over a cluster with each block's segment split between registers (KR pieces per
+// thread, loaded first) and shared memory (KS pieces, cp.async in GROUPS groups): a 64 KB
+// segment then costs 32 KB of shared memory, so more blocks fit on a multiprocessor than the
+// fully staged kernel allows.  Same arithmetic and edge rules as sk_rows16_staged.
+template <typename T, int OP, int THREADS, int KR, int KS, int CLUSTER, int GROUPS, int MODE>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1024 / THREADS)
+    sk_rows16_hybrid(
+    const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    static_assert(sizeof(T) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
+    static_assert(KS % GROUPS == 0 && GROUPS <= 8, "whole groups, at most 8 in flight");
+    constexpr int VEC = 8;
+    constexpr int PER = KS / GROUPS;
+    constexpr int CAP = THREADS * (KR + KS) * VEC;
+    constexpr int SEG_S = THREADS * KR * VEC;  // where the staged pieces start
+    extern __shared__ uint4 sk_stage[];
+    __shared__ float scratch[3 * (THREADS / 32 + 1)];
+    __shared__ float summary[4];
+    const int lane = threadIdx.x;
+    const long long row = blockIdx.x / CLUSTER;
+    const int seg0 = CLUSTER > 1 ? static_cast<int>(sk_cluster_rank()) * CAP : 0;
+    const T* xr = x + row * ld_x;
+    const bool fast = vec_ok && w == nullptr;
+    uint4 raw[KR];
+    if (fast && seg0 + CAP <= n) {
+        const T* src = xr + seg0 + lane * VEC;
+#pragma unroll
+        for (int j = 0; j < KR; ++j) raw[j] = sk_ld_stream<MODE>(src + j * THREADS * VEC);
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g) {
+#pragma unroll
+            for (int q = 0; q < PER; ++q) {
+                const int j = g * PER + q;
+                sk_cp_async16(&sk_stage[j * THREADS + lane], src + SEG_S + j * THREADS * VEC,
+                              true);
+            }
+            sk_cp_async_commit();
+        }
+    } else {
+        sk_rows_load<T, THREADS, KR>(raw, x, ld_x, w, ld_w, row, true, seg0, lane, n, vec_ok);
+#pragma unroll 1
+        for (int j = 0; j < KS; ++j) {
+            const int base = seg0 + SEG_S + (j * THREADS + lane) * VEC;
+            uint4* dst = &sk_stage[j * THREADS + lane];
+            if (fast && base < n) {
+                sk_cp_async16(dst, xr + base, true);
+            } else {
+                uint4 piece[1];
+                sk_rows_load<T, THREADS, 1>(piece, x, ld_x, w, ld_w, row, true,
+                                            seg0 + SEG_S + j * THREADS * VEC, lane, n, vec_ok);
+                *dst = piece[0];
+            }
+        }
+        sk_cp_async_commit();
+        sk_cp_async_wait<0>();
+    }
+
+    // the register pieces first (they were issued first), then each staged group
+    int nan = 0;
+    float m = sk_pieces_max<T, KR>(raw, nan);
+    float s = 0.0f;
+    if (m > -SK_INF && m < SK_INF) {
+#pragma unroll
+        for (int j = 0; j < KR; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const unsigned word = sk_word(raw[j], i);
+                s += sk_ex2((SkPacked<T>::lo(word) - m) * SK_LOG2E) +
+                     sk_ex2((SkPacked<T>::hi(word) - m) * SK_LOG2E);
+            }
+    }
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g) {
+        sk_cp_async_wait_n(GROUPS - 1 - g);
+        uint4 p[PER];
+#pragma unroll
+        for (int q = 0; q < PER; ++q)
+            p[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
+        int gnan = 0;
+        const float gm = sk_pieces_max<T, PER>(p, gnan);
+        nan |= gnan;
+        const float mn = fmaxf(m, gm);
+        if (mn > m) {
+            s = m == -SK_INF ? 0.0f : s * sk_ex2((m - mn) * SK_LOG2E);
+            m = mn;
+        }
+        if (m > -SK_INF && m < SK_INF) {
+#pragma unroll
+            for (int q = 0; q < PER; ++q)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const unsigned word = sk_word(p[q], i);
+                    s += sk_ex2((SkPacked<T>::lo(word) - m) * SK_LOG2E) +
+                         sk_ex2((SkPacked<T>::hi(word) - m) * SK_LOG2E);
+                }
+        }
+    }
+    sk_rows_reduce<THREADS, THREADS, CLUSTER, false>(m, s, nan, scratch, summary);
+
+    const bool is_nan = nan != 0;
+    const bool posinf = !is_nan && m == SK_INF;
+    const bool empty = !is_nan && m == -SK_INF;
+    T* orow = out + row * ld_o;
+    const bool special = is_nan || posinf || empty;
+    const float log2s = log2f(s);
+    const float logs = sk_log<false>(s);
+#pragma unroll
+    for (int j = 0; j < KR + KS; ++j) {
+        const int base = seg0 + (j * THREADS + lane) * VEC;
+        const uint4 p = j < KR ? raw[j < KR ? j : 0]
+                               : sk_ld_shared16(&sk_stage[(j - KR) * THREADS + lane]);
+        uint4 o;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned word = sk_word(p, i);
+            const float fa = SkPacked<T>::lo(word), fb = SkPacked<T>::hi(word);
+            float ra, rb;
+            if (special) {
+                ra = sk_special<OP>(fa, is_nan, posinf, masked_nan);
+                rb = sk_special<OP>(fb, is_nan, posinf, masked_nan);
+            } else if (OP == SK_SOFTMAX) {
+                ra = sk_ex2(fmaf(fa - m, SK_LOG2E, -log2s));
+                rb = sk_ex2(fmaf(fb - m, SK_LOG2E, -log2s));
+            } else {
+                ra = (fa - m) - logs;
+                rb = (fb - m) - logs;
+            }
+            sk_set_word(o, i, SkPacked<T>::pack(ra, rb));
+        }
+        sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n, o);
     }
     if (CLUSTER > 1) sk_cluster_wait();
 }
