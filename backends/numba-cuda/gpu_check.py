@@ -47,6 +47,7 @@ REGISTERS_ENV = "SOFTMAXKIT_NUMBA_CUDA_REGISTERS"
 STAGED_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
 STAGE_PLAN_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_PLAN"
 RING_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
+GROUPS_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
 
 
 def log(*args: Any) -> None:
@@ -249,7 +250,8 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 def use_plan(plan: str | None) -> None:
     """Force ``plan``: ``"threads,slots"``, then comma-separated options: ``staged`` (the plan
     of the rows staged in shared memory), ``registers`` (the register kernels, no staging),
-    ``ringN`` (N stages per block in the staged kernels), or a register budget."""
+    ``ringN`` (N stages per block in the staged kernels), ``gN`` (N copy groups per thread
+    with one stage), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")
@@ -261,6 +263,8 @@ def use_plan(plan: str | None) -> None:
             os.environ[STAGED_ENV] = "0"
         elif extra.startswith("ring"):
             os.environ[RING_ENV] = extra[4:]
+        elif extra.startswith("g"):
+            os.environ[GROUPS_ENV] = extra[1:]
         else:
             os.environ[REGISTERS_ENV] = extra
 
@@ -422,18 +426,17 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (4096, 32768)): ["256,16,staged", "256,16,staged,ring1", "256,6,staged",
-                                 "256,4,staged", "256,8,registers"],
-    ("float32", (256, 524288)): ["256,16,staged", "256,16,staged,ring1", "256,4,staged"],
-    ("bfloat16", (4096, 32768)): ["256,16,staged", "256,16,staged,ring1", "256,6,staged",
-                                  "256,4,staged", "512,8,staged"],
-    ("bfloat16", (256, 524288)): ["256,16,staged", "256,16,staged,ring1", "256,4,staged"],
+    ("float32", (4096, 32768)): ["256,16,staged,g1", "256,12,staged", "256,8,staged",
+                                 "256,8,staged,ring2"],
+    ("float32", (256, 524288)): ["256,12,staged", "256,8,staged"],
+    ("bfloat16", (4096, 32768)): ["256,16,staged,g1", "256,12,staged", "256,8,staged",
+                                  "256,8,staged,ring2"],
+    ("bfloat16", (256, 524288)): ["256,12,staged", "256,8,staged"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
 softmax and log_softmax on the long rows next to the default (staged) plans."""
 CE_SWEEP: dict[tuple[int, int], list[str]] = {
-    (4096, 32768): ["256,16,staged", "256,16,staged,ring1"],
-    (4096, 128256): ["256,16,staged,ring1"],
+    (4096, 32768): ["256,12,staged", "256,8,staged"],
 }
 
 

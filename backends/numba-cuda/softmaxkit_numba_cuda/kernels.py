@@ -119,7 +119,7 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     p = _plan(n // width, kin, vector)
     if staged.enabled(kin, p.split, vector, kin == kout):
         stages = staged.ring()
-        p = plans.staged(n // width, SIMULATOR)
+        p = plans.staged(n // width, SIMULATOR, plans.STAGE_BYTES // stages)
         kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None, stages)
         blocks, shared = _staged_launch(p, n_rows, stages, x, lib)
     else:
@@ -265,7 +265,7 @@ def cross_entropy(
     smooth = float(label_smoothing) != 0.0
     if grad is not None and staged.enabled(kin, p.split, vector, kin == kout):
         stages = staged.ring()
-        p = plans.staged(n // width, SIMULATOR)
+        p = plans.staged(n // width, SIMULATOR, plans.STAGE_BYTES // stages)
         kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth,
                                       stages)
         blocks, shared = _staged_launch(p, n_rows, stages, logits, lib)

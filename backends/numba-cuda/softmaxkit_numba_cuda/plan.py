@@ -33,9 +33,9 @@ BLOCK = 256
 """Threads of a block holding one chunk of a long row."""
 MAX_THREADS = 1024
 WORD_BYTES = 16
-STAGE_BYTES = 32 * 1024
-"""Shared memory of a stage holding a row or a chunk of one (a block has two: three blocks fit
-on a multiprocessor of 228 KB)."""
+STAGE_BYTES = 64 * 1024
+"""Shared memory of a block staging a row or a chunk of one: three blocks fit on a
+multiprocessor of 228 KB."""
 STAGE_THREADS = 256
 OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_PLAN"
 """Environment variable ``"threads,slots"`` that forces a plan (for tests and tuning)."""

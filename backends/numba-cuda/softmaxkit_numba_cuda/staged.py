@@ -51,7 +51,11 @@ from .wide import cp_async16, cp_async_commit, cp_async_pending, store16
 
 ENABLE = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
 RING = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
-"""Environment variable: stages per block, 2 (persistent grid, next chunk copied ahead) or 1."""
+"""Environment variable: stages per block, 1 (the default) or 2 (a persistent grid that copies
+each block's next chunk ahead)."""
+GROUPS = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
+"""Environment variable: copy groups per thread with one stage (tuning; default 4)."""
+DEFAULT_GROUPS = 4
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -64,9 +68,21 @@ def enabled(kind: str, split: bool, vector: bool, same_dtype: bool) -> bool:
             and kind in KINDS)
 
 
+def groups(slots: int, stages: int) -> int:
+    """Copy groups of a thread's ``slots`` words, whose maxima are taken as they land, with
+    one stage (:data:`GROUPS`, at most 4, a divisor of ``slots``); 0 with two stages (the next
+    chunk's copies are one group, waited for as a whole)."""
+    if stages == 2:
+        return 0
+    g = max(1, min(int(os.environ.get(GROUPS, DEFAULT_GROUPS)), 4, slots))
+    while slots % g:
+        g -= 1
+    return g
+
+
 def ring() -> int:
-    """Stages per block: 2 (the default) or 1."""
-    return 1 if os.environ.get(RING) == "1" else 2
+    """Stages per block: 1 (the default) or 2 (:data:`RING`)."""
+    return 2 if os.environ.get(RING) == "2" else 1
 
 
 def shared_bytes(threads: int, slots: int, stages: int) -> int:
@@ -101,46 +117,59 @@ def grid(n_rows: int, chunks: int, resident: int, stages: int) -> int:
 
 
 @functools.cache
-def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool):
+def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, groups: int):
     """Device functions on a thread's words ``base + threads * j`` of a chunk, staged at
     ``off`` (in 32-bit words) in shared memory, ``lane`` the thread's index:
 
-    * ``issue(stage, off, xr, nw, base, lane)``: start copying them (no wait);
-    * ``land(stage, off, wr, nw, base, lane) -> m_t``: after the wait, overwrite the excluded
-      values with ``-inf`` (with ``where``) and return their maximum;
+    * ``issue(stage, off, xr, nw, base, lane)``: start copying them, in ``max(1, groups)``
+      groups of whole words (each closed with a commit);
+    * ``land(stage, off, wr, nw, base, lane) -> m_t``: overwrite the excluded values with
+      ``-inf`` (with ``where``) and return their maximum; with ``groups > 0`` it waits for the
+      groups as it goes (the maximum of a group as soon as it has landed), with ``groups ==
+      0`` the caller has waited;
     * ``sums(stage, off, nw, base, lane, m_t) -> (s_t, included, zsum)``: as
       :func:`.rowkernels._thread_sum` (``included``, ``zsum`` with ``count``).
     """
     width, decode, encode = word_codec(kind)
     tmax = thread_max("float32")
     exp = exponential("float32")
+    waits = groups > 0
+    n_groups = max(1, groups)
+    per = slots // n_groups
     neg_inf, zero, one = float32(NEG_INF), float32(0.0), float32(1.0)
 
     def issue(stage, off, xr, nw, base, lane):
-        for j in range(slots):
-            if base + j * threads < nw:
-                cp_async16(stage, off + (lane + j * threads) * 4, xr,
-                           (base + j * threads) * width)
+        for g in range(n_groups):
+            for j in range(g * per, (g + 1) * per):
+                if base + j * threads < nw:
+                    cp_async16(stage, off + (lane + j * threads) * 4, xr,
+                               (base + j * threads) * width)
+            cp_async_commit()
 
     def land(stage, off, wr, nw, base, lane):
         buf = cuda.local.array(width, float32)
         m = neg_inf
-        for j in range(slots):
-            wi = base + j * threads
-            if wi < nw:
-                q = off + (lane + j * threads) * 4
-                decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
-                for v in range(width):
+        if waits and has_where:
+            cp_async_pending(0)
+        for g in range(n_groups):
+            if waits and not has_where:
+                cp_async_pending(n_groups - 1 - g)
+            for j in range(g * per, (g + 1) * per):
+                wi = base + j * threads
+                if wi < nw:
+                    q = off + (lane + j * threads) * 4
+                    decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
+                    for v in range(width):
+                        if has_where:
+                            if not wr[wi * width + v]:
+                                buf[v] = neg_inf
+                        m = tmax(m, buf[v])
                     if has_where:
-                        if not wr[wi * width + v]:
-                            buf[v] = neg_inf
-                    m = tmax(m, buf[v])
-                if has_where:
-                    a, b, c, d = encode(buf, 0)
-                    stage[q] = a
-                    stage[q + 1] = b
-                    stage[q + 2] = c
-                    stage[q + 3] = d
+                        a, b, c, d = encode(buf, 0)
+                        stage[q] = a
+                        stage[q + 1] = b
+                        stage[q + 2] = c
+                        stage[q + 3] = d
         return m
 
     def sums(stage, off, nw, base, lane, m_t):
@@ -180,7 +209,8 @@ def _items(threads: int, slots: int, stages: int, issue):
                 r = t // chunks
                 issue(stage, 0, x[r], nw, (t - r * chunks) * words + cuda.threadIdx.x,
                       cuda.threadIdx.x)
-            cp_async_commit()
+            else:
+                cp_async_commit()
         return t
 
     def arrive(stage, x, nw, chunks, total, t, k):
@@ -191,13 +221,12 @@ def _items(threads: int, slots: int, stages: int, issue):
                 r = nxt // chunks
                 issue(stage, ((k + 1) & 1) * span, x[r], nw, (nxt - r * chunks) * words + lane,
                       lane)
-            cp_async_commit()
+            else:
+                cp_async_commit()  # an empty group: the wait below counts one group ahead
             cp_async_pending(1)  # item t's copies have landed, the next may be in flight
             return (k & 1) * span
         r = t // chunks
-        issue(stage, 0, x[r], nw, (t - r * chunks) * words + lane, lane)
-        cp_async_commit()
-        cp_async_pending(0)
+        issue(stage, 0, x[r], nw, (t - r * chunks) * words + lane, lane)  # land waits
         return 0
 
     return device_function(first), device_function(arrive)
@@ -212,7 +241,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
     is_log = op == "log_softmax"
     width, decode, encode = word_codec(kind)
     words = threads * slots
-    issue, land, sums = _stage(kind, threads, slots, has_where, False)
+    issue, land, sums = _stage(kind, threads, slots, has_where, False, groups(slots, stages))
     first, arrive = _items(threads, slots, stages, issue)
     exp = exponential("float32")
     pair_reduce = group_reducers(threads, "float32")[0]
@@ -279,6 +308,8 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
                         buf[v] = o
                     a, b, c2, d = encode(buf, 0)
                     store16(orow, wi * width, a, b, c2, d)
+            if stages == 1:  # one item per block: no loop
+                break
             t += cuda.gridDim.x
             k += 1
 
@@ -300,7 +331,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
     width, decode, encode = word_codec(kind)
     words = threads * slots
     fields = 4 if smooth else 2
-    issue, land, sums = _stage(kind, threads, slots, has_where, smooth)
+    issue, land, sums = _stage(kind, threads, slots, has_where, smooth, groups(slots, stages))
     first, arrive = _items(threads, slots, stages, issue)
     exp = exponential("float32")
     pair_reduce, sum_reduce, _ = group_reducers(threads, "float32")
@@ -408,6 +439,8 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
                         total_loss += share * (zsum - cnt * log_s)
                     res = zero - total_loss
                 store_loss(loss[r], 0, res)
+            if stages == 1:  # one item per block: no loop
+                break
             t += cuda.gridDim.x
             k += 1
 

@@ -29,12 +29,14 @@ STAGED_OPS = ("softmax", "log_softmax", "cross_entropy", "cross_entropy_hard")
 PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "32,4": (302, ("float64", "float32"), PLAN_OPS),
          "32,1,staged": (304, ("float32", "bfloat16"), STAGED_OPS),
+         "32,1,staged,ring2": (304, ("float32", "bfloat16"), STAGED_OPS),
          "staged-800": (800, ("float32",), STAGED_OPS),
          "staged-1608": (1608, ("bfloat16", "float16"), STAGED_OPS),
          "staged-2200": (2200, ("float32",), STAGED_OPS)}
 """Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
 of one warp, in 16-byte words and, for float32 rows of 302 elements, element by element; the
-same with split rows staged in shared memory.  "staged-N": the default plans on rows of N
+same with split rows staged in shared memory, one stage per block or two (a persistent grid
+copying ahead).  "staged-N": the default plans on rows of N
 elements, which the register plan splits: staged in shared memory, one block per row (200 and
 201 words) or two blocks (550 words).  (Short rows, a group of threads each, are the
 simulator's default plan in the kit.)"""
@@ -120,12 +122,14 @@ def _outputs(op: str, backend: str, x: np.ndarray, where: np.ndarray, target: np
 def plans() -> None:
     rng = np.random.default_rng(7)
     for forced, (n, dtypes, ops) in PLANS.items():
+        options = forced.split(",")[2:]
         if forced.startswith("staged-"):
             os.environ.pop("SOFTMAXKIT_NUMBA_CUDA_PLAN", None)
         else:
-            os.environ["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = forced.removesuffix(",staged")
-        os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGED"] = "0" if forced[0].isdigit() and not \
-            forced.endswith(",staged") else "1"
+            os.environ["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = ",".join(forced.split(",")[:2])
+        staged = forced.startswith("staged-") or "staged" in options
+        os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGED"] = "1" if staged else "0"
+        os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"] = "2" if "ring2" in options else "1"
         for dtype in dtypes:
             x, where = _inputs(rng, dtype, n)
             target = rng.integers(0, n, size=6)
@@ -141,8 +145,8 @@ def plans() -> None:
                     emit(id=rid, status="passed", message="")
                 except Exception:
                     emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
-    os.environ.pop("SOFTMAXKIT_NUMBA_CUDA_PLAN", None)
-    os.environ.pop("SOFTMAXKIT_NUMBA_CUDA_STAGED", None)
+    for name in ("PLAN", "STAGED", "STAGE_RING"):
+        os.environ.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
 
 
 def main() -> None:
