@@ -118,12 +118,15 @@ ROW16_CONFIGS: tuple[RowConfig, ...] = (
     RowConfig(256, 256, 16, 8, staged=True, lean=True, groups=4),
     RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4),
 )
-"""The lean 16-bit softmax / log_softmax kernels (:func:`row_lean`), ordered by capacity.  On
-the H200 (graph replay, sweep_rows16.py): 16 threads of one load per 128-element row, 256
-threads of 2 loads per 4096-element row with streaming stores (86-87% of the copy bandwidth
-against 74-80% for the general kernel); longer rows staged in shared memory in 32 KB blocks
-(85-87% at 4096 x 32768, two-block clusters) or 64 KB blocks over 16-block clusters
-(77-79% at 256 x 524288, against 55-59% for 8 blocks of 128 KB)."""
+"""The lean 16-bit softmax / log_softmax kernels (:func:`row_lean`), ordered by capacity.
+Chosen on the H200 (bf16 and fp16, CUDA-graph replay, ``sweep_rows16.py``): 16 threads of one
+load per 128-element row (83-89% of the copy bandwidth with the output placed right after the
+input, against 75-85% for the general kernel); 256 threads of 2 loads per 4096-element row with
+streaming stores (85-87%, against 73-82%); longer rows staged in shared memory in 32 KB blocks
+(84-86% at 4096 x 32768 in 2-block clusters, against 77% for one 64 KB block) and in 64 KB
+blocks over 16-block clusters at 256 x 524288 (76-79%, against 68-70% for 8 blocks of 128 KB
+and 55-59% for the earlier staged kernel).  gpu_check.py's public calls, whose outputs come
+from the allocator, measure 5-10 points more (docs/benchmarks-cupy.md)."""
 
 ROW_ALTERNATIVES: tuple[RowConfig, ...] = (
     RowConfig(128, 4, 4),
