@@ -426,17 +426,19 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (4096, 32768)): ["256,16,staged,g1", "256,12,staged", "256,8,staged",
-                                 "256,8,staged,ring2"],
-    ("float32", (256, 524288)): ["256,12,staged", "256,8,staged"],
-    ("bfloat16", (4096, 32768)): ["256,16,staged,g1", "256,12,staged", "256,8,staged",
-                                  "256,8,staged,ring2"],
-    ("bfloat16", (256, 524288)): ["256,12,staged", "256,8,staged"],
+    ("float32", (4096, 32768)): ["256,16,staged,g8", "256,16,staged,g16", "256,8,staged",
+                                 "256,8,staged,ring2", "256,8,registers"],
+    ("float32", (256, 524288)): ["256,16,staged,g16", "256,8,registers"],
+    ("bfloat16", (4096, 32768)): ["256,16,staged,g8", "256,16,staged,g16",
+                                  "256,8,staged,ring2", "128,4,registers"],
+    ("bfloat16", (256, 524288)): ["256,16,staged,g16", "128,4,registers"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
-softmax and log_softmax on the long rows next to the default (staged) plans."""
+softmax and log_softmax on the long rows next to the default plans (staged, 256 x 16 words,
+one stage, four copy groups): more copy groups, smaller chunks, the persistent two-stage grid
+and the register kernels that were the default before."""
 CE_SWEEP: dict[tuple[int, int], list[str]] = {
-    (4096, 32768): ["256,12,staged", "256,8,staged"],
+    (4096, 32768): ["256,16,staged,g16", "128,4,registers"],
 }
 
 

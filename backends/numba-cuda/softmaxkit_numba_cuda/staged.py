@@ -70,11 +70,11 @@ def enabled(kind: str, split: bool, vector: bool, same_dtype: bool) -> bool:
 
 def groups(slots: int, stages: int) -> int:
     """Copy groups of a thread's ``slots`` words, whose maxima are taken as they land, with
-    one stage (:data:`GROUPS`, at most 4, a divisor of ``slots``); 0 with two stages (the next
+    one stage (:data:`GROUPS`, at most 16, a divisor of ``slots``); 0 with two stages (the next
     chunk's copies are one group, waited for as a whole)."""
     if stages == 2:
         return 0
-    g = max(1, min(int(os.environ.get(GROUPS, DEFAULT_GROUPS)), 4, slots))
+    g = max(1, min(int(os.environ.get(GROUPS, DEFAULT_GROUPS)), 16, slots))
     while slots % g:
         g -= 1
     return g

@@ -22,8 +22,8 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
   (``cp.async.cg.shared.global``); ``cp_async_wait()`` waits for the thread's copies
   (``cp.async.wait_all``), after which the thread may read what it copied;
   ``cp_async_commit()`` closes a group of copies (``cp.async.commit_group``) and
-  ``cp_async_pending(n)`` waits until at most ``n`` of the thread's groups, 0 to 3, are still
-  in flight (``cp.async.wait_group``; more than 3 waits as for 3).
+  ``cp_async_pending(n)`` waits until at most ``n`` of the thread's groups, 0 to 15, are
+  still in flight (``cp.async.wait_group``; more than 15 waits as for 15).
 
 Under Numba's CUDA simulator each has a numpy form on the same bits.
 """
@@ -317,21 +317,47 @@ else:
         return impl
 
     cp_async_commit = _asm_statement("cp.async.commit_group;")
-    _wait_group = [_asm_statement(f"cp.async.wait_group {n};") for n in range(4)]
-    _wait0, _wait1, _wait2, _wait3 = _wait_group
+    _WAIT = tuple(_asm_statement(f"cp.async.wait_group {n};") for n in range(16))
+    (_w0, _w1, _w2, _w3, _w4, _w5, _w6, _w7, _w8, _w9, _w10, _w11, _w12, _w13, _w14,
+     _w15) = _WAIT
 
     @cuda.jit(device=True)
     def cp_async_pending(n):
         """Wait until at most ``n`` of the thread's groups of copies are in flight (the
-        instruction takes a constant: 0 to 3; more waits as for 3)."""
+        instruction takes a constant: 0 to 15, more waits as for 15; a constant ``n`` folds
+        the choice away)."""
         if n <= 0:
-            _wait0()
+            _w0()
         elif n == 1:
-            _wait1()
+            _w1()
         elif n == 2:
-            _wait2()
+            _w2()
+        elif n == 3:
+            _w3()
+        elif n == 4:
+            _w4()
+        elif n == 5:
+            _w5()
+        elif n == 6:
+            _w6()
+        elif n == 7:
+            _w7()
+        elif n == 8:
+            _w8()
+        elif n == 9:
+            _w9()
+        elif n == 10:
+            _w10()
+        elif n == 11:
+            _w11()
+        elif n == 12:
+            _w12()
+        elif n == 13:
+            _w13()
+        elif n == 14:
+            _w14()
         else:
-            _wait3()
+            _w15()
 
     @intrinsic
     def globaltimer(typingctx):
