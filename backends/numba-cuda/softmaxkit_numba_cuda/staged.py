@@ -5,16 +5,17 @@ stage of shared memory (:func:`.plan.staged`; one chunk when the row fits) and e
 copied to a stage with ``cp.async``, which never passes through registers: a block needs few
 registers (one word's values at a time) and several blocks fit on a multiprocessor.
 
-Work items are the chunks, item ``t`` being chunk ``t % chunks`` of row ``t // chunks``.  With
-a ring of two stages (:func:`ring`, the default) the grid is persistent: a block takes items
-``t, t + grid, t + 2 grid, ...`` and starts copying its next item into the other stage before
-it works on the current one, so the copy of the next chunk overlaps the current chunk's
-arithmetic, its wait for the row's summary and its stores.  The grid is what fits on the
-device at once, a multiple of ``chunks`` (:func:`grid`), so the chunks of a row are worked on
-together.  With one stage, each block takes one item.
+Work items are the chunks, item ``t`` being chunk ``t % chunks`` of row ``t // chunks``.  By
+default a block has one stage and takes one item; a thread copies its words in
+:func:`groups` groups and takes the maximum of each group as soon as it has landed.  With a
+ring of two stages (:func:`ring`, an option: it measured slower on the H200) the grid is
+persistent: a block takes items ``t, t + grid, t + 2 grid, ...`` and starts copying its next
+item into the other stage before it works on the current one; the grid is what fits on the
+device at once, a multiple of ``chunks`` (:func:`grid`), so the chunks of a row are worked
+on together.
 
-Per item, each thread waits for its own copies, overwrites its excluded values (``where``
-False) with ``-inf`` and takes its maximum, then its sum of exponentials, and the block merges
+Per item, each thread overwrites its excluded values (``where`` False) with ``-inf`` in the
+stage and takes its maximum, then its sum of exponentials, and the block merges
 the pairs; the blocks of a split row exchange their summaries as in :mod:`.rowkernels` (a
 bounded wait, then the missing chunks summarized from device memory with the same arithmetic
 in the same order).  Outputs are written from the staged words.  Each thread reads back only
