@@ -6,7 +6,8 @@ shape and on ragged, masked rows with special rows (NaN, +inf, empty) into NaN-p
 outputs and held to the spec's bounds against float64; only variants that pass are timed (CUDA
 graph replay of 10 calls, device time), beside torch and a device-to-device copy.
 
-Usage: ``python backends/cupy/sweep_rows16.py [--out DIR] [--dtypes bfloat16,float16]``.
+Usage: ``python backends/cupy/sweep_rows16.py [--out DIR] [--dtypes bfloat16,float16]
+[--shapes 256x524288]``.
 """
 
 from __future__ import annotations
@@ -42,17 +43,12 @@ class Variant:
     groups: int = 1
     mode: int = 0  # cache-mode bits of rows16.cuh (1 st.cs, 2 ld.cs, 4 L2 prefetch)
     kr: int = 0  # staged with kr more pieces per thread in registers (sk_rows16_hybrid)
-    parts: int = 1  # clusters per row, exchanging through global slots (sk_rows16_split)
 
     def capacity(self) -> int:
-        return ((self.threads if self.staged else self.group) * (self.k + self.kr) * 8
-                * self.cluster * self.parts)
+        return (self.threads if self.staged else self.group) * (self.k + self.kr) * 8 * self.cluster
 
     def name(self, op: str, dtype: str) -> str:
         t, o, cs = CT[dtype], OPS[op], self.mode
-        if self.parts > 1:
-            return (f"sk_rows16_split<{t}, {o}, {self.threads}, {self.k}, {self.cluster}, "
-                    f"{self.parts}, {self.groups}, {cs}>")
         if self.kr:
             return (f"sk_rows16_hybrid<{t}, {o}, {self.threads}, {self.kr}, {self.k}, "
                     f"{self.cluster}, {self.groups}, {cs}>")
@@ -100,11 +96,11 @@ SWEEP: dict[tuple[int, int], list[Variant]] = {
     ],
     (256, 524288): [
         S("lean 256x16 c16 g4", 256, 16, 16, groups=4),
-        S("split 256x8 c16 x2 g4", 256, 8, 16, groups=4, parts=2),
-        S("split 256x8 c8 x4 g4", 256, 8, 8, groups=4, parts=4),
-        S("split 256x8 c2 x16 g4", 256, 8, 2, groups=4, parts=16),
-        S("split 128x8 c16 x4 g4", 128, 8, 16, groups=4, parts=4),
-        S("split 128x8 c4 x16 g4", 128, 8, 4, groups=4, parts=16),
+        S("lean 256x16 c16 g8", 256, 16, 16, groups=8),
+        S("lean 512x8 c16 g4", 512, 8, 16, groups=4),
+        S("lean 1024x8 c8 g4", 1024, 8, 8, groups=4),
+        S("hybrid 256x(8+8) c16 g4", 256, 8, 16, groups=4, kr=8),
+        S("hybrid 512x(8+8) c8 g4", 512, 8, 8, groups=4, kr=8),
     ],
 }
 """Variants per benchmark shape; the first lean one of each is the declared configuration
@@ -138,22 +134,7 @@ def kernel(name: str) -> object:
     return found
 
 
-_XCHG: list[object] = []
-SPIN = 4096
-"""Sleeps a split kernel waits for another cluster's slot before summarizing it itself."""
-
-
-def xchg(rows: int) -> object:
-    """The zeroed exchange slots of the split kernels (128 words per row), kept per process."""
-    import torch
-
-    if not _XCHG or _XCHG[0].numel() < rows * 128:
-        _XCHG[:] = [torch.zeros(max(rows, 4096) * 128, dtype=torch.int32, device="cuda")]
-    return _XCHG[0]
-
-
-def launch(v: Variant, op: str, x: object, w: object, out: object, masked_nan: bool = False,
-           spin: int = SPIN):
+def launch(v: Variant, op: str, x: object, w: object, out: object, masked_nan: bool = False):
     import cupy
     from softmaxkit_cupy import interop
 
@@ -166,14 +147,12 @@ def launch(v: Variant, op: str, x: object, w: object, out: object, masked_nan: b
         if v.cluster > 8:  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
             cupy.cuda.driver.funcSetAttribute(fn.kernel.ptr, 14, 1)
         _READY.add(fn)
-    grid = rows * v.cluster * v.parts if v.staged else -(-rows // (v.threads // v.group))
+    grid = rows * v.cluster if v.staged else -(-rows // (v.threads // v.group))
     wp = 0 if w is None else w.data_ptr()
     args = (np.uint64(x.data_ptr()), np.int64(n), np.uint64(wp), np.int64(n if w is not None
                                                                                else 0),
             np.uint64(out.data_ptr()), np.int64(n), np.int64(rows), np.int32(n),
             np.int32(vec_ok), np.int32(masked_nan))
-    if v.parts > 1:
-        args += (np.uint64(xchg(rows).data_ptr()), np.int32(spin))
     with interop.launch_context(x):
         fn((grid,), (v.threads,), args, shared_mem=v.shared())
 
@@ -244,22 +223,13 @@ def check(v: Variant, op: str, dtype: object, shape: tuple[int, int]) -> list[st
                 w[7, n // 2] = True
                 w[8, 0] = True
                 w[8, n - 1] = True
-        # split kernels also with no wait at all, so that blocks take the fallback (their
-        # own summary of a part from memory) as well as the slots
-        for spin in ((SPIN, 0) if v.parts > 1 else (SPIN,)):
-            for masked_nan in ((False, True) if masked else (False,)):
-                out = torch.full((rows, n), math.nan, device="cuda", dtype=dtype)
-                launch(v, op, x, w, out, masked_nan, spin)
-                torch.cuda.synchronize()
-                e = excess(op, x, w, out, masked_nan)
-                if e > 0:
-                    bad.append(f"{label} {rows}x{n} masked_nan={masked_nan} spin={spin}: "
-                               f"excess {e:.3g}")
-                # flags and counters (words 0-16 of each row) must be back to zero; the
-                # summaries (words 32 on) are rewritten before they are read
-                if v.parts > 1 and bool(xchg(rows).view(-1, 128)[:, :17].any()):
-                    bad.append(f"{label} spin={spin}: exchange flags not left zero")
-                    xchg(rows).zero_()
+        for masked_nan in ((False, True) if masked else (False,)):
+            out = torch.full((rows, n), math.nan, device="cuda", dtype=dtype)
+            launch(v, op, x, w, out, masked_nan)
+            torch.cuda.synchronize()
+            e = excess(op, x, w, out, masked_nan)
+            if e > 0:
+                bad.append(f"{label} {rows}x{n} masked_nan={masked_nan}: excess {e:.3g}")
     return bad
 
 

@@ -316,4 +316,3 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
 // 16-bit softmax and log_softmax have leaner kernels of their own (registers or shared-memory
 // staging):
 #include "rows16.cuh"
-#include "rows16_split.cuh"
