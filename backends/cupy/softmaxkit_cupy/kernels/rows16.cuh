@@ -562,3 +562,210 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1024 
     }
     if (CLUSTER > 1) sk_cluster_wait();
 }
+
+// L2 cache policies for the re-read kernel: the streamed pieces stay (evict_last) until their
+// second read, which releases them (evict_first); copies read once may go first too.
+__device__ __forceinline__ unsigned long long sk_l2_policy_last() {
+    unsigned long long p;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ unsigned long long sk_l2_policy_first() {
+    unsigned long long p;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ uint4 sk_ld_hint(const void* p, unsigned long long policy) {
+    uint4 v;
+    asm volatile(
+        "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+    return v;
+}
+__device__ __forceinline__ void sk_cp_async16_hint(void* smem, const void* gmem,
+                                                   unsigned long long policy) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+                 ::"r"(s), "l"(gmem), "l"(policy) : "memory");
+}
+
+// Fold N pieces into a running (m, s) (m the maximum so far, s the sum of exp(x - m)); a NaN
+// sets nan and leaves m alone (the row is NaN anyway).
+template <typename T, int N>
+__device__ __forceinline__ void sk_fold_pieces(const uint4 (&p)[N], float& m, float& s,
+                                               int& nan) {
+    int gnan = 0;
+    const float gm = sk_pieces_max<T, N>(p, gnan);
+    nan |= gnan;
+    const float mn = fmaxf(m, gm);
+    if (mn > m) {  // rescale the running sum (0 while m is -inf); mn may be +inf
+        s = m == -SK_INF ? 0.0f : s * sk_ex2((m - mn) * SK_LOG2E);
+        m = mn;
+    }
+    if (m > -SK_INF && m < SK_INF) {
+#pragma unroll
+        for (int q = 0; q < N; ++q)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const unsigned word = sk_word(p[q], i);
+                s += sk_ex2((SkPacked<T>::lo(word) - m) * SK_LOG2E) +
+                     sk_ex2((SkPacked<T>::hi(word) - m) * SK_LOG2E);
+            }
+    }
+}
+
+// The results of one piece once the row's (m, log2 s, log s) are known.
+template <typename T, int OP>
+__device__ __forceinline__ uint4 sk_out_piece(uint4 p, float m, float log2s, float logs,
+                                              bool special, bool is_nan, bool posinf,
+                                              int masked_nan) {
+    uint4 o;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned word = sk_word(p, i);
+        const float fa = SkPacked<T>::lo(word), fb = SkPacked<T>::hi(word);
+        float ra, rb;
+        if (special) {
+            ra = sk_special<OP>(fa, is_nan, posinf, masked_nan);
+            rb = sk_special<OP>(fb, is_nan, posinf, masked_nan);
+        } else if (OP == SK_SOFTMAX) {
+            ra = sk_ex2(fmaf(fa - m, SK_LOG2E, -log2s));
+            rb = sk_ex2(fmaf(fb - m, SK_LOG2E, -log2s));
+        } else {
+            ra = (fa - m) - logs;
+            rb = (fb - m) - logs;
+        }
+        sk_set_word(o, i, SkPacked<T>::pack(ra, rb));
+    }
+    return o;
+}
+
+// Residency of the re-read kernel: 2048 threads (32 registers) with nothing staged, else the
+// blocks its staged pieces leave room for in 227 KB of shared memory, at most 1536 threads
+// (40 registers: the online sum with staged groups spills at 32).
+#define SK_REREAD_MINB(THREADS, KS)                                                       \
+    ((KS) == 0 ? 2048 / (THREADS)                                                         \
+               : ((232448 / ((KS) * (THREADS) * 16 + 1024)) < 1536 / (THREADS)            \
+                      ? (232448 / ((KS) * (THREADS) * 16 + 1024))                         \
+                      : 1536 / (THREADS)))
+
+// Long rows over a cluster, each block holding only part of its segment while the row's
+// summary is formed: pieces [0, KS) of each thread are staged in shared memory (cp.async, in
+// groups of 2), pieces [KS, K) stream through registers C at a time into an online (max, sum)
+// and are read a second time, from L2, once the summary is known (kept there by an evict_last
+// policy on the first read, released by evict_first on the second).  Fewer bytes held per
+// block means more blocks per multiprocessor.  MODE: 1 streaming stores, 8 the staged copies
+// with an evict_first policy.  Same arithmetic and edge rules as sk_rows16_staged.
+template <typename T, int OP, int THREADS, int K, int KS, int CLUSTER, int C, int MODE>
+__global__ void __cluster_dims__(CLUSTER, 1, 1)
+    __launch_bounds__(THREADS, SK_REREAD_MINB(THREADS, KS)) sk_rows16_reread(
+    const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    static_assert(sizeof(T) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
+    static_assert(KS % 2 == 0 && KS / 2 <= 8 && (K - KS) % C == 0, "whole groups and chunks");
+    constexpr int VEC = 8;
+    constexpr int PER = 2;
+    constexpr int GROUPS = KS / PER;
+    constexpr int CAP = THREADS * K * VEC;
+    extern __shared__ uint4 sk_stage[];
+    __shared__ float scratch[3 * (THREADS / 32 + 1)];
+    __shared__ float summary[4];
+    const int lane = threadIdx.x;
+    const long long row = blockIdx.x / CLUSTER;
+    const int seg0 = CLUSTER > 1 ? static_cast<int>(sk_cluster_rank()) * CAP : 0;
+    const T* xr = x + row * ld_x;
+    const T* src = xr + seg0 + lane * VEC;
+    // whole, aligned, unmasked segment: hinted loads without per-piece tests
+    const bool fast = vec_ok && w == nullptr && seg0 + CAP <= n;
+    const unsigned long long keep = sk_l2_policy_last();
+    const unsigned long long drop = sk_l2_policy_first();
+    if (GROUPS > 0) {
+        if (fast) {
+#pragma unroll
+            for (int g = 0; g < GROUPS; ++g) {
+#pragma unroll
+                for (int q = 0; q < PER; ++q) {
+                    const int j = g * PER + q;
+                    if (MODE & 8)
+                        sk_cp_async16_hint(&sk_stage[j * THREADS + lane],
+                                           src + j * THREADS * VEC, drop);
+                    else
+                        sk_cp_async16(&sk_stage[j * THREADS + lane], src + j * THREADS * VEC,
+                                      true);
+                }
+                sk_cp_async_commit();
+            }
+        } else {
+#pragma unroll 1
+            for (int j = 0; j < KS; ++j) {
+                uint4 piece[1];
+                sk_rows_load<T, THREADS, 1>(piece, x, ld_x, w, ld_w, row, true,
+                                            seg0 + j * THREADS * VEC, lane, n, vec_ok);
+                sk_stage[j * THREADS + lane] = piece[0];
+            }
+        }
+    }
+
+    float m = -SK_INF, s = 0.0f;
+    int nan = 0;
+    // the streamed pieces first (the staged ones land meanwhile)
+#pragma unroll 1
+    for (int j0 = KS; j0 < K; j0 += C) {
+        uint4 p[C];
+        if (fast) {
+#pragma unroll
+            for (int q = 0; q < C; ++q) p[q] = sk_ld_hint(src + (j0 + q) * THREADS * VEC, keep);
+        } else {
+            sk_rows_load<T, THREADS, C>(p, x, ld_x, w, ld_w, row, true,
+                                        seg0 + j0 * THREADS * VEC, lane, n, vec_ok);
+        }
+        sk_fold_pieces<T, C>(p, m, s, nan);
+    }
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g) {
+        if (fast) sk_cp_async_wait_n(GROUPS - 1 - g);
+        uint4 p[PER];
+#pragma unroll
+        for (int q = 0; q < PER; ++q)
+            p[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
+        sk_fold_pieces<T, PER>(p, m, s, nan);
+    }
+    sk_rows_reduce<THREADS, THREADS, CLUSTER, false>(m, s, nan, scratch, summary);
+
+    const bool is_nan = nan != 0;
+    const bool posinf = !is_nan && m == SK_INF;
+    const bool empty = !is_nan && m == -SK_INF;
+    const bool special = is_nan || posinf || empty;
+    const float log2s = log2f(s);
+    const float logs = sk_log<false>(s);
+    T* orow = out + row * ld_o;
+    // the streamed pieces again, from L2 (their loads in flight while the staged ones go out)
+#pragma unroll 1
+    for (int j0 = KS; j0 < K; j0 += C) {
+        uint4 p[C];
+        if (fast) {
+#pragma unroll
+            for (int q = 0; q < C; ++q) p[q] = sk_ld_hint(src + (j0 + q) * THREADS * VEC, drop);
+        } else {
+            sk_rows_load<T, THREADS, C>(p, x, ld_x, w, ld_w, row, true,
+                                        seg0 + j0 * THREADS * VEC, lane, n, vec_ok);
+        }
+#pragma unroll
+        for (int q = 0; q < C; ++q) {
+            const int base = seg0 + ((j0 + q) * THREADS + lane) * VEC;
+            sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n,
+                              sk_out_piece<T, OP>(p[q], m, log2s, logs, special, is_nan,
+                                                  posinf, masked_nan));
+        }
+    }
+#pragma unroll 2
+    for (int j = 0; j < KS; ++j) {
+        const int base = seg0 + (j * THREADS + lane) * VEC;
+        const uint4 p = sk_ld_shared16(&sk_stage[j * THREADS + lane]);
+        sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n,
+                          sk_out_piece<T, OP>(p, m, log2s, logs, special, is_nan, posinf,
+                                              masked_nan));
+    }
+    if (CLUSTER > 1) sk_cluster_wait();
+}
