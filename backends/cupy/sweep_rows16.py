@@ -42,16 +42,12 @@ class Variant:
     lean: bool = True
     groups: int = 1
     mode: int = 0  # cache-mode bits of rows16.cuh (1 st.cs, 2 ld.cs, 4 L2 prefetch)
-    kr: int = 0  # staged with kr more pieces per thread in registers (sk_rows16_hybrid)
 
     def capacity(self) -> int:
-        return (self.threads if self.staged else self.group) * (self.k + self.kr) * 8 * self.cluster
+        return (self.threads if self.staged else self.group) * self.k * 8 * self.cluster
 
     def name(self, op: str, dtype: str) -> str:
         t, o, cs = CT[dtype], OPS[op], self.mode
-        if self.kr:
-            return (f"sk_rows16_hybrid<{t}, {o}, {self.threads}, {self.kr}, {self.k}, "
-                    f"{self.cluster}, {self.groups}, {cs}>")
         if self.staged and self.lean:
             return (f"sk_rows16_staged<{t}, {o}, {self.threads}, {self.k}, {self.cluster}, "
                     f"{self.groups}, {cs}>")
@@ -99,8 +95,6 @@ SWEEP: dict[tuple[int, int], list[Variant]] = {
         S("lean 256x16 c16 g8", 256, 16, 16, groups=8),
         S("lean 512x8 c16 g4", 512, 8, 16, groups=4),
         S("lean 1024x8 c8 g4", 1024, 8, 8, groups=4),
-        S("hybrid 256x(8+8) c16 g4", 256, 8, 16, groups=4, kr=8),
-        S("hybrid 512x(8+8) c8 g4", 512, 8, 8, groups=4, kr=8),
     ],
 }
 """Variants per benchmark shape; the first lean one of each is the declared configuration
