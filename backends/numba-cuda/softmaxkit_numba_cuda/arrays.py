@@ -184,23 +184,25 @@ def launch(a: Any, lib: str) -> Iterator[Any]:
         yield _stream_for(ptr)
 
 
-_SHARED_ALLOWED: dict[int, int] = {}
-"""id of a compiled kernel -> the dynamic shared memory it has been allowed."""
+_SHARED_ALLOWED: dict[tuple[int, int], int] = {}
+"""(id of a compiled kernel, device id) -> the dynamic shared memory it has been allowed there
+(the attribute belongs to the kernel's function on each device)."""
 
 
 def _allow_shared(compiled: Any, config: Any) -> None:
     """Let ``compiled`` take ``config.sharedmem`` bytes of dynamic shared memory (above 48 KB
     a kernel must opt in) and prefer the largest shared-memory carveout."""
     size = int(config.sharedmem)
-    if _SHARED_ALLOWED.get(id(compiled), -1) >= size:
+    cufunc = compiled._codelibrary.get_cufunc()  # the function of the current device
+    key = (id(compiled), cufunc.device.id)
+    if _SHARED_ALLOWED.get(key, -1) >= size:
         return
     from numba.cuda.cudadrv.driver import binding, driver
 
-    cufunc = compiled._codelibrary.get_cufunc()
     attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     driver.cuKernelSetAttribute(attr, size, cufunc.handle, cufunc.device.id)
     cufunc.set_shared_memory_carveout(100)
-    _SHARED_ALLOWED[id(compiled)] = size
+    _SHARED_ALLOWED[key] = size
 
 
 def run(kernel: Any, grid: int, block: int, stream: Any, *args: Any, shared: int = 0) -> None:
