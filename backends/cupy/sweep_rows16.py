@@ -42,6 +42,8 @@ class Variant:
     lean: bool = True
     groups: int = 1
     mode: int = 0  # cache-mode bits of rows16.cuh (1 st.cs, 2 ld.cs, 4 L2 prefetch)
+    persist: int = 0  # sk_rows16_persist with this many clusters (-1: as many as fit)
+    policy: int = 0  # cluster scheduling policy (0 default, 1 spread, 2 load balancing)
 
     def capacity(self) -> int:
         return (self.threads if self.staged else self.group) * self.k * 8 * self.cluster
@@ -49,7 +51,8 @@ class Variant:
     def name(self, op: str, dtype: str) -> str:
         t, o, cs = CT[dtype], OPS[op], self.mode
         if self.staged and self.lean:
-            return (f"sk_rows16_staged<{t}, {o}, {self.threads}, {self.k}, {self.cluster}, "
+            kind = "persist" if self.persist else "staged"
+            return (f"sk_rows16_{kind}<{t}, {o}, {self.threads}, {self.k}, {self.cluster}, "
                     f"{self.groups}, {cs}>")
         if self.staged:
             return f"sk_rows_staged<{t}, {t}, {o}, {self.threads}, {self.k}, {self.cluster}>"
@@ -92,9 +95,15 @@ SWEEP: dict[tuple[int, int], list[Variant]] = {
     ],
     (256, 524288): [
         S("lean 256x16 c16 g4", 256, 16, 16, groups=4),
-        S("lean 256x16 c16 g8", 256, 16, 16, groups=8),
-        S("lean 512x8 c16 g4", 512, 8, 16, groups=4),
-        S("lean 1024x8 c8 g4", 1024, 8, 8, groups=4),
+        S("persist 256x16 c16 g4", 256, 16, 16, groups=4, persist=-1),
+        S("persist 256x16 c16 g4, 16 clusters", 256, 16, 16, groups=4, persist=16),
+        S("persist 256x16 c16 g4, 32 clusters", 256, 16, 16, groups=4, persist=32),
+        S("persist 256x16 c16 g8", 256, 16, 16, groups=8, persist=-1),
+        S("persist 256x16 c16 g4 st.cs", 256, 16, 16, groups=4, persist=-1, mode=1),
+        S("persist 256x16 c16 g4 spread", 256, 16, 16, groups=4, persist=-1, policy=1),
+        S("lean 256x16 c16 g4 spread", 256, 16, 16, groups=4, policy=1),
+        S("lean 256x16 c16 g4 load-balancing", 256, 16, 16, groups=4, policy=2),
+        S("persist 512x8 c16 g4", 512, 8, 16, groups=4, persist=-1),
     ],
 }
 """Variants per benchmark shape; the first lean one of each is the declared configuration
@@ -116,6 +125,9 @@ def _build(names: tuple[str, ...]) -> tuple[int, float]:
 
 _KERNELS: dict[str, object] = {}
 _READY: set[object] = set()
+_FIT: dict[str, int] = {}
+_POLICY = 15  # CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
+_POLICIES: dict[object, int] = {}
 
 
 def kernel(name: str) -> object:
@@ -128,20 +140,41 @@ def kernel(name: str) -> object:
     return found
 
 
-def launch(v: Variant, op: str, x: object, w: object, out: object, masked_nan: bool = False):
+def clusters_that_fit(v: Variant, op: str, dtype: str) -> int:
+    """cuOccupancyMaxActiveClusters for ``v`` (0 if the driver does not answer)."""
+    from softmaxkit_cupy.configs import RowConfig
+    from softmaxkit_cupy.rows import max_active_clusters
+
+    name = v.name(op, dtype)
+    if name not in _FIT:
+        config = RowConfig(v.threads, v.group, v.k, v.cluster, staged=True, lean=True,
+                           groups=v.groups, mode=v.mode, persistent=bool(v.persist))
+        _FIT[name] = max_active_clusters(kernel(name), config)
+    return _FIT[name]
+
+
+def launch(v: Variant, op: str, x: object, w: object, out: object, masked_nan: bool = False,
+           clusters: int = 0):
     import cupy
     from softmaxkit_cupy import interop
 
     rows, n = x.shape
     vec_ok = int(n % 8 == 0)
-    fn = kernel(v.name(op, "bfloat16" if str(x.dtype) == "torch.bfloat16" else "float16"))
+    dname = "bfloat16" if str(x.dtype) == "torch.bfloat16" else "float16"
+    fn = kernel(v.name(op, dname))
     if fn not in _READY:  # function attributes once, before any graph capture
         if v.shared() > 0:  # 48 KB dynamic plus the static arrays is already over the default
             fn.max_dynamic_shared_size_bytes = v.shared()
         if v.cluster > 8:  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
             cupy.cuda.driver.funcSetAttribute(fn.kernel.ptr, 14, 1)
         _READY.add(fn)
+    if v.staged and _POLICIES.get(fn, 0) != v.policy:  # set by the checks, before capture
+        cupy.cuda.driver.funcSetAttribute(fn.kernel.ptr, _POLICY, v.policy)
+        _POLICIES[fn] = v.policy
     grid = rows * v.cluster if v.staged else -(-rows // (v.threads // v.group))
+    if v.persist:
+        fit = clusters or (v.persist if v.persist > 0 else clusters_that_fit(v, op, dname))
+        grid = min(rows, fit or rows) * v.cluster
     wp = 0 if w is None else w.data_ptr()
     args = (np.uint64(x.data_ptr()), np.int64(n), np.uint64(wp), np.int64(n if w is not None
                                                                                else 0),
@@ -217,13 +250,16 @@ def check(v: Variant, op: str, dtype: object, shape: tuple[int, int]) -> list[st
                 w[7, n // 2] = True
                 w[8, 0] = True
                 w[8, n - 1] = True
-        for masked_nan in ((False, True) if masked else (False,)):
-            out = torch.full((rows, n), math.nan, device="cuda", dtype=dtype)
-            launch(v, op, x, w, out, masked_nan)
-            torch.cuda.synchronize()
-            e = excess(op, x, w, out, masked_nan)
-            if e > 0:
-                bad.append(f"{label} {rows}x{n} masked_nan={masked_nan}: excess {e:.3g}")
+        # persistent kernels also with 2 clusters, so that each walks several rows
+        for clusters in ((0, 2) if v.persist else (0,)):
+            for masked_nan in ((False, True) if masked else (False,)):
+                out = torch.full((rows, n), math.nan, device="cuda", dtype=dtype)
+                launch(v, op, x, w, out, masked_nan, clusters)
+                torch.cuda.synchronize()
+                e = excess(op, x, w, out, masked_nan)
+                if e > 0:
+                    bad.append(f"{label} {rows}x{n} masked_nan={masked_nan} clusters="
+                               f"{clusters or 'default'}: excess {e:.3g}")
     return bad
 
 
@@ -260,6 +296,7 @@ def main() -> int:
     del a, b
     lines = [f"copy {copy_bw:.0f} GB/s (events), {copy_graph:.0f} GB/s (graph)"]
     failures = []
+    checked: dict[tuple[str, int], list[str]] = {}
     for dname in dtypes:
         dtype = getattr(torch, dname)
         for shape, variants in SWEEP.items():
@@ -274,10 +311,12 @@ def main() -> int:
                 tt = graph_seconds(lambda peer=peer, x=x: peer(x, -1))
                 row = [f"{op} {dname} {shape[0]}x{shape[1]}: torch {nbytes / tt / 1e9:.0f}"]
                 for v in variants:
+                    key = (v.name(op, dname), v.persist)  # the policy cannot change results
                     try:
-                        bad = check(v, op, dtype, shape)
+                        bad = checked[key] if key in checked else check(v, op, dtype, shape)
                     except Exception as exc:  # a launch failure is a result too
                         bad = [f"{type(exc).__name__}: {exc}"]
+                    checked[key] = bad
                     if bad:
                         failures.append(f"{op} {dname} {v.label}: {bad}")
                         print(f"WRONG {op} {dname} {v.label}: {bad}", flush=True)
@@ -289,9 +328,12 @@ def main() -> int:
                     sec_g = graph_seconds(
                         lambda v=v, op=op, x=x, out_g=out_g: launch(v, op, x, None, out_g))
                     bw_g = nbytes / sec_g / 1e9
-                    row.append(f"{v.label} {bw:.0f} ({100 * bw / copy_bw:.0f}%), "
+                    label = v.label
+                    if v.persist < 0:
+                        label += f" ({clusters_that_fit(v, op, dname)} clusters)"
+                    row.append(f"{label} {bw:.0f} ({100 * bw / copy_bw:.0f}%), "
                                f"gap {bw_g:.0f} ({100 * bw_g / copy_bw:.0f}%)")
-                    print(f"{op} {dname} {shape[0]}x{shape[1]} {v.label}: {bw:.0f} GB/s "
+                    print(f"{op} {dname} {shape[0]}x{shape[1]} {label}: {bw:.0f} GB/s "
                           f"{100 * bw / copy_bw:.0f}% of copy; output after a 3 MB gap "
                           f"{bw_g:.0f} GB/s {100 * bw_g / copy_bw:.0f}%", flush=True)
                 # the declared kernel with other buffer layouts: the output right after the
@@ -299,7 +341,7 @@ def main() -> int:
                 # from the allocator on every call, as gpu_check.py times it)
                 import array_api_compat.torch as xpt
                 from softmaxkit_cupy import rows as kr
-                from softmaxkit_cupy.configs import row_config
+                from softmaxkit_cupy.configs import ROW_ALTERNATIVES, row_config
 
                 declared = row_config(shape[1], 2, lean=True)
                 gap = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
@@ -313,6 +355,17 @@ def main() -> int:
                            f"({100 * bw_gap / copy_bw:.0f}%), public call {bw_pub:.0f} "
                            f"({100 * bw_pub / copy_bw:.0f}%)")
                 print(row[-1], flush=True)
+                # persistent alternatives of the same capacity, called as the public call
+                # is (a fresh output from the allocator each time, grid from rows.py)
+                for c in ROW_ALTERNATIVES:
+                    if (c.persistent and c != declared
+                            and c.capacity(2) == declared.capacity(2)):
+                        sec_alt = graph_seconds(lambda op=op, x=x, c=c: kr.launch_rows(
+                            op, xpt, x, None, torch.empty_like(x), config=c))
+                        bw_alt = nbytes / sec_alt / 1e9
+                        row.append(f"{c.describe()} as the public call: {bw_alt:.0f} "
+                                   f"({100 * bw_alt / copy_bw:.0f}%)")
+                        print(row[-1], flush=True)
                 del gap, out2
                 lines.append("; ".join(row))
             del x, out, gap0, out_g

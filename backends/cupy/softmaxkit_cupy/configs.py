@@ -33,7 +33,9 @@ class RowConfig:
     row, ``cluster > 1`` splits a row over a thread-block cluster.  ``lean`` configurations
     are the 16-bit softmax / log_softmax kernels of kernels/rows16.cuh: in registers, or
     (``staged``) with the segment in shared memory, loaded in ``groups`` cp.async groups;
-    ``mode`` holds their cache-mode bits (1: streaming stores).
+    ``mode`` holds their cache-mode bits (1: streaming stores); ``persistent`` staged kernels
+    run a grid of the clusters that fit at once, each walking rows and copying its next row
+    while it writes the current one.
     """
 
     threads: int
@@ -44,6 +46,7 @@ class RowConfig:
     lean: bool = False
     groups: int = 1
     mode: int = 0
+    persistent: bool = False
 
     def capacity(self, itemsize: int) -> int:
         """The longest row this configuration holds, in elements."""
@@ -60,7 +63,8 @@ class RowConfig:
                 raise ValueError(f"no 16-bit row kernel for {op} {din} -> {dout}")
             head = f"{CTYPES[din]}, {ROW_OPS[op]}, {self.threads}"
             if self.staged:
-                return (f"sk_rows16_staged<{head}, {self.k}, {self.cluster}, {self.groups}, "
+                kind = "persist" if self.persistent else "staged"
+                return (f"sk_rows16_{kind}<{head}, {self.k}, {self.cluster}, {self.groups}, "
                         f"{self.mode}>")
             return f"sk_rows16<{head}, {self.group}, {self.k}, {self.mode}>"
         head = f"{CTYPES[din]}, {CTYPES[dout]}, {ROW_OPS[op]}, {self.threads}"
@@ -76,6 +80,8 @@ class RowConfig:
             text += f" cluster {self.cluster}"
         if self.staged:
             text += f" staged ({self.groups} groups)"
+        if self.persistent:
+            text += " persistent"
         if self.mode & 1:
             text += " st.cs"
         return text
@@ -140,6 +146,7 @@ ROW_ALTERNATIVES: tuple[RowConfig, ...] = (
     RowConfig(512, 512, 8, staged=True, lean=True, groups=4),
     RowConfig(1024, 1024, 4, staged=True, lean=True, groups=4),
     RowConfig(512, 512, 8, 16, staged=True, lean=True, groups=4),
+    RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4, persistent=True),
 )
 """Other row configurations, built on request only (gpu_check.py compares them)."""
 

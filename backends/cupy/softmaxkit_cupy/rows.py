@@ -7,6 +7,7 @@ accepted the call (device, dtypes, row length, options), so every call here has 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from typing import Any
@@ -36,6 +37,35 @@ def _aligned(address: int, stride_bytes: int, width: int) -> bool:
     return address % width == 0 and stride_bytes % width == 0
 
 
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h), without launch attributes."""
+
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint),
+                ("block_z", ctypes.c_uint), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                ("num_attrs", ctypes.c_uint)]
+
+
+def max_active_clusters(kernel: Any, config: RowConfig) -> int:
+    """How many clusters of ``kernel`` (launched as ``config``) fit on the device at once, from
+    ``cuOccupancyMaxActiveClusters`` (CuPy wraps no cluster occupancy query); 0 where the
+    driver does not answer.  The kernel's dynamic shared-memory limit and cluster attributes
+    must be set first."""
+    try:
+        query = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    except (OSError, AttributeError):
+        return 0
+    query.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                      ctypes.POINTER(_LaunchConfig)]
+    launch = _LaunchConfig(config.cluster, 1, 1, config.threads, 1, 1, config.shared_bytes(),
+                           None, None, 0)
+    count = ctypes.c_int(0)
+    if query(ctypes.byref(count), ctypes.c_void_p(kernel.kernel.ptr), ctypes.byref(launch)):
+        return 0
+    return max(count.value, 0)
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(op: str, din: str, dout: str, n: int, rows: int,
           config: RowConfig | None = None) -> tuple[Any, int, int, int]:
@@ -52,14 +82,18 @@ def _plan(op: str, din: str, dout: str, n: int, rows: int,
     if config is None or n > config.capacity(ITEMSIZE[din]):  # can_run declines these rows
         raise ValueError(f"rows of {n} elements are longer than the row kernels hold")
     kernel = compiler.function("rows.cu", names, config.name(op, din, dout))
-    if config.shared_bytes() > 48 * 1024:
+    # the default limit of 48 KB covers dynamic and static shared memory together
+    if config.shared_bytes() and config.shared_bytes() + kernel.shared_size_bytes > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = config.shared_bytes()
     if config.cluster > NON_PORTABLE_CLUSTER:
         from cupy.cuda import driver
 
         # 16-block clusters are non-portable: the kernel must opt in (sm_90 allows 16)
         driver.funcSetAttribute(kernel.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-    if config.cluster > 1 or config.staged:
+    if config.persistent:
+        # the clusters that fit at once walk the rows (any count is correct; more queue)
+        grid = min(rows, max_active_clusters(kernel, config) or rows) * config.cluster
+    elif config.cluster > 1 or config.staged:
         grid = rows * config.cluster
     else:
         grid = -(-rows // (config.threads // config.group))

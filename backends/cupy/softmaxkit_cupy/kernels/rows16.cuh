@@ -427,3 +427,207 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
     }
     if (CLUSTER > 1) sk_cluster_wait();
 }
+
+// A float pair from a peer block's shared memory (distributed shared memory of the cluster).
+__device__ __forceinline__ float2 sk_cluster_load2(const float2* smem, unsigned rank) {
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    unsigned remote;
+    float2 v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];"
+                 : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
+    return v;
+}
+
+// Blocks of a staged kernel that fit on one multiprocessor (227 KB of shared memory, a
+// block's static arrays and 1 KB reserved per block), for the register budget.
+#define SK_STAGED_MIN_BLOCKS(THREADS, K)                                                 \
+    ((232448 / ((THREADS) * (K) * 16 + 2048)) < 1                                       \
+         ? 1                                                                             \
+         : (232448 / ((THREADS) * (K) * 16 + 2048)) > 2048 / (THREADS)                   \
+               ? 2048 / (THREADS)                                                        \
+               : (232448 / ((THREADS) * (K) * 16 + 2048)))
+
+// Persistent form of sk_rows16_staged: the grid is the clusters that fit at once, and
+// cluster c walks rows c, c + C, c + 2C, ... (C clusters).  Each thread refills every staged
+// piece with the next row's piece right after it has read the piece back for the current
+// row's store, so the next row's copies are in flight while the current row is written,
+// and no cluster waits for a launch between rows.  A thread reads back only the pieces it
+// copied itself, so no block barrier guards the stage.  The (max, sum) exchange costs one
+// cluster barrier per row: every warp publishes its summary, and after the barrier every warp
+// combines all CLUSTER x WARPS summaries itself; the summaries alternate between two slots by
+// row parity, so a slot is rewritten only after every peer has passed the barrier that
+// follows its last read of it.
+template <typename T, int OP, int THREADS, int K, int CLUSTER, int GROUPS, int MODE>
+__global__ void __cluster_dims__(CLUSTER, 1, 1)
+    __launch_bounds__(THREADS, SK_STAGED_MIN_BLOCKS(THREADS, K)) sk_rows16_persist(
+    const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
+    long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
+    int masked_nan) {
+    static_assert(sizeof(T) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
+    static_assert(K % GROUPS == 0 && GROUPS <= 8, "whole groups, at most 8 in flight");
+    constexpr int VEC = 8;
+    constexpr int PER = K / GROUPS;
+    constexpr int CAP = THREADS * K * VEC;
+    constexpr int WARPS = THREADS / 32;
+    constexpr int SLOTS = CLUSTER * WARPS;  // summaries per row
+    constexpr int EACH = (SLOTS + 31) / 32;  // of them per lane
+    extern __shared__ uint4 sk_stage[];
+    __shared__ float2 sums[2][WARPS];  // (maximum or NaN, sum) per warp, by row parity
+    const int lane = threadIdx.x;
+    const int wlane = threadIdx.x % 32;
+    const unsigned rank = CLUSTER > 1 ? sk_cluster_rank() : 0u;
+    const int seg0 = static_cast<int>(rank) * CAP;
+    const long long step = gridDim.x / CLUSTER;
+    const bool copyable = vec_ok && w == nullptr;
+    const bool fast = copyable && seg0 + CAP <= n;  // the whole segment: no per-piece tests
+
+    // stage piece j of row r (asynchronous where the row allows it)
+    auto stage = [&](long long r, int j) {
+        const int base = seg0 + (j * THREADS + lane) * VEC;
+        uint4* dst = &sk_stage[j * THREADS + lane];
+        if (fast || (copyable && base < n)) {
+            sk_cp_async16(dst, x + r * ld_x + base, true);
+        } else {
+            uint4 piece[1];
+            sk_rows_load<T, THREADS, 1>(piece, x, ld_x, w, ld_w, r, true,
+                                        seg0 + j * THREADS * VEC, lane, n, vec_ok);
+            *dst = piece[0];
+        }
+    };
+
+    long long row = blockIdx.x / CLUSTER;
+    if (row < rows) {
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g) {
+#pragma unroll
+            for (int q = 0; q < PER; ++q) stage(row, g * PER + q);
+            sk_cp_async_commit();
+        }
+    }
+    int parity = 0;
+#pragma unroll 1
+    for (; row < rows; row += step, parity ^= 1) {
+        float m = -SK_INF, s = 0.0f;
+        int nan = 0;
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g) {
+            sk_cp_async_wait_n(GROUPS - 1 - g);
+            uint4 p[PER];
+#pragma unroll
+            for (int q = 0; q < PER; ++q)
+                p[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
+            int gnan = 0;
+            const float gm = sk_pieces_max<T, PER>(p, gnan);
+            nan |= gnan;
+            const float mn = fmaxf(m, gm);  // NaN groups leave m alone: the row is NaN anyway
+            if (mn > m) {  // rescale the running sum (0 while m is -inf); mn may be +inf
+                s = m == -SK_INF ? 0.0f : s * sk_ex2((m - mn) * SK_LOG2E);
+                m = mn;
+            }
+            if (m > -SK_INF && m < SK_INF) {
+#pragma unroll
+                for (int q = 0; q < PER; ++q)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const unsigned word = sk_word(p[q], i);
+                        s += sk_ex2((SkPacked<T>::lo(word) - m) * SK_LOG2E) +
+                             sk_ex2((SkPacked<T>::hi(word) - m) * SK_LOG2E);
+                    }
+            }
+        }
+        // the warp's summary, then every warp combines the whole cluster's
+        float mr = nan ? SK_NAN : m;
+        sk_lean_reduce<32, 32>(mr, s, nullptr);
+        if (wlane == 0) sums[parity][threadIdx.x / 32] = make_float2(mr, s);
+        if (CLUSTER > 1) {
+            sk_cluster_arrive();
+            sk_cluster_wait();
+        } else {
+            __syncthreads();
+        }
+        float2 got[EACH];
+        float top = -SK_INF;
+#pragma unroll
+        for (int e = 0; e < EACH; ++e) {
+            const int slot = wlane + 32 * e;
+            got[e] = make_float2(-SK_INF, 0.0f);
+            if (slot < SLOTS) {
+                const float2* at = &sums[parity][slot % WARPS];
+                got[e] = CLUSTER > 1 ? sk_cluster_load2(at, slot / WARPS) : *at;
+            }
+            top = sk_max_nan(top, got[e].x);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2)
+            top = sk_max_nan(top, __shfl_xor_sync(0xffffffffu, top, off));
+        s = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EACH; ++e)
+            s += got[e].x == -SK_INF ? 0.0f : got[e].y * sk_ex2((got[e].x - top) * SK_LOG2E);
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+        m = top;
+
+        const bool is_nan = m != m;
+        const bool posinf = m == SK_INF;
+        const bool empty = m == -SK_INF;
+        const long long next = row + step;
+        const bool more = next < rows;
+        T* orow = out + row * ld_o;
+        if (!(is_nan || posinf || empty)) {
+            const float log2s = log2f(s);
+            const float logs = sk_log<false>(s);
+#pragma unroll
+            for (int g = 0; g < GROUPS; ++g) {
+#pragma unroll
+                for (int q = 0; q < PER; ++q) {
+                    const int j = g * PER + q;
+                    const int base = seg0 + (j * THREADS + lane) * VEC;
+                    const uint4 p = sk_ld_shared16(&sk_stage[j * THREADS + lane]);
+                    uint4 o;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const unsigned word = sk_word(p, i);
+                        const float a = SkPacked<T>::lo(word) - m, b = SkPacked<T>::hi(word) - m;
+                        if (OP == SK_SOFTMAX) {
+                            sk_set_word(o, i, SkPacked<T>::pack(sk_ex2(fmaf(a, SK_LOG2E, -log2s)),
+                                                                sk_ex2(fmaf(b, SK_LOG2E, -log2s))));
+                        } else {
+                            sk_set_word(o, i, SkPacked<T>::pack(a - logs, b - logs));
+                        }
+                    }
+                    sk_put16<T, MODE>(orow, base, n, vec_ok, fast || (vec_ok && base < n), o);
+                    if (more) stage(next, j);  // the piece is read back: refill it
+                }
+                sk_cp_async_commit();
+            }
+        } else {
+#pragma unroll 1
+            for (int g = 0; g < GROUPS; ++g) {
+#pragma unroll 1
+                for (int q = 0; q < PER; ++q) {
+                    const int j = g * PER + q;
+                    const int base = seg0 + (j * THREADS + lane) * VEC;
+                    const uint4 p = sk_ld_shared16(&sk_stage[j * THREADS + lane]);
+                    uint4 o;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const unsigned word = sk_word(p, i);
+                        sk_set_word(o, i, SkPacked<T>::pack(
+                            sk_special<OP>(SkPacked<T>::lo(word), is_nan, posinf, masked_nan),
+                            sk_special<OP>(SkPacked<T>::hi(word), is_nan, posinf, masked_nan)));
+                    }
+                    sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n, o);
+                    if (more) stage(next, j);
+                }
+                sk_cp_async_commit();
+            }
+        }
+    }
+    // peers may still read this block's summaries: leave only when every block is done
+    if (CLUSTER > 1) {
+        sk_cluster_arrive();
+        sk_cluster_wait();
+    }
+}
