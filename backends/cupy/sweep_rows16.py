@@ -94,16 +94,19 @@ SWEEP: dict[tuple[int, int], list[Variant]] = {
         S("lean 1024x4 g4", 1024, 4, groups=4),
     ],
     (256, 524288): [
-        S("lean 256x16 c16 g4", 256, 16, 16, groups=4),
-        S("persist 256x16 c16 g4", 256, 16, 16, groups=4, persist=-1),
-        S("persist 256x16 c16 g4, 16 clusters", 256, 16, 16, groups=4, persist=16),
-        S("persist 256x16 c16 g4, 32 clusters", 256, 16, 16, groups=4, persist=32),
-        S("persist 256x16 c16 g8", 256, 16, 16, groups=8, persist=-1),
-        S("persist 256x16 c16 g4 st.cs", 256, 16, 16, groups=4, persist=-1, mode=1),
         S("persist 256x16 c16 g4 spread", 256, 16, 16, groups=4, persist=-1, policy=1),
-        S("lean 256x16 c16 g4 spread", 256, 16, 16, groups=4, policy=1),
+        S("persist 256x16 c16 g4", 256, 16, 16, groups=4, persist=-1),
+        S("persist 256x16 c16 g4 load-balancing", 256, 16, 16, groups=4, persist=-1, policy=2),
+        S("persist 256x16 c16 g4 spread refill-first", 256, 16, 16, groups=4, persist=-1,
+          policy=1, mode=8),
+        S("persist 256x16 c16 g2 spread refill-first", 256, 16, 16, groups=2, persist=-1,
+          policy=1, mode=8),
+        S("persist 256x16 c16 g2 spread", 256, 16, 16, groups=2, persist=-1, policy=1),
+        S("persist 256x16 c16 g8 spread", 256, 16, 16, groups=8, persist=-1, policy=1),
+        S("persist 256x16 c16 g4 spread st.cs", 256, 16, 16, groups=4, persist=-1, policy=1,
+          mode=1),
+        S("lean 256x16 c16 g4", 256, 16, 16, groups=4),
         S("lean 256x16 c16 g4 load-balancing", 256, 16, 16, groups=4, policy=2),
-        S("persist 512x8 c16 g4", 512, 8, 16, groups=4, persist=-1),
     ],
 }
 """Variants per benchmark shape; the first lean one of each is the declared configuration
@@ -355,10 +358,10 @@ def main() -> int:
                            f"({100 * bw_gap / copy_bw:.0f}%), public call {bw_pub:.0f} "
                            f"({100 * bw_pub / copy_bw:.0f}%)")
                 print(row[-1], flush=True)
-                # persistent alternatives of the same capacity, called as the public call
-                # is (a fresh output from the allocator each time, grid from rows.py)
+                # staged alternatives of the same capacity, called as the public call is
+                # (a fresh output from the allocator each time, grid from rows.py)
                 for c in ROW_ALTERNATIVES:
-                    if (c.persistent and c != declared
+                    if (c.staged and c != declared
                             and c.capacity(2) == declared.capacity(2)):
                         sec_alt = graph_seconds(lambda op=op, x=x, c=c: kr.launch_rows(
                             op, xpt, x, None, torch.empty_like(x), config=c))

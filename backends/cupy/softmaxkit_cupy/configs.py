@@ -33,9 +33,11 @@ class RowConfig:
     row, ``cluster > 1`` splits a row over a thread-block cluster.  ``lean`` configurations
     are the 16-bit softmax / log_softmax kernels of kernels/rows16.cuh: in registers, or
     (``staged``) with the segment in shared memory, loaded in ``groups`` cp.async groups;
-    ``mode`` holds their cache-mode bits (1: streaming stores); ``persistent`` staged kernels
+    ``mode`` holds their cache-mode bits (1: streaming stores; 8, persistent kernels: read a
+    copy group back and refill it before writing its results); ``persistent`` staged kernels
     run a grid of the clusters that fit at once, each walking rows and copying its next row
-    while it writes the current one.
+    while it writes the current one; ``policy`` is the cluster scheduling policy set on the
+    kernel (0 the driver's default, 1 spread, 2 load balancing).
     """
 
     threads: int
@@ -47,6 +49,7 @@ class RowConfig:
     groups: int = 1
     mode: int = 0
     persistent: bool = False
+    policy: int = 0
 
     def capacity(self, itemsize: int) -> int:
         """The longest row this configuration holds, in elements."""
@@ -82,6 +85,8 @@ class RowConfig:
             text += f" staged ({self.groups} groups)"
         if self.persistent:
             text += " persistent"
+        if self.policy:
+            text += " spread" if self.policy == 1 else " load-balancing"
         if self.mode & 1:
             text += " st.cs"
         return text
@@ -122,7 +127,7 @@ ROW16_CONFIGS: tuple[RowConfig, ...] = (
     RowConfig(256, 256, 8, 4, staged=True, lean=True, groups=4),
     RowConfig(256, 256, 8, 8, staged=True, lean=True, groups=4),
     RowConfig(256, 256, 16, 8, staged=True, lean=True, groups=4),
-    RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4),
+    RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4, persistent=True, policy=1),
 )
 """The lean 16-bit softmax / log_softmax kernels (:func:`row_lean`), ordered by capacity.
 Chosen on the H200 (bf16 and fp16, CUDA-graph replay, ``sweep_rows16.py``): 16 threads of one
@@ -146,7 +151,7 @@ ROW_ALTERNATIVES: tuple[RowConfig, ...] = (
     RowConfig(512, 512, 8, staged=True, lean=True, groups=4),
     RowConfig(1024, 1024, 4, staged=True, lean=True, groups=4),
     RowConfig(512, 512, 8, 16, staged=True, lean=True, groups=4),
-    RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4, persistent=True),
+    RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4),
 )
 """Other row configurations, built on request only (gpu_check.py compares them)."""
 

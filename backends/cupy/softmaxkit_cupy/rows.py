@@ -31,6 +31,8 @@ from .configs import (
 _NAMES = {(op, din, dout): tuple(names) for op, din, dout, names in row_modules()}
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 """``CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED`` (cuda.h; CuPy names no constant)."""
+_CLUSTER_SCHEDULING_POLICY = 15
+"""``CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE`` (values as RowConfig.policy)."""
 
 
 def _aligned(address: int, stride_bytes: int, width: int) -> bool:
@@ -90,6 +92,10 @@ def _plan(op: str, din: str, dout: str, n: int, rows: int,
 
         # 16-block clusters are non-portable: the kernel must opt in (sm_90 allows 16)
         driver.funcSetAttribute(kernel.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    if config.policy:
+        from cupy.cuda import driver
+
+        driver.funcSetAttribute(kernel.kernel.ptr, _CLUSTER_SCHEDULING_POLICY, config.policy)
     if config.persistent:
         # the clusters that fit at once walk the rows (any count is correct; more queue)
         grid = min(rows, max_active_clusters(kernel, config) or rows) * config.cluster

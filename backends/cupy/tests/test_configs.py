@@ -59,6 +59,8 @@ def test_lean_configurations_serve_16_bit_softmax_only() -> None:
     assert long.staged and long.cluster == 2 and long.shared_bytes() == 32 * 1024
     longest = row_config(524288, 2, lean=True)
     assert longest.staged and longest.cluster == 16 and longest.shared_bytes() == 64 * 1024
+    assert longest.persistent and longest.name("softmax", "bfloat16", "bfloat16").startswith(
+        "sk_rows16_persist<")
 
 
 def test_configurations_are_well_formed() -> None:
@@ -68,6 +70,8 @@ def test_configurations_are_well_formed() -> None:
         assert c.threads % c.group == 0 and c.cluster in (1, 2, 4, 8, 16)
         assert c.cluster <= NON_PORTABLE_CLUSTER or (c.lean and c.staged)
         assert c.cluster == 1 or c.group == c.threads
+        assert not c.persistent or c.staged
+        assert c.policy in (0, 1, 2) and (c.policy == 0 or c.cluster > 1)
         assert not c.staged or (c.lean and c.group == c.threads
                                 and c.shared_bytes() <= 227 * 1024 and c.k % c.groups == 0
                                 and c.groups <= 8)

@@ -57,6 +57,8 @@ template <> struct SkPacked<__half> {
 #define SK_ST_CS 1
 #define SK_LD_CS 2
 #define SK_LD_PF 4
+// (sk_rows16_persist) 8: read a whole copy group back and refill it before writing its results
+#define SK_REFILL_FIRST 8
 
 template <int MODE> __device__ __forceinline__ uint4 sk_ld_stream(const void* p) {
     uint4 v;
@@ -439,6 +441,14 @@ __device__ __forceinline__ float2 sk_cluster_load2(const float2* smem, unsigned 
     return v;
 }
 
+// 0, available only once v has arrived: an index offset that holds a later instruction (a
+// cp.async refilling the shared memory v was read from) until the read has completed.
+__device__ __forceinline__ int sk_zero_after(unsigned v) {
+    int z;
+    asm volatile("and.b32 %0, %1, 0;" : "=r"(z) : "r"(v));
+    return z;
+}
+
 // Blocks of a staged kernel that fit on one multiprocessor (227 KB of shared memory, a
 // block's static arrays and 1 KB reserved per block), for the register budget.
 #define SK_STAGED_MIN_BLOCKS(THREADS, K)                                                 \
@@ -482,10 +492,10 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
     const bool copyable = vec_ok && w == nullptr;
     const bool fast = copyable && seg0 + CAP <= n;  // the whole segment: no per-piece tests
 
-    // stage piece j of row r (asynchronous where the row allows it)
-    auto stage = [&](long long r, int j) {
+    // stage piece j of row r (asynchronous where the row allows it); `after` is 0
+    auto stage = [&](long long r, int j, int after = 0) {
         const int base = seg0 + (j * THREADS + lane) * VEC;
-        uint4* dst = &sk_stage[j * THREADS + lane];
+        uint4* dst = &sk_stage[j * THREADS + lane + after];
         if (fast || (copyable && base < n)) {
             sk_cp_async16(dst, x + r * ld_x + base, true);
         } else {
@@ -580,11 +590,23 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
             const float logs = sk_log<false>(s);
 #pragma unroll
             for (int g = 0; g < GROUPS; ++g) {
+                uint4 pg[PER];
+#pragma unroll
+                for (int q = 0; q < PER; ++q)
+                    pg[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
+                if ((MODE & SK_REFILL_FIRST) && more) {  // the group's copies first
+                    unsigned any = pg[0].x;
+#pragma unroll
+                    for (int q = 1; q < PER; ++q) any |= pg[q].x;
+                    const int after = sk_zero_after(any);
+#pragma unroll
+                    for (int q = 0; q < PER; ++q) stage(next, g * PER + q, after);
+                }
 #pragma unroll
                 for (int q = 0; q < PER; ++q) {
                     const int j = g * PER + q;
                     const int base = seg0 + (j * THREADS + lane) * VEC;
-                    const uint4 p = sk_ld_shared16(&sk_stage[j * THREADS + lane]);
+                    const uint4 p = pg[q];
                     uint4 o;
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
@@ -598,7 +620,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
                         }
                     }
                     sk_put16<T, MODE>(orow, base, n, vec_ok, fast || (vec_ok && base < n), o);
-                    if (more) stage(next, j);  // the piece is read back: refill it
+                    // the piece is read back (its results depend on it): refill it
+                    if (!(MODE & SK_REFILL_FIRST) && more) stage(next, j);
                 }
                 sk_cp_async_commit();
             }
