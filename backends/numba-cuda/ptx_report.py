@@ -61,15 +61,18 @@ def kernels():
                 out.append((f"cross_entropy-{tag}", fn, sig, threads * rows, slots, kind))
     for kind in ("float32", "bfloat16"):
         st = STORAGE[kind]
-        for threads, slots, stages in ((256, 8, 2), (256, 16, 1), (256, 16, 2)):
-            tag = f"{kind}-{threads}x{slots}-staged{stages}"
+        for threads, slots, stages, cluster in ((256, 8, 2, False), (256, 16, 1, False),
+                                                (256, 16, 2, False), (256, 8, 1, True),
+                                                (256, 16, 1, True), (256, 32, 1, True)):
+            tag = f"{kind}-{threads}x{slots}-{'cluster' if cluster else 'staged'}{stages}"
             cap_slots = staged._fit(threads, slots, stages)[1] // VALUES[kind]
             for op in ("softmax", "log_softmax"):
-                fn = staged.normalize(op, kind, threads, slots, False, stages)
+                fn = staged.normalize(op, kind, threads, slots, False, stages, cluster,
+                                      stages == 1)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
                        "int64, uint64[:, ::1])")
                 out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))
-            fn = staged.cross_entropy(kind, threads, slots, False, False, stages)
+            fn = staged.cross_entropy(kind, threads, slots, False, False, stages, cluster)
             sig = (f"({st}[:, ::1], boolean[:, ::1], int64[::1], float32[::1], "
                    f"float32[:, ::1], {st}[:, ::1], int64, int64, int64, float32[:, ::1], "
                    "int32[::1], uint64[:, ::1], float64, boolean, int64)")

@@ -187,27 +187,80 @@ def launch(a: Any, lib: str) -> Iterator[Any]:
 _SHARED_ALLOWED: dict[tuple[int, int], int] = {}
 """(id of a compiled kernel, device id) -> the dynamic shared memory it has been allowed there
 (the attribute belongs to the kernel's function on each device)."""
+_NON_PORTABLE: set[tuple[int, int]] = set()
+"""(id of a compiled kernel, device id) allowed clusters of more than 8 blocks there."""
+PORTABLE_CLUSTER = 8
 
 
 def _allow_shared(compiled: Any, config: Any) -> None:
     """Let ``compiled`` take ``config.sharedmem`` bytes of dynamic shared memory (above 48 KB
     a kernel must opt in) and prefer the largest shared-memory carveout."""
-    size = int(config.sharedmem)
+    _allow(compiled, int(config.sharedmem), 1)
+
+
+def _allow(compiled: Any, size: int, cluster: int) -> None:
+    """Set the function attributes of ``compiled`` on the current device for ``size`` bytes of
+    dynamic shared memory and clusters of ``cluster`` blocks (non-portable above 8)."""
     cufunc = compiled._codelibrary.get_cufunc()  # the function of the current device
     key = (id(compiled), cufunc.device.id)
-    if _SHARED_ALLOWED.get(key, -1) >= size:
-        return
     from numba.cuda.cudadrv.driver import binding, driver
 
-    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attr, size, cufunc.handle, cufunc.device.id)
-    cufunc.set_shared_memory_carveout(100)
-    _SHARED_ALLOWED[key] = size
+    if size and _SHARED_ALLOWED.get(key, -1) < size:
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attr, size, cufunc.handle, cufunc.device.id)
+        cufunc.set_shared_memory_carveout(100)
+        _SHARED_ALLOWED[key] = size
+    if cluster > PORTABLE_CLUSTER and key not in _NON_PORTABLE:
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        driver.cuKernelSetAttribute(attr, 1, cufunc.handle, cufunc.device.id)
+        _NON_PORTABLE.add(key)
 
 
-def run(kernel: Any, grid: int, block: int, stream: Any, *args: Any, shared: int = 0) -> None:
-    """Launch ``kernel`` with ``shared`` bytes of dynamic shared memory; numba's occupancy
-    advice for small grids is not shown to callers."""
+def cluster_launch(grid: int, block: int, shared: int, cluster: int,
+                   core_version: str) -> dict[str, int]:
+    """Keyword arguments of cuda.core's ``LaunchConfig`` for ``grid`` blocks of ``block``
+    threads in clusters of ``cluster`` blocks: cuda.core 1.0 and later count the grid in
+    clusters when a cluster is given, earlier versions in blocks."""
+    if cluster < 1 or grid % cluster:
+        raise ValueError(f"a grid of {grid} blocks is not made of clusters of {cluster}")
+    counts_clusters = int(core_version.split(".")[0]) >= 1
+    return {"grid": grid // cluster if counts_clusters else grid, "cluster": cluster,
+            "block": block, "shmem_size": shared}
+
+
+def _launch_cluster(kernel: Any, grid: int, block: int, stream: Any, args: tuple,
+                    shared: int, cluster: int) -> None:
+    """Launch ``kernel`` on ``grid`` blocks in clusters of ``cluster`` (numba's launch passes no
+    cluster dimensions): the kernel compiled for the arguments' types by its dispatcher, the
+    arguments marshalled as numba marshals them, the launch made through cuda.core."""
+    from cuda import core
+    from numba.cuda.cudadrv.driver import _to_core_stream
+
+    config = core.LaunchConfig(**cluster_launch(grid, block, shared, cluster,
+                                                str(core.__version__)))
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    _allow(compiled, shared, cluster)
+    core_stream = _to_core_stream(stream)
+    kernelargs: list[Any] = []
+    retr: list[Any] = []
+    for ty, value in zip(compiled.argument_types, args, strict=True):
+        compiled._prepare_args(ty, value, core_stream, retr, kernelargs)
+    core.launch(core_stream, config, compiled._codelibrary.get_cufunc().kernel, *kernelargs)
+    for writeback in retr:  # none for device arrays; kept as numba's launch does
+        writeback()
+
+
+def run(kernel: Any, grid: int, block: int, stream: Any, *args: Any, shared: int = 0,
+        cluster: int = 1) -> None:
+    """Launch ``kernel`` with ``shared`` bytes of dynamic shared memory, in thread-block
+    clusters of ``cluster`` blocks when above 1 (``grid`` a multiple of it; the simulator
+    runs clusters of one block only); numba's occupancy advice for small grids is not shown
+    to callers."""
+    if cluster > 1:
+        if SIMULATOR:
+            raise NotImplementedError("the simulator runs clusters of one block only")
+        _launch_cluster(kernel, grid, block, stream, args, shared, cluster)
+        return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*GPU under-utilization")
         if not shared:

@@ -117,20 +117,32 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
     vector, width, (xv, ov) = _layout(lib, kin, kout, [xr, out.reshape(n_rows, n)])
     p = _plan(n // width, kin, vector)
+    cluster = 1
+    clustered = None
     if staged.enabled(kin, p.split, vector, kin == kout):
+        clustered = plans.clustered(n // width, SIMULATOR)
+    if clustered is not None:  # the chunks of a row are one thread-block cluster
+        p, cluster = clustered, clustered.chunks
+        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None, 1,
+                                  cluster=True, folded=staged.fold())
+        blocks, shared = n_rows * p.chunks, staged.shared_bytes(p.threads, p.slots, 1)
+    elif staged.enabled(kin, p.split, vector, kin == kout):
         stages = staged.ring()
         p = plans.staged(n // width, SIMULATOR, plans.STAGE_BYTES // stages)
-        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None, stages)
+        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None, stages,
+                                  folded=stages == 1 and staged.fold())
         blocks, shared = _staged_launch(p, n_rows, stages, x, lib)
     else:
         kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots,
                                       p.rows_per_block, p.split, where is not None)
         blocks, shared = p.grid(n_rows), 0
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
-    wsp = _slots(xp, x, lib, p, n_rows, accumulator_name(kin))
+    # clustered rows exchange through distributed shared memory: no slots to zero
+    wsp = _slots(xp, x, lib, plans.make(1, 1, 1) if clustered else p, n_rows,
+                 accumulator_name(kin))
     with launch(x, lib) as stream:
         run(kernel, blocks, p.block, stream, xv, w, masked == "nan", ov, n_rows,
-            n // width, p.chunks, wsp, shared=shared)
+            n // width, p.chunks, wsp, shared=shared, cluster=cluster)
     return out
 
 
@@ -263,7 +275,16 @@ def cross_entropy(
         return loss, grad
     p = _plan(n // width, kin, vector)
     smooth = float(label_smoothing) != 0.0
+    cluster = 1
+    clustered = None
     if grad is not None and staged.enabled(kin, p.split, vector, kin == kout):
+        clustered = plans.clustered(n // width, SIMULATOR)
+    if clustered is not None:
+        p, cluster = clustered, clustered.chunks
+        kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth, 1,
+                                      cluster=True)
+        blocks, shared = n_rows * p.chunks, staged.shared_bytes(p.threads, p.slots, 1)
+    elif grad is not None and staged.enabled(kin, p.split, vector, kin == kout):
         stages = staged.ring()
         p = plans.staged(n // width, SIMULATOR, plans.STAGE_BYTES // stages)
         kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth,
@@ -276,14 +297,15 @@ def cross_entropy(
         blocks, shared = p.grid(n_rows), 0
     if grad is not None:
         ws, sync = _counters(xp, logits, lib, plans.make(1, 1, 1), n_rows, acc, 0)
-        wsp = _slots(xp, logits, lib, p, n_rows, accumulator_name(kin))
+        wsp = _slots(xp, logits, lib, plans.make(1, 1, 1) if clustered else p, n_rows,
+                     accumulator_name(kin))
     else:
         ws, sync = _counters(xp, logits, lib, p, n_rows, acc, 4 if smooth else 2)
         wsp = _slots(xp, logits, lib, plans.make(1, 1, 1), n_rows, accumulator_name(kin))
     with launch(logits, lib) as stream:
         run(kernel, blocks, p.block, stream, xv, w, idx, scale, lv, gv, n_rows,
             n // width, p.chunks, ws, sync, wsp, float(label_smoothing),
-            ignore_index is not None, ignore, shared=shared)
+            ignore_index is not None, ignore, shared=shared, cluster=cluster)
     return loss, grad
 
 

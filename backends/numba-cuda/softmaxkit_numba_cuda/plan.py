@@ -15,7 +15,10 @@ when the row cannot be read in 16-byte words, one element.
 
 Rows that the register plan splits, read in 16-byte words, are staged in shared memory
 instead (:func:`staged`, :mod:`.staged`): one chunk when the row fits in a stage of
-:data:`STAGE_BYTES`, else the fewest equal chunks that fit.
+:data:`STAGE_BYTES`, else the fewest equal chunks that fit.  Rows longer than one chunk of
+:data:`CLUSTER_CHUNK_BYTES` and at most :data:`MAX_CLUSTER` chunks of
+:data:`MAX_CLUSTER_CHUNK_BYTES` are cut into the chunks of one thread-block cluster instead
+(:func:`clustered`).
 
 Kernels that walk a row in tiles instead (:mod:`.tiled`) read ``chunks`` as the number of
 tiles.  This module imports no numba: the plan is plain arithmetic, tested on its own.
@@ -41,6 +44,15 @@ OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_PLAN"
 """Environment variable ``"threads,slots"`` that forces a plan (for tests and tuning)."""
 STAGE_OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_STAGE_PLAN"
 """Environment variable ``"threads,slots"`` that forces the plan of staged rows only."""
+CLUSTER = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
+"""Environment variable: ``0`` turns thread-block clusters off (staged rows of several chunks
+then exchange their summaries through device memory); ``all`` also gives rows of one chunk a
+cluster of one block (the form the simulator can run, for tests)."""
+CLUSTER_CHUNK_BYTES = 32 * 1024
+"""The smallest chunk of a clustered row (a row up to this size is one block)."""
+MAX_CLUSTER_CHUNK_BYTES = 128 * 1024
+MAX_CLUSTER = 16
+"""Blocks of a cluster at most (above 8 the size is not portable: the kernel opts in)."""
 
 
 def _pow2_at_least(v: int) -> int:
@@ -135,13 +147,64 @@ def staged(n: int, simulator: bool = False, stage_bytes: int = STAGE_BYTES) -> P
     :data:`STAGE_OVERRIDE`, else :data:`OVERRIDE`, replaces the choice when it names whole
     warps.
     """
-    forced = os.environ.get(STAGE_OVERRIDE) or os.environ.get(OVERRIDE)
-    if forced:
-        threads, k = (int(v) for v in forced.split(",")[:2])
-        if threads >= WARP:
-            return make(threads, k, n, group_threads=threads)
+    forced = _forced_stage(n)
+    if forced is not None:
+        return forced
     if simulator:  # one warp; rows of up to 256 words are one chunk, longer ones split
         return make(WARP, min(8, -(-n // WARP)), n, group_threads=WARP)
     chunks = max(1, -(-n * WORD_BYTES // stage_bytes))
     words = -(-n // chunks)
     return make(STAGE_THREADS, -(-words // STAGE_THREADS), n, group_threads=STAGE_THREADS)
+
+
+def _forced_stage(n: int) -> Plan | None:
+    forced = os.environ.get(STAGE_OVERRIDE) or os.environ.get(OVERRIDE)
+    if forced:
+        threads, k = (int(v) for v in forced.split(",")[:2])
+        if threads >= WARP:
+            return make(threads, k, n, group_threads=threads)
+    return None
+
+
+def cluster_chunk_bytes(n: int) -> int:
+    """The chunk of a clustered row of ``n`` 16-byte words: the smallest of 32, 64 and 128 KB
+    that cuts it into at most :data:`MAX_CLUSTER` chunks; 0 when the row fits one 32 KB chunk
+    or needs more than :data:`MAX_CLUSTER` chunks of :data:`MAX_CLUSTER_CHUNK_BYTES`."""
+    size = n * WORD_BYTES
+    if size <= CLUSTER_CHUNK_BYTES:
+        return 0
+    chunk = CLUSTER_CHUNK_BYTES
+    while chunk <= MAX_CLUSTER_CHUNK_BYTES:
+        if -(-size // chunk) <= MAX_CLUSTER:
+            return chunk
+        chunk *= 2
+    return 0
+
+
+def clustered(n: int, simulator: bool = False) -> Plan | None:
+    """The plan for staged rows of ``n`` 16-byte words whose chunks form one thread-block
+    cluster (a block each, ``chunks`` blocks a cluster), or ``None`` when such rows take
+    :func:`staged` instead.
+
+    The chunks are the fewest equal ones of :func:`cluster_chunk_bytes`, with
+    :data:`STAGE_THREADS` threads a block; :data:`STAGE_OVERRIDE` (else :data:`OVERRIDE`)
+    forces the chunk, and then a row of up to :data:`MAX_CLUSTER` chunks is clustered.
+    :data:`CLUSTER` = ``0`` turns clusters off; ``all`` clusters rows of one chunk too.  The
+    simulator runs the blocks of a grid one after another, so there only a cluster of one
+    block is possible: rows of one chunk with ``all``.
+    """
+    mode = os.environ.get(CLUSTER, "1")
+    if mode == "0":
+        return None
+    p = _forced_stage(n)
+    if p is None:
+        if simulator:
+            p = staged(n, simulator=True)
+        else:
+            chunk = cluster_chunk_bytes(n)
+            p = staged(n, stage_bytes=chunk) if chunk else staged(n)
+    if p.chunks > MAX_CLUSTER or (p.chunks == 1 and mode != "all"):
+        return None
+    if simulator and p.chunks > 1:
+        return None
+    return p

@@ -22,6 +22,30 @@ in the same order).  Outputs are written from the staged words.  Each thread rea
 the words it copied, so no barrier is needed between a copy and its reads, nor before a stage
 is refilled.
 
+With :data:`FOLD` (the default with one stage) softmax and log_softmax fold each group, as it
+lands, into the thread's running (max, sum): the group's words are held in registers, its
+maximum raises the running maximum (the sum rescaled) and its exponentials join the sum, so no
+second pass over the stage is left once the last group has landed.
+
+Thread-block clusters (sm_90): a row of 2 to 16 chunks (:func:`.plan.clustered`: 32 KB chunks,
+64 KB for rows above 512 KB, 128 KB above 1 MB) is launched as one cluster of one block per
+chunk (:func:`.arrays.run`, the kernel's rank in the cluster being its chunk).  The blocks
+exchange their summaries through distributed shared memory instead of the slots in device
+memory: each block writes its (max, sum) to its shared memory, the cluster barrier
+(arrive.release / wait.acquire) publishes them, each block reads its peers' with
+``ld.shared::cluster`` and merges, arrives again, and waits on that barrier before it exits,
+so that no block's shared memory goes while a peer may read it.  The cluster's blocks are
+co-scheduled by the hardware, so no wait is unbounded and no fallback is needed.
+:data:`.plan.CLUSTER` = ``0`` turns clusters off.
+
+What CI does not run: Numba's CUDA simulator runs the blocks of a grid one after another, so a
+barrier across the blocks of a cluster (or a read of another block's shared memory) cannot
+run there.  The simulator runs the cluster kernels as clusters of one block
+(``SOFTMAXKIT_NUMBA_CUDA_CLUSTER=all`` on rows of one chunk): the same kernel code, exchange
+and barriers included, on the block itself; the exchange between several blocks, the
+launch with cluster dimensions and non-portable cluster sizes are checked on the GPU only
+(``gpu_check.py``, against float64 with poisoned outputs).
+
 Staged kernels serve rows that the register plan splits, read in 16-byte words (float32,
 bfloat16, float16, the same dtype in and out); the environment variable :data:`ENABLE` = ``0``
 turns them off (the register kernels then serve every row).
@@ -48,7 +72,17 @@ from .plan import WORD_BYTES
 from .reductions import SCRATCH, exponential, group_reducers, thread_max
 from .rowkernels import _row_summary, _slots
 from .storage import loader, storer, word_codec
-from .wide import cp_async16, cp_async_commit, cp_async_pending, store16
+from .wide import (
+    cluster_arrive,
+    cluster_id,
+    cluster_load,
+    cluster_rank,
+    cluster_wait,
+    cp_async16,
+    cp_async_commit,
+    cp_async_pending,
+    store16,
+)
 
 ENABLE = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
 RING = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
@@ -57,6 +91,9 @@ each block's next chunk ahead)."""
 GROUPS = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
 """Environment variable: copy groups per thread with one stage (tuning; default 4)."""
 DEFAULT_GROUPS = 4
+FOLD = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
+"""Environment variable: ``0`` takes softmax's sum of exponentials in a pass of its own after
+the maxima (the fold of each landed group into a running (max, sum) is the default)."""
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -84,6 +121,12 @@ def groups(slots: int, stages: int) -> int:
 def ring() -> int:
     """Stages per block: 1 (the default) or 2 (:data:`RING`)."""
     return 2 if os.environ.get(RING) == "2" else 1
+
+
+def fold() -> bool:
+    """Whether softmax / log_softmax fold each landed copy group into a running (max, sum)
+    (:data:`FOLD`)."""
+    return os.environ.get(FOLD, "1") != "0"
 
 
 def shared_bytes(threads: int, slots: int, stages: int) -> int:
@@ -129,7 +172,11 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, gr
       groups as it goes (the maximum of a group as soon as it has landed), with ``groups ==
       0`` the caller has waited;
     * ``sums(stage, off, nw, base, lane, m_t) -> (s_t, included, zsum)``: as
-      :func:`.rowkernels._thread_sum` (``included``, ``zsum`` with ``count``).
+      :func:`.rowkernels._thread_sum` (``included``, ``zsum`` with ``count``);
+    * ``land_fold(stage, off, wr, nw, base, lane) -> (m_t, s_t)``: ``land`` and ``sums`` in
+      one walk (without ``count``): each group, as it lands, is held in registers, its
+      maximum raises the running maximum (the running sum rescaled) and its exponentials
+      join the sum, so that after the last group only that group's sum is left to do.
     """
     width, decode, encode = word_codec(kind)
     tmax = thread_max("float32")
@@ -138,6 +185,7 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, gr
     n_groups = max(1, groups)
     per = slots // n_groups
     neg_inf, zero, one = float32(NEG_INF), float32(0.0), float32(1.0)
+    held = per * 4  # 32-bit words of a group of one thread
 
     def issue(stage, off, xr, nw, base, lane):
         for g in range(n_groups):
@@ -191,7 +239,60 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, gr
                             z += d
         return s, c, z
 
-    return device_function(issue), device_function(land), device_function(sums)
+    def land_fold(stage, off, wr, nw, base, lane):
+        buf = cuda.local.array(width, float32)
+        words = cuda.local.array(held, uint32)
+        m = neg_inf
+        s = zero
+        if waits and has_where:
+            cp_async_pending(0)
+        for g in range(n_groups):
+            if waits and not has_where:
+                cp_async_pending(n_groups - 1 - g)
+            gm = neg_inf
+            for i in range(per):
+                j = g * per + i
+                wi = base + j * threads
+                if wi < nw:
+                    q = off + (lane + j * threads) * 4
+                    words[4 * i] = stage[q]
+                    words[4 * i + 1] = stage[q + 1]
+                    words[4 * i + 2] = stage[q + 2]
+                    words[4 * i + 3] = stage[q + 3]
+                    decode(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3],
+                           buf, 0)
+                    for v in range(width):
+                        if has_where:
+                            if not wr[wi * width + v]:
+                                buf[v] = neg_inf
+                        gm = tmax(gm, buf[v])
+                    if has_where:
+                        a, b, c, d = encode(buf, 0)
+                        stage[q] = a
+                        stage[q + 1] = b
+                        stage[q + 2] = c
+                        stage[q + 3] = d
+                        words[4 * i] = a
+                        words[4 * i + 1] = b
+                        words[4 * i + 2] = c
+                        words[4 * i + 3] = d
+            mn = tmax(m, gm)
+            if mn != mn or mn == POS_INF:  # the row is special: the sum is not used
+                m = mn
+            elif mn > m:
+                s = s * exp(m - mn) if m > neg_inf else zero
+                m = mn
+            if m > neg_inf and m < POS_INF:
+                for i in range(per):
+                    if base + (g * per + i) * threads < nw:
+                        decode(words[4 * i], words[4 * i + 1], words[4 * i + 2],
+                               words[4 * i + 3], buf, 0)
+                        for v in range(width):
+                            s += exp(buf[v] - m)
+        return m, s
+
+    return (device_function(issue), device_function(land), device_function(sums),
+            device_function(land_fold))
 
 
 @functools.cache
@@ -234,16 +335,77 @@ def _items(threads: int, slots: int, stages: int, issue):
 
 
 @functools.cache
-def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, stages: int):
+def _cluster_exchange(threads: int, fields: int):
+    """Device function ``exchange(m, s, cnt, z, summary, scratch, chunks) -> (M, S, count,
+    zsum)``: the row's summary from the block summaries of the ``chunks`` blocks of its
+    cluster (rank ``k`` holding chunk ``k``), read from each block's ``summary`` (a shared
+    float32 array of ``fields`` values) through distributed shared memory.  ``count`` and
+    ``zsum`` are merged as :func:`.rowkernels._row_summary` merges them (``fields == 4``).
+
+    Every thread of every block of the cluster calls it once.  Each warp reads the
+    ``chunks`` summaries (at most 32) and merges them by shuffles, the same steps in every
+    warp: no block barrier.  It arrives at the cluster barrier a second time after its
+    reads; the kernel waits on that barrier before it exits, so no block's shared memory
+    goes away while a peer may still read it.
+    """
+    counting = fields == 4
+    pair_reduce, sum_reduce, _ = group_reducers(min(32, threads), "float32")
+    neg_inf, zero = float32(NEG_INF), float32(0.0)
+
+    def exchange(m, s, cnt, z, summary, scratch, chunks):
+        lane = cuda.threadIdx.x
+        if lane == 0:
+            summary[0] = m
+            summary[1] = s
+            if counting:
+                summary[2] = cnt
+                summary[3] = z
+        cluster_arrive()
+        cluster_wait()  # every block's summary is written
+        mk = neg_inf
+        sk = zero
+        ck = zero
+        zk = zero
+        k = lane % 32
+        if k < chunks:
+            mk = cluster_load(summary, 0, k)
+            sk = cluster_load(summary, 1, k)
+            if counting:
+                ck = cluster_load(summary, 2, k)
+                zk = cluster_load(summary, 3, k)
+        cluster_arrive()  # this block's reads of its peers are done (release)
+        m, s = pair_reduce(mk, sk, scratch)
+        cnt = zero
+        z = zero
+        if counting and m > neg_inf and m < POS_INF:
+            cnt = sum_reduce(ck, scratch)
+            z = sum_reduce(zk + ck * (mk - m) if ck > zero else zero, scratch)
+        return m, s, cnt, z
+
+    return device_function(exchange)
+
+
+@functools.cache
+def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, stages: int,
+              cluster: bool = False, folded: bool = False):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` (the signature of
     :func:`.rowkernels.normalize`): chunks of ``threads * slots`` words, blocks of ``threads``
     with ``stages`` stages (:func:`shared_bytes` of dynamic shared memory, :func:`grid`
-    blocks)."""
+    blocks).
+
+    With ``cluster`` (one stage), the ``chunks`` blocks of a row are one thread-block cluster
+    (launched with clusters of ``chunks`` blocks, :func:`.arrays.run`) and exchange their
+    summaries through distributed shared memory (:func:`_cluster_exchange`); ``wsp`` is
+    unused.  With ``folded``, each thread folds its copy groups into a running (max, sum) as
+    they land (``land_fold`` of :func:`_stage`).
+    """
     is_log = op == "log_softmax"
     width, decode, encode = word_codec(kind)
     words = threads * slots
-    issue, land, sums = _stage(kind, threads, slots, has_where, False, groups(slots, stages))
+    issue, land, sums, land_fold = _stage(kind, threads, slots, has_where, False,
+                                          groups(slots, stages))
     first, arrive = _items(threads, slots, stages, issue)
+    exchange = _cluster_exchange(threads, 2)
     exp = exponential("float32")
     pair_reduce = group_reducers(threads, "float32")[0]
     publish = _slots("float32", 2)[0]
@@ -255,23 +417,35 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
         stage = cuda.shared.array(0, uint32)
         flag = cuda.shared.array(1, int32)
         scratch = cuda.shared.array(SCRATCH, float32)
+        summary = cuda.shared.array(2, float32)
         lane = cuda.threadIdx.x
         total = n_rows * chunks
         buf = cuda.local.array(width, float32)
         t = first(stage, x, nw, chunks, total)
         k = 0
         while t < total:
-            off = arrive(stage, x, nw, chunks, total, t, k)
-            r = t // chunks
-            c = t - r * chunks
+            if cluster:  # the cluster is the row, the rank its chunk (no division)
+                r = cluster_id()
+                c = cluster_rank()
+                off = 0
+                issue(stage, 0, x[r], nw, c * words + lane, lane)
+            else:
+                off = arrive(stage, x, nw, chunks, total, t, k)
+                r = t // chunks
+                c = t - r * chunks
             xr = x[r]
             wr = w[r if has_where else 0]
             orow = out[r]
             base = c * words + lane
-            m_t = land(stage, off, wr, nw, base, lane)
-            s_t, _, _ = sums(stage, off, nw, base, lane, m_t)
+            if folded:
+                m_t, s_t = land_fold(stage, off, wr, nw, base, lane)
+            else:
+                m_t = land(stage, off, wr, nw, base, lane)
+                s_t, _, _ = sums(stage, off, nw, base, lane, m_t)
             m, s = pair_reduce(m_t, s_t, scratch)
-            if chunks > 1:  # the row's summary from its other blocks
+            if cluster:  # the row's summary from the other blocks of the cluster
+                m, s, _, _ = exchange(m, s, zero, zero, summary, scratch, chunks)
+            elif chunks > 1:  # the row's summary from its other blocks
                 if lane == 0:
                     publish(wsp, r * chunks + c, m, s, zero, zero)
                 m, s, _, _ = collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
@@ -284,6 +458,11 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
                 f = nan
             elif not empty and m_t > neg_inf:
                 f = exp(m_t - m) * (one / s)
+            # the thread's usual case, tested once a word instead of for every value
+            if is_log:
+                regular = not (nan_row or inf_row or empty)
+            else:
+                regular = f == f and f != zero
             for j in range(slots):
                 wi = base + j * threads
                 if wi < nw:
@@ -291,7 +470,9 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
                     decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
                     for v in range(width):
                         x_v = buf[v]
-                        if is_log:
+                        if regular:
+                            o = (x_v - m) - log_s if is_log else exp(x_v - m_t) * f
+                        elif is_log:
                             if nan_row or (masked_nan and empty):
                                 o = nan
                             elif inf_row:
@@ -313,13 +494,15 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
                 break
             t += cuda.gridDim.x
             k += 1
+        if cluster:  # leave once every peer has read this block's summary
+            cluster_wait()
 
     return row_kernel
 
 
 @functools.cache
 def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: bool,
-                  stages: int):
+                  stages: int, cluster: bool = False):
     """Kernel ``(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
     smoothing, has_ignore, ignore)`` (the signature of :func:`.rowkernels.cross_entropy`) with
     the fused gradient, laid out as :func:`normalize`.
@@ -327,12 +510,15 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
     The loss and the gradient are those of the register kernel: ``grad = scale *
     (softmax(x) - y)`` written from the staged words with ``y`` the smoothing share only, then
     the thread that owns the target position rewrites that one element; the block of the
-    row's first chunk writes the loss.  ``ws`` and ``sync`` are unused.
+    row's first chunk writes the loss.  ``ws`` and ``sync`` are unused.  ``cluster`` as in
+    :func:`normalize` (then ``wsp`` is unused too).
     """
     width, decode, encode = word_codec(kind)
     words = threads * slots
     fields = 4 if smooth else 2
-    issue, land, sums = _stage(kind, threads, slots, has_where, smooth, groups(slots, stages))
+    issue, land, sums, _ = _stage(kind, threads, slots, has_where, smooth,
+                                  groups(slots, stages))
+    exchange = _cluster_exchange(threads, fields)
     first, arrive = _items(threads, slots, stages, issue)
     exp = exponential("float32")
     pair_reduce, sum_reduce, _ = group_reducers(threads, "float32")
@@ -349,6 +535,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
         stage = cuda.shared.array(0, uint32)
         flag = cuda.shared.array(1, int32)
         scratch = cuda.shared.array(SCRATCH, float32)
+        summary = cuda.shared.array(4, float32)
         lane = cuda.threadIdx.x
         total = n_rows * chunks
         eps = float32(smoothing)
@@ -358,9 +545,15 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
         t = first(stage, x, nw, chunks, total)
         k = 0
         while t < total:
-            off = arrive(stage, x, nw, chunks, total, t, k)
-            r = t // chunks
-            c = t - r * chunks
+            if cluster:  # the cluster is the row, the rank its chunk (no division)
+                r = cluster_id()
+                c = cluster_rank()
+                off = 0
+                issue(stage, 0, x[r], nw, c * words + lane, lane)
+            else:
+                off = arrive(stage, x, nw, chunks, total, t, k)
+                r = t // chunks
+                c = t - r * chunks
             xr = x[r]
             wr = w[r if has_where else 0]
             grow = grad[r]
@@ -373,7 +566,9 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
             if smooth:
                 cnt = sum_reduce(c_t, scratch)
                 zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
-            if chunks > 1:
+            if cluster:
+                m, s, cnt, zsum = exchange(m, s, cnt, zsum, summary, scratch, chunks)
+            elif chunks > 1:
                 if lane == 0:
                     publish(wsp, r * chunks + c, m, s, cnt, zsum)
                 m, s, cnt, zsum = collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
@@ -444,5 +639,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
                 break
             t += cuda.gridDim.x
             k += 1
+        if cluster:  # leave once every peer has read this block's summary
+            cluster_wait()
 
     return row_kernel

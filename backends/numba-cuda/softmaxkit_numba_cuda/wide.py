@@ -23,9 +23,21 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
   (``cp.async.wait_all``), after which the thread may read what it copied;
   ``cp_async_commit()`` closes a group of copies (``cp.async.commit_group``) and
   ``cp_async_pending(n)`` waits until at most ``n`` of the thread's groups, 0 to 15, are
-  still in flight (``cp.async.wait_group``; more than 15 waits as for 15).
+  still in flight (``cp.async.wait_group``; more than 15 waits as for 15);
+* thread-block clusters (sm_90): ``cluster_rank()`` (``%cluster_ctarank``), the block's rank
+  in its cluster, and ``cluster_id()`` (``%clusterid.x``), the cluster's index in a 1-D grid;
+  ``cluster_arrive()`` / ``cluster_wait()`` (``barrier.cluster.arrive.release``
+  / ``barrier.cluster.wait.acquire``, ``.aligned``: every thread of the block calls them), the
+  split cluster barrier whose wait returns once every thread of the cluster has arrived, the
+  writes before an arrive then visible after the wait; ``cluster_load(a, i, rank)``: element
+  ``i`` of float32 shared array ``a`` in the block of rank ``rank`` of the cluster
+  (``mapa.shared::cluster`` + ``ld.shared::cluster.f32``, distributed shared memory).
 
-Under Numba's CUDA simulator each has a numpy form on the same bits.
+Under Numba's CUDA simulator each has a numpy form on the same bits.  The simulator runs the
+blocks of a grid one after another, so its cluster forms serve a cluster of one block only:
+``cluster_rank()`` is 0, ``cluster_id()`` the block's index, the barrier is the block's
+barrier and ``cluster_load`` reads the
+block's own array (another rank raises).
 """
 
 from __future__ import annotations
@@ -114,6 +126,29 @@ if SIMULATOR:
 
     def nanosleep(ns):
         """Pause the thread for about ``ns`` nanoseconds (nothing in the simulator)."""
+
+    def cluster_rank():
+        """The block's rank in its cluster (a cluster of one block here)."""
+        return 0
+
+    @cuda.jit(device=True)
+    def cluster_id():
+        """The cluster's index in the grid: the block's, a cluster being one block here."""
+        return cuda.blockIdx.x
+
+    def cluster_arrive():
+        """Arrive at the cluster barrier (the wait below holds the block's barrier)."""
+
+    @cuda.jit(device=True)
+    def cluster_wait():
+        """Wait until every thread of the cluster, here the block, has arrived."""
+        cuda.syncthreads()
+
+    def cluster_load(a, i, rank):
+        """``a[i]`` of the block of rank ``rank`` in the cluster (only the block itself here)."""
+        if rank != 0:
+            raise NotImplementedError("the simulator runs clusters of one block only")
+        return np.float32(a[i])
 
 else:
     from llvmlite import ir
@@ -358,6 +393,49 @@ else:
             _w14()
         else:
             _w15()
+
+    @intrinsic
+    def cluster_rank(typingctx):
+        sig = types.uint32()
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(_I32, []), "mov.u32 $0, %cluster_ctarank;", "=r")
+            return builder.call(asm, [])
+
+        return sig, codegen
+
+    @intrinsic
+    def cluster_id(typingctx):
+        sig = types.uint32()
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(_I32, []), "mov.u32 $0, %clusterid.x;", "=r")
+            return builder.call(asm, [])
+
+        return sig, codegen
+
+    cluster_arrive = _asm_statement("barrier.cluster.arrive.release.aligned;")
+    cluster_wait = _asm_statement("barrier.cluster.wait.acquire.aligned;")
+
+    @intrinsic
+    def cluster_load(typingctx, a, i, rank):
+        if a.dtype != types.float32:
+            return None
+        sig = types.float32(a, i, rank)
+
+        def codegen(context, builder, sig, args):
+            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
+            r = context.cast(builder, args[2], sig.args[2], types.uint32)
+            # the local shared address, mapped to the same variable in block `rank`
+            asm = ir.InlineAsm(
+                ir.FunctionType(_F32, [ptr.type, _I32]),
+                "{ .reg .u64 sa; .reg .u32 s32, d32; cvta.to.shared.u64 sa, $1; "
+                "cvt.u32.u64 s32, sa; mapa.shared::cluster.u32 d32, s32, $2; "
+                "ld.shared::cluster.f32 $0, [d32]; }",
+                "=f,l,r,~{memory}", side_effect=True)
+            return builder.call(asm, [ptr, r])
+
+        return sig, codegen
 
     @intrinsic
     def globaltimer(typingctx):

@@ -32,14 +32,21 @@ PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "32,1,staged,ring2": (304, ("float32", "bfloat16"), STAGED_OPS),
          "staged-800": (800, ("float32",), STAGED_OPS),
          "staged-1608": (1608, ("bfloat16", "float16"), STAGED_OPS),
-         "staged-2200": (2200, ("float32",), STAGED_OPS)}
+         "staged-2200": (2200, ("float32",), STAGED_OPS),
+         "32,1,staged,fold0": (304, ("float32",), STAGED_OPS),
+         "staged-800,cluster": (800, ("float32",), STAGED_OPS),
+         "staged-1608,cluster": (1608, ("bfloat16",), STAGED_OPS)}
 """Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
 of one warp, in 16-byte words and, for float32 rows of 302 elements, element by element; the
 same with split rows staged in shared memory, one stage per block or two (a persistent grid
-copying ahead).  "staged-N": the default plans on rows of N
+copying ahead), and with the sum of exponentials in a pass of its own (``fold0``).
+"staged-N": the default plans on rows of N
 elements, which the register plan splits: staged in shared memory, one block per row (200 and
-201 words) or two blocks (550 words).  (Short rows, a group of threads each, are the
-simulator's default plan in the kit.)"""
+201 words) or two blocks (550 words); with ``cluster``, rows of one chunk take the cluster
+kernels as a cluster of one block (``SOFTMAXKIT_NUMBA_CUDA_CLUSTER=all``), the only cluster
+the simulator can run: the exchange through the cluster's shared memory and its barriers run,
+on the block itself.  (Short rows, a group of threads each, are the simulator's default plan
+in the kit.)"""
 
 
 def emit(**record: object) -> None:
@@ -122,7 +129,7 @@ def _outputs(op: str, backend: str, x: np.ndarray, where: np.ndarray, target: np
 def plans() -> None:
     rng = np.random.default_rng(7)
     for forced, (n, dtypes, ops) in PLANS.items():
-        options = forced.split(",")[2:]
+        options = forced.split(",")[1 if forced.startswith("staged-") else 2:]
         if forced.startswith("staged-"):
             os.environ.pop("SOFTMAXKIT_NUMBA_CUDA_PLAN", None)
         else:
@@ -130,6 +137,8 @@ def plans() -> None:
         staged = forced.startswith("staged-") or "staged" in options
         os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGED"] = "1" if staged else "0"
         os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"] = "2" if "ring2" in options else "1"
+        os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"] = "0" if "fold0" in options else "1"
+        os.environ["SOFTMAXKIT_NUMBA_CUDA_CLUSTER"] = "all" if "cluster" in options else "1"
         for dtype in dtypes:
             x, where = _inputs(rng, dtype, n)
             target = rng.integers(0, n, size=6)
@@ -145,7 +154,7 @@ def plans() -> None:
                     emit(id=rid, status="passed", message="")
                 except Exception:
                     emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
-    for name in ("PLAN", "STAGED", "STAGE_RING"):
+    for name in ("PLAN", "STAGED", "STAGE_RING", "STAGE_FOLD", "CLUSTER"):
         os.environ.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
 
 

@@ -127,3 +127,53 @@ def test_staged_plan_overrides(monkeypatch):
     monkeypatch.delenv(plan.OVERRIDE)
     assert plan.staged(200, simulator=True).chunks == 1  # one warp of 8 words each
     assert plan.staged(300, simulator=True).chunks == 2
+
+
+@pytest.mark.parametrize(("cols", "itemsize", "chunk_kb", "chunks"), [
+    (32768, 2, 32, 2),  # bfloat16 4096x32768: 64 KB rows, two 32 KB blocks
+    (32768, 4, 32, 4),  # float32: 128 KB rows, four
+    (524288, 2, 64, 16),  # bfloat16 1M-byte rows: 16 x 64 KB (a non-portable cluster)
+    (524288, 4, 128, 16),  # float32 2 MB rows: 16 x 128 KB
+    (100000, 4, 32, 13),  # a row that does not divide: 13 equal chunks, the last one short
+])
+def test_clustered_plans(monkeypatch, cols, itemsize, chunk_kb, chunks):
+    monkeypatch.delenv(plan.CLUSTER, raising=False)
+    monkeypatch.delenv(plan.STAGE_OVERRIDE, raising=False)
+    monkeypatch.delenv(plan.OVERRIDE, raising=False)
+    n = cols * itemsize // plan.WORD_BYTES
+    assert plan.cluster_chunk_bytes(n) == chunk_kb * 1024
+    p = plan.clustered(n)
+    assert p is not None and p.chunks == chunks and p.threads == plan.STAGE_THREADS
+    assert p.chunk_words * plan.WORD_BYTES <= chunk_kb * 1024
+    assert (p.chunks - 1) * p.chunk_words < n <= p.chunks * p.chunk_words
+    assert p.grid(3) == 3 * chunks  # a cluster of `chunks` blocks per row
+
+
+def test_clustered_plans_decline(monkeypatch):
+    monkeypatch.delenv(plan.CLUSTER, raising=False)
+    monkeypatch.delenv(plan.STAGE_OVERRIDE, raising=False)
+    monkeypatch.delenv(plan.OVERRIDE, raising=False)
+    assert plan.clustered(2048) is None  # 32 KB: one block, nothing to exchange
+    assert plan.cluster_chunk_bytes(2048) == 0
+    big = 16 * 128 * 1024 // plan.WORD_BYTES + 1  # past 16 chunks of 128 KB
+    assert plan.cluster_chunk_bytes(big) == 0 and plan.clustered(big) is None
+    assert plan.staged(big).chunks == 33  # the global exchange serves it
+    assert plan.clustered(8192, simulator=True) is None  # the simulator: one block only
+    monkeypatch.setenv(plan.CLUSTER, "0")
+    assert plan.clustered(8192) is None
+    monkeypatch.setenv(plan.CLUSTER, "all")  # clusters of one block, as the simulator runs
+    assert plan.clustered(100, simulator=True).chunks == 1
+    assert plan.clustered(2048).chunks == 1
+    assert plan.clustered(8192, simulator=True) is None
+
+
+def test_clustered_plan_overrides(monkeypatch):
+    monkeypatch.delenv(plan.CLUSTER, raising=False)
+    monkeypatch.setenv(plan.STAGE_OVERRIDE, "256,16")  # 64 KB chunks
+    assert plan.clustered(4096) is None  # one chunk
+    p = plan.clustered(8192)
+    assert (p.threads, p.slots, p.chunks) == (256, 16, 2)
+    monkeypatch.setenv(plan.STAGE_OVERRIDE, "512,16")
+    assert plan.clustered(131072).chunks == 16
+    monkeypatch.setenv(plan.STAGE_OVERRIDE, "256,8")
+    assert plan.clustered(131072) is None  # 64 chunks: more than a cluster holds

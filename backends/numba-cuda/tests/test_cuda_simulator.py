@@ -32,7 +32,8 @@ PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p, (_, dtypes, ops) in PLANS.items() for 
 @pytest.fixture(scope="module")
 def simulated() -> dict[str, dict]:
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    for name in ("PLAN", "STAGED", "STAGE_PLAN", "STAGE_RING", "STAGE_GROUPS"):
+    for name in ("PLAN", "STAGED", "STAGE_PLAN", "STAGE_RING", "STAGE_GROUPS", "STAGE_FOLD",
+                 "CLUSTER"):
         env.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
     procs = [subprocess.Popen([sys.executable, str(HERE / "simulated.py"), *job], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
