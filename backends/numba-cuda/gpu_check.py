@@ -16,7 +16,8 @@ plan) and take turns, under one lock, for everything that runs on the GPU at ful
 
 Run from the repository root::
 
-    python backends/numba-cuda/gpu_check.py [--quick] [--skip-conformance] [--sweep]
+    python backends/numba-cuda/gpu_check.py [--quick] [--skip-conformance] [--sweep] \
+        [--shapes 4096x32768,256x524288]
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ STAGED_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
 STAGE_PLAN_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_PLAN"
 RING_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
 GROUPS_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
+FOLD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
+CLUSTER_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
 
 
 def log(*args: Any) -> None:
@@ -249,9 +252,11 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 
 def use_plan(plan: str | None) -> None:
     """Force ``plan``: ``"threads,slots"``, then comma-separated options: ``staged`` (the plan
-    of the rows staged in shared memory), ``registers`` (the register kernels, no staging),
-    ``ringN`` (N stages per block in the staged kernels), ``gN`` (N copy groups per thread
-    with one stage), or a register budget."""
+    of the rows staged in shared memory; a row of 2 to 16 such chunks is one thread-block
+    cluster), ``registers`` (the register kernels, no staging), ``ringN`` (N stages per block
+    in the staged kernels), ``gN`` (N copy groups per thread with one stage), ``cluster0``
+    (no clusters: the chunks exchange through device memory), ``fold0`` (softmax's sum in a
+    pass of its own), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")
@@ -261,6 +266,10 @@ def use_plan(plan: str | None) -> None:
             os.environ[STAGED_ENV] = "1"
         elif extra == "registers":
             os.environ[STAGED_ENV] = "0"
+        elif extra == "cluster0":
+            os.environ[CLUSTER_ENV] = "0"
+        elif extra == "fold0":
+            os.environ[FOLD_ENV] = "0"
         elif extra.startswith("ring"):
             os.environ[RING_ENV] = extra[4:]
         elif extra.startswith("g"):
@@ -426,19 +435,24 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (4096, 32768)): ["256,16,staged,g8", "256,16,staged,g16", "256,8,staged",
-                                 "256,8,staged,ring2", "256,8,registers"],
-    ("float32", (256, 524288)): ["256,16,staged,g16", "256,8,registers"],
-    ("bfloat16", (4096, 32768)): ["256,16,staged,g8", "256,16,staged,g16",
-                                  "256,8,staged,ring2", "128,4,registers"],
-    ("bfloat16", (256, 524288)): ["256,16,staged,g16", "128,4,registers"],
+    ("float32", (4096, 32768)): ["256,16,staged", "256,16,staged,fold0", "256,8,staged,g2",
+                                 "256,16,staged,cluster0"],
+    ("float32", (256, 524288)): ["256,16,staged,cluster0", "256,16,staged,cluster0,fold0",
+                                 "256,8,staged,cluster0", "512,16,staged"],
+    ("bfloat16", (4096, 32768)): ["256,16,staged", "128,16,staged", "256,8,staged,g2",
+                                  "256,8,staged,g8", "256,4,staged"],
+    ("bfloat16", (256, 524288)): ["256,16,staged,cluster0", "512,8,staged",
+                                  "256,16,staged,g8", "256,16,staged,fold0"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
-softmax and log_softmax on the long rows next to the default plans (staged, 256 x 16 words,
-one stage, four copy groups): more copy groups, smaller chunks, the persistent two-stage grid
-and the register kernels that were the default before."""
+softmax and log_softmax on the long rows next to the default plans (the chunks of a row one
+thread-block cluster: 32 KB chunks, 64 KB for 1M-element bfloat16 rows, 128 KB for
+512K-element float32 rows; copy groups folded into a running (max, sum) as they land): other
+chunk sizes and block sizes in clusters, the sum in a pass of its own (``fold0``), and the
+former default without clusters (``cluster0``: one 64 KB chunk per block, the chunks of a row
+exchanging through device memory; for bfloat16 4096x32768 one chunk, ``256,16,staged``)."""
 CE_SWEEP: dict[tuple[int, int], list[str]] = {
-    (4096, 32768): ["256,16,staged,g16", "128,4,registers"],
+    (4096, 32768): ["256,16,staged", "128,4,registers"],
 }
 
 
@@ -472,24 +486,35 @@ def profile_job(lock: Any, seed: int) -> list[dict[str, Any]]:
              "per_call_us": per_call}]
 
 
-def jobs(quick: bool, sweep: bool, lock: Any) -> list[tuple]:
+def jobs(quick: bool, sweep: bool, lock: Any, shapes: set[str] | None = None) -> list[tuple]:
+    """The jobs of a run; ``shapes`` (``"RxC"`` names) keeps only the jobs on those shapes."""
+
+    def kept(shape: tuple[int, ...]) -> bool:
+        return shapes is None or "x".join(map(str, shape)) in shapes
+
     ops = ("softmax", "log_softmax", "logsumexp")
     todo = []
     for dtype in ("float32", "bfloat16"):
         for shape in QUICK_SHAPES if quick else SHAPES:
-            todo.append(("rows", (dtype, shape, ops, None), lock))
+            if kept(shape):
+                todo.append(("rows", (dtype, shape, ops, None), lock))
     for shape in [(1024, 32768)] if quick else CE_SHAPES:
-        todo.append(("ce", (shape, None), lock))
+        if kept(shape):
+            todo.append(("ce", (shape, None), lock))
     for dtype in ("float32", "bfloat16"):
         for shape in MERGE_SHAPES:
-            todo.append(("merge", (dtype, shape), lock))
+            if kept(shape):
+                todo.append(("merge", (dtype, shape), lock))
     if sweep:
         for (dtype, shape), plans in SWEEP.items():
             for plan in plans:
-                todo.append(("rows", (dtype, shape, ("softmax", "log_softmax"), plan), lock))
+                if kept(shape):
+                    todo.append(("rows", (dtype, shape, ("softmax", "log_softmax"), plan),
+                                 lock))
         for shape, plans in CE_SWEEP.items():
             for plan in plans:
-                todo.append(("ce", (shape, plan), lock))
+                if kept(shape):
+                    todo.append(("ce", (shape, plan), lock))
     return todo
 
 
@@ -602,6 +627,7 @@ def main() -> None:
                         help="also profile the host side of eager calls")
     parser.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1),
                         help="worker processes")
+    parser.add_argument("--shapes", help="comma-separated RxC shapes: only the jobs on them")
     parser.add_argument("--budget", type=float, default=480.0,
                         help="seconds for the whole run; unfinished work is reported as such")
     args = parser.parse_args()
@@ -623,7 +649,8 @@ def main() -> None:
     ctx = multiprocessing.get_context("spawn")
     with ctx.Manager() as manager:
         lock = manager.Lock()
-        todo = jobs(args.quick, args.sweep, lock)
+        todo = jobs(args.quick, args.sweep, lock,
+                    set(args.shapes.split(",")) if args.shapes else None)
         if args.profile:
             todo.append(("profile", (), lock))
         copy_gbs, rows = run_jobs(_job, todo, args.jobs, t0 + args.budget - 15, copy_bandwidth,
