@@ -33,8 +33,7 @@ class RowConfig:
     row, ``cluster > 1`` splits a row over a thread-block cluster.  ``lean`` configurations
     are the 16-bit softmax / log_softmax kernels of kernels/rows16.cuh: in registers, or
     (``staged``) with the segment in shared memory, loaded in ``groups`` cp.async groups;
-    ``mode`` holds their cache-mode bits (1: streaming stores; 8, persistent kernels: read a
-    copy group back and refill it before writing its results); ``persistent`` staged kernels
+    ``mode`` holds their cache-mode bits (1: streaming stores); ``persistent`` staged kernels
     run a grid of the clusters that fit at once, each walking rows and copying its next row
     while it writes the current one; ``policy`` is the cluster scheduling policy set on the
     kernel (0 the driver's default, 1 spread, 2 load balancing).
@@ -135,9 +134,11 @@ load per 128-element row (83-89% of the copy bandwidth with the output placed ri
 input, against 75-85% for the general kernel); 256 threads of 2 loads per 4096-element row with
 streaming stores (85-87%, against 73-82%); longer rows staged in shared memory in 32 KB blocks
 (84-86% at 4096 x 32768 in 2-block clusters, against 77% for one 64 KB block) and in 64 KB
-blocks over 16-block clusters at 256 x 524288 (76-79%, against 68-70% for 8 blocks of 128 KB
-and 55-59% for the earlier staged kernel).  gpu_check.py's public calls, whose outputs come
-from the allocator, measure 5-10 points more (docs/benchmarks-cupy.md)."""
+blocks over 16-block clusters at 256 x 524288, there as a persistent grid of the 21 clusters
+that fit at once (81-87% with the output 3 MB after the input, against 79-81% for a cluster
+launched per row, 68-70% for 8 blocks of 128 KB and 55-59% for the earlier staged kernel).
+gpu_check.py's public calls, whose outputs come from the allocator, measure up to 10 points
+more than outputs placed right after the input (docs/benchmarks-cupy.md)."""
 
 ROW_ALTERNATIVES: tuple[RowConfig, ...] = (
     RowConfig(128, 4, 4),

@@ -57,15 +57,6 @@ template <> struct SkPacked<__half> {
 #define SK_ST_CS 1
 #define SK_LD_CS 2
 #define SK_LD_PF 4
-// (sk_rows16_persist) 8: read a whole copy group back and refill it before writing its results
-#define SK_REFILL_FIRST 8
-// (sk_rows16_persist) 16: where |M| <= n / 4, shift exponents by one FMA, x log2(e) - M log2(e)
-// (- log2 S), and log_softmax by x - (M + log S): the rounding of the shift costs at most
-// about 2 |M| + 27 units of u_A in each result, inside the spec's u_A (8 + n + 2 d) term
-// for such M
-#define SK_FMA_SHIFT 16
-
-template <bool B> struct SkFlag { static constexpr bool value = B; };
 
 template <int MODE> __device__ __forceinline__ uint4 sk_ld_stream(const void* p) {
     uint4 v;
@@ -448,14 +439,6 @@ __device__ __forceinline__ float2 sk_cluster_load2(const float2* smem, unsigned 
     return v;
 }
 
-// 0, available only once v has arrived: an index offset that holds a later instruction (a
-// cp.async refilling the shared memory v was read from) until the read has completed.
-__device__ __forceinline__ int sk_zero_after(unsigned v) {
-    int z;
-    asm volatile("and.b32 %0, %1, 0;" : "=r"(z) : "r"(v));
-    return z;
-}
-
 // Blocks of a staged kernel that fit on one multiprocessor (227 KB of shared memory, a
 // block's static arrays and 1 KB reserved per block), for the register budget.
 #define SK_STAGED_MIN_BLOCKS(THREADS, K)                                                 \
@@ -498,12 +481,11 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
     const long long step = gridDim.x / CLUSTER;
     const bool copyable = vec_ok && w == nullptr;
     const bool fast = copyable && seg0 + CAP <= n;  // the whole segment: no per-piece tests
-    const float shift_limit = 0.25f * static_cast<float>(n);  // (SK_FMA_SHIFT)
 
-    // stage piece j of row r (asynchronous where the row allows it); `after` is 0
-    auto stage = [&](long long r, int j, int after = 0) {
+    // stage piece j of row r (asynchronous where the row allows it)
+    auto stage = [&](long long r, int j) {
         const int base = seg0 + (j * THREADS + lane) * VEC;
-        uint4* dst = &sk_stage[j * THREADS + lane + after];
+        uint4* dst = &sk_stage[j * THREADS + lane];
         if (fast || (copyable && base < n)) {
             sk_cp_async16(dst, x + r * ld_x + base, true);
         } else {
@@ -543,17 +525,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
                 s = m == -SK_INF ? 0.0f : s * sk_ex2((m - mn) * SK_LOG2E);
                 m = mn;
             }
-            if ((MODE & SK_FMA_SHIFT) && fabsf(m) <= shift_limit) {
-                const float ml = m * SK_LOG2E;
-#pragma unroll
-                for (int q = 0; q < PER; ++q)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const unsigned word = sk_word(p[q], i);
-                        s += sk_ex2(fmaf(SkPacked<T>::lo(word), SK_LOG2E, -ml)) +
-                             sk_ex2(fmaf(SkPacked<T>::hi(word), SK_LOG2E, -ml));
-                    }
-            } else if (m > -SK_INF && m < SK_INF) {
+            if (m > -SK_INF && m < SK_INF) {
 #pragma unroll
                 for (int q = 0; q < PER; ++q)
 #pragma unroll
@@ -606,56 +578,35 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
         if (!(is_nan || posinf || empty)) {
             const float log2s = log2f(s);
             const float logs = sk_log<false>(s);
-            // one unrolled copy of the loop per shift form (row-uniform choice)
-            auto write_row = [&](auto shift_tag) {
-                constexpr bool SHIFT = decltype(shift_tag)::value;
-                const float c = SHIFT ? (OP == SK_SOFTMAX ? fmaf(m, SK_LOG2E, log2s) : m + logs)
-                                      : (OP == SK_SOFTMAX ? log2s : logs);
 #pragma unroll
-                for (int g = 0; g < GROUPS; ++g) {
-                    uint4 pg[PER];
+            for (int g = 0; g < GROUPS; ++g) {
+                uint4 pg[PER];  // the group read back first, then written and refilled
 #pragma unroll
-                    for (int q = 0; q < PER; ++q)
-                        pg[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
-                    if ((MODE & SK_REFILL_FIRST) && more) {  // the group's copies first
-                        unsigned any = pg[0].x;
+                for (int q = 0; q < PER; ++q)
+                    pg[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
 #pragma unroll
-                        for (int q = 1; q < PER; ++q) any |= pg[q].x;
-                        const int after = sk_zero_after(any);
+                for (int q = 0; q < PER; ++q) {
+                    const int j = g * PER + q;
+                    const int base = seg0 + (j * THREADS + lane) * VEC;
+                    uint4 o;
 #pragma unroll
-                        for (int q = 0; q < PER; ++q) stage(next, g * PER + q, after);
-                    }
-#pragma unroll
-                    for (int q = 0; q < PER; ++q) {
-                        const int j = g * PER + q;
-                        const int base = seg0 + (j * THREADS + lane) * VEC;
-                        uint4 o;
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const unsigned word = sk_word(pg[q], i);
-                            float a = SkPacked<T>::lo(word), b = SkPacked<T>::hi(word);
-                            if (!SHIFT) {
-                                a -= m;
-                                b -= m;
-                            }
-                            if (OP == SK_SOFTMAX) {
-                                sk_set_word(o, i, SkPacked<T>::pack(sk_ex2(fmaf(a, SK_LOG2E, -c)),
-                                                                    sk_ex2(fmaf(b, SK_LOG2E, -c))));
-                            } else {
-                                sk_set_word(o, i, SkPacked<T>::pack(a - c, b - c));
-                            }
+                    for (int i = 0; i < 4; ++i) {
+                        const unsigned word = sk_word(pg[q], i);
+                        const float a = SkPacked<T>::lo(word) - m, b = SkPacked<T>::hi(word) - m;
+                        if (OP == SK_SOFTMAX) {
+                            sk_set_word(o, i, SkPacked<T>::pack(sk_ex2(fmaf(a, SK_LOG2E, -log2s)),
+                                                                sk_ex2(fmaf(b, SK_LOG2E, -log2s))));
+                        } else {
+                            sk_set_word(o, i, SkPacked<T>::pack(a - logs, b - logs));
                         }
-                        sk_put16<T, MODE>(orow, base, n, vec_ok, fast || (vec_ok && base < n), o);
-                        // the piece is read back (its results depend on it): refill it
-                        if (!(MODE & SK_REFILL_FIRST) && more) stage(next, j);
                     }
-                    sk_cp_async_commit();
+                    sk_put16<T, MODE>(orow, base, n, vec_ok, fast || (vec_ok && base < n), o);
+                    // the piece is read back (its results depend on it, so the store waits
+                    // for the read): refill it
+                    if (more) stage(next, j);
                 }
-            };
-            if ((MODE & SK_FMA_SHIFT) && fabsf(m) <= shift_limit)
-                write_row(SkFlag<true>());
-            else
-                write_row(SkFlag<false>());
+                sk_cp_async_commit();
+            }
         } else {
 #pragma unroll 1
             for (int g = 0; g < GROUPS; ++g) {
