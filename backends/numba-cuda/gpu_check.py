@@ -254,9 +254,9 @@ def use_plan(plan: str | None) -> None:
     """Force ``plan``: ``"threads,slots"``, then comma-separated options: ``staged`` (the plan
     of the rows staged in shared memory; a row of 2 to 16 such chunks is one thread-block
     cluster), ``registers`` (the register kernels, no staging), ``ringN`` (N stages per block
-    in the staged kernels), ``gN`` (N copy groups per thread with one stage), ``cluster0``
-    (no clusters: the chunks exchange through device memory), ``fold0`` (softmax's sum in a
-    pass of its own), or a register budget."""
+    in the staged kernels), ``gN`` (N copy groups per thread with one stage), ``clusterN``
+    (rows of up to N chunks clustered; ``cluster0``: no clusters, the chunks exchange through
+    device memory), ``fold0`` (softmax's sum in a pass of its own), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")
@@ -266,8 +266,8 @@ def use_plan(plan: str | None) -> None:
             os.environ[STAGED_ENV] = "1"
         elif extra == "registers":
             os.environ[STAGED_ENV] = "0"
-        elif extra == "cluster0":
-            os.environ[CLUSTER_ENV] = "0"
+        elif extra.startswith("cluster"):
+            os.environ[CLUSTER_ENV] = extra[7:]
         elif extra == "fold0":
             os.environ[FOLD_ENV] = "0"
         elif extra.startswith("ring"):
@@ -435,22 +435,25 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (4096, 32768)): ["256,16,staged", "256,16,staged,fold0", "256,8,staged,g2",
-                                 "256,16,staged,cluster0"],
-    ("float32", (256, 524288)): ["256,16,staged,cluster0", "256,16,staged,cluster0,fold0",
-                                 "256,8,staged,cluster0", "512,16,staged"],
-    ("bfloat16", (4096, 32768)): ["256,16,staged", "128,16,staged", "256,8,staged,g2",
-                                  "256,8,staged,g8", "256,4,staged"],
-    ("bfloat16", (256, 524288)): ["256,16,staged,cluster0", "512,8,staged",
-                                  "256,16,staged,g8", "256,16,staged,fold0"],
+    ("float32", (4096, 32768)): ["256,16,staged,cluster0", "256,8,staged", "256,16,staged,fold0"],
+    ("float32", (256, 524288)): ["512,16,staged,cluster16", "256,8,staged",
+                                 "256,16,staged,fold0"],
+    ("bfloat16", (4096, 32768)): ["256,8,staged", "256,16,staged,fold0"],
+    ("bfloat16", (256, 524288)): ["256,16,staged,cluster16", "256,8,staged",
+                                  "256,16,staged,fold0"],
+    ("float32", (1024, 65536)): ["256,16,staged", "256,16,staged,cluster0"],
+    ("bfloat16", (1024, 131072)): ["256,16,staged", "256,16,staged,cluster0"],
+    ("bfloat16", (512, 262144)): ["256,16,staged", "256,16,staged,cluster0",
+                                  "256,16,staged,cluster16"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
-softmax and log_softmax on the long rows next to the default plans (the chunks of a row one
-thread-block cluster: 32 KB chunks, 64 KB for 1M-element bfloat16 rows, 128 KB for
-512K-element float32 rows; copy groups folded into a running (max, sum) as they land): other
-chunk sizes and block sizes in clusters, the sum in a pass of its own (``fold0``), and the
-former default without clusters (``cluster0``: one 64 KB chunk per block, the chunks of a row
-exchanging through device memory; for bfloat16 4096x32768 one chunk, ``256,16,staged``)."""
+softmax and log_softmax next to the default plans (64 KB chunks, a row of 2 to 8 chunks
+launched as one thread-block cluster, longer rows exchanging through device memory; copy
+groups folded into a running (max, sum) as they land): the exchange through device memory
+where the default clusters (``cluster0``), 16-block clusters where it does not
+(``cluster16``, 64 KB chunks; 128 KB chunks with ``512,16``), 32 KB chunks (``256,8``), the
+sum in a pass of its own (``fold0``), and rows of 4 and 8 chunks (256 KB and 512 KB) with
+and without clusters."""
 CE_SWEEP: dict[tuple[int, int], list[str]] = {
     (4096, 32768): ["256,16,staged", "128,4,registers"],
 }

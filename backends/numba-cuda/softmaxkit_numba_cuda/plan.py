@@ -15,10 +15,8 @@ when the row cannot be read in 16-byte words, one element.
 
 Rows that the register plan splits, read in 16-byte words, are staged in shared memory
 instead (:func:`staged`, :mod:`.staged`): one chunk when the row fits in a stage of
-:data:`STAGE_BYTES`, else the fewest equal chunks that fit.  Rows longer than one chunk of
-:data:`CLUSTER_CHUNK_BYTES` and at most :data:`MAX_CLUSTER` chunks of
-:data:`MAX_CLUSTER_CHUNK_BYTES` are cut into the chunks of one thread-block cluster instead
-(:func:`clustered`).
+:data:`STAGE_BYTES`, else the fewest equal chunks that fit.  The chunks of a row of 2 to
+:data:`MAX_CLUSTER` chunks are launched as one thread-block cluster (:func:`clustered`).
 
 Kernels that walk a row in tiles instead (:mod:`.tiled`) read ``chunks`` as the number of
 tiles.  This module imports no numba: the plan is plain arithmetic, tested on its own.
@@ -46,13 +44,14 @@ STAGE_OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_STAGE_PLAN"
 """Environment variable ``"threads,slots"`` that forces the plan of staged rows only."""
 CLUSTER = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
 """Environment variable: ``0`` turns thread-block clusters off (staged rows of several chunks
-then exchange their summaries through device memory); ``all`` also gives rows of one chunk a
-cluster of one block (the form the simulator can run, for tests)."""
-CLUSTER_CHUNK_BYTES = 32 * 1024
-"""The smallest chunk of a clustered row (a row up to this size is one block)."""
-MAX_CLUSTER_CHUNK_BYTES = 128 * 1024
-MAX_CLUSTER = 16
-"""Blocks of a cluster at most (above 8 the size is not portable: the kernel opts in)."""
+then exchange their summaries through device memory); a number ``N`` (2 to 16) clusters rows
+of up to ``N`` chunks; ``all`` also gives rows of one chunk a cluster of one block (the form
+the simulator can run, for tests), and clusters rows of up to 16 chunks."""
+MAX_CLUSTER = 8
+"""Chunks of a row launched as one cluster at most (the portable cluster size; 16-block
+clusters, which need the non-portable opt-in, measured slower than the exchange through
+device memory at 256 x 524288 bfloat16: docs/benchmarks-cuda.md)."""
+LARGEST_CLUSTER = 16
 
 
 def _pow2_at_least(v: int) -> int:
@@ -166,44 +165,24 @@ def _forced_stage(n: int) -> Plan | None:
     return None
 
 
-def cluster_chunk_bytes(n: int) -> int:
-    """The chunk of a clustered row of ``n`` 16-byte words: the smallest of 32, 64 and 128 KB
-    that cuts it into at most :data:`MAX_CLUSTER` chunks; 0 when the row fits one 32 KB chunk
-    or needs more than :data:`MAX_CLUSTER` chunks of :data:`MAX_CLUSTER_CHUNK_BYTES`."""
-    size = n * WORD_BYTES
-    if size <= CLUSTER_CHUNK_BYTES:
-        return 0
-    chunk = CLUSTER_CHUNK_BYTES
-    while chunk <= MAX_CLUSTER_CHUNK_BYTES:
-        if -(-size // chunk) <= MAX_CLUSTER:
-            return chunk
-        chunk *= 2
-    return 0
-
-
 def clustered(n: int, simulator: bool = False) -> Plan | None:
     """The plan for staged rows of ``n`` 16-byte words whose chunks form one thread-block
     cluster (a block each, ``chunks`` blocks a cluster), or ``None`` when such rows take
-    :func:`staged` instead.
+    :func:`staged` with the exchange through device memory instead.
 
-    The chunks are the fewest equal ones of :func:`cluster_chunk_bytes`, with
-    :data:`STAGE_THREADS` threads a block; :data:`STAGE_OVERRIDE` (else :data:`OVERRIDE`)
-    forces the chunk, and then a row of up to :data:`MAX_CLUSTER` chunks is clustered.
-    :data:`CLUSTER` = ``0`` turns clusters off; ``all`` clusters rows of one chunk too.  The
-    simulator runs the blocks of a grid one after another, so there only a cluster of one
-    block is possible: rows of one chunk with ``all``.
+    The chunks are those of :func:`staged` (64 KB; 32 KB and 128 KB chunks measured slower
+    in clusters); a row of 2 to :data:`MAX_CLUSTER` of them is clustered.  :data:`CLUSTER`
+    turns clusters off, sets the largest cluster, or (``all``) clusters rows of one chunk
+    too.  The simulator runs the blocks of a grid one after another, so there only a
+    cluster of one block is possible: rows of one chunk with ``all``.
     """
-    mode = os.environ.get(CLUSTER, "1")
+    mode = os.environ.get(CLUSTER, "")
     if mode == "0":
         return None
-    p = _forced_stage(n)
-    if p is None:
-        if simulator:
-            p = staged(n, simulator=True)
-        else:
-            chunk = cluster_chunk_bytes(n)
-            p = staged(n, stage_bytes=chunk) if chunk else staged(n)
-    if p.chunks > MAX_CLUSTER or (p.chunks == 1 and mode != "all"):
+    largest = (LARGEST_CLUSTER if mode == "all"
+               else min(LARGEST_CLUSTER, int(mode)) if mode.isdigit() else MAX_CLUSTER)
+    p = staged(n, simulator)
+    if p.chunks > largest or (p.chunks == 1 and mode != "all"):
         return None
     if simulator and p.chunks > 1:
         return None

@@ -27,16 +27,17 @@ lands, into the thread's running (max, sum): the group's words are held in regis
 maximum raises the running maximum (the sum rescaled) and its exponentials join the sum, so no
 second pass over the stage is left once the last group has landed.
 
-Thread-block clusters (sm_90): a row of 2 to 16 chunks (:func:`.plan.clustered`: 32 KB chunks,
-64 KB for rows above 512 KB, 128 KB above 1 MB) is launched as one cluster of one block per
-chunk (:func:`.arrays.run`, the kernel's rank in the cluster being its chunk).  The blocks
+Thread-block clusters (sm_90): a row of 2 to 8 chunks (:func:`.plan.clustered`) is launched
+as one cluster of one block per chunk (:func:`.arrays.run`; the cluster's index is the row,
+the block's rank in it the chunk).  The blocks
 exchange their summaries through distributed shared memory instead of the slots in device
 memory: each block writes its (max, sum) to its shared memory, the cluster barrier
 (arrive.release / wait.acquire) publishes them, each block reads its peers' with
 ``ld.shared::cluster`` and merges, arrives again, and waits on that barrier before it exits,
 so that no block's shared memory goes while a peer may read it.  The cluster's blocks are
 co-scheduled by the hardware, so no wait is unbounded and no fallback is needed.
-:data:`.plan.CLUSTER` = ``0`` turns clusters off.
+:data:`.plan.CLUSTER` = ``0`` turns clusters off, a number sets the largest cluster (up to
+16, non-portable above 8).
 
 What CI does not run: Numba's CUDA simulator runs the blocks of a grid one after another, so a
 barrier across the blocks of a cluster (or a read of another block's shared memory) cannot

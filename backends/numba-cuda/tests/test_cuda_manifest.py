@@ -129,51 +129,51 @@ def test_staged_plan_overrides(monkeypatch):
     assert plan.staged(300, simulator=True).chunks == 2
 
 
-@pytest.mark.parametrize(("cols", "itemsize", "chunk_kb", "chunks"), [
-    (32768, 2, 32, 2),  # bfloat16 4096x32768: 64 KB rows, two 32 KB blocks
-    (32768, 4, 32, 4),  # float32: 128 KB rows, four
-    (524288, 2, 64, 16),  # bfloat16 1M-byte rows: 16 x 64 KB (a non-portable cluster)
-    (524288, 4, 128, 16),  # float32 2 MB rows: 16 x 128 KB
-    (100000, 4, 32, 13),  # a row that does not divide: 13 equal chunks, the last one short
+@pytest.mark.parametrize(("cols", "itemsize", "chunks"), [
+    (32768, 4, 2),  # float32 4096x32768: 128 KB rows, a cluster of two 64 KB blocks
+    (65536, 4, 4),
+    (262144, 2, 8),  # 512 KB: the largest default cluster
+    (100000, 4, 7),  # a row that does not divide: 7 equal chunks, the last one short
 ])
-def test_clustered_plans(monkeypatch, cols, itemsize, chunk_kb, chunks):
-    monkeypatch.delenv(plan.CLUSTER, raising=False)
-    monkeypatch.delenv(plan.STAGE_OVERRIDE, raising=False)
-    monkeypatch.delenv(plan.OVERRIDE, raising=False)
+def test_clustered_plans(monkeypatch, cols, itemsize, chunks):
+    for name in (plan.CLUSTER, plan.STAGE_OVERRIDE, plan.OVERRIDE):
+        monkeypatch.delenv(name, raising=False)
     n = cols * itemsize // plan.WORD_BYTES
-    assert plan.cluster_chunk_bytes(n) == chunk_kb * 1024
     p = plan.clustered(n)
-    assert p is not None and p.chunks == chunks and p.threads == plan.STAGE_THREADS
-    assert p.chunk_words * plan.WORD_BYTES <= chunk_kb * 1024
+    assert p == plan.staged(n)  # the staged chunks, launched as one cluster
+    assert p.chunks == chunks and p.threads == plan.STAGE_THREADS
+    assert p.chunk_words * plan.WORD_BYTES <= plan.STAGE_BYTES
     assert (p.chunks - 1) * p.chunk_words < n <= p.chunks * p.chunk_words
     assert p.grid(3) == 3 * chunks  # a cluster of `chunks` blocks per row
 
 
 def test_clustered_plans_decline(monkeypatch):
-    monkeypatch.delenv(plan.CLUSTER, raising=False)
-    monkeypatch.delenv(plan.STAGE_OVERRIDE, raising=False)
-    monkeypatch.delenv(plan.OVERRIDE, raising=False)
-    assert plan.clustered(2048) is None  # 32 KB: one block, nothing to exchange
-    assert plan.cluster_chunk_bytes(2048) == 0
-    big = 16 * 128 * 1024 // plan.WORD_BYTES + 1  # past 16 chunks of 128 KB
-    assert plan.cluster_chunk_bytes(big) == 0 and plan.clustered(big) is None
-    assert plan.staged(big).chunks == 33  # the global exchange serves it
+    for name in (plan.CLUSTER, plan.STAGE_OVERRIDE, plan.OVERRIDE):
+        monkeypatch.delenv(name, raising=False)
+    assert plan.clustered(4096) is None  # 64 KB: one block, nothing to exchange
+    bf16_1m = 524288 * 2 // plan.WORD_BYTES  # 16 chunks: through device memory by default
+    assert plan.staged(bf16_1m).chunks == 16 and plan.clustered(bf16_1m) is None
     assert plan.clustered(8192, simulator=True) is None  # the simulator: one block only
     monkeypatch.setenv(plan.CLUSTER, "0")
     assert plan.clustered(8192) is None
+    monkeypatch.setenv(plan.CLUSTER, "16")  # non-portable clusters of up to 16 blocks
+    assert plan.clustered(bf16_1m).chunks == 16
+    assert plan.clustered(bf16_1m * 2) is None  # 32 chunks
+    monkeypatch.setenv(plan.CLUSTER, "2")
+    assert plan.clustered(8192).chunks == 2 and plan.clustered(16384) is None
     monkeypatch.setenv(plan.CLUSTER, "all")  # clusters of one block, as the simulator runs
     assert plan.clustered(100, simulator=True).chunks == 1
-    assert plan.clustered(2048).chunks == 1
+    assert plan.clustered(4096).chunks == 1
     assert plan.clustered(8192, simulator=True) is None
 
 
 def test_clustered_plan_overrides(monkeypatch):
     monkeypatch.delenv(plan.CLUSTER, raising=False)
-    monkeypatch.setenv(plan.STAGE_OVERRIDE, "256,16")  # 64 KB chunks
-    assert plan.clustered(4096) is None  # one chunk
-    p = plan.clustered(8192)
-    assert (p.threads, p.slots, p.chunks) == (256, 16, 2)
+    monkeypatch.setenv(plan.STAGE_OVERRIDE, "256,8")  # 32 KB chunks
+    p = plan.clustered(4096)
+    assert (p.threads, p.slots, p.chunks) == (256, 8, 2)
+    assert plan.clustered(32768) is None  # 16 chunks: more than the default cluster
     monkeypatch.setenv(plan.STAGE_OVERRIDE, "512,16")
+    assert plan.clustered(131072) is None
+    monkeypatch.setenv(plan.CLUSTER, "16")
     assert plan.clustered(131072).chunks == 16
-    monkeypatch.setenv(plan.STAGE_OVERRIDE, "256,8")
-    assert plan.clustered(131072) is None  # 64 chunks: more than a cluster holds
