@@ -220,34 +220,40 @@ def rows_check() -> None:
         for rows, n in shapes:
             if dtype == torch.float32 and n > 262144:
                 continue
-            x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
-            w = None
-            if n % 3 == 1:
-                w = torch.rand(rows, n, device="cuda") > 0.3
-            ref64 = x.double() if w is None else x.double().masked_fill(~w, -math.inf)
-            for op in ("softmax", "log_softmax", "logsumexp"):
-                if op == "log_softmax" and dtype == torch.float32:
-                    continue  # declined by can_run: left to backends that accumulate in double
-                shape = (rows,) if op == "logsumexp" else (rows, n)
-                out = torch.full(shape, math.nan, device="cuda", dtype=dtype)
-                launch_rows(op, xpt, x, w, out)
-                if op == "softmax":
-                    ref = torch.softmax(ref64, -1)
-                elif op == "log_softmax":
-                    ref = torch.log_softmax(ref64, -1)
-                else:
-                    ref = torch.logsumexp(ref64, -1)
-                got = out.double()
-                fin = torch.isfinite(ref)
-                same_inf = bool(torch.equal(got[~fin], ref[~fin]))
-                rtol, atol = tol[dtype]
-                excess = (got[fin] - ref[fin]).abs() - (atol + rtol * ref[fin].abs())
-                worst = float(excess.max()) if fin.any() else 0.0
-                ok = same_inf and not torch.isnan(got[fin]).any() and worst <= 0
-                if not ok:
-                    FAILURES.append(f"rows {op} {dtype} {rows}x{n}")
-                    print(f"WRONG {op} {dtype} {rows}x{n} mask={w is not None}: "
-                          f"inf-match {same_inf} excess over bound {worst:.3g}")
+            x0 = torch.randn(rows, n, device="cuda") * 4
+            # the persistent kernel's rows also ascending (maxima rising late) and far from 0
+            kinds = [("", x0)]
+            if n > 262144 and dtype != torch.float32:
+                kinds += [(" ascending", x0.sort(-1).values), (" offset", x0 * 100 + 3000)]
+            for kind, xk in kinds:
+                x = xk.to(dtype)
+                w = None
+                if n % 3 == 1:
+                    w = torch.rand(rows, n, device="cuda") > 0.3
+                ref64 = x.double() if w is None else x.double().masked_fill(~w, -math.inf)
+                for op in ("softmax", "log_softmax", "logsumexp"):
+                    if op == "log_softmax" and dtype == torch.float32:
+                        continue  # declined by can_run: left to backends that accumulate in double
+                    shape = (rows,) if op == "logsumexp" else (rows, n)
+                    out = torch.full(shape, math.nan, device="cuda", dtype=dtype)
+                    launch_rows(op, xpt, x, w, out)
+                    if op == "softmax":
+                        ref = torch.softmax(ref64, -1)
+                    elif op == "log_softmax":
+                        ref = torch.log_softmax(ref64, -1)
+                    else:
+                        ref = torch.logsumexp(ref64, -1)
+                    got = out.double()
+                    fin = torch.isfinite(ref)
+                    same_inf = bool(torch.equal(got[~fin], ref[~fin]))
+                    rtol, atol = tol[dtype]
+                    excess = (got[fin] - ref[fin]).abs() - (atol + rtol * ref[fin].abs())
+                    worst = float(excess.max()) if fin.any() else 0.0
+                    ok = same_inf and not torch.isnan(got[fin]).any() and worst <= 0
+                    if not ok:
+                        FAILURES.append(f"rows {op} {dtype} {rows}x{n}{kind}")
+                        print(f"WRONG {op} {dtype} {rows}x{n}{kind} mask={w is not None}: "
+                              f"inf-match {same_inf} excess over bound {worst:.3g}")
         print(f"{dtype}: checked {len(shapes)} shapes x 3 ops")
 
 

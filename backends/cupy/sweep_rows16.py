@@ -2,12 +2,15 @@
 
 Every variant (the current ``sk_rows`` / ``sk_rows_staged`` instantiations and the lean
 ``sk_rows16`` / ``sk_rows16_staged`` ones of kernels/rows16.cuh) is first run on the benchmark
-shape and on ragged, masked rows with special rows (NaN, +inf, empty) into NaN-poisoned
-outputs and held to the spec's bounds against float64; only variants that pass are timed (CUDA
-graph replay of 10 calls, device time), beside torch and a device-to-device copy.
+shape and on ragged, masked rows with special rows (NaN, +inf, empty), rows with a large
+maximum and ascending rows (maxima rising late) into NaN-poisoned outputs and held to the
+spec's bounds against float64; only variants that pass are timed (CUDA graph replay of 10
+calls, device time), beside torch and a device-to-device copy.
 
 Usage: ``python backends/cupy/sweep_rows16.py [--out DIR] [--dtypes bfloat16,float16]
-[--shapes 256x524288]``.
+[--shapes 256x524288] [--labels persist] [--reverse]`` (``--labels``: only variants whose label
+holds one of the comma-separated words, without the declared kernel's layout comparison;
+``--reverse``: time them in reverse order).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class Variant:
     staged: bool = False
     lean: bool = True
     groups: int = 1
-    mode: int = 0  # cache-mode bits of rows16.cuh (1 st.cs, 2 ld.cs, 4 L2 prefetch)
+    mode: int = 0  # mode bits of rows16.cuh (1 st.cs, 2 ld.cs, 4 L2 prefetch, 8 ex cache)
     persist: int = 0  # sk_rows16_persist with this many clusters (-1: as many as fit)
     policy: int = 0  # cluster scheduling policy (0 default, 1 spread, 2 load balancing)
 
@@ -95,6 +98,11 @@ SWEEP: dict[tuple[int, int], list[Variant]] = {
     ],
     (256, 524288): [
         S("persist 256x16 c16 g4 spread", 256, 16, 16, groups=4, persist=-1, policy=1),
+        S("persist 256x16 c16 g4 ex-cache spread", 256, 16, 16, groups=4, persist=-1,
+          policy=1, mode=8),
+        S("persist 256x16 c16 g4 ex-cache", 256, 16, 16, groups=4, persist=-1, mode=8),
+        S("persist 256x16 c16 g4 ex-cache load-balancing", 256, 16, 16, groups=4, persist=-1,
+          policy=2, mode=8),
         S("persist 256x16 c16 g4", 256, 16, 16, groups=4, persist=-1),
         S("persist 256x16 c16 g4 load-balancing", 256, 16, 16, groups=4, persist=-1, policy=2),
         S("persist 256x16 c16 g4, 16 clusters", 256, 16, 16, groups=4, persist=16, policy=1),
@@ -123,7 +131,7 @@ def _build(names: tuple[str, ...]) -> tuple[int, float]:
 
 _KERNELS: dict[str, object] = {}
 _READY: set[object] = set()
-_FIT: dict[str, int] = {}
+_FIT: dict[tuple[str, int], int] = {}
 _POLICY = 15  # CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
 _POLICIES: dict[object, int] = {}
 
@@ -139,16 +147,18 @@ def kernel(name: str) -> object:
 
 
 def clusters_that_fit(v: Variant, op: str, dtype: str) -> int:
-    """cuOccupancyMaxActiveClusters for ``v`` (0 if the driver does not answer)."""
+    """cuOccupancyMaxActiveClusters for ``v`` (0 if the driver does not answer), under its
+    scheduling policy (the driver's answer depends on it: for the 16-block persistent kernel
+    one sweep got 22 clusters under load balancing where spread got 21)."""
     from softmaxkit_cupy.configs import RowConfig
     from softmaxkit_cupy.rows import max_active_clusters
 
     name = v.name(op, dtype)
-    if name not in _FIT:
+    if (name, v.policy) not in _FIT:
         config = RowConfig(v.threads, v.group, v.k, v.cluster, staged=True, lean=True,
                            groups=v.groups, mode=v.mode, persistent=bool(v.persist))
-        _FIT[name] = max_active_clusters(kernel(name), config)
-    return _FIT[name]
+        _FIT[name, v.policy] = max_active_clusters(kernel(name), config)
+    return _FIT[name, v.policy]
 
 
 def launch(v: Variant, op: str, x: object, w: object, out: object, masked_nan: bool = False,
@@ -182,8 +192,10 @@ def launch(v: Variant, op: str, x: object, w: object, out: object, masked_nan: b
         fn((grid,), (v.threads,), args, shared_mem=v.shared())
 
 
-def excess(op: str, x: object, w: object, got: object, masked_nan: bool = False) -> float:
-    """The worst excess over the spec's bound (inf for a wrong special value)."""
+def excess(op: str, x: object, w: object, got: object,
+           masked_nan: bool = False) -> tuple[float, float]:
+    """The worst excess over the spec's bound (inf for a wrong special value), and the worst
+    ratio of error to bound."""
     import torch
 
     u = 2.0 ** -8 if x.dtype == torch.bfloat16 else 2.0 ** -11
@@ -206,7 +218,7 @@ def excess(op: str, x: object, w: object, got: object, masked_nan: bool = False)
     special_ok = bool(torch.equal(torch.isnan(g), torch.isnan(ref))) and bool(
         torch.equal(g[~fin & ~torch.isnan(ref)], ref[~fin & ~torch.isnan(ref)]))
     if not special_ok or bool(torch.isnan(g[fin]).any()):
-        return math.inf
+        return math.inf, math.inf
     if op == "softmax":
         m = torch.where(empty, 0.0, x64.nan_to_num(nan=0.0, posinf=0.0).amax(-1, keepdim=True))
         d = (x64 - m).abs().nan_to_num(nan=0.0, posinf=0.0)
@@ -214,14 +226,17 @@ def excess(op: str, x: object, w: object, got: object, masked_nan: bool = False)
     else:
         bound = 2 * u * ref.abs() + ua * (8 + n + 2 * ref.abs())
     e = ((g - ref).abs() - bound)[fin]
-    return float(e.max()) if e.numel() else 0.0
+    r = ((g - ref).abs() / bound)[fin]
+    return (float(e.max()), float(r.max())) if e.numel() else (0.0, 0.0)
 
 
 def check(v: Variant, op: str, dtype: object, shape: tuple[int, int]) -> list[str]:
-    """Failures of ``v`` on the benchmark shape and on ragged, masked and special rows."""
+    """Failures of ``v`` on the benchmark shape and on ragged, masked and special rows (the
+    worst ratio of error to the spec's bound is printed)."""
     import torch
 
     bad = []
+    worst = 0.0
     cap = v.capacity()
     cases = [("bench", shape, False, False)]
     few = 67 if cap <= 8192 else 9
@@ -229,7 +244,8 @@ def check(v: Variant, op: str, dtype: object, shape: tuple[int, int]) -> list[st
               ("aligned+mask", (few, cap - 8), True, True),
               ("aligned", (few, cap - 8), False, True),
               ("half", (few, cap // 2 + 3), False, False),
-              ("offset", (few, cap // 2 + 8), False, False)]
+              ("offset", (few, cap // 2 + 8), False, False),
+              ("ascending", (few, cap - 8), False, False)]
     for label, (rows, n), masked, special in cases:
         if n < 1:
             continue
@@ -238,6 +254,13 @@ def check(v: Variant, op: str, dtype: object, shape: tuple[int, int]) -> list[st
             big = torch.bfloat16 if dtype == torch.bfloat16 else None
             x = (torch.randn(rows, n, device="cuda") * 4000 + (2.5e5 if big else 3.0e4))
             x = x.clamp(-6e4, 6e4).to(dtype) if big is None else x.to(dtype)
+        if label == "ascending":  # maxima that rise late in the row, spans 1 to 2^15
+            ramp = torch.linspace(-0.5, 0.5, n, device="cuda")
+            span = 2.0 ** (torch.arange(rows, device="cuda") % 16)
+            x = ramp * span[:, None] + torch.randn(rows, n, device="cuda") * 0.25
+            x[0] = torch.randn(n, device="cuda") * 4
+            x[0, n - 1] = 60.0  # one late spike above noise
+            x = x.to(dtype)
         w = None
         if masked:
             w = torch.rand(rows, n, device="cuda") > 0.2
@@ -259,10 +282,13 @@ def check(v: Variant, op: str, dtype: object, shape: tuple[int, int]) -> list[st
                 out = torch.full((rows, n), math.nan, device="cuda", dtype=dtype)
                 launch(v, op, x, w, out, masked_nan, clusters)
                 torch.cuda.synchronize()
-                e = excess(op, x, w, out, masked_nan)
+                e, r = excess(op, x, w, out, masked_nan)
+                worst = max(worst, r)
                 if e > 0:
                     bad.append(f"{label} {rows}x{n} masked_nan={masked_nan} clusters="
                                f"{clusters or 'default'}: excess {e:.3g}")
+    print(f"checked {op} {dtype} {v.label}: {len(cases)} cases, worst error / bound "
+          f"{worst:.3g}", flush=True)
     return bad
 
 
@@ -271,8 +297,18 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--dtypes", default="bfloat16,float16")
     parser.add_argument("--shapes", default=None, help="e.g. 256x524288 (default: all)")
+    parser.add_argument("--labels", default=None, help="e.g. persist,cache (default: all)")
+    parser.add_argument("--reverse", action="store_true",
+                        help="time the variants in reverse order (the first timed tends low)")
     opts = parser.parse_args()
     dtypes = opts.dtypes.split(",")
+    if opts.labels:
+        words = opts.labels.split(",")
+        for shape, variants in SWEEP.items():
+            SWEEP[shape] = [v for v in variants if any(w in v.label for w in words)]
+    if opts.reverse:
+        for shape, variants in SWEEP.items():
+            SWEEP[shape] = variants[::-1]
     if opts.shapes:
         keep = {tuple(int(d) for d in s.split("x")) for s in opts.shapes.split(",")}
         for shape in list(SWEEP):
@@ -339,6 +375,9 @@ def main() -> int:
                     print(f"{op} {dname} {shape[0]}x{shape[1]} {label}: {bw:.0f} GB/s "
                           f"{100 * bw / copy_bw:.0f}% of copy; output after a 3 MB gap "
                           f"{bw_g:.0f} GB/s {100 * bw_g / copy_bw:.0f}%", flush=True)
+                if opts.labels:  # only the variants asked for
+                    lines.append("; ".join(row))
+                    continue
                 # the declared kernel with other buffer layouts: the output right after the
                 # input (as above), after a 3 MB gap, and the public call (a fresh output
                 # from the allocator on every call, as gpu_check.py times it)

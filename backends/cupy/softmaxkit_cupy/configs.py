@@ -33,7 +33,8 @@ class RowConfig:
     row, ``cluster > 1`` splits a row over a thread-block cluster.  ``lean`` configurations
     are the 16-bit softmax / log_softmax kernels of kernels/rows16.cuh: in registers, or
     (``staged``) with the segment in shared memory, loaded in ``groups`` cp.async groups;
-    ``mode`` holds their cache-mode bits (1: streaming stores); ``persistent`` staged kernels
+    ``mode`` holds their mode bits (1: streaming stores; 8: persistent softmax caches its
+    exponentials in the staged row, see kernels/rows16.cuh); ``persistent`` staged kernels
     run a grid of the clusters that fit at once, each walking rows and copying its next row
     while it writes the current one; ``policy`` is the cluster scheduling policy set on the
     kernel (0 the driver's default, 1 spread, 2 load balancing).
@@ -88,6 +89,8 @@ class RowConfig:
             text += " spread" if self.policy == 1 else " load-balancing"
         if self.mode & 1:
             text += " st.cs"
+        if self.mode & 8:
+            text += " ex-cache"
         return text
 
 
@@ -126,7 +129,8 @@ ROW16_CONFIGS: tuple[RowConfig, ...] = (
     RowConfig(256, 256, 8, 4, staged=True, lean=True, groups=4),
     RowConfig(256, 256, 8, 8, staged=True, lean=True, groups=4),
     RowConfig(256, 256, 16, 8, staged=True, lean=True, groups=4),
-    RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4, persistent=True, policy=1),
+    RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4, mode=8, persistent=True,
+              policy=1),
 )
 """The lean 16-bit softmax / log_softmax kernels (:func:`row_lean`), ordered by capacity.
 Chosen on the H200 (bf16 and fp16, CUDA-graph replay, ``sweep_rows16.py``): 16 threads of one
@@ -136,7 +140,8 @@ streaming stores (85-87%, against 73-82%); longer rows staged in shared memory i
 (84-86% at 4096 x 32768 in 2-block clusters, against 77% for one 64 KB block) and in 64 KB
 blocks over 16-block clusters at 256 x 524288, there as a persistent grid of the 21 clusters
 that fit at once (81-87% with the output 3 MB after the input, against 79-81% for a cluster
-launched per row, 68-70% for 8 blocks of 128 KB and 55-59% for the earlier staged kernel).
+launched per row, 68-70% for 8 blocks of 128 KB and 55-59% for the earlier staged kernel),
+softmax with its exponentials cached in the stage (85-86% in gpu_check.py against 82%).
 gpu_check.py's public calls, whose outputs come from the allocator, measure up to 10 points
 more than outputs placed right after the input (docs/benchmarks-cupy.md)."""
 

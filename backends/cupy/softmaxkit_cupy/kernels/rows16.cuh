@@ -9,7 +9,11 @@
 //   - exponentials are one subtraction, one multiply by log2(e) and one ex2.approx.ftz (its
 //     2^-22 relative error and flushing below 2^-126 are inside the spec's u_A and tiny_D
 //     terms); softmax keeps them in float32 registers, so each probability is one multiply
-//     and one rounding, never a re-rounded 16-bit exponential;
+//     and one rounding, never a re-rounded 16-bit exponential, except in the persistent
+//     kernel with SK_EX_CACHE (rows above 262144 elements): it caches each exponential in
+//     the staged row as a 16-bit value; that second rounding (u_D relative, or below 2^-25
+//     absolute for float16 subnormals, inside tiny_D) and the output's make the spec's
+//     2 u_D, and its u_A (c + N) term, at least 2^-6 there, covers the cross term u_D^2;
 //   - special rows (NaN, +inf, nothing allowed) take a separate, row-uniform branch, so the
 //     regular path has no per-element selects.
 // (x - M) is formed before scaling: folding M * log2(e) into one FMA would cost |M| u_A of
@@ -53,10 +57,12 @@ template <> struct SkPacked<__half> {
 };
 
 // Cache modes of the global accesses (MODE bits): 1 streaming stores (st.global.cs), 2
-// streaming loads (ld.global.cs.nc), 4 a 256-byte L2 prefetch with each load.
+// streaming loads (ld.global.cs.nc), 4 a 256-byte L2 prefetch with each load; and 8, for
+// softmax in sk_rows16_persist only, exponentials cached in the staged row (SK_EX_CACHE).
 #define SK_ST_CS 1
 #define SK_LD_CS 2
 #define SK_LD_PF 4
+#define SK_EX_CACHE 8
 
 template <int MODE> __device__ __forceinline__ uint4 sk_ld_stream(const void* p) {
     uint4 v;
@@ -87,6 +93,11 @@ __device__ __forceinline__ uint4 sk_ld_shared16(const uint4* p) {
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(s) : "memory");
     return v;
+}
+__device__ __forceinline__ void sk_st_shared16(uint4* p, uint4 v) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                 ::"r"(s), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 __device__ __forceinline__ unsigned sk_word(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -458,6 +469,12 @@ __device__ __forceinline__ float2 sk_cluster_load2(const float2* smem, unsigned 
 // combines all CLUSTER x WARPS summaries itself; the summaries alternate between two slots by
 // row parity, so a slot is rewritten only after every peer has passed the barrier that
 // follows its last read of it.
+// With SK_EX_CACHE (softmax), the fold writes each exponential back over its input in the
+// stage, rounded to T, relative to the thread's running maximum when its copy group landed
+// (kept per group); after the exchange a probability is that exponential times one factor
+// per group, exp(m_g - M) / S, so the store phase, which sits between the cluster barrier
+// and the refill, has no ex2 per element.  An exponential is at most 1 (taken after the
+// group's maximum), so it fits T; the extra rounding is covered as the header says.
 template <typename T, int OP, int THREADS, int K, int CLUSTER, int GROUPS, int MODE>
 __global__ void __cluster_dims__(CLUSTER, 1, 1)
     __launch_bounds__(THREADS, SK_STAGED_MIN_BLOCKS(THREADS, K)) sk_rows16_persist(
@@ -472,6 +489,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
     constexpr int WARPS = THREADS / 32;
     constexpr int SLOTS = CLUSTER * WARPS;  // summaries per row
     constexpr int EACH = (SLOTS + 31) / 32;  // of them per lane
+    constexpr bool CACHE = OP == SK_SOFTMAX && (MODE & SK_EX_CACHE) != 0;
     extern __shared__ uint4 sk_stage[];
     __shared__ float2 sums[2][WARPS];  // (maximum or NaN, sum) per warp, by row parity
     const int lane = threadIdx.x;
@@ -510,6 +528,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
     for (; row < rows; row += step, parity ^= 1) {
         float m = -SK_INF, s = 0.0f;
         int nan = 0;
+        float mg[GROUPS];  // (CACHE) the shift of each group's cached exponentials
 #pragma unroll
         for (int g = 0; g < GROUPS; ++g) {
             sk_cp_async_wait_n(GROUPS - 1 - g);
@@ -525,7 +544,26 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
                 s = m == -SK_INF ? 0.0f : s * sk_ex2((m - mn) * SK_LOG2E);
                 m = mn;
             }
-            if (m > -SK_INF && m < SK_INF) {
+            if (CACHE) {
+                // no branch: while m is -inf the group holds only -inf (exponentials 0, and
+                // its factor below is 0) or NaN; m = +inf makes the row special, and special
+                // softmax rows never read the stage
+                const float sh = m > -SK_INF && m < SK_INF ? m : 0.0f;
+                mg[g] = m;
+#pragma unroll
+                for (int q = 0; q < PER; ++q) {
+                    uint4 e;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const unsigned word = sk_word(p[q], i);
+                        const float a = sk_ex2((SkPacked<T>::lo(word) - sh) * SK_LOG2E);
+                        const float b = sk_ex2((SkPacked<T>::hi(word) - sh) * SK_LOG2E);
+                        s += a + b;
+                        sk_set_word(e, i, SkPacked<T>::pack(a, b));
+                    }
+                    sk_st_shared16(&sk_stage[(g * PER + q) * THREADS + lane], e);
+                }
+            } else if (m > -SK_INF && m < SK_INF) {
 #pragma unroll
                 for (int q = 0; q < PER; ++q)
 #pragma unroll
@@ -578,8 +616,11 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
         if (!(is_nan || posinf || empty)) {
             const float log2s = log2f(s);
             const float logs = sk_log<false>(s);
+            const float inv = 1.0f / s;
 #pragma unroll
             for (int g = 0; g < GROUPS; ++g) {
+                // (CACHE) exp(m_g - M) / S: 0 for a group cached while m was -inf
+                const float scale = CACHE ? sk_ex2((mg[g] - m) * SK_LOG2E) * inv : 0.0f;
                 uint4 pg[PER];  // the group read back first, then written and refilled
 #pragma unroll
                 for (int q = 0; q < PER; ++q)
@@ -593,7 +634,10 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
                     for (int i = 0; i < 4; ++i) {
                         const unsigned word = sk_word(pg[q], i);
                         const float a = SkPacked<T>::lo(word) - m, b = SkPacked<T>::hi(word) - m;
-                        if (OP == SK_SOFTMAX) {
+                        if (CACHE) {
+                            sk_set_word(o, i, SkPacked<T>::pack(SkPacked<T>::lo(word) * scale,
+                                                                SkPacked<T>::hi(word) * scale));
+                        } else if (OP == SK_SOFTMAX) {
                             sk_set_word(o, i, SkPacked<T>::pack(sk_ex2(fmaf(a, SK_LOG2E, -log2s)),
                                                                 sk_ex2(fmaf(b, SK_LOG2E, -log2s))));
                         } else {
