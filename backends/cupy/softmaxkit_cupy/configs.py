@@ -130,7 +130,7 @@ ROW16_CONFIGS: tuple[RowConfig, ...] = (
     RowConfig(256, 256, 8, 8, staged=True, lean=True, groups=4),
     RowConfig(256, 256, 16, 8, staged=True, lean=True, groups=4),
     RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4, mode=8, persistent=True,
-              policy=1),
+              policy=2),
 )
 """The lean 16-bit softmax / log_softmax kernels (:func:`row_lean`), ordered by capacity.
 Chosen on the H200 (bf16 and fp16, CUDA-graph replay, ``sweep_rows16.py``): 16 threads of one
@@ -141,7 +141,8 @@ streaming stores (85-87%, against 73-82%); longer rows staged in shared memory i
 blocks over 16-block clusters at 256 x 524288, there as a persistent grid of the 21 clusters
 that fit at once (81-87% with the output 3 MB after the input, against 79-81% for a cluster
 launched per row, 68-70% for 8 blocks of 128 KB and 55-59% for the earlier staged kernel),
-softmax with its exponentials cached in the stage (85-86% in gpu_check.py against 82%).
+softmax with its exponentials cached in the stage, under the load-balancing cluster policy
+(87% in gpu_check.py, against 85-86% under spread and 82% for softmax without the cache).
 gpu_check.py's public calls, whose outputs come from the allocator, measure up to 10 points
 more than outputs placed right after the input (docs/benchmarks-cupy.md)."""
 
