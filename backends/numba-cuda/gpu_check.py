@@ -51,6 +51,8 @@ RING_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
 GROUPS_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
 FOLD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
 CLUSTER_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
+PERSIST_ENV = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
+POLICY_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
 
 
 def log(*args: Any) -> None:
@@ -256,7 +258,10 @@ def use_plan(plan: str | None) -> None:
     cluster), ``registers`` (the register kernels, no staging), ``ringN`` (N stages per block
     in the staged kernels), ``gN`` (N copy groups per thread with one stage), ``clusterN``
     (rows of up to N chunks clustered; ``cluster0``: no clusters, the chunks exchange through
-    device memory), ``fold0`` (softmax's sum in a pass of its own), or a register budget."""
+    device memory), ``fold0`` (softmax's sum in a pass of its own), ``persist0`` (no
+    persistent cluster grid; ``persistwide``: 128 KB chunks, one cluster a row, where a row
+    would take two clusters), ``policyNAME`` (its cluster scheduling policy: spread, default,
+    balance), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")
@@ -270,6 +275,10 @@ def use_plan(plan: str | None) -> None:
             os.environ[CLUSTER_ENV] = extra[7:]
         elif extra == "fold0":
             os.environ[FOLD_ENV] = "0"
+        elif extra.startswith("persist"):
+            os.environ[PERSIST_ENV] = extra[7:]
+        elif extra.startswith("policy"):
+            os.environ[POLICY_ENV] = extra[6:]
         elif extra.startswith("ring"):
             os.environ[RING_ENV] = extra[4:]
         elif extra.startswith("g"):
@@ -435,25 +444,23 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (4096, 32768)): ["256,16,staged,cluster0", "256,8,staged", "256,16,staged,fold0"],
-    ("float32", (256, 524288)): ["512,16,staged,cluster16", "256,8,staged",
-                                 "256,16,staged,fold0"],
+    ("float32", (4096, 32768)): ["256,16,staged,cluster0", "256,16,staged,fold0"],
+    ("float32", (256, 524288)): ["128,32,staged", "256,16,staged,policybalance",
+                                 "128,32,staged,policybalance", "256,32,staged,g8",
+                                 "256,16,staged,persist0"],
     ("bfloat16", (4096, 32768)): ["256,8,staged", "256,16,staged,fold0"],
-    ("bfloat16", (256, 524288)): ["256,16,staged,cluster16", "256,8,staged",
-                                  "256,16,staged,fold0"],
-    ("float32", (1024, 65536)): ["256,16,staged", "256,16,staged,cluster0"],
-    ("bfloat16", (1024, 131072)): ["256,16,staged", "256,16,staged,cluster0"],
-    ("bfloat16", (512, 262144)): ["256,16,staged", "256,16,staged,cluster0",
-                                  "256,16,staged,cluster16"],
+    ("bfloat16", (256, 524288)): ["256,16,staged", "128,32,staged,policybalance",
+                                  "256,16,staged,policybalance", "256,16,staged,persist0"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
-softmax and log_softmax next to the default plans (64 KB chunks, a row of 2 to 8 chunks
-launched as one thread-block cluster, longer rows exchanging through device memory; copy
-groups folded into a running (max, sum) as they land): the exchange through device memory
-where the default clusters (``cluster0``), 16-block clusters where it does not
-(``cluster16``, 64 KB chunks; 128 KB chunks with ``512,16``), 32 KB chunks (``256,8``), the
-sum in a pass of its own (``fold0``), and rows of 4 and 8 chunks (256 KB and 512 KB) with
-and without clusters."""
+softmax and log_softmax next to the default plans (64 KB chunks; a row of 2 to 8 chunks
+launched as one thread-block cluster, rows of 9 to 32 chunks on the persistent grid of
+clusters, one or two clusters a row; copy groups folded into a running (max, sum) as they
+land): the exchange through device memory where the default clusters (``cluster0``), the sum
+in a pass of its own (``fold0``), 32 KB chunks (``256,8``); at 256 x 524288 the persistent
+grid with other blocks (``256,16``, ``128,32``), 128 KB chunks in one cluster a row
+(``256,32``), copy groups (``gN``), the cluster scheduling policy (``policyNAME``), and the
+former default without it (``persist0``: the exchange through device memory)."""
 CE_SWEEP: dict[tuple[int, int], list[str]] = {
     (4096, 32768): ["256,16,staged", "128,4,registers"],
 }

@@ -77,6 +77,14 @@ def kernels():
                    f"float32[:, ::1], {st}[:, ::1], int64, int64, int64, float32[:, ::1], "
                    "int32[::1], uint64[:, ::1], float64, boolean, int64)")
             out.append((f"cross_entropy-{tag}", fn, sig, threads, cap_slots, kind))
+        for threads, slots in ((256, 16), (256, 32), (512, 16)):
+            tag = f"{kind}-{threads}x{slots}-persist"
+            cap_slots = staged._fit(threads, slots, 1)[1] // VALUES[kind]
+            for op in ("softmax", "log_softmax"):
+                fn = staged.persistent(op, kind, threads, slots, False)
+                sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
+                       "int64, uint64[:, ::1])")
+                out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))
     return out
 
 

@@ -198,12 +198,23 @@ def _allow_shared(compiled: Any, config: Any) -> None:
     _allow(compiled, int(config.sharedmem), 1)
 
 
-def _allow(compiled: Any, size: int, cluster: int) -> None:
+_POLICY: dict[tuple[int, int], int] = {}
+"""(id of a compiled kernel, device id) -> the cluster scheduling policy set there."""
+
+
+def _allow(compiled: Any, size: int, cluster: int, policy: int = 0) -> None:
     """Set the function attributes of ``compiled`` on the current device for ``size`` bytes of
-    dynamic shared memory and clusters of ``cluster`` blocks (non-portable above 8)."""
+    dynamic shared memory, clusters of ``cluster`` blocks (non-portable above 8) and the
+    cluster scheduling ``policy`` (``CUclusterSchedulingPolicy``: 0 the driver's default, 1
+    spread, 2 load balancing)."""
     cufunc = compiled._codelibrary.get_cufunc()  # the function of the current device
     key = (id(compiled), cufunc.device.id)
     from numba.cuda.cudadrv.driver import binding, driver
+
+    if _POLICY.get(key, 0) != policy:
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
+        driver.cuKernelSetAttribute(attr, policy, cufunc.handle, cufunc.device.id)
+        _POLICY[key] = policy
 
     if size and _SHARED_ALLOWED.get(key, -1) < size:
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -229,7 +240,7 @@ def cluster_launch(grid: int, block: int, shared: int, cluster: int,
 
 
 def _launch_cluster(kernel: Any, grid: int, block: int, stream: Any, args: tuple,
-                    shared: int, cluster: int) -> None:
+                    shared: int, cluster: int, policy: int = 0) -> None:
     """Launch ``kernel`` on ``grid`` blocks in clusters of ``cluster`` (numba's launch passes no
     cluster dimensions): the kernel compiled for the arguments' types by its dispatcher, the
     arguments marshalled as numba marshals them, the launch made through cuda.core."""
@@ -239,7 +250,7 @@ def _launch_cluster(kernel: Any, grid: int, block: int, stream: Any, args: tuple
     config = core.LaunchConfig(**cluster_launch(grid, block, shared, cluster,
                                                 str(core.__version__)))
     compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    _allow(compiled, shared, cluster)
+    _allow(compiled, shared, cluster, policy)
     core_stream = _to_core_stream(stream)
     kernelargs: list[Any] = []
     retr: list[Any] = []
@@ -250,16 +261,48 @@ def _launch_cluster(kernel: Any, grid: int, block: int, stream: Any, args: tuple
         writeback()
 
 
+_RESIDENT: dict[tuple[int, ...], int] = {}
+"""(id of a compiled kernel, device id, block, shared, cluster, policy) -> clusters that fit
+at once."""
+SIMULATED_CLUSTERS = 2
+"""Clusters of a persistent grid in the simulator (each then walks several rows)."""
+
+
+def resident_clusters(kernel: Any, block: int, stream: Any, args: tuple, shared: int,
+                      cluster: int, policy: int = 0) -> int:
+    """Clusters of ``cluster`` blocks of ``kernel`` (``block`` threads, ``shared`` bytes of
+    dynamic shared memory) that the device holds at once (``cuOccupancyMaxActiveClusters``
+    through cuda.core, at least 1): the grid of a persistent kernel, whose clusters never
+    wait for each other (a grid larger than what fits is correct, only slower)."""
+    if SIMULATOR:
+        return SIMULATED_CLUSTERS
+    from cuda import core
+    from numba.cuda.cudadrv.driver import _to_core_stream
+
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    _allow(compiled, shared, cluster, policy)  # the occupancy depends on the opt-ins
+    cufunc = compiled._codelibrary.get_cufunc()
+    key = (id(compiled), cufunc.device.id, block, shared, cluster, policy)
+    count = _RESIDENT.get(key)
+    if count is None:
+        config = core.LaunchConfig(**cluster_launch(cluster, block, shared, cluster,
+                                                    str(core.__version__)))
+        count = int(cufunc.kernel.occupancy.max_active_clusters(
+            config, stream=_to_core_stream(stream)))
+        _RESIDENT[key] = count
+    return max(1, count)
+
+
 def run(kernel: Any, grid: int, block: int, stream: Any, *args: Any, shared: int = 0,
-        cluster: int = 1) -> None:
+        cluster: int = 1, policy: int = 0) -> None:
     """Launch ``kernel`` with ``shared`` bytes of dynamic shared memory, in thread-block
     clusters of ``cluster`` blocks when above 1 (``grid`` a multiple of it; the simulator
-    runs clusters of one block only); numba's occupancy advice for small grids is not shown
-    to callers."""
+    runs clusters of one block only) under the cluster scheduling ``policy`` (see
+    :func:`_allow`); numba's occupancy advice for small grids is not shown to callers."""
     if cluster > 1:
         if SIMULATOR:
             raise NotImplementedError("the simulator runs clusters of one block only")
-        _launch_cluster(kernel, grid, block, stream, args, shared, cluster)
+        _launch_cluster(kernel, grid, block, stream, args, shared, cluster, policy)
         return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*GPU under-utilization")

@@ -25,6 +25,7 @@ from .arrays import (
     launch,
     library,
     multiprocessors,
+    resident_clusters,
     rows,
     run,
     vectorizable,
@@ -38,6 +39,9 @@ WORD_SLOTS = {"float32": (4, 4, 8), "bfloat16": (2, 4, 4), "float16": (2, 4, 4),
 all loaded before the first use (chosen from the H200 sweeps of gpu_check.py)."""
 SPLIT_THREADS = {"float32": 256, "bfloat16": 128, "float16": 128, "float64": 256}
 """Threads of a block holding one chunk of a split row (16-bit rows: 128 x 4 words, 8 KB)."""
+PERSIST_THREADS = {"float32": 256, "bfloat16": 128, "float16": 128}
+"""Threads of a block of the persistent cluster kernels (a 64 KB chunk: 16 words a thread for
+float32, 32 for 16-bit rows, which measured faster than 256 threads of 16 words)."""
 ELEMENT_SLOTS = {"float32": 16, "bfloat16": 16, "float16": 16, "float64": 8}
 """Elements a thread holds when rows are read element by element."""
 TILE_VALUES = 8
@@ -118,9 +122,28 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     vector, width, (xv, ov) = _layout(lib, kin, kout, [xr, out.reshape(n_rows, n)])
     p = _plan(n // width, kin, vector)
     cluster = 1
-    clustered = None
+    clustered = persist = None
     if staged.enabled(kin, p.split, vector, kin == kout):
-        clustered = plans.clustered(n // width, SIMULATOR)
+        persist = plans.persistent(n // width, SIMULATOR, PERSIST_THREADS[kin])
+        clustered = None if persist else plans.clustered(n // width, SIMULATOR)
+    w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
+    if persist is not None:  # a persistent grid of clusters, each walking rows
+        p, parts = persist, plans.row_clusters(persist, SIMULATOR)
+        cluster = p.chunks // parts
+        whole = n // width == p.chunks * p.chunk_words  # every chunk full
+        kernel = staged.persistent(op, kin, p.threads, p.slots, where is not None, whole,
+                                   cluster if parts == 2 else 0)
+        shared = staged.shared_bytes(p.threads, p.slots, 1)
+        # two clusters a row exchange through zeroed slots in device memory, two a row
+        wsp = _slots(xp, x, lib, plans.Plan(p.threads, p.slots, 1, parts), n_rows, "float32")
+        args = (xv, w, masked == "nan", ov, n_rows, n // width, p.chunks, wsp)
+        with launch(x, lib) as stream:
+            policy = staged.policy()
+            fit = resident_clusters(kernel, p.block, stream, args, shared, cluster, policy)
+            rows_at_once = min(n_rows, max(1, fit // parts))
+            run(kernel, rows_at_once * p.chunks, p.block, stream, *args, shared=shared,
+                cluster=cluster, policy=policy)
+        return out
     if clustered is not None:  # the chunks of a row are one thread-block cluster
         p, cluster = clustered, clustered.chunks
         kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None, 1,
@@ -136,7 +159,6 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
         kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots,
                                       p.rows_per_block, p.split, where is not None)
         blocks, shared = p.grid(n_rows), 0
-    w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     # clustered rows exchange through distributed shared memory: no slots to zero
     wsp = _slots(xp, x, lib, plans.make(1, 1, 1) if clustered else p, n_rows,
                  accumulator_name(kin))

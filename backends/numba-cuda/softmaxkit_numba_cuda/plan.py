@@ -16,7 +16,9 @@ when the row cannot be read in 16-byte words, one element.
 Rows that the register plan splits, read in 16-byte words, are staged in shared memory
 instead (:func:`staged`, :mod:`.staged`): one chunk when the row fits in a stage of
 :data:`STAGE_BYTES`, else the fewest equal chunks that fit.  The chunks of a row of 2 to
-:data:`MAX_CLUSTER` chunks are launched as one thread-block cluster (:func:`clustered`).
+:data:`MAX_CLUSTER` chunks are launched as one thread-block cluster (:func:`clustered`);
+rows of more chunks, up to 16 chunks of 128 KB, take a persistent grid of clusters that each
+walk several rows (:func:`persistent`).
 
 Kernels that walk a row in tiles instead (:mod:`.tiled`) read ``chunks`` as the number of
 tiles.  This module imports no numba: the plan is plain arithmetic, tested on its own.
@@ -52,6 +54,11 @@ MAX_CLUSTER = 8
 clusters, which need the non-portable opt-in, measured slower than the exchange through
 device memory at 256 x 524288 bfloat16: docs/benchmarks-cuda.md)."""
 LARGEST_CLUSTER = 16
+PERSIST = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
+"""Environment variable: ``0`` turns the persistent cluster kernel off (rows of more than
+:data:`MAX_CLUSTER` chunks then exchange through device memory, or take :data:`CLUSTER`'s
+clusters); ``all`` also gives it rows of 1 to :data:`MAX_CLUSTER` chunks (rows of one chunk
+as clusters of one block: the form the simulator can run, for tests)."""
 
 
 def _pow2_at_least(v: int) -> int:
@@ -138,10 +145,11 @@ def choose(n: int, slots: int | tuple[int, int, int], simulator: bool = False,
     return make(block, long, n)
 
 
-def staged(n: int, simulator: bool = False, stage_bytes: int = STAGE_BYTES) -> Plan:
+def staged(n: int, simulator: bool = False, stage_bytes: int = STAGE_BYTES,
+           threads: int = STAGE_THREADS) -> Plan:
     """The plan for rows of ``n`` 16-byte words staged in shared memory: one block per row
-    when the row fits in ``stage_bytes``, else the fewest equal chunks that fit;
-    :data:`STAGE_THREADS` threads a block (one chunk at a time).
+    when the row fits in ``stage_bytes``, else the fewest equal chunks that fit; ``threads``
+    threads a block (one chunk at a time).
 
     :data:`STAGE_OVERRIDE`, else :data:`OVERRIDE`, replaces the choice when it names whole
     warps.
@@ -153,7 +161,7 @@ def staged(n: int, simulator: bool = False, stage_bytes: int = STAGE_BYTES) -> P
         return make(WARP, min(8, -(-n // WARP)), n, group_threads=WARP)
     chunks = max(1, -(-n * WORD_BYTES // stage_bytes))
     words = -(-n // chunks)
-    return make(STAGE_THREADS, -(-words // STAGE_THREADS), n, group_threads=STAGE_THREADS)
+    return make(threads, -(-words // threads), n, group_threads=threads)
 
 
 def _forced_stage(n: int) -> Plan | None:
@@ -187,3 +195,40 @@ def clustered(n: int, simulator: bool = False) -> Plan | None:
     if simulator and p.chunks > 1:
         return None
     return p
+
+
+def persistent(n: int, simulator: bool = False, threads: int = STAGE_THREADS) -> Plan | None:
+    """The plan for staged rows of ``n`` 16-byte words served by the persistent grid of
+    clusters (:func:`.staged.persistent`, a block per chunk, :func:`row_clusters` clusters a
+    row), or ``None`` when such rows take :func:`clustered` or :func:`staged` instead.
+
+    Rows of :data:`MAX_CLUSTER` + 1 to :data:`LARGEST_CLUSTER` chunks of :func:`staged` (64
+    KB) are one cluster; rows of up to twice as many (an even number) two clusters, which
+    exchange their halves' summaries through device memory.  :data:`PERSIST` = ``0`` (or
+    :data:`CLUSTER` = ``0``) turns it off, ``all`` also gives it shorter rows, ``wide`` takes
+    chunks of up to 128 KB (a block per multiprocessor) instead of two clusters.  The
+    simulator runs clusters of one block: with ``all``, rows of one chunk, or of two as two
+    clusters.  Blocks have ``threads`` threads; a forced chunk (:data:`STAGE_OVERRIDE`) is
+    kept as it is.
+    """
+    mode = os.environ.get(PERSIST, "")
+    if mode == "0" or os.environ.get(CLUSTER) == "0" or (simulator and mode != "all"):
+        return None
+    p = staged(n, simulator, threads=threads)
+    largest = 1 if simulator else LARGEST_CLUSTER
+    if not simulator and p.chunks <= MAX_CLUSTER and mode != "all":
+        return None
+    if p.chunks <= largest:
+        return p
+    if p.chunks <= 2 * largest and p.chunks % 2 == 0 and mode != "wide":
+        return p
+    if not simulator and _forced_stage(n) is None:
+        p = staged(n, simulator, 2 * STAGE_BYTES, threads)
+        if p.chunks <= largest:
+            return p
+    return None
+
+
+def row_clusters(p: Plan, simulator: bool = False) -> int:
+    """Clusters a row of a :func:`persistent` plan takes: 1, or 2 (each half of the chunks)."""
+    return 1 if p.chunks <= (1 if simulator else LARGEST_CLUSTER) else 2

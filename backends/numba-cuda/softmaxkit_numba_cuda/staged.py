@@ -39,13 +39,28 @@ co-scheduled by the hardware, so no wait is unbounded and no fallback is needed.
 :data:`.plan.CLUSTER` = ``0`` turns clusters off, a number sets the largest cluster (up to
 16, non-portable above 8).
 
+Persistent clusters (sm_90): rows of 9 to 32 chunks (:func:`.plan.persistent`; 256 x 524288
+is 16 chunks in bfloat16, 32 in float32) take :func:`persistent`, a grid of the clusters that
+fit at once, each walking rows: one cluster of up to 16 blocks a row, or two clusters a row
+(each half of the chunks) that exchange their halves' summaries through a slot in device
+memory.  Each block refills every staged word with the next row's word as soon as it has
+read it back for its store, so the next row's copies are in flight while the current row is
+written; one cluster barrier a row publishes the warps' (max, sum) pairs, which every warp
+merges itself.  Rows whose chunks are all full and without ``where`` take a lean fold
+(16-byte shared loads, the group maximum on packed 16-bit pairs) and write 16-bit softmax as
+``2^((x - M) log2 e - log2 S)``.  The cluster scheduling policy is set on the kernel
+(:data:`POLICY`).
+
 What CI does not run: Numba's CUDA simulator runs the blocks of a grid one after another, so a
 barrier across the blocks of a cluster (or a read of another block's shared memory) cannot
 run there.  The simulator runs the cluster kernels as clusters of one block
 (``SOFTMAXKIT_NUMBA_CUDA_CLUSTER=all`` on rows of one chunk): the same kernel code, exchange
 and barriers included, on the block itself; the exchange between several blocks, the
 launch with cluster dimensions and non-portable cluster sizes are checked on the GPU only
-(``gpu_check.py``, against float64 with poisoned outputs).
+(``gpu_check.py``, against float64 with poisoned outputs).  The persistent kernel runs there
+as clusters of one block (``SOFTMAXKIT_NUMBA_CUDA_PERSIST=all``): two clusters walking
+several rows each, and rows of two chunks as two clusters exchanging through device memory,
+where the one-block-at-a-time schedule takes the fallback that summarizes the other half.
 
 Staged kernels serve rows that the register plan splits, read in 16-byte words (float32,
 bfloat16, float16, the same dtype in and out); the environment variable :data:`ENABLE` = ``0``
@@ -57,21 +72,32 @@ from __future__ import annotations
 import functools
 import os
 
-from numba import float32, int32, uint32
+from numba import float32, int32, uint32, uint64
 
 from .intrinsics import (
+    LOG2E,
     NAN,
     NEG_INF,
     POS_INF,
+    bits_from_f32,
     cuda,
     device_function,
+    f32_from_bits,
     kernel,
     log_f32,
     register_cap,
 )
 from .plan import WORD_BYTES
-from .reductions import SCRATCH, exponential, group_reducers, thread_max
-from .rowkernels import _row_summary, _slots
+from .reductions import SCRATCH, exponential, group_reducers, summary_ops, thread_max
+from .rowkernels import (
+    MAX_POLL_NS,
+    POLL_NS,
+    SPIN_POLLS,
+    WAIT_NS,
+    _chunk_stream,
+    _row_summary,
+    _slots,
+)
 from .storage import loader, storer, word_codec
 from .wide import (
     cluster_arrive,
@@ -82,7 +108,15 @@ from .wide import (
     cp_async16,
     cp_async_commit,
     cp_async_pending,
+    ex2,
+    globaltimer,
+    load_shared16,
+    max_bf16x2,
+    max_f16x2,
+    max_nan,
+    nanosleep,
     store16,
+    unpack_f16,
 )
 
 ENABLE = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
@@ -95,6 +129,10 @@ DEFAULT_GROUPS = 4
 FOLD = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
 """Environment variable: ``0`` takes softmax's sum of exponentials in a pass of its own after
 the maxima (the fold of each landed group into a running (max, sum) is the default)."""
+POLICY = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
+"""Environment variable: the cluster scheduling policy of the persistent kernel, ``spread``
+(the default), ``default`` (the driver's) or ``balance`` (load balancing)."""
+POLICIES = {"default": 0, "spread": 1, "balance": 2}
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -122,6 +160,11 @@ def groups(slots: int, stages: int) -> int:
 def ring() -> int:
     """Stages per block: 1 (the default) or 2 (:data:`RING`)."""
     return 2 if os.environ.get(RING) == "2" else 1
+
+
+def policy() -> int:
+    """The ``CUclusterSchedulingPolicy`` of the persistent kernel's clusters (:data:`POLICY`)."""
+    return POLICIES[os.environ.get(POLICY, "spread")]
 
 
 def fold() -> bool:
@@ -642,5 +685,326 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
             k += 1
         if cluster:  # leave once every peer has read this block's summary
             cluster_wait()
+
+    return row_kernel
+
+
+@functools.cache
+def _word_results(op: str, kind: str):
+    """Device function ``results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
+    masked_nan)``: the outputs of the ``width`` values of one word in ``buf``, in place, by the
+    rules of :func:`normalize` (``m`` the row's maximum, ``m_t`` the thread's, ``f =
+    exp(m_t - m) / S``, ``regular`` the row's usual case)."""
+    is_log = op == "log_softmax"
+    width = word_codec(kind)[0]
+    exp = exponential("float32")
+    nan, neg_inf, zero = float32(NAN), float32(NEG_INF), float32(0.0)
+
+    def results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty, masked_nan):
+        for v in range(width):
+            x_v = buf[v]
+            if regular:
+                o = (x_v - m) - log_s if is_log else exp(x_v - m_t) * f
+            elif is_log:
+                if nan_row or (masked_nan and empty):
+                    o = nan
+                elif inf_row:
+                    o = nan if x_v == POS_INF else neg_inf
+                elif empty:
+                    o = x_v  # -inf: nothing is allowed
+                else:
+                    o = (x_v - m) - log_s
+            elif f != f:
+                o = nan
+            elif f == zero:
+                o = zero
+            else:
+                o = exp(x_v - m_t) * f
+            buf[v] = o
+
+    return device_function(results)
+
+
+@functools.cache
+def _whole_fold(kind: str, threads: int, slots: int):
+    """Device function ``fold(stage, lane) -> (m_t, s_t)``: ``land_fold`` of :func:`_stage`
+    for a thread whose words are all in the row and all allowed (no ``where``), with fewer
+    instructions a value: each word read from the stage in one 16-byte load, the group's
+    maximum taken on the packed words (two 16-bit values an instruction), no range tests."""
+    width, decode, _ = word_codec(kind)
+    n_groups = groups(slots, 1)
+    per = slots // n_groups
+    exp = exponential("float32")
+    packed = width == 8
+    bf16 = kind == "bfloat16"
+    pmax = max_bf16x2 if bf16 else max_f16x2
+    lowest = uint32(0xFF80FF80 if bf16 else 0xFC00FC00)  # -inf in both halves
+    neg_inf, zero = float32(NEG_INF), float32(0.0)
+    held = per * 4
+
+    def fold(stage, lane):
+        words = cuda.local.array(held, uint32)
+        buf = cuda.local.array(width, float32)
+        m = neg_inf
+        s = zero
+        for g in range(n_groups):
+            cp_async_pending(n_groups - 1 - g)
+            pm = lowest
+            gm = neg_inf
+            for i in range(per):
+                a, b, c, d = load_shared16(stage, (lane + (g * per + i) * threads) * 4)
+                words[4 * i] = a
+                words[4 * i + 1] = b
+                words[4 * i + 2] = c
+                words[4 * i + 3] = d
+                if packed:
+                    pm = pmax(pm, pmax(pmax(a, b), pmax(c, d)))
+                else:
+                    gm = max_nan(gm, max_nan(max_nan(f32_from_bits(a), f32_from_bits(b)),
+                                             max_nan(f32_from_bits(c), f32_from_bits(d))))
+            if packed:
+                if bf16:
+                    lo = f32_from_bits(pm << 16)
+                    hi = f32_from_bits(pm & 0xFFFF0000)
+                else:
+                    lo, hi = unpack_f16(pm)
+                gm = max_nan(lo, hi)
+            mn = max_nan(m, gm)
+            if mn != mn or mn == POS_INF:  # the row is special: the sum is not used
+                m = mn
+            elif mn > m:
+                s = s * exp(m - mn) if m > neg_inf else zero
+                m = mn
+            if m > neg_inf and m < POS_INF:
+                for i in range(per):
+                    decode(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3],
+                           buf, 0)
+                    for v in range(width):
+                        s += exp(buf[v] - m)
+        return m, s
+
+    return device_function(fold)
+
+
+@functools.cache
+def _half_exchange(kind: str, threads: int, half_slots: int, has_where: bool):
+    """Device function ``exchange(wsp, r, h, m, s, xr, wr, nw, scratch, flag) -> (M, S)``: the
+    row's summary for a block of the cluster that holds half ``h`` of row ``r`` (``(m, s)``
+    that half's summary, ``half_slots`` words a thread of the half), the other half held by
+    another cluster.
+
+    Thread 0 of each block of the cluster claims the half's 64-bit slot ``2 r + h`` in device
+    memory with a compare-and-swap from zero (the first summary of a half wins, so every block
+    of the row reads the same one); thread 0 of every block polls both slots for at most
+    :data:`.rowkernels.WAIT_NS`; a half still missing then (its cluster not resident) is
+    summarized by the block itself from device memory and claimed the same way.  Every block
+    then merges the two slots in the same order.  Every thread of the block calls it.
+    """
+    stream_stats = _chunk_stream(kind, True, threads, half_slots, has_where, False, True)
+    pair_reduce = group_reducers(threads, "float32")[0]
+    merge = summary_ops("float32")[1]
+    peek = _slots("float32", 2)[1]
+    free = uint64(0)
+    wait = uint64(WAIT_NS)
+
+    def claim(wsp, k, m, s):
+        packed = uint64(bits_from_f32(m)) | (uint64(bits_from_f32(s)) << uint64(32))
+        cuda.atomic.cas(wsp[0], k, free, packed)  # never 0: a finite max has a sum >= 1
+
+    claim = device_function(claim)
+
+    def exchange(wsp, r, h, m, s, xr, wr, nw, scratch, flag):
+        tid = cuda.threadIdx.x
+        if tid == 0:
+            # every block of the cluster has merged the same pairs in the same order: the
+            # first to claim the slot publishes the half's summary for all
+            claim(wsp, 2 * r + h, m, s)
+            missing = 0
+            for k in range(2):
+                ok, _, _ = peek(wsp, 2 * r + k)
+                start = globaltimer()
+                polls = 0
+                pause = POLL_NS
+                while not ok and globaltimer() - start < wait:
+                    polls += 1
+                    if polls > SPIN_POLLS:  # then back off: fewer L2 requests
+                        nanosleep(pause)
+                        pause = min(2 * pause, MAX_POLL_NS)
+                    ok, _, _ = peek(wsp, 2 * r + k)
+                if not ok:
+                    missing |= 1 << k
+            flag[0] = int32(missing)
+        cuda.syncthreads()
+        missing = flag[0]
+        if missing != 0:  # rare: summarize the half whose cluster has not published
+            for k in range(2):
+                if missing & (1 << k):
+                    mt, st, _, _ = stream_stats(xr, wr, nw, k * threads * half_slots + tid)
+                    mk, sk = pair_reduce(mt, st, scratch)
+                    if tid == 0:
+                        claim(wsp, 2 * r + k, mk, sk)
+            cuda.syncthreads()
+        _, m0, s0 = peek(wsp, 2 * r)
+        _, m1, s1 = peek(wsp, 2 * r + 1)
+        return merge(m0, s0, m1, s1)
+
+    return device_function(exchange)
+
+
+@functools.cache
+def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
+               whole: bool = False, split: int = 0):
+    """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` (the signature of
+    :func:`normalize`; ``wsp`` unused): softmax or log_softmax on a persistent grid of
+    thread-block clusters of ``chunks`` blocks, a block per chunk of ``threads * slots``
+    words (:func:`shared_bytes` of dynamic shared memory with one stage).
+
+    The grid is the clusters that fit on the device at once (:func:`.arrays.resident_clusters`)
+    and cluster ``c`` of ``C`` walks rows ``c, c + C, c + 2C, ...``; with ``split`` (the blocks
+    of a cluster) a row is two clusters (``2 p`` and ``2 p + 1`` walk rows ``p, p + C / 2,
+    ...``, each half of the chunks) that exchange their halves' summaries through device
+    memory once a row (:func:`_half_exchange`: ``wsp`` holds zeroed slots, two a row).  Per
+    row, each thread folds its copy groups into a running (max, sum) as they land (``land_fold`` of
+    :func:`_stage`; :func:`_whole_fold` with ``whole``: every row ``chunks`` whole chunks and
+    no ``where``), each warp merges its threads' pairs by shuffles and publishes the pair in
+    its block's shared memory, and one cluster barrier later every warp reads the
+    ``chunks x warps`` pairs of the cluster (distributed shared memory) and merges them
+    itself: one barrier per row, no block barrier.  The pairs alternate between two slots by
+    row parity, so a slot is rewritten only after every peer has passed the barrier that
+    follows its last read of it.  The outputs are then written word by word, and each staged
+    word, once read back for its store, is refilled with the same word of the cluster's next
+    row (``cp.async``, committed by copy group, so the fold of the next row waits group by
+    group): the next row's loads are in flight while this row is written, and no cluster waits
+    for a launch between rows.  A thread reads back only the words it copied itself, so no
+    barrier guards the stage.  Before it exits a block arrives at and waits on the cluster
+    barrier once more, so that no block's shared memory goes while a peer may read it.
+    """
+    width, decode, encode = word_codec(kind)
+    words = threads * slots
+    n_groups = groups(slots, 1)
+    per = slots // n_groups
+    issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False, n_groups)
+    lean = whole and not has_where
+    fold = _whole_fold(kind, threads, slots) if lean else None
+    results = _word_results(op, kind)
+    exp = exponential("float32")
+    merge = summary_ops("float32")[1]
+    warp_pair = group_reducers(min(32, threads), "float32")[0]  # shuffles only: no scratch
+    warps = max(1, threads // 32)
+    pairs = 4 * warps  # (max, sum) per warp, two slots by row parity
+    held_words = 4 * per  # 32-bit words of a copy group of one thread
+    halves = split > 0
+    parts = 2 if halves else 1
+    # 16-bit softmax: the exponent's error from log2 S (|log2 S| u_A, at most 2^-19 for rows
+    # of 2^19 values) is far below the 16-bit rounding; float32 keeps exp(x - m_t) * f
+    short = width == 8
+    half_exchange = _half_exchange(kind, threads, slots * split, has_where) if halves else None
+    is_log = op == "log_softmax"
+    nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
+
+    @kernel(threads, _fit(threads, slots, 1)[1])
+    def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp):
+        stage = cuda.shared.array(0, uint32)
+        summary = cuda.shared.array(pairs, float32)
+        scratch = cuda.shared.array(SCRATCH, float32)
+        flag = cuda.shared.array(1, int32)
+        lane = cuda.threadIdx.x
+        wl = lane % 32
+        size = chunks // parts  # blocks of a cluster
+        cid = cluster_id()
+        h = cid % parts  # the half of the row's chunks this cluster holds
+        base = (h * size + cluster_rank()) * words + lane
+        step = cuda.gridDim.x // chunks  # the clusters (pairs of clusters) of the grid
+        total = size * warps  # warp pairs of a cluster
+        buf = cuda.local.array(width, float32)
+        held = cuda.local.array(held_words, uint32)
+        r = cid // parts
+        if r < n_rows:
+            issue(stage, 0, x[r], nw, base, lane)
+        slot = 0
+        while r < n_rows:
+            wr = w[r if has_where else 0]
+            orow = out[r]
+            if lean:
+                m_t, s_t = fold(stage, lane)
+            else:
+                m_t, s_t = land_fold(stage, 0, wr, nw, base, lane)
+            m, s = warp_pair(m_t, s_t, summary)
+            if wl == 0:
+                summary[slot + 2 * (lane // 32)] = m
+                summary[slot + 2 * (lane // 32) + 1] = s
+            cluster_arrive()
+            cluster_wait()  # every warp's pair of the row is written
+            m = neg_inf
+            s = zero
+            for k in range(wl, total, 32):
+                peer = k // warps
+                i = slot + 2 * (k - peer * warps)
+                m, s = merge(m, s, cluster_load(summary, i, peer),
+                             cluster_load(summary, i + 1, peer))
+            m, s = warp_pair(m, s, summary)
+            if halves:  # the other half's summary, from the other cluster
+                m, s = half_exchange(wsp, r, h, m, s, x[r], wr, nw, scratch, flag)
+            nan_row = m != m
+            inf_row = m == POS_INF
+            empty = m == neg_inf
+            log_s = log_f32(s) if not (nan_row or inf_row or empty) else zero
+            f = zero
+            if nan_row or inf_row or (masked_nan and empty):
+                f = nan
+            elif not empty and m_t > neg_inf:
+                f = exp(m_t - m) * (one / s)
+            if is_log:
+                regular = not (nan_row or inf_row or empty)
+            else:
+                regular = f == f and f != zero
+            nxt = r + step
+            more = nxt < n_rows
+            xn = x[nxt if more else r]
+            log2_s = log_s * float32(LOG2E)
+            if lean and regular:  # the usual case: no tests a value
+                for g in range(n_groups):
+                    for i in range(per):  # the group read back first, then written
+                        a, b, c, d = load_shared16(stage, (lane + (g * per + i) * threads) * 4)
+                        held[4 * i] = a
+                        held[4 * i + 1] = b
+                        held[4 * i + 2] = c
+                        held[4 * i + 3] = d
+                    for i in range(per):
+                        j = g * per + i
+                        q = (lane + j * threads) * 4
+                        decode(held[4 * i], held[4 * i + 1], held[4 * i + 2], held[4 * i + 3],
+                               buf, 0)
+                        for v in range(width):
+                            if is_log:
+                                buf[v] = (buf[v] - m) - log_s
+                            elif short:  # 2^((x - M) log2 e - log2 S): one FMA, one ex2
+                                buf[v] = ex2((buf[v] - m) * float32(LOG2E) - log2_s)
+                            else:
+                                buf[v] = exp(buf[v] - m_t) * f
+                        a, b, c, d = encode(buf, 0)
+                        wi = base + j * threads
+                        store16(orow, wi * width, a, b, c, d)
+                        if more:  # the word is read back: refill it with the next row's
+                            cp_async16(stage, q, xn, wi * width)
+                    cp_async_commit()
+            else:
+                for g in range(n_groups):
+                    for j in range(g * per, (g + 1) * per):
+                        wi = base + j * threads
+                        if wi < nw:
+                            q = (lane + j * threads) * 4
+                            decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
+                            results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
+                                    masked_nan)
+                            a, b, c, d = encode(buf, 0)
+                            store16(orow, wi * width, a, b, c, d)
+                            if more:
+                                cp_async16(stage, q, xn, wi * width)
+                    cp_async_commit()
+            r = nxt
+            slot = 2 * warps - slot
+        cluster_arrive()  # leave once every peer has read this block's pairs
+        cluster_wait()
 
     return row_kernel

@@ -9,6 +9,10 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
 * ``ex2(x)``: ``2**x`` in float32 by ``ex2.approx.ftz.f32`` (relative error about 2 ulp,
   subnormal results flushed to zero);
 * ``max_nan(a, b)``: the float32 maximum that propagates NaN (``max.NaN.f32``);
+  ``max_bf16x2(a, b)`` / ``max_f16x2(a, b)``: the same on the two 16-bit halves of two words
+  at once (``max.NaN.bf16x2`` / ``max.NaN.f16x2``; a NaN half comes out NaN);
+* ``load_shared16(stage, j)``: elements ``j`` to ``j + 3`` of a shared ``uint32`` array (``j``
+  a multiple of 4) in one ``ld.shared.v4.u32``;
 * ``pack_bf16(lo, hi)`` / ``pack_f16(lo, hi)``: two float32 values rounded to nearest even and
   packed into one word (``cvt.rn.bf16x2.f32`` / ``cvt.rn.f16x2.f32``, NaN stays NaN);
   ``unpack_f16(u)``: the two float16 halves of a word as float32;
@@ -72,6 +76,37 @@ if SIMULATOR:
         if a != a or b != b:
             return np.float32(np.nan)
         return np.float32(a if a >= b else b)
+
+    def _halves_max(a, b, widen):
+        out = 0
+        for shift in (0, 16):
+            ha, hb = (int(a) >> shift) & 0xFFFF, (int(b) >> shift) & 0xFFFF
+            va, vb = widen(ha), widen(hb)
+            if va != va or vb != vb:
+                bits = 0x7FFF  # a NaN
+            else:
+                bits = ha if va >= vb else hb
+            out |= bits << shift
+        return np.uint32(out)
+
+    def _bf16_value(h):
+        return np.array(h << 16, dtype=np.uint32).view(np.float32)[()]
+
+    def _f16_value(h):
+        return np.array(h, dtype=np.uint16).view(np.float16)[()]
+
+    def max_bf16x2(a, b):
+        """The NaN-propagating maximum of each bfloat16 half of words ``a`` and ``b``."""
+        return _halves_max(a, b, _bf16_value)
+
+    def max_f16x2(a, b):
+        """The NaN-propagating maximum of each float16 half of words ``a`` and ``b``."""
+        return _halves_max(a, b, _f16_value)
+
+    def load_shared16(stage, j):
+        """``stage[j:j + 4]`` as four unsigned 32-bit words."""
+        return np.uint32(stage[j]), np.uint32(stage[j + 1]), np.uint32(stage[j + 2]), \
+            np.uint32(stage[j + 3])
 
     def _bf16_bits(v):
         u = int(np.array(v, dtype=np.float32).view(np.uint32)[()])
@@ -222,6 +257,44 @@ else:
             asm = ir.InlineAsm(ir.FunctionType(_F32, [_F32, _F32]), "max.NaN.f32 $0, $1, $2;",
                                "=f,f,f")
             return builder.call(asm, vals)
+
+        return sig, codegen
+
+    def _max_x2(kind):
+        @intrinsic
+        def impl(typingctx, a, b):
+            sig = types.uint32(types.uint32, types.uint32)
+
+            def codegen(context, builder, sig, args):
+                words = [context.cast(builder, v, t, types.uint32)
+                         for v, t in zip(args, sig.args, strict=True)]
+                asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32, _I32]),
+                                   f"max.NaN.{kind}x2 $0, $1, $2;", "=r,r,r")
+                return builder.call(asm, words)
+
+            return sig, codegen
+
+        return impl
+
+    max_bf16x2 = _max_x2("bf16")
+    max_f16x2 = _max_x2("f16")
+
+    @intrinsic
+    def load_shared16(typingctx, stage, j):
+        sig = types.UniTuple(types.uint32, 4)(stage, j)
+
+        def codegen(context, builder, sig, args):
+            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
+            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ptr.type])
+            # ordered after the cp.async waits that precede it
+            asm = ir.InlineAsm(
+                fnty,
+                "{ .reg .u64 sa; .reg .u32 s32; cvta.to.shared.u64 sa, $4; cvt.u32.u64 s32, sa; "
+                "ld.shared.v4.u32 {$0, $1, $2, $3}, [s32]; }",
+                "=r,=r,=r,=r,l,~{memory}", side_effect=True)
+            res = builder.call(asm, [ptr])
+            words = [builder.extract_value(res, k) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, words)
 
         return sig, codegen
 

@@ -26,6 +26,7 @@ ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp"
 SUMMARY_OPS = ("summarize", "merge", "merge_attention")
 PLAN_OPS = ROW_OPS + ("cross_entropy_hard", "summarize")
 STAGED_OPS = ("softmax", "log_softmax", "cross_entropy", "cross_entropy_hard")
+PERSIST_OPS = ("softmax", "log_softmax")
 PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "32,4": (302, ("float64", "float32"), PLAN_OPS),
          "32,1,staged": (304, ("float32", "bfloat16"), STAGED_OPS),
@@ -35,7 +36,12 @@ PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "staged-2200": (2200, ("float32",), STAGED_OPS),
          "32,1,staged,fold0": (304, ("float32",), STAGED_OPS),
          "staged-800,cluster": (800, ("float32",), STAGED_OPS),
-         "staged-1608,cluster": (1608, ("bfloat16",), STAGED_OPS)}
+         "staged-1608,cluster": (1608, ("bfloat16",), STAGED_OPS),
+         "staged-800,persist": (800, ("float32",), PERSIST_OPS),
+         "staged-1608,persist": (1608, ("bfloat16", "float16"), PERSIST_OPS),
+         "staged-1024,persist": (1024, ("float32",), PERSIST_OPS),
+         "staged-2048,persist": (2048, ("bfloat16", "float16", "float32"), PERSIST_OPS),
+         "staged-4096,persist": (4096, ("bfloat16",), PERSIST_OPS)}
 """Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
 of one warp, in 16-byte words and, for float32 rows of 302 elements, element by element; the
 same with split rows staged in shared memory, one stage per block or two (a persistent grid
@@ -45,8 +51,14 @@ elements, which the register plan splits: staged in shared memory, one block per
 201 words) or two blocks (550 words); with ``cluster``, rows of one chunk take the cluster
 kernels as a cluster of one block (``SOFTMAXKIT_NUMBA_CUDA_CLUSTER=all``), the only cluster
 the simulator can run: the exchange through the cluster's shared memory and its barriers run,
-on the block itself.  (Short rows, a group of threads each, are the simulator's default plan
-in the kit.)"""
+on the block itself; with ``persist``, the persistent grid of clusters
+(``SOFTMAXKIT_NUMBA_CUDA_PERSIST=all``) as two clusters of one block, each walking three of
+the six rows (refilling its stage with the next row's words as it writes; rows of 1024
+and 2048 elements fill the chunk, so calls without ``where`` take the whole-chunk fold;
+float32 rows of 2048 elements and bfloat16 rows of 4096 are two chunks, two clusters a row
+exchanging through device memory, where the simulator's one-block-at-a-time schedule takes
+the fallback that summarizes the other half from device memory).  (Short rows, a
+group of threads each, are the simulator's default plan in the kit.)"""
 
 
 def emit(**record: object) -> None:
@@ -139,6 +151,7 @@ def plans() -> None:
         os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"] = "2" if "ring2" in options else "1"
         os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"] = "0" if "fold0" in options else "1"
         os.environ["SOFTMAXKIT_NUMBA_CUDA_CLUSTER"] = "all" if "cluster" in options else "1"
+        os.environ["SOFTMAXKIT_NUMBA_CUDA_PERSIST"] = "all" if "persist" in options else "1"
         for dtype in dtypes:
             x, where = _inputs(rng, dtype, n)
             target = rng.integers(0, n, size=6)
@@ -154,7 +167,7 @@ def plans() -> None:
                     emit(id=rid, status="passed", message="")
                 except Exception:
                     emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
-    for name in ("PLAN", "STAGED", "STAGE_RING", "STAGE_FOLD", "CLUSTER"):
+    for name in ("PLAN", "STAGED", "STAGE_RING", "STAGE_FOLD", "CLUSTER", "PERSIST"):
         os.environ.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
 
 

@@ -177,3 +177,43 @@ def test_clustered_plan_overrides(monkeypatch):
     assert plan.clustered(131072) is None
     monkeypatch.setenv(plan.CLUSTER, "16")
     assert plan.clustered(131072).chunks == 16
+
+
+def _clear(monkeypatch):
+    for name in (plan.CLUSTER, plan.PERSIST, plan.STAGE_OVERRIDE, plan.OVERRIDE):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_persistent_plans(monkeypatch):
+    _clear(monkeypatch)
+    bf16_1m = 524288 * 2 // plan.WORD_BYTES  # 16 chunks of 64 KB: one 16-block cluster
+    p = plan.persistent(bf16_1m, threads=128)
+    assert (p.threads, p.slots, p.chunks) == (128, 32, 16)
+    assert plan.row_clusters(p) == 1
+    f32_1m = 524288 * 4 // plan.WORD_BYTES  # 32 chunks: two 16-block clusters a row
+    p = plan.persistent(f32_1m)
+    assert (p.threads, p.slots, p.chunks) == (256, 16, 32) and plan.row_clusters(p) == 2
+    assert plan.persistent(8192) is None  # 2 chunks: the one-row cluster kernel
+    assert plan.persistent(f32_1m * 2) is None  # 64 chunks: through device memory
+    # 17 chunks of 64 KB cannot be halved: 9 chunks of up to 128 KB, one cluster
+    assert plan.persistent(4096 * 17).chunks == 9
+    monkeypatch.setenv(plan.PERSIST, "wide")  # 128 KB chunks, one cluster a row
+    p = plan.persistent(f32_1m)
+    assert (p.threads, p.slots, p.chunks) == (256, 32, 16) and plan.row_clusters(p) == 1
+    monkeypatch.setenv(plan.PERSIST, "0")
+    assert plan.persistent(bf16_1m) is None
+    monkeypatch.setenv(plan.PERSIST, "1")
+    monkeypatch.setenv(plan.CLUSTER, "0")  # no clusters at all
+    assert plan.persistent(bf16_1m) is None
+
+
+def test_persistent_plans_in_the_simulator(monkeypatch):
+    _clear(monkeypatch)
+    assert plan.persistent(256, simulator=True) is None  # only with "all"
+    monkeypatch.setenv(plan.PERSIST, "all")
+    p = plan.persistent(256, simulator=True)  # one chunk: a cluster of one block
+    assert p.chunks == 1 and plan.row_clusters(p, simulator=True) == 1
+    p = plan.persistent(512, simulator=True)  # two chunks: two clusters of one block
+    assert p.chunks == 2 and plan.row_clusters(p, simulator=True) == 2
+    assert plan.persistent(768, simulator=True) is None
+    assert plan.persistent(4096).chunks == 1  # "all" on the GPU: rows of one chunk too
