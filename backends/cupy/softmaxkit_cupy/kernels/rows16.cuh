@@ -176,6 +176,53 @@ __device__ __forceinline__ float sk_special(float f, bool is_nan, bool posinf, i
     return -SK_INF;
 }
 
+// A piece's results on a special row (is_nan, posinf, empty).
+template <typename T, int OP>
+__device__ __forceinline__ uint4 sk_special_piece(uint4 p, bool is_nan, bool posinf,
+                                                  int masked_nan) {
+    uint4 o;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned word = sk_word(p, i);
+        sk_set_word(o, i, SkPacked<T>::pack(
+            sk_special<OP>(SkPacked<T>::lo(word), is_nan, posinf, masked_nan),
+            sk_special<OP>(SkPacked<T>::hi(word), is_nan, posinf, masked_nan)));
+    }
+    return o;
+}
+
+// A piece's results on a regular row of maximum m and sum s (log2s = log2 s, logs = log s):
+// log_softmax (x - m) - log s; softmax recomputes each exponential, one FMA-shifted ex2.
+template <typename T, int OP>
+__device__ __forceinline__ uint4 sk_regular_piece(uint4 p, float m, float log2s, float logs) {
+    uint4 o;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned word = sk_word(p, i);
+        const float a = SkPacked<T>::lo(word) - m, b = SkPacked<T>::hi(word) - m;
+        if (OP == SK_SOFTMAX) {
+            sk_set_word(o, i, SkPacked<T>::pack(sk_ex2(fmaf(a, SK_LOG2E, -log2s)),
+                                                sk_ex2(fmaf(b, SK_LOG2E, -log2s))));
+        } else {
+            sk_set_word(o, i, SkPacked<T>::pack(a - logs, b - logs));
+        }
+    }
+    return o;
+}
+
+// A piece of 16-bit exponentials times one scale (softmax from cached exponentials).
+template <typename T>
+__device__ __forceinline__ uint4 sk_scaled_piece(uint4 e, float scale) {
+    uint4 o;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned word = sk_word(e, i);
+        sk_set_word(o, i, SkPacked<T>::pack(SkPacked<T>::lo(word) * scale,
+                                            SkPacked<T>::hi(word) * scale));
+    }
+    return o;
+}
+
 // Write piece j of results (o) at element base: one 16-byte store where the row allows it.
 template <typename T, int MODE>
 __device__ __forceinline__ void sk_put16(T* orow, int base, int n, int vec_ok, bool fast,
@@ -257,28 +304,15 @@ __device__ __forceinline__ void sk_rows16_finish(
             const float logs = sk_log<false>(s);
 #pragma unroll
             for (int j = 0; j < K; ++j) {
-                uint4 o;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const unsigned word = sk_word(raw[j], i);
-                    sk_set_word(o, i, SkPacked<T>::pack((SkPacked<T>::lo(word) - mr) - logs,
-                                                        (SkPacked<T>::hi(word) - mr) - logs));
-                }
-                sk_put16<T, MODE>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
+                sk_put16<T, MODE>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out,
+                                  sk_regular_piece<T, OP>(raw[j], mr, 0.0f, logs));
             }
         }
     } else {
 #pragma unroll
         for (int j = 0; j < K; ++j) {
-            uint4 o;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const unsigned word = sk_word(raw[j], i);
-                sk_set_word(o, i, SkPacked<T>::pack(
-                    sk_special<OP>(SkPacked<T>::lo(word), is_nan, posinf, masked_nan),
-                    sk_special<OP>(SkPacked<T>::hi(word), is_nan, posinf, masked_nan)));
-            }
-            sk_put16<T, MODE>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out, o);
+            sk_put16<T, MODE>(orow, (j * G + lane) * VEC, n, vec_ok, fast_out,
+                              sk_special_piece<T, OP>(raw[j], is_nan, posinf, masked_nan));
         }
     }
 }
@@ -310,6 +344,38 @@ __device__ __forceinline__ void sk_cp_async_wait_n(int n) {
         case 5: sk_cp_async_wait<5>(); break;
         case 6: sk_cp_async_wait<6>(); break;
         default: sk_cp_async_wait<7>(); break;
+    }
+}
+
+// Fold a landed copy group's maximum into the thread's running (m, s): s is rescaled when m
+// rises (0 while m is -inf; the new m may be +inf).  A NaN in the group sets nan and leaves m
+// alone: the row is NaN anyway.
+template <typename T, int PER>
+__device__ __forceinline__ void sk_raise_max(const uint4 (&p)[PER], float& m, float& s,
+                                             int& nan) {
+    int gnan = 0;
+    const float gm = sk_pieces_max<T, PER>(p, gnan);
+    nan |= gnan;
+    const float mn = fmaxf(m, gm);
+    if (mn > m) {
+        s = m == -SK_INF ? 0.0f : s * sk_ex2((m - mn) * SK_LOG2E);
+        m = mn;
+    }
+}
+
+// Add a copy group's exponentials, shifted by the running maximum m, to s (nothing to add
+// while m is -inf; an infinite m makes the row special and s unused).
+template <typename T, int PER>
+__device__ __forceinline__ void sk_add_exponentials(const uint4 (&p)[PER], float m, float& s) {
+    if (m > -SK_INF && m < SK_INF) {
+#pragma unroll
+        for (int q = 0; q < PER; ++q)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const unsigned word = sk_word(p[q], i);
+                s += sk_ex2((SkPacked<T>::lo(word) - m) * SK_LOG2E) +
+                     sk_ex2((SkPacked<T>::hi(word) - m) * SK_LOG2E);
+            }
     }
 }
 
@@ -374,24 +440,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
         uint4 p[PER];
 #pragma unroll
         for (int q = 0; q < PER; ++q) p[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
-        int gnan = 0;
-        const float gm = sk_pieces_max<T, PER>(p, gnan);
-        nan |= gnan;
-        const float mn = fmaxf(m, gm);  // NaN groups leave m alone: the row is NaN anyway
-        if (mn > m) {  // rescale the running sum (0 while m is -inf); mn may be +inf
-            s = m == -SK_INF ? 0.0f : s * sk_ex2((m - mn) * SK_LOG2E);
-            m = mn;
-        }
-        if (m > -SK_INF && m < SK_INF) {
-#pragma unroll
-            for (int q = 0; q < PER; ++q)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const unsigned word = sk_word(p[q], i);
-                    s += sk_ex2((SkPacked<T>::lo(word) - m) * SK_LOG2E) +
-                         sk_ex2((SkPacked<T>::hi(word) - m) * SK_LOG2E);
-                }
-        }
+        sk_raise_max<T, PER>(p, m, s, nan);
+        sk_add_exponentials<T, PER>(p, m, s);
     }
     sk_rows_reduce<THREADS, THREADS, CLUSTER, false>(m, s, nan, scratch, summary);
 
@@ -406,34 +456,16 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
         for (int j = 0; j < K; ++j) {
             const int base = seg0 + (j * THREADS + lane) * VEC;
             const uint4 p = sk_ld_shared16(&sk_stage[j * THREADS + lane]);
-            uint4 o;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const unsigned word = sk_word(p, i);
-                const float a = SkPacked<T>::lo(word) - m, b = SkPacked<T>::hi(word) - m;
-                if (OP == SK_SOFTMAX) {
-                    sk_set_word(o, i, SkPacked<T>::pack(sk_ex2(fmaf(a, SK_LOG2E, -log2s)),
-                                                        sk_ex2(fmaf(b, SK_LOG2E, -log2s))));
-                } else {
-                    sk_set_word(o, i, SkPacked<T>::pack(a - logs, b - logs));
-                }
-            }
-            sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n, o);
+            sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n,
+                              sk_regular_piece<T, OP>(p, m, log2s, logs));
         }
     } else {
 #pragma unroll 1
         for (int j = 0; j < K; ++j) {
             const int base = seg0 + (j * THREADS + lane) * VEC;
             const uint4 p = sk_ld_shared16(&sk_stage[j * THREADS + lane]);
-            uint4 o;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const unsigned word = sk_word(p, i);
-                sk_set_word(o, i, SkPacked<T>::pack(
-                    sk_special<OP>(SkPacked<T>::lo(word), is_nan, posinf, masked_nan),
-                    sk_special<OP>(SkPacked<T>::hi(word), is_nan, posinf, masked_nan)));
-            }
-            sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n, o);
+            sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n,
+                              sk_special_piece<T, OP>(p, is_nan, posinf, masked_nan));
         }
     }
     if (CLUSTER > 1) sk_cluster_wait();
@@ -536,14 +568,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
 #pragma unroll
             for (int q = 0; q < PER; ++q)
                 p[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
-            int gnan = 0;
-            const float gm = sk_pieces_max<T, PER>(p, gnan);
-            nan |= gnan;
-            const float mn = fmaxf(m, gm);  // NaN groups leave m alone: the row is NaN anyway
-            if (mn > m) {  // rescale the running sum (0 while m is -inf); mn may be +inf
-                s = m == -SK_INF ? 0.0f : s * sk_ex2((m - mn) * SK_LOG2E);
-                m = mn;
-            }
+            sk_raise_max<T, PER>(p, m, s, nan);
             if (CACHE) {
                 // no branch: while m is -inf the group holds only -inf (exponentials 0, and
                 // its factor below is 0) or NaN; m = +inf makes the row special, and special
@@ -563,15 +588,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
                     }
                     sk_st_shared16(&sk_stage[(g * PER + q) * THREADS + lane], e);
                 }
-            } else if (m > -SK_INF && m < SK_INF) {
-#pragma unroll
-                for (int q = 0; q < PER; ++q)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const unsigned word = sk_word(p[q], i);
-                        s += sk_ex2((SkPacked<T>::lo(word) - m) * SK_LOG2E) +
-                             sk_ex2((SkPacked<T>::hi(word) - m) * SK_LOG2E);
-                    }
+            } else {
+                sk_add_exponentials<T, PER>(p, m, s);
             }
         }
         // the warp's summary, then every warp combines the whole cluster's
@@ -629,21 +647,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
                 for (int q = 0; q < PER; ++q) {
                     const int j = g * PER + q;
                     const int base = seg0 + (j * THREADS + lane) * VEC;
-                    uint4 o;
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const unsigned word = sk_word(pg[q], i);
-                        const float a = SkPacked<T>::lo(word) - m, b = SkPacked<T>::hi(word) - m;
-                        if (CACHE) {
-                            sk_set_word(o, i, SkPacked<T>::pack(SkPacked<T>::lo(word) * scale,
-                                                                SkPacked<T>::hi(word) * scale));
-                        } else if (OP == SK_SOFTMAX) {
-                            sk_set_word(o, i, SkPacked<T>::pack(sk_ex2(fmaf(a, SK_LOG2E, -log2s)),
-                                                                sk_ex2(fmaf(b, SK_LOG2E, -log2s))));
-                        } else {
-                            sk_set_word(o, i, SkPacked<T>::pack(a - logs, b - logs));
-                        }
-                    }
+                    const uint4 o = CACHE ? sk_scaled_piece<T>(pg[q], scale)
+                                          : sk_regular_piece<T, OP>(pg[q], m, log2s, logs);
                     sk_put16<T, MODE>(orow, base, n, vec_ok, fast || (vec_ok && base < n), o);
                     // the piece is read back (its results depend on it, so the store waits
                     // for the read): refill it
@@ -659,15 +664,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
                     const int j = g * PER + q;
                     const int base = seg0 + (j * THREADS + lane) * VEC;
                     const uint4 p = sk_ld_shared16(&sk_stage[j * THREADS + lane]);
-                    uint4 o;
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const unsigned word = sk_word(p, i);
-                        sk_set_word(o, i, SkPacked<T>::pack(
-                            sk_special<OP>(SkPacked<T>::lo(word), is_nan, posinf, masked_nan),
-                            sk_special<OP>(SkPacked<T>::hi(word), is_nan, posinf, masked_nan)));
-                    }
-                    sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n, o);
+                    sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n,
+                                      sk_special_piece<T, OP>(p, is_nan, posinf, masked_nan));
                     if (more) stage(next, j);
                 }
                 sk_cp_async_commit();
