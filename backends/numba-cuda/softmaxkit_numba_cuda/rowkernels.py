@@ -343,6 +343,31 @@ def _slots(acc_name: str, fields: int):
 
 
 @functools.cache
+def _await_slot(acc_name: str, fields: int):
+    """Device function ``await_slot(wsp, k) -> (published, m, s)``: :func:`_slots`' ``peek``
+    of slot ``k``, repeated while it is unpublished for at most :data:`WAIT_NS` (a few polls,
+    then pauses doubling up to :data:`MAX_POLL_NS`)."""
+    peek = _slots(acc_name, fields)[1]
+    wait = uint64(WAIT_NS)
+
+    def await_slot(wsp, k):
+        ok, m, s = peek(wsp, k)
+        if not ok:
+            start = globaltimer()
+            polls = 0
+            pause = POLL_NS
+            while not ok and globaltimer() - start < wait:
+                polls += 1
+                if polls > SPIN_POLLS:  # then back off: fewer L2 requests
+                    nanosleep(pause)
+                    pause = min(2 * pause, MAX_POLL_NS)
+                ok, m, s = peek(wsp, k)
+        return ok, m, s
+
+    return device_function(await_slot)
+
+
+@functools.cache
 def _row_summary(kind: str, vector: bool, threads: int, slots: int, has_where: bool,
                  fields: int, rolled: bool = False):
     """Device function ``collect(wsp, xr, wr, nw, r, chunks, scratch, flag) -> (M, S, count,
@@ -353,11 +378,11 @@ def _row_summary(kind: str, vector: bool, threads: int, slots: int, has_where: b
     acc_name, acc = _acc(kind)
     counting = fields == 4
     publish, peek, counts = _slots(acc_name, fields)
+    await_slot = _await_slot(acc_name, fields)
     stream_stats = _chunk_stream(kind, vector, threads, slots, has_where, counting, rolled)
     merge = summary_ops(acc_name)[1]
     pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
     neg_inf, zero = acc(NEG_INF), acc(0.0)
-    wait = uint64(WAIT_NS)
 
     def shifted(cnt, z, m_part, m):
         return z + cnt * (m_part - m) if cnt > zero else zero
@@ -370,17 +395,7 @@ def _row_summary(kind: str, vector: bool, threads: int, slots: int, has_where: b
         s = zero
         missing = 0
         for k in range(tid, chunks, threads):
-            ok, mk, sk = peek(wsp, r * chunks + k)
-            if not ok:
-                start = globaltimer()
-                polls = 0
-                pause = POLL_NS
-                while not ok and globaltimer() - start < wait:
-                    polls += 1
-                    if polls > SPIN_POLLS:  # then back off: fewer L2 requests
-                        nanosleep(pause)
-                        pause = min(2 * pause, MAX_POLL_NS)
-                    ok, mk, sk = peek(wsp, r * chunks + k)
+            ok, mk, sk = await_slot(wsp, r * chunks + k)
             if ok:
                 m, s = merge(m, s, mk, sk)
             else:

@@ -89,15 +89,7 @@ from .intrinsics import (
 )
 from .plan import WORD_BYTES
 from .reductions import SCRATCH, exponential, group_reducers, summary_ops, thread_max
-from .rowkernels import (
-    MAX_POLL_NS,
-    POLL_NS,
-    SPIN_POLLS,
-    WAIT_NS,
-    _chunk_stream,
-    _row_summary,
-    _slots,
-)
+from .rowkernels import _await_slot, _chunk_stream, _row_summary, _slots
 from .storage import loader, storer, word_codec
 from .wide import (
     cluster_arrive,
@@ -109,12 +101,10 @@ from .wide import (
     cp_async_commit,
     cp_async_pending,
     ex2,
-    globaltimer,
     load_shared16,
     max_bf16x2,
     max_f16x2,
     max_nan,
-    nanosleep,
     store16,
     unpack_f16,
 )
@@ -450,6 +440,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
                                           groups(slots, stages))
     first, arrive = _items(threads, slots, stages, issue)
     exchange = _cluster_exchange(threads, 2)
+    results = _word_results(op, kind)
     exp = exponential("float32")
     pair_reduce = group_reducers(threads, "float32")[0]
     publish = _slots("float32", 2)[0]
@@ -512,26 +503,8 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
                 if wi < nw:
                     q = off + (lane + j * threads) * 4
                     decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
-                    for v in range(width):
-                        x_v = buf[v]
-                        if regular:
-                            o = (x_v - m) - log_s if is_log else exp(x_v - m_t) * f
-                        elif is_log:
-                            if nan_row or (masked_nan and empty):
-                                o = nan
-                            elif inf_row:
-                                o = nan if x_v == POS_INF else neg_inf
-                            elif empty:
-                                o = x_v  # -inf: nothing is allowed
-                            else:
-                                o = (x_v - m) - log_s
-                        elif f != f:
-                            o = nan
-                        elif f == zero:
-                            o = zero
-                        else:
-                            o = exp(x_v - m_t) * f
-                        buf[v] = o
+                    results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
+                            masked_nan)
                     a, b, c2, d = encode(buf, 0)
                     store16(orow, wi * width, a, b, c2, d)
             if stages == 1:  # one item per block: no loop
@@ -804,8 +777,8 @@ def _half_exchange(kind: str, threads: int, half_slots: int, has_where: bool):
     pair_reduce = group_reducers(threads, "float32")[0]
     merge = summary_ops("float32")[1]
     peek = _slots("float32", 2)[1]
+    await_slot = _await_slot("float32", 2)
     free = uint64(0)
-    wait = uint64(WAIT_NS)
 
     def claim(wsp, k, m, s):
         packed = uint64(bits_from_f32(m)) | (uint64(bits_from_f32(s)) << uint64(32))
@@ -821,16 +794,7 @@ def _half_exchange(kind: str, threads: int, half_slots: int, has_where: bool):
             claim(wsp, 2 * r + h, m, s)
             missing = 0
             for k in range(2):
-                ok, _, _ = peek(wsp, 2 * r + k)
-                start = globaltimer()
-                polls = 0
-                pause = POLL_NS
-                while not ok and globaltimer() - start < wait:
-                    polls += 1
-                    if polls > SPIN_POLLS:  # then back off: fewer L2 requests
-                        nanosleep(pause)
-                        pause = min(2 * pause, MAX_POLL_NS)
-                    ok, _, _ = peek(wsp, 2 * r + k)
+                ok, _, _ = await_slot(wsp, 2 * r + k)
                 if not ok:
                     missing |= 1 << k
             flag[0] = int32(missing)
