@@ -433,7 +433,6 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
     unused.  With ``folded``, each thread folds its copy groups into a running (max, sum) as
     they land (``land_fold`` of :func:`_stage`).
     """
-    is_log = op == "log_softmax"
     width, decode, encode = word_codec(kind)
     words = threads * slots
     issue, land, sums, land_fold = _stage(kind, threads, slots, has_where, False,
@@ -441,11 +440,11 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
     first, arrive = _items(threads, slots, stages, issue)
     exchange = _cluster_exchange(threads, 2)
     results = _word_results(op, kind)
-    exp = exponential("float32")
+    row_state = _row_state(op)
     pair_reduce = group_reducers(threads, "float32")[0]
     publish = _slots("float32", 2)[0]
     collect = _row_summary(kind, True, threads, slots, has_where, 2, True)
-    nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
+    zero = float32(0.0)
 
     @kernel(threads, _fit(threads, slots, stages)[1])
     def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp):
@@ -484,20 +483,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
                 if lane == 0:
                     publish(wsp, r * chunks + c, m, s, zero, zero)
                 m, s, _, _ = collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
-            nan_row = m != m
-            inf_row = m == POS_INF
-            empty = m == neg_inf
-            log_s = log_f32(s) if not (nan_row or inf_row or empty) else zero
-            f = zero
-            if nan_row or inf_row or (masked_nan and empty):
-                f = nan
-            elif not empty and m_t > neg_inf:
-                f = exp(m_t - m) * (one / s)
-            # the thread's usual case, tested once a word instead of for every value
-            if is_log:
-                regular = not (nan_row or inf_row or empty)
-            else:
-                regular = f == f and f != zero
+            nan_row, inf_row, empty, log_s, f, regular = row_state(m, s, m_t, masked_nan)
             for j in range(slots):
                 wi = base + j * threads
                 if wi < nw:
@@ -660,6 +646,36 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
             cluster_wait()
 
     return row_kernel
+
+
+@functools.cache
+def _row_state(op: str):
+    """Device function ``row_state(m, s, m_t, masked_nan) -> (nan_row, inf_row, empty, log_s,
+    f, regular)`` for a row of summary ``(m, s)`` and a thread of maximum ``m_t``: the row's
+    kind, ``log s`` (0 on special rows), the thread's factor ``f = exp(m_t - m) / s`` (NaN
+    where every output is NaN, 0 where every output is 0), and whether the thread's values
+    take the usual formula (tested once a word instead of for every value)."""
+    is_log = op == "log_softmax"
+    exp = exponential("float32")
+    nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
+
+    def row_state(m, s, m_t, masked_nan):
+        nan_row = m != m
+        inf_row = m == POS_INF
+        empty = m == neg_inf
+        log_s = log_f32(s) if not (nan_row or inf_row or empty) else zero
+        f = zero
+        if nan_row or inf_row or (masked_nan and empty):
+            f = nan
+        elif not empty and m_t > neg_inf:
+            f = exp(m_t - m) * (one / s)
+        if is_log:
+            regular = not (nan_row or inf_row or empty)
+        else:
+            regular = f == f and f != zero
+        return nan_row, inf_row, empty, log_s, f, regular
+
+    return device_function(row_state)
 
 
 @functools.cache
@@ -851,6 +867,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     lean = whole and not has_where
     fold = _whole_fold(kind, threads, slots) if lean else None
     results = _word_results(op, kind)
+    row_state = _row_state(op)
     exp = exponential("float32")
     merge = summary_ops("float32")[1]
     warp_pair = group_reducers(min(32, threads), "float32")[0]  # shuffles only: no scratch
@@ -864,7 +881,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     short = width == 8
     half_exchange = _half_exchange(kind, threads, slots * split, has_where) if halves else None
     is_log = op == "log_softmax"
-    nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
+    neg_inf, zero = float32(NEG_INF), float32(0.0)
 
     @kernel(threads, _fit(threads, slots, 1)[1])
     def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp):
@@ -909,19 +926,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
             m, s = warp_pair(m, s, summary)
             if halves:  # the other half's summary, from the other cluster
                 m, s = half_exchange(wsp, r, h, m, s, x[r], wr, nw, scratch, flag)
-            nan_row = m != m
-            inf_row = m == POS_INF
-            empty = m == neg_inf
-            log_s = log_f32(s) if not (nan_row or inf_row or empty) else zero
-            f = zero
-            if nan_row or inf_row or (masked_nan and empty):
-                f = nan
-            elif not empty and m_t > neg_inf:
-                f = exp(m_t - m) * (one / s)
-            if is_log:
-                regular = not (nan_row or inf_row or empty)
-            else:
-                regular = f == f and f != zero
+            nan_row, inf_row, empty, log_s, f, regular = row_state(m, s, m_t, masked_nan)
             nxt = r + step
             more = nxt < n_rows
             xn = x[nxt if more else r]
