@@ -195,6 +195,25 @@ def grid(n_rows: int, chunks: int, resident: int, stages: int) -> int:
 
 
 @functools.cache
+def _raise_max():
+    """Device function ``raise_max(m, s, mn) -> (m, s)``: a running (max, sum) whose maximum
+    rises to ``mn`` (a copy group's maximum merged in), the sum rescaled (0 while the maximum
+    was -inf); a NaN or +inf ``mn`` makes the row special and leaves the sum unused."""
+    exp = exponential("float32")
+    neg_inf, zero = float32(NEG_INF), float32(0.0)
+
+    def raise_max(m, s, mn):
+        if mn != mn or mn == POS_INF:
+            m = mn
+        elif mn > m:
+            s = s * exp(m - mn) if m > neg_inf else zero
+            m = mn
+        return m, s
+
+    return device_function(raise_max)
+
+
+@functools.cache
 def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, groups: int):
     """Device functions on a thread's words ``base + threads * j`` of a chunk, staged at
     ``off`` (in 32-bit words) in shared memory, ``lane`` the thread's index:
@@ -215,6 +234,7 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, gr
     width, decode, encode = word_codec(kind)
     tmax = thread_max("float32")
     exp = exponential("float32")
+    raise_max = _raise_max()
     waits = groups > 0
     n_groups = max(1, groups)
     per = slots // n_groups
@@ -311,11 +331,7 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, gr
                         words[4 * i + 2] = c
                         words[4 * i + 3] = d
             mn = tmax(m, gm)
-            if mn != mn or mn == POS_INF:  # the row is special: the sum is not used
-                m = mn
-            elif mn > m:
-                s = s * exp(m - mn) if m > neg_inf else zero
-                m = mn
+            m, s = raise_max(m, s, mn)
             if m > neg_inf and m < POS_INF:
                 for i in range(per):
                     if base + (g * per + i) * threads < nw:
@@ -724,6 +740,7 @@ def _whole_fold(kind: str, threads: int, slots: int):
     n_groups = groups(slots, 1)
     per = slots // n_groups
     exp = exponential("float32")
+    raise_max = _raise_max()
     packed = width == 8
     bf16 = kind == "bfloat16"
     pmax = max_bf16x2 if bf16 else max_f16x2
@@ -759,11 +776,7 @@ def _whole_fold(kind: str, threads: int, slots: int):
                     lo, hi = unpack_f16(pm)
                 gm = max_nan(lo, hi)
             mn = max_nan(m, gm)
-            if mn != mn or mn == POS_INF:  # the row is special: the sum is not used
-                m = mn
-            elif mn > m:
-                s = s * exp(m - mn) if m > neg_inf else zero
-                m = mn
+            m, s = raise_max(m, s, mn)
             if m > neg_inf and m < POS_INF:
                 for i in range(per):
                     decode(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3],
