@@ -247,37 +247,29 @@ else:
 
     ex2 = _unary_f32("ex2.approx.ftz.f32 $0, $1;")
 
-    @intrinsic
-    def max_nan(typingctx, a, b):
-        sig = types.float32(types.float32, types.float32)
+    def _binary(asm_text, ty):
+        """An intrinsic ``(a, b) -> ty``: one PTX instruction on two operands of ``ty``
+        (float32 or uint32)."""
+        lltype, reg = (_F32, "f") if ty == types.float32 else (_I32, "r")
 
-        def codegen(context, builder, sig, args):
-            vals = [context.cast(builder, v, t, types.float32)
-                    for v, t in zip(args, sig.args, strict=True)]
-            asm = ir.InlineAsm(ir.FunctionType(_F32, [_F32, _F32]), "max.NaN.f32 $0, $1, $2;",
-                               "=f,f,f")
-            return builder.call(asm, vals)
-
-        return sig, codegen
-
-    def _max_x2(kind):
         @intrinsic
         def impl(typingctx, a, b):
-            sig = types.uint32(types.uint32, types.uint32)
+            sig = ty(ty, ty)
 
             def codegen(context, builder, sig, args):
-                words = [context.cast(builder, v, t, types.uint32)
-                         for v, t in zip(args, sig.args, strict=True)]
-                asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32, _I32]),
-                                   f"max.NaN.{kind}x2 $0, $1, $2;", "=r,r,r")
-                return builder.call(asm, words)
+                vals = [context.cast(builder, v, t, ty)
+                        for v, t in zip(args, sig.args, strict=True)]
+                asm = ir.InlineAsm(ir.FunctionType(lltype, [lltype, lltype]), asm_text,
+                                   f"={reg},{reg},{reg}")
+                return builder.call(asm, vals)
 
             return sig, codegen
 
         return impl
 
-    max_bf16x2 = _max_x2("bf16")
-    max_f16x2 = _max_x2("f16")
+    max_nan = _binary("max.NaN.f32 $0, $1, $2;", types.float32)
+    max_bf16x2 = _binary("max.NaN.bf16x2 $0, $1, $2;", types.uint32)
+    max_f16x2 = _binary("max.NaN.f16x2 $0, $1, $2;", types.uint32)
 
     @intrinsic
     def load_shared16(typingctx, stage, j):
