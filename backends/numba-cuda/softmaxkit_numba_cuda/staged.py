@@ -89,7 +89,15 @@ from .intrinsics import (
 )
 from .plan import WORD_BYTES
 from .reductions import SCRATCH, exponential, group_reducers, summary_ops, thread_max
-from .rowkernels import _await_slot, _chunk_stream, _row_summary, _slots
+from .rowkernels import (
+    MAX_POLL_NS,
+    POLL_NS,
+    SPIN_POLLS,
+    WAIT_NS,
+    _chunk_stream,
+    _row_summary,
+    _slots,
+)
 from .storage import loader, storer, word_codec
 from .wide import (
     cluster_arrive,
@@ -101,10 +109,13 @@ from .wide import (
     cp_async_commit,
     cp_async_pending,
     ex2,
+    globaltimer,
+    load_l2,
     load_shared16,
     max_bf16x2,
     max_f16x2,
     max_nan,
+    nanosleep,
     store16,
     unpack_f16,
 )
@@ -120,8 +131,9 @@ FOLD = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
 """Environment variable: ``0`` takes softmax's sum of exponentials in a pass of its own after
 the maxima (the fold of each landed group into a running (max, sum) is the default)."""
 POLICY = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
-"""Environment variable: the cluster scheduling policy of the persistent kernel, ``spread``
-(the default), ``default`` (the driver's) or ``balance`` (load balancing)."""
+"""Environment variable: the cluster scheduling policy of the persistent kernel, ``balance``
+(load balancing, the default: it measured fastest at 256 x 524288), ``spread`` or
+``default`` (the driver's)."""
 POLICIES = {"default": 0, "spread": 1, "balance": 2}
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
@@ -154,7 +166,7 @@ def ring() -> int:
 
 def policy() -> int:
     """The ``CUclusterSchedulingPolicy`` of the persistent kernel's clusters (:data:`POLICY`)."""
-    return POLICIES[os.environ.get(POLICY, "spread")]
+    return POLICIES[os.environ.get(POLICY, "balance")]
 
 
 def fold() -> bool:
@@ -795,51 +807,69 @@ def _half_exchange(kind: str, threads: int, half_slots: int, has_where: bool):
     that half's summary, ``half_slots`` words a thread of the half), the other half held by
     another cluster.
 
-    Thread 0 of each block of the cluster claims the half's 64-bit slot ``2 r + h`` in device
-    memory with a compare-and-swap from zero (the first summary of a half wins, so every block
-    of the row reads the same one); thread 0 of every block polls both slots for at most
-    :data:`.rowkernels.WAIT_NS`; a half still missing then (its cluster not resident) is
-    summarized by the block itself from device memory and claimed the same way.  Every block
-    then merges the two slots in the same order.  Every thread of the block calls it.
+    Thread 0 of each block claims the half's 64-bit slot ``2 r + h`` in device memory with a
+    compare-and-swap from zero and keeps what the slot holds after it (every block of the
+    cluster has merged the same pairs in the same order, so the first claim publishes the
+    half's summary for all), then polls the other half's slot (relaxed loads: the 64-bit slot
+    is the whole message) for at most :data:`.rowkernels.WAIT_NS`.  A half still missing
+    then (its cluster not resident) is summarized by the block itself from device memory and
+    claimed the same way.  The two halves reach the block's threads through shared memory and
+    every thread merges them in slot order, so every block of the row gets the same summary.
+    Every thread of the block calls it; ``scratch[48:52]`` carries the halves.
     """
     stream_stats = _chunk_stream(kind, True, threads, half_slots, has_where, False, True)
     pair_reduce = group_reducers(threads, "float32")[0]
     merge = summary_ops("float32")[1]
-    peek = _slots("float32", 2)[1]
-    await_slot = _await_slot("float32", 2)
     free = uint64(0)
+    wait = uint64(WAIT_NS)
+    low = uint64(0xFFFFFFFF)
+    shift = uint64(32)
 
     def claim(wsp, k, m, s):
-        packed = uint64(bits_from_f32(m)) | (uint64(bits_from_f32(s)) << uint64(32))
-        cuda.atomic.cas(wsp[0], k, free, packed)  # never 0: a finite max has a sum >= 1
+        """The slot's summary once ``(m, s)`` has been offered to it (the first one wins)."""
+        packed = uint64(bits_from_f32(m)) | (uint64(bits_from_f32(s)) << shift)
+        old = cuda.atomic.cas(wsp[0], k, free, packed)  # never 0: a finite max has a sum >= 1
+        return packed if old == free else old
 
     claim = device_function(claim)
 
+    def put(scratch, i, word):
+        scratch[i] = f32_from_bits(word & low)
+        scratch[i + 1] = f32_from_bits(word >> shift)
+
+    put = device_function(put)
+
     def exchange(wsp, r, h, m, s, xr, wr, nw, scratch, flag):
         tid = cuda.threadIdx.x
+        other = 2 * r + 1 - h
         if tid == 0:
-            # every block of the cluster has merged the same pairs in the same order: the
-            # first to claim the slot publishes the half's summary for all
-            claim(wsp, 2 * r + h, m, s)
-            missing = 0
-            for k in range(2):
-                ok, _, _ = await_slot(wsp, 2 * r + k)
-                if not ok:
-                    missing |= 1 << k
-            flag[0] = int32(missing)
+            # the claim and the first read of the other slot in flight together; a slot is
+            # its whole message, so relaxed loads suffice
+            packed = uint64(bits_from_f32(m)) | (uint64(bits_from_f32(s)) << shift)
+            old = cuda.atomic.cas(wsp[0], 2 * r + h, free, packed)
+            word = load_l2(wsp[0], other)
+            put(scratch, 48 + 2 * h, packed if old == free else old)
+            start = globaltimer()
+            polls = 0
+            pause = POLL_NS
+            while word == free and globaltimer() - start < wait:
+                polls += 1
+                if polls > SPIN_POLLS:  # then back off: fewer L2 requests
+                    nanosleep(pause)
+                    pause = min(2 * pause, MAX_POLL_NS)
+                word = load_l2(wsp[0], other)
+            if word != free:
+                put(scratch, 50 - 2 * h, word)
+            flag[0] = int32(word == free)
         cuda.syncthreads()
-        missing = flag[0]
-        if missing != 0:  # rare: summarize the half whose cluster has not published
-            for k in range(2):
-                if missing & (1 << k):
-                    mt, st, _, _ = stream_stats(xr, wr, nw, k * threads * half_slots + tid)
-                    mk, sk = pair_reduce(mt, st, scratch)
-                    if tid == 0:
-                        claim(wsp, 2 * r + k, mk, sk)
+        if flag[0] != 0:  # rare: summarize the half whose cluster has not published
+            k = 1 - h
+            mt, st, _, _ = stream_stats(xr, wr, nw, k * threads * half_slots + tid)
+            mk, sk = pair_reduce(mt, st, scratch)
+            if tid == 0:
+                put(scratch, 48 + 2 * k, claim(wsp, other, mk, sk))
             cuda.syncthreads()
-        _, m0, s0 = peek(wsp, 2 * r)
-        _, m1, s1 = peek(wsp, 2 * r + 1)
-        return merge(m0, s0, m1, s1)
+        return merge(scratch[48], scratch[49], scratch[50], scratch[51])
 
     return device_function(exchange)
 
