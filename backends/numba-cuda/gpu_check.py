@@ -53,6 +53,7 @@ FOLD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
 CLUSTER_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
 PERSIST_ENV = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
 POLICY_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
+AHEAD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
 
 
 def log(*args: Any) -> None:
@@ -261,7 +262,8 @@ def use_plan(plan: str | None) -> None:
     device memory), ``fold0`` (softmax's sum in a pass of its own), ``persist0`` (no
     persistent cluster grid; ``persistwide``: 128 KB chunks, one cluster a row, where a row
     would take two clusters), ``policyNAME`` (its cluster scheduling policy: spread, default,
-    balance), or a register budget."""
+    balance), ``aheadN`` (its copy groups read back before the summary exchange), or a
+    register budget."""
     if not plan:
         return
     parts = plan.split(",")
@@ -279,6 +281,8 @@ def use_plan(plan: str | None) -> None:
             os.environ[PERSIST_ENV] = extra[7:]
         elif extra.startswith("policy"):
             os.environ[POLICY_ENV] = extra[6:]
+        elif extra.startswith("ahead"):
+            os.environ[AHEAD_ENV] = extra[5:]
         elif extra.startswith("ring"):
             os.environ[RING_ENV] = extra[4:]
         elif extra.startswith("g"):
@@ -444,17 +448,20 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (256, 524288)): ["256,16,staged,policyspread", "256,32,staged,g8"],
-    ("bfloat16", (256, 524288)): ["128,32,staged,policyspread"],
+    ("float32", (256, 524288)): ["256,16,staged,ahead0", "256,16,staged,ahead2",
+                                 "256,16,staged,ahead4", "256,16,staged,policyspread"],
+    ("bfloat16", (256, 524288)): ["128,32,staged,ahead0", "128,32,staged,ahead2",
+                                  "128,32,staged,g8,ahead2"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
 softmax and log_softmax next to the default plans (64 KB chunks; a row of 2 to 8 chunks
 launched as one thread-block cluster, rows of 9 to 32 chunks on the persistent grid of
 clusters, one or two clusters a row, under the load-balancing cluster policy; copy groups
-folded into a running (max, sum) as they land): at 256 x 524288 the spread cluster policy
-(``policyspread``), 256-thread blocks for bfloat16 (``256,16``), 128 KB chunks in one
-cluster a row with 8 copy groups (``256,32,g8``), and the former default without the
-persistent grid (``persist0``: the exchange through device memory).  Earlier sweeps (the
+folded into a running (max, sum) as they land; one copy group a thread read back before the
+summary exchange): at 256 x 524288 none, two or all of the copy groups read back ahead
+(``aheadN``; with 8 copy groups, ``g8``), and the spread cluster policy (``policyspread``).
+Earlier sweeps (256-thread blocks for bfloat16, 128 KB chunks in one cluster a row, the
+former default without the persistent grid, ``persist0``; the
 clusters against the exchange through device memory at 4096 x 32768, ``cluster0``; the sum in
 a pass of its own, ``fold0``; 32 KB chunks, ``256,8``) are recorded in
 docs/benchmarks-cuda.md."""

@@ -135,6 +135,11 @@ POLICY = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
 (load balancing, the default: it measured fastest at 256 x 524288), ``spread`` or
 ``default`` (the driver's)."""
 POLICIES = {"default": 0, "spread": 1, "balance": 2}
+AHEAD = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
+"""Environment variable: copy groups of a thread that the persistent kernel's lean rows read
+back into registers right after the fold, refilling their words with the next row's before
+the row's summary is known (tuning; default :data:`DEFAULT_AHEAD`, at most the groups)."""
+DEFAULT_AHEAD = 1
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -167,6 +172,11 @@ def ring() -> int:
 def policy() -> int:
     """The ``CUclusterSchedulingPolicy`` of the persistent kernel's clusters (:data:`POLICY`)."""
     return POLICIES[os.environ.get(POLICY, "balance")]
+
+
+def ahead(slots: int) -> int:
+    """Copy groups read back ahead of the summary exchange (:data:`AHEAD`)."""
+    return max(0, min(int(os.environ.get(AHEAD, DEFAULT_AHEAD)), groups(slots, 1)))
 
 
 def fold() -> bool:
@@ -876,7 +886,7 @@ def _half_exchange(kind: str, threads: int, half_slots: int, has_where: bool):
 
 @functools.cache
 def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
-               whole: bool = False, split: int = 0):
+               whole: bool = False, split: int = 0, ahead: int = 0):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` (the signature of
     :func:`normalize`; ``wsp`` unused): softmax or log_softmax on a persistent grid of
     thread-block clusters of ``chunks`` blocks, a block per chunk of ``threads * slots``
@@ -898,9 +908,12 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     word, once read back for its store, is refilled with the same word of the cluster's next
     row (``cp.async``, committed by copy group, so the fold of the next row waits group by
     group): the next row's loads are in flight while this row is written, and no cluster waits
-    for a launch between rows.  A thread reads back only the words it copied itself, so no
-    barrier guards the stage.  Before it exits a block arrives at and waits on the cluster
-    barrier once more, so that no block's shared memory goes while a peer may read it.
+    for a launch between rows.  With ``whole``, the first ``ahead`` copy groups of each thread
+    are read back into registers as soon as the fold is done and refilled at once, so that
+    part of the next row is in flight during the cluster barrier and the exchange too.  A
+    thread reads back only the words it copied itself, so no barrier guards the stage.
+    Before it exits a block arrives at and waits on the cluster barrier once more, so that no
+    block's shared memory goes while a peer may read it.
     """
     width, decode, encode = word_codec(kind)
     words = threads * slots
@@ -909,6 +922,8 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False, n_groups)
     lean = whole and not has_where
     fold = _whole_fold(kind, threads, slots) if lean else None
+    ahead = ahead if lean else 0
+    kept_words = max(1, 4 * per * ahead)  # 32-bit words a thread keeps across the exchange
     results = _word_results(op, kind)
     row_state = _row_state(op)
     exp = exponential("float32")
@@ -942,6 +957,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         total = size * warps  # warp pairs of a cluster
         buf = cuda.local.array(width, float32)
         held = cuda.local.array(held_words, uint32)
+        kept = cuda.local.array(kept_words, uint32)
         r = cid // parts
         if r < n_rows:
             issue(stage, 0, x[r], nw, base, lane)
@@ -949,10 +965,25 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         while r < n_rows:
             wr = w[r if has_where else 0]
             orow = out[r]
+            nxt = r + step
+            more = nxt < n_rows
+            xn = x[nxt if more else r]
             if lean:
                 m_t, s_t = fold(stage, lane)
             else:
                 m_t, s_t = land_fold(stage, 0, wr, nw, base, lane)
+            for g in range(ahead):  # kept in registers; the next row's words on their way
+                for i in range(per):
+                    j = g * per + i
+                    q = (lane + j * threads) * 4
+                    a, b, c, d = load_shared16(stage, q)
+                    kept[4 * j] = a
+                    kept[4 * j + 1] = b
+                    kept[4 * j + 2] = c
+                    kept[4 * j + 3] = d
+                    if more:
+                        cp_async16(stage, q, xn, (base + j * threads) * width)
+                cp_async_commit()
             m, s = warp_pair(m_t, s_t, summary)
             if wl == 0:
                 summary[slot + 2 * (lane // 32)] = m
@@ -970,23 +1001,27 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
             if halves:  # the other half's summary, from the other cluster
                 m, s = half_exchange(wsp, r, h, m, s, x[r], wr, nw, scratch, flag)
             nan_row, inf_row, empty, log_s, f, regular = row_state(m, s, m_t, masked_nan)
-            nxt = r + step
-            more = nxt < n_rows
-            xn = x[nxt if more else r]
             log2_s = log_s * float32(LOG2E)
             if lean and regular:  # the usual case: no tests a value
                 for g in range(n_groups):
+                    early = g < ahead
                     for i in range(per):  # the group read back first, then written
-                        a, b, c, d = load_shared16(stage, (lane + (g * per + i) * threads) * 4)
-                        held[4 * i] = a
-                        held[4 * i + 1] = b
-                        held[4 * i + 2] = c
-                        held[4 * i + 3] = d
+                        if not early:
+                            a, b, c, d = load_shared16(stage,
+                                                       (lane + (g * per + i) * threads) * 4)
+                            held[4 * i] = a
+                            held[4 * i + 1] = b
+                            held[4 * i + 2] = c
+                            held[4 * i + 3] = d
                     for i in range(per):
                         j = g * per + i
                         q = (lane + j * threads) * 4
-                        decode(held[4 * i], held[4 * i + 1], held[4 * i + 2], held[4 * i + 3],
-                               buf, 0)
+                        if early:
+                            decode(kept[4 * j], kept[4 * j + 1], kept[4 * j + 2],
+                                   kept[4 * j + 3], buf, 0)
+                        else:
+                            decode(held[4 * i], held[4 * i + 1], held[4 * i + 2],
+                                   held[4 * i + 3], buf, 0)
                         for v in range(width):
                             if is_log:
                                 buf[v] = (buf[v] - m) - log_s
@@ -997,23 +1032,31 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                         a, b, c, d = encode(buf, 0)
                         wi = base + j * threads
                         store16(orow, wi * width, a, b, c, d)
-                        if more:  # the word is read back: refill it with the next row's
+                        if more and not early:  # read back: refill it with the next row's
                             cp_async16(stage, q, xn, wi * width)
-                    cp_async_commit()
+                    if not early:
+                        cp_async_commit()
             else:
                 for g in range(n_groups):
+                    early = g < ahead
                     for j in range(g * per, (g + 1) * per):
                         wi = base + j * threads
                         if wi < nw:
                             q = (lane + j * threads) * 4
-                            decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
+                            if early:
+                                decode(kept[4 * j], kept[4 * j + 1], kept[4 * j + 2],
+                                       kept[4 * j + 3], buf, 0)
+                            else:
+                                decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3],
+                                       buf, 0)
                             results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
                                     masked_nan)
                             a, b, c, d = encode(buf, 0)
                             store16(orow, wi * width, a, b, c, d)
-                            if more:
+                            if more and not early:
                                 cp_async16(stage, q, xn, wi * width)
-                    cp_async_commit()
+                    if not early:
+                        cp_async_commit()
             r = nxt
             slot = 2 * warps - slot
         cluster_arrive()  # leave once every peer has read this block's pairs
