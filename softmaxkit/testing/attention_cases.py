@@ -4,7 +4,9 @@ Every case builds inputs in numpy, rounds them to the case's dtype on the target
 the backend's result with the float64 materialized definition
 (:mod:`softmaxkit.testing.materialized`) evaluated on the represented inputs, under the bounds
 of spec/semantics.md, "Attention".  Shapes are small so the cases also run under slow
-simulators.
+simulators.  Head dimensions come from the target (:attr:`~softmaxkit.testing.Target.head_dims`,
+chosen with ``cases(..., head_dims=...)``), so a backend that serves only some head dimensions
+runs every case at those.
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ def check_forward(
         assert lerr <= lse_tol, f"{what} [{dtype}]: lse error {lerr:.3g} > {lse_tol}"
 
 
+def _pair(t: Target) -> tuple[int, int]:
+    """(D, Dv) for a case with a value dimension of its own: the target's first pair."""
+    return t.head_dims[0]
+
+
+def _square(t: Target) -> tuple[int, int]:
+    """(D, Dv) for the other cases: the target's first pair with D == Dv, else its first."""
+    return next(((d, dv) for d, dv in t.head_dims if d == dv), t.head_dims[0])
+
+
 def _acc(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
 
@@ -91,7 +103,7 @@ def case_attention_random_shapes(t: Target, dtype: str, backend: str) -> None:
     for trial in range(3):
         b, h = int(rng.integers(1, 3)), int(rng.integers(1, 3))
         lq, lk = int(rng.integers(1, 20)), int(rng.integers(1, 40))
-        d, dv = int(rng.choice([16, 32])), int(rng.choice([8, 16, 24]))
+        d, dv = t.head_dims[int(rng.integers(len(t.head_dims)))]
         _forward(t, dtype, backend, trial, (b, h, lq, d), (b, h, lk, d), dv=dv,
                  what=f"attention B={b} H={h} Lq={lq} Lk={lk} D={d} Dv={dv}")
 
@@ -99,16 +111,18 @@ def case_attention_random_shapes(t: Target, dtype: str, backend: str) -> None:
 @case("attention")
 def case_attention_causal_alignments(t: Target, dtype: str, backend: str) -> None:
     # Lq > Lk with bottom-right alignment leaves the first Lq - Lk query rows empty
+    d, dv = _square(t)
     for lq, lk in ((5, 9), (9, 5), (7, 7)):
         for causal in (True, "bottom_right", "top_left"):
-            _forward(t, dtype, backend, lq * 31 + lk, (1, 2, lq, 16), (1, 2, lk, 16),
+            _forward(t, dtype, backend, lq * 31 + lk, (1, 2, lq, d), (1, 2, lk, d), dv=dv,
                      causal=causal, what=f"attention causal={causal!r} Lq={lq} Lk={lk}")
 
 
 @case("attention")
 def case_attention_grouped_query(t: Target, dtype: str, backend: str) -> None:
+    d, dv = _pair(t)
     for hq, hk in ((4, 2), (6, 1), (3, 3)):
-        _forward(t, dtype, backend, hq * 7 + hk, (2, hq, 6, 16), (2, hk, 11, 16), dv=8,
+        _forward(t, dtype, backend, hq * 7 + hk, (2, hq, 6, d), (2, hk, 11, d), dv=dv,
                  causal=True, what=f"attention Hq={hq} Hk={hk}")
 
 
@@ -121,60 +135,68 @@ def case_attention_masks(t: Target, dtype: str, backend: str) -> None:
     shared = rng.random((lq, lk)) < 0.5  # broadcast over batch and heads
     shared[4] = False
     per_head = rng.random((2, 1, lk)) < 0.7  # [H, 1, Lk]: a key-padding mask per head
+    d, dv = _square(t)
     for name, mask in (("full", full), ("shared", shared), ("per_head", per_head)):
-        _forward(t, dtype, backend, 5, (2, 2, lq, 16), (2, 2, lk, 16), mask=mask,
+        _forward(t, dtype, backend, 5, (2, 2, lq, d), (2, 2, lk, d), dv=dv, mask=mask,
                  what=f"attention mask={name}")
-        _forward(t, dtype, backend, 6, (2, 2, lq, 16), (2, 2, lk, 16), mask=mask,
+        _forward(t, dtype, backend, 6, (2, 2, lq, d), (2, 2, lk, d), dv=dv, mask=mask,
                  causal=True, window=(4, -1), what=f"attention mask={name} + causal + window")
 
 
 @case("attention")
 def case_attention_windows(t: Target, dtype: str, backend: str) -> None:
+    d, dv = _square(t)
     for window in ((2, 1), (3, -1), (-1, 0), (0, 0), (-1, 2)):
         for lq, lk in ((8, 12), (12, 8)):
-            _forward(t, dtype, backend, 11, (1, 2, lq, 16), (1, 2, lk, 16), window=window,
+            _forward(t, dtype, backend, 11, (1, 2, lq, d), (1, 2, lk, d), dv=dv, window=window,
                      what=f"attention window={window} Lq={lq} Lk={lk}")
-        _forward(t, dtype, backend, 12, (1, 2, 10, 16), (1, 2, 10, 16), window=(2, 2),
+        _forward(t, dtype, backend, 12, (1, 2, 10, d), (1, 2, 10, d), dv=dv, window=(2, 2),
                  causal="top_left", what="attention window=(2, 2) causal=top_left")
 
 
 @case("attention")
 def case_attention_softcap(t: Target, dtype: str, backend: str) -> None:
+    d, dv = _square(t)
+    # scores of standard deviation about 4 at every D, so both caps bend some of them
     for softcap in (5.0, 30.0):
-        _forward(t, dtype, backend, 13, (1, 2, 7, 16), (1, 2, 9, 16), softcap=softcap,
-                 scale=1.0, causal=True, what=f"attention softcap={softcap}")
+        _forward(t, dtype, backend, 13, (1, 2, 7, d), (1, 2, 9, d), dv=dv, softcap=softcap,
+                 scale=4.0 / math.sqrt(d), causal=True, what=f"attention softcap={softcap}")
 
 
 @case("attention")
 def case_attention_head_dims(t: Target, dtype: str, backend: str) -> None:
-    for d, dv in ((16, 16), (64, 32), (128, 128), (256, 64)):
+    for d, dv in t.head_dims:
         _forward(t, dtype, backend, d, (1, 1, 4, d), (1, 1, 6, d), dv=dv,
                  what=f"attention D={d} Dv={dv}")
 
 
 @case("attention")
 def case_attention_long_rows(t: Target, dtype: str, backend: str) -> None:
-    _forward(t, dtype, backend, 14, (1, 1, 3, 16), (1, 1, 300, 16), what="attention Lk=300")
-    _forward(t, dtype, backend, 15, (1, 1, 3, 16), (1, 1, 300, 16), causal=True,
+    d, dv = _square(t)
+    _forward(t, dtype, backend, 14, (1, 1, 3, d), (1, 1, 300, d), dv=dv,
+             what="attention Lk=300")
+    _forward(t, dtype, backend, 15, (1, 1, 3, d), (1, 1, 300, d), dv=dv, causal=True,
              window=(130, -1), what="attention Lk=300 causal window")
 
 
 @case("attention")
 def case_attention_broadcast_and_empty(t: Target, dtype: str, backend: str) -> None:
-    q, k, v, q64, k64, v64 = _inputs(t, dtype, 16, (2, 3, 2, 5, 16), (1, 2, 7, 16))
+    d, dv = _square(t)
+    q, k, v, q64, k64, v64 = _inputs(t, dtype, 16, (2, 3, 2, 5, d), (1, 2, 7, d), dv)
     got = sk.attention(q, k, v, return_lse=True, backend=backend)
-    expected = ref.attention(q64, np.broadcast_to(k64, (2, 3, 2, 7, 16)),
-                             np.broadcast_to(v64, (2, 3, 2, 7, 16)))
+    expected = ref.attention(q64, np.broadcast_to(k64, (2, 3, 2, 7, d)),
+                             np.broadcast_to(v64, (2, 3, 2, 7, dv)))
     check_forward(t, dtype, got, expected, "attention with broadcast leading dims")
     for lq, lk in ((4, 0), (0, 4)):
-        q, k, v, q64, k64, v64 = _inputs(t, dtype, 17, (1, 2, lq, 16), (1, 2, lk, 16))
+        q, k, v, q64, k64, v64 = _inputs(t, dtype, 17, (1, 2, lq, d), (1, 2, lk, d), dv)
         got = sk.attention(q, k, v, return_lse=True, backend=backend)
         check_forward(t, dtype, got, ref.attention(q64, k64, v64), f"attention Lq={lq} Lk={lk}")
 
 
 @case("attention")
 def case_attention_lse_base_2(t: Target, dtype: str, backend: str) -> None:
-    q, k, v, q64, k64, v64 = _inputs(t, dtype, 18, (1, 2, 5, 16), (1, 2, 9, 16))
+    d, dv = _square(t)
+    q, k, v, q64, k64, v64 = _inputs(t, dtype, 18, (1, 2, 5, d), (1, 2, 9, d), dv)
     out, lse2 = sk.attention(q, k, v, return_lse=True, lse_base=2, causal=True,
                              backend=backend)
     e_out, e_lse = ref.attention(q64, k64, v64, causal="bottom_right")
@@ -200,6 +222,7 @@ def _check_grads(
 @case("attention_vjp")
 def case_attention_vjp(t: Target, dtype: str, backend: str) -> None:
     rng = np.random.default_rng(20)
+    d, dv = _pair(t)
     mask = rng.random((6, 11)) < 0.7
     mask[1] = False
     settings = (
@@ -207,11 +230,11 @@ def case_attention_vjp(t: Target, dtype: str, backend: str) -> None:
         ({"causal": True}, "causal"),
         ({"causal": "top_left", "window": (2, 1)}, "top_left window"),
         ({"mask": mask, "causal": True}, "mask + causal (empty rows)"),
-        ({"softcap": 4.0, "scale": 1.0}, "softcap"),
+        ({"softcap": 4.0, "scale": 4.0 / math.sqrt(d)}, "softcap"),  # as in the forward case
     )
     for i, (kw, name) in enumerate(settings):
-        q, k, v, q64, k64, v64 = _inputs(t, dtype, 21 + i, (2, 4, 6, 16), (2, 2, 11, 16), dv=8)
-        dout64 = rng.normal(size=(2, 4, 6, 8))
+        q, k, v, q64, k64, v64 = _inputs(t, dtype, 21 + i, (2, 4, 6, d), (2, 2, 11, d), dv=dv)
+        dout64 = rng.normal(size=(2, 4, 6, dv))
         dout = t.asarray(dout64, dtype)
         dout64 = t.to_numpy(dout)
         tkw = dict(kw)
@@ -232,7 +255,8 @@ def case_attention_vjp(t: Target, dtype: str, backend: str) -> None:
 
 @case("merge_attention")
 def case_merge_attention_states_split_kv(t: Target, dtype: str, backend: str) -> None:
-    _, _, _, q64, k64, v64 = _inputs(t, dtype, 30, (2, 2, 5, 16), (2, 2, 23, 16), dv=8)
+    d, dv = _pair(t)
+    _, _, _, q64, k64, v64 = _inputs(t, dtype, 30, (2, 2, 5, d), (2, 2, 23, d), dv=dv)
     expected = ref.attention(q64, k64, v64)
     bounds = (0, 7, 7, 15, 23)  # one empty chunk
     outs, lses = [], []
@@ -248,7 +272,8 @@ def case_merge_attention_states_split_kv(t: Target, dtype: str, backend: str) ->
 @case("merge_attention")
 def case_merge_attention_conventions(t: Target, dtype: str, backend: str) -> None:
     rng = np.random.default_rng(31)
-    out_a64, out_b64 = rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 3, 4))
+    dv = _pair(t)[1]
+    out_a64, out_b64 = rng.normal(size=(2, 3, dv)), rng.normal(size=(2, 3, dv))
     lse_a64 = rng.normal(scale=3.0, size=(2, 3))
     lse_b64 = rng.normal(scale=3.0, size=(2, 3))
     lse_a64[0, 0] = lse_b64[0, 0] = -np.inf  # both empty -> (0, -inf)
@@ -279,7 +304,7 @@ def case_merge_attention_conventions(t: Target, dtype: str, backend: str) -> Non
 @case("merge_attention")
 def case_merge_attention_nan_part(t: Target, dtype: str, backend: str) -> None:
     rng = np.random.default_rng(33)
-    outs64 = rng.normal(size=(3, 4, 5))
+    outs64 = rng.normal(size=(3, 4, _pair(t)[1]))
     lses64 = rng.normal(scale=2.0, size=(3, 4))
     lses64[1, 0] = np.nan  # a NaN part: the row is NaN, never read as empty
     lses64[:, 2] = -np.inf
@@ -304,11 +329,12 @@ def case_merge_attention_nan_part(t: Target, dtype: str, backend: str) -> None:
 @case("merge_attention_vjp")
 def case_merge_attention_vjp(t: Target, dtype: str, backend: str) -> None:
     rng = np.random.default_rng(32)
-    outs64 = rng.normal(size=(3, 4, 5))
+    dv = _pair(t)[1]
+    outs64 = rng.normal(size=(3, 4, dv))
     lses64 = rng.normal(scale=2.0, size=(3, 4))
     lses64[1, 0] = -np.inf
     lses64[:, 3] = -np.inf
-    dout64, dlse64 = rng.normal(size=(4, 5)), rng.normal(size=(4,))
+    dout64, dlse64 = rng.normal(size=(4, dv)), rng.normal(size=(4,))
     acc = _acc(dtype)
     outs, lses = t.asarray(outs64, dtype), t.asarray(lses64, acc)
     dout, dlse = t.asarray(dout64, dtype), t.asarray(dlse64, acc)

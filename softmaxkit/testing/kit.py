@@ -6,11 +6,17 @@ the public API with ``backend=`` (strict, so nothing silently falls back), bring
 with ``t.to_numpy`` and compares them with a float64 / mpmath reference under the tolerances of
 spec/semantics.md, raising ``AssertionError`` on a mismatch.  A backend that does not serve a
 case's operation, dtype or device is reported as unsupported, not as a failure.
+
+The attention cases take their head dimensions from the target (:attr:`Target.head_dims`), so
+a backend whose kernels serve only a few head dimensions runs every attention case at those:
+``check_backend("mine", target="torch-cuda", head_dims=((64, 64), (128, 128)))``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +31,14 @@ CASE_MODULES = (
     "softmaxkit.testing.summary_cases",
     "softmaxkit.testing.attention_cases",
 )
+
+
+HEAD_DIMS: tuple[tuple[int, int], ...] = (
+    (16, 8), (16, 16), (32, 24), (64, 32), (128, 128), (256, 64),
+)
+"""The attention cases' default ``(D, Dv)`` pairs (key and value head dimensions): small first
+pairs keep the cases fast under simulators, and value dimensions that differ from the key's
+are covered."""
 
 
 class Unsupported(Exception):
@@ -47,6 +61,14 @@ class Target:
         ``to_numpy(array) -> numpy.ndarray`` in float64 (or the array's integer/bool dtype).
     device
         The device type the registry sees (``"cpu"``, ``"cuda"``).
+    dtypes
+        The dtypes the library has; cases in other dtypes are unsupported on the target.
+    head_dims
+        The ``(D, Dv)`` pairs of key and value head dimensions the attention cases use
+        (:data:`HEAD_DIMS` unless :func:`cases` is given others).  The cases that sweep head
+        dimensions run every pair; a case with a value dimension of its own (grouped-query
+        attention, the gradient, the merges) takes the first pair; the other cases take the
+        first pair with ``D == Dv`` (the first pair when none has).
     """
 
     name: str
@@ -55,6 +77,7 @@ class Target:
     to_numpy: Callable[[Any], np.ndarray]
     device: str = "cpu"
     dtypes: tuple[str, ...] = FLOAT_DTYPES
+    head_dims: tuple[tuple[int, int], ...] = HEAD_DIMS
 
 
 def _numpy_target() -> Target:
@@ -183,14 +206,52 @@ def _load_cases() -> None:
                 raise
 
 
+def _head_dims(head_dims: Iterable[Iterable[int]]) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple((operator.index(d), operator.index(dv)) for d, dv in head_dims)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"head_dims={head_dims!r} is not valid: expected a sequence of (D, Dv) int pairs"
+        ) from None
+    if not pairs or any(d < 1 or dv < 1 for d, dv in pairs):
+        raise ValueError(
+            f"head_dims={head_dims!r} is not valid: expected at least one (D, Dv) pair of "
+            "positive ints"
+        )
+    return pairs
+
+
 def cases(
     target: str | Target = "numpy",
     ops: Iterable[str] | None = None,
     dtypes: Iterable[str] | None = None,
+    head_dims: Iterable[Iterable[int]] | None = None,
 ) -> list[Case]:
-    """Every registered case, on ``target``, optionally restricted to ``ops`` and ``dtypes``."""
+    """Every registered case, on ``target``, optionally restricted to ``ops`` and ``dtypes``.
+
+    Parameters
+    ----------
+    target : str or Target, optional
+        Where the cases run: a name of :data:`TARGETS` or a :class:`Target`.
+    ops : iterable of str, optional
+        Only the cases that exercise one of these operations.
+    dtypes : iterable of str, optional
+        Only these dtypes.
+    head_dims : iterable of (int, int), optional
+        ``(D, Dv)`` pairs of key and value head dimensions for the attention cases, replacing
+        the target's (:attr:`Target.head_dims`, :data:`HEAD_DIMS` by default); how each case
+        picks its pair is described there.  A backend whose kernels serve only some head
+        dimensions passes those, e.g. ``((64, 64), (128, 128))``.
+
+    Returns
+    -------
+    list of Case
+        One case per registered function and dtype.
+    """
     _load_cases()
     t = target if isinstance(target, Target) else globals()["target"](target)
+    if head_dims is not None:
+        t = dataclasses.replace(t, head_dims=_head_dims(head_dims))
     wanted_ops = set(ops) if ops is not None else None
     wanted_dtypes = set(dtypes) if dtypes is not None else None
     out = []
@@ -225,10 +286,26 @@ def check_backend(
     target: str | Target = "numpy",
     ops: Iterable[str] | None = None,
     dtypes: Iterable[str] | None = None,
+    head_dims: Iterable[Iterable[int]] | None = None,
 ) -> list[CaseResult]:
-    """Run the conformance kit against ``backend`` on ``target`` and return every outcome."""
+    """Run the conformance kit against ``backend`` on ``target`` and return every outcome.
+
+    Parameters
+    ----------
+    backend : str
+        The backend's registered name; every call is strict (``backend=``), so nothing falls
+        back to another backend.
+    target, ops, dtypes, head_dims
+        As for :func:`cases`.
+
+    Returns
+    -------
+    list of CaseResult
+        One result per case: passed, failed (with the message) or unsupported (with the
+        backend's reason).
+    """
     results = []
-    for c in cases(target, ops, dtypes):
+    for c in cases(target, ops, dtypes, head_dims):
         try:
             c.run(backend)
         except Unsupported as exc:
