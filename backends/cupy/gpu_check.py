@@ -4,8 +4,9 @@ Runs, in order: a parallel build of every kernel module into CuPy's cache; the t
 data-path probe; row kernels on the benchmark shapes (and ragged, masked ones) against float64
 with poisoned outputs; cross-entropy and the VJPs against float64; attention forward against a
 float64 materialized reference and the backward against float64 autograd of it; the
-conformance kit against ``backend="cupy"`` (torch-cuda target for bfloat16, float16 and
-float32; cupy target for float16 and float32); then the benchmarks (device-to-device copy; row
+conformance kit against ``backend="cupy"`` with its attention cases at the kernels' head
+dimensions (torch-cuda target for bfloat16, float16 and float32; cupy target for float16 and
+float32); then the benchmarks (device-to-device copy; row
 kernels against torch, device time from CUDA graph replays and eager calls; attention forward
 and backward against torch SDPA's flash and cuDNN backends; split-KV decoding; cross-entropy).
 
@@ -180,15 +181,24 @@ def probe() -> None:
             FAILURES.append(f"probe {ctype}")
 
 
+KIT_ATTENTION_OPS = {"attention", "attention_vjp", "merge_attention"}
+"""The kit's operations the attention kernels serve in bfloat16 and float16: a case of these
+left unsupported in those dtypes is a failure."""
+
+
 @guarded
 def conformance() -> None:
+    from softmaxkit_cupy.configs import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
+
     from softmaxkit.testing import check_backend
 
+    # the attention cases at the head dimensions the kernels take (D == Dv)
+    head_dims = tuple((d, d) for d in ATTENTION_HEAD_DIMS)
     for target, dtypes in (("torch-cuda", ["bfloat16", "float16", "float32"]),
                            ("cupy", ["float16", "float32"])):
-        section(f"conformance kit, backend=cupy, target={target}")
+        section(f"conformance kit, backend=cupy, target={target}, head dims {head_dims}")
         t0 = time.perf_counter()
-        results = check_backend("cupy", target=target, dtypes=dtypes)
+        results = check_backend("cupy", target=target, dtypes=dtypes, head_dims=head_dims)
         counts: dict[str, int] = {}
         for r in results:
             counts[r.status] = counts.get(r.status, 0) + 1
@@ -197,6 +207,12 @@ def conformance() -> None:
                 FAILURES.append(f"{target} {r.case}[{r.dtype}]")
         ran = sorted({f"{r.case}[{r.dtype}]" for r in results if r.status == "passed"})
         print(f"passed: {', '.join(ran)}")
+        unsupported = [r for r in results if r.status == "unsupported"]
+        print(f"unsupported ({len(unsupported)}):")
+        for r in unsupported:
+            print(f"  {r.case}[{r.dtype}]: {' '.join(r.message.split())[:300]}")
+            if r.dtype in ATTENTION_DTYPES and KIT_ATTENTION_OPS & set(r.ops):
+                FAILURES.append(f"{target} {r.case}[{r.dtype}] unsupported")
         print(f"{target}: {counts} in {time.perf_counter() - t0:.1f} s")
         TABLE.append((f"conformance {target}", str(counts), ",".join(dtypes)))
 

@@ -3,7 +3,8 @@
 The frontend hands q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv] of one 16-bit dtype
 and the mask, if any, as a (possibly stride-0) boolean view of [B, Hq, Lq, Lk].
 :func:`softmaxkit_cupy.manifest.can_run` has accepted the call (library, dtype, head
-dimensions, sizes), so every call here has a kernel.
+dimensions, sizes), so every call here has a kernel, except calls with no query row or no key:
+their results are fixed by the spec ("Attention") and made here without a launch.
 """
 
 from __future__ import annotations
@@ -98,6 +99,37 @@ def uses_decode(hq: int, hk: int, lq: int, lk: int) -> bool:
     return (hq // hk) * lq <= DECODE_ROWS and lk >= 256
 
 
+def _forward_without_work(q: Any, k: Any, v: Any) -> tuple[Any, Any] | None:
+    """(out, lse) of a call with no query row or no key, else None.
+
+    No query row: empty ``out`` and ``lse``.  No key: no row allows a key, so ``out`` is 0 and
+    ``lse`` is ``-inf`` (spec "Attention", rows with no allowed key).
+    """
+    b, hq, lq, _ = (int(s) for s in q.shape)
+    lk, dv = int(k.shape[2]), int(v.shape[3])
+    if b * hq * lq == 0:
+        return (interop.empty(q, (b, hq, lq, dv), interop.name(q)),
+                interop.empty(q, (b, hq, lq), "float32"))
+    if lk == 0:
+        return (interop.zeros(q, (b, hq, lq, dv), interop.name(q)),
+                interop.full(q, (b, hq, lq), -math.inf, "float32"))
+    return None
+
+
+def _backward_without_work(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:
+    """(dq, dk, dv) of a call with no query row or no key, else None: all zero.
+
+    With no key every row has zero gradient; with no query row no key gets a contribution.
+    """
+    b, hq, lq, d = (int(s) for s in q.shape)
+    hk, lk, dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    if b * hq * lq and lk:
+        return None
+    dtype = interop.name(q)
+    return (interop.zeros(q, (b, hq, lq, d), dtype), interop.zeros(q, (b, hk, lk, d), dtype),
+            interop.zeros(q, (b, hk, lk, dv), dtype))
+
+
 def attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
     mask: Any, softcap: Any, return_lse: bool, config: AttentionConfig | None = None,
@@ -107,6 +139,9 @@ def attention(
     ``config`` overrides the forward tile configuration (one of ``attention_names()``'s);
     split-KV decoding is used instead for few query rows per key head.
     """
+    fixed = _forward_without_work(q, k, v)
+    if fixed is not None:
+        return fixed[0], (fixed[1] if return_lse else None)
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, lk = int(k.shape[1]), int(k.shape[2])
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
@@ -187,6 +222,9 @@ def attention_vjp(
     into a float32 buffer; and dq's conversion to the input dtype.  ``config`` overrides the
     tile configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks).
     """
+    fixed = _backward_without_work(q, k, v)
+    if fixed is not None:
+        return fixed
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, lk = int(k.shape[1]), int(k.shape[2])
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))

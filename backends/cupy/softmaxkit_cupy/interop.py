@@ -104,6 +104,18 @@ def zeros(like: Any, shape: tuple[int, ...], dtype: str) -> Any:
         return cupy.zeros(shape, dtype=dtype)
 
 
+def full(like: Any, shape: tuple[int, ...], value: float, dtype: str) -> Any:
+    """An array of ``shape`` and dtype name ``dtype`` filled with ``value``, beside ``like``."""
+    if is_torch(like):
+        import torch
+
+        return torch.full(shape, value, dtype=getattr(torch, dtype), device=like.device)
+    import cupy
+
+    with cupy.cuda.Device(like.device.id):
+        return cupy.full(shape, value, dtype=dtype)
+
+
 def name(a: Any) -> str:
     """The softmaxkit dtype name of ``a``."""
     return dtype_name(a.dtype)

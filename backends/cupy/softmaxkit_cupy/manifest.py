@@ -129,13 +129,11 @@ def _can_run_attention_vjp(call: Any) -> bool | str:
 def attention_vjp_reason(
     dtype: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...]
 ) -> str | None:
-    """Why the backward kernels cannot run these inputs, or None when they can."""
-    reason = attention_reason(dtype, q_shape, k_shape, v_shape)
-    if reason is not None:
-        return reason
-    if k_shape[2] == 0:
-        return "zero-size keys are left to the reference"
-    return None
+    """Why the backward kernels cannot run these inputs, or None when they can.
+
+    The forward's limits apply; calls with no query row or no key run without a launch.
+    """
+    return attention_reason(dtype, q_shape, k_shape, v_shape)
 
 
 def _can_run_merge(call: Any) -> bool | str:
@@ -159,7 +157,11 @@ def merge_reason(dtype: str, lse_dtype: str, shape: tuple[int, ...]) -> str | No
 def attention_reason(
     dtype: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...]
 ) -> str | None:
-    """Why the forward kernel cannot run these inputs, or None when it can."""
+    """Why the forward kernel cannot run these inputs, or None when it can.
+
+    Calls with no query row or no key are served at the head dimensions the kernels take:
+    their results are fixed by the spec and made without a launch.
+    """
     if dtype not in ATTENTION_DTYPES:
         return f"the attention kernels take {ATTENTION_DTYPES}, not {dtype}"
     b, hq, lq, d = q_shape
@@ -167,8 +169,8 @@ def attention_reason(
         return f"head dimension {d} is not one of {ATTENTION_HEAD_DIMS}"
     if v_shape[-1] != d:
         return f"value head dimension {v_shape[-1]} differs from the key head dimension {d}"
-    if b == 0 or hq == 0 or lq == 0:
-        return "zero-size queries are left to the reference"
+    if b * hq * lq == 0 or k_shape[2] == 0:
+        return None  # no launch, so no launch limit applies
     if b > 65535 or hq > 65535:
         return "more than 65535 batches or heads per launch"
     if max(lq, k_shape[2]) >= 2**31 // 256:

@@ -82,7 +82,16 @@ def test_row_reasons(op, din, dout, shape, weighted, declined) -> None:
         ("float32", (1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 64), True),
         ("bfloat16", (1, 4, 16, 96), (1, 4, 16, 96), (1, 4, 16, 96), True),
         ("bfloat16", (1, 4, 16, 128), (1, 4, 16, 128), (1, 4, 16, 64), True),
-        ("bfloat16", (1, 4, 0, 128), (1, 4, 16, 128), (1, 4, 16, 128), True),
+        # no query row or no key: served without a launch (launch limits do not apply)
+        ("bfloat16", (1, 4, 0, 128), (1, 4, 16, 128), (1, 4, 16, 128), False),
+        ("float16", (1, 4, 5, 64), (1, 4, 0, 64), (1, 4, 0, 64), False),
+        ("float16", (0, 4, 5, 64), (0, 2, 7, 64), (0, 2, 7, 64), False),
+        ("float16", (2, 0, 5, 64), (2, 1, 7, 64), (2, 1, 7, 64), False),
+        ("bfloat16", (1, 70000, 0, 64), (1, 1, 16, 64), (1, 1, 16, 64), False),
+        # ... but only at the head dimensions and dtypes the kernels take
+        ("bfloat16", (1, 4, 0, 96), (1, 4, 16, 96), (1, 4, 16, 96), True),
+        ("float16", (1, 4, 5, 64), (1, 4, 0, 64), (1, 4, 0, 32), True),
+        ("float32", (1, 4, 5, 64), (1, 4, 0, 64), (1, 4, 0, 64), True),
         ("bfloat16", (1, 70000, 1, 64), (1, 1, 16, 64), (1, 1, 16, 64), True),
     ],
 )
@@ -96,7 +105,9 @@ def test_attention_reasons(dtype, q, k, v, declined) -> None:
     [
         ("bfloat16", (2, 8, 100, 128), (2, 2, 300, 128), False),
         ("float16", (1, 4, 1, 64), (1, 4, 9, 64), False),
-        ("float16", (1, 4, 7, 64), (1, 4, 0, 64), True),
+        ("float16", (1, 4, 7, 64), (1, 4, 0, 64), False),
+        ("bfloat16", (1, 4, 0, 128), (1, 2, 9, 128), False),
+        ("bfloat16", (1, 4, 0, 96), (1, 2, 9, 96), True),
         ("float32", (1, 4, 16, 64), (1, 4, 16, 64), True),
         ("bfloat16", (1, 4, 16, 32), (1, 4, 16, 32), True),
     ],
@@ -113,3 +124,35 @@ def test_attention_vjp_declines_mixed_dtypes_and_cpu_tensors() -> None:
     args = {"q": q, "k": q, "v": q, "out": q, "lse": lse, "dout": q, "mask": None}
     call = Call("attention_vjp", None, "cpu", "bfloat16", args)
     assert "CUDA tensors" in mf.can_run(call)
+
+
+def test_kit_attention_cases_at_the_kernels_head_dims_are_accepted(monkeypatch) -> None:
+    """``can_run`` accepts every attention, attention_vjp and merge_attention case of the kit
+    in the kernels' dtypes at their head dimensions (D == Dv): CPU tensors stand in for CUDA
+    ones and the reference computes, so this checks the reasons, not the kernels."""
+    pytest.importorskip("torch")
+    from softmaxkit_cupy.configs import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
+
+    from softmaxkit import registry
+    from softmaxkit.testing import check_backend
+
+    ops = ("attention", "attention_vjp", "merge_attention")
+    monkeypatch.setattr(mf, "_library", lambda a: "torch")
+    registry.register({
+        "name": "cupy-reasons",
+        "serves": [{"ops": list(ops), "devices": ["cpu"]}],
+        "kernels": {op: f"softmaxkit.reference.attention:{op}" for op in ops},
+        "can_run": "softmaxkit_cupy.manifest:can_run",
+    })
+    try:
+        results = check_backend("cupy-reasons", target="torch-cpu", ops=ops,
+                                dtypes=ATTENTION_DTYPES,
+                                head_dims=[(d, d) for d in ATTENTION_HEAD_DIMS])
+    finally:
+        registry.unregister("cupy-reasons")
+    names = {r.case for r in results}
+    assert {"attention_broadcast_and_empty", "attention_vjp",
+            "merge_attention_states_split_kv"} <= names
+    left = [f"{r.case}[{r.dtype}]: {r.status} {r.message}" for r in results
+            if r.status != "passed"]
+    assert not left, "\n".join(left)
