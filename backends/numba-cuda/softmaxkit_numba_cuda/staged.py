@@ -110,12 +110,14 @@ from .wide import (
     cp_async_pending,
     ex2,
     globaltimer,
+    load16,
     load_l2,
     load_shared16,
     max_bf16x2,
     max_f16x2,
     max_nan,
     nanosleep,
+    opaque,
     store16,
     unpack_f16,
 )
@@ -941,6 +943,21 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     is_log = op == "log_softmax"
     neg_inf, zero = float32(NEG_INF), float32(0.0)
 
+    def regular_word(orow, i, a, b, c, d, m, m_t, f, log_s, log2_s, buf):
+        """Write the outputs of the staged word ``a, b, c, d`` of a usual row at ``orow[i]``."""
+        decode(a, b, c, d, buf, 0)
+        for v in range(width):
+            if is_log:
+                buf[v] = (buf[v] - m) - log_s
+            elif short:  # 2^((x - M) log2 e - log2 S): one FMA, one ex2
+                buf[v] = ex2((buf[v] - m) * float32(LOG2E) - log2_s)
+            else:
+                buf[v] = exp(buf[v] - m_t) * f
+        a, b, c, d = encode(buf, 0)
+        store16(orow, i, a, b, c, d)
+
+    regular_word = device_function(regular_word)
+
     @kernel(threads, _fit(threads, slots, 1)[1])
     def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp):
         stage = cuda.shared.array(0, uint32)
@@ -952,7 +969,8 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         size = chunks // parts  # blocks of a cluster
         cid = cluster_id()
         h = cid % parts  # the half of the row's chunks this cluster holds
-        base = (h * size + cluster_rank()) * words + lane
+        row_base = (h * size + cluster_rank()) * words
+        base = row_base + lane
         step = cuda.gridDim.x // chunks  # the clusters (pairs of clusters) of the grid
         total = size * warps  # warp pairs of a cluster
         buf = cuda.local.array(width, float32)
@@ -963,6 +981,10 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
             issue(stage, 0, x[r], nw, base, lane)
         slot = 0
         while r < n_rows:
+            # the thread's offsets derived afresh each row: hoisted, the words' addresses
+            # would be live across the loop (and spilled)
+            lane = opaque(cuda.threadIdx.x)
+            base = opaque(row_base) + lane
             wr = w[r if has_where else 0]
             orow = out[r]
             nxt = r + step
@@ -1003,39 +1025,28 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
             nan_row, inf_row, empty, log_s, f, regular = row_state(m, s, m_t, masked_nan)
             log2_s = log_s * float32(LOG2E)
             if lean and regular:  # the usual case: no tests a value
-                for g in range(n_groups):
-                    early = g < ahead
-                    for i in range(per):  # the group read back first, then written
-                        if not early:
-                            a, b, c, d = load_shared16(stage,
-                                                       (lane + (g * per + i) * threads) * 4)
-                            held[4 * i] = a
-                            held[4 * i + 1] = b
-                            held[4 * i + 2] = c
-                            held[4 * i + 3] = d
+                for g in range(ahead):  # the words kept in registers (constant indices)
                     for i in range(per):
                         j = g * per + i
-                        q = (lane + j * threads) * 4
-                        if early:
-                            decode(kept[4 * j], kept[4 * j + 1], kept[4 * j + 2],
-                                   kept[4 * j + 3], buf, 0)
-                        else:
-                            decode(held[4 * i], held[4 * i + 1], held[4 * i + 2],
-                                   held[4 * i + 3], buf, 0)
-                        for v in range(width):
-                            if is_log:
-                                buf[v] = (buf[v] - m) - log_s
-                            elif short:  # 2^((x - M) log2 e - log2 S): one FMA, one ex2
-                                buf[v] = ex2((buf[v] - m) * float32(LOG2E) - log2_s)
-                            else:
-                                buf[v] = exp(buf[v] - m_t) * f
-                        a, b, c, d = encode(buf, 0)
+                        regular_word(orow, (base + j * threads) * width, kept[4 * j],
+                                     kept[4 * j + 1], kept[4 * j + 2], kept[4 * j + 3], m,
+                                     m_t, f, log_s, log2_s, buf)
+                for g in range(ahead, n_groups):
+                    for i in range(per):  # the group read back first, then written
+                        a, b, c, d = load_shared16(stage, (lane + (g * per + i) * threads) * 4)
+                        held[4 * i] = a
+                        held[4 * i + 1] = b
+                        held[4 * i + 2] = c
+                        held[4 * i + 3] = d
+                    for i in range(per):
+                        j = g * per + i
                         wi = base + j * threads
-                        store16(orow, wi * width, a, b, c, d)
-                        if more and not early:  # read back: refill it with the next row's
-                            cp_async16(stage, q, xn, wi * width)
-                    if not early:
-                        cp_async_commit()
+                        regular_word(orow, wi * width, held[4 * i], held[4 * i + 1],
+                                     held[4 * i + 2], held[4 * i + 3], m, m_t, f, log_s,
+                                     log2_s, buf)
+                        if more:  # the word is read back: refill it with the next row's
+                            cp_async16(stage, (lane + j * threads) * 4, xn, wi * width)
+                    cp_async_commit()
             else:
                 for g in range(n_groups):
                     early = g < ahead
@@ -1043,12 +1054,12 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                         wi = base + j * threads
                         if wi < nw:
                             q = (lane + j * threads) * 4
-                            if early:
-                                decode(kept[4 * j], kept[4 * j + 1], kept[4 * j + 2],
-                                       kept[4 * j + 3], buf, 0)
+                            if early:  # a rare row: the word read again (kept stays
+                                # in registers only if indexed by constants)
+                                a, b, c, d = load16(x[r], wi * width)
                             else:
-                                decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3],
-                                       buf, 0)
+                                a, b, c, d = stage[q], stage[q + 1], stage[q + 2], stage[q + 3]
+                            decode(a, b, c, d, buf, 0)
                             results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
                                     masked_nan)
                             a, b, c, d = encode(buf, 0)

@@ -21,6 +21,9 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
   (never a stale L1 line); ``store_release(a, i, v)`` (``st.release.gpu``): a 64-bit store
   ordered after every earlier write of the thread;
 * ``globaltimer()``: the GPU's nanosecond clock; ``nanosleep(ns)``;
+* ``opaque(v)``: the 64-bit integer ``v``, through a move the compiler cannot see through,
+  so what is derived from it inside a loop is computed there and not hoisted out (and kept
+  live, and spilled) across the loop;
 * ``cp_async16(stage, j, row, i)``: copy the 16 bytes at element ``i`` of a global row to
   element ``j`` of a shared ``uint32`` array without passing through registers
   (``cp.async.cg.shared.global``); ``cp_async_wait()`` waits for the thread's copies
@@ -144,6 +147,10 @@ if SIMULATOR:
     def globaltimer():
         """Nanoseconds on a clock shared by every thread."""
         return time.perf_counter_ns()
+
+    def opaque(v):
+        """``v``."""
+        return v
 
     def cp_async16(stage, j, row, i):
         """Copy the 16 bytes at element ``i`` of ``row`` to ``stage[j:j + 4]``."""
@@ -510,6 +517,18 @@ else:
             asm = ir.InlineAsm(ir.FunctionType(ir.IntType(64), []),
                                "mov.u64 $0, %globaltimer;", "=l", side_effect=True)
             return builder.call(asm, [])
+
+        return sig, codegen
+
+    @intrinsic
+    def opaque(typingctx, v):
+        sig = types.int64(types.int64)
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.int64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(64), [ir.IntType(64)]),
+                               "mov.b64 $0, $1;", "=l,l", side_effect=True)
+            return builder.call(asm, [v])
 
         return sig, codegen
 
