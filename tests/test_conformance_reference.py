@@ -71,9 +71,8 @@ NARROW = {
 
 
 def narrow_can_run(call):
-    if call.op == "merge_attention":
-        dv = call.args["outs"].shape[-1]
-        return dv in NARROW_DIMS or f"value head dimension {dv}"
+    if call.op == "merge_attention":  # merges take any value dimension
+        return True
     d, dv = call.args["q"].shape[-1], call.args["v"].shape[-1]
     return (d == dv and d in NARROW_DIMS) or f"head dimensions {(d, dv)}"
 
@@ -97,8 +96,10 @@ def test_kit_runs_every_attention_case_at_a_backends_head_dims(narrow):
     left = [f"{r.case}: {r.status} {r.message[:200]}" for r in results if r.status != "passed"]
     assert not left, "\n".join(left)
     # at the kit's default head dimensions the same backend declines every attention case
+    # (the merges, of any value dimension, still run)
     results = check_backend(narrow, ops=NARROW_OPS, dtypes=["float32"])
-    assert {r.status for r in results} == {"unsupported"}
+    assert {r.status for r in results if "merge_attention" not in r.ops} == {"unsupported"}
+    assert {r.status for r in results if "merge_attention" in r.ops} == {"passed"}
 
 
 def test_head_dims_reach_the_cases_through_the_target():

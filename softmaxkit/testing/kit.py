@@ -67,8 +67,9 @@ class Target:
         The ``(D, Dv)`` pairs of key and value head dimensions the attention cases use
         (:data:`HEAD_DIMS` unless :func:`cases` is given others).  The cases that sweep head
         dimensions run every pair; a case with a value dimension of its own (grouped-query
-        attention, the gradient, the merges) takes the first pair; the other cases take the
-        first pair with ``D == Dv`` (the first pair when none has).
+        attention, the gradient) takes the first pair; the other cases take the first pair
+        with ``D == Dv`` (the first pair when none has).  The merges of partial results take
+        any value dimension and keep their own small sizes.
     """
 
     name: str
