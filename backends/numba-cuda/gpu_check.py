@@ -450,15 +450,15 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 SWEEP = {
     ("float32", (256, 524288)): ["256,16,staged,ahead0", "256,16,staged,g8,ahead0",
                                  "256,16,staged,g8", "256,16,staged,g8,ahead2"],
-    ("bfloat16", (256, 524288)): ["128,32,staged,ahead0", "128,32,staged,g8,ahead0",
-                                  "128,32,staged,g8"],
+    ("bfloat16", (256, 524288)): ["128,32,staged,ahead1", "128,32,staged,g8,ahead0",
+                                  "128,32,staged,g8,ahead1"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
 softmax and log_softmax next to the default plans (64 KB chunks; a row of 2 to 8 chunks
 launched as one thread-block cluster, rows of 9 to 32 chunks on the persistent grid of
 clusters, one or two clusters a row, under the load-balancing cluster policy; copy groups
-folded into a running (max, sum) as they land; one copy group a thread read back before the
-summary exchange): at 256 x 524288 none, two or all of the copy groups read back ahead
+folded into a running (max, sum) as they land; for float32 one copy group a thread read back
+before the summary exchange): at 256 x 524288 other numbers of copy groups read back ahead
 (``aheadN``; with 8 copy groups, ``g8``).  Earlier sweeps (the spread cluster policy,
 256-thread blocks for bfloat16, 128 KB chunks in one cluster a row, the former default
 without the persistent grid, ``persist0``; the

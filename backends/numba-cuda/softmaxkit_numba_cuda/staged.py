@@ -141,7 +141,9 @@ AHEAD = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
 """Environment variable: copy groups of a thread that the persistent kernel's lean rows read
 back into registers right after the fold, refilling their words with the next row's before
 the row's summary is known (tuning; default :data:`DEFAULT_AHEAD`, at most the groups)."""
-DEFAULT_AHEAD = 1
+DEFAULT_AHEAD = {"float32": 1, "bfloat16": 0, "float16": 0}
+"""Copy groups ahead by dtype: with four groups, one float32 group (16 registers) fits the
+80-register budget without spills; a 16-bit group (32 registers) does not."""
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -176,9 +178,10 @@ def policy() -> int:
     return POLICIES[os.environ.get(POLICY, "balance")]
 
 
-def ahead(slots: int) -> int:
+def ahead(kind: str, slots: int) -> int:
     """Copy groups read back ahead of the summary exchange (:data:`AHEAD`)."""
-    return max(0, min(int(os.environ.get(AHEAD, DEFAULT_AHEAD)), groups(slots, 1)))
+    n = os.environ.get(AHEAD)
+    return max(0, min(int(n) if n else DEFAULT_AHEAD[kind], groups(slots, 1)))
 
 
 def fold() -> bool:
