@@ -54,6 +54,7 @@ CLUSTER_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
 PERSIST_ENV = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
 POLICY_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
 AHEAD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
+SPIN_ENV = "SOFTMAXKIT_NUMBA_CUDA_EXCHANGE_SPIN"
 
 
 def log(*args: Any) -> None:
@@ -262,8 +263,8 @@ def use_plan(plan: str | None) -> None:
     device memory), ``fold0`` (softmax's sum in a pass of its own), ``persist0`` (no
     persistent cluster grid; ``persistwide``: 128 KB chunks, one cluster a row, where a row
     would take two clusters), ``policyNAME`` (its cluster scheduling policy: spread, default,
-    balance), ``aheadN`` (its copy groups read back before the summary exchange), or a
-    register budget."""
+    balance), ``aheadN`` (its copy groups read back before the summary exchange), ``spinN``
+    (polls of the two-cluster exchange before it pauses), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")
@@ -283,6 +284,8 @@ def use_plan(plan: str | None) -> None:
             os.environ[POLICY_ENV] = extra[6:]
         elif extra.startswith("ahead"):
             os.environ[AHEAD_ENV] = extra[5:]
+        elif extra.startswith("spin"):
+            os.environ[SPIN_ENV] = extra[4:]
         elif extra.startswith("ring"):
             os.environ[RING_ENV] = extra[4:]
         elif extra.startswith("g"):
@@ -448,22 +451,22 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (256, 524288)): ["256,16,staged,ahead0", "256,16,staged,g8,ahead0",
-                                 "256,16,staged,g8", "256,16,staged,g8,ahead2"],
-    ("bfloat16", (256, 524288)): ["128,32,staged,ahead1", "128,32,staged,g8,ahead0",
-                                  "128,32,staged,g8,ahead1"],
+    ("float32", (256, 524288)): ["256,16,staged,ahead1", "256,16,staged,spin64",
+                                 "256,16,staged,spin100000"],
+    ("bfloat16", (256, 524288)): ["128,32,staged,ahead1"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
 softmax and log_softmax next to the default plans (64 KB chunks; a row of 2 to 8 chunks
 launched as one thread-block cluster, rows of 9 to 32 chunks on the persistent grid of
 clusters, one or two clusters a row, under the load-balancing cluster policy; copy groups
-folded into a running (max, sum) as they land; for float32 one copy group a thread read back
-before the summary exchange): at 256 x 524288 other numbers of copy groups read back ahead
-(``aheadN``; with 8 copy groups, ``g8``).  Earlier sweeps (the spread cluster policy,
-256-thread blocks for bfloat16, 128 KB chunks in one cluster a row, the former default
-without the persistent grid, ``persist0``; the
-clusters against the exchange through device memory at 4096 x 32768, ``cluster0``; the sum in
-a pass of its own, ``fold0``; 32 KB chunks, ``256,8``) are recorded in
+folded into a running (max, sum) as they land): at 256 x 524288 one copy group a thread read
+back before the summary exchange (``ahead1``), and 64 or unbounded polls of the other half's
+slot before the first pause (``spinN``; the default is 4, then pauses of 32 to 512 ns).
+Earlier sweeps (other copy groups ahead and 8 copy groups; the spread cluster policy;
+256-thread blocks for bfloat16; 128 KB chunks in one cluster a row; the former default
+without the persistent grid, ``persist0``; the clusters against the exchange through device
+memory at 4096 x 32768, ``cluster0``; the sum in a pass of its own, ``fold0``; 32 KB chunks,
+``256,8``) are recorded in
 docs/benchmarks-cuda.md."""
 CE_SWEEP: dict[tuple[int, int], list[str]] = {
     (4096, 32768): ["256,16,staged", "128,4,registers"],

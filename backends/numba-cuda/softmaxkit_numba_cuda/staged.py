@@ -141,9 +141,13 @@ AHEAD = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
 """Environment variable: copy groups of a thread that the persistent kernel's lean rows read
 back into registers right after the fold, refilling their words with the next row's before
 the row's summary is known (tuning; default :data:`DEFAULT_AHEAD`, at most the groups)."""
-DEFAULT_AHEAD = {"float32": 1, "bfloat16": 0, "float16": 0}
-"""Copy groups ahead by dtype: with four groups, one float32 group (16 registers) fits the
-80-register budget without spills; a 16-bit group (32 registers) does not."""
+DEFAULT_AHEAD = {"float32": 0, "bfloat16": 0, "float16": 0}
+"""Copy groups ahead by dtype: none (one float32 group ahead measured 77 / 78% of the copy at
+256 x 524288 against 79 / 80% without, in one run; a 16-bit group does not fit the register
+budget without spills)."""
+SPIN = "SOFTMAXKIT_NUMBA_CUDA_EXCHANGE_SPIN"
+"""Environment variable: polls of the other half's slot (two clusters a row) before the first
+pause (tuning; default :data:`.rowkernels.SPIN_POLLS`)."""
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -182,6 +186,11 @@ def ahead(kind: str, slots: int) -> int:
     """Copy groups read back ahead of the summary exchange (:data:`AHEAD`)."""
     n = os.environ.get(AHEAD)
     return max(0, min(int(n) if n else DEFAULT_AHEAD[kind], groups(slots, 1)))
+
+
+def spin() -> int:
+    """Polls of the two-cluster exchange before it pauses between polls (:data:`SPIN`)."""
+    return int(os.environ.get(SPIN, SPIN_POLLS))
 
 
 def fold() -> bool:
@@ -816,7 +825,8 @@ def _whole_fold(kind: str, threads: int, slots: int):
 
 
 @functools.cache
-def _half_exchange(kind: str, threads: int, half_slots: int, has_where: bool):
+def _half_exchange(kind: str, threads: int, half_slots: int, has_where: bool,
+                   spin: int = SPIN_POLLS):
     """Device function ``exchange(wsp, r, h, m, s, xr, wr, nw, scratch, flag) -> (M, S)``: the
     row's summary for a block of the cluster that holds half ``h`` of row ``r`` (``(m, s)``
     that half's summary, ``half_slots`` words a thread of the half), the other half held by
@@ -869,7 +879,7 @@ def _half_exchange(kind: str, threads: int, half_slots: int, has_where: bool):
             pause = POLL_NS
             while word == free and globaltimer() - start < wait:
                 polls += 1
-                if polls > SPIN_POLLS:  # then back off: fewer L2 requests
+                if polls > spin:  # then back off: fewer L2 requests
                     nanosleep(pause)
                     pause = min(2 * pause, MAX_POLL_NS)
                 word = load_l2(wsp[0], other)
@@ -891,7 +901,7 @@ def _half_exchange(kind: str, threads: int, half_slots: int, has_where: bool):
 
 @functools.cache
 def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
-               whole: bool = False, split: int = 0, ahead: int = 0):
+               whole: bool = False, split: int = 0, ahead: int = 0, spin: int = SPIN_POLLS):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` (the signature of
     :func:`normalize`; ``wsp`` unused): softmax or log_softmax on a persistent grid of
     thread-block clusters of ``chunks`` blocks, a block per chunk of ``threads * slots``
@@ -942,7 +952,8 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     # 16-bit softmax: the exponent's error from log2 S (|log2 S| u_A, at most 2^-19 for rows
     # of 2^19 values) is far below the 16-bit rounding; float32 keeps exp(x - m_t) * f
     short = width == 8
-    half_exchange = _half_exchange(kind, threads, slots * split, has_where) if halves else None
+    half_exchange = (_half_exchange(kind, threads, slots * split, has_where, spin) if halves
+                     else None)
     is_log = op == "log_softmax"
     neg_inf, zero = float32(NEG_INF), float32(0.0)
 
