@@ -254,6 +254,11 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 # -- benchmark jobs (worker processes) -----------------------------------------------------------
 
 
+PLAN_OPTIONS = {"cluster": CLUSTER_ENV, "persist": PERSIST_ENV, "policy": POLICY_ENV,
+                "ahead": AHEAD_ENV, "spin": SPIN_ENV, "ring": RING_ENV, "g": GROUPS_ENV}
+"""Plan options ``<prefix><value>`` of :func:`use_plan` and the setting each one sets."""
+
+
 def use_plan(plan: str | None) -> None:
     """Force ``plan``: ``"threads,slots"``, then comma-separated options: ``staged`` (the plan
     of the rows staged in shared memory; a row of 2 to 16 such chunks is one thread-block
@@ -270,28 +275,16 @@ def use_plan(plan: str | None) -> None:
     parts = plan.split(",")
     os.environ[STAGE_PLAN_ENV if "staged" in parts else PLAN_ENV] = ",".join(parts[:2])
     for extra in parts[2:]:
-        if extra == "staged":
-            os.environ[STAGED_ENV] = "1"
-        elif extra == "registers":
-            os.environ[STAGED_ENV] = "0"
-        elif extra.startswith("cluster"):
-            os.environ[CLUSTER_ENV] = extra[7:]
+        if extra in ("staged", "registers"):
+            os.environ[STAGED_ENV] = "1" if extra == "staged" else "0"
         elif extra == "fold0":
             os.environ[FOLD_ENV] = "0"
-        elif extra.startswith("persist"):
-            os.environ[PERSIST_ENV] = extra[7:]
-        elif extra.startswith("policy"):
-            os.environ[POLICY_ENV] = extra[6:]
-        elif extra.startswith("ahead"):
-            os.environ[AHEAD_ENV] = extra[5:]
-        elif extra.startswith("spin"):
-            os.environ[SPIN_ENV] = extra[4:]
-        elif extra.startswith("ring"):
-            os.environ[RING_ENV] = extra[4:]
-        elif extra.startswith("g"):
-            os.environ[GROUPS_ENV] = extra[1:]
-        else:
-            os.environ[REGISTERS_ENV] = extra
+        else:  # a prefixed setting ("g" last: it prefixes none of the others), or a budget
+            prefix = next((p for p in PLAN_OPTIONS if extra.startswith(p)), None)
+            if prefix is None:
+                os.environ[REGISTERS_ENV] = extra
+            else:
+                os.environ[PLAN_OPTIONS[prefix]] = extra[len(prefix):]
 
 
 def _random(shape: tuple[int, ...], dtype: str, seed: int) -> Any:
