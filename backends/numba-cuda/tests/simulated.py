@@ -42,7 +42,7 @@ PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "staged-1024,persist": (1024, ("float32",), PERSIST_OPS),
          "staged-2048,persist": (2048, ("bfloat16", "float16", "float32"), PERSIST_OPS),
          "staged-4096,persist": (4096, ("bfloat16",), PERSIST_OPS),
-         "staged-1024,persist,ahead0": (1024, ("float32",), PERSIST_OPS),
+         "staged-1024,persist,ahead1": (1024, ("float32",), PERSIST_OPS),
          "staged-2048,persist,ahead16": (2048, ("bfloat16", "float32"), PERSIST_OPS)}
 """Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
 of one warp, in 16-byte words and, for float32 rows of 302 elements, element by element; the
@@ -60,8 +60,8 @@ and 2048 elements fill the chunk, so calls without ``where`` take the whole-chun
 float32 rows of 2048 elements and bfloat16 rows of 4096 are two chunks, two clusters a row
 exchanging through device memory, where the simulator's one-block-at-a-time schedule takes
 the fallback that summarizes the other half from device memory); ``aheadN``: N copy groups
-of the whole-chunk rows read back before the summary exchange (0: none; 16: all).  (Short rows, a
-group of threads each, are the simulator's default plan in the kit.)"""
+of the whole-chunk rows read back before the summary exchange (the default is none; 16: all).
+(Short rows, a group of threads each, are the simulator's default plan in the kit.)"""
 
 
 def emit(**record: object) -> None:
