@@ -55,6 +55,7 @@ PERSIST_ENV = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
 POLICY_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
 AHEAD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
 SPIN_ENV = "SOFTMAXKIT_NUMBA_CUDA_EXCHANGE_SPIN"
+PARTS_ENV = "SOFTMAXKIT_NUMBA_CUDA_ROW_CLUSTERS"
 
 
 def log(*args: Any) -> None:
@@ -255,7 +256,8 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 
 
 PLAN_OPTIONS = {"cluster": CLUSTER_ENV, "persist": PERSIST_ENV, "policy": POLICY_ENV,
-                "ahead": AHEAD_ENV, "spin": SPIN_ENV, "ring": RING_ENV, "g": GROUPS_ENV}
+                "ahead": AHEAD_ENV, "spin": SPIN_ENV, "parts": PARTS_ENV, "ring": RING_ENV,
+                "g": GROUPS_ENV}
 """Plan options ``<prefix><value>`` of :func:`use_plan` and the setting each one sets."""
 
 
@@ -269,7 +271,8 @@ def use_plan(plan: str | None) -> None:
     persistent cluster grid; ``persistwide``: 128 KB chunks, one cluster a row, where a row
     would take two clusters), ``policyNAME`` (its cluster scheduling policy: spread, default,
     balance), ``aheadN`` (its copy groups read back before the summary exchange), ``spinN``
-    (polls of the two-cluster exchange before it pauses), or a register budget."""
+    (polls of the exchange between a row's clusters before it pauses), ``partsN`` (N
+    clusters a row, each an equal part of its chunks), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")
@@ -444,18 +447,20 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (256, 524288)): ["256,16,staged,ahead1", "256,16,staged,spin64",
-                                 "256,16,staged,spin100000"],
-    ("bfloat16", (256, 524288)): ["128,32,staged,ahead1"],
+    ("float32", (256, 524288)): ["256,16,staged,parts4", "256,16,staged,parts8",
+                                 "256,16,staged,parts4,policyspread"],
+    ("bfloat16", (256, 524288)): ["128,32,staged,parts2", "128,32,staged,parts4"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
 softmax and log_softmax next to the default plans (64 KB chunks; a row of 2 to 8 chunks
 launched as one thread-block cluster, rows of 9 to 32 chunks on the persistent grid of
 clusters, one or two clusters a row, under the load-balancing cluster policy; copy groups
-folded into a running (max, sum) as they land): at 256 x 524288 one copy group a thread read
-back before the summary exchange (``ahead1``), and 64 or unbounded polls of the other half's
-slot before the first pause (``spinN``; the default is 4, then pauses of 32 to 512 ns).
-Earlier sweeps (other copy groups ahead and 8 copy groups; the spread cluster policy;
+folded into a running (max, sum) as they land): at 256 x 524288 a row as several clusters
+(``partsN``: float32 rows of 32 chunks as 4 clusters of 8 blocks or 8 of 4, the 4 also under
+the spread policy; bfloat16 rows of 16 chunks as 2 clusters of 8 or 4 of 4), smaller clusters
+fitting the multiprocessors more closely.
+Earlier sweeps (copy groups read back before the summary exchange, ``aheadN``; polls of the
+other half's slot before the first pause, ``spinN``; 8 copy groups; the spread cluster policy;
 256-thread blocks for bfloat16; 128 KB chunks in one cluster a row; the former default
 without the persistent grid, ``persist0``; the clusters against the exchange through device
 memory at 4096 x 32768, ``cluster0``; the sum in a pass of its own, ``fold0``; 32 KB chunks,

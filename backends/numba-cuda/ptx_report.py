@@ -87,16 +87,18 @@ def kernels():
                 out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))
         if kind == "float64":
             continue
-        # the lean kernels of 256 x 524288 (whole chunks; float32 rows are two clusters),
-        # with none, one (the default), two or all copy groups read back ahead
+        # the lean kernels of 256 x 524288 (whole chunks; float32 rows are two clusters, or
+        # four), with none (the default), one, two or all copy groups read back ahead
         threads = k.PERSIST_THREADS[kind]
         slots = 64 * 1024 // (16 * threads)
         cap_slots = staged._fit(threads, slots, 1)[1] // VALUES[kind]
-        split = 16 if kind == "float32" else 0
-        for ahead in (0, 1, 2, 4):
-            tag = f"{kind}-{threads}x{slots}-lean-ahead{ahead}"
+        parts = 2 if kind == "float32" else 1
+        variants = [(parts, ahead) for ahead in (0, 1, 2, 4)] + [(4, 0)] * (parts == 2)
+        for parts, ahead in variants:
+            tag = f"{kind}-{threads}x{slots}-lean-ahead{ahead}" + f"-parts{parts}" * (parts > 2)
             for op in ("softmax", "log_softmax"):
-                fn = staged.persistent(op, kind, threads, slots, False, True, split, ahead)
+                fn = staged.persistent(op, kind, threads, slots, False, True, 32 // parts, ahead,
+                                       parts=parts)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
                        "int64, uint64[:, ::1])")
                 out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))

@@ -132,10 +132,10 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
         cluster = p.chunks // parts
         whole = n // width == p.chunks * p.chunk_words  # every chunk full
         kernel = staged.persistent(op, kin, p.threads, p.slots, where is not None, whole,
-                                   cluster if parts == 2 else 0, staged.ahead(kin, p.slots),
-                                   staged.spin())
+                                   cluster if parts > 1 else 0, staged.ahead(kin, p.slots),
+                                   staged.spin(), parts)
         shared = staged.shared_bytes(p.threads, p.slots, 1)
-        # two clusters a row exchange through zeroed slots in device memory, two a row
+        # several clusters a row exchange through zeroed slots in device memory, one a part
         wsp = _slots(xp, x, lib, plans.Plan(p.threads, p.slots, 1, parts), n_rows, "float32")
         args = (xv, w, masked == "nan", ov, n_rows, n // width, p.chunks, wsp)
         with launch(x, lib) as stream:

@@ -59,6 +59,11 @@ PERSIST = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
 :data:`MAX_CLUSTER` chunks then exchange through device memory, or take :data:`CLUSTER`'s
 clusters); ``all`` also gives it rows of 1 to :data:`MAX_CLUSTER` chunks (rows of one chunk
 as clusters of one block: the form the simulator can run, for tests)."""
+ROW_CLUSTERS = "SOFTMAXKIT_NUMBA_CUDA_ROW_CLUSTERS"
+"""Environment variable: clusters a row of the persistent kernel takes, each an equal part of
+its chunks (tuning; rows of more than :data:`LARGEST_CLUSTER` chunks take two by default, rows
+of fewer one; a count that does not divide the chunks, or leaves a part above
+:data:`LARGEST_CLUSTER` chunks, is not used)."""
 
 
 def _pow2_at_least(v: int) -> int:
@@ -203,13 +208,12 @@ def persistent(n: int, simulator: bool = False, threads: int = STAGE_THREADS) ->
     row), or ``None`` when such rows take :func:`clustered` or :func:`staged` instead.
 
     Rows of :data:`MAX_CLUSTER` + 1 to :data:`LARGEST_CLUSTER` chunks of :func:`staged` (64
-    KB) are one cluster; rows of up to twice as many (an even number) two clusters, which
-    exchange their halves' summaries through device memory.  :data:`PERSIST` = ``0`` (or
-    :data:`CLUSTER` = ``0``) turns it off, ``all`` also gives it shorter rows, ``wide`` takes
-    chunks of up to 128 KB (a block per multiprocessor) instead of two clusters.  The
-    simulator runs clusters of one block: with ``all``, rows of one chunk, or of two as two
-    clusters.  Blocks have ``threads`` threads; a forced chunk (:data:`STAGE_OVERRIDE`) is
-    kept as it is.
+    KB) are one cluster; longer rows take :func:`row_clusters` clusters, which exchange their
+    parts' summaries through device memory.  :data:`PERSIST` = ``0`` (or :data:`CLUSTER` =
+    ``0``) turns it off, ``all`` also gives it shorter rows, ``wide`` takes chunks of up to 128
+    KB (a block per multiprocessor) instead of several clusters.  The simulator runs clusters
+    of one block: with ``all``, rows of one chunk, or of several as a cluster each.  Blocks
+    have ``threads`` threads; a forced chunk (:data:`STAGE_OVERRIDE`) is kept as it is.
     """
     mode = os.environ.get(PERSIST, "")
     if mode == "0" or os.environ.get(CLUSTER) == "0" or (simulator and mode != "all"):
@@ -218,9 +222,7 @@ def persistent(n: int, simulator: bool = False, threads: int = STAGE_THREADS) ->
     largest = 1 if simulator else LARGEST_CLUSTER
     if not simulator and p.chunks <= MAX_CLUSTER and mode != "all":
         return None
-    if p.chunks <= largest:
-        return p
-    if p.chunks <= 2 * largest and p.chunks % 2 == 0 and mode != "wide":
+    if p.chunks <= largest or (mode != "wide" and row_clusters(p, simulator) > 1):
         return p
     if not simulator and _forced_stage(n) is None:
         p = staged(n, simulator, 2 * STAGE_BYTES, threads)
@@ -230,5 +232,17 @@ def persistent(n: int, simulator: bool = False, threads: int = STAGE_THREADS) ->
 
 
 def row_clusters(p: Plan, simulator: bool = False) -> int:
-    """Clusters a row of a :func:`persistent` plan takes: 1, or 2 (each half of the chunks)."""
-    return 1 if p.chunks <= (1 if simulator else LARGEST_CLUSTER) else 2
+    """Clusters a row of a :func:`persistent` plan takes, each an equal part of its chunks:
+    :data:`ROW_CLUSTERS` where that divides the chunks into parts of at most
+    :data:`LARGEST_CLUSTER` (of one in the simulator), else 1 for rows of at most that many
+    chunks and 2 for rows of up to twice as many (an even number); 0 for a row that fits
+    none."""
+    largest = 1 if simulator else LARGEST_CLUSTER
+    forced = os.environ.get(ROW_CLUSTERS, "")
+    if forced.isdigit() and int(forced) > 0:
+        parts = int(forced)
+        if p.chunks % parts == 0 and p.chunks // parts <= largest:
+            return parts
+    if p.chunks <= largest:
+        return 1
+    return 2 if p.chunks <= 2 * largest and p.chunks % 2 == 0 else 0

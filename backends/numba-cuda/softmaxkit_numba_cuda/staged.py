@@ -40,16 +40,16 @@ co-scheduled by the hardware, so no wait is unbounded and no fallback is needed.
 16, non-portable above 8).
 
 Persistent clusters (sm_90): rows of 9 to 32 chunks (:func:`.plan.persistent`; 256 x 524288
-is 16 chunks in bfloat16, 32 in float32) take :func:`persistent`, a grid of the clusters that
-fit at once, each walking rows: one cluster of up to 16 blocks a row, or two clusters a row
-(each half of the chunks) that exchange their halves' summaries through a slot in device
-memory.  Each block refills every staged word with the next row's word as soon as it has
-read it back for its store, so the next row's copies are in flight while the current row is
-written; one cluster barrier a row publishes the warps' (max, sum) pairs, which every warp
-merges itself.  Rows whose chunks are all full and without ``where`` take a lean fold
-(16-byte shared loads, the group maximum on packed 16-bit pairs) and write 16-bit softmax as
-``2^((x - M) log2 e - log2 S)``.  The cluster scheduling policy is set on the kernel
-(:data:`POLICY`).
+is 16 chunks in bfloat16, 32 in float32) take :func:`persistent`, a grid of the clusters
+that fit at once, each walking rows: one cluster of up to 16 blocks a row, or several
+clusters a row (two by default, each an equal part of the chunks) that exchange their parts'
+summaries through slots in device memory.  Each block refills every staged word with the
+next row's word as soon as it has read it back for its store, so the next row's copies are
+in flight while the current row is written; one cluster barrier a row publishes the warps'
+(max, sum) pairs, which every warp merges itself.  Rows whose chunks are all full and
+without ``where`` take a lean fold (16-byte shared loads, the group maximum on packed 16-bit
+pairs) and write 16-bit softmax as ``2^((x - M) log2 e - log2 S)``.  The cluster scheduling
+policy is set on the kernel (:data:`POLICY`).
 
 What CI does not run: Numba's CUDA simulator runs the blocks of a grid one after another, so a
 barrier across the blocks of a cluster (or a read of another block's shared memory) cannot
@@ -59,8 +59,9 @@ and barriers included, on the block itself; the exchange between several blocks,
 launch with cluster dimensions and non-portable cluster sizes are checked on the GPU only
 (``gpu_check.py``, against float64 with poisoned outputs).  The persistent kernel runs there
 as clusters of one block (``SOFTMAXKIT_NUMBA_CUDA_PERSIST=all``): two clusters walking
-several rows each, and rows of two chunks as two clusters exchanging through device memory,
-where the one-block-at-a-time schedule takes the fallback that summarizes the other half.
+several rows each, and rows of two (or four) chunks as as many clusters exchanging through
+device memory, where the one-block-at-a-time schedule takes the fallback that summarizes the
+parts not yet published.
 
 Staged kernels serve rows that the register plan splits, read in 16-byte words (float32,
 bfloat16, float16, the same dtype in and out); the environment variable :data:`ENABLE` = ``0``
@@ -146,8 +147,8 @@ DEFAULT_AHEAD = {"float32": 0, "bfloat16": 0, "float16": 0}
 256 x 524288 against 79 / 80% without, in one run; a 16-bit group does not fit the register
 budget without spills)."""
 SPIN = "SOFTMAXKIT_NUMBA_CUDA_EXCHANGE_SPIN"
-"""Environment variable: polls of the other half's slot (two clusters a row) before the first
-pause (tuning; default :data:`.rowkernels.SPIN_POLLS`)."""
+"""Environment variable: polls of the other parts' slots (several clusters a row) before the
+first pause (tuning; default :data:`.rowkernels.SPIN_POLLS`)."""
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -825,30 +826,34 @@ def _whole_fold(kind: str, threads: int, slots: int):
 
 
 @functools.cache
-def _half_exchange(kind: str, threads: int, half_slots: int, has_where: bool,
+def _part_exchange(kind: str, threads: int, part_slots: int, has_where: bool, parts: int,
                    spin: int = SPIN_POLLS):
     """Device function ``exchange(wsp, r, h, m, s, xr, wr, nw, scratch, flag) -> (M, S)``: the
-    row's summary for a block of the cluster that holds half ``h`` of row ``r`` (``(m, s)``
-    that half's summary, ``half_slots`` words a thread of the half), the other half held by
-    another cluster.
+    row's summary for a block of the cluster that holds part ``h`` of row ``r`` (``(m, s)``
+    that part's summary, ``part_slots`` words a thread of the part), the other ``parts - 1``
+    parts held by other clusters.
 
-    Thread 0 of each block claims the half's 64-bit slot ``2 r + h`` in device memory with a
-    compare-and-swap from zero and keeps what the slot holds after it (every block of the
+    Thread 0 of each block claims the part's 64-bit slot ``parts r + h`` in device memory with
+    a compare-and-swap from zero and keeps what the slot holds after it (every block of the
     cluster has merged the same pairs in the same order, so the first claim publishes the
-    half's summary for all), then polls the other half's slot (relaxed loads: the 64-bit slot
-    is the whole message) for at most :data:`.rowkernels.WAIT_NS`.  A half still missing
-    then (its cluster not resident) is summarized by the block itself from device memory and
-    claimed the same way.  The two halves reach the block's threads through shared memory and
-    every thread merges them in slot order, so every block of the row gets the same summary.
-    Every thread of the block calls it; ``scratch[48:52]`` carries the halves.
+    part's summary for all), then polls the other parts' slots (relaxed loads: a 64-bit slot
+    is the whole message) for at most :data:`.rowkernels.WAIT_NS` in all.  A part still
+    missing then (its cluster not resident) is summarized by the block itself from device
+    memory and claimed the same way.  The parts reach the block's threads through shared
+    memory and every thread merges them in slot order, so every block of the row gets the same
+    summary.  Every thread of the block calls it; ``scratch[48:48 + 2 parts]`` carries the
+    parts.
     """
-    stream_stats = _chunk_stream(kind, True, threads, half_slots, has_where, False, True)
+    if not 2 <= parts <= (SCRATCH - 48) // 2:
+        raise ValueError(f"a row of {parts} clusters: 2 to {(SCRATCH - 48) // 2} are served")
+    stream_stats = _chunk_stream(kind, True, threads, part_slots, has_where, False, True)
     pair_reduce = group_reducers(threads, "float32")[0]
     merge = summary_ops("float32")[1]
     free = uint64(0)
     wait = uint64(WAIT_NS)
     low = uint64(0xFFFFFFFF)
     shift = uint64(32)
+    every = (1 << parts) - 1
 
     def claim(wsp, k, m, s):
         """The slot's summary once ``(m, s)`` has been offered to it (the first one wins)."""
@@ -866,69 +871,81 @@ def _half_exchange(kind: str, threads: int, half_slots: int, has_where: bool,
 
     def exchange(wsp, r, h, m, s, xr, wr, nw, scratch, flag):
         tid = cuda.threadIdx.x
-        other = 2 * r + 1 - h
+        first = parts * r
         if tid == 0:
-            # the claim and the first read of the other slot in flight together; a slot is
-            # its whole message, so relaxed loads suffice
+            # the claim and the first reads of the other slots in flight together; a slot
+            # is its whole message, so relaxed loads suffice
             packed = uint64(bits_from_f32(m)) | (uint64(bits_from_f32(s)) << shift)
-            old = cuda.atomic.cas(wsp[0], 2 * r + h, free, packed)
-            word = load_l2(wsp[0], other)
+            old = cuda.atomic.cas(wsp[0], first + h, free, packed)
             put(scratch, 48 + 2 * h, packed if old == free else old)
+            got = 1 << h
             start = globaltimer()
             polls = 0
             pause = POLL_NS
-            while word == free and globaltimer() - start < wait:
+            while True:
+                for k in range(parts):
+                    if not (got >> k) & 1:
+                        word = load_l2(wsp[0], first + k)
+                        if word != free:
+                            put(scratch, 48 + 2 * k, word)
+                            got |= 1 << k
+                if got == every or globaltimer() - start >= wait:
+                    break
                 polls += 1
                 if polls > spin:  # then back off: fewer L2 requests
                     nanosleep(pause)
                     pause = min(2 * pause, MAX_POLL_NS)
-                word = load_l2(wsp[0], other)
-            if word != free:
-                put(scratch, 50 - 2 * h, word)
-            flag[0] = int32(word == free)
+            flag[0] = int32(every ^ got)
         cuda.syncthreads()
-        if flag[0] != 0:  # rare: summarize the half whose cluster has not published
-            k = 1 - h
-            mt, st, _, _ = stream_stats(xr, wr, nw, k * threads * half_slots + tid)
-            mk, sk = pair_reduce(mt, st, scratch)
-            if tid == 0:
-                put(scratch, 48 + 2 * k, claim(wsp, other, mk, sk))
-            cuda.syncthreads()
-        return merge(scratch[48], scratch[49], scratch[50], scratch[51])
+        missing = flag[0]
+        if missing != 0:  # rare: summarize the parts whose clusters have not published
+            for k in range(parts):
+                if (missing >> k) & 1:
+                    mt, st, _, _ = stream_stats(xr, wr, nw, k * threads * part_slots + tid)
+                    mk, sk = pair_reduce(mt, st, scratch)
+                    if tid == 0:
+                        put(scratch, 48 + 2 * k, claim(wsp, first + k, mk, sk))
+                    cuda.syncthreads()
+        m = scratch[48]
+        s = scratch[49]
+        for k in range(1, parts):
+            m, s = merge(m, s, scratch[48 + 2 * k], scratch[49 + 2 * k])
+        return m, s
 
     return device_function(exchange)
 
 
 @functools.cache
 def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
-               whole: bool = False, split: int = 0, ahead: int = 0, spin: int = SPIN_POLLS):
+               whole: bool = False, split: int = 0, ahead: int = 0, spin: int = SPIN_POLLS,
+               parts: int = 1):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` (the signature of
     :func:`normalize`; ``wsp`` unused): softmax or log_softmax on a persistent grid of
     thread-block clusters of ``chunks`` blocks, a block per chunk of ``threads * slots``
     words (:func:`shared_bytes` of dynamic shared memory with one stage).
-
-    The grid is the clusters that fit on the device at once (:func:`.arrays.resident_clusters`)
-    and cluster ``c`` of ``C`` walks rows ``c, c + C, c + 2C, ...``; with ``split`` (the blocks
-    of a cluster) a row is two clusters (``2 p`` and ``2 p + 1`` walk rows ``p, p + C / 2,
-    ...``, each half of the chunks) that exchange their halves' summaries through device
-    memory once a row (:func:`_half_exchange`: ``wsp`` holds zeroed slots, two a row).  Per
-    row, each thread folds its copy groups into a running (max, sum) as they land (``land_fold`` of
-    :func:`_stage`; :func:`_whole_fold` with ``whole``: every row ``chunks`` whole chunks and
-    no ``where``), each warp merges its threads' pairs by shuffles and publishes the pair in
-    its block's shared memory, and one cluster barrier later every warp reads the
-    ``chunks x warps`` pairs of the cluster (distributed shared memory) and merges them
-    itself: one barrier per row, no block barrier.  The pairs alternate between two slots by
-    row parity, so a slot is rewritten only after every peer has passed the barrier that
-    follows its last read of it.  The outputs are then written word by word, and each staged
-    word, once read back for its store, is refilled with the same word of the cluster's next
-    row (``cp.async``, committed by copy group, so the fold of the next row waits group by
-    group): the next row's loads are in flight while this row is written, and no cluster waits
-    for a launch between rows.  With ``whole``, the first ``ahead`` copy groups of each thread
-    are read back into registers as soon as the fold is done and refilled at once, so that
-    part of the next row is in flight during the cluster barrier and the exchange too.  A
-    thread reads back only the words it copied itself, so no barrier guards the stage.
-    Before it exits a block arrives at and waits on the cluster barrier once more, so that no
-    block's shared memory goes while a peer may read it.
+     The grid is the clusters that fit on the device at once
+    (:func:`.arrays.resident_clusters`) and cluster ``c`` of ``C`` walks rows ``c, c + C, c
+    + 2C, ...``; with ``parts`` above 1 a row is ``parts`` clusters of ``split`` blocks
+    (``parts p`` to ``parts p + parts - 1`` walk rows ``p, p + C / parts, ...``, each an
+    equal part of the chunks) that exchange their parts' summaries through device memory
+    once a row (:func:`_part_exchange`: ``wsp`` holds zeroed slots, ``parts`` a row).  Per
+    row, each thread folds its copy groups into a running (max, sum) as they land
+    (``land_fold`` of :func:`_stage`; :func:`_whole_fold` with ``whole``: every row
+    ``chunks`` whole chunks and no ``where``), each warp merges its threads' pairs by
+    shuffles and publishes the pair in its block's shared memory, and one cluster barrier
+    later every warp reads the ``chunks x warps`` pairs of the cluster (distributed shared
+    memory) and merges them itself: one barrier per row, no block barrier.  The pairs
+    alternate between two slots by row parity, so a slot is rewritten only after every peer
+    has passed the barrier that follows its last read of it.  The outputs are then written
+    word by word, and each staged word, once read back for its store, is refilled with the
+    same word of the cluster's next row (``cp.async``, committed by copy group, so the fold
+    of the next row waits group by group): the next row's loads are in flight while this row
+    is written, and no cluster waits for a launch between rows.  With ``whole``, the first
+    ``ahead`` copy groups of each thread are read back into registers as soon as the fold is
+    done and refilled at once, so that part of the next row is in flight during the cluster
+    barrier and the exchange too.  A thread reads back only the words it copied itself, so
+    no barrier guards the stage. Before it exits a block arrives at and waits on the cluster
+    barrier once more, so that no block's shared memory goes while a peer may read it.
     """
     width, decode, encode = word_codec(kind)
     words = threads * slots
@@ -947,13 +964,12 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     warps = max(1, threads // 32)
     pairs = 4 * warps  # (max, sum) per warp, two slots by row parity
     held_words = 4 * per  # 32-bit words of a copy group of one thread
-    halves = split > 0
-    parts = 2 if halves else 1
+    several = parts > 1
     # 16-bit softmax: the exponent's error from log2 S (|log2 S| u_A, at most 2^-19 for rows
     # of 2^19 values) is far below the 16-bit rounding; float32 keeps exp(x - m_t) * f
     short = width == 8
-    half_exchange = (_half_exchange(kind, threads, slots * split, has_where, spin) if halves
-                     else None)
+    part_exchange = (_part_exchange(kind, threads, slots * split, has_where, parts, spin)
+                     if several else None)
     is_log = op == "log_softmax"
     neg_inf, zero = float32(NEG_INF), float32(0.0)
 
@@ -982,10 +998,10 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         wl = lane % 32
         size = chunks // parts  # blocks of a cluster
         cid = cluster_id()
-        h = cid % parts  # the half of the row's chunks this cluster holds
+        h = cid % parts  # the part of the row's chunks this cluster holds
         row_base = (h * size + cluster_rank()) * words
         base = row_base + lane
-        step = cuda.gridDim.x // chunks  # the clusters (pairs of clusters) of the grid
+        step = cuda.gridDim.x // chunks  # the clusters (groups of clusters) of the grid
         total = size * warps  # warp pairs of a cluster
         buf = cuda.local.array(width, float32)
         held = cuda.local.array(held_words, uint32)
@@ -1034,8 +1050,8 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                 m, s = merge(m, s, cluster_load(summary, i, peer),
                              cluster_load(summary, i + 1, peer))
             m, s = warp_pair(m, s, summary)
-            if halves:  # the other half's summary, from the other cluster
-                m, s = half_exchange(wsp, r, h, m, s, x[r], wr, nw, scratch, flag)
+            if several:  # the other parts' summaries, from the other clusters
+                m, s = part_exchange(wsp, r, h, m, s, x[r], wr, nw, scratch, flag)
             nan_row, inf_row, empty, log_s, f, regular = row_state(m, s, m_t, masked_nan)
             log2_s = log_s * float32(LOG2E)
             if lean and regular:  # the usual case: no tests a value

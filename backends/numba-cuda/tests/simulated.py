@@ -43,7 +43,8 @@ PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "staged-2048,persist": (2048, ("bfloat16", "float16", "float32"), PERSIST_OPS),
          "staged-4096,persist": (4096, ("bfloat16",), PERSIST_OPS),
          "staged-1024,persist,ahead1": (1024, ("float32",), PERSIST_OPS),
-         "staged-2048,persist,ahead16": (2048, ("bfloat16", "float32"), PERSIST_OPS)}
+         "staged-2048,persist,ahead16": (2048, ("bfloat16", "float32"), PERSIST_OPS),
+         "staged-4096,persist,parts4": (4096, ("float32",), PERSIST_OPS)}
 """Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
 of one warp, in 16-byte words and, for float32 rows of 302 elements, element by element; the
 same with split rows staged in shared memory, one stage per block or two (a persistent grid
@@ -60,7 +61,9 @@ and 2048 elements fill the chunk, so calls without ``where`` take the whole-chun
 float32 rows of 2048 elements and bfloat16 rows of 4096 are two chunks, two clusters a row
 exchanging through device memory, where the simulator's one-block-at-a-time schedule takes
 the fallback that summarizes the other half from device memory); ``aheadN``: N copy groups
-of the whole-chunk rows read back before the summary exchange (the default is none; 16: all).
+of the whole-chunk rows read back before the summary exchange (the default is none; 16: all);
+``parts4``: float32 rows of 4096 elements (four chunks) as four clusters a row
+(``SOFTMAXKIT_NUMBA_CUDA_ROW_CLUSTERS=4``), the first summarizing the three others.
 (Short rows, a group of threads each, are the simulator's default plan in the kit.)"""
 
 
@@ -155,11 +158,12 @@ def plans() -> None:
         os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"] = "0" if "fold0" in options else "1"
         os.environ["SOFTMAXKIT_NUMBA_CUDA_CLUSTER"] = "all" if "cluster" in options else "1"
         os.environ["SOFTMAXKIT_NUMBA_CUDA_PERSIST"] = "all" if "persist" in options else "1"
-        ahead = [o[5:] for o in options if o.startswith("ahead")]
-        if ahead:
-            os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"] = ahead[0]
-        else:
-            os.environ.pop("SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD", None)
+        for prefix, name in (("ahead", "STAGE_AHEAD"), ("parts", "ROW_CLUSTERS")):
+            value = [o[len(prefix):] for o in options if o.startswith(prefix)]
+            if value:
+                os.environ[f"SOFTMAXKIT_NUMBA_CUDA_{name}"] = value[0]
+            else:
+                os.environ.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
         for dtype in dtypes:
             x, where = _inputs(rng, dtype, n)
             target = rng.integers(0, n, size=6)
@@ -176,7 +180,7 @@ def plans() -> None:
                 except Exception:
                     emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
     for name in ("PLAN", "STAGED", "STAGE_RING", "STAGE_FOLD", "CLUSTER", "PERSIST",
-                 "STAGE_AHEAD"):
+                 "STAGE_AHEAD", "ROW_CLUSTERS"):
         os.environ.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
 
 

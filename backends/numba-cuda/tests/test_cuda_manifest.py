@@ -180,7 +180,8 @@ def test_clustered_plan_overrides(monkeypatch):
 
 
 def _clear(monkeypatch):
-    for name in (plan.CLUSTER, plan.PERSIST, plan.STAGE_OVERRIDE, plan.OVERRIDE):
+    for name in (plan.CLUSTER, plan.PERSIST, plan.STAGE_OVERRIDE, plan.OVERRIDE,
+                 plan.ROW_CLUSTERS):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -205,6 +206,28 @@ def test_persistent_plans(monkeypatch):
     monkeypatch.setenv(plan.PERSIST, "1")
     monkeypatch.setenv(plan.CLUSTER, "0")  # no clusters at all
     assert plan.persistent(bf16_1m) is None
+
+
+def test_row_clusters_setting(monkeypatch):
+    _clear(monkeypatch)
+    f32_1m = 524288 * 4 // plan.WORD_BYTES  # 32 chunks of 64 KB
+    p = plan.persistent(f32_1m)
+    for forced, parts in (("4", 4), ("8", 8), ("2", 2), ("3", 2), ("1", 2), ("64", 2)):
+        monkeypatch.setenv(plan.ROW_CLUSTERS, forced)  # unusable counts: the default
+        assert plan.row_clusters(p) == parts, forced
+    monkeypatch.setenv(plan.ROW_CLUSTERS, "4")
+    p = plan.persistent(f32_1m * 2)  # 64 chunks: four clusters of 16
+    assert p.chunks == 64 and plan.row_clusters(p) == 4
+    bf16_1m = plan.persistent(524288 * 2 // plan.WORD_BYTES, threads=128)  # 16 chunks
+    assert plan.row_clusters(bf16_1m) == 4
+    monkeypatch.setenv(plan.ROW_CLUSTERS, "32")
+    assert plan.row_clusters(bf16_1m) == 1
+    monkeypatch.setenv(plan.PERSIST, "all")
+    monkeypatch.setenv(plan.ROW_CLUSTERS, "4")  # the simulator: clusters of one block
+    p = plan.persistent(1024, simulator=True)
+    assert p.chunks == 4 and plan.row_clusters(p, simulator=True) == 4
+    p = plan.persistent(512, simulator=True)
+    assert p.chunks == 2 and plan.row_clusters(p, simulator=True) == 2
 
 
 def test_persistent_plans_in_the_simulator(monkeypatch):
