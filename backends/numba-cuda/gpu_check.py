@@ -51,6 +51,7 @@ RING_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
 GROUPS_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
 FOLD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
 CLUSTER_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
+CACHE_ENV = "SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE"
 PERSIST_ENV = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
 POLICY_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
 AHEAD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
@@ -256,8 +257,8 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 
 
 PLAN_OPTIONS = {"cluster": CLUSTER_ENV, "persist": PERSIST_ENV, "policy": POLICY_ENV,
-                "ahead": AHEAD_ENV, "spin": SPIN_ENV, "parts": PARTS_ENV, "ring": RING_ENV,
-                "g": GROUPS_ENV}
+                "ahead": AHEAD_ENV, "spin": SPIN_ENV, "parts": PARTS_ENV, "cache": CACHE_ENV,
+                "ring": RING_ENV, "g": GROUPS_ENV}
 """Plan options ``<prefix><value>`` of :func:`use_plan` and the setting each one sets."""
 
 
@@ -272,7 +273,8 @@ def use_plan(plan: str | None) -> None:
     would take two clusters), ``policyNAME`` (its cluster scheduling policy: spread, default,
     balance), ``aheadN`` (its copy groups read back before the summary exchange), ``spinN``
     (polls of the exchange between a row's clusters before it pauses), ``partsN`` (N
-    clusters a row, each an equal part of its chunks), or a register budget."""
+    clusters a row, each an equal part of its chunks), ``cacheN`` (1: float32 softmax caches
+    its exponentials in the stage, 0: it does not), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")
@@ -447,19 +449,18 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (256, 524288)): ["256,16,staged,parts4", "256,16,staged,parts8",
-                                 "256,16,staged,parts4,policyspread"],
-    ("bfloat16", (256, 524288)): ["128,32,staged,parts2", "128,32,staged,parts4"],
+    ("float32", (256, 524288)): ["256,16,staged,cache1", "256,16,staged,parts4",
+                                 "256,16,staged,parts4,cache1"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
 softmax and log_softmax next to the default plans (64 KB chunks; a row of 2 to 8 chunks
 launched as one thread-block cluster, rows of 9 to 32 chunks on the persistent grid of
 clusters, one or two clusters a row, under the load-balancing cluster policy; copy groups
-folded into a running (max, sum) as they land): at 256 x 524288 a row as several clusters
-(``partsN``: float32 rows of 32 chunks as 4 clusters of 8 blocks or 8 of 4, the 4 also under
-the spread policy; bfloat16 rows of 16 chunks as 2 clusters of 8 or 4 of 4), smaller clusters
-fitting the multiprocessors more closely.
-Earlier sweeps (copy groups read back before the summary exchange, ``aheadN``; polls of the
+folded into a running (max, sum) as they land): at 256 x 524288 float32 softmax with its
+exponentials cached in the stage (``cache1``), a row as 4 clusters of 8 blocks (``parts4``),
+and both.
+Earlier sweeps (a row as 8 clusters of 4 blocks, ``parts8``, and 16-bit rows as 2 or 4
+clusters; copy groups read back before the summary exchange, ``aheadN``; polls of the
 other half's slot before the first pause, ``spinN``; 8 copy groups; the spread cluster policy;
 256-thread blocks for bfloat16; 128 KB chunks in one cluster a row; the former default
 without the persistent grid, ``persist0``; the clusters against the exchange through device

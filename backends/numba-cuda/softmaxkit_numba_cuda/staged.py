@@ -120,6 +120,7 @@ from .wide import (
     nanosleep,
     opaque,
     store16,
+    store_shared16,
     unpack_f16,
 )
 
@@ -149,6 +150,12 @@ budget without spills)."""
 SPIN = "SOFTMAXKIT_NUMBA_CUDA_EXCHANGE_SPIN"
 """Environment variable: polls of the other parts' slots (several clusters a row) before the
 first pause (tuning; default :data:`.rowkernels.SPIN_POLLS`)."""
+CACHE = "SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE"
+"""Environment variable: ``1`` has the persistent kernel's float32 softmax cache each
+exponential in the stage during the fold (:func:`_whole_fold`), so that its store phase is
+one multiply a value; ``0`` recomputes the exponentials there (tuning; default
+:data:`DEFAULT_CACHE`)."""
+DEFAULT_CACHE = "0"
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -192,6 +199,11 @@ def ahead(kind: str, slots: int) -> int:
 def spin() -> int:
     """Polls of the two-cluster exchange before it pauses between polls (:data:`SPIN`)."""
     return int(os.environ.get(SPIN, SPIN_POLLS))
+
+
+def cache() -> bool:
+    """Whether float32 softmax on the persistent grid caches its exponentials (:data:`CACHE`)."""
+    return os.environ.get(CACHE, DEFAULT_CACHE) != "0"
 
 
 def fold() -> bool:
@@ -768,12 +780,22 @@ def _word_results(op: str, kind: str):
 
 
 @functools.cache
-def _whole_fold(kind: str, threads: int, slots: int):
-    """Device function ``fold(stage, lane) -> (m_t, s_t)``: ``land_fold`` of :func:`_stage`
-    for a thread whose words are all in the row and all allowed (no ``where``), with fewer
-    instructions a value: each word read from the stage in one 16-byte load, the group's
-    maximum taken on the packed words (two 16-bit values an instruction), no range tests."""
-    width, decode, _ = word_codec(kind)
+def _whole_fold(kind: str, threads: int, slots: int, cache: bool = False):
+    """Device function ``fold(stage, lane, shifts) -> (m_t, s_t)``: ``land_fold`` of
+    :func:`_stage` for a thread whose words are all in the row and all allowed (no
+    ``where``), with fewer instructions a value: each word read from the stage in one 16-byte
+    load, the group's maximum taken on the packed words (two 16-bit values an instruction),
+    no range tests.
+
+    With ``cache`` (float32: no rounding beyond the exponential's own), each exponential is
+    written back over its value in the stage, taken against the thread's running maximum once
+    its copy group has landed, which ``shifts[g]`` keeps per group (a group that lands while
+    the maximum is -inf holds only -inf and caches zeros; a NaN or +inf maximum makes the row
+    special, and special rows never read the stage of softmax).  Softmax then writes each
+    probability as one product, ``e * exp(shifts[g] - M) / S``."""
+    if cache and kind != "float32":
+        raise ValueError("exponentials are cached for float32 rows only")
+    width, decode, encode = word_codec(kind)
     n_groups = groups(slots, 1)
     per = slots // n_groups
     exp = exponential("float32")
@@ -785,7 +807,7 @@ def _whole_fold(kind: str, threads: int, slots: int):
     neg_inf, zero = float32(NEG_INF), float32(0.0)
     held = per * 4
 
-    def fold(stage, lane):
+    def fold(stage, lane, shifts):
         words = cuda.local.array(held, uint32)
         buf = cuda.local.array(width, float32)
         m = neg_inf
@@ -814,7 +836,19 @@ def _whole_fold(kind: str, threads: int, slots: int):
                 gm = max_nan(lo, hi)
             mn = max_nan(m, gm)
             m, s = raise_max(m, s, mn)
-            if m > neg_inf and m < POS_INF:
+            if cache:  # no branch: see above
+                shifts[g] = m
+                sh = m if m > neg_inf and m < POS_INF else zero
+                for i in range(per):
+                    decode(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3],
+                           buf, 0)
+                    for v in range(width):
+                        e = exp(buf[v] - sh)
+                        s += e
+                        buf[v] = e
+                    a, b, c, d = encode(buf, 0)
+                    store_shared16(stage, (lane + (g * per + i) * threads) * 4, a, b, c, d)
+            elif m > neg_inf and m < POS_INF:
                 for i in range(per):
                     decode(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3],
                            buf, 0)
@@ -918,7 +952,7 @@ def _part_exchange(kind: str, threads: int, part_slots: int, has_where: bool, pa
 @functools.cache
 def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                whole: bool = False, split: int = 0, ahead: int = 0, spin: int = SPIN_POLLS,
-               parts: int = 1):
+               parts: int = 1, cache: bool = False):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` (the signature of
     :func:`normalize`; ``wsp`` unused): softmax or log_softmax on a persistent grid of
     thread-block clusters of ``chunks`` blocks, a block per chunk of ``threads * slots``
@@ -953,8 +987,11 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     per = slots // n_groups
     issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False, n_groups)
     lean = whole and not has_where
-    fold = _whole_fold(kind, threads, slots) if lean else None
     ahead = ahead if lean else 0
+    # float32 softmax may keep its exponentials in the stage (none read ahead: those words
+    # are written from registers)
+    cached = cache and lean and op == "softmax" and kind == "float32" and ahead == 0
+    fold = _whole_fold(kind, threads, slots, cached) if lean else None
     kept_words = max(1, 4 * per * ahead)  # 32-bit words a thread keeps across the exchange
     results = _word_results(op, kind)
     row_state = _row_state(op)
@@ -971,7 +1008,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     part_exchange = (_part_exchange(kind, threads, slots * split, has_where, parts, spin)
                      if several else None)
     is_log = op == "log_softmax"
-    neg_inf, zero = float32(NEG_INF), float32(0.0)
+    neg_inf, zero, one = float32(NEG_INF), float32(0.0), float32(1.0)
 
     def regular_word(orow, i, a, b, c, d, m, m_t, f, log_s, log2_s, buf):
         """Write the outputs of the staged word ``a, b, c, d`` of a usual row at ``orow[i]``."""
@@ -979,6 +1016,8 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         for v in range(width):
             if is_log:
                 buf[v] = (buf[v] - m) - log_s
+            elif cached:  # the cached exponential times its group's factor
+                buf[v] = buf[v] * f
             elif short:  # 2^((x - M) log2 e - log2 S): one FMA, one ex2
                 buf[v] = ex2((buf[v] - m) * float32(LOG2E) - log2_s)
             else:
@@ -1006,6 +1045,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         buf = cuda.local.array(width, float32)
         held = cuda.local.array(held_words, uint32)
         kept = cuda.local.array(kept_words, uint32)
+        shifts = cuda.local.array(n_groups, float32)  # the groups' shifts (cached exponentials)
         r = cid // parts
         if r < n_rows:
             issue(stage, 0, x[r], nw, base, lane)
@@ -1021,7 +1061,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
             more = nxt < n_rows
             xn = x[nxt if more else r]
             if lean:
-                m_t, s_t = fold(stage, lane)
+                m_t, s_t = fold(stage, lane, shifts)
             else:
                 m_t, s_t = land_fold(stage, 0, wr, nw, base, lane)
             for g in range(ahead):  # kept in registers; the next row's words on their way
@@ -1054,6 +1094,9 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                 m, s = part_exchange(wsp, r, h, m, s, x[r], wr, nw, scratch, flag)
             nan_row, inf_row, empty, log_s, f, regular = row_state(m, s, m_t, masked_nan)
             log2_s = log_s * float32(LOG2E)
+            if cached:  # derived afresh: the fold's stage addresses, kept, would be spilled
+                lane = opaque(cuda.threadIdx.x)
+                base = opaque(row_base) + lane
             if lean and regular:  # the usual case: no tests a value
                 for g in range(ahead):  # the words kept in registers (constant indices)
                     for i in range(per):
@@ -1061,7 +1104,9 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                         regular_word(orow, (base + j * threads) * width, kept[4 * j],
                                      kept[4 * j + 1], kept[4 * j + 2], kept[4 * j + 3], m,
                                      m_t, f, log_s, log2_s, buf)
+                inv_s = one / s if cached else one
                 for g in range(ahead, n_groups):
+                    fg = exp(shifts[g] - m) * inv_s if cached else f  # 0 for a -inf shift
                     for i in range(per):  # the group read back first, then written
                         a, b, c, d = load_shared16(stage, (lane + (g * per + i) * threads) * 4)
                         held[4 * i] = a
@@ -1072,7 +1117,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                         j = g * per + i
                         wi = base + j * threads
                         regular_word(orow, wi * width, held[4 * i], held[4 * i + 1],
-                                     held[4 * i + 2], held[4 * i + 3], m, m_t, f, log_s,
+                                     held[4 * i + 2], held[4 * i + 3], m, m_t, fg, log_s,
                                      log2_s, buf)
                         if more:  # the word is read back: refill it with the next row's
                             cp_async16(stage, (lane + j * threads) * 4, xn, wi * width)

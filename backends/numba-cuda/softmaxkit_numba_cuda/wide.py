@@ -12,7 +12,8 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
   ``max_bf16x2(a, b)`` / ``max_f16x2(a, b)``: the same on the two 16-bit halves of two words
   at once (``max.NaN.bf16x2`` / ``max.NaN.f16x2``; a NaN half comes out NaN);
 * ``load_shared16(stage, j)``: elements ``j`` to ``j + 3`` of a shared ``uint32`` array (``j``
-  a multiple of 4) in one ``ld.shared.v4.u32``;
+  a multiple of 4) in one ``ld.shared.v4.u32``; ``store_shared16(stage, j, a, b, c, d)``
+  writes them in one ``st.shared.v4.u32``;
 * ``pack_bf16(lo, hi)`` / ``pack_f16(lo, hi)``: two float32 values rounded to nearest even and
   packed into one word (``cvt.rn.bf16x2.f32`` / ``cvt.rn.f16x2.f32``, NaN stays NaN);
   ``unpack_f16(u)``: the two float16 halves of a word as float32;
@@ -110,6 +111,10 @@ if SIMULATOR:
         """``stage[j:j + 4]`` as four unsigned 32-bit words."""
         return np.uint32(stage[j]), np.uint32(stage[j + 1]), np.uint32(stage[j + 2]), \
             np.uint32(stage[j + 3])
+
+    def store_shared16(stage, j, a, b, c, d):
+        """Write four 32-bit words to ``stage[j:j + 4]``."""
+        stage[j], stage[j + 1], stage[j + 2], stage[j + 3] = a, b, c, d
 
     def _bf16_bits(v):
         u = int(np.array(v, dtype=np.float32).view(np.uint32)[()])
@@ -294,6 +299,26 @@ else:
             res = builder.call(asm, [ptr])
             words = [builder.extract_value(res, k) for k in range(4)]
             return context.make_tuple(builder, sig.return_type, words)
+
+        return sig, codegen
+
+    @intrinsic
+    def store_shared16(typingctx, stage, j, a, b, c, d):
+        sig = types.void(stage, j, a, b, c, d)
+
+        def codegen(context, builder, sig, args):
+            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
+            words = [context.cast(builder, v, t, types.uint32)
+                     for v, t in zip(args[2:], sig.args[2:], strict=True)]
+            fnty = ir.FunctionType(ir.VoidType(), [ptr.type] + [_I32] * 4)
+            # ordered with the loads and copies of the stage around it
+            asm = ir.InlineAsm(
+                fnty,
+                "{ .reg .u64 sa; .reg .u32 s32; cvta.to.shared.u64 sa, $0; cvt.u32.u64 s32, sa; "
+                "st.shared.v4.u32 [s32], {$1, $2, $3, $4}; }",
+                "l,r,r,r,r,~{memory}", side_effect=True)
+            builder.call(asm, [ptr] + words)
+            return context.get_dummy_value()
 
         return sig, codegen
 

@@ -44,7 +44,9 @@ PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "staged-4096,persist": (4096, ("bfloat16",), PERSIST_OPS),
          "staged-1024,persist,ahead1": (1024, ("float32",), PERSIST_OPS),
          "staged-2048,persist,ahead16": (2048, ("bfloat16", "float32"), PERSIST_OPS),
-         "staged-4096,persist,parts4": (4096, ("float32",), PERSIST_OPS)}
+         "staged-4096,persist,parts4": (4096, ("float32",), PERSIST_OPS),
+         "staged-1024,persist,cache1": (1024, ("float32",), PERSIST_OPS),
+         "staged-4096,persist,parts4,cache1": (4096, ("float32",), PERSIST_OPS)}
 """Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
 of one warp, in 16-byte words and, for float32 rows of 302 elements, element by element; the
 same with split rows staged in shared memory, one stage per block or two (a persistent grid
@@ -63,7 +65,11 @@ exchanging through device memory, where the simulator's one-block-at-a-time sche
 the fallback that summarizes the other half from device memory); ``aheadN``: N copy groups
 of the whole-chunk rows read back before the summary exchange (the default is none; 16: all);
 ``parts4``: float32 rows of 4096 elements (four chunks) as four clusters a row
-(``SOFTMAXKIT_NUMBA_CUDA_ROW_CLUSTERS=4``), the first summarizing the three others.
+(``SOFTMAXKIT_NUMBA_CUDA_ROW_CLUSTERS=4``), the first summarizing the three others;
+``cache1``: float32 softmax with its exponentials cached in the stage
+(``SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE=1``).  Every input has an ascending row (its maximum rises
+in every copy group) and a row whose first quarter is -inf (copy groups that land while the
+maximum is -inf).
 (Short rows, a group of threads each, are the simulator's default plan in the kit.)"""
 
 
@@ -85,10 +91,12 @@ def _inputs(rng: np.random.Generator, dtype: str, n: int) -> tuple[np.ndarray, n
     from softmaxkit.dtypes import lookup
 
     x = rng.normal(scale=5.0, size=(6, n))
+    x[0] = np.sort(x[0])
     x[1, 7] = np.nan
     x[2, 3] = np.inf
     x[3, :] = -np.inf
     x[4, ::2] = -np.inf
+    x[4, :n // 4] = -np.inf
     where = rng.random((6, n)) < 0.8
     where[5, :] = False
     return x.astype(lookup(xp, dtype)), where
@@ -158,7 +166,8 @@ def plans() -> None:
         os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"] = "0" if "fold0" in options else "1"
         os.environ["SOFTMAXKIT_NUMBA_CUDA_CLUSTER"] = "all" if "cluster" in options else "1"
         os.environ["SOFTMAXKIT_NUMBA_CUDA_PERSIST"] = "all" if "persist" in options else "1"
-        for prefix, name in (("ahead", "STAGE_AHEAD"), ("parts", "ROW_CLUSTERS")):
+        for prefix, name in (("ahead", "STAGE_AHEAD"), ("parts", "ROW_CLUSTERS"),
+                             ("cache", "EXP_CACHE")):
             value = [o[len(prefix):] for o in options if o.startswith(prefix)]
             if value:
                 os.environ[f"SOFTMAXKIT_NUMBA_CUDA_{name}"] = value[0]
@@ -180,7 +189,7 @@ def plans() -> None:
                 except Exception:
                     emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
     for name in ("PLAN", "STAGED", "STAGE_RING", "STAGE_FOLD", "CLUSTER", "PERSIST",
-                 "STAGE_AHEAD", "ROW_CLUSTERS"):
+                 "STAGE_AHEAD", "ROW_CLUSTERS", "EXP_CACHE"):
         os.environ.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
 
 
