@@ -54,6 +54,7 @@ GROUPS_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
 FOLD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
 CLUSTER_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
 CACHE_ENV = "SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE"
+STAGGER_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGGER"
 PERSIST_ENV = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
 POLICY_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
 AHEAD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
@@ -281,7 +282,7 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 
 PLAN_OPTIONS = {"cluster": CLUSTER_ENV, "persist": PERSIST_ENV, "policy": POLICY_ENV,
                 "ahead": AHEAD_ENV, "spin": SPIN_ENV, "parts": PARTS_ENV, "cache": CACHE_ENV,
-                "ring": RING_ENV, "g": GROUPS_ENV}
+                "stagger": STAGGER_ENV, "ring": RING_ENV, "g": GROUPS_ENV}
 """Plan options ``<prefix><value>`` of :func:`use_plan` and the setting each one sets."""
 
 
@@ -297,7 +298,8 @@ def use_plan(plan: str | None) -> None:
     balance), ``aheadN`` (its copy groups read back before the summary exchange), ``spinN``
     (polls of the exchange between a row's clusters before it pauses), ``partsN`` (N
     clusters a row, each an equal part of its chunks), ``cacheN`` (1: float32 softmax caches
-    its exponentials in the stage, 0: it does not), or a register budget."""
+    its exponentials in the stage, 0: it does not), ``staggerF`` (the persistent grid's groups
+    that walk one row fewer start up to F of a wave's time late), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")

@@ -83,12 +83,13 @@ def kernels():
             for op in ("softmax", "log_softmax"):
                 fn = staged.persistent(op, kind, threads, slots, False)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
-                       "int64, uint64[:, ::1])")
+                       "int64, uint64[:, ::1], int64)")
                 out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))
         if kind == "float64":
             continue
         # the lean kernels of 256 x 524288 (whole chunks; float32 rows are two clusters, or
-        # four), with none (the default), one, two or all copy groups read back ahead
+        # four), with none (the default), one, two or all copy groups read back ahead (the
+        # groups' staggered start included)
         threads = k.PERSIST_THREADS[kind]
         slots = 64 * 1024 // (16 * threads)
         cap_slots = staged._fit(threads, slots, 1)[1] // VALUES[kind]
@@ -103,7 +104,7 @@ def kernels():
                 fn = staged.persistent(op, kind, threads, slots, False, True, 32 // parts, ahead,
                                        parts=parts, cache=cache)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
-                       "int64, uint64[:, ::1])")
+                       "int64, uint64[:, ::1], int64)")
                 out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))
     return out
 

@@ -134,6 +134,29 @@ def multiprocessors(a: Any, lib: str) -> int:
     return count
 
 
+_bandwidth: dict[int, float] = {}
+NOMINAL_BANDWIDTH = 3e12
+"""Bytes per second assumed where the device does not report its memory clock and bus."""
+
+
+def memory_bandwidth(a: Any, lib: str) -> float:
+    """Peak bytes per second of the memory of the device that holds ``a``: its double data
+    rate clock times its bus width (numba's device attributes)."""
+    index = device_index(getattr(a, "device", None), lib)
+    bw = _bandwidth.get(index)
+    if bw is None:
+        bw = NOMINAL_BANDWIDTH
+        if not SIMULATOR:
+            with _on_device(index):
+                dev = cuda.get_current_device()
+                try:
+                    bw = 2e3 * dev.MEMORY_CLOCK_RATE * dev.GLOBAL_MEMORY_BUS_WIDTH / 8 or bw
+                except (AttributeError, TypeError, ValueError):
+                    pass  # a driver without these attributes
+        _bandwidth[index] = bw
+    return bw
+
+
 def _torch() -> Any:
     import torch
 

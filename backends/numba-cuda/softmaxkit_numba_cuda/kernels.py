@@ -24,6 +24,7 @@ from .arrays import (
     kernel_view,
     launch,
     library,
+    memory_bandwidth,
     multiprocessors,
     resident_clusters,
     rows,
@@ -137,13 +138,15 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
         shared = staged.shared_bytes(p.threads, p.slots, 1)
         # several clusters a row exchange through zeroed slots in device memory, one a part
         wsp = _slots(xp, x, lib, plans.Plan(p.threads, p.slots, 1, parts), n_rows, "float32")
-        args = (xv, w, masked == "nan", ov, n_rows, n // width, p.chunks, wsp)
+        args = (xv, w, masked == "nan", ov, n_rows, n // width, p.chunks, wsp, 0)
         with launch(x, lib) as stream:
             policy = staged.policy()
             fit = resident_clusters(kernel, p.block, stream, args, shared, cluster, policy)
             rows_at_once = min(n_rows, max(1, fit // parts))
-            run(kernel, rows_at_once * p.chunks, p.block, stream, *args, shared=shared,
-                cluster=cluster, policy=policy)
+            spread = staged.stagger(n_rows, rows_at_once, n * x.dtype.itemsize,
+                                    memory_bandwidth(x, lib))
+            run(kernel, rows_at_once * p.chunks, p.block, stream, *args[:-1], spread,
+                shared=shared, cluster=cluster, policy=policy)
         return out
     if clustered is not None:  # the chunks of a row are one thread-block cluster
         p, cluster = clustered, clustered.chunks

@@ -156,6 +156,13 @@ exponential in the stage during the fold (:func:`_whole_fold`), so that its stor
 one multiply a value; ``0`` recomputes the exponentials there (tuning; default
 :data:`DEFAULT_CACHE`)."""
 DEFAULT_CACHE = "0"
+STAGGER = "SOFTMAXKIT_NUMBA_CUDA_STAGGER"
+"""Environment variable: how late, as a fraction of the time a wave of rows takes at the
+device's peak bandwidth, the last of the persistent grid's groups of clusters that walk one
+row fewer than the others starts (they start one after another, the first of them at once),
+so that the groups' fold-and-exchange pauses fall at different times (tuning; default
+:data:`DEFAULT_STAGGER`)."""
+DEFAULT_STAGGER = "0"
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -204,6 +211,19 @@ def spin() -> int:
 def cache() -> bool:
     """Whether float32 softmax on the persistent grid caches its exponentials (:data:`CACHE`)."""
     return os.environ.get(CACHE, DEFAULT_CACHE) != "0"
+
+
+def stagger(n_rows: int, groups: int, row_bytes: int, bandwidth: float) -> int:
+    """Nanoseconds between the starts of consecutive groups of clusters of a persistent grid of
+    ``groups`` groups (a row each at a time) walking ``n_rows`` rows of ``row_bytes`` bytes
+    read and as many written, on a device of peak ``bandwidth`` bytes per second: only the
+    groups that walk one row fewer start late (:data:`STAGGER`), so no group ends later."""
+    rem = n_rows % groups
+    fraction = float(os.environ.get(STAGGER, DEFAULT_STAGGER))
+    if fraction <= 0 or n_rows < groups or rem == 0:
+        return 0
+    wave_ns = 2 * row_bytes * groups / bandwidth * 1e9
+    return int(fraction * wave_ns / (groups - rem))
 
 
 def fold() -> bool:
@@ -953,32 +973,32 @@ def _part_exchange(kind: str, threads: int, part_slots: int, has_where: bool, pa
 def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                whole: bool = False, split: int = 0, ahead: int = 0, spin: int = SPIN_POLLS,
                parts: int = 1, cache: bool = False):
-    """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` (the signature of
-    :func:`normalize`; ``wsp`` unused): softmax or log_softmax on a persistent grid of
-    thread-block clusters of ``chunks`` blocks, a block per chunk of ``threads * slots``
-    words (:func:`shared_bytes` of dynamic shared memory with one stage).
-     The grid is the clusters that fit on the device at once
-    (:func:`.arrays.resident_clusters`) and cluster ``c`` of ``C`` walks rows ``c, c + C, c
-    + 2C, ...``; with ``parts`` above 1 a row is ``parts`` clusters of ``split`` blocks
-    (``parts p`` to ``parts p + parts - 1`` walk rows ``p, p + C / parts, ...``, each an
-    equal part of the chunks) that exchange their parts' summaries through device memory
-    once a row (:func:`_part_exchange`: ``wsp`` holds zeroed slots, ``parts`` a row).  Per
-    row, each thread folds its copy groups into a running (max, sum) as they land
-    (``land_fold`` of :func:`_stage`; :func:`_whole_fold` with ``whole``: every row
-    ``chunks`` whole chunks and no ``where``), each warp merges its threads' pairs by
-    shuffles and publishes the pair in its block's shared memory, and one cluster barrier
-    later every warp reads the ``chunks x warps`` pairs of the cluster (distributed shared
-    memory) and merges them itself: one barrier per row, no block barrier.  The pairs
-    alternate between two slots by row parity, so a slot is rewritten only after every peer
-    has passed the barrier that follows its last read of it.  The outputs are then written
-    word by word, and each staged word, once read back for its store, is refilled with the
-    same word of the cluster's next row (``cp.async``, committed by copy group, so the fold
-    of the next row waits group by group): the next row's loads are in flight while this row
-    is written, and no cluster waits for a launch between rows.  With ``whole``, the first
-    ``ahead`` copy groups of each thread are read back into registers as soon as the fold is
-    done and refilled at once, so that part of the next row is in flight during the cluster
-    barrier and the exchange too.  A thread reads back only the words it copied itself, so
-    no barrier guards the stage. Before it exits a block arrives at and waits on the cluster
+    """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp, spread)`` (the signature of
+    :func:`normalize`, and ``spread``: :func:`stagger`'s nanoseconds): softmax or log_softmax
+    on a persistent grid of thread-block clusters of ``chunks`` blocks, a block per chunk of
+    ``threads * slots`` words (:func:`shared_bytes` of dynamic shared memory with one stage).
+
+    The grid is the clusters that fit on the device at once (:func:`.arrays.resident_clusters`)
+    and cluster ``c`` of ``C`` walks rows ``c, c + C, c + 2C, ...``; the groups that walk one
+    row fewer start ``spread`` ns apart.  With ``parts`` above 1 a row is ``parts`` clusters of
+    ``split`` blocks (``parts p`` to ``parts p + parts - 1`` walk rows ``p, p + C / parts,
+    ...``, each an equal part of the chunks) that exchange their parts' summaries through device
+    memory once a row (:func:`_part_exchange`: ``wsp`` holds zeroed slots, ``parts`` a row).  Per
+    row, each thread folds its copy groups into a running (max, sum) as they land (``land_fold``
+    of :func:`_stage`; :func:`_whole_fold` with ``whole``: every row ``chunks`` whole chunks and
+    no ``where``), each warp merges its threads' pairs by shuffles and publishes the pair in its
+    block's shared memory, and one cluster barrier later every warp reads the ``chunks x warps``
+    pairs of the cluster (distributed shared memory) and merges them itself: one barrier per
+    row, no block barrier.  The pairs alternate between two slots by row parity, so a slot is
+    rewritten only after every peer has passed the barrier that follows its last read of it.  The
+    outputs are then written word by word, and each staged word, once read back for its store,
+    is refilled with the same word of the cluster's next row (``cp.async``, committed by copy
+    group, so the fold of the next row waits group by group): the next row's loads are in flight
+    while this row is written, and no cluster waits for a launch between rows.  With ``whole``,
+    the first ``ahead`` copy groups of each thread are read back into registers as soon as the
+    fold is done and refilled at once, so that part of the next row is in flight during the
+    cluster barrier and the exchange too.  A thread reads back only the words it copied itself,
+    so no barrier guards the stage.  Before it exits a block arrives at and waits on the cluster
     barrier once more, so that no block's shared memory goes while a peer may read it.
     """
     width, decode, encode = word_codec(kind)
@@ -1028,7 +1048,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     regular_word = device_function(regular_word)
 
     @kernel(threads, _fit(threads, slots, 1)[1])
-    def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp):
+    def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp, spread):
         stage = cuda.shared.array(0, uint32)
         summary = cuda.shared.array(pairs, float32)
         scratch = cuda.shared.array(SCRATCH, float32)
@@ -1047,6 +1067,11 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         kept = cuda.local.array(kept_words, uint32)
         shifts = cuda.local.array(n_groups, float32)  # the groups' shifts (cached exponentials)
         r = cid // parts
+        late = r - n_rows % step + 1  # > 0: the group walks one row fewer than the first ones
+        if spread > 0 and late > 0 and n_rows % step > 0:
+            start = globaltimer()
+            while globaltimer() - start < uint64(spread * late):
+                nanosleep(256)
         if r < n_rows:
             issue(stage, 0, x[r], nw, base, lane)
         slot = 0

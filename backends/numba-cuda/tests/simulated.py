@@ -46,7 +46,8 @@ PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "staged-2048,persist,ahead16": (2048, ("bfloat16", "float32"), PERSIST_OPS),
          "staged-4096,persist,parts4": (4096, ("float32",), PERSIST_OPS),
          "staged-1024,persist,cache1": (1024, ("float32",), PERSIST_OPS),
-         "staged-4096,persist,parts4,cache1": (4096, ("float32",), PERSIST_OPS)}
+         "staged-4096,persist,parts4,cache1": (4096, ("float32",), PERSIST_OPS),
+         "staged-1024,persist,stagger1,rows5": (1024, ("float32",), PERSIST_OPS)}
 """Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
 of one warp, in 16-byte words and, for float32 rows of 302 elements, element by element; the
 same with split rows staged in shared memory, one stage per block or two (a persistent grid
@@ -67,9 +68,10 @@ of the whole-chunk rows read back before the summary exchange (the default is no
 ``parts4``: float32 rows of 4096 elements (four chunks) as four clusters a row
 (``SOFTMAXKIT_NUMBA_CUDA_ROW_CLUSTERS=4``), the first summarizing the three others;
 ``cache1``: float32 softmax with its exponentials cached in the stage
-(``SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE=1``).  Every input has an ascending row (its maximum rises
-in every copy group) and a row whose first quarter is -inf (copy groups that land while the
-maximum is -inf).
+(``SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE=1``); ``stagger1,rows5``: five rows over two clusters,
+the second (one row fewer) starting late (``SOFTMAXKIT_NUMBA_CUDA_STAGGER=1``).  Every input
+has an ascending row (its maximum rises in every copy group) and a row whose first quarter is
+-inf (copy groups that land while the maximum is -inf).
 (Short rows, a group of threads each, are the simulator's default plan in the kit.)"""
 
 
@@ -167,7 +169,7 @@ def plans() -> None:
         os.environ["SOFTMAXKIT_NUMBA_CUDA_CLUSTER"] = "all" if "cluster" in options else "1"
         os.environ["SOFTMAXKIT_NUMBA_CUDA_PERSIST"] = "all" if "persist" in options else "1"
         for prefix, name in (("ahead", "STAGE_AHEAD"), ("parts", "ROW_CLUSTERS"),
-                             ("cache", "EXP_CACHE")):
+                             ("cache", "EXP_CACHE"), ("stagger", "STAGGER")):
             value = [o[len(prefix):] for o in options if o.startswith(prefix)]
             if value:
                 os.environ[f"SOFTMAXKIT_NUMBA_CUDA_{name}"] = value[0]
@@ -175,7 +177,9 @@ def plans() -> None:
                 os.environ.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
         for dtype in dtypes:
             x, where = _inputs(rng, dtype, n)
-            target = rng.integers(0, n, size=6)
+            if "rows5" in options:
+                x, where = x[:5], where[:5]
+            target = rng.integers(0, n, size=len(x))
             target[0] = -1
             cot = rng.normal(size=x.shape).astype(x.dtype)
             for op in ops:
@@ -189,7 +193,7 @@ def plans() -> None:
                 except Exception:
                     emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
     for name in ("PLAN", "STAGED", "STAGE_RING", "STAGE_FOLD", "CLUSTER", "PERSIST",
-                 "STAGE_AHEAD", "ROW_CLUSTERS", "EXP_CACHE"):
+                 "STAGE_AHEAD", "ROW_CLUSTERS", "EXP_CACHE", "STAGGER"):
         os.environ.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
 
 

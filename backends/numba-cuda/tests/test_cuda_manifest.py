@@ -230,6 +230,20 @@ def test_row_clusters_setting(monkeypatch):
     assert p.chunks == 2 and plan.row_clusters(p, simulator=True) == 2
 
 
+def test_stagger(monkeypatch):
+    from softmaxkit_numba_cuda import staged
+
+    monkeypatch.delenv(staged.STAGGER, raising=False)
+    assert staged.stagger(256, 11, 2**21, 4e12) == 0  # the default: no stagger
+    monkeypatch.setenv(staged.STAGGER, "1")
+    wave_ns = 2 * 2**21 * 11 / 4e12 * 1e9  # 11 rows read and written at 4 TB/s
+    # 256 = 23 * 11 + 3: the 8 groups that walk 23 rows start one after another
+    assert staged.stagger(256, 11, 2**21, 4e12) == int(wave_ns / 8)
+    assert (staged.stagger(253, 11, 2**21, 4e12), staged.stagger(5, 11, 2**21, 4e12)) == (0, 0)
+    monkeypatch.setenv(staged.STAGGER, "0.5")
+    assert staged.stagger(256, 11, 2**21, 4e12) == int(wave_ns / 16)
+
+
 def test_persistent_plans_in_the_simulator(monkeypatch):
     _clear(monkeypatch)
     assert plan.persistent(256, simulator=True) is None  # only with "all"
