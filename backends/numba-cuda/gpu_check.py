@@ -55,6 +55,7 @@ FOLD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
 CLUSTER_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
 CACHE_ENV = "SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE"
 STAGGER_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGGER"
+HINTS_ENV = "SOFTMAXKIT_NUMBA_CUDA_CACHE_HINTS"
 PERSIST_ENV = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
 POLICY_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
 AHEAD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
@@ -282,7 +283,7 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 
 PLAN_OPTIONS = {"cluster": CLUSTER_ENV, "persist": PERSIST_ENV, "policy": POLICY_ENV,
                 "ahead": AHEAD_ENV, "spin": SPIN_ENV, "parts": PARTS_ENV, "cache": CACHE_ENV,
-                "stagger": STAGGER_ENV, "ring": RING_ENV, "g": GROUPS_ENV}
+                "stagger": STAGGER_ENV, "hints": HINTS_ENV, "ring": RING_ENV, "g": GROUPS_ENV}
 """Plan options ``<prefix><value>`` of :func:`use_plan` and the setting each one sets."""
 
 
@@ -299,7 +300,8 @@ def use_plan(plan: str | None) -> None:
     (polls of the exchange between a row's clusters before it pauses), ``partsN`` (N
     clusters a row, each an equal part of its chunks), ``cacheN`` (1: float32 softmax caches
     its exponentials in the stage, 0: it does not), ``staggerF`` (the persistent grid's groups
-    that walk one row fewer start up to F of a wave's time late), or a register budget."""
+    that walk one row fewer start up to F of a wave's time late), ``hintsH`` (its cache hints:
+    ``cs``, ``l2`` or ``cs+l2``), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")

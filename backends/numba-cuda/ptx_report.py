@@ -97,12 +97,14 @@ def kernels():
         variants = [(parts, ahead, False) for ahead in (0, 1, 2, 4)]
         if kind == "float32":  # four clusters a row; exponentials cached (softmax)
             variants += [(4, 0, False), (2, 0, True), (4, 0, True)]
+        variants.append((variants[0][0], 0, "hints"))  # streaming stores, L2 prefetch
         for parts, ahead, cache in variants:
             tag = (f"{kind}-{threads}x{slots}-lean-ahead{ahead}" + f"-parts{parts}" * (parts > 2)
-                   + "-cache" * cache)
-            for op in ("softmax", "log_softmax")[:2 - cache]:
+                   + ("-hints" if cache == "hints" else "-cache" * cache))
+            for op in ("softmax", "log_softmax")[:2 - (cache is True)]:
                 fn = staged.persistent(op, kind, threads, slots, False, True, 32 // parts, ahead,
-                                       parts=parts, cache=cache)
+                                       parts=parts, cache=cache is True,
+                                       hints=(cache == "hints",) * 2)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
                        "int64, uint64[:, ::1], int64)")
                 out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))

@@ -134,7 +134,8 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
         whole = n // width == p.chunks * p.chunk_words  # every chunk full
         kernel = staged.persistent(op, kin, p.threads, p.slots, where is not None, whole,
                                    cluster if parts > 1 else 0, staged.ahead(kin, p.slots),
-                                   staged.spin(), parts, staged.cache())
+                                   staged.spin(), parts, staged.cache(),
+                                   staged.hints())
         shared = staged.shared_bytes(p.threads, p.slots, 1)
         # several clusters a row exchange through zeroed slots in device memory, one a part
         wsp = _slots(xp, x, lib, plans.Plan(p.threads, p.slots, 1, parts), n_rows, "float32")

@@ -107,6 +107,7 @@ from .wide import (
     cluster_rank,
     cluster_wait,
     cp_async16,
+    cp_async16_l2,
     cp_async_commit,
     cp_async_pending,
     ex2,
@@ -120,6 +121,7 @@ from .wide import (
     nanosleep,
     opaque,
     store16,
+    store16_cs,
     store_shared16,
     unpack_f16,
 )
@@ -163,6 +165,10 @@ row fewer than the others starts (they start one after another, the first of the
 so that the groups' fold-and-exchange pauses fall at different times (tuning; default
 :data:`DEFAULT_STAGGER`)."""
 DEFAULT_STAGGER = "0"
+HINTS = "SOFTMAXKIT_NUMBA_CUDA_CACHE_HINTS"
+"""Environment variable: cache hints of the persistent kernel's global accesses, a comma list
+(or ``+`` list) of ``cs`` (outputs stored evict-first, ``st.global.cs``) and ``l2`` (each
+refill asks L2 for the 256-byte block around its word); none by default (tuning)."""
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -224,6 +230,12 @@ def stagger(n_rows: int, groups: int, row_bytes: int, bandwidth: float) -> int:
         return 0
     wave_ns = 2 * row_bytes * groups / bandwidth * 1e9
     return int(fraction * wave_ns / (groups - rem))
+
+
+def hints() -> tuple[bool, bool]:
+    """``(streaming stores, L2 prefetch)`` of the persistent kernel (:data:`HINTS`)."""
+    given = os.environ.get(HINTS, "").replace("+", ",").split(",")
+    return "cs" in given, "l2" in given
 
 
 def fold() -> bool:
@@ -972,7 +984,7 @@ def _part_exchange(kind: str, threads: int, part_slots: int, has_where: bool, pa
 @functools.cache
 def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                whole: bool = False, split: int = 0, ahead: int = 0, spin: int = SPIN_POLLS,
-               parts: int = 1, cache: bool = False):
+               parts: int = 1, cache: bool = False, hints: tuple[bool, bool] = (False, False)):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp, spread)`` (the signature of
     :func:`normalize`, and ``spread``: :func:`stagger`'s nanoseconds): softmax or log_softmax
     on a persistent grid of thread-block clusters of ``chunks`` blocks, a block per chunk of
@@ -1029,6 +1041,8 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                      if several else None)
     is_log = op == "log_softmax"
     neg_inf, zero, one = float32(NEG_INF), float32(0.0), float32(1.0)
+    put = store16_cs if hints[0] else store16  # the outputs
+    refill = cp_async16_l2 if hints[1] else cp_async16  # the next row's words
 
     def regular_word(orow, i, a, b, c, d, m, m_t, f, log_s, log2_s, buf):
         """Write the outputs of the staged word ``a, b, c, d`` of a usual row at ``orow[i]``."""
@@ -1043,7 +1057,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
             else:
                 buf[v] = exp(buf[v] - m_t) * f
         a, b, c, d = encode(buf, 0)
-        store16(orow, i, a, b, c, d)
+        put(orow, i, a, b, c, d)
 
     regular_word = device_function(regular_word)
 
@@ -1099,7 +1113,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                     kept[4 * j + 2] = c
                     kept[4 * j + 3] = d
                     if more:
-                        cp_async16(stage, q, xn, (base + j * threads) * width)
+                        refill(stage, q, xn, (base + j * threads) * width)
                 cp_async_commit()
             m, s = warp_pair(m_t, s_t, summary)
             if wl == 0:
@@ -1145,7 +1159,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                                      held[4 * i + 2], held[4 * i + 3], m, m_t, fg, log_s,
                                      log2_s, buf)
                         if more:  # the word is read back: refill it with the next row's
-                            cp_async16(stage, (lane + j * threads) * 4, xn, wi * width)
+                            refill(stage, (lane + j * threads) * 4, xn, wi * width)
                     cp_async_commit()
             else:
                 for g in range(n_groups):
@@ -1163,9 +1177,9 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                             results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
                                     masked_nan)
                             a, b, c, d = encode(buf, 0)
-                            store16(orow, wi * width, a, b, c, d)
+                            put(orow, wi * width, a, b, c, d)
                             if more and not early:
-                                cp_async16(stage, q, xn, wi * width)
+                                refill(stage, q, xn, wi * width)
                     if not early:
                         cp_async_commit()
             r = nxt

@@ -6,6 +6,7 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
 * ``load16(row, i)`` / ``store16(row, i, a, b, c, d)``: the 16 bytes at element ``i`` of a
   1-D array as four 32-bit words (``ld.global.nc.v4.u32`` / ``st.global.v4.u32``); ``i`` must
   be a multiple of ``16 / itemsize`` and the row 16-byte aligned (the caller checks);
+  ``store16_cs`` stores with the streaming (evict-first) cache operator (``st.global.cs``);
 * ``ex2(x)``: ``2**x`` in float32 by ``ex2.approx.ftz.f32`` (relative error about 2 ulp,
   subnormal results flushed to zero);
 * ``max_nan(a, b)``: the float32 maximum that propagates NaN (``max.NaN.f32``);
@@ -27,7 +28,8 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
   live, and spilled) across the loop;
 * ``cp_async16(stage, j, row, i)``: copy the 16 bytes at element ``i`` of a global row to
   element ``j`` of a shared ``uint32`` array without passing through registers
-  (``cp.async.cg.shared.global``); ``cp_async_wait()`` waits for the thread's copies
+  (``cp.async.cg.shared.global``; ``cp_async16_l2`` also asks L2 to fetch the 256-byte
+  block around the word, ``.L2::256B``); ``cp_async_wait()`` waits for the thread's copies
   (``cp.async.wait_all``), after which the thread may read what it copied;
   ``cp_async_commit()`` closes a group of copies (``cp.async.commit_group``) and
   ``cp_async_pending(n)`` waits until at most ``n`` of the thread's groups, 0 to 15, are
@@ -162,6 +164,9 @@ if SIMULATOR:
         k = 16 // row.itemsize
         stage[j:j + 4] = np.ascontiguousarray(row[i:i + k]).view(np.uint32)
 
+    cp_async16_l2 = cp_async16
+    store16_cs = store16
+
     def cp_async_wait():
         """Wait for the thread's asynchronous copies (they are synchronous here)."""
 
@@ -227,21 +232,27 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def store16(typingctx, row, i, a, b, c, d):
-        sig = types.void(row, i, a, b, c, d)
+    def _store16(qualifier):
+        @intrinsic
+        def store(typingctx, row, i, a, b, c, d):
+            sig = types.void(row, i, a, b, c, d)
 
-        def codegen(context, builder, sig, args):
-            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
-            words = [context.cast(builder, v, t, types.uint32)
-                     for v, t in zip(args[2:], sig.args[2:], strict=True)]
-            fnty = ir.FunctionType(ir.VoidType(), [ptr.type] + [_I32] * 4)
-            asm = ir.InlineAsm(fnty, "st.global.v4.u32 [$0], {$1, $2, $3, $4};",
-                               "l,r,r,r,r,~{memory}", side_effect=True)
-            builder.call(asm, [ptr] + words)
-            return context.get_dummy_value()
+            def codegen(context, builder, sig, args):
+                ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
+                words = [context.cast(builder, v, t, types.uint32)
+                         for v, t in zip(args[2:], sig.args[2:], strict=True)]
+                fnty = ir.FunctionType(ir.VoidType(), [ptr.type] + [_I32] * 4)
+                asm = ir.InlineAsm(fnty, f"st.global{qualifier}.v4.u32 [$0], {{$1, $2, $3, $4}};",
+                                   "l,r,r,r,r,~{memory}", side_effect=True)
+                builder.call(asm, [ptr] + words)
+                return context.get_dummy_value()
 
-        return sig, codegen
+            return sig, codegen
+
+        return store
+
+    store16 = _store16("")
+    store16_cs = _store16(".cs")
 
     def _unary_f32(asm_text):
         @intrinsic
@@ -403,23 +414,29 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def cp_async16(typingctx, stage, j, row, i):
-        sig = types.void(stage, j, row, i)
+    def _cp_async16(qualifier):
+        @intrinsic
+        def copy(typingctx, stage, j, row, i):
+            sig = types.void(stage, j, row, i)
 
-        def codegen(context, builder, sig, args):
-            dst = _pointer(context, builder, sig.args[0], args[0], args[1])
-            src = _pointer(context, builder, sig.args[2], args[2], args[3])
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), [dst.type, src.type]),
-                "{ .reg .u64 sa, ga; .reg .u32 s32; cvta.to.shared.u64 sa, $0; "
-                "cvt.u32.u64 s32, sa; cvta.to.global.u64 ga, $1; "
-                "cp.async.cg.shared.global [s32], [ga], 16; }",
-                "l,l,~{memory}", side_effect=True)
-            builder.call(asm, [dst, src])
-            return context.get_dummy_value()
+            def codegen(context, builder, sig, args):
+                dst = _pointer(context, builder, sig.args[0], args[0], args[1])
+                src = _pointer(context, builder, sig.args[2], args[2], args[3])
+                asm = ir.InlineAsm(
+                    ir.FunctionType(ir.VoidType(), [dst.type, src.type]),
+                    "{ .reg .u64 sa, ga; .reg .u32 s32; cvta.to.shared.u64 sa, $0; "
+                    "cvt.u32.u64 s32, sa; cvta.to.global.u64 ga, $1; "
+                    f"cp.async.cg.shared.global{qualifier} [s32], [ga], 16; }}",
+                    "l,l,~{memory}", side_effect=True)
+                builder.call(asm, [dst, src])
+                return context.get_dummy_value()
 
-        return sig, codegen
+            return sig, codegen
+
+        return copy
+
+    cp_async16 = _cp_async16("")
+    cp_async16_l2 = _cp_async16(".L2::256B")
 
     @intrinsic
     def cp_async_wait(typingctx):
