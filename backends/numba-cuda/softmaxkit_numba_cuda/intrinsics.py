@@ -202,9 +202,9 @@ def register_cap(block: int, values: int, wide: bool = False) -> int:
     return max(32, min(255, budget, 65536 // block))
 
 
-def kernel(block: int, values: int, wide: bool = False):
+def kernel(block: int, values: int, wide: bool = False, registers: int | None = None):
     """Decorator compiling a kernel for blocks of ``block`` threads holding ``values`` values
-    per thread, under :func:`register_cap` registers."""
+    per thread, under :func:`register_cap` registers (or ``registers``, where given)."""
     if SIMULATOR:
         return cuda.jit
-    return cuda.jit(max_registers=register_cap(block, values, wide))
+    return cuda.jit(max_registers=registers or register_cap(block, values, wide))

@@ -130,12 +130,18 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     if persist is not None:  # a persistent grid of clusters, each walking rows
         p, parts = persist, plans.row_clusters(persist, SIMULATOR)
-        cluster = p.chunks // parts
         whole = n // width == p.chunks * p.chunk_words  # every chunk full
+        held = staged.held() if where is None else 0
+        kept = plans.held(p, n // width, held, SIMULATOR) if held else None
+        if kept is not None:  # chunks twice as long, ``held`` words a thread in registers
+            p, parts, whole = kept, 1, True
+        else:
+            held = 0
+        cluster = p.chunks // parts
         kernel = staged.persistent(op, kin, p.threads, p.slots, where is not None, whole,
-                                   cluster if parts > 1 else 0, staged.ahead(kin, p.slots),
-                                   staged.spin(), parts, staged.cache(),
-                                   staged.hints())
+                                   cluster if parts > 1 else 0,
+                                   0 if held else staged.ahead(kin, p.slots), staged.spin(),
+                                   parts, staged.cache(), staged.hints(), held)
         shared = staged.shared_bytes(p.threads, p.slots, 1)
         # several clusters a row exchange through zeroed slots in device memory, one a part
         wsp = _slots(xp, x, lib, plans.Plan(p.threads, p.slots, 1, parts), n_rows, "float32")

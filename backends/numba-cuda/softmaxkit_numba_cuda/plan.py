@@ -231,6 +231,19 @@ def persistent(n: int, simulator: bool = False, threads: int = STAGE_THREADS) ->
     return None
 
 
+def held(p: Plan, n: int, held: int, simulator: bool = False) -> Plan | None:
+    """The :func:`persistent` plan ``p`` for rows of ``n`` words with ``held`` words of each
+    thread kept in registers: chunks of ``2 p.slots`` words a thread (``2 p.slots - held``
+    staged, the ``slots`` of the plan returned), so half as many, one cluster a row; ``None``
+    where the rows are not whole such chunks or take more than :data:`LARGEST_CLUSTER` of them
+    (one in the simulator)."""
+    total = 2 * p.slots
+    chunk = p.threads * total
+    if not 0 < held < total or n % chunk or n // chunk > (1 if simulator else LARGEST_CLUSTER):
+        return None
+    return Plan(p.threads, total - held, 1, n // chunk)
+
+
 def row_clusters(p: Plan, simulator: bool = False) -> int:
     """Clusters a row of a :func:`persistent` plan takes, each an equal part of its chunks:
     :data:`ROW_CLUSTERS` where that divides the chunks into parts of at most

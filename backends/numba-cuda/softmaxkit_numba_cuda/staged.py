@@ -165,6 +165,12 @@ row fewer than the others starts (they start one after another, the first of the
 so that the groups' fold-and-exchange pauses fall at different times (tuning; default
 :data:`DEFAULT_STAGGER`)."""
 DEFAULT_STAGGER = "0"
+HELD = "SOFTMAXKIT_NUMBA_CUDA_HELD"
+"""Environment variable: words of a row that each thread of the persistent kernel keeps in
+registers, beside those staged in shared memory (:func:`.plan.held`: chunks twice as long, a
+row one cluster, for rows of whole such chunks without ``where``; 0 turns it off; tuning,
+default :data:`DEFAULT_HELD`)."""
+DEFAULT_HELD = "0"
 HINTS = "SOFTMAXKIT_NUMBA_CUDA_CACHE_HINTS"
 """Environment variable: cache hints of the persistent kernel's global accesses, a comma list
 (or ``+`` list) of ``cs`` (outputs stored evict-first, ``st.global.cs``) and ``l2`` (each
@@ -230,6 +236,11 @@ def stagger(n_rows: int, groups: int, row_bytes: int, bandwidth: float) -> int:
         return 0
     wave_ns = 2 * row_bytes * groups / bandwidth * 1e9
     return int(fraction * wave_ns / (groups - rem))
+
+
+def held() -> int:
+    """Words a thread of the persistent kernel keeps in registers (:data:`HELD`)."""
+    return max(0, int(os.environ.get(HELD, DEFAULT_HELD)))
 
 
 def hints() -> tuple[bool, bool]:
@@ -984,7 +995,8 @@ def _part_exchange(kind: str, threads: int, part_slots: int, has_where: bool, pa
 @functools.cache
 def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                whole: bool = False, split: int = 0, ahead: int = 0, spin: int = SPIN_POLLS,
-               parts: int = 1, cache: bool = False, hints: tuple[bool, bool] = (False, False)):
+               parts: int = 1, cache: bool = False, hints: tuple[bool, bool] = (False, False),
+               held: int = 0):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp, spread)`` (the signature of
     :func:`normalize`, and ``spread``: :func:`stagger`'s nanoseconds): softmax or log_softmax
     on a persistent grid of thread-block clusters of ``chunks`` blocks, a block per chunk of
@@ -1013,8 +1025,11 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     so no barrier guards the stage.  Before it exits a block arrives at and waits on the cluster
     barrier once more, so that no block's shared memory goes while a peer may read it.
     """
+    if held and (parts > 1 or not whole or has_where or ahead):
+        raise ValueError("words held in registers serve rows of one cluster, whole chunks, "
+                         "no where and none read ahead")
     width, decode, encode = word_codec(kind)
-    words = threads * slots
+    words = threads * (slots + held)  # a chunk: ``slots`` words a thread staged, ``held`` kept
     n_groups = groups(slots, 1)
     per = slots // n_groups
     issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False, n_groups)
@@ -1022,7 +1037,8 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     ahead = ahead if lean else 0
     # float32 softmax may keep its exponentials in the stage (none read ahead: those words
     # are written from registers)
-    cached = cache and lean and op == "softmax" and kind == "float32" and ahead == 0
+    cached = (cache and lean and op == "softmax" and kind == "float32" and ahead == 0
+              and not held)
     fold = _whole_fold(kind, threads, slots, cached) if lean else None
     kept_words = max(1, 4 * per * ahead)  # 32-bit words a thread keeps across the exchange
     results = _word_results(op, kind)
@@ -1060,8 +1076,13 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         put(orow, i, a, b, c, d)
 
     regular_word = device_function(regular_word)
+    raise_max = _raise_max()
+    # with held words, two blocks a multiprocessor: their registers allow twice the budget
+    registers = 65536 // (threads * blocks_per_sm(threads, slots, 1)) if held else None
+    n_held = held
+    kw_words = max(1, 4 * held)
 
-    @kernel(threads, _fit(threads, slots, 1)[1])
+    @kernel(threads, _fit(threads, slots, 1)[1], registers=registers)
     def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp, spread):
         stage = cuda.shared.array(0, uint32)
         summary = cuda.shared.array(pairs, float32)
@@ -1079,6 +1100,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         buf = cuda.local.array(width, float32)
         held = cuda.local.array(held_words, uint32)
         kept = cuda.local.array(kept_words, uint32)
+        kw = cuda.local.array(kw_words, uint32)  # the held words (registers)
         shifts = cuda.local.array(n_groups, float32)  # the groups' shifts (cached exponentials)
         r = cid // parts
         late = r - n_rows % step + 1  # > 0: the group walks one row fewer than the first ones
@@ -1088,6 +1110,12 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                 nanosleep(256)
         if r < n_rows:
             issue(stage, 0, x[r], nw, base, lane)
+            for k in range(n_held):
+                a, b, c, d = load16(x[r], (base + (slots + k) * threads) * width)
+                kw[4 * k] = a
+                kw[4 * k + 1] = b
+                kw[4 * k + 2] = c
+                kw[4 * k + 3] = d
         slot = 0
         while r < n_rows:
             # the thread's offsets derived afresh each row: hoisted, the words' addresses
@@ -1101,6 +1129,19 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
             xn = x[nxt if more else r]
             if lean:
                 m_t, s_t = fold(stage, lane, shifts)
+                if n_held:  # the words in registers: their maximum, then their exponentials
+                    gm = neg_inf
+                    for k in range(n_held):
+                        decode(kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3], buf, 0)
+                        for v in range(width):
+                            gm = max_nan(gm, buf[v])
+                    m_t, s_t = raise_max(m_t, s_t, max_nan(m_t, gm))
+                    if m_t > neg_inf and m_t < POS_INF:
+                        for k in range(n_held):
+                            decode(kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3], buf,
+                                   0)
+                            for v in range(width):
+                                s_t += exp(buf[v] - m_t)
             else:
                 m_t, s_t = land_fold(stage, 0, wr, nw, base, lane)
             for g in range(ahead):  # kept in registers; the next row's words on their way
@@ -1137,6 +1178,16 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                 lane = opaque(cuda.threadIdx.x)
                 base = opaque(row_base) + lane
             if lean and regular:  # the usual case: no tests a value
+                for k in range(n_held):  # written, then reloaded with the next row's
+                    wi = base + (slots + k) * threads
+                    regular_word(orow, wi * width, kw[4 * k], kw[4 * k + 1], kw[4 * k + 2],
+                                 kw[4 * k + 3], m, m_t, f, log_s, log2_s, buf)
+                    if more:
+                        a, b, c, d = load16(xn, wi * width)
+                        kw[4 * k] = a
+                        kw[4 * k + 1] = b
+                        kw[4 * k + 2] = c
+                        kw[4 * k + 3] = d
                 for g in range(ahead):  # the words kept in registers (constant indices)
                     for i in range(per):
                         j = g * per + i
@@ -1162,6 +1213,19 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                             refill(stage, (lane + j * threads) * 4, xn, wi * width)
                     cp_async_commit()
             else:
+                for k in range(n_held):
+                    wi = base + (slots + k) * threads
+                    decode(kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3], buf, 0)
+                    results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
+                            masked_nan)
+                    a, b, c, d = encode(buf, 0)
+                    put(orow, wi * width, a, b, c, d)
+                    if more:
+                        a, b, c, d = load16(xn, wi * width)
+                        kw[4 * k] = a
+                        kw[4 * k + 1] = b
+                        kw[4 * k + 2] = c
+                        kw[4 * k + 3] = d
                 for g in range(n_groups):
                     early = g < ahead
                     for j in range(g * per, (g + 1) * per):

@@ -35,7 +35,7 @@ def simulated() -> dict[str, dict]:
     for name in ("PLAN", "STAGED", "STAGE_PLAN", "STAGE_RING", "STAGE_GROUPS", "STAGE_FOLD",
                  "CLUSTER", "PERSIST", "STAGE_AHEAD", "EXCHANGE_SPIN", "ROW_CLUSTERS",
                  "EXP_CACHE", "CLUSTER_POLICY", "STAGGER",
-                 "CACHE_HINTS"):
+                 "CACHE_HINTS", "HELD"):
         env.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
     procs = [subprocess.Popen([sys.executable, str(HERE / "simulated.py"), *job], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
