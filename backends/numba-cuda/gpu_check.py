@@ -56,6 +56,7 @@ CLUSTER_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
 CACHE_ENV = "SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE"
 STAGGER_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGGER"
 HINTS_ENV = "SOFTMAXKIT_NUMBA_CUDA_CACHE_HINTS"
+HELD_ENV = "SOFTMAXKIT_NUMBA_CUDA_HELD"
 PERSIST_ENV = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
 POLICY_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
 AHEAD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
@@ -283,7 +284,8 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 
 PLAN_OPTIONS = {"cluster": CLUSTER_ENV, "persist": PERSIST_ENV, "policy": POLICY_ENV,
                 "ahead": AHEAD_ENV, "spin": SPIN_ENV, "parts": PARTS_ENV, "cache": CACHE_ENV,
-                "stagger": STAGGER_ENV, "hints": HINTS_ENV, "ring": RING_ENV, "g": GROUPS_ENV}
+                "stagger": STAGGER_ENV, "hints": HINTS_ENV, "held": HELD_ENV, "ring": RING_ENV,
+                "g": GROUPS_ENV}
 """Plan options ``<prefix><value>`` of :func:`use_plan` and the setting each one sets."""
 
 
@@ -301,7 +303,8 @@ def use_plan(plan: str | None) -> None:
     clusters a row, each an equal part of its chunks), ``cacheN`` (1: float32 softmax caches
     its exponentials in the stage, 0: it does not), ``staggerF`` (the persistent grid's groups
     that walk one row fewer start up to F of a wave's time late), ``hintsH`` (its cache hints:
-    ``cs``, ``l2`` or ``cs+l2``), or a register budget."""
+    ``cs``, ``l2`` or ``cs+l2``), ``heldN`` (N words a thread kept in registers), or a
+    register budget."""
     if not plan:
         return
     parts = plan.split(",")
@@ -481,24 +484,26 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (256, 524288)): ["256,16,staged,cache1", "256,16,staged,parts4",
-                                 "256,16,staged,parts4,cache1"],
+    ("float32", (256, 524288)): ["256,16,staged,held0", "256,16,staged,held4",
+                                 "256,16,staged,stagger0"],
+    ("bfloat16", (256, 524288)): ["128,32,staged,stagger0"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
 softmax and log_softmax next to the default plans (64 KB chunks; a row of 2 to 8 chunks
 launched as one thread-block cluster, rows of 9 to 32 chunks on the persistent grid of
-clusters, one or two clusters a row, under the load-balancing cluster policy; copy groups
-folded into a running (max, sum) as they land): at 256 x 524288 float32 softmax with its
-exponentials cached in the stage (``cache1``), a row as 4 clusters of 8 blocks (``parts4``),
-and both.
-Earlier sweeps (a row as 8 clusters of 4 blocks, ``parts8``, and 16-bit rows as 2 or 4
-clusters; copy groups read back before the summary exchange, ``aheadN``; polls of the
-other half's slot before the first pause, ``spinN``; 8 copy groups; the spread cluster policy;
+clusters under the load-balancing cluster policy, float32 rows of whole 128 KB chunks with 8
+words a thread kept in registers, one cluster a row, other rows one or two clusters a row;
+the groups of clusters that walk one row fewer starting up to a wave late; copy groups folded
+into a running (max, sum) as they land): at 256 x 524288 float32 with no words kept in
+registers (``held0``: two clusters a row, the former default) or 4, and both dtypes without
+the staggered start (``stagger0``).  Earlier sweeps (a row as 4 or 8 clusters, ``partsN``;
+the exponentials cached in the stage, ``cache1``; streaming stores and L2 prefetches,
+``hints``; copy groups read back before the summary exchange, ``aheadN``; polls of the other
+half's slot before the first pause, ``spinN``; 8 copy groups; the spread cluster policy;
 256-thread blocks for bfloat16; 128 KB chunks in one cluster a row; the former default
 without the persistent grid, ``persist0``; the clusters against the exchange through device
 memory at 4096 x 32768, ``cluster0``; the sum in a pass of its own, ``fold0``; 32 KB chunks,
-``256,8``) are recorded in
-docs/benchmarks-cuda.md."""
+``256,8``) are recorded in docs/benchmarks-cuda.md."""
 CE_SWEEP: dict[tuple[int, int], list[str]] = {
     (4096, 32768): ["256,16,staged", "128,4,registers"],
 }

@@ -131,7 +131,7 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     if persist is not None:  # a persistent grid of clusters, each walking rows
         p, parts = persist, plans.row_clusters(persist, SIMULATOR)
         whole = n // width == p.chunks * p.chunk_words  # every chunk full
-        held = staged.held() if where is None else 0
+        held = staged.held(kin) if where is None else 0
         kept = plans.held(p, n // width, held, SIMULATOR) if held else None
         if kept is not None:  # chunks twice as long, ``held`` words a thread in registers
             p, parts, whole = kept, 1, True

@@ -41,6 +41,7 @@ PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "staged-1608,persist": (1608, ("bfloat16", "float16"), PERSIST_OPS),
          "staged-1024,persist": (1024, ("float32",), PERSIST_OPS),
          "staged-2048,persist": (2048, ("bfloat16", "float16", "float32"), PERSIST_OPS),
+         "staged-2048,persist,held0": (2048, ("float32",), PERSIST_OPS),
          "staged-4096,persist": (4096, ("bfloat16",), PERSIST_OPS),
          "staged-1024,persist,ahead1": (1024, ("float32",), PERSIST_OPS),
          "staged-2048,persist,ahead16": (2048, ("bfloat16", "float32"), PERSIST_OPS),
@@ -73,9 +74,10 @@ of the whole-chunk rows read back before the summary exchange (the default is no
 ``cache1``: float32 softmax with its exponentials cached in the stage
 (``SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE=1``); ``stagger1,rows5``: five rows over two clusters,
 the second (one row fewer) starting late (``SOFTMAXKIT_NUMBA_CUDA_STAGGER=1``);
-``hintscs+l2``: the cache hints' forms of the stores and copies; ``held2``: rows of two
-chunks as one chunk twice as long, two words a thread kept in registers
-(``SOFTMAXKIT_NUMBA_CUDA_HELD=2``).  Every input
+``hintscs+l2``: the cache hints' forms of the stores and copies; ``heldN``: rows of two
+chunks as one chunk twice as long, N words a thread kept in registers
+(``SOFTMAXKIT_NUMBA_CUDA_HELD=N``; float32 keeps 8 by default, so its rows of 2048 elements
+are one cluster unless ``held0``).  Every input
 has an ascending row (its maximum rises in every copy group) and a row whose first quarter is
 -inf (copy groups that land while the maximum is -inf).
 (Short rows, a group of threads each, are the simulator's default plan in the kit.)"""

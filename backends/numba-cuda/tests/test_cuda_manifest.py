@@ -230,12 +230,28 @@ def test_row_clusters_setting(monkeypatch):
     assert p.chunks == 2 and plan.row_clusters(p, simulator=True) == 2
 
 
+def test_held_plans(monkeypatch):
+    from softmaxkit_numba_cuda import staged
+
+    _clear(monkeypatch)
+    f32 = plan.persistent(524288 * 4 // plan.WORD_BYTES)  # 32 chunks of 64 KB
+    # 8 words a thread kept: chunks of 256 x 32 words (128 KB), 24 staged: one cluster of 16
+    assert plan.held(f32, 131072, 8) == plan.Plan(256, 24, 1, 16)
+    assert plan.held(f32, 131072 + 8192, 8) is None  # 17 such chunks: too many
+    assert plan.held(f32, 131072 - 16, 8) is None  # not whole chunks
+    assert plan.held(f32, 131072, 32) is None and plan.held(f32, 131072, 0) is None
+    monkeypatch.delenv(staged.HELD, raising=False)
+    assert (staged.held("float32"), staged.held("bfloat16")) == (8, 0)
+    monkeypatch.setenv(staged.HELD, "4")
+    assert (staged.held("float32"), staged.held("bfloat16")) == (4, 4)
+
+
 def test_stagger(monkeypatch):
     from softmaxkit_numba_cuda import staged
 
-    monkeypatch.delenv(staged.STAGGER, raising=False)
-    assert staged.stagger(256, 11, 2**21, 4e12) == 0  # the default: no stagger
-    monkeypatch.setenv(staged.STAGGER, "1")
+    monkeypatch.setenv(staged.STAGGER, "0")
+    assert staged.stagger(256, 11, 2**21, 4e12) == 0
+    monkeypatch.delenv(staged.STAGGER)  # the default: the last group a wave late
     wave_ns = 2 * 2**21 * 11 / 4e12 * 1e9  # 11 rows read and written at 4 TB/s
     # 256 = 23 * 11 + 3: the 8 groups that walk 23 rows start one after another
     assert staged.stagger(256, 11, 2**21, 4e12) == int(wave_ns / 8)
