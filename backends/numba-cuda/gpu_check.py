@@ -484,26 +484,27 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (256, 524288)): ["256,16,staged,held0", "256,16,staged,held4",
+    ("float32", (256, 524288)): ["256,16,staged,held0", "256,16,staged,held8",
                                  "256,16,staged,stagger0"],
     ("bfloat16", (256, 524288)): ["128,32,staged,stagger0"],
+    ("bfloat16", (4096, 32768)): ["128,32,staged,persistall"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
-softmax and log_softmax next to the default plans (64 KB chunks; a row of 2 to 8 chunks
-launched as one thread-block cluster, rows of 9 to 32 chunks on the persistent grid of
-clusters under the load-balancing cluster policy, float32 rows of whole 128 KB chunks with 8
-words a thread kept in registers, one cluster a row, other rows one or two clusters a row;
-the groups of clusters that walk one row fewer starting up to a wave late; copy groups folded
-into a running (max, sum) as they land): at 256 x 524288 float32 with no words kept in
-registers (``held0``: two clusters a row, the former default) or 4, and both dtypes without
-the staggered start (``stagger0``).  Earlier sweeps (a row as 4 or 8 clusters, ``partsN``;
-the exponentials cached in the stage, ``cache1``; streaming stores and L2 prefetches,
-``hints``; copy groups read back before the summary exchange, ``aheadN``; polls of the other
-half's slot before the first pause, ``spinN``; 8 copy groups; the spread cluster policy;
-256-thread blocks for bfloat16; 128 KB chunks in one cluster a row; the former default
-without the persistent grid, ``persist0``; the clusters against the exchange through device
-memory at 4096 x 32768, ``cluster0``; the sum in a pass of its own, ``fold0``; 32 KB chunks,
-``256,8``) are recorded in docs/benchmarks-cuda.md."""
+softmax and log_softmax next to the default plans (64 KB chunks; a row of 2 to 8 chunks launched
+as one thread-block cluster, rows of 9 to 32 chunks on the persistent grid of clusters under the
+load-balancing cluster policy, float32 rows of whole 128 KB chunks with 4 words a thread kept in
+registers, one cluster a row, other rows one or two clusters a row; the groups of clusters that
+walk one row fewer starting up to a wave late; copy groups folded into a running (max, sum) as
+they land): at 256 x 524288 float32 with no words kept in registers (``held0``: two clusters a
+row, the former default) or 8 (the default keeps 4), both dtypes without the staggered start
+(``stagger0``), and bfloat16 rows of 32768 (one chunk) on the persistent grid
+(``persistall``). Earlier sweeps (a row as 4 or 8 clusters, ``partsN``; the exponentials cached
+in the stage, ``cache1``; streaming stores and L2 prefetches, ``hints``; copy groups read back
+before the summary exchange, ``aheadN``; polls of the other half's slot before the first pause,
+``spinN``; 8 copy groups; the spread cluster policy; 256-thread blocks for bfloat16; 128 KB
+chunks in one cluster a row; the former default without the persistent grid, ``persist0``; the
+clusters against the exchange through device memory at 4096 x 32768, ``cluster0``; the sum in a
+pass of its own, ``fold0``; 32 KB chunks, ``256,8``) are recorded in docs/benchmarks-cuda.md."""
 CE_SWEEP: dict[tuple[int, int], list[str]] = {
     (4096, 32768): ["256,16,staged", "128,4,registers"],
 }

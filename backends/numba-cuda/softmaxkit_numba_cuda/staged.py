@@ -172,11 +172,12 @@ HELD = "SOFTMAXKIT_NUMBA_CUDA_HELD"
 registers, beside those staged in shared memory (:func:`.plan.held`: chunks twice as long, a
 row one cluster, for rows of whole such chunks without ``where``; 0 turns it off; tuning,
 default :data:`DEFAULT_HELD`)."""
-DEFAULT_HELD = {"float32": 8, "bfloat16": 0, "float16": 0}
-"""Words held in registers by dtype: 8 for float32 (at 256 x 524288 a row is then one cluster
-of 16 blocks of 128 KB, 96 KB staged, and exchanges nothing through device memory: 87-88% of
-the copy against 78% with two clusters a row, same run); none for 16-bit rows, whose rows are
-one cluster already (77-82% with 8 or 16 words held against 83-85%)."""
+DEFAULT_HELD = {"float32": 4, "bfloat16": 0, "float16": 0}
+"""Words held in registers by dtype: 4 for float32 (at 256 x 524288 a row is then one cluster
+of 16 blocks of 128 KB, 112 KB staged, and exchanges nothing through device memory: 87-89% of
+the copy against 78% with two clusters a row, same run; 8 words measured 86-88%); none for
+16-bit rows, whose rows are one cluster already (77-82% with 8 or 16 words held against
+83-85%)."""
 HINTS = "SOFTMAXKIT_NUMBA_CUDA_CACHE_HINTS"
 """Environment variable: cache hints of the persistent kernel's global accesses, a comma list
 (or ``+`` list) of ``cs`` (outputs stored evict-first, ``st.global.cs``) and ``l2`` (each

@@ -241,7 +241,7 @@ def test_held_plans(monkeypatch):
     assert plan.held(f32, 131072 - 16, 8) is None  # not whole chunks
     assert plan.held(f32, 131072, 32) is None and plan.held(f32, 131072, 0) is None
     monkeypatch.delenv(staged.HELD, raising=False)
-    assert (staged.held("float32"), staged.held("bfloat16")) == (8, 0)
+    assert (staged.held("float32"), staged.held("bfloat16")) == (4, 0)
     monkeypatch.setenv(staged.HELD, "4")
     assert (staged.held("float32"), staged.held("bfloat16")) == (4, 4)
 
