@@ -108,16 +108,17 @@ def kernels():
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
                        "int64, uint64[:, ::1], int64)")
                 out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))
-        # 8 words a thread kept in registers, the rest of a chunk twice as long staged (two
-        # blocks a multiprocessor, twice the registers)
-        staged_slots = 2 * slots - 8
-        for op in ("softmax", "log_softmax"):
-            fn = staged.persistent(op, kind, threads, staged_slots, False, True, held=8)
-            sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
-                   "int64, uint64[:, ::1], int64)")
+        # 4 (float32's default) or 8 words a thread kept in registers, the rest of a chunk
+        # twice as long staged (two blocks a multiprocessor, twice the registers)
+        for held in (4, 8):
+            staged_slots = 2 * slots - held
             cap = 65536 // (threads * staged.blocks_per_sm(threads, staged_slots, 1))
-            out.append((f"{op}-{kind}-{threads}x{staged_slots}-lean-held8", fn, sig, threads,
-                        0, kind, cap))
+            for op in ("softmax", "log_softmax"):
+                fn = staged.persistent(op, kind, threads, staged_slots, False, True, held=held)
+                sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
+                       "int64, uint64[:, ::1], int64)")
+                out.append((f"{op}-{kind}-{threads}x{staged_slots}-lean-held{held}", fn, sig,
+                            threads, 0, kind, cap))
     return out
 
 

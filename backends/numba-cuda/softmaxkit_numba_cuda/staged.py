@@ -1085,9 +1085,19 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         put(orow, i, a, b, c, d)
 
     regular_word = device_function(regular_word)
+
+    def reload(kw, k, row, i):
+        """Load the 16 bytes at element ``i`` of ``row`` into held word ``k``."""
+        a, b, c, d = load16(row, i)
+        kw[4 * k] = a
+        kw[4 * k + 1] = b
+        kw[4 * k + 2] = c
+        kw[4 * k + 3] = d
+
+    reload = device_function(reload)
     raise_max = _raise_max()
     # with held words, two blocks a multiprocessor: their registers allow twice the budget
-    registers = 65536 // (threads * blocks_per_sm(threads, slots, 1)) if held else None
+    registers = min(255, 65536 // (threads * blocks_per_sm(threads, slots, 1))) if held else None
     n_held = held
     kw_words = max(1, 4 * held)
 
@@ -1120,11 +1130,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         if r < n_rows:
             issue(stage, 0, x[r], nw, base, lane)
             for k in range(n_held):
-                a, b, c, d = load16(x[r], (base + (slots + k) * threads) * width)
-                kw[4 * k] = a
-                kw[4 * k + 1] = b
-                kw[4 * k + 2] = c
-                kw[4 * k + 3] = d
+                reload(kw, k, x[r], (base + (slots + k) * threads) * width)
         slot = 0
         while r < n_rows:
             # the thread's offsets derived afresh each row: hoisted, the words' addresses
@@ -1192,11 +1198,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                     regular_word(orow, wi * width, kw[4 * k], kw[4 * k + 1], kw[4 * k + 2],
                                  kw[4 * k + 3], m, m_t, f, log_s, log2_s, buf)
                     if more:
-                        a, b, c, d = load16(xn, wi * width)
-                        kw[4 * k] = a
-                        kw[4 * k + 1] = b
-                        kw[4 * k + 2] = c
-                        kw[4 * k + 3] = d
+                        reload(kw, k, xn, wi * width)
                 for g in range(ahead):  # the words kept in registers (constant indices)
                     for i in range(per):
                         j = g * per + i
@@ -1230,11 +1232,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                     a, b, c, d = encode(buf, 0)
                     put(orow, wi * width, a, b, c, d)
                     if more:
-                        a, b, c, d = load16(xn, wi * width)
-                        kw[4 * k] = a
-                        kw[4 * k + 1] = b
-                        kw[4 * k + 2] = c
-                        kw[4 * k + 3] = d
+                        reload(kw, k, xn, wi * width)
                 for g in range(n_groups):
                     early = g < ahead
                     for j in range(g * per, (g + 1) * per):

@@ -232,7 +232,10 @@ else:
 
         return sig, codegen
 
-    def _store16(qualifier):
+    def _store_words(asm_text):
+        """An intrinsic ``(array, i, a, b, c, d)`` storing four 32-bit words at element ``i``
+        of ``array`` by ``asm_text`` (``$0`` the generic address, ``$1``-``$4`` the words)."""
+
         @intrinsic
         def store(typingctx, row, i, a, b, c, d):
             sig = types.void(row, i, a, b, c, d)
@@ -242,8 +245,8 @@ else:
                 words = [context.cast(builder, v, t, types.uint32)
                          for v, t in zip(args[2:], sig.args[2:], strict=True)]
                 fnty = ir.FunctionType(ir.VoidType(), [ptr.type] + [_I32] * 4)
-                asm = ir.InlineAsm(fnty, f"st.global{qualifier}.v4.u32 [$0], {{$1, $2, $3, $4}};",
-                                   "l,r,r,r,r,~{memory}", side_effect=True)
+                # ordered with the loads, stores and copies around it
+                asm = ir.InlineAsm(fnty, asm_text, "l,r,r,r,r,~{memory}", side_effect=True)
                 builder.call(asm, [ptr] + words)
                 return context.get_dummy_value()
 
@@ -251,8 +254,11 @@ else:
 
         return store
 
-    store16 = _store16("")
-    store16_cs = _store16(".cs")
+    store16 = _store_words("st.global.v4.u32 [$0], {$1, $2, $3, $4};")
+    store16_cs = _store_words("st.global.cs.v4.u32 [$0], {$1, $2, $3, $4};")
+    store_shared16 = _store_words(
+        "{ .reg .u64 sa; .reg .u32 s32; cvta.to.shared.u64 sa, $0; cvt.u32.u64 s32, sa; "
+        "st.shared.v4.u32 [s32], {$1, $2, $3, $4}; }")
 
     def _unary_f32(asm_text):
         @intrinsic
@@ -310,26 +316,6 @@ else:
             res = builder.call(asm, [ptr])
             words = [builder.extract_value(res, k) for k in range(4)]
             return context.make_tuple(builder, sig.return_type, words)
-
-        return sig, codegen
-
-    @intrinsic
-    def store_shared16(typingctx, stage, j, a, b, c, d):
-        sig = types.void(stage, j, a, b, c, d)
-
-        def codegen(context, builder, sig, args):
-            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
-            words = [context.cast(builder, v, t, types.uint32)
-                     for v, t in zip(args[2:], sig.args[2:], strict=True)]
-            fnty = ir.FunctionType(ir.VoidType(), [ptr.type] + [_I32] * 4)
-            # ordered with the loads and copies of the stage around it
-            asm = ir.InlineAsm(
-                fnty,
-                "{ .reg .u64 sa; .reg .u32 s32; cvta.to.shared.u64 sa, $0; cvt.u32.u64 s32, sa; "
-                "st.shared.v4.u32 [s32], {$1, $2, $3, $4}; }",
-                "l,r,r,r,r,~{memory}", side_effect=True)
-            builder.call(asm, [ptr] + words)
-            return context.get_dummy_value()
 
         return sig, codegen
 
