@@ -48,8 +48,10 @@ next row's word as soon as it has read it back for its store, so the next row's 
 in flight while the current row is written; one cluster barrier a row publishes the warps'
 (max, sum) pairs, which every warp merges itself.  Rows whose chunks are all full and
 without ``where`` take a lean fold (16-byte shared loads, the group maximum on packed 16-bit
-pairs) and write 16-bit softmax as ``2^((x - M) log2 e - log2 S)``.  The cluster scheduling
-policy is set on the kernel (:data:`POLICY`).
+pairs) and write 16-bit softmax as ``2^((x - M) log2 e - log2 S)``.  Float32 rows of whole
+128 KB chunks keep 4 words a thread in registers (:data:`HELD`) and stage the rest, two blocks
+a multiprocessor: a row of 256 x 524288 is then one cluster of 16, with nothing exchanged
+through device memory.  The cluster scheduling policy is set on the kernel (:data:`POLICY`).
 
 What CI does not run: Numba's CUDA simulator runs the blocks of a grid one after another, so a
 barrier across the blocks of a cluster (or a read of another block's shared memory) cannot
@@ -59,7 +61,7 @@ and barriers included, on the block itself; the exchange between several blocks,
 launch with cluster dimensions and non-portable cluster sizes are checked on the GPU only
 (``gpu_check.py``, against float64 with poisoned outputs).  The persistent kernel runs there
 as clusters of one block (``SOFTMAXKIT_NUMBA_CUDA_PERSIST=all``): two clusters walking
-several rows each, and rows of two (or four) chunks as as many clusters exchanging through
+several rows each, and rows of two (or four) chunks as that many clusters exchanging through
 device memory, where the one-block-at-a-time schedule takes the fallback that summarizes the
 parts not yet published.
 
