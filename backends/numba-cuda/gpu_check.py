@@ -53,9 +53,7 @@ RING_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
 GROUPS_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
 FOLD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
 CLUSTER_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
-CACHE_ENV = "SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE"
 STAGGER_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGGER"
-HINTS_ENV = "SOFTMAXKIT_NUMBA_CUDA_CACHE_HINTS"
 HELD_ENV = "SOFTMAXKIT_NUMBA_CUDA_HELD"
 PERSIST_ENV = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
 POLICY_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
@@ -283,8 +281,8 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 
 
 PLAN_OPTIONS = {"cluster": CLUSTER_ENV, "persist": PERSIST_ENV, "policy": POLICY_ENV,
-                "ahead": AHEAD_ENV, "spin": SPIN_ENV, "parts": PARTS_ENV, "cache": CACHE_ENV,
-                "stagger": STAGGER_ENV, "hints": HINTS_ENV, "held": HELD_ENV, "ring": RING_ENV,
+                "ahead": AHEAD_ENV, "spin": SPIN_ENV, "parts": PARTS_ENV,
+                "stagger": STAGGER_ENV, "held": HELD_ENV, "ring": RING_ENV,
                 "g": GROUPS_ENV}
 """Plan options ``<prefix><value>`` of :func:`use_plan` and the setting each one sets."""
 
@@ -300,11 +298,9 @@ def use_plan(plan: str | None) -> None:
     would take two clusters), ``policyNAME`` (its cluster scheduling policy: spread, default,
     balance), ``aheadN`` (its copy groups read back before the summary exchange), ``spinN``
     (polls of the exchange between a row's clusters before it pauses), ``partsN`` (N
-    clusters a row, each an equal part of its chunks), ``cacheN`` (1: float32 softmax caches
-    its exponentials in the stage, 0: it does not), ``staggerF`` (the persistent grid's groups
-    that walk one row fewer start up to F of a wave's time late), ``hintsH`` (its cache hints:
-    ``cs``, ``l2`` or ``cs+l2``), ``heldN`` (N words a thread kept in registers), or a
-    register budget."""
+    clusters a row, each an equal part of its chunks), ``staggerF`` (the persistent grid's
+    groups that walk one row fewer start up to F of a wave's time late), ``heldN`` (N words a
+    thread kept in registers), or a register budget."""
     if not plan:
         return
     parts = plan.split(",")
@@ -499,7 +495,7 @@ they land): at 256 x 524288 float32 with no words kept in registers (``held0``: 
 row, the former default) or 8 (the default keeps 4), both dtypes without the staggered start
 (``stagger0``), and bfloat16 rows of 32768 (one chunk) on the persistent grid
 (``persistall``). Earlier sweeps (a row as 4 or 8 clusters, ``partsN``; the exponentials cached
-in the stage, ``cache1``; streaming stores and L2 prefetches, ``hints``; copy groups read back
+in the stage; streaming stores and L2 prefetches; copy groups read back
 before the summary exchange, ``aheadN``; polls of the other half's slot before the first pause,
 ``spinN``; 8 copy groups; the spread cluster policy; 256-thread blocks for bfloat16; 128 KB
 chunks in one cluster a row; the former default without the persistent grid, ``persist0``; the

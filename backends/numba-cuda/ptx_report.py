@@ -94,17 +94,14 @@ def kernels():
         slots = 64 * 1024 // (16 * threads)
         cap_slots = staged._fit(threads, slots, 1)[1] // VALUES[kind]
         parts = 2 if kind == "float32" else 1
-        variants = [(parts, ahead, False) for ahead in (0, 1, 2, 4)]
-        if kind == "float32":  # four clusters a row; exponentials cached (softmax)
-            variants += [(4, 0, False), (2, 0, True), (4, 0, True)]
-        variants.append((variants[0][0], 0, "hints"))  # streaming stores, L2 prefetch
-        for parts, ahead, cache in variants:
-            tag = (f"{kind}-{threads}x{slots}-lean-ahead{ahead}" + f"-parts{parts}" * (parts > 2)
-                   + ("-hints" if cache == "hints" else "-cache" * cache))
-            for op in ("softmax", "log_softmax")[:2 - (cache is True)]:
+        variants = [(parts, ahead) for ahead in (0, 1, 2, 4)]
+        if kind == "float32":  # four clusters a row
+            variants.append((4, 0))
+        for parts, ahead in variants:
+            tag = f"{kind}-{threads}x{slots}-lean-ahead{ahead}" + f"-parts{parts}" * (parts > 2)
+            for op in ("softmax", "log_softmax"):
                 fn = staged.persistent(op, kind, threads, slots, False, True, 32 // parts, ahead,
-                                       parts=parts, cache=cache is True,
-                                       hints=(cache == "hints",) * 2)
+                                       parts=parts)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
                        "int64, uint64[:, ::1], int64)")
                 out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -120,41 +120,42 @@ def device_index(device: Any, lib: str) -> int:
     return 0
 
 
-_multiprocessors: dict[int, int] = {}
+_device_values: dict[tuple[str, int], Any] = {}
+
+
+def _device_value(a: Any, lib: str, name: str, read: Callable[[Any], Any]) -> Any:
+    """``read(device)`` for the device that holds ``a``, computed once per device."""
+    index = device_index(getattr(a, "device", None), lib)
+    key = (name, index)
+    if key not in _device_values:
+        with _on_device(index):
+            _device_values[key] = read(cuda.get_current_device())
+    return _device_values[key]
 
 
 def multiprocessors(a: Any, lib: str) -> int:
     """Multiprocessors of the device that holds ``a`` (numba's device attribute)."""
-    index = device_index(getattr(a, "device", None), lib)
-    count = _multiprocessors.get(index)
-    if count is None:
-        with _on_device(index):
-            count = int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-        _multiprocessors[index] = count
-    return count
+    return _device_value(a, lib, "multiprocessors", lambda d: int(d.MULTIPROCESSOR_COUNT))
 
 
-_bandwidth: dict[int, float] = {}
 NOMINAL_BANDWIDTH = 3e12
 """Bytes per second assumed where the device does not report its memory clock and bus."""
 
 
+def _peak_bandwidth(dev: Any) -> float:
+    try:  # double data rate: two transfers a clock (kHz) across the bus (bits)
+        return 2e3 * dev.MEMORY_CLOCK_RATE * dev.GLOBAL_MEMORY_BUS_WIDTH / 8 or NOMINAL_BANDWIDTH
+    except (AttributeError, TypeError, ValueError):  # a driver without these attributes
+        return NOMINAL_BANDWIDTH
+
+
 def memory_bandwidth(a: Any, lib: str) -> float:
     """Peak bytes per second of the memory of the device that holds ``a``: its double data
-    rate clock times its bus width (numba's device attributes)."""
-    index = device_index(getattr(a, "device", None), lib)
-    bw = _bandwidth.get(index)
-    if bw is None:
-        bw = NOMINAL_BANDWIDTH
-        if not SIMULATOR:
-            with _on_device(index):
-                dev = cuda.get_current_device()
-                try:
-                    bw = 2e3 * dev.MEMORY_CLOCK_RATE * dev.GLOBAL_MEMORY_BUS_WIDTH / 8 or bw
-                except (AttributeError, TypeError, ValueError):
-                    pass  # a driver without these attributes
-        _bandwidth[index] = bw
-    return bw
+    rate clock times its bus width (numba's device attributes; :data:`NOMINAL_BANDWIDTH` in
+    the simulator)."""
+    if SIMULATOR:
+        return NOMINAL_BANDWIDTH
+    return _device_value(a, lib, "bandwidth", _peak_bandwidth)
 
 
 def _torch() -> Any:

@@ -141,18 +141,19 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
         kernel = staged.persistent(op, kin, p.threads, p.slots, where is not None, whole,
                                    cluster if parts > 1 else 0,
                                    0 if held else staged.ahead(kin, p.slots), staged.spin(),
-                                   parts, staged.cache(), staged.hints(), held)
+                                   parts, held)
         shared = staged.shared_bytes(p.threads, p.slots, 1)
         # several clusters a row exchange through zeroed slots in device memory, one a part
         wsp = _slots(xp, x, lib, plans.Plan(p.threads, p.slots, 1, parts), n_rows, "float32")
-        args = (xv, w, masked == "nan", ov, n_rows, n // width, p.chunks, wsp, 0)
+        args = (xv, w, masked == "nan", ov, n_rows, n // width, p.chunks, wsp)
         with launch(x, lib) as stream:
             policy = staged.policy()
-            fit = resident_clusters(kernel, p.block, stream, args, shared, cluster, policy)
+            fit = resident_clusters(kernel, p.block, stream, args + (0,), shared, cluster,
+                                    policy)  # the typed arguments, the spread a placeholder
             rows_at_once = min(n_rows, max(1, fit // parts))
             spread = staged.stagger(n_rows, rows_at_once, n * x.dtype.itemsize,
                                     memory_bandwidth(x, lib))
-            run(kernel, rows_at_once * p.chunks, p.block, stream, *args[:-1], spread,
+            run(kernel, rows_at_once * p.chunks, p.block, stream, *args, spread,
                 shared=shared, cluster=cluster, policy=policy)
         return out
     if clustered is not None:  # the chunks of a row are one thread-block cluster

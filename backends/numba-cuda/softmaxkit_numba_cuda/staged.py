@@ -109,7 +109,6 @@ from .wide import (
     cluster_rank,
     cluster_wait,
     cp_async16,
-    cp_async16_l2,
     cp_async_commit,
     cp_async_pending,
     ex2,
@@ -123,8 +122,6 @@ from .wide import (
     nanosleep,
     opaque,
     store16,
-    store16_cs,
-    store_shared16,
     unpack_f16,
 )
 
@@ -154,12 +151,6 @@ budget without spills)."""
 SPIN = "SOFTMAXKIT_NUMBA_CUDA_EXCHANGE_SPIN"
 """Environment variable: polls of the other parts' slots (several clusters a row) before the
 first pause (tuning; default :data:`.rowkernels.SPIN_POLLS`)."""
-CACHE = "SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE"
-"""Environment variable: ``1`` has the persistent kernel's float32 softmax cache each
-exponential in the stage during the fold (:func:`_whole_fold`), so that its store phase is
-one multiply a value; ``0`` recomputes the exponentials there (tuning; default
-:data:`DEFAULT_CACHE`)."""
-DEFAULT_CACHE = "0"
 STAGGER = "SOFTMAXKIT_NUMBA_CUDA_STAGGER"
 """Environment variable: how late, as a fraction of the time a wave of rows takes at the
 device's peak bandwidth, the last of the persistent grid's groups of clusters that walk one
@@ -180,10 +171,6 @@ of 16 blocks of 128 KB, 112 KB staged, and exchanges nothing through device memo
 the copy against 78% with two clusters a row, same run; 8 words measured 86-88%); none for
 16-bit rows, whose rows are one cluster already (77-82% with 8 or 16 words held against
 83-85%)."""
-HINTS = "SOFTMAXKIT_NUMBA_CUDA_CACHE_HINTS"
-"""Environment variable: cache hints of the persistent kernel's global accesses, a comma list
-(or ``+`` list) of ``cs`` (outputs stored evict-first, ``st.global.cs``) and ``l2`` (each
-refill asks L2 for the 256-byte block around its word); none by default (tuning)."""
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -229,11 +216,6 @@ def spin() -> int:
     return int(os.environ.get(SPIN, SPIN_POLLS))
 
 
-def cache() -> bool:
-    """Whether float32 softmax on the persistent grid caches its exponentials (:data:`CACHE`)."""
-    return os.environ.get(CACHE, DEFAULT_CACHE) != "0"
-
-
 def stagger(n_rows: int, groups: int, row_bytes: int, bandwidth: float) -> int:
     """Nanoseconds between the starts of consecutive groups of clusters of a persistent grid of
     ``groups`` groups (a row each at a time) walking ``n_rows`` rows of ``row_bytes`` bytes
@@ -252,12 +234,6 @@ def held(kind: str) -> int:
     (:data:`HELD`)."""
     n = os.environ.get(HELD)
     return max(0, int(n)) if n else DEFAULT_HELD[kind]
-
-
-def hints() -> tuple[bool, bool]:
-    """``(streaming stores, L2 prefetch)`` of the persistent kernel (:data:`HINTS`)."""
-    given = os.environ.get(HINTS, "").replace("+", ",").split(",")
-    return "cs" in given, "l2" in given
 
 
 def fold() -> bool:
@@ -834,22 +810,12 @@ def _word_results(op: str, kind: str):
 
 
 @functools.cache
-def _whole_fold(kind: str, threads: int, slots: int, cache: bool = False):
-    """Device function ``fold(stage, lane, shifts) -> (m_t, s_t)``: ``land_fold`` of
-    :func:`_stage` for a thread whose words are all in the row and all allowed (no
-    ``where``), with fewer instructions a value: each word read from the stage in one 16-byte
-    load, the group's maximum taken on the packed words (two 16-bit values an instruction),
-    no range tests.
-
-    With ``cache`` (float32: no rounding beyond the exponential's own), each exponential is
-    written back over its value in the stage, taken against the thread's running maximum once
-    its copy group has landed, which ``shifts[g]`` keeps per group (a group that lands while
-    the maximum is -inf holds only -inf and caches zeros; a NaN or +inf maximum makes the row
-    special, and special rows never read the stage of softmax).  Softmax then writes each
-    probability as one product, ``e * exp(shifts[g] - M) / S``."""
-    if cache and kind != "float32":
-        raise ValueError("exponentials are cached for float32 rows only")
-    width, decode, encode = word_codec(kind)
+def _whole_fold(kind: str, threads: int, slots: int):
+    """Device function ``fold(stage, lane) -> (m_t, s_t)``: ``land_fold`` of :func:`_stage`
+    for a thread whose words are all in the row and all allowed (no ``where``), with fewer
+    instructions a value: each word read from the stage in one 16-byte load, the group's
+    maximum taken on the packed words (two 16-bit values an instruction), no range tests."""
+    width, decode, _ = word_codec(kind)
     n_groups = groups(slots, 1)
     per = slots // n_groups
     exp = exponential("float32")
@@ -861,7 +827,7 @@ def _whole_fold(kind: str, threads: int, slots: int, cache: bool = False):
     neg_inf, zero = float32(NEG_INF), float32(0.0)
     held = per * 4
 
-    def fold(stage, lane, shifts):
+    def fold(stage, lane):
         words = cuda.local.array(held, uint32)
         buf = cuda.local.array(width, float32)
         m = neg_inf
@@ -890,19 +856,7 @@ def _whole_fold(kind: str, threads: int, slots: int, cache: bool = False):
                 gm = max_nan(lo, hi)
             mn = max_nan(m, gm)
             m, s = raise_max(m, s, mn)
-            if cache:  # no branch: see above
-                shifts[g] = m
-                sh = m if m > neg_inf and m < POS_INF else zero
-                for i in range(per):
-                    decode(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3],
-                           buf, 0)
-                    for v in range(width):
-                        e = exp(buf[v] - sh)
-                        s += e
-                        buf[v] = e
-                    a, b, c, d = encode(buf, 0)
-                    store_shared16(stage, (lane + (g * per + i) * threads) * 4, a, b, c, d)
-            elif m > neg_inf and m < POS_INF:
+            if m > neg_inf and m < POS_INF:
                 for i in range(per):
                     decode(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3],
                            buf, 0)
@@ -1006,8 +960,7 @@ def _part_exchange(kind: str, threads: int, part_slots: int, has_where: bool, pa
 @functools.cache
 def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                whole: bool = False, split: int = 0, ahead: int = 0, spin: int = SPIN_POLLS,
-               parts: int = 1, cache: bool = False, hints: tuple[bool, bool] = (False, False),
-               held: int = 0):
+               parts: int = 1, held: int = 0):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp, spread)`` (the signature of
     :func:`normalize`, and ``spread``: :func:`stagger`'s nanoseconds): softmax or log_softmax
     on a persistent grid of thread-block clusters of ``chunks`` blocks, a block per chunk of
@@ -1046,11 +999,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False, n_groups)
     lean = whole and not has_where
     ahead = ahead if lean else 0
-    # float32 softmax may keep its exponentials in the stage (none read ahead: those words
-    # are written from registers)
-    cached = (cache and lean and op == "softmax" and kind == "float32" and ahead == 0
-              and not held)
-    fold = _whole_fold(kind, threads, slots, cached) if lean else None
+    fold = _whole_fold(kind, threads, slots) if lean else None
     kept_words = max(1, 4 * per * ahead)  # 32-bit words a thread keeps across the exchange
     results = _word_results(op, kind)
     row_state = _row_state(op)
@@ -1067,9 +1016,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     part_exchange = (_part_exchange(kind, threads, slots * split, has_where, parts, spin)
                      if several else None)
     is_log = op == "log_softmax"
-    neg_inf, zero, one = float32(NEG_INF), float32(0.0), float32(1.0)
-    put = store16_cs if hints[0] else store16  # the outputs
-    refill = cp_async16_l2 if hints[1] else cp_async16  # the next row's words
+    neg_inf, zero = float32(NEG_INF), float32(0.0)
 
     def regular_word(orow, i, a, b, c, d, m, m_t, f, log_s, log2_s, buf):
         """Write the outputs of the staged word ``a, b, c, d`` of a usual row at ``orow[i]``."""
@@ -1077,14 +1024,12 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         for v in range(width):
             if is_log:
                 buf[v] = (buf[v] - m) - log_s
-            elif cached:  # the cached exponential times its group's factor
-                buf[v] = buf[v] * f
             elif short:  # 2^((x - M) log2 e - log2 S): one FMA, one ex2
                 buf[v] = ex2((buf[v] - m) * float32(LOG2E) - log2_s)
             else:
                 buf[v] = exp(buf[v] - m_t) * f
         a, b, c, d = encode(buf, 0)
-        put(orow, i, a, b, c, d)
+        store16(orow, i, a, b, c, d)
 
     regular_word = device_function(regular_word)
 
@@ -1122,7 +1067,6 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         held = cuda.local.array(held_words, uint32)
         kept = cuda.local.array(kept_words, uint32)
         kw = cuda.local.array(kw_words, uint32)  # the held words (registers)
-        shifts = cuda.local.array(n_groups, float32)  # the groups' shifts (cached exponentials)
         r = cid // parts
         late = r - n_rows % step + 1  # > 0: the group walks one row fewer than the first ones
         if spread > 0 and late > 0 and n_rows % step > 0:
@@ -1145,7 +1089,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
             more = nxt < n_rows
             xn = x[nxt if more else r]
             if lean:
-                m_t, s_t = fold(stage, lane, shifts)
+                m_t, s_t = fold(stage, lane)
                 if n_held:  # the words in registers: their maximum, then their exponentials
                     gm = neg_inf
                     for k in range(n_held):
@@ -1171,7 +1115,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                     kept[4 * j + 2] = c
                     kept[4 * j + 3] = d
                     if more:
-                        refill(stage, q, xn, (base + j * threads) * width)
+                        cp_async16(stage, q, xn, (base + j * threads) * width)
                 cp_async_commit()
             m, s = warp_pair(m_t, s_t, summary)
             if wl == 0:
@@ -1191,9 +1135,6 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                 m, s = part_exchange(wsp, r, h, m, s, x[r], wr, nw, scratch, flag)
             nan_row, inf_row, empty, log_s, f, regular = row_state(m, s, m_t, masked_nan)
             log2_s = log_s * float32(LOG2E)
-            if cached:  # derived afresh: the fold's stage addresses, kept, would be spilled
-                lane = opaque(cuda.threadIdx.x)
-                base = opaque(row_base) + lane
             if lean and regular:  # the usual case: no tests a value
                 for k in range(n_held):  # written, then reloaded with the next row's
                     wi = base + (slots + k) * threads
@@ -1207,9 +1148,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                         regular_word(orow, (base + j * threads) * width, kept[4 * j],
                                      kept[4 * j + 1], kept[4 * j + 2], kept[4 * j + 3], m,
                                      m_t, f, log_s, log2_s, buf)
-                inv_s = one / s if cached else one
                 for g in range(ahead, n_groups):
-                    fg = exp(shifts[g] - m) * inv_s if cached else f  # 0 for a -inf shift
                     for i in range(per):  # the group read back first, then written
                         a, b, c, d = load_shared16(stage, (lane + (g * per + i) * threads) * 4)
                         held[4 * i] = a
@@ -1220,10 +1159,10 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                         j = g * per + i
                         wi = base + j * threads
                         regular_word(orow, wi * width, held[4 * i], held[4 * i + 1],
-                                     held[4 * i + 2], held[4 * i + 3], m, m_t, fg, log_s,
+                                     held[4 * i + 2], held[4 * i + 3], m, m_t, f, log_s,
                                      log2_s, buf)
                         if more:  # the word is read back: refill it with the next row's
-                            refill(stage, (lane + j * threads) * 4, xn, wi * width)
+                            cp_async16(stage, (lane + j * threads) * 4, xn, wi * width)
                     cp_async_commit()
             else:
                 for k in range(n_held):
@@ -1232,7 +1171,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                     results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
                             masked_nan)
                     a, b, c, d = encode(buf, 0)
-                    put(orow, wi * width, a, b, c, d)
+                    store16(orow, wi * width, a, b, c, d)
                     if more:
                         reload(kw, k, xn, wi * width)
                 for g in range(n_groups):
@@ -1250,9 +1189,9 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                             results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
                                     masked_nan)
                             a, b, c, d = encode(buf, 0)
-                            put(orow, wi * width, a, b, c, d)
+                            store16(orow, wi * width, a, b, c, d)
                             if more and not early:
-                                refill(stage, q, xn, wi * width)
+                                cp_async16(stage, q, xn, wi * width)
                     if not early:
                         cp_async_commit()
             r = nxt

@@ -6,15 +6,13 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
 * ``load16(row, i)`` / ``store16(row, i, a, b, c, d)``: the 16 bytes at element ``i`` of a
   1-D array as four 32-bit words (``ld.global.nc.v4.u32`` / ``st.global.v4.u32``); ``i`` must
   be a multiple of ``16 / itemsize`` and the row 16-byte aligned (the caller checks);
-  ``store16_cs`` stores with the streaming (evict-first) cache operator (``st.global.cs``);
 * ``ex2(x)``: ``2**x`` in float32 by ``ex2.approx.ftz.f32`` (relative error about 2 ulp,
   subnormal results flushed to zero);
 * ``max_nan(a, b)``: the float32 maximum that propagates NaN (``max.NaN.f32``);
   ``max_bf16x2(a, b)`` / ``max_f16x2(a, b)``: the same on the two 16-bit halves of two words
   at once (``max.NaN.bf16x2`` / ``max.NaN.f16x2``; a NaN half comes out NaN);
 * ``load_shared16(stage, j)``: elements ``j`` to ``j + 3`` of a shared ``uint32`` array (``j``
-  a multiple of 4) in one ``ld.shared.v4.u32``; ``store_shared16(stage, j, a, b, c, d)``
-  writes them in one ``st.shared.v4.u32``;
+  a multiple of 4) in one ``ld.shared.v4.u32``;
 * ``pack_bf16(lo, hi)`` / ``pack_f16(lo, hi)``: two float32 values rounded to nearest even and
   packed into one word (``cvt.rn.bf16x2.f32`` / ``cvt.rn.f16x2.f32``, NaN stays NaN);
   ``unpack_f16(u)``: the two float16 halves of a word as float32;
@@ -28,8 +26,7 @@ through libdevice; these intrinsics write the PTX that a memory-bound row kernel
   live, and spilled) across the loop;
 * ``cp_async16(stage, j, row, i)``: copy the 16 bytes at element ``i`` of a global row to
   element ``j`` of a shared ``uint32`` array without passing through registers
-  (``cp.async.cg.shared.global``; ``cp_async16_l2`` also asks L2 to fetch the 256-byte
-  block around the word, ``.L2::256B``); ``cp_async_wait()`` waits for the thread's copies
+  (``cp.async.cg.shared.global``); ``cp_async_wait()`` waits for the thread's copies
   (``cp.async.wait_all``), after which the thread may read what it copied;
   ``cp_async_commit()`` closes a group of copies (``cp.async.commit_group``) and
   ``cp_async_pending(n)`` waits until at most ``n`` of the thread's groups, 0 to 15, are
@@ -114,10 +111,6 @@ if SIMULATOR:
         return np.uint32(stage[j]), np.uint32(stage[j + 1]), np.uint32(stage[j + 2]), \
             np.uint32(stage[j + 3])
 
-    def store_shared16(stage, j, a, b, c, d):
-        """Write four 32-bit words to ``stage[j:j + 4]``."""
-        stage[j], stage[j + 1], stage[j + 2], stage[j + 3] = a, b, c, d
-
     def _bf16_bits(v):
         u = int(np.array(v, dtype=np.float32).view(np.uint32)[()])
         if v != v:
@@ -163,9 +156,6 @@ if SIMULATOR:
         """Copy the 16 bytes at element ``i`` of ``row`` to ``stage[j:j + 4]``."""
         k = 16 // row.itemsize
         stage[j:j + 4] = np.ascontiguousarray(row[i:i + k]).view(np.uint32)
-
-    cp_async16_l2 = cp_async16
-    store16_cs = store16
 
     def cp_async_wait():
         """Wait for the thread's asynchronous copies (they are synchronous here)."""
@@ -232,33 +222,21 @@ else:
 
         return sig, codegen
 
-    def _store_words(asm_text):
-        """An intrinsic ``(array, i, a, b, c, d)`` storing four 32-bit words at element ``i``
-        of ``array`` by ``asm_text`` (``$0`` the generic address, ``$1``-``$4`` the words)."""
+    @intrinsic
+    def store16(typingctx, row, i, a, b, c, d):
+        sig = types.void(row, i, a, b, c, d)
 
-        @intrinsic
-        def store(typingctx, row, i, a, b, c, d):
-            sig = types.void(row, i, a, b, c, d)
+        def codegen(context, builder, sig, args):
+            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
+            words = [context.cast(builder, v, t, types.uint32)
+                     for v, t in zip(args[2:], sig.args[2:], strict=True)]
+            fnty = ir.FunctionType(ir.VoidType(), [ptr.type] + [_I32] * 4)
+            asm = ir.InlineAsm(fnty, "st.global.v4.u32 [$0], {$1, $2, $3, $4};",
+                               "l,r,r,r,r,~{memory}", side_effect=True)
+            builder.call(asm, [ptr] + words)
+            return context.get_dummy_value()
 
-            def codegen(context, builder, sig, args):
-                ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
-                words = [context.cast(builder, v, t, types.uint32)
-                         for v, t in zip(args[2:], sig.args[2:], strict=True)]
-                fnty = ir.FunctionType(ir.VoidType(), [ptr.type] + [_I32] * 4)
-                # ordered with the loads, stores and copies around it
-                asm = ir.InlineAsm(fnty, asm_text, "l,r,r,r,r,~{memory}", side_effect=True)
-                builder.call(asm, [ptr] + words)
-                return context.get_dummy_value()
-
-            return sig, codegen
-
-        return store
-
-    store16 = _store_words("st.global.v4.u32 [$0], {$1, $2, $3, $4};")
-    store16_cs = _store_words("st.global.cs.v4.u32 [$0], {$1, $2, $3, $4};")
-    store_shared16 = _store_words(
-        "{ .reg .u64 sa; .reg .u32 s32; cvta.to.shared.u64 sa, $0; cvt.u32.u64 s32, sa; "
-        "st.shared.v4.u32 [s32], {$1, $2, $3, $4}; }")
+        return sig, codegen
 
     def _unary_f32(asm_text):
         @intrinsic
@@ -400,29 +378,23 @@ else:
 
         return sig, codegen
 
-    def _cp_async16(qualifier):
-        @intrinsic
-        def copy(typingctx, stage, j, row, i):
-            sig = types.void(stage, j, row, i)
+    @intrinsic
+    def cp_async16(typingctx, stage, j, row, i):
+        sig = types.void(stage, j, row, i)
 
-            def codegen(context, builder, sig, args):
-                dst = _pointer(context, builder, sig.args[0], args[0], args[1])
-                src = _pointer(context, builder, sig.args[2], args[2], args[3])
-                asm = ir.InlineAsm(
-                    ir.FunctionType(ir.VoidType(), [dst.type, src.type]),
-                    "{ .reg .u64 sa, ga; .reg .u32 s32; cvta.to.shared.u64 sa, $0; "
-                    "cvt.u32.u64 s32, sa; cvta.to.global.u64 ga, $1; "
-                    f"cp.async.cg.shared.global{qualifier} [s32], [ga], 16; }}",
-                    "l,l,~{memory}", side_effect=True)
-                builder.call(asm, [dst, src])
-                return context.get_dummy_value()
+        def codegen(context, builder, sig, args):
+            dst = _pointer(context, builder, sig.args[0], args[0], args[1])
+            src = _pointer(context, builder, sig.args[2], args[2], args[3])
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [dst.type, src.type]),
+                "{ .reg .u64 sa, ga; .reg .u32 s32; cvta.to.shared.u64 sa, $0; "
+                "cvt.u32.u64 s32, sa; cvta.to.global.u64 ga, $1; "
+                "cp.async.cg.shared.global [s32], [ga], 16; }",
+                "l,l,~{memory}", side_effect=True)
+            builder.call(asm, [dst, src])
+            return context.get_dummy_value()
 
-            return sig, codegen
-
-        return copy
-
-    cp_async16 = _cp_async16("")
-    cp_async16_l2 = _cp_async16(".L2::256B")
+        return sig, codegen
 
     @intrinsic
     def cp_async_wait(typingctx):

@@ -46,10 +46,7 @@ PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "staged-1024,persist,ahead1": (1024, ("float32",), PERSIST_OPS),
          "staged-2048,persist,ahead16": (2048, ("bfloat16", "float32"), PERSIST_OPS),
          "staged-4096,persist,parts4": (4096, ("float32",), PERSIST_OPS),
-         "staged-1024,persist,cache1": (1024, ("float32",), PERSIST_OPS),
-         "staged-4096,persist,parts4,cache1": (4096, ("float32",), PERSIST_OPS),
          "staged-1024,persist,stagger1,rows5": (1024, ("float32",), PERSIST_OPS),
-         "staged-1024,persist,hintscs+l2": (1024, ("float32",), PERSIST_OPS),
          "staged-2048,persist,held2": (2048, ("float32",), PERSIST_OPS),
          "staged-4096,persist,held2": (4096, ("bfloat16",), PERSIST_OPS)}
 """Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
@@ -71,14 +68,11 @@ the fallback that summarizes the other half from device memory); ``aheadN``: N c
 of the whole-chunk rows read back before the summary exchange (the default is none; 16: all);
 ``parts4``: float32 rows of 4096 elements (four chunks) as four clusters a row
 (``SOFTMAXKIT_NUMBA_CUDA_ROW_CLUSTERS=4``), the first summarizing the three others;
-``cache1``: float32 softmax with its exponentials cached in the stage
-(``SOFTMAXKIT_NUMBA_CUDA_EXP_CACHE=1``); ``stagger1,rows5``: five rows over two clusters,
-the second (one row fewer) starting late (``SOFTMAXKIT_NUMBA_CUDA_STAGGER=1``);
-``hintscs+l2``: the cache hints' forms of the stores and copies; ``heldN``: rows of two
-chunks as one chunk twice as long, N words a thread kept in registers
-(``SOFTMAXKIT_NUMBA_CUDA_HELD=N``; float32 keeps 8 by default, so its rows of 2048 elements
-are one cluster unless ``held0``).  Every input
-has an ascending row (its maximum rises in every copy group) and a row whose first quarter is
+``stagger1,rows5``: five rows over two clusters, the second (one row fewer) starting late
+(``SOFTMAXKIT_NUMBA_CUDA_STAGGER=1``); ``heldN``: rows of two chunks as one chunk twice as
+long, N words a thread kept in registers (``SOFTMAXKIT_NUMBA_CUDA_HELD=N``; float32 keeps 4
+by default, so its rows of 2048 elements are one cluster unless ``held0``).  Every input has
+an ascending row (its maximum rises in every copy group) and a row whose first quarter is
 -inf (copy groups that land while the maximum is -inf).
 (Short rows, a group of threads each, are the simulator's default plan in the kit.)"""
 
@@ -177,8 +171,7 @@ def plans() -> None:
         os.environ["SOFTMAXKIT_NUMBA_CUDA_CLUSTER"] = "all" if "cluster" in options else "1"
         os.environ["SOFTMAXKIT_NUMBA_CUDA_PERSIST"] = "all" if "persist" in options else "1"
         for prefix, name in (("ahead", "STAGE_AHEAD"), ("parts", "ROW_CLUSTERS"),
-                             ("cache", "EXP_CACHE"), ("stagger", "STAGGER"),
-                             ("hints", "CACHE_HINTS"), ("held", "HELD")):
+                             ("stagger", "STAGGER"), ("held", "HELD")):
             value = [o[len(prefix):] for o in options if o.startswith(prefix)]
             if value:
                 os.environ[f"SOFTMAXKIT_NUMBA_CUDA_{name}"] = value[0]
@@ -202,8 +195,7 @@ def plans() -> None:
                 except Exception:
                     emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
     for name in ("PLAN", "STAGED", "STAGE_RING", "STAGE_FOLD", "CLUSTER", "PERSIST",
-                 "STAGE_AHEAD", "ROW_CLUSTERS", "EXP_CACHE", "STAGGER", "CACHE_HINTS",
-                 "HELD"):
+                 "STAGE_AHEAD", "ROW_CLUSTERS", "STAGGER", "HELD"):
         os.environ.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
 
 

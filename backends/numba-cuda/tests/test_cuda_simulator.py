@@ -34,8 +34,7 @@ def simulated() -> dict[str, dict]:
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     for name in ("PLAN", "STAGED", "STAGE_PLAN", "STAGE_RING", "STAGE_GROUPS", "STAGE_FOLD",
                  "CLUSTER", "PERSIST", "STAGE_AHEAD", "EXCHANGE_SPIN", "ROW_CLUSTERS",
-                 "EXP_CACHE", "CLUSTER_POLICY", "STAGGER",
-                 "CACHE_HINTS", "HELD"):
+                 "CLUSTER_POLICY", "STAGGER", "HELD"):
         env.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
     procs = [subprocess.Popen([sys.executable, str(HERE / "simulated.py"), *job], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
