@@ -18,6 +18,7 @@ import numpy as np
 from . import arguments as args
 from .dispatch import run
 from .dtypes import accumulator_dtype, dtype_name
+from .frameworks import route
 
 LN2 = math.log(2.0)
 CAUSAL = {False: None, None: None, True: "bottom_right", "bottom_right": "bottom_right",
@@ -240,6 +241,12 @@ def attention(
     >>> out.shape, lse.shape
     ((2, 4, 3), (2, 4))
     """
+    framework = route(q, k, v, mask)
+    if framework is not None:
+        return framework.attention(
+            q, k, v, scale=scale, causal=causal, window=window, mask=mask, softcap=softcap,
+            return_lse=return_lse, lse_base=lse_base, backend=backend,
+        )
     base = _lse_base(lse_base)
     xp, layout, _, (qf, kf, vf, mf) = _prepare(q, k, v, mask)
     out, lse = run(
@@ -296,6 +303,12 @@ def attention_vjp(
         Shaped and typed like ``q``, ``k``, ``v`` (broadcast leading dimensions summed back;
         ``dk``, ``dv`` summed over each group of query heads).
     """
+    framework = route(q, k, v, out, lse, dout, mask)
+    if framework is not None:
+        return framework.attention_vjp(
+            q, k, v, out, lse, dout, scale=scale, causal=causal, window=window, mask=mask,
+            softcap=softcap, lse_base=lse_base, backend=backend,
+        )
     base = _lse_base(lse_base)
     xp, layout, (q0, k0, v0), (qf, kf, vf, mf) = _prepare(
         q, k, v, mask, {"out": out, "lse": lse, "dout": dout}
@@ -408,6 +421,11 @@ def merge_attention_states(
     >>> bool(np.allclose(out, sk.attention(q, k, v)))
     True
     """
+    framework = route(outs, lses)
+    if framework is not None:
+        return framework.merge_attention_states(
+            outs, lses, axis, lse_base=lse_base, empty_lse=empty_lse, backend=backend
+        )
     xp, base, (outs, _, _, batch, dv), (orr, lr) = _states(
         outs, lses, axis, lse_base, empty_lse, {}
     )
@@ -501,6 +519,11 @@ def merge_attention_vjp(
     dlses : array
         ``lses``' shape, in the accumulator dtype, with respect to ``lses`` in ``lse_base``.
     """
+    framework = route(outs, lses, dout, dlse)
+    if framework is not None:
+        return framework.merge_attention_vjp(
+            outs, lses, dout, dlse, axis, lse_base=lse_base, empty_lse=empty_lse, backend=backend
+        )
     extra = {"dout": dout, "dlse": dlse}
     xp, base, (outs_a, lses_a, ax, batch, dv), (orr, lr) = _states(
         outs, lses, axis, lse_base, empty_lse, extra

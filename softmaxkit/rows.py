@@ -13,6 +13,7 @@ from typing import Any
 
 from . import arguments as args
 from .dispatch import run
+from .frameworks import route
 from .dtypes import dtype_name, output_dtype
 from .layout import RowLayout
 
@@ -101,6 +102,9 @@ def softmax(
     >>> sk.softmax(np.array([20.0, 18.0, 17.0, -5.0])).round(5)
     array([0.8438 , 0.1142 , 0.04201, 0.     ])
     """
+    framework = route(x, where)
+    if framework is not None:
+        return framework.softmax(x, axis, where=where, dtype=dtype, masked=masked, backend=backend)
     return _normalize("softmax", x, axis, where, dtype, masked, backend)
 
 
@@ -142,6 +146,11 @@ def log_softmax(
     >>> sk.log_softmax(np.array([0.0, 0.0])).round(6)
     array([-0.693147, -0.693147])
     """
+    framework = route(x, where)
+    if framework is not None:
+        return framework.log_softmax(
+            x, axis, where=where, dtype=dtype, masked=masked, backend=backend
+        )
     return _normalize("log_softmax", x, axis, where, dtype, masked, backend)
 
 
@@ -189,6 +198,9 @@ def logsumexp(
     >>> float(sk.logsumexp(np.array([1000.0, 1000.0])))
     1000.6931471805599
     """
+    framework = route(a, b, where)
+    if framework is not None:
+        return framework.logsumexp(a, axis, b, keepdims, return_sign, where=where, backend=backend)
     xp = args.namespace(a=a, b=b, where=where)
     a = args.floating(xp, args.as_array(xp, a, "a"), "a")
     out_dtype = a.dtype
@@ -269,6 +281,13 @@ def cross_entropy(
     >>> round(float(sk.cross_entropy(x, np.array([0]))), 6)
     0.169846
     """
+    framework = route(logits, target, where)
+    if framework is not None:
+        return framework.cross_entropy(
+            logits, target, axis, reduction=reduction, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, where=where, return_grad=return_grad,
+            backend=backend,
+        )
     reduction = args.choice(reduction, REDUCTIONS, "reduction")
     smoothing = args.finite_scalar(label_smoothing, "label_smoothing", 0.0, 1.0)
     xp = args.namespace(logits=logits, target=target, where=where)
@@ -380,6 +399,9 @@ def softmax_vjp(
     array
         ``d <g, softmax(x)> / d x``, the shape of ``probs``; never forms the Jacobian.
     """
+    framework = route(probs, cotangent, where)
+    if framework is not None:
+        return framework.softmax_vjp(probs, cotangent, axis, where=where, backend=backend)
     return _vjp("softmax_vjp", "probs", probs, cotangent, axis, where, backend)
 
 
@@ -408,4 +430,7 @@ def log_softmax_vjp(
     array
         ``d <g, log_softmax(x)> / d x``, the shape of ``logprobs``.
     """
+    framework = route(logprobs, cotangent, where)
+    if framework is not None:
+        return framework.log_softmax_vjp(logprobs, cotangent, axis, where=where, backend=backend)
     return _vjp("log_softmax_vjp", "logprobs", logprobs, cotangent, axis, where, backend)
