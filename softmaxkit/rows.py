@@ -13,8 +13,8 @@ from typing import Any
 
 from . import arguments as args
 from .dispatch import run
-from .frameworks import route
 from .dtypes import dtype_name, output_dtype
+from .frameworks import route
 from .layout import RowLayout
 
 REDUCTIONS = ("mean", "sum", "none")

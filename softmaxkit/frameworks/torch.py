@@ -22,7 +22,7 @@ The functions below take the public signatures; the public functions hand a call
 
 import math
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -54,7 +54,7 @@ def _no_setup(ctx: Any, inputs: Any, output: Any) -> None:
     pass
 
 
-def _axes(axis: Any, ndim: int) -> Optional[list[int]]:
+def _axes(axis: Any, ndim: int) -> list[int] | None:
     """``axis`` (None, int or ints) as sorted non-negative ints; None means all axes."""
     if axis is None:
         return None
@@ -78,13 +78,13 @@ def _empty(like: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device=like.device)
 
 
-def _tensor_or_none(value: Any, like: Tensor) -> Optional[Tensor]:
+def _tensor_or_none(value: Any, like: Tensor) -> Tensor | None:
     if value is None or isinstance(value, Tensor):
         return value
     return torch.as_tensor(value, device=like.device)
 
 
-def _expand_reduced(g: Tensor, axes: Optional[list[int]], ndim: int, keepdims: bool) -> Tensor:
+def _expand_reduced(g: Tensor, axes: list[int] | None, ndim: int, keepdims: bool) -> Tensor:
     """Reinsert the reduced axes of a reduction's cotangent as length-one axes."""
     if keepdims:
         return g
@@ -100,8 +100,8 @@ def _expand_reduced(g: Tensor, axes: Optional[list[int]], ndim: int, keepdims: b
 def _normalize_op(name: str):
     @torch.library.custom_op(f"softmaxkit::{name}", mutates_args=())
     def op(
-        x: Tensor, axis: Optional[list[int]], where: Optional[Tensor],
-        dtype: Optional[torch.dtype], masked: str, backend: Optional[str],
+        x: Tensor, axis: list[int] | None, where: Tensor | None,
+        dtype: torch.dtype | None, masked: str, backend: str | None,
     ) -> Tensor:
         fn = getattr(_rows, name)
         ax = None if axis is None else tuple(axis)
@@ -119,8 +119,8 @@ def _normalize_op(name: str):
 def _vjp_op(name: str, primal: str):
     @torch.library.custom_op(f"softmaxkit::{name}", mutates_args=())
     def op(
-        y: Tensor, cotangent: Tensor, axis: Optional[list[int]], where: Optional[Tensor],
-        backend: Optional[str],
+        y: Tensor, cotangent: Tensor, axis: list[int] | None, where: Tensor | None,
+        backend: str | None,
     ) -> Tensor:
         fn = getattr(_rows, name)
         ax = None if axis is None else tuple(axis)
@@ -163,7 +163,7 @@ log_softmax_op.register_autograd(
 
 def softmax(
     x: Tensor, axis: Any = None, *, where: Any = None, dtype: Any = None,
-    masked: str = "zero", backend: Optional[str] = None,
+    masked: str = "zero", backend: str | None = None,
 ) -> Tensor:
     """:func:`softmaxkit.softmax` as the differentiable operator ``softmaxkit::softmax``."""
     return softmax_op(x, _axes(axis, x.ndim), _tensor_or_none(where, x), dtype, masked, backend)
@@ -171,7 +171,7 @@ def softmax(
 
 def log_softmax(
     x: Tensor, axis: Any = None, *, where: Any = None, dtype: Any = None,
-    masked: str = "zero", backend: Optional[str] = None,
+    masked: str = "zero", backend: str | None = None,
 ) -> Tensor:
     """:func:`softmaxkit.log_softmax` as the differentiable operator ``softmaxkit::log_softmax``."""
     return log_softmax_op(
@@ -181,7 +181,7 @@ def log_softmax(
 
 def softmax_vjp(
     probs: Tensor, cotangent: Any, axis: Any = None, *, where: Any = None,
-    backend: Optional[str] = None,
+    backend: str | None = None,
 ) -> Tensor:
     """:func:`softmaxkit.softmax_vjp` as an operator (no second derivative)."""
     return softmax_vjp_op(
@@ -192,7 +192,7 @@ def softmax_vjp(
 
 def log_softmax_vjp(
     logprobs: Tensor, cotangent: Any, axis: Any = None, *, where: Any = None,
-    backend: Optional[str] = None,
+    backend: str | None = None,
 ) -> Tensor:
     """:func:`softmaxkit.log_softmax_vjp` as an operator (no second derivative)."""
     return log_softmax_vjp_op(
@@ -207,8 +207,8 @@ def log_softmax_vjp(
 
 @torch.library.custom_op("softmaxkit::logsumexp", mutates_args=())
 def logsumexp_op(
-    a: Tensor, axis: Optional[list[int]], b: Optional[Tensor], keepdims: bool,
-    where: Optional[Tensor], backend: Optional[str],
+    a: Tensor, axis: list[int] | None, b: Tensor | None, keepdims: bool,
+    where: Tensor | None, backend: str | None,
 ) -> Tensor:
     ax = None if axis is None else tuple(axis)
     with torch.no_grad():
@@ -261,7 +261,7 @@ logsumexp_op.register_autograd(_logsumexp_backward, setup_context=_logsumexp_set
 
 def logsumexp(
     a: Tensor, axis: Any = None, b: Any = None, keepdims: bool = False,
-    return_sign: bool = False, *, where: Any = None, backend: Optional[str] = None,
+    return_sign: bool = False, *, where: Any = None, backend: str | None = None,
 ) -> Any:
     """:func:`softmaxkit.logsumexp` as the differentiable operator ``softmaxkit::logsumexp``."""
     if return_sign:
@@ -282,8 +282,8 @@ def logsumexp(
 
 @torch.library.custom_op("softmaxkit::cross_entropy", mutates_args=())
 def cross_entropy_op(
-    logits: Tensor, target: Tensor, axis: int, reduction: str, ignore_index: Optional[int],
-    label_smoothing: float, where: Optional[Tensor], need_grad: bool, backend: Optional[str],
+    logits: Tensor, target: Tensor, axis: int, reduction: str, ignore_index: int | None,
+    label_smoothing: float, where: Tensor | None, need_grad: bool, backend: str | None,
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
         result = _rows.cross_entropy(
@@ -325,8 +325,8 @@ cross_entropy_op.register_autograd(_cross_entropy_backward, setup_context=_cross
 
 def cross_entropy(
     logits: Tensor, target: Any, axis: int = -1, *, reduction: str = "mean",
-    ignore_index: Optional[int] = None, label_smoothing: float = 0.0, where: Any = None,
-    return_grad: bool = False, backend: Optional[str] = None,
+    ignore_index: int | None = None, label_smoothing: float = 0.0, where: Any = None,
+    return_grad: bool = False, backend: str | None = None,
 ) -> Any:
     """:func:`softmaxkit.cross_entropy` as the operator ``softmaxkit::cross_entropy``.
 
@@ -358,8 +358,8 @@ def cross_entropy(
 
 @torch.library.custom_op("softmaxkit::attention", mutates_args=())
 def attention_op(
-    q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], causal: Optional[str],
-    window: list[int], mask: Optional[Tensor], softcap: Optional[float], backend: Optional[str],
+    q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: str | None,
+    window: list[int], mask: Tensor | None, softcap: float | None, backend: str | None,
     lse_used: bool,
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
@@ -370,7 +370,7 @@ def attention_op(
     return out.contiguous(), lse.contiguous()
 
 
-def _attention_lead(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> tuple:
+def _attention_lead(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple:
     leads = [q.shape[:-3], k.shape[:-3], v.shape[:-3]]
     if mask is not None and mask.ndim > 3:
         leads.append(mask.shape[:-3])
@@ -389,8 +389,8 @@ def _(q, k, v, scale, causal, window, mask, softcap, backend, lse_used):
 @torch.library.custom_op("softmaxkit::attention_vjp", mutates_args=())
 def attention_vjp_op(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-    scale: Optional[float], causal: Optional[str], window: list[int], mask: Optional[Tensor],
-    softcap: Optional[float], backend: Optional[str],
+    scale: float | None, causal: str | None, window: list[int], mask: Tensor | None,
+    softcap: float | None, backend: str | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     with torch.no_grad():
         grads = _attention_vjp_fn(
@@ -418,7 +418,7 @@ def _attention_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> No
     ctx.save_for_backward(q, k, v, mask, *output)  # out and lse: the backward recomputes
 
 
-def _attention_backward(ctx: Any, dout: Tensor, dlse: Optional[Tensor]) -> tuple:
+def _attention_backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple:
     q, k, v, mask, out, lse = ctx.saved_tensors
     dv_width = v.shape[-1]
     widen = ctx.lse_used and dlse is not None
@@ -438,9 +438,9 @@ attention_op.register_autograd(_attention_backward, setup_context=_attention_set
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, causal: Any = False,
-    window: Any = None, mask: Any = None, softcap: Optional[float] = None,
-    return_lse: bool = False, lse_base: Any = "e", backend: Optional[str] = None,
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, causal: Any = False,
+    window: Any = None, mask: Any = None, softcap: float | None = None,
+    return_lse: bool = False, lse_base: Any = "e", backend: str | None = None,
 ) -> Any:
     """:func:`softmaxkit.attention` as the differentiable operator ``softmaxkit::attention``.
 
@@ -464,7 +464,7 @@ def attention(
 
 @torch.library.custom_op("softmaxkit::merge_attention", mutates_args=())
 def merge_attention_op(
-    outs: Tensor, lses: Tensor, axis: int, backend: Optional[str]
+    outs: Tensor, lses: Tensor, axis: int, backend: str | None
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
         out, lse = _merge_fn(outs, lses, axis, backend=backend)
@@ -480,8 +480,8 @@ def _(outs, lses, axis, backend):
 
 @torch.library.custom_op("softmaxkit::merge_attention_vjp", mutates_args=())
 def merge_attention_vjp_op(
-    outs: Tensor, lses: Tensor, dout: Tensor, dlse: Optional[Tensor], axis: int,
-    backend: Optional[str],
+    outs: Tensor, lses: Tensor, dout: Tensor, dlse: Tensor | None, axis: int,
+    backend: str | None,
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
         douts, dlses = _merge_vjp_fn(outs, lses, dout, dlse, axis,
@@ -505,7 +505,7 @@ def _merge_setup(ctx: Any, inputs: Any, output: Any) -> None:
     ctx.save_for_backward(outs, lses)
 
 
-def _merge_backward(ctx: Any, dout: Optional[Tensor], dlse: Optional[Tensor]) -> tuple:
+def _merge_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple:
     outs, lses = ctx.saved_tensors
     if dout is None:
         dout = outs.new_zeros(outs.shape[:ctx.axis] + outs.shape[ctx.axis + 1:])
@@ -542,7 +542,7 @@ def _states(outs: Any, lses: Any, axis: int, empty_lse: float) -> tuple[Tensor, 
 
 def merge_attention_states(
     outs: Any, lses: Any, axis: int = 0, *, lse_base: Any = "e", empty_lse: float = -math.inf,
-    backend: Optional[str] = None,
+    backend: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`softmaxkit.merge_attention_states` as the operator ``softmaxkit::merge_attention``.
 
@@ -559,8 +559,8 @@ def merge_attention_states(
 
 def attention_vjp(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
-    scale: Optional[float] = None, causal: Any = False, window: Any = None, mask: Any = None,
-    softcap: Optional[float] = None, lse_base: Any = "e", backend: Optional[str] = None,
+    scale: float | None = None, causal: Any = False, window: Any = None, mask: Any = None,
+    softcap: float | None = None, lse_base: Any = "e", backend: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`softmaxkit.attention_vjp` as an operator (no second derivative)."""
     if _lse_base(lse_base) == "2":
@@ -574,7 +574,7 @@ def attention_vjp(
 
 def merge_attention_vjp(
     outs: Any, lses: Any, dout: Tensor, dlse: Any = None, axis: int = 0, *,
-    lse_base: Any = "e", empty_lse: float = -math.inf, backend: Optional[str] = None,
+    lse_base: Any = "e", empty_lse: float = -math.inf, backend: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`softmaxkit.merge_attention_vjp` as an operator (no second derivative)."""
     base = _lse_base(lse_base)

@@ -1,0 +1,327 @@
+"""PyTorch autograd through softmaxkit's custom operators.
+
+References: torch.autograd.gradcheck (central finite differences of the forward, float64) for
+every operation and policy, and torch's own autograd of the equivalent torch code in float64
+for float32 / bfloat16 gradients.  torch.compile: zero graph breaks for a transformer block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import softmaxkit as sk  # noqa: E402
+from softmaxkit.frameworks.torch import DoubleBackwardError  # noqa: E402
+from softmaxkit.testing.tolerance import TOLERANCES  # noqa: E402
+
+f64 = torch.float64
+
+
+def _randn(*shape, seed=0, dtype=f64, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tuple(shape), generator=g, dtype=dtype).requires_grad_(grad)
+
+
+def _gradcheck(fn, *inputs):
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# gradcheck, float64
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("axis", [-1, 0, (0, 2), None])
+def test_gradcheck_softmax_family(op, axis):
+    fn = getattr(sk, op)
+    _gradcheck(lambda x: fn(x, axis), _randn(3, 4, 5))
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_gradcheck_masked_rows_have_zero_gradient(op):
+    x = _randn(4, 6)
+    where = torch.rand(4, 6, generator=torch.Generator().manual_seed(1)) > 0.4
+    where[2] = False  # a fully masked row
+    fn = getattr(sk, op)
+    # log_softmax is -inf at excluded positions; the cotangent is taken on the allowed ones
+    _gradcheck(lambda x: torch.where(where, fn(x, -1, where=where), 0.0), x)
+    y = fn(x, -1, where=where)
+    (g,) = torch.autograd.grad(torch.where(where, y, 0.0).sum(), x)
+    assert torch.all(g[2] == 0) and torch.all(g[~where] == 0)
+
+
+def test_gradcheck_logsumexp():
+    x = _randn(3, 4, 5)
+    _gradcheck(lambda x: sk.logsumexp(x, axis=1), x)
+    _gradcheck(lambda x: sk.logsumexp(x, axis=(0, 2), keepdims=True), x)
+    _gradcheck(lambda x: sk.logsumexp(x), x)
+    where = torch.ones(3, 4, 5, dtype=torch.bool)
+    where[:, 1] = False
+    where[0] = False  # empty rows: lse = -inf, gradient 0
+    _gradcheck(lambda x: sk.logsumexp(x, axis=1, where=where)[1:], x)
+    (g,) = torch.autograd.grad(sk.logsumexp(x, axis=1, where=where)[1:].sum(), x)
+    assert torch.all(g[0] == 0) and torch.all(g[:, 1] == 0)
+
+
+def test_gradcheck_logsumexp_weights():
+    x = _randn(3, 5)
+    b = torch.rand(1, 5, generator=torch.Generator().manual_seed(2), dtype=f64) + 0.1
+    b = b.requires_grad_()
+    _gradcheck(lambda x, b: sk.logsumexp(x, axis=-1, b=b), x, b)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index,smoothing", [(None, 0.0), (2, 0.0), (-100, 0.1)])
+def test_gradcheck_cross_entropy_index(reduction, ignore_index, smoothing):
+    x = _randn(6, 5)
+    target = torch.tensor([0, 2, 4, 1, 2, 3])
+    if ignore_index == -100:
+        target[1] = -100
+    _gradcheck(
+        lambda x: sk.cross_entropy(x, target, reduction=reduction, ignore_index=ignore_index,
+                                   label_smoothing=smoothing), x,
+    )
+
+
+def test_gradcheck_cross_entropy_axis_where_and_probs():
+    x = _randn(2, 5, 3)  # classes on axis 1
+    target = torch.tensor([[0, 4, 1], [3, 3, 0]])
+    where = torch.ones(2, 5, 3, dtype=torch.bool)
+    where[:, 2] = False
+    _gradcheck(lambda x: sk.cross_entropy(x, target, axis=1, where=where,
+                                          label_smoothing=0.2), x)
+    probs = torch.softmax(_randn(2, 5, 3, seed=3, grad=False), dim=1)
+    _gradcheck(lambda x: sk.cross_entropy(x, probs, axis=1, reduction="sum"), x)
+
+
+def _qkv(hq, hk, lq, lk, d=4, dv=3, lead=(), seed=0, dtype=f64):
+    return (_randn(*lead, hq, lq, d, seed=seed, dtype=dtype),
+            _randn(*lead, hk, lk, d, seed=seed + 1, dtype=dtype),
+            _randn(*lead, hk, lk, dv, seed=seed + 2, dtype=dtype))
+
+
+ATTENTION_CASES = {
+    "plain": dict(),
+    "causal-bottom-right": dict(causal=True),
+    "causal-top-left": dict(causal="top_left"),
+    "window": dict(window=(1, 0)),
+    "window-top-left": dict(window=(2, 1), causal="top_left"),
+    "softcap": dict(softcap=2.0, scale=0.9),
+    "mask": dict(mask="mask"),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+@pytest.mark.parametrize("lq,lk", [(3, 5), (5, 3)])
+def test_gradcheck_attention(case, lq, lk):
+    q, k, v = _qkv(4, 2, lq, lk)  # grouped-query: 4 query heads over 2 key heads
+    kw = dict(ATTENTION_CASES[case])
+    if kw.get("mask") == "mask":
+        kw["mask"] = torch.rand(lq, lk, generator=torch.Generator().manual_seed(5)) > 0.3
+        kw["mask"][1] = False  # a query row with no allowed key: zero gradient
+    _gradcheck(lambda q, k, v: sk.attention(q, k, v, **kw), q, k, v)
+    # the lse is differentiable too (an empty row's lse is the constant -inf)
+    def with_lse(q, k, v):
+        out, lse = sk.attention(q, k, v, return_lse=True, **kw)
+        return out, torch.where(torch.isfinite(lse), lse, 0.0)
+
+    _gradcheck(with_lse, q, k, v)
+
+
+def test_gradcheck_attention_broadcast_lead_and_base2_lse():
+    q = _randn(2, 2, 3, 4)
+    k = _randn(1, 1, 5, 4, seed=1)  # broadcast over the batch and shared by both heads
+    v = _randn(1, 1, 5, 2, seed=2)
+    _gradcheck(lambda q, k, v: sk.attention(q, k, v, causal=True, return_lse=True,
+                                            lse_base=2), q, k, v)
+
+
+def test_gradcheck_merge_attention():
+    outs, lses = _randn(3, 2, 4, 5), _randn(3, 2, 4, seed=1)
+    with torch.no_grad():
+        lses[1, 0, 2] = -math.inf  # an empty part
+    _gradcheck(lambda o, s: sk.merge_attention_states(o, s), outs, lses)
+    _gradcheck(lambda o, s: sk.merge_attention_states(o, s, axis=1, lse_base=2), outs, lses)
+    a, b = _randn(4, 5), _randn(4, 5, seed=1)
+    la, lb = _randn(4, seed=2), _randn(4, seed=3)
+    _gradcheck(lambda a, la, b, lb: sk.merge_attention(a, la, b, lb), a, la, b, lb)
+
+
+def test_split_kv_attention_trains_like_full_attention():
+    """Gradients through two partial attentions and their merge equal full attention's."""
+    q, k, v = _qkv(2, 1, 3, 6)
+    full = sk.attention(q, k, v)
+    parts = [sk.attention(q, k[..., i:i + 3, :], v[..., i:i + 3, :], return_lse=True)
+             for i in (0, 3)]
+    merged, _ = sk.merge_attention(parts[0][0], parts[0][1], parts[1][0], parts[1][1])
+    g_full = torch.autograd.grad(full.square().sum(), (q, k, v))
+    g_split = torch.autograd.grad(merged.square().sum(), (q, k, v))
+    for a, b in zip(g_full, g_split, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# float32 / bfloat16 against torch's own autograd
+
+
+def _torch_attention(q, k, v, causal=None, window=(-1, -1)):
+    """Equivalent torch code: GQA by repetition, boolean mask, empty rows give 0."""
+    g = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    lq, lk = q.shape[-2], k.shape[-2]
+    i = torch.arange(lq)[:, None] + (0 if causal == "top_left" else lk - lq)
+    j = torch.arange(lk)[None, :]
+    allowed = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        allowed &= j <= i
+    if window[0] >= 0:
+        allowed &= j >= i - window[0]
+    if window[1] >= 0:
+        allowed &= j <= i + window[1]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s.masked_fill(~allowed, -math.inf), dim=-1)
+    return torch.nan_to_num(p, nan=0.0) @ v
+
+
+def _check_against_torch(sk_fn, torch_fn, inputs64, dtype):
+    """sk's gradient in ``dtype`` is as close to the float64 gradient as torch's in ``dtype``."""
+    cot = None
+    grads = {}
+    for name, fn, dt in (("ref", torch_fn, f64), ("torch", torch_fn, dtype), ("sk", sk_fn, dtype)):
+        xs = [x.detach().to(dt).requires_grad_() for x in inputs64]
+        y = fn(*xs)
+        if cot is None:
+            cot = _randn(*y.shape, seed=9, grad=False)
+        grads[name] = torch.autograd.grad(y, xs, cot.to(y.dtype))
+    rtol, atol = TOLERANCES["float32" if dtype == torch.float32 else "bfloat16"]
+    for ref, mine, theirs in zip(grads["ref"], grads["sk"], grads["torch"], strict=True):
+        assert mine.dtype == dtype
+        err = (mine.double() - ref).abs().max().item()
+        torch_err = (theirs.double() - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        assert err <= max(2 * torch_err, 4 * (rtol * scale + atol)), (err, torch_err)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_gradients_match_torch(dtype):
+    x = _randn(4, 33, grad=False)
+    _check_against_torch(lambda x: sk.softmax(x, -1), lambda x: torch.softmax(x, -1), [x], dtype)
+    _check_against_torch(lambda x: sk.log_softmax(x, -1),
+                         lambda x: torch.log_softmax(x, -1), [x], dtype)
+    _check_against_torch(lambda x: sk.logsumexp(x, -1),
+                         lambda x: torch.logsumexp(x, -1), [x], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy_gradient_matches_torch(dtype):
+    x = _randn(8, 37, grad=False) * 3
+    target = torch.tensor([0, 5, 36, -100, 7, 7, 1, 20])
+    kw = dict(ignore_index=-100, label_smoothing=0.1)
+    _check_against_torch(lambda x: sk.cross_entropy(x, target, **kw),
+                         lambda x: F.cross_entropy(x, target, **kw), [x], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), ("top_left", (3, 0))])
+def test_attention_gradients_match_torch(dtype, causal, window):
+    q, k, v = (a.detach() for a in _qkv(4, 2, 6, 9, d=8, dv=8))
+    _check_against_torch(
+        lambda q, k, v: sk.attention(q, k, v, causal=causal, window=window),
+        lambda q, k, v: _torch_attention(q, k, v, causal, window), [q, k, v], dtype,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the gradient is never dropped; what cannot be differentiated says so
+
+
+def test_requires_grad_is_kept_and_plain_calls_stay_plain():
+    x = _randn(2, 3)
+    for y in (sk.softmax(x), sk.log_softmax(x, 0), sk.logsumexp(x, 1),
+              sk.cross_entropy(x, torch.tensor([0, 2])), sk.attention(x[None], x[None], x[None]),
+              sk.merge_attention(x, x[:, 0], x, x[:, 1])[0]):
+        assert y.requires_grad and y.grad_fn is not None
+    with torch.no_grad():
+        assert sk.softmax(x).grad_fn is None
+    assert sk.softmax(x.detach()).grad_fn is None
+
+
+def test_double_backward_raises_naming_the_operation():
+    x = _randn(2, 3)
+    (g,) = torch.autograd.grad(sk.softmax(x, -1)[:, 0].sum(), x, create_graph=True)
+    assert g.requires_grad
+    with pytest.raises(DoubleBackwardError, match="softmax_vjp"):
+        g.sum().backward()
+    q, k, v = _qkv(2, 1, 3, 4)
+    gq, _, _ = torch.autograd.grad(sk.attention(q, k, v).sum(), (q, k, v), create_graph=True)
+    with pytest.raises(DoubleBackwardError, match="attention_vjp"):
+        gq.sum().backward()
+
+
+def test_underivable_arguments_raise():
+    x = _randn(2, 3)
+    with pytest.raises(NotImplementedError, match="return_sign"):
+        sk.logsumexp(x, 1, return_sign=True)
+    probs = torch.softmax(_randn(2, 3, seed=1), -1)
+    with pytest.raises(NotImplementedError, match="cross_entropy.*target"):
+        sk.cross_entropy(x, probs)
+
+
+def test_cross_entropy_return_grad_under_autograd():
+    x = _randn(3, 4)
+    target = torch.tensor([1, 0, 3])
+    loss, dlogits = sk.cross_entropy(x, target, return_grad=True)
+    (g,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(dlogits, g)
+    torch.testing.assert_close(g, torch.autograd.grad(F.cross_entropy(x, target), x)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+class _Block(torch.nn.Module):
+    """A transformer block with grouped-query causal attention and a fused loss."""
+
+    def __init__(self, vocab=13, dim=16, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.q = torch.nn.Linear(dim, dim)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.hd)
+        self.o = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.hd).permute(2, 0, 3, 1, 4)
+        a = sk.attention(q, k, v, causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, n, -1))
+        return sk.cross_entropy(self.head(x), targets, ignore_index=-100)
+
+
+def test_torch_compile_traces_without_graph_breaks():
+    torch.manual_seed(0)
+    model = _Block()
+    tokens = torch.randint(0, 13, (2, 6))
+    targets = torch.randint(0, 13, (2, 6))
+    targets[0, 0] = -100
+    explained = torch._dynamo.explain(model)(tokens, targets)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    model(tokens, targets).backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(tokens, targets).backward()
+    for a, p in zip(eager, model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, a)
