@@ -1,0 +1,461 @@
+"""JAX wrappers: ``jax.custom_vjp`` around the library's forward and VJP kernels.
+
+Each differentiable operation is a ``jax.custom_vjp`` whose forward and backward run the
+library's own kernels on the host through ``jax.pure_callback``: under ``jit`` the Numba (or
+any other) backend the registry chooses for numpy arrays runs as it does eagerly, and the
+callback receives host numpy views of CPU buffers (no copy where JAX allows).  ``jax.grad``
+therefore uses the library's VJPs and policies (a fully masked row has zero gradient, never
+NaN), not the derivative of a reference formula.
+
+``vmap`` works because every static axis is counted from the end and the callbacks use
+``vmap_method="broadcast_all"``: a batch dimension is one more leading row dimension.  The
+mean of :func:`cross_entropy` is taken here, outside the callback, so that it never spans
+vmapped examples.  The public VJP functions themselves are not differentiable (JAX raises
+when asked to differentiate a callback).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import rows as _rows
+from ..attention import _causal, _empty_lse, _lse_base, _scale, _softcap, _window
+from ..attention import attention as _attention_fn
+from ..attention import attention_vjp as _attention_vjp_fn
+from ..attention import merge_attention_states as _merge_fn
+from ..attention import merge_attention_vjp as _merge_vjp_fn
+
+LN2 = math.log(2.0)
+
+
+def _spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def _host(fn: Any, results: Any, *args: Any) -> Any:
+    """``fn(*args)`` on host numpy arrays, under jit and vmap; None arguments pass through."""
+    def call(*host_args: Any) -> Any:
+        host_args = [None if a is None else np.asarray(a) for a in host_args]
+        out = fn(*host_args)
+        return jax.tree.map(lambda r, o: np.asarray(o, dtype=r.dtype), results, out)
+
+    return jax.pure_callback(call, results, *args, vmap_method="broadcast_all")
+
+
+def _floating(x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    return x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.result_type(float))
+
+
+def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
+    """``axis`` as negative axes (unchanged by vmap's leading batch axis); None is all."""
+    if axis is None:
+        return tuple(range(-ndim, 0))
+    items = [axis] if not isinstance(axis, Sequence) else list(axis)
+    out = []
+    for a in items:
+        a = int(a)
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for an array with {ndim} dimension(s)")
+        out.append(a - ndim if a >= 0 else a)
+    return tuple(sorted(out))
+
+
+def _mask(where: Any, shape: tuple[int, ...]) -> jax.Array | None:
+    if where is None:
+        return None
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+        raise TypeError(f"where must be a boolean array; got dtype {where.dtype}")
+    return jnp.broadcast_to(where, shape)
+
+
+def _expand(g: jax.Array, axes: tuple[int, ...], ndim: int) -> jax.Array:
+    """A reduction's cotangent with its reduced (negative) axes reinserted as length one."""
+    for a in sorted(a + ndim for a in axes):
+        g = jnp.expand_dims(g, a)
+    return g
+
+
+# ---------------------------------------------------------------------------------------------
+# softmax, log_softmax and their VJPs
+
+
+@functools.lru_cache(maxsize=256)
+def _normalize_fn(op: str, axes: tuple[int, ...], masked: str, out_dtype: Any, x_dtype: Any,
+                  backend: str | None) -> Any:
+    forward = getattr(_rows, op)
+    vjp = getattr(_rows, op + "_vjp")
+
+    @jax.custom_vjp
+    def f(x: jax.Array, where: jax.Array | None) -> jax.Array:
+        return _host(lambda x, w: forward(x, axes, where=w, dtype=out_dtype, masked=masked,
+                                          backend=backend),
+                     _spec(x.shape, out_dtype), x, where)
+
+    def fwd(x, where):
+        y = f(x, where)
+        return y, (y, where)
+
+    def bwd(res, g):
+        y, where = res
+        spec = _spec(y.shape, jnp.promote_types(y.dtype, g.dtype))
+        gx = _host(lambda y, g, w: vjp(y, g, axes, where=w, backend=backend), spec, y, g, where)
+        return gx.astype(x_dtype), None
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _normalize(op: str, x: Any, axis: Any, where: Any, dtype: Any, masked: str,
+               backend: str | None) -> jax.Array:
+    x = _floating(x)
+    out_dtype = jnp.dtype(dtype) if dtype is not None else x.dtype
+    fn = _normalize_fn(op, _axes(axis, x.ndim), masked, out_dtype, x.dtype, backend)
+    return fn(x, _mask(where, x.shape))
+
+
+def softmax(x: Any, axis: Any = None, *, where: Any = None, dtype: Any = None,
+            masked: str = "zero", backend: str | None = None) -> jax.Array:
+    """:func:`softmaxkit.softmax` for JAX arrays, differentiable with :func:`softmax_vjp`."""
+    return _normalize("softmax", x, axis, where, dtype, masked, backend)
+
+
+def log_softmax(x: Any, axis: Any = None, *, where: Any = None, dtype: Any = None,
+                masked: str = "zero", backend: str | None = None) -> jax.Array:
+    """:func:`softmaxkit.log_softmax` for JAX arrays, differentiable with its VJP."""
+    return _normalize("log_softmax", x, axis, where, dtype, masked, backend)
+
+
+def _vjp(op: str, y: Any, cotangent: Any, axis: Any, where: Any, backend: str | None) -> Any:
+    y, g = _floating(y), _floating(cotangent)
+    if g.shape != y.shape:
+        raise ValueError(f"cotangent of shape {g.shape} must have the shape {y.shape}")
+    axes = _axes(axis, y.ndim)
+    spec = _spec(y.shape, jnp.promote_types(y.dtype, g.dtype))
+    fn = getattr(_rows, op)
+    return _host(lambda y, g, w: fn(y, g, axes, where=w, backend=backend), spec, y, g,
+                 _mask(where, y.shape))
+
+
+def softmax_vjp(probs: Any, cotangent: Any, axis: Any = None, *, where: Any = None,
+                backend: str | None = None) -> jax.Array:
+    """:func:`softmaxkit.softmax_vjp` for JAX arrays (under jit and vmap)."""
+    return _vjp("softmax_vjp", probs, cotangent, axis, where, backend)
+
+
+def log_softmax_vjp(logprobs: Any, cotangent: Any, axis: Any = None, *, where: Any = None,
+                    backend: str | None = None) -> jax.Array:
+    """:func:`softmaxkit.log_softmax_vjp` for JAX arrays (under jit and vmap)."""
+    return _vjp("log_softmax_vjp", logprobs, cotangent, axis, where, backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# logsumexp
+
+
+@functools.lru_cache(maxsize=256)
+def _logsumexp_fn(axes: tuple[int, ...], shape: tuple[int, ...], out_dtype: Any,
+                  backend: str | None) -> Any:
+    kept = tuple(n for i, n in enumerate(shape) if i - len(shape) not in axes)
+
+    @jax.custom_vjp
+    def f(a, b, where):
+        spec = (_spec(kept, out_dtype), _spec(kept, out_dtype))
+        return _host(lambda a, b, w: _rows.logsumexp(a, axes, b, return_sign=True, where=w,
+                                                     backend=backend), spec, a, b, where)
+
+    def fwd(a, b, where):
+        lse, sign = f(a, b, where)
+        return (lse, sign), (a, b, where, lse, sign)
+
+    def bwd(res, cots):
+        a, b, where, lse, sign = res
+        g = _expand(cots[0], axes, a.ndim)
+        if b is None:
+            # d lse / d a is the library's softmax over the reduced axes (0 on an empty row)
+            p = _normalize_fn("softmax", axes, "zero", a.dtype, a.dtype, backend)(a, where)
+            return (p * g).astype(a.dtype), None, None
+        # with weights: d log|S| / d a = b exp(a - lse) / sign, d / d b = exp(a - lse) / sign
+        lse_k, sign_k = _expand(lse, axes, a.ndim), _expand(sign, axes, a.ndim)
+        keep = (b != 0) & jnp.isfinite(lse_k) & (sign_k != 0)
+        if where is not None:
+            keep = keep & where
+        e = jnp.where(keep, jnp.exp(jnp.where(keep, a - lse_k, 0.0)) * sign_k, 0.0) * g
+        return (b * e).astype(a.dtype), e.astype(b.dtype), None
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def logsumexp(a: Any, axis: Any = None, b: Any = None, keepdims: bool = False,
+              return_sign: bool = False, *, where: Any = None,
+              backend: str | None = None) -> Any:
+    """:func:`softmaxkit.logsumexp` for JAX arrays, differentiable in ``a`` and ``b``."""
+    a = _floating(a)
+    if b is not None:
+        b = _floating(b)
+        a, b = jnp.broadcast_arrays(a, b)
+    out_dtype = a.dtype if b is None else jnp.promote_types(a.dtype, b.dtype)
+    a = a.astype(out_dtype)
+    axes = _axes(axis, a.ndim)
+    lse, sign = _logsumexp_fn(axes, a.shape, out_dtype, backend)(
+        a, None if b is None else b.astype(out_dtype), _mask(where, a.shape)
+    )
+    if keepdims:
+        lse, sign = _expand(lse, axes, a.ndim), _expand(sign, axes, a.ndim)
+    return (lse, sign) if return_sign else lse
+
+
+# ---------------------------------------------------------------------------------------------
+# cross_entropy
+
+
+@functools.lru_cache(maxsize=256)
+def _cross_entropy_rows_fn(axis: int, ignore_index: int | None, smoothing: float,
+                           backend: str | None) -> Any:
+    """Per-row losses, with the gradient of each from the same fused pass as the residual."""
+
+    def host(logits, target, where):
+        return _rows.cross_entropy(logits, target, axis, reduction="none",
+                                   ignore_index=ignore_index, label_smoothing=smoothing,
+                                   where=where, return_grad=True, backend=backend)
+
+    def call(logits, target, where):
+        batch = list(logits.shape)
+        del batch[axis]
+        spec = (_spec(batch, logits.dtype), _spec(logits.shape, logits.dtype))
+        return _host(host, spec, logits, target, where)
+
+    @jax.custom_vjp
+    def f(logits, target, where):
+        return call(logits, target, where)[0]
+
+    def fwd(logits, target, where):
+        losses, grad = call(logits, target, where)
+        return losses, (grad, target, logits, where)
+
+    def bwd(res, g):
+        grad, target, logits, where = res
+        dlogits = grad * jnp.expand_dims(g, axis).astype(grad.dtype)
+        dtarget = None
+        if jnp.issubdtype(target.dtype, jnp.floating):
+            # d loss / d y = -(1 - eps) log_softmax(logits): the library's log_softmax
+            logp = _normalize_fn("log_softmax", (axis,), "zero", logits.dtype, logits.dtype,
+                                 backend)(
+                logits, where)
+            dtarget = (-(1.0 - smoothing) * logp * jnp.expand_dims(g, axis)).astype(target.dtype)
+        return dlogits, dtarget, None
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def cross_entropy(logits: Any, target: Any, axis: int = -1, *, reduction: str = "mean",
+                  ignore_index: int | None = None, label_smoothing: float = 0.0,
+                  where: Any = None, return_grad: bool = False,
+                  backend: str | None = None) -> Any:
+    """:func:`softmaxkit.cross_entropy` for JAX arrays, differentiable in ``logits``.
+
+    The per-row losses and their fused gradient come from one callback; the reduction is taken
+    here so that it never mixes examples under ``vmap``.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} is not valid: expected 'mean', 'sum', 'none'")
+    logits = _floating(logits)
+    if logits.ndim == 0:
+        raise ValueError("logits must have at least one dimension (the class axis)")
+    ax = _axes(axis, logits.ndim)[0]
+    target = jnp.asarray(target)
+    if jnp.issubdtype(target.dtype, jnp.floating):
+        target = jnp.broadcast_to(target, logits.shape).astype(logits.dtype)
+    fn = _cross_entropy_rows_fn(ax, None if ignore_index is None else int(ignore_index),
+                                float(label_smoothing), backend)
+    losses = fn(logits, target, _mask(where, logits.shape))
+    if reduction == "none":
+        loss, scale = losses, 1.0
+    elif reduction == "sum":
+        loss, scale = jnp.sum(losses), 1.0
+    else:
+        if ignore_index is not None and not jnp.issubdtype(target.dtype, jnp.floating):
+            count = jnp.sum(target != ignore_index)
+        else:
+            count = math.prod(losses.shape)
+        # with no row counted the mean (and its gradient) is 0, as the library defines it
+        scale = jnp.where(count > 0, 1.0 / jnp.maximum(count, 1), 0.0).astype(logits.dtype)
+        loss = jnp.sum(losses) * scale
+    loss = loss.astype(logits.dtype)
+    if not return_grad:
+        return loss
+    grad = jax.grad(lambda x: jnp.sum(fn(x, target, _mask(where, logits.shape))) * scale)(logits)
+    return loss, jax.lax.stop_gradient(grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+
+def _attention_shapes(q, k, v, mask):
+    leads = [q.shape[:-3], k.shape[:-3], v.shape[:-3]]
+    if mask is not None and mask.ndim > 3:
+        leads.append(mask.shape[:-3])
+    lead = tuple(np.broadcast_shapes(*leads))
+    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+    acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    hq, lq = q.shape[-3], q.shape[-2]
+    return _spec(lead + (hq, lq, v.shape[-1]), dtype), _spec(lead + (hq, lq), acc)
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_custom(options: tuple, lse_used: bool) -> Any:
+    scale, causal, window, softcap, backend = options
+    kw = dict(scale=scale, causal=causal or False, window=window, softcap=softcap,
+              backend=backend)
+
+    @jax.custom_vjp
+    def f(q, k, v, mask):
+        return _host(lambda q, k, v, m: _attention_fn(q, k, v, mask=m, return_lse=True, **kw),
+                     _attention_shapes(q, k, v, mask), q, k, v, mask)
+
+    def fwd(q, k, v, mask):
+        out, lse = f(q, k, v, mask)
+        return (out, lse), (q, k, v, mask, out, lse)  # the backward recomputes from these
+
+    def bwd(res, cots):
+        q, k, v, mask, out, lse = res
+        dout, dlse = cots
+        dv_width = v.shape[-1]
+        if lse_used:
+            # the lse's gradient enters as D_i = <dout_i, out_i> - dlse_i: widen v by a zero
+            # column, out by -dlse and dout by one, and run the unchanged VJP
+            v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+            out = jnp.concatenate([out, (-dlse).astype(out.dtype)[..., None]], axis=-1)
+            dout = jnp.concatenate([dout, jnp.ones(dout.shape[:-1] + (1,), dout.dtype)], -1)
+        spec = tuple(_spec(a.shape, a.dtype) for a in (q, k, v))
+        dq, dk, dv = _host(
+            lambda q, k, v, o, s, d, m: _attention_vjp_fn(q, k, v, o, s, d, mask=m, **kw),
+            spec, q, k, v, out, lse, dout.astype(out.dtype), mask,
+        )
+        return dq, dk, dv[..., :dv_width], None
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: Any = False,
+              window: Any = None, mask: Any = None, softcap: float | None = None,
+              return_lse: bool = False, lse_base: Any = "e", backend: str | None = None) -> Any:
+    """:func:`softmaxkit.attention` for JAX arrays, differentiable in q, k, v (and its lse).
+
+    The forward keeps ``out`` and ``lse``; the backward recomputes from them
+    (:func:`softmaxkit.attention_vjp`), as FlashAttention does.
+    """
+    base = _lse_base(lse_base)
+    q, k, v = _floating(q), _floating(k), _floating(v)
+    common = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+    q, k, v = q.astype(common), k.astype(common), v.astype(common)
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"mask must be a boolean array (True = attend); got {mask.dtype}")
+        if mask.ndim < 3:
+            mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)
+    options = (None if scale is None else _scale(scale, q.shape[-1]), _causal(causal),
+               _window(window), _softcap(softcap), backend)
+    out, lse = _attention_custom(options, bool(return_lse))(q, k, v, mask)
+    if not return_lse:
+        return out
+    return out, (lse / LN2 if base == "2" else lse)
+
+
+def attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, *,
+                  scale: float | None = None, causal: Any = False, window: Any = None,
+                  mask: Any = None, softcap: float | None = None, lse_base: Any = "e",
+                  backend: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`softmaxkit.attention_vjp` for JAX arrays (under jit and vmap)."""
+    arrays = [jnp.asarray(a) for a in (q, k, v, out, lse, dout)]
+    spec = tuple(_spec(a.shape, a.dtype) for a in arrays[:3])
+    kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lse_base=lse_base,
+              backend=backend)
+    return _host(lambda q, k, v, o, s, d, m: _attention_vjp_fn(q, k, v, o, s, d, mask=m, **kw),
+                 spec, *arrays, None if mask is None else jnp.asarray(mask))
+
+
+# ---------------------------------------------------------------------------------------------
+# merge of partial attention states
+
+
+def _states(outs: Any, lses: Any, axis: int, empty_lse: Any) -> tuple[Any, Any, int]:
+    """Stacked states, lses in the accumulator dtype, -inf for empty, axis counted from the end
+    of lses (so a vmapped batch axis never moves it)."""
+    empty = _empty_lse(empty_lse)
+    if isinstance(outs, (list, tuple)):
+        outs = jnp.stack([jnp.asarray(o) for o in outs], axis=axis)
+    if isinstance(lses, (list, tuple)):
+        lses = jnp.stack([jnp.asarray(s) for s in lses], axis=axis)
+    outs, lses = _floating(outs), _floating(lses)
+    if lses.ndim < 1 or outs.shape[:-1] != lses.shape:
+        raise ValueError(
+            f"outs of shape {outs.shape} must be lses' shape {lses.shape} plus a trailing "
+            "value dimension"
+        )
+    (ax,) = _axes(axis, lses.ndim)
+    lses = lses.astype(jnp.float64 if outs.dtype == jnp.float64 else jnp.float32)
+    if empty == math.inf:
+        lses = jnp.where(lses == math.inf, -math.inf, lses)
+    return outs, lses, ax
+
+
+@functools.lru_cache(maxsize=64)
+def _merge_custom(ax: int, backend: str | None) -> Any:
+    def specs(outs, lses):
+        batch = list(lses.shape)
+        del batch[ax]
+        return _spec(batch + [outs.shape[-1]], outs.dtype), _spec(batch, lses.dtype)
+
+    @jax.custom_vjp
+    def f(outs, lses):
+        return _host(lambda o, s: _merge_fn(o, s, ax, backend=backend), specs(outs, lses),
+                     outs, lses)
+
+    def fwd(outs, lses):
+        return f(outs, lses), (outs, lses)
+
+    def bwd(res, cots):
+        outs, lses = res
+        dout, dlse = cots
+        spec = (_spec(outs.shape, outs.dtype), _spec(lses.shape, lses.dtype))
+        return _host(lambda o, s, d, dl: _merge_vjp_fn(o, s, d, dl, ax, backend=backend),
+                     spec, outs, lses, dout.astype(outs.dtype), dlse.astype(lses.dtype))
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def merge_attention_states(outs: Any, lses: Any, axis: int = 0, *, lse_base: Any = "e",
+                           empty_lse: float = -math.inf,
+                           backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """:func:`softmaxkit.merge_attention_states` for JAX arrays, differentiable in both."""
+    base = _lse_base(lse_base)
+    outs, lses, ax = _states(outs, lses, axis, empty_lse)
+    out, lse = _merge_custom(ax, backend)(outs, lses * LN2 if base == "2" else lses)
+    return out, (lse / LN2 if base == "2" else lse)
+
+
+def merge_attention_vjp(outs: Any, lses: Any, dout: Any, dlse: Any = None, axis: int = 0, *,
+                        lse_base: Any = "e", empty_lse: float = -math.inf,
+                        backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """:func:`softmaxkit.merge_attention_vjp` for JAX arrays (under jit and vmap)."""
+    # stacked and checked only; the library converts lse_base and empty_lse itself
+    outs, lses, ax = _states(outs, lses, axis, -math.inf)
+    spec = (_spec(outs.shape, outs.dtype), _spec(lses.shape, lses.dtype))
+    return _host(lambda o, s, d, dl: _merge_vjp_fn(o, s, d, dl, ax, lse_base=lse_base,
+                                                   empty_lse=empty_lse, backend=backend),
+                 spec, outs, lses, jnp.asarray(dout), None if dlse is None else jnp.asarray(dlse))
