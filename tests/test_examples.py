@@ -37,3 +37,14 @@ def test_grad_check_passes_on_cpu():
         "attention",
     ])
     assert status == 0
+
+
+def test_training_page_examples_run():
+    """Every Python block of docs/training.md runs (PyTorch always; JAX when installed)."""
+    page = (EXAMPLES.parent / "docs" / "training.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in page.split("```python\n")[1:]]
+    assert len(blocks) == 2
+    for block in blocks:
+        if "import jax" in block and importlib.util.find_spec("jax") is None:
+            continue
+        exec(compile(block, "docs/training.md", "exec"), {"__name__": "training_md"})
