@@ -20,15 +20,16 @@ from types import ModuleType
 from typing import Any
 
 
-def _flat(arrays: tuple[Any, ...]) -> list[Any]:
-    # merge_attention_states accepts lists of partial states
-    flat = []
-    for a in arrays:
-        if isinstance(a, (list, tuple)):
-            flat.extend(a)
-        else:
-            flat.append(a)
-    return flat
+def _torch_module() -> ModuleType:
+    from . import torch as module  # a plain import: torch.compile traces it
+
+    return module
+
+
+def _jax_module() -> ModuleType:
+    from . import jax as module
+
+    return module
 
 
 def route(*arrays: Any) -> ModuleType | None:
@@ -37,7 +38,7 @@ def route(*arrays: Any) -> ModuleType | None:
     Parameters
     ----------
     *arrays
-        The call's array arguments (None, scalars and sequences of arrays allowed).
+        The call's array arguments (None, scalars and lists of arrays allowed).
 
     Returns
     -------
@@ -47,17 +48,21 @@ def route(*arrays: Any) -> ModuleType | None:
     """
     modules = sys.modules
     torch = modules.get("torch")
-    if torch is not None:
-        tensors = [a for a in _flat(arrays) if isinstance(a, torch.Tensor)]
-        if tensors:
-            if torch.compiler.is_compiling() or (
-                torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-            ):
-                from . import torch as module  # a plain import: torch.compile traces it
-                return module
-            return None
     jax = modules.get("jax")
-    if jax is not None and any(isinstance(a, jax.Array) for a in _flat(arrays)):
-        from . import jax as module
-        return module
+    if torch is None and jax is None:
+        return None
+    tensor = torch.Tensor if torch is not None else ()
+    array = jax.Array if jax is not None else ()
+    seen = grad = False
+    for a in arrays:
+        for b in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(b, tensor):
+                seen = True
+                grad = grad or b.requires_grad
+            elif isinstance(b, array):
+                return _jax_module()
+    if not seen:
+        return None
+    if (grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return _torch_module()
     return None

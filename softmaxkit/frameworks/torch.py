@@ -24,6 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import array_api_compat
 import torch
 from torch import Tensor
 
@@ -78,9 +79,15 @@ def _empty(like: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device=like.device)
 
 
-def _tensor_or_none(value: Any, like: Tensor) -> Tensor | None:
+def _tensor_or_none(value: Any, like: Tensor, name: str) -> Tensor | None:
+    """``value`` as a tensor on ``like``'s device; Python scalars and sequences convert."""
     if value is None or isinstance(value, Tensor):
         return value
+    if array_api_compat.is_array_api_obj(value):
+        raise TypeError(
+            f"{name} is a {type(value).__module__.split('.')[0]} array while the other "
+            "arguments are torch tensors; pass arrays of one library"
+        )
     return torch.as_tensor(value, device=like.device)
 
 
@@ -166,7 +173,9 @@ def softmax(
     masked: str = "zero", backend: str | None = None,
 ) -> Tensor:
     """:func:`softmaxkit.softmax` as the differentiable operator ``softmaxkit::softmax``."""
-    return softmax_op(x, _axes(axis, x.ndim), _tensor_or_none(where, x), dtype, masked, backend)
+    return softmax_op(
+        x, _axes(axis, x.ndim), _tensor_or_none(where, x, "where"), dtype, masked, backend
+    )
 
 
 def log_softmax(
@@ -175,7 +184,7 @@ def log_softmax(
 ) -> Tensor:
     """:func:`softmaxkit.log_softmax` as the differentiable operator ``softmaxkit::log_softmax``."""
     return log_softmax_op(
-        x, _axes(axis, x.ndim), _tensor_or_none(where, x), dtype, masked, backend
+        x, _axes(axis, x.ndim), _tensor_or_none(where, x, "where"), dtype, masked, backend
     )
 
 
@@ -185,8 +194,8 @@ def softmax_vjp(
 ) -> Tensor:
     """:func:`softmaxkit.softmax_vjp` as an operator (no second derivative)."""
     return softmax_vjp_op(
-        probs, _tensor_or_none(cotangent, probs), _axes(axis, probs.ndim),
-        _tensor_or_none(where, probs), backend,
+        probs, _tensor_or_none(cotangent, probs, "cotangent"), _axes(axis, probs.ndim),
+        _tensor_or_none(where, probs, "where"), backend,
     )
 
 
@@ -196,8 +205,8 @@ def log_softmax_vjp(
 ) -> Tensor:
     """:func:`softmaxkit.log_softmax_vjp` as an operator (no second derivative)."""
     return log_softmax_vjp_op(
-        logprobs, _tensor_or_none(cotangent, logprobs), _axes(axis, logprobs.ndim),
-        _tensor_or_none(where, logprobs), backend,
+        logprobs, _tensor_or_none(cotangent, logprobs, "cotangent"), _axes(axis, logprobs.ndim),
+        _tensor_or_none(where, logprobs, "where"), backend,
     )
 
 
@@ -269,10 +278,10 @@ def logsumexp(
             "softmaxkit.logsumexp with return_sign=True is not differentiable; call it on "
             "detached tensors or without return_sign"
         )
-    b = _tensor_or_none(b, a)
+    b = _tensor_or_none(b, a, "b")
     ndim = a.ndim if b is None else max(a.ndim, b.ndim)
     return logsumexp_op(
-        a, _axes(axis, ndim), b, bool(keepdims), _tensor_or_none(where, a), backend
+        a, _axes(axis, ndim), b, bool(keepdims), _tensor_or_none(where, a, "where"), backend
     )
 
 
@@ -333,7 +342,7 @@ def cross_entropy(
     The forward computes the gradient with respect to ``logits`` in the same fused pass and
     saves only that; the backward scales it by the incoming gradient.
     """
-    target = _tensor_or_none(target, logits)
+    target = _tensor_or_none(target, logits, "target")
     if target.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(
             "softmaxkit.cross_entropy is differentiable with respect to logits only; the "
@@ -344,7 +353,7 @@ def cross_entropy(
     loss, grad = cross_entropy_op(
         logits, target, ax + logits.ndim if ax < 0 else ax, reduction,
         None if ignore_index is None else int(ignore_index), float(label_smoothing),
-        _tensor_or_none(where, logits), bool(need_grad), backend,
+        _tensor_or_none(where, logits, "where"), bool(need_grad), backend,
     )
     if return_grad:
         # the returned gradient is a value, not a differentiable function of logits
@@ -451,7 +460,7 @@ def attention(
     out, lse = attention_op(
         q, k, v, None if scale is None else _scale(scale, q.shape[-1]),
         _causal(causal), list(_window(window)),
-        _tensor_or_none(mask, q), _softcap(softcap), backend, bool(return_lse),
+        _tensor_or_none(mask, q, "mask"), _softcap(softcap), backend, bool(return_lse),
     )
     if not return_lse:
         return out
@@ -567,7 +576,7 @@ def attention_vjp(
         lse = lse * LN2
     return attention_vjp_op(
         q, k, v, out, lse, dout, None if scale is None else _scale(scale, q.shape[-1]),
-        _causal(causal), list(_window(window)), _tensor_or_none(mask, q),
+        _causal(causal), list(_window(window)), _tensor_or_none(mask, q, "mask"),
         _softcap(softcap), backend,
     )
 
@@ -580,7 +589,7 @@ def merge_attention_vjp(
     base = _lse_base(lse_base)
     outs, lses, ax = _states(outs, lses, axis, empty_lse)
     if dlse is not None:
-        dlse = _tensor_or_none(dlse, outs).to(lses.dtype)
+        dlse = _tensor_or_none(dlse, outs, "dlse").to(lses.dtype)
         if base == "2":
             dlse = dlse / LN2  # d/d lse_e of the base-2 lse
     douts, dlses = merge_attention_vjp_op(
