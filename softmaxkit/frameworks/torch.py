@@ -123,7 +123,7 @@ def _normalize_op(name: str):
     return op
 
 
-def _vjp_op(name: str, primal: str):
+def _vjp_op(name: str):
     @torch.library.custom_op(f"softmaxkit::{name}", mutates_args=())
     def op(
         y: Tensor, cotangent: Tensor, axis: list[int] | None, where: Tensor | None,
@@ -144,8 +144,8 @@ def _vjp_op(name: str, primal: str):
 
 softmax_op = _normalize_op("softmax")
 log_softmax_op = _normalize_op("log_softmax")
-softmax_vjp_op = _vjp_op("softmax_vjp", "probs")
-log_softmax_vjp_op = _vjp_op("log_softmax_vjp", "logprobs")
+softmax_vjp_op = _vjp_op("softmax_vjp")
+log_softmax_vjp_op = _vjp_op("log_softmax_vjp")
 
 
 def _normalize_setup(ctx: Any, inputs: Any, output: Tensor) -> None:
@@ -275,8 +275,9 @@ def logsumexp(
     """:func:`softmaxkit.logsumexp` as the differentiable operator ``softmaxkit::logsumexp``."""
     if return_sign:
         raise NotImplementedError(
-            "softmaxkit.logsumexp with return_sign=True is not differentiable; call it on "
-            "detached tensors or without return_sign"
+            "softmaxkit.logsumexp with return_sign=True has no gradient formula and no "
+            "torch.compile operator; call it on detached tensors outside torch.compile, or "
+            "without return_sign"
         )
     b = _tensor_or_none(b, a, "b")
     ndim = a.ndim if b is None else max(a.ndim, b.ndim)
