@@ -325,3 +325,25 @@ def test_torch_compile_traces_without_graph_breaks():
     compiled(tokens, targets).backward()
     for a, p in zip(eager, model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, a)
+
+
+def test_operators_pass_opcheck():
+    """Schema, fake implementations and autograd registrations agree with the real operators."""
+    from softmaxkit.frameworks import torch as ops
+
+    x, where = _randn(3, 5), torch.ones(3, 5, dtype=torch.bool)
+    where[1, 2] = False
+    q, k, v = _qkv(4, 2, 3, 5)
+    outs, lses = _randn(2, 3, 4), _randn(2, 3, seed=1)
+    samples = [
+        (ops.softmax_op, (x, [1], where, None, "zero", None)),
+        (ops.log_softmax_op, (x, None, None, torch.float64, "zero", None)),
+        (ops.softmax_vjp_op, (x.detach(), x.detach() * 2, [1], where, None)),
+        (ops.logsumexp_op, (x, [0], None, True, where, None)),
+        (ops.cross_entropy_op, (x, torch.tensor([0, 4, 2]), 1, "mean", None, 0.1, None, True,
+                                None)),
+        (ops.attention_op, (q, k, v, None, "bottom_right", [-1, -1], None, None, None, True)),
+        (ops.merge_attention_op, (outs, lses, 0, None)),
+    ]
+    for op, args in samples:
+        torch.library.opcheck(op, args)
