@@ -6,8 +6,8 @@ one uses ``softmaxkit.attention`` (grouped-query, causal) and the fused
 and ``torch.nn.functional.cross_entropy``.  The loss curves are printed next to each other;
 on a GPU each run's training throughput (tokens/s) is measured too.
 
-The data are synthetic: sequences drawn from a fixed random first-order Markov chain, so the
-loss has a known floor (the chain's entropy rate) that both models approach.
+The data are synthetic: sequences drawn from a fixed random sparse first-order Markov chain,
+so the loss has a known floor (the chain's entropy rate) that both models approach.
 
 Examples
 --------
@@ -35,6 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import softmaxkit as sk
+
+SUCCESSORS = 8
+"""Possible next tokens of each token in the synthetic data."""
 
 
 class Attention(nn.Module):
@@ -98,22 +101,30 @@ class LanguageModel(nn.Module):
 
 def markov_batches(steps: int, batch: int, seq: int, vocab: int, seed: int,
                    device: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
-    """Batches from a fixed random sparse Markov chain, and the chain's entropy rate (nats)."""
+    """Batches from a fixed random sparse Markov chain, and the chain's entropy rate (nats).
+
+    Each token has ``SUCCESSORS`` possible next tokens with random probabilities, so the
+    data have structure to learn at any vocabulary size; every batch is drawn up front.
+    """
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(vocab, vocab, generator=g) * 3.0
-    probs = torch.softmax(logits, dim=-1)
-    stationary = torch.full((vocab,), 1.0 / vocab)
-    for _ in range(200):
-        stationary = stationary @ probs
-    entropy = float(-(stationary[:, None] * probs * probs.clamp_min(1e-30).log()).sum())
-    batches = []
-    for _ in range(steps):
-        seqs = torch.empty(batch, seq + 1, dtype=torch.long)
-        seqs[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
-        for t in range(seq):
-            seqs[:, t + 1] = torch.multinomial(probs[seqs[:, t]], 1, generator=g)[:, 0]
-        batches.append((seqs[:, :-1].to(device), seqs[:, 1:].to(device)))
-    return batches, entropy
+    succ = torch.randint(0, vocab, (vocab, SUCCESSORS), generator=g)
+    probs = torch.softmax(torch.randn(vocab, SUCCESSORS, generator=g, dtype=torch.float64) * 2,
+                          dim=-1)
+    stationary = torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)
+    for _ in range(100):  # power iteration to the stationary distribution
+        stationary = torch.zeros_like(stationary).index_add_(
+            0, succ.flatten(), (stationary[:, None] * probs).flatten())
+    entropy = float(-(stationary[:, None] * probs * probs.log()).sum())
+    # drawn on the training device, time-major: one gather per position for every sequence
+    cdf, succ = probs.cumsum(-1).float().to(device), succ.to(device)
+    seqs = torch.empty(seq + 1, steps * batch, dtype=torch.long, device=device)
+    seqs[0] = torch.randint(0, vocab, (steps * batch,), generator=g).to(device)
+    uniform = torch.rand(seq, steps * batch, 1, generator=g).to(device)
+    for t in range(seq):  # inverse-CDF sampling of every sequence's next token at once
+        pick = (uniform[t] > cdf[seqs[t]]).sum(-1).clamp_max(SUCCESSORS - 1)
+        seqs[t + 1] = succ[seqs[t], pick]
+    seqs = seqs.T.reshape(steps, batch, seq + 1)
+    return [(s[:, :-1], s[:, 1:]) for s in seqs], entropy
 
 
 def train(model: nn.Module, batches: Sequence, lr: float, device: str, dtype: torch.dtype,
