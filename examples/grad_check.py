@@ -131,8 +131,10 @@ def capture(fn: Callable, inputs: Sequence[torch.Tensor], dtype: torch.dtype,
         return f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
     graph.replay()
     torch.cuda.synchronize()
-    same = all(torch.equal(a, b) for a, b in zip(eager, captured, strict=True))
-    return "captured, replay equals eager" if same else "captured, replay DIFFERS from eager"
+    # atomics may reorder sums between runs: close, not bitwise
+    same = all(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)
+               for a, b in zip(eager, captured, strict=True))
+    return "captured, replay matches eager" if same else "captured, replay DIFFERS from eager"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,16 +147,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     backends = a.backends or (["cupy", "numba-cuda", "reference"] if a.device == "cuda"
                               else ["numba-cpu", "reference"])
-    all_cases = cases(a.device)
-    failed = 0
+    all_cases = {op: c for op, c in cases(a.device).items() if not a.ops or op in a.ops}
+    failed, served = 0, []
     print(f"{'backend':<11} {'dtype':<9} {'operation':<26} {'result':<8} "
           f"{'sk err':>10} {'torch err':>10}")
     for backend in backends:
         for dtype_name in a.dtypes:
             dtype = getattr(torch, dtype_name)
             for op, (fn, ref, inputs) in all_cases.items():
-                if a.ops and op not in a.ops:
-                    continue
                 try:
                     ok, err, terr = check(fn, ref, inputs, dtype, backend)
                 except sk.NoBackendError as exc:
@@ -162,11 +162,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"{backend:<11} {dtype_name:<9} {op:<26} {'n/a':<8} ({reason})")
                     continue
                 failed += not ok
-                line = (f"{backend:<11} {dtype_name:<9} {op:<26} {'ok' if ok else 'FAIL':<8} "
-                        f"{err:>10.2e} {terr:>10.2e}")
-                if a.graphs and a.device.startswith("cuda"):
-                    line += "  graph: " + capture(fn, inputs, dtype, backend)
-                print(line, flush=True)
+                served.append((backend, dtype_name, op))
+                print(f"{backend:<11} {dtype_name:<9} {op:<26} {'ok' if ok else 'FAIL':<8} "
+                      f"{err:>10.2e} {terr:>10.2e}", flush=True)
+    if a.graphs and a.device.startswith("cuda"):
+        # after every gradient check: a failed capture may leave the device unusable
+        print("\nCUDA-graph capture of forward + backward")
+        for backend, dtype_name, op in served:
+            fn, _, inputs = all_cases[op]
+            try:
+                result = capture(fn, inputs, getattr(torch, dtype_name), backend)
+            except Exception as exc:
+                result = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+            print(f"{backend:<11} {dtype_name:<9} {op:<26} {result}", flush=True)
     print("all served operations passed" if not failed else f"{failed} FAILED")
     return 1 if failed else 0
 
