@@ -19,6 +19,7 @@ import numpy as np
 from . import arguments as args
 from .dispatch import run
 from .dtypes import accumulator_dtype
+from .frameworks import refuse_gradient
 from .layout import RowLayout
 
 
@@ -145,6 +146,7 @@ def summarize(
     >>> round(float(s.logsumexp()), 6), round(float(sk.logsumexp(x)), 6)
     (20.169846, 20.169846)
     """
+    refuse_gradient("summarize", x, values)
     xp = args.namespace(x=x, where=where, values=values)
     x = args.floating(xp, args.as_array(xp, x, "x"), "x")
     if x.ndim == 0:
@@ -211,6 +213,7 @@ def merge(*summaries: Summary, backend: str | None = None) -> Summary:
     for i, s in enumerate(summaries):
         if not isinstance(s, Summary):
             raise TypeError(f"summaries[{i}] is a {type(s).__name__}, expected a Summary")
+    refuse_gradient("merge", [f for s in summaries for f in (s.max, s.mass, s.numerator)])
     with_num = [s.numerator is not None for s in summaries]
     if any(with_num) and not all(with_num):
         raise ValueError("either every summary or none must carry a numerator (values=)")

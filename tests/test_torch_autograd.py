@@ -347,3 +347,15 @@ def test_operators_pass_opcheck():
     ]
     for op, args in samples:
         torch.library.opcheck(op, args)
+
+
+def test_summaries_refuse_tensors_requiring_grad():
+    x = _randn(2, 5)
+    with pytest.raises(NotImplementedError, match="summarize"):
+        sk.summarize(x)
+    with torch.no_grad():
+        s = sk.summarize(x)
+    assert s.max.grad_fn is None
+    fields = sk.Summary(s.max.clone().requires_grad_(), s.mass, None)
+    with pytest.raises(NotImplementedError, match="merge"):
+        sk.merge(fields, s)

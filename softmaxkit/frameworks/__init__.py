@@ -66,3 +66,32 @@ def route(*arrays: Any) -> ModuleType | None:
     if (grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return _torch_module()
     return None
+
+
+def refuse_gradient(op: str, *arrays: Any) -> None:
+    """Raise when PyTorch autograd would record a call of ``op``, which has no gradient.
+
+    Parameters
+    ----------
+    op : str
+        The public operation's name, for the message.
+    *arrays
+        The call's array arguments (None and lists of arrays allowed).
+
+    Raises
+    ------
+    NotImplementedError
+        Some torch tensor among ``arrays`` requires grad and grad mode is on: the result would
+        otherwise come back without a gradient, silently.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.is_grad_enabled():
+        return
+    for a in arrays:
+        for b in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(b, torch.Tensor) and b.requires_grad:
+                raise NotImplementedError(
+                    f"softmaxkit.{op} is not differentiable and an input requires grad; detach "
+                    "the inputs or call it under torch.no_grad() (docs/training.md lists the "
+                    "differentiable operations)"
+                )
