@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import rows as _rows
+from ..arguments import AxisError
 from ..attention import _causal, _empty_lse, _lse_base, _scale, _softcap, _window
 from ..attention import attention as _attention_fn
 from ..attention import attention_vjp as _attention_vjp_fn
@@ -63,7 +64,7 @@ def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
     for a in items:
         a = int(a)
         if not -ndim <= a < ndim:
-            raise ValueError(f"axis {a} is out of range for an array with {ndim} dimension(s)")
+            raise AxisError(f"axis {a} is out of range for an array with {ndim} dimension(s)")
         out.append(a - ndim if a >= 0 else a)
     return tuple(sorted(out))
 
