@@ -7,6 +7,7 @@ registry falls back to the next backend instead of computing it wrongly.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from typing import Any
@@ -58,6 +59,8 @@ def manifest() -> dict[str, Any]:
         "install_hint": "pip install softmaxkit-cupy (needs cupy-cuda13x and an NVIDIA GPU)",
         "can_run": "softmaxkit_cupy.manifest:can_run",
         "should_run": "softmaxkit_cupy.manifest:should_run",
+        # the hooks read the arrays' libraries, dtypes and shapes, out_dtype and the options
+        "hook_keys": ["arrays", "shapes", "out_dtype", "options"],
     }
 
 
@@ -77,9 +80,14 @@ def _name(dtype: Any) -> str:
     return dtype_name(dtype)
 
 
+@functools.cache
+def _cupy_installed() -> bool:
+    return importlib.util.find_spec("cupy") is not None
+
+
 def can_run(call: Any) -> bool | str:
     """``True`` if the kernels compute ``call`` exactly as the reference does, else why not."""
-    if importlib.util.find_spec("cupy") is None:
+    if not _cupy_installed():
         return "cupy is not installed"
     if call.op in ROW_OPS:
         return _can_run_rows(call)
