@@ -45,6 +45,21 @@ def _torch_flags(value: Any) -> Any:
     return (value.layout, value.is_quantized, value.is_conj())
 
 
+_PLAIN_VALUE, _NUMPY_ARRAY, _FOREIGN_ARRAY, _OTHER = 1, 2, 3, 4
+_KINDS: dict[type, int] = {t: _PLAIN_VALUE for t in _PLAIN} | {np.ndarray: _NUMPY_ARRAY}
+"""What each argument type is, decided once per type: arrays are what has a shape and a
+dtype (an array library's types all do, or none of their instances do)."""
+
+
+def _kind(t: type, v: Any) -> int:
+    if isinstance(v, type) or t is float or not (hasattr(v, "shape") and hasattr(v, "dtype")):
+        kind = _OTHER
+    else:
+        kind = _FOREIGN_ARRAY
+    _KINDS[t] = kind
+    return kind
+
+
 @functools.lru_cache(maxsize=64)
 def reader(names: frozenset[str]) -> Callable[[Call], tuple[Any, ...]]:
     """A function reading the named properties of a call, as one hashable tuple.
@@ -57,20 +72,20 @@ def reader(names: frozenset[str]) -> Callable[[Call], tuple[Any, ...]]:
 
     def describe(v: Any) -> Any:
         t = type(v)
-        if t in _PLAIN:
+        kind = _KINDS.get(t) or _kind(t, v)
+        if kind == _PLAIN_VALUE:
             return v if options else None
-        if t is np.ndarray or (t is not float and not isinstance(v, type)
-                               and hasattr(v, "shape") and hasattr(v, "dtype")):
-            d: Any = (t, v.dtype) if arrays else None
-            if shapes:
-                d = (d, tuple(v.shape))
-            if t is not np.ndarray:
-                if layout:
-                    d = (d, _torch_flags(v))
-                if chunks:
-                    d = (d, getattr(v, "chunks", None))
-            return d
-        return t if options else None
+        if kind == _OTHER:
+            return t if options else None
+        d: Any = (t, v.dtype) if arrays else None
+        if shapes:
+            d = (d, tuple(v.shape))
+        if kind == _FOREIGN_ARRAY:
+            if layout:
+                d = (d, _torch_flags(v))
+            if chunks:
+                d = (d, getattr(v, "chunks", None))
+        return d
 
     if not names:
         return lambda call: ()

@@ -595,13 +595,13 @@ def device_type(x: Any) -> str:
     Dask arrays report the device type of their chunks' library (``"cpu"`` for numpy chunks,
     ``"cuda"`` for CuPy chunks).
     """
-    if type(x) is np.ndarray:  # the common case, without the library probes below
+    if type(x) is np.ndarray:  # the common cases first, without the library probes below
         return "cpu"
+    if array_api_compat.is_torch_array(x):
+        return x.device.type
     if array_api_compat.is_dask_array(x):
         meta = getattr(x, "_meta", None)
         return device_type(meta) if meta is not None else "cpu"
-    if array_api_compat.is_torch_array(x):
-        return x.device.type
     if array_api_compat.is_cupy_array(x):
         return "cuda"
     if array_api_compat.is_jax_array(x):
