@@ -450,14 +450,14 @@ def run(
             except Exception as exc:  # a peer without this dtype or op
                 result.note = f"{type(exc).__name__}: {str(exc)[:60]}"
                 continue
-            on_device = device != "cpu" and hasattr(got, "detach")
-            if expected is None or (on_device and not hasattr(expected, "detach")):
+            on_device = device != "cpu"
+            if expected is None:
                 # the float64 reference of the values the contenders actually see (computed
-                # on the device for torch tensors there: host references of 0.5 GB inputs
-                # take longer than the timing)
-                expected = (_torch_reference(op, native) if on_device
+                # on the device there, through torch: host references of 0.5 GB inputs take
+                # longer than the timing)
+                expected = (_torch_reference(op, _torch64(native)) if on_device
                             else OPERATIONS[op].reference(_to_float64(native)))
-            got64 = got.detach().double() if on_device else _to_float64(got)
+            got64 = _torch64(got) if on_device else _to_float64(got)
             if on_device:
                 result.max_error = _torch_max_error(got64, expected)
             else:
@@ -466,7 +466,7 @@ def run(
             if name == "softmaxkit" or name.startswith("sk:"):
                 result.note = "on " + ", ".join(dict.fromkeys(r.backend for r in trace))
                 if on_device:
-                    _check_torch(op, got64, expected, native.double(), dtype)
+                    _check_torch(op, got64, expected, _torch64(native), dtype)
                 else:
                     _check(op, got64, expected, _to_float64(native), dtype)
             del got, got64
@@ -517,7 +517,7 @@ def eager_summary(result: Run) -> str:
 
 
 def cross_entropy_eager(shapes: Iterable[tuple[int, int]] = CROSS_ENTROPY_SHAPES,
-                        dtype: str = "bfloat16", seed: int = 0) -> str:
+                        dtype: str = "bfloat16", seed: int = 0, device: str = "cuda") -> str:
     """Cross-entropy with its fused gradient against torch's forward + backward, on CUDA.
 
     Both are checked against a float64 reference on the device first (loss and gradient of
@@ -530,17 +530,18 @@ def cross_entropy_eager(shapes: Iterable[tuple[int, int]] = CROSS_ENTROPY_SHAPES
     from .testing.tolerance import TOLERANCES
 
     rtol, atol = TOLERANCES[dtype]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    lines = [f"cross_entropy + gradient, {dtype}, eager, {cuda_timer()} "
+    gen = torch.Generator(device=device).manual_seed(seed)
+    timer = cuda_timer() if device != "cpu" else "wall clock"
+    lines = [f"cross_entropy + gradient, {dtype}, eager, {timer} "
              "(torch: F.cross_entropy forward + backward)"]
     for rows, n in shapes:
-        x = (torch.randn(rows, n, device="cuda", generator=gen) * 3).to(getattr(torch, dtype))
-        t = torch.randint(0, n, (rows,), device="cuda", generator=gen)
+        x = (torch.randn(rows, n, device=device, generator=gen) * 3).to(getattr(torch, dtype))
+        t = torch.randint(0, n, (rows,), device=device, generator=gen)
         x64 = x.double()
         lse = torch.logsumexp(x64, -1)
         loss64 = (lse - x64.gather(1, t[:, None])[:, 0]).mean()
         grad64 = torch.softmax(x64, -1)
-        grad64[torch.arange(rows, device="cuda"), t] -= 1.0
+        grad64[torch.arange(rows, device=device), t] -= 1.0
         grad64 /= rows
         _poison(x, x.numel() * x.element_size())
         with _trace() as trace:
@@ -563,7 +564,7 @@ def cross_entropy_eager(shapes: Iterable[tuple[int, int]] = CROSS_ENTROPY_SHAPES
             lines.append(f"{rows}x{n}: softmaxkit's loss or gradient is wrong (on {on}); "
                          "not timed")
             continue
-        ours_s, torch_s = time_calls([ours, torch_fwd_bwd], "cuda", repeats=5)
+        ours_s, torch_s = time_calls([ours, torch_fwd_bwd], device, repeats=5)
         lines.append(f"{rows}x{n}: softmaxkit {ours_s * 1e6:.0f} us, torch "
                      f"{torch_s * 1e6:.0f} us: {torch_s / ours_s:.2f}x torch (on {on})")
     return "\n".join(lines)
@@ -603,11 +604,18 @@ def _check(op: str, got: np.ndarray, expected: np.ndarray, x: np.ndarray, dtype:
                              f"{bound[worst]:.3g}; softmaxkit is not timed on a wrong result")
 
 
-def _torch_reference(op: str, native: Any) -> Any:
-    """The float64 result of ``op`` on a torch tensor, on its device."""
+def _torch64(a: Any) -> Any:
+    """A CUDA array (torch or CuPy) as a float64 torch tensor on its device."""
     import torch
 
-    x = native.detach().double()
+    t = a.detach() if hasattr(a, "detach") else torch.from_dlpack(a)
+    return t.double()
+
+
+def _torch_reference(op: str, x: Any) -> Any:
+    """The float64 result of ``op`` on a float64 torch tensor, on its device."""
+    import torch
+
     return {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
             "logsumexp": torch.logsumexp}[op](x, -1)
 
