@@ -617,7 +617,7 @@ def device_type(x: Any) -> str:
     return "cpu" if str(dev).lower() in ("cpu", "cpu_device") or "CPU" in str(dev) else str(dev)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: one plan per key until a reset
 class _Plan:
     """The candidates for one (op, device, dtype, options) and how their decision is keyed.
 
@@ -696,11 +696,12 @@ def choose(
     opts = _options.get()
     if backend is not None:
         return _choose_strict(call, backend, opts, cached)
-    plan = _plan(call.op, call.device, call.dtype, opts.prioritize, opts.disable)
+    plan = (_plans.get((call.op, call.device, call.dtype, opts.prioritize, opts.disable))
+            or _plan(call.op, call.device, call.dtype, opts.prioritize, opts.disable))
     key: tuple[Any, ...] | None = None
     if cached and plan.cut:
-        key, hit = _lookup((call.op, call.xp, call.device, call.dtype, opts.prioritize,
-                            opts.disable, plan.read(call)))
+        # the plan stands for (op, device, dtype, options): the cache is emptied with it
+        key, hit = _lookup((plan, call.xp, plan.read(call)))
         if hit is not None:
             if opts.trace is not None or logger.isEnabledFor(logging.DEBUG):
                 _record(opts, call, hit.backend.name, dict(hit.others))
