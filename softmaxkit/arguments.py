@@ -65,7 +65,16 @@ def namespace(**arrays: Any) -> Any:
 
 
 def _is_array(value: Any) -> bool:
-    return type(value) is np.ndarray or array_api_compat.is_array_api_obj(value)
+    kind = type(value)
+    if kind is np.ndarray or kind in _ARRAY_TYPES:
+        return True
+    found = array_api_compat.is_array_api_obj(value)
+    if found and kind.__module__.split(".", 1)[0] in _FIXED:
+        _ARRAY_TYPES.add(kind)  # every instance of these libraries' array types is one
+    return found
+
+
+_ARRAY_TYPES: set[type] = set()
 
 
 _NAMESPACES: dict[type, Any] = {}

@@ -598,7 +598,7 @@ def device_type(x: Any) -> str:
     if type(x) is np.ndarray:  # the common cases first, without the library probes below
         return "cpu"
     if array_api_compat.is_torch_array(x):
-        return x.device.type
+        return "cpu" if x.is_cpu else "cuda" if x.is_cuda else x.device.type
     if array_api_compat.is_dask_array(x):
         meta = getattr(x, "_meta", None)
         return device_type(meta) if meta is not None else "cpu"
