@@ -27,7 +27,8 @@ import array_api_compat
 import numpy as np
 
 import softmaxkit
-from softmaxkit.dispatch import _dtype_name, run
+from softmaxkit.dispatch import run
+from softmaxkit.dtypes import dtype_name
 from softmaxkit.ops import Call
 from softmaxkit.reference.rows import softmax as reference_softmax
 from softmaxkit.registry import backend_opts, choose, device_type, registry
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     call = Call(op="softmax", xp=xp, device="cpu", dtype="float32", args=params)
 
     def dispatch() -> Any:
-        return choose(Call("softmax", xp, device_type(x), _dtype_name(x.dtype), params))
+        return choose(Call("softmax", xp, device_type(x), dtype_name(x.dtype), params))
 
     with backend_opts(prioritize="reference"):
         figures = {

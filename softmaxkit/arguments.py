@@ -37,15 +37,17 @@ def namespace(**arrays: Any) -> Any:
     """
     found: dict[str, Any] = {}
     for name, value in arrays.items():
-        if value is not None and array_api_compat.is_array_api_obj(value):
+        if value is not None and _is_array(value):
             found[name] = value
     if not found:
-        return array_api_compat.array_namespace(np.empty(0))
+        return _numpy_namespace()
     names = list(found)
     first = names[0]
-    xp = array_api_compat.array_namespace(found[first])
+    xp = _namespace_of(found[first])
+    if len(names) == 1:
+        return xp
     for name in names[1:]:
-        other = array_api_compat.array_namespace(found[name])
+        other = _namespace_of(found[name])
         if other is not xp:
             raise TypeError(
                 f"{first} and {name} belong to different array libraries "
@@ -62,9 +64,41 @@ def namespace(**arrays: Any) -> Any:
     return xp
 
 
+def _is_array(value: Any) -> bool:
+    kind = type(value)
+    if kind is np.ndarray or kind in _ARRAY_TYPES:
+        return True
+    found = array_api_compat.is_array_api_obj(value)
+    if found and kind.__module__.split(".", 1)[0] in _FIXED:
+        _ARRAY_TYPES.add(kind)  # every instance of these libraries' array types is one
+    return found
+
+
+_ARRAY_TYPES: set[type] = set()
+
+
+_NAMESPACES: dict[type, Any] = {}
+_FIXED = ("numpy", "torch", "cupy")
+"""Libraries whose namespace depends on the array's type only, so it is looked up once."""
+
+
+def _namespace_of(value: Any) -> Any:
+    kind = type(value)
+    xp = _NAMESPACES.get(kind)
+    if xp is None:
+        xp = array_api_compat.array_namespace(value)
+        if kind.__module__.split(".", 1)[0] in _FIXED:
+            _NAMESPACES[kind] = xp
+    return xp
+
+
+def _numpy_namespace() -> Any:
+    return _namespace_of(np.empty(0))
+
+
 def as_array(xp: Any, value: Any, name: str, like: Any = None) -> Any:
     """``value`` as an array of ``xp``, on the device of ``like`` when given."""
-    if array_api_compat.is_array_api_obj(value):
+    if _is_array(value):
         return value
     device = None if like is None else array_api_compat.device(like)
     try:

@@ -9,7 +9,12 @@
 ``softmaxkit bench [--quick] [--ops ...] [--dtype ...] [--shapes ...] [--device cpu|cuda]
 [--backends NAME ...]``
     times the operations on the default path next to the installed peers (see
-    :mod:`softmaxkit.bench`), with ``--plot FILE.png`` for a chart.
+    :mod:`softmaxkit.bench`), with ``--plot FILE.png`` for a chart; with ``--device cuda``
+    and no ``--shapes``, the eager table of the large row shapes (figures as % of the copy
+    bandwidth and ratios to torch, printed last).
+``softmaxkit bench --calls [--device cpu|cuda] [--log FILE]``
+    the cost of one call on small inputs, for each backend and the default dispatch, next to
+    torch and SciPy (see :mod:`softmaxkit.callcost`).
 """
 
 from __future__ import annotations
@@ -150,14 +155,38 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _shape(text: str) -> tuple[int, int]:
+def _shape(text: str) -> tuple[int, ...]:
     try:
-        rows, n = (int(v) for v in text.lower().split("x"))
+        shape = tuple(int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"shape {text!r} is not ROWSxN, e.g. 4096x4096") from None
-    if rows < 1 or n < 1:
-        raise argparse.ArgumentTypeError(f"shape {text!r} must be positive")
-    return rows, n
+    if not 1 <= len(shape) <= 2 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r} must be N or ROWSxN, positive")
+    return shape
+
+
+def _write_log(path: str | None, text: str) -> None:
+    if path:
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+        print(f"full log written to {path}")
+
+
+def _bench_calls(args: argparse.Namespace) -> int:
+    from . import bench, callcost
+
+    timings = callcost.run(
+        device=args.device, ops=args.ops or callcost.OPS, dtypes=args.dtype or callcost.DTYPES,
+        shapes=args.shapes or callcost.SHAPES, repeats=3 if args.quick else args.repeats,
+    )
+    env = bench._environment(args.device, ["torch", "scipy"])
+    full = callcost.table(timings)
+    short = callcost.table(timings, full=False)
+    _write_log(args.log, f"softmaxkit bench --calls\n{env}\n\n{full}\n\n{short}")
+    print(full + "\n\n" + env + "\n" + short)
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -166,11 +195,24 @@ def _bench(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not bench.cuda_available():
         print("--device cuda needs PyTorch with a visible CUDA device", file=sys.stderr)
         return 2
-    shapes = args.shapes or (bench.QUICK_SHAPES if args.quick else bench.DEFAULT_SHAPES)
+    if args.calls:
+        return _bench_calls(args)
+    if args.shapes and any(len(shape) != 2 for shape in args.shapes):
+        print("softmaxkit bench: error: --shapes takes ROWSxN, e.g. 4096x4096 (a single N is "
+              "for --calls)", file=sys.stderr)
+        raise SystemExit(2)
+    if args.ops and "cross_entropy" in args.ops:
+        print("--ops cross_entropy is timed by --calls (and in the CUDA eager table)",
+              file=sys.stderr)
+        return 2
+    eager = args.device == "cuda" and not args.shapes and not args.quick
+    shapes = args.shapes or (bench.QUICK_SHAPES if args.quick else bench.EAGER_SHAPES if eager
+                             else bench.DEFAULT_SHAPES)
+    dtypes = args.dtype or (list(bench.EAGER_DTYPES) if eager else ["float32"])
     try:
         result = bench.run(
             ops=args.ops or list(bench.OPERATIONS),
-            dtypes=args.dtype or ["float32"],
+            dtypes=dtypes,
             shapes=shapes,
             device=args.device,
             repeats=3 if args.quick else args.repeats,
@@ -181,7 +223,14 @@ def _bench(args: argparse.Namespace) -> int:
     except AssertionError as exc:
         print(f"softmaxkit gave a wrong result, so nothing was timed: {exc}", file=sys.stderr)
         return 1
-    print(result.table())
+    text = result.table()
+    if args.device == "cuda":
+        summary = bench.eager_summary(result)
+        if eager:
+            summary += "\n\n" + bench.cross_entropy_eager()
+        text += "\n\n" + summary
+    _write_log(args.log, text)
+    print(text)
     if args.plot:
         result.plot(args.plot)
         print(f"plot written to {args.plot}")
@@ -213,7 +262,12 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="time the operations next to the installed peers")
     b.add_argument("--quick", action="store_true", help="small shapes: seconds, not minutes")
-    b.add_argument("--ops", nargs="+", choices=["softmax", "log_softmax", "logsumexp"])
+    b.add_argument("--calls", action="store_true",
+                   help="per-call time on small inputs, each backend and the default dispatch "
+                        "next to torch and SciPy (see softmaxkit.callcost)")
+    b.add_argument("--ops", nargs="+",
+                   choices=["softmax", "log_softmax", "logsumexp", "cross_entropy"])
+    b.add_argument("--log", metavar="FILE", help="also write the full output to FILE")
     b.add_argument("--dtype", nargs="+", choices=FLOAT_DTYPES, help="default float32")
     b.add_argument("--shapes", nargs="+", type=_shape, help="ROWSxN, e.g. 4096x4096")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

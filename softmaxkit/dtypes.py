@@ -29,6 +29,22 @@ def dtype_name(dtype: Any) -> str:
         A dtype object of numpy (ml_dtypes included), torch, JAX, CuPy or array_api_strict,
         or a numpy scalar type such as ``numpy.float64`` (what ``xp.float64`` is in numpy).
     """
+    # dtype objects are few and hashable: each is named once (numpy's .name is slow);
+    # keyed with the type first: array_api_strict warns when its dtypes meet numpy's in ==
+    key = (type(dtype), dtype)
+    try:
+        return _NAMES[key]
+    except KeyError:
+        name = _NAMES[key] = _name(dtype)
+        return name
+    except TypeError:  # an unhashable dtype object
+        return _name(dtype)
+
+
+_NAMES: dict[tuple[type, Any], str] = {}
+
+
+def _name(dtype: Any) -> str:
     name = getattr(dtype, "name", None)
     if isinstance(dtype, type):  # numpy scalar types: np.float64 is a class, not a dtype
         name = dtype.__name__

@@ -27,7 +27,15 @@ A backend is a distribution that declares, in its ``pyproject.toml``::
     :class:`~softmaxkit.ops.Call`; ``True`` accepts, a string declines and says why.
     ``can_run`` declines what the backend cannot compute; ``should_run`` declines what it
     can compute but would not do well (a tiny input, say).  An explicit ``backend=`` skips
-    ``should_run`` but never ``can_run``.  Hooks run on every call, so keep them cheap.
+    ``should_run`` but never ``can_run``.
+``hook_keys``
+    the call properties the hooks look at, a list of names from
+    :data:`softmaxkit.decisions.PROPERTIES` (``"arrays"``, ``"shapes"``, ``"out_dtype"``,
+    ``"options"``, ``"layout"``, ``"chunks"``); the operation, namespace, device type and
+    dtype are always part of the key.  With it the hooks' answers are cached: a later call
+    that agrees on those properties reuses the decision without calling the hooks.  A
+    backend whose hooks declare nothing has them called on every call (correct by default,
+    but slower); keep such hooks cheap.
 ``requires_opt_in``
     ``True`` for a backend that is never chosen automatically: only when the user
     prioritizes it (:func:`backend_opts` or ``SOFTMAXKIT_PRIORITIZE``) or names it with
@@ -42,8 +50,15 @@ back) > :func:`softmaxkit.backend_opts` > the environment variables ``SOFTMAXKIT
 and ``SOFTMAXKIT_BLOCK`` (comma-separated names, read when the backends are discovered; call
 :func:`reload` after changing them in a running process) > manifest priorities > the reference
 backend.  Names of backends that are not installed are ignored there, so portable code may
-prioritize a backend that only some machines have.  The ordered candidates for each
-(operation, device type, dtype) are computed once and cached.
+prioritize a backend that only some machines have.
+
+Decisions are cached (:mod:`softmaxkit.decisions`).  The ordered candidates for each
+(operation, device type, dtype, backend_opts) are computed once; the backend and kernel
+chosen for a call are kept under a key of the operation, namespace, device type, dtype, the
+active ``backend_opts`` and the properties the candidates' hooks declare in ``hook_keys``, so
+a repeated call costs one dictionary lookup.  Every registration, unregistration and
+:func:`reload` empties the cache; ``backend_opts`` are part of the key; ``trace=`` and the
+DEBUG log report the decision, cached or not.
 """
 
 from __future__ import annotations
@@ -63,6 +78,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
+from . import decisions
 from .ops import OPERATIONS, Call
 
 GROUP = "softmaxkit.backends"
@@ -121,6 +137,8 @@ class Backend:
     should_run_path: str | None = None
     requires_opt_in: bool = False
     source: str = ""
+    # the call properties the hooks look at; None: undeclared, so hooks run on every call
+    hook_keys: frozenset[str] | None = None
     _loaded: dict[str, Callable[..., Any]] = field(default_factory=dict, repr=False)
     _broken: dict[str, str] = field(default_factory=dict, repr=False)
     _hooks: dict[str, Callable[[Call], Any] | str] = field(default_factory=dict, repr=False)
@@ -172,8 +190,16 @@ class Backend:
         for key in ("can_run", "should_run"):
             value = manifest.get(key)
             hooks[key] = None if value is None else _path(value, f"manifest of {name!r}: {key}")
+        hook_keys = manifest.get("hook_keys")
+        if hook_keys is not None:
+            hook_keys = _strings(hook_keys, f"manifest of {name!r}: hook_keys")
+            unknown = sorted(hook_keys - set(decisions.PROPERTIES))
+            if unknown:
+                raise ValueError(f"manifest of {name!r}: hook_keys names unknown properties "
+                                 f"{unknown}; known: {sorted(decisions.PROPERTIES)}")
         return cls(
             name=name,
+            hook_keys=hook_keys,
             serves=tuple(serves),
             kernels=kernels,
             priority=dict(priority),
@@ -258,6 +284,11 @@ class Backend:
         """Ask the backend's ``should_run`` hook; ``True`` or the reason it should not."""
         return True if self.should_run_path is None else self._hook(self.should_run_path, call)
 
+    @property
+    def has_hooks(self) -> bool:
+        """Whether a ``can_run`` or ``should_run`` hook decides per call."""
+        return self.can_run_path is not None or self.should_run_path is not None
+
     def describe(self) -> dict[str, Any]:
         """What the backend serves, as plain data (for :func:`backends` and ``info``)."""
         return {
@@ -273,6 +304,7 @@ class Backend:
             "can_run": self.can_run_path,
             "should_run": self.should_run_path,
             "requires_opt_in": self.requires_opt_in,
+            "hook_keys": None if self.hook_keys is None else sorted(self.hook_keys),
             "source": self.source,
         }
 
@@ -360,6 +392,8 @@ def _set_registry(reg: dict[str, Backend] | None) -> None:
     _registry = reg
     _candidates.cache_clear()
     _environment.cache_clear()
+    _plans.clear()
+    _decisions.clear()
 
 
 def reload() -> None:
@@ -561,13 +595,13 @@ def device_type(x: Any) -> str:
     Dask arrays report the device type of their chunks' library (``"cpu"`` for numpy chunks,
     ``"cuda"`` for CuPy chunks).
     """
-    if type(x) is np.ndarray:  # the common case, without the library probes below
+    if type(x) is np.ndarray:  # the common cases first, without the library probes below
         return "cpu"
+    if array_api_compat.is_torch_array(x):
+        return "cpu" if x.is_cpu else "cuda" if x.is_cuda else x.device.type
     if array_api_compat.is_dask_array(x):
         meta = getattr(x, "_meta", None)
         return device_type(meta) if meta is not None else "cpu"
-    if array_api_compat.is_torch_array(x):
-        return x.device.type
     if array_api_compat.is_cupy_array(x):
         return "cuda"
     if array_api_compat.is_jax_array(x):
@@ -583,7 +617,65 @@ def device_type(x: Any) -> str:
     return "cpu" if str(dev).lower() in ("cpu", "cpu_device") or "CPU" in str(dev) else str(dev)
 
 
-def choose(call: Call, backend: str | None = None) -> tuple[Backend, Callable[..., Any]]:
+@dataclass(frozen=True, eq=False)  # hashed by identity: one plan per key until a reset
+class _Plan:
+    """The candidates for one (op, device, dtype, options) and how their decision is keyed.
+
+    ``cut`` is the index of the first candidate whose hooks declare no ``hook_keys``: a
+    decision reached before it depends only on ``read(call)`` and is cached; one reached at
+    or after it is made afresh on every call.
+    """
+
+    ordered: tuple[Backend, ...]
+    left_out: tuple[tuple[str, str], ...]
+    cut: int
+    read: Callable[[Call], tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class _Decision:
+    backend: Backend
+    kernel: Callable[..., Any]
+    # for trace= and the DEBUG log: the other backends and why each was not chosen
+    others: tuple[tuple[str, str], ...]
+
+
+_plans: dict[tuple[Any, ...], _Plan] = {}
+_decisions: dict[tuple[Any, ...], _Decision] = {}
+_MAX_DECISIONS = 4096  # a bound on memory; past it the cache starts again
+
+
+def _plan(op: str, device: str, dtype: str, prioritize: tuple[str, ...],
+          disable: tuple[str, ...]) -> _Plan:
+    key = (op, device, dtype, prioritize, disable)
+    plan = _plans.get(key)
+    if plan is None:
+        ordered, left_out = _candidates(op, device, dtype, prioritize, disable)
+        cut = next((i for i, b in enumerate(ordered) if b.has_hooks and b.hook_keys is None),
+                   len(ordered))
+        names = set().union(*(b.hook_keys or () for b in ordered[:cut]))
+        plan = _plans[key] = _Plan(ordered, left_out, cut, decisions.reader(frozenset(names)))
+    return plan
+
+
+def _store(key: tuple[Any, ...] | None, decision: _Decision) -> None:
+    if key is None:
+        return
+    if len(_decisions) >= _MAX_DECISIONS:
+        _decisions.clear()
+    _decisions[key] = decision
+
+
+def _lookup(key: tuple[Any, ...]) -> tuple[tuple[Any, ...] | None, _Decision | None]:
+    try:
+        return key, _decisions.get(key)
+    except TypeError:  # an unhashable property (a dtype object of some library): no caching
+        return None, None
+
+
+def choose(
+    call: Call, backend: str | None = None, *, cached: bool = True
+) -> tuple[Backend, Callable[..., Any]]:
     """The backend and kernel that run ``call``.
 
     Parameters
@@ -592,19 +684,31 @@ def choose(call: Call, backend: str | None = None) -> tuple[Backend, Callable[..
         The operation, namespace, device type, dtype and kernel arguments.
     backend
         A backend name to use strictly; if it cannot run the call, raise and say why.
+    cached
+        Reuse (and keep) the decision made for an earlier call with the same key; ``False``
+        asks every hook afresh (tests compare the two).
 
     Raises
     ------
     NoBackendError
         When no backend can run the call; the message lists every backend and its reason.
     """
-    if backend is not None:
-        return _strict(call, backend, registry())
     opts = _options.get()
-    ordered, left_out = _candidates(call.op, call.device, call.dtype, opts.prioritize,
-                                    opts.disable)
+    if backend is not None:
+        return _choose_strict(call, backend, opts, cached)
+    plan = (_plans.get((call.op, call.device, call.dtype, opts.prioritize, opts.disable))
+            or _plan(call.op, call.device, call.dtype, opts.prioritize, opts.disable))
+    key: tuple[Any, ...] | None = None
+    if cached and plan.cut:
+        # the plan stands for (op, device, dtype, options): the cache is emptied with it
+        key, hit = _lookup((plan, call.xp, plan.read(call)))
+        if hit is not None:
+            if opts.trace is not None or logger.isEnabledFor(logging.DEBUG):
+                _record(opts, call, hit.backend.name, dict(hit.others))
+            return hit.backend, hit.kernel
+    ordered, left_out = plan.ordered, plan.left_out
     declined: list[tuple[str, str]] = []
-    for candidate in ordered:
+    for index, candidate in enumerate(ordered):
         verdict = candidate.can_run(call)
         if verdict is True:
             verdict = candidate.should_run(call)
@@ -616,16 +720,39 @@ def choose(call: Call, backend: str | None = None) -> tuple[Backend, Callable[..
                 except ImportError as exc:
                     declined.append((candidate.name, str(exc)))
                     continue
+            below = f"ranked below {candidate.name}"
+            others = left_out + tuple(declined) + tuple(
+                (b.name, below) for b in ordered[index + 1:]
+            )
+            if index < plan.cut:
+                _store(key, _Decision(candidate, kernel, others))
             if opts.trace is not None or logger.isEnabledFor(logging.DEBUG):
-                below = f"ranked below {candidate.name}"
-                others = left_out + tuple(declined) + tuple(
-                    (b.name, below) for b in ordered[ordered.index(candidate) + 1:]
-                )
                 _record(opts, call, candidate.name, dict(others))
             return candidate, kernel
         declined.append((candidate.name, str(verdict)))
     raise NoBackendError(_no_backend_message(call, dict(left_out + tuple(declined)),
                                              registry()))
+
+
+def _choose_strict(
+    call: Call, name: str, opts: _Options, cached: bool
+) -> tuple[Backend, Callable[..., Any]]:
+    """:func:`_strict`, its decision cached under the named backend's declared properties."""
+    reg = registry()
+    chosen = reg.get(name)
+    key: tuple[Any, ...] | None = None
+    if cached and chosen is not None and (chosen.hook_keys is not None or not chosen.has_hooks):
+        key, hit = _lookup((name, call.op, call.xp, call.device, call.dtype,
+                            decisions.reader(chosen.hook_keys or frozenset())(call)))
+        if hit is not None:
+            if opts.trace is not None or logger.isEnabledFor(logging.DEBUG):
+                _record(opts, call, name, dict(hit.others))
+            return hit.backend, hit.kernel
+    backend, kernel = _strict(call, name, reg)
+    asked = f"backend={name!r} was asked for"
+    _store(key, _Decision(backend, kernel, tuple((other, asked) for other in reg
+                                                  if other != name)))
+    return backend, kernel
 
 
 def _strict(call: Call, name: str, reg: dict[str, Backend]) -> tuple[Backend, Callable[..., Any]]:

@@ -23,7 +23,7 @@ REDUCTIONS = ("mean", "sum", "none")
 def _prepare(x: Any, axis: Any, where: Any, name: str = "x") -> tuple[Any, Any, RowLayout, Any]:
     xp = args.namespace(**{name: x, "where": where})
     x = args.floating(xp, args.as_array(xp, x, name), name)
-    layout = RowLayout(tuple(x.shape), args.axes(axis, x.ndim))
+    layout = RowLayout.of(tuple(x.shape), args.axes(axis, x.ndim))
     w = args.mask(xp, where, tuple(x.shape), like=x)
     return xp, x, layout, w
 
@@ -213,7 +213,7 @@ def logsumexp(
                 f"b of shape {tuple(b.shape)} does not broadcast with a of shape {tuple(a.shape)}"
             ) from None
         out_dtype = xp.result_type(a.dtype, b.dtype)
-    layout = RowLayout(tuple(a.shape), args.axes(axis, a.ndim))
+    layout = RowLayout.of(tuple(a.shape), args.axes(axis, a.ndim))
     w = args.mask(xp, where, tuple(a.shape), like=a)
     ar, br, wr = (layout.to_rows(xp, v) for v in (a, b, w))
     result = run(
@@ -295,7 +295,7 @@ def cross_entropy(
     if logits.ndim == 0:
         raise ValueError("logits must have at least one dimension (the class axis)")
     class_axis = args.single_axis(axis, logits.ndim)
-    layout = RowLayout(tuple(logits.shape), (class_axis,))
+    layout = RowLayout.of(tuple(logits.shape), (class_axis,))
     n_classes = logits.shape[class_axis]
     target = args.as_array(xp, target, "target", like=logits)
     index = probs = None
@@ -366,7 +366,7 @@ def _vjp(
             f"cotangent of shape {tuple(cot.shape)} must have the shape of {primal_name}, {shape}"
         )
     cot = args.floating(xp, cot, "cotangent")
-    layout = RowLayout(shape, args.axes(axis, primal.ndim))
+    layout = RowLayout.of(shape, args.axes(axis, primal.ndim))
     w = args.mask(xp, where, shape, like=primal)
     out_dtype = xp.result_type(primal.dtype, cot.dtype)
     pr, cr, wr = (layout.to_rows(xp, v) for v in (primal, cot, w))

@@ -153,7 +153,7 @@ def summarize(
         raise ValueError("x must have at least one dimension (the summarized axis)")
     ax = args.single_axis(axis, x.ndim)
     w = args.mask(xp, where, tuple(x.shape), like=x)
-    layout = RowLayout(tuple(x.shape), (ax,))
+    layout = RowLayout.of(tuple(x.shape), (ax,))
     batch, n = layout.batch_shape, x.shape[ax]
     rows = math.prod(batch)
     vr = None

@@ -37,6 +37,8 @@ def manifest() -> dict[str, Any]:
         "priority": 100,
         "install_hint": "pip install 'softmaxkit[dask]'",
         "can_run": "softmaxkit.chunked:can_run",
+        # can_run reads whether the primary argument is a Dask array, and its chunks
+        "hook_keys": ["arrays", "chunks"],
     }
 
 

@@ -63,6 +63,19 @@ def as_rows(xp: Any, a: Any) -> tuple[Any, int]:
     return xp.reshape(c, (rows, n)), n
 
 
+def row_pointer(xp: Any, a: Any) -> tuple[int, int, Any]:
+    """The address of ``a``'s first row ([..., N]), its row stride in elements, and the array
+    they describe (``a``, a view or a copy: keep it until the launch is queued).
+
+    A C-contiguous ``a`` is read in place without making a view: the kernels take only an
+    address and a row stride.
+    """
+    if a.is_contiguous() if is_torch(a) else a.flags.c_contiguous:
+        return pointer(a), a.shape[-1], a
+    view, ld = as_rows(xp, a)
+    return pointer(view), ld, view
+
+
 def _strided(a: Any, shape: tuple[int, int], strides: tuple[int, int]) -> Any:
     if is_torch(a):
         return a.as_strided(shape, strides)
@@ -81,13 +94,16 @@ def contiguous(a: Any) -> Any:
 
 
 def empty(like: Any, shape: tuple[int, ...], dtype: str) -> Any:
-    """An uninitialized array of ``shape`` and dtype name ``dtype`` beside ``like``."""
+    """An uninitialized array of ``shape`` and dtype name ``dtype`` beside ``like``, from the
+    caller's allocator: torch's caching allocator for tensors, CuPy's pool for CuPy arrays."""
     if is_torch(like):
         import torch
 
         return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
     import cupy
 
+    if like.device.id == cupy.cuda.runtime.getDevice():
+        return cupy.empty(shape, dtype=dtype)
     with cupy.cuda.Device(like.device.id):
         return cupy.empty(shape, dtype=dtype)
 
@@ -147,6 +163,37 @@ def _cupy_stream(handle: int, device: int) -> Any:
             stream = cupy.cuda.ExternalStream(handle, device)
         _streams[handle] = stream
     return stream
+
+
+def _torch_stream(index: int) -> int:
+    """The handle of PyTorch's current stream on device ``index``."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object made
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def launch(kernel: Any, like: Any, grid: int, block: int, args: tuple[Any, ...],
+           shared: int = 0) -> None:
+    """Launch ``kernel`` (a ``cupy.RawKernel``) on ``like``'s device and current stream.
+
+    The stream is PyTorch's current stream for tensors, CuPy's for CuPy arrays; it is passed
+    to the launch, and the device is switched only when ``like`` is not on the current one,
+    so a call makes no context changes, no synchronization and no device query.
+    """
+    import cupy
+
+    if is_torch(like):
+        index = like.get_device()
+        stream = _cupy_stream(_torch_stream(index), index)
+    else:
+        index = like.device.id
+        stream = None  # CuPy's current stream
+    if index == cupy.cuda.runtime.getDevice():
+        kernel((grid,), (block,), args, shared_mem=shared, stream=stream)
+        return
+    with cupy.cuda.Device(index):
+        kernel((grid,), (block,), args, shared_mem=shared, stream=stream)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ registry falls back to the next backend instead of computing it wrongly.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from typing import Any
@@ -27,13 +28,21 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 PRIORITY = 25
 """Above the Numba CUDA backend (20) and the reference (-100): the attention kernels are the
-only tensor-core ones, and in eager calls on the H200 the 16-bit row kernels ran at 3.3 TB/s
-where Numba CUDA's reached 0.7-0.9 TB/s (``softmaxkit bench --device cuda --backends
-numba-cuda cupy``, docs/benchmarks-cupy.md)."""
+only tensor-core ones; in eager calls on the H200 the 16-bit row kernels ran at 3.3 TB/s
+where Numba CUDA's reached 0.7-0.9 TB/s, and a small call costs a third of Numba CUDA's
+(73 against 235 us at 64x1024; ``softmaxkit bench --device cuda --backends numba-cuda cupy``,
+docs/benchmarks-cupy.md)."""
 
-FLOAT32_ROW_PRIORITY = 15
-"""float32 rows rank below Numba CUDA (20): side by side it was as fast (4096x32768) or
-faster (32768x4096: 3.4 against 2.6 TB/s)."""
+LARGE_FLOAT32_ROWS = 1 << 26
+"""float32 row calls of at least this many elements, in rows of at most
+:data:`SHORT_ROW` positions, are left to Numba CUDA when it is installed: its float32 kernel
+was faster on many short rows (32768x4096: 3.4 against 2.6 TB/s, eager), and on inputs this
+large its per-call cost hides behind the kernel.  Smaller float32 calls stay here."""
+
+SHORT_ROW = 8192
+
+
+NAME = "cupy"
 
 
 def manifest() -> dict[str, Any]:
@@ -43,12 +52,9 @@ def manifest() -> dict[str, Any]:
     kernels["attention_vjp"] = "softmaxkit_cupy.attention:attention_vjp"
     kernels["merge_attention"] = "softmaxkit_cupy.attention:merge_attention"
     return {
-        "name": "cupy",
+        "name": NAME,
         "serves": [
-            {"ops": sorted((*ROW_OPS, *GRAD_OPS)), "devices": ["cuda"],
-             "dtypes": [d for d in DTYPES if d != "float32"]},
-            {"ops": sorted((*ROW_OPS, *GRAD_OPS)), "devices": ["cuda"], "dtypes": ["float32"],
-             "priority": FLOAT32_ROW_PRIORITY},
+            {"ops": sorted((*ROW_OPS, *GRAD_OPS)), "devices": ["cuda"], "dtypes": list(DTYPES)},
             {"ops": ["attention", "attention_vjp"], "devices": ["cuda"],
              "dtypes": list(ATTENTION_DTYPES)},
             {"ops": ["merge_attention"], "devices": ["cuda"], "dtypes": list(MERGE_DTYPES)},
@@ -58,6 +64,8 @@ def manifest() -> dict[str, Any]:
         "install_hint": "pip install softmaxkit-cupy (needs cupy-cuda13x and an NVIDIA GPU)",
         "can_run": "softmaxkit_cupy.manifest:can_run",
         "should_run": "softmaxkit_cupy.manifest:should_run",
+        # the hooks read the arrays' libraries, dtypes and shapes, out_dtype and the options
+        "hook_keys": ["arrays", "shapes", "out_dtype", "options"],
     }
 
 
@@ -77,9 +85,14 @@ def _name(dtype: Any) -> str:
     return dtype_name(dtype)
 
 
+@functools.cache
+def _cupy_installed() -> bool:
+    return importlib.util.find_spec("cupy") is not None
+
+
 def can_run(call: Any) -> bool | str:
     """``True`` if the kernels compute ``call`` exactly as the reference does, else why not."""
-    if importlib.util.find_spec("cupy") is None:
+    if not _cupy_installed():
         return "cupy is not installed"
     if call.op in ROW_OPS:
         return _can_run_rows(call)
@@ -253,5 +266,21 @@ def grad_reason(dtypes: tuple[str, ...], shape: tuple[int, ...]) -> str | None:
 
 
 def should_run(call: Any) -> bool | str:
-    """Accept every call the kernels can run (launch cost is small next to any GPU call)."""
-    return True
+    """Accept every call the kernels can run, except large float32 calls on short rows when
+    Numba CUDA is installed to take them (see :data:`LARGE_FLOAT32_ROWS`) and the user has
+    not prioritized this backend.
+
+    It reads the operation, dtype and shape of the primary argument (declared in
+    ``hook_keys``) and the registry's backends (a change there empties the decision cache).
+    """
+    if call.op not in ROW_OPS or call.dtype != "float32":
+        return True
+    shape = tuple(call.args["x"].shape)
+    if not shape or shape[-1] > SHORT_ROW or math.prod(shape) < LARGE_FLOAT32_ROWS:
+        return True
+    from softmaxkit.registry import prioritized, registry
+
+    if "numba-cuda" not in registry() or NAME in prioritized():
+        return True
+    return (f"{math.prod(shape)} float32 elements in rows of {shape[-1]} are left to "
+            "numba-cuda, whose float32 kernel is faster on large inputs of short rows")

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from softmaxkit.dtypes import dtype_name
+
 from . import compiler, interop
 from .configs import (
     ITEMSIZE,
@@ -117,29 +119,25 @@ def launch_rows(
     in_size, out_size = ITEMSIZE[din], ITEMSIZE[dout]
     vec = 16 // in_size
     kernel, grid, threads, shared = _plan(op, din, dout, n, rows, config)
-    x2, ld_x = interop.as_rows(xp, x)
-    x_ptr, o_ptr = interop.pointer(x2), interop.pointer(out)
+    x_ptr, ld_x, _keep_x = interop.row_pointer(xp, x)
+    o_ptr = interop.pointer(out)
     ld_o = n if op != "logsumexp" else 1
     vec_ok = n % vec == 0 and _aligned(x_ptr, ld_x * in_size, 16)
     if op != "logsumexp":
         vec_ok = vec_ok and _aligned(o_ptr, n * out_size, min(16, vec * out_size))
     w_ptr, ld_w = 0, 0
     if where is not None:
-        w2, ld_w = interop.as_rows(xp, where)
-        w_ptr = interop.pointer(w2)
+        w_ptr, ld_w, _keep_w = interop.row_pointer(xp, where)
         vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
     args = (
         np.uint64(x_ptr), np.int64(ld_x), np.uint64(w_ptr), np.int64(ld_w),
         np.uint64(o_ptr), np.int64(ld_o), np.int64(rows), np.int32(n),
         np.int32(vec_ok), np.int32(masked_nan),
     )
-    with interop.launch_context(x):
-        kernel((grid,), (threads,), args, shared_mem=shared)
+    interop.launch(kernel, x, grid, threads, args, shared)
 
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
-    from softmaxkit.dtypes import dtype_name
-
     out = interop.empty(x, tuple(x.shape), dtype_name(out_dtype))
     launch_rows(op, xp, x, where, out, masked_nan=masked == "nan")
     return out
@@ -191,24 +189,22 @@ def _vjp(op: str, xp: Any, primal: Any, cotangent: Any, where: Any) -> Any:
     n = int(primal.shape[-1])
     rows = math.prod(primal.shape[:-1])
     kernel, grid, threads = _grad_plan(op, dtype, n, rows)
-    a2, ld_a = interop.as_rows(xp, primal)
-    c2, ld_c = interop.as_rows(xp, cotangent)
+    a_ptr, ld_a, _keep_a = interop.row_pointer(xp, primal)
+    c_ptr, ld_c, _keep_c = interop.row_pointer(xp, cotangent)
     out = interop.empty(primal, tuple(primal.shape), dtype)
+    o_ptr = interop.pointer(out)
     size = ITEMSIZE[dtype]
     vec = 16 // size
-    vec_ok = (n % vec == 0 and _aligned(interop.pointer(a2), ld_a * size, 16)
-              and _aligned(interop.pointer(c2), ld_c * size, 16)
-              and _aligned(interop.pointer(out), n * size, 16))
+    vec_ok = (n % vec == 0 and _aligned(a_ptr, ld_a * size, 16)
+              and _aligned(c_ptr, ld_c * size, 16) and _aligned(o_ptr, n * size, 16))
     w_ptr, ld_w = 0, 0
     if where is not None:
-        w2, ld_w = interop.as_rows(xp, where)
-        w_ptr = interop.pointer(w2)
+        w_ptr, ld_w, _keep_w = interop.row_pointer(xp, where)
         vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
-    args = (np.uint64(interop.pointer(a2)), np.int64(ld_a), np.uint64(interop.pointer(c2)),
-            np.int64(ld_c), np.uint64(w_ptr), np.int64(ld_w), np.uint64(interop.pointer(out)),
+    args = (np.uint64(a_ptr), np.int64(ld_a), np.uint64(c_ptr),
+            np.int64(ld_c), np.uint64(w_ptr), np.int64(ld_w), np.uint64(o_ptr),
             np.int64(rows), np.int32(n), np.int32(vec_ok))
-    with interop.launch_context(primal):
-        kernel((grid,), (threads,), args)
+    interop.launch(kernel, primal, grid, threads, args)
     return out
 
 
@@ -237,8 +233,8 @@ def cross_entropy(
     n = int(logits.shape[-1])
     rows = math.prod(logits.shape[:-1])
     kernel, grid, threads = _grad_plan("cross_entropy", dtype, n, rows)
-    x2, ld_x = interop.as_rows(xp, logits)
-    idx = xp.reshape(xp.astype(index, xp.int64), (rows,))
+    x_ptr, ld_x, _keep_x = interop.row_pointer(xp, logits)
+    idx = xp.reshape(xp.astype(index, xp.int64, copy=False), (rows,))
     idx = interop.contiguous(idx)
     loss = interop.empty(logits, tuple(logits.shape[:-1]), "float32")
     grad = None if grad_scale is None else interop.empty(logits, tuple(logits.shape), dtype)
@@ -251,22 +247,21 @@ def cross_entropy(
             scale_ptr = interop.pointer(keep)
     size = ITEMSIZE[dtype]
     vec = 16 // size
-    vec_ok = n % vec == 0 and _aligned(interop.pointer(x2), ld_x * size, 16)
+    g_ptr = interop.pointer(grad) if grad is not None else 0
+    vec_ok = n % vec == 0 and _aligned(x_ptr, ld_x * size, 16)
     if grad is not None:
-        vec_ok = vec_ok and _aligned(interop.pointer(grad), n * size, 16)
+        vec_ok = vec_ok and _aligned(g_ptr, n * size, 16)
     w_ptr, ld_w = 0, 0
     if where is not None:
-        w2, ld_w = interop.as_rows(xp, where)
-        w_ptr = interop.pointer(w2)
+        w_ptr, ld_w, _keep_w = interop.row_pointer(xp, where)
         vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
-    args = (np.uint64(interop.pointer(x2)), np.int64(ld_x), np.uint64(w_ptr), np.int64(ld_w),
+    args = (np.uint64(x_ptr), np.int64(ld_x), np.uint64(w_ptr), np.int64(ld_w),
             np.uint64(interop.pointer(idx)), np.uint64(interop.pointer(loss)),
-            np.uint64(interop.pointer(grad) if grad is not None else 0), np.int64(rows),
+            np.uint64(g_ptr), np.int64(rows),
             np.int32(n), np.int32(vec_ok),
             np.int64(ignore_index if ignore_index is not None else 0),
             np.int32(ignore_index is not None), np.float32(label_smoothing),
             np.uint64(scale_ptr), np.float32(scale_value))
-    with interop.launch_context(logits):
-        kernel((grid,), (threads,), args)
+    interop.launch(kernel, logits, grid, threads, args)
     del keep  # the launch is queued on the stream; the allocator keeps its block until then
     return loss, grad

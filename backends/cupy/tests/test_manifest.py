@@ -156,3 +156,28 @@ def test_kit_attention_cases_at_the_kernels_head_dims_are_accepted(monkeypatch) 
     left = [f"{r.case}[{r.dtype}]: {r.status} {r.message}" for r in results
             if r.status != "passed"]
     assert not left, "\n".join(left)
+
+
+def test_should_run_leaves_large_float32_short_rows_to_numba_cuda() -> None:
+    from types import SimpleNamespace
+
+    from softmaxkit import registry
+
+    should_run = mf.should_run
+
+    def call(shape: tuple[int, ...], dtype: str = "float32", op: str = "softmax") -> Call:
+        return Call(op, None, "cuda", dtype, {"x": SimpleNamespace(shape=shape)})
+
+    registry.reload()
+    try:
+        assert "numba-cuda" in registry.registry()
+        assert "numba-cuda" in str(should_run(call((32768, 4096))))
+        assert should_run(call((64, 1024))) is True  # small: the per-call cost decides
+        assert should_run(call((256, 524288))) is True  # long rows stay here
+        assert should_run(call((32768, 4096), "bfloat16")) is True
+        with sk.backend_opts(prioritize="cupy"):
+            assert should_run(call((32768, 4096))) is True
+        registry.unregister("numba-cuda")
+        assert should_run(call((32768, 4096))) is True  # nobody else to take them
+    finally:
+        registry.reload()

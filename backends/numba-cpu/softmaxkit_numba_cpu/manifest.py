@@ -54,4 +54,6 @@ def manifest() -> dict[str, Any]:
         "priority": PRIORITY,
         "install_hint": "pip install softmaxkit-numba-cpu",
         "can_run": "softmaxkit_numba_cpu.adapters:can_run",
+        # can_run reads the arrays' types and dtypes, out_dtype and torch's layout flags
+        "hook_keys": ["arrays", "out_dtype", "layout"],
     }

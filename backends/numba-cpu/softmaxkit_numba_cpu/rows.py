@@ -16,6 +16,7 @@ from softmaxkit.dtypes import accumulator_dtype
 
 from . import row_kernels as k
 from .adapters import (
+    _NO_MASK,
     Output,
     accumulator,
     compute_input,
@@ -25,6 +26,7 @@ from .adapters import (
     rows,
     storage,
 )
+from .buffers import result_array
 
 PARALLEL_MIN_ELEMENTS = 1 << 18
 """Below this many elements one thread is faster than starting Numba's thread pool.
@@ -50,7 +52,50 @@ def _plan(x: Any, out_dtype: Any) -> tuple[np.ndarray, np.ndarray, np.dtype]:
     return view, rows(storage(xin)), xin.dtype
 
 
+_DIRECT = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _direct(x: Any, where: Any, out_dtype: Any) -> np.ndarray | None:
+    """``x``'s numpy view when the kernel reads it as it is and writes a result of its dtype:
+    float32 or float64, C-contiguous, writable, no mask and no conversion.  ``None``
+    otherwise (the general path then adapts the arrays)."""
+    if where is not None:
+        return None
+    view = x if type(x) is np.ndarray else numpy_view(x)
+    dtype = view.dtype
+    if (dtype in _DIRECT and (out_dtype is dtype or numpy_dtype(out_dtype) == dtype)
+            and view.size and view.flags.c_contiguous and view.flags.writeable):
+        return view
+    return None
+
+
+def _result(like: Any, view: np.ndarray, shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
+    """A result of ``view``'s dtype in ``like``'s library, and its numpy view."""
+    out = result_array(shape, view.dtype)
+    return (out if type(like) is np.ndarray else _torch_from_numpy(out)), out
+
+
+def _torch_from_numpy(a: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(a)
+
+
 def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+    view = _direct(x, where, out_dtype)
+    if view is not None:  # the common call, straight to its kernel
+        n = view.shape[-1]
+        x2 = view.reshape(-1, n)
+        result, out = _result(x, view, view.shape)
+        o2 = out.reshape(x2.shape)
+        nan = masked == "nan"
+        if parallel(*x2.shape):
+            run = k.softmax_par if which == "softmax" else k.log_softmax_par
+            run(x2, _NO_MASK, 0, False, nan, o2, numba.get_num_threads())
+        else:
+            run = k.softmax_ser if which == "softmax" else k.log_softmax_ser
+            run(x2, _NO_MASK, 0, False, nan, o2)
+        return result
     view, x2, compute = _plan(x, out_dtype)
     w2, wstep, has_where = mask_rows(where)
     out = Output(view.shape, out_dtype, x, compute)
@@ -82,6 +127,16 @@ def logsumexp(
     xp: Any, *, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
 ) -> Any:
     """``log |sum b exp(x)|`` along the last axis, and its sign when ``return_sign``."""
+    view = _direct(x, where, out_dtype) if b is None else None
+    if view is not None:  # the common call, straight to its kernel
+        x2 = view.reshape(-1, view.shape[-1])
+        (lse, lse_s), (sign, sign_s) = (_result(x, view, view.shape[:-1]) for _ in range(2))
+        if parallel(*x2.shape):
+            k.logsumexp_par(x2, _NO_MASK, 0, False, lse_s.reshape(-1), sign_s.reshape(-1),
+                            numba.get_num_threads())
+        else:
+            k.logsumexp_ser(x2, _NO_MASK, 0, False, lse_s.reshape(-1), sign_s.reshape(-1))
+        return (lse, sign) if return_sign else lse
     w2, wstep, has_where = mask_rows(where)
     if b is None:
         view, x2, compute = _plan(x, out_dtype)

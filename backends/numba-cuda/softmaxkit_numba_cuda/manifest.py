@@ -48,6 +48,8 @@ def manifest() -> dict[str, Any]:
         "priority": 20 if not _simulated() else -50,
         "install_hint": "pip install softmaxkit-numba-cuda (needs numba-cuda and a CUDA GPU)",
         "can_run": "softmaxkit_numba_cuda.manifest:can_run",
+        # can_run reads the primary argument's library and row length
+        "hook_keys": ["arrays", "shapes"],
     }
 
 

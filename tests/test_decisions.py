@@ -1,0 +1,201 @@
+"""The decision cache: a cached decision is the one a fresh dispatch makes, and every way the
+decision can change (backend_opts, the environment with reload, registration, a hook that
+declines on a declared property) changes it."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import softmaxkit as sk
+from softmaxkit import dispatch, registry
+from softmaxkit.testing import Unsupported, cases
+
+CALLS: dict[str, int] = {}
+
+
+def _backend(name: str, priority: int = 200, **extra):
+    return {
+        "name": name,
+        "serves": [{"ops": ["softmax"], "devices": ["cpu"], "dtypes": ["float32"]}],
+        "kernels": {"softmax": "softmaxkit.reference.rows:softmax"},
+        "priority": priority,
+        **extra,
+    }
+
+
+def short_rows_only(call) -> bool | str:
+    """Accept rows of at most 4 positions; counts its calls."""
+    CALLS["short"] = CALLS.get("short", 0) + 1
+    n = call.args["x"].shape[-1]
+    return True if n <= 4 else f"rows of {n} are too long"
+
+
+def counted(call) -> bool:
+    CALLS["counted"] = CALLS.get("counted", 0) + 1
+    return True
+
+
+@pytest.fixture
+def fresh():
+    registry.reload()
+    CALLS.clear()
+    yield
+    registry.reload()
+
+
+def ran_on(x, **kwargs) -> str:
+    with sk.backend_opts(trace=True) as trace:
+        sk.softmax(x, axis=-1, **kwargs)
+    return trace[-1].backend
+
+
+@pytest.fixture
+def compared(monkeypatch):
+    """Make every dispatched call also choose afresh, without the cache, and compare."""
+    seen = {"calls": 0, "hits": 0}
+
+    def checked(call, backend=None):
+        fresh_backend, fresh_kernel = registry.choose(call, backend, cached=False)
+        before = len(registry._decisions)
+        got_backend, got_kernel = registry.choose(call, backend)
+        assert (got_backend.name, got_kernel) == (fresh_backend.name, fresh_kernel), call.op
+        seen["calls"] += 1
+        seen["hits"] += len(registry._decisions) == before
+        return got_backend, got_kernel
+
+    monkeypatch.setattr(dispatch, "choose", checked)
+    return seen
+
+
+@pytest.mark.parametrize("target", ["numpy", "torch-cpu"])
+def test_the_cache_decides_as_a_fresh_dispatch_over_the_conformance_kit(target, compared):
+    ran = 0
+    for case in cases(target):
+        try:
+            case.run(None)
+        except Unsupported:
+            continue
+        ran += 1
+    assert ran > 50 and compared["calls"] > ran
+    assert compared["hits"] > compared["calls"] // 2  # repeated calls are served cached
+
+
+def test_a_repeated_call_asks_declared_hooks_once(fresh):
+    registry.register(_backend("short", can_run=f"{__name__}:short_rows_only",
+                               hook_keys=["shapes"]))
+    x = np.ones(3, np.float32)
+    assert [ran_on(x) for _ in range(5)] == ["short"] * 5
+    assert CALLS["short"] == 1
+
+
+def test_an_undeclared_hook_is_asked_on_every_call(fresh):
+    registry.register(_backend("counted", can_run=f"{__name__}:counted"))
+    x = np.ones(3, np.float32)
+    for _ in range(4):
+        assert ran_on(x) == "counted"
+    assert CALLS["counted"] == 4
+    # an undeclared hook ranked below the winner does not stop the winner being cached
+    registry.register(_backend("short", can_run=f"{__name__}:short_rows_only",
+                               hook_keys=["shapes"], priority=300))
+    for _ in range(3):
+        assert ran_on(x) == "short"
+    assert CALLS["short"] == 1 and CALLS["counted"] == 4
+
+
+def test_a_hook_declining_on_a_declared_property_changes_the_decision(fresh):
+    registry.register(_backend("short", can_run=f"{__name__}:short_rows_only",
+                               hook_keys=["shapes"]))
+    short, long = np.ones(4, np.float32), np.ones(8, np.float32)
+    default = ran_on(long)
+    assert default != "short"
+    assert [ran_on(short), ran_on(long), ran_on(short), ran_on(long)] == [
+        "short", default, "short", default]
+    assert CALLS["short"] == 2  # once per shape
+
+
+def test_backend_opts_change_the_decision_and_restore_it(fresh):
+    x = np.ones(8, np.float32)
+    default = ran_on(x)
+    assert default == "numba-cpu"
+    with sk.backend_opts(prioritize="reference"):
+        assert ran_on(x) == "reference"
+    assert ran_on(x) == default
+    with sk.backend_opts(disable="numba-cpu"):
+        assert ran_on(x) == "reference"
+        with sk.backend_opts(prioritize="numba-cpu"):
+            assert ran_on(x) == "numba-cpu"
+        assert ran_on(x) == "reference"
+    assert ran_on(x) == default
+
+
+def test_the_environment_with_reload_changes_the_decision(fresh, monkeypatch):
+    x = np.ones(8, np.float32)
+    assert ran_on(x) == "numba-cpu"
+    monkeypatch.setenv(registry.ENV_PRIORITIZE, "reference")
+    assert ran_on(x) == "numba-cpu"  # read at discovery, as documented
+    registry.reload()
+    assert ran_on(x) == "reference"
+    monkeypatch.delenv(registry.ENV_PRIORITIZE)
+    monkeypatch.setenv(registry.ENV_BLOCK, "numba-cpu")
+    registry.reload()
+    assert ran_on(x) == "reference"
+    monkeypatch.delenv(registry.ENV_BLOCK)
+    registry.reload()
+    assert ran_on(x) == "numba-cpu"
+
+
+def test_registration_and_unregistration_change_the_decision(fresh):
+    x = np.ones(8, np.float32)
+    assert ran_on(x) == "numba-cpu"
+    registry.register(_backend("newcomer", hook_keys=[]))
+    assert ran_on(x) == "newcomer"
+    registry.unregister("newcomer")
+    assert ran_on(x) == "numba-cpu"
+
+
+def test_the_array_type_dtype_and_options_are_part_of_the_key(fresh):
+    x = np.ones(8, np.float32)
+    assert ran_on(x) == "numba-cpu"
+    # a byte-swapped dtype has the same name, but numba-cpu declines it
+    assert ran_on(x.astype(">f4")) == "reference"
+    assert ran_on(x) == "numba-cpu"
+    # the same values as a torch tensor are another key, decided by the same hooks
+    assert ran_on(torch.ones(8)) == "numba-cpu"
+    with sk.backend_opts(disable="numba-cpu"):
+        assert ran_on(torch.ones(8)) == "reference"
+
+
+def test_strict_calls_are_cached_and_still_checked(fresh):
+    registry.register(_backend("short", can_run=f"{__name__}:short_rows_only",
+                               hook_keys=["shapes"], priority=-200))
+    short, long = np.ones(4, np.float32), np.ones(8, np.float32)
+    for _ in range(3):
+        assert ran_on(short, backend="short") == "short"
+    assert CALLS["short"] == 1
+    for _ in range(2):
+        with pytest.raises(sk.NoBackendError, match="too long"):
+            sk.softmax(long, backend="short")
+
+
+def test_trace_and_debug_log_report_a_cached_decision(fresh, caplog):
+    x = np.ones(8, np.float32)
+    with sk.backend_opts(trace=True) as trace:
+        sk.softmax(x)
+        sk.softmax(x)
+    assert len(trace) == 2
+    assert trace[0] == trace[1]
+    assert trace[1].backend == "numba-cpu" and "reference" in trace[1].declined
+    with caplog.at_level(logging.DEBUG, logger="softmaxkit"):
+        sk.softmax(x)
+    assert "ran on numba-cpu" in caplog.text
+
+
+def test_hook_keys_must_name_known_properties():
+    with pytest.raises(ValueError, match="hook_keys"):
+        registry.Backend.from_manifest(_backend("bad", hook_keys=["shape_of_x"]))
+    with pytest.raises(ValueError, match="hook_keys"):
+        registry.Backend.from_manifest(_backend("bad", hook_keys="shapes"))
