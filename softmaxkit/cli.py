@@ -4,8 +4,10 @@
     the installed backends and the dispatch table: for each operation, device type and dtype,
     the backend that wins, the others that could run it, and why the rest are not tried.
 ``softmaxkit verify [--backend NAME] [--target numpy|array_api_strict|torch-cpu|...]``
-    the conformance kit against one backend (or every installed one), as a pass/fail table;
-    the exit status is 1 when a case fails.
+    the conformance kit against one backend (or every installed one): each case's status and
+    how many checks it ran, then a count of passed, failed, unsupported and "ran nothing"
+    cases per backend; the exit status is 1 when a case fails (a backend that fails to load
+    fails every case).
 ``softmaxkit bench [--quick] [--ops ...] [--dtype ...] [--shapes ...] [--device cpu|cuda]
 [--backends NAME ...]``
     times the operations on the default path next to the installed peers (see
@@ -105,8 +107,8 @@ def _short(reason: str) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .registry import backends
-    from .testing import check_backend, target
+    from .registry import backends, failed_to_load
+    from .testing import STATUSES, check_backend, target
 
     try:
         t = target(args.target)
@@ -116,38 +118,38 @@ def _verify(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    installed = backends()
+    installed = {**failed_to_load(), **backends()}
     names = args.backend or list(installed)
     unknown = [n for n in names if n not in installed]
     if unknown:
         print(f"backend(s) {unknown} are not installed; installed: {sorted(installed)}",
               file=sys.stderr)
         return 2
-    failed = 0
-    rows = [("backend", "case", "dtype", "status", "detail")]
+    rows = [("backend", "case", "dtype", "status", "checks", "detail")]
     counts: dict[str, dict[str, int]] = {}
     for name in names:
-        results = check_backend(name, target=t, ops=args.ops)
-        tally = counts.setdefault(name, {"passed": 0, "failed": 0, "unsupported": 0})
-        for r in results:
+        tally = counts.setdefault(name, dict.fromkeys(STATUSES, 0))
+        for r in check_backend(name, target=t, ops=args.ops):
             tally[r.status] += 1
-            if r.status == "unsupported" and not args.verbose:
+            if r.status in ("unsupported", "ran nothing") and not args.verbose:
                 continue
             detail = r.message.splitlines()[0][:100] if r.message else ""
             rows.append((name, r.case, r.dtype, r.status.upper() if not r.passed else r.status,
-                         detail))
-        failed += tally["failed"]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    print(f"conformance on target {t.name} (device {t.device})")
+                         str(r.checks), detail))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    print(f"conformance on target {t.name} (device {t.device}); checks: the backend's results "
+          "each case compared with the spec")
     for r in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[4])
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[5])
     for name, tally in counts.items():
-        print(f"{name}: {tally['passed']} passed, {tally['failed']} failed, "
-              f"{tally['unsupported']} unsupported"
-              + ("" if args.verbose or not tally["unsupported"] else " (-v lists them)"))
-        if not tally["passed"] and not tally["failed"]:
+        hidden = tally["unsupported"] + tally["ran nothing"]
+        print(f"{name}: " + ", ".join(f"{tally[s]} {s}" for s in STATUSES)
+              + ("" if args.verbose or not hidden else " (-v lists the last two)"))
+        if name in failed_to_load():
+            print(f"  {name} failed to load: {failed_to_load()[name]}")
+        elif not tally["passed"] and not tally["failed"]:
             print(f"  nothing ran: {name} serves none of these cases on target {t.name}")
-    return 1 if failed else 0
+    return 1 if any(tally["failed"] for tally in counts.values()) else 0
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -208,7 +210,7 @@ def parser() -> argparse.ArgumentParser:
     verify.add_argument("--ops", nargs="+", choices=list(OPERATIONS),
                         help="only cases of these operations")
     verify.add_argument("-v", "--verbose", action="store_true",
-                        help="also list unsupported cases and why")
+                        help="also list the unsupported cases and those that ran nothing")
     verify.set_defaults(func=_verify)
 
     b = sub.add_parser("bench", help="time the operations next to the installed peers")

@@ -29,6 +29,14 @@ TINY: dict[str, float] = {
 }
 """Smallest positive normal number of each floating dtype."""
 
+HUGE: dict[str, float] = {
+    "float64": float(np.finfo(np.float64).max),
+    "float32": float(np.finfo(np.float32).max),
+    "bfloat16": (2 - 2.0**-7) * 2.0**127,
+    "float16": 65504.0,
+}
+"""Largest finite number of each floating dtype."""
+
 SLACK = 8.0
 """The constant term ``c`` of every bound (a few ulps for exp, log and division)."""
 
