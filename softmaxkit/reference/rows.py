@@ -73,11 +73,13 @@ def row_stats(xp: Any, x: Any, where: Any, acc: Any = None) -> RowStats:
     empty = (m == NEG_INF) & ~nan
     special = nan | posinf
     shift = xp.where(special | empty, xp.zeros_like(m), m)
-    # x - M below the accumulator's range (logits near both of its ends) is -inf; the clamp
-    # keeps the subtraction itself from overflowing
-    lowest = xp.maximum(shift, xp.zeros_like(shift)) - float(xp.finfo(acc).max)
-    diff = xp.where(clean < lowest, xp.full_like(clean, NEG_INF),
-                    xp.maximum(clean, lowest) - shift)
+    # x - M computed as 2 (x/2 - M/2): the same number wherever it is finite, and -inf,
+    # without an overflow warning, where it rounds below the accumulator's range (logits
+    # near both ends of it)
+    half = clean / 2 - shift / 2
+    below = half < -float(xp.finfo(acc).max) / 2
+    diff = xp.where(below, xp.full_like(half, NEG_INF), xp.where(below, xp.zeros_like(half),
+                                                                 half) * 2)
     z = xp.where(special, xp.zeros_like(clean), diff)
     total = xp.sum(xp.exp(z), axis=-1, keepdims=True)
     total = xp.where(special, xp.ones_like(total), total)
@@ -248,7 +250,9 @@ def softmax_vjp(xp: Any, *, probs: Any, cotangent: Any, where: Any, out_dtype: A
     p = xp.where(part, p, zeros)
     g = xp.where(part, g, zeros)
     dot = xp.sum(p * g, axis=-1, keepdims=True)
-    return xp.astype(p * (g - dot), out_dtype)
+    # where, not 0 * (g - dot): an infinite dot must not make the positions that take no
+    # part NaN
+    return xp.astype(xp.where(part, p * (g - dot), zeros), out_dtype)
 
 
 def log_softmax_vjp(
