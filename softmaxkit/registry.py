@@ -709,8 +709,13 @@ def _record(opts: _Options, call: Call, name: str, declined: dict[str, str]) -> 
 def _no_backend_message(call: Call, declined: dict[str, str], reg: dict[str, Backend]) -> str:
     lines = [f"no softmaxkit backend can run {call.op} on {call.device}/{call.dtype}:"]
     for name, reason in declined.items():
-        hint = reg[name].install_hint if name in reg else ""
+        backend = reg.get(name)
+        if backend is not None and reason.startswith("does not serve"):
+            reason += f"; it serves {_serves_summary(backend)}"
+        hint = backend.install_hint if backend is not None else ""
         lines.append(f"  {name}: {reason}" + (f" (install: {hint})" if hint else ""))
+    for name, reason in _unloaded.items():
+        lines.append(f"  {name}: installed but failed to load: {reason}")
     lines.append("Install a backend that serves this device, or pass backend='reference'.")
     return "\n".join(lines)
 
