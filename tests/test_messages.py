@@ -49,8 +49,14 @@ for name in ("exploding", "badkernel", "missing"):
         sk.softmax(x, backend=name)
     except sk.NoBackendError as exc:
         messages[name] = [type(exc).__name__, str(exc)]
+import contextlib, io
+from softmaxkit.cli import main
+info = io.StringIO()
+with contextlib.redirect_stdout(info):
+    main(["info", "--op", "softmax"])
 print(json.dumps({"warnings": [[str(w.message), w.filename, w.lineno] for w in caught],
-                  "messages": messages, "failed": sk.registry.failed_to_load()}))
+                  "messages": messages, "failed": sk.registry.failed_to_load(),
+                  "info": info.getvalue()}))
 """
 
 
@@ -87,6 +93,8 @@ def test_a_backend_that_failed_to_load_says_so_and_why(probe):
     assert "libfast.so: cannot open" in text and "pip install skmsg" in text
     kind, text = out["messages"]["missing"]
     assert kind == "NoBackendError" and "is not installed" in text
+    assert any(line.split()[:4] == ["exploding", "FAILED", "TO", "LOAD:"]
+               and "manifest exploded" in line for line in out["info"].splitlines())
 
 
 def test_warnings_point_at_the_callers_line(probe):
