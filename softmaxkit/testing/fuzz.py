@@ -5,8 +5,10 @@ non-contiguous views, axes, dtypes, masks, weights, targets, and special values:
 +-0, the dtype's largest and subnormal numbers, rows of one special value), runs the backend
 strictly (``backend=``), and compares every result with an extended-precision reference of the
 *represented* inputs under the bounds of :mod:`softmaxkit.testing.tolerance` (attention under
-the spec's attention tolerances), forward and backward.  A draw that the backend declines (its
-``can_run`` hook says no) is counted, not compared.  :func:`fuzz_all` does this for every
+the spec's attention tolerances), forward and backward; summaries are compared with their
+float64 definition, and merges of reference summaries of a row's chunks with the whole
+row's.  A draw that the backend declines (its ``can_run`` hook says no) is counted, not
+compared.  :func:`fuzz_all` does this for every
 installed backend and every operation it serves on the target's device; on a GPU machine::
 
     python -m softmaxkit.testing.fuzz --target torch-cuda --backend numba-cuda
@@ -43,6 +45,7 @@ from .rows_cases import (
     ref_logsumexp,
     ref_softmax,
 )
+from .summary_cases import SUMMARY_RTOL, definition
 from .tolerance import (
     HUGE,
     TINY,
@@ -56,7 +59,8 @@ from .tolerance import (
 ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
            "log_softmax_vjp")
 ATTENTION_OPS = ("attention", "attention_vjp")
-OPS = ROW_OPS + ATTENTION_OPS
+SUMMARY_OPS = ("summarize", "merge")
+OPS = ROW_OPS + SUMMARY_OPS + ATTENTION_OPS
 """The operations the fuzzer draws inputs for."""
 
 
@@ -289,6 +293,64 @@ def _vjp(log: bool) -> Callable[[Target, str, dict[str, Any]], None]:
     return check
 
 
+def _summary_definition(x: np.ndarray, where: np.ndarray | None, values: np.ndarray | None
+                        ) -> tuple[np.ndarray, ...]:
+    """(max, mass, numerator, sum of |terms|) of ``[R, N]`` rows, special rows included: an
+    allowed NaN makes every field NaN, an allowed +inf gives (+inf, NaN, NaN)."""
+    allowed = np.ones(x.shape, bool) if where is None else where
+    nan = (np.isnan(x) & allowed).any(-1)
+    posinf = (x == np.inf).any(-1, where=allowed) & ~nan
+    special = nan | posinf
+    clean = np.where(special[:, None], 0.0, x)
+    m, mass, num, scale = definition(clean, where, values)
+    m = np.where(nan, np.nan, np.where(posinf, np.inf, m))
+    mass = np.where(special, np.nan, mass)
+    if num is not None:
+        num = np.where(special[:, None], np.nan, num)
+        scale = np.where(special[:, None], 0.0, scale)
+    return m, mass, num, scale
+
+
+def _compare_summary(t: Target, dtype: str, got: Any, expected: tuple[np.ndarray, ...],
+                     what: str) -> None:
+    m, mass, num, scale = expected
+    rtol = SUMMARY_RTOL["float64" if dtype == "float64" else "float32"]
+    assert_within(t.to_numpy(got.max), m, 0.0, what + " max")
+    assert_within(t.to_numpy(got.mass), mass, rtol * np.nan_to_num(mass), what + " mass")
+    if num is None:
+        assert got.numerator is None, f"{what}: a numerator without values"
+    else:
+        assert_within(t.to_numpy(got.numerator), num, rtol * scale + 1e-300,
+                      what + " numerator")
+
+
+def _check_summary(merge: bool) -> Callable[[Target, str, dict[str, Any]], None]:
+    def check(t: Target, backend: str, ex: dict[str, Any]) -> None:
+        dtype, where = ex["dtype"], ex["where"]
+        xt, x = _represented(t, ex["x"], dtype, ex["view"])
+        vt, v = (None, None) if ex["values"] is None else _represented(t, ex["values"], dtype,
+                                                                       "contiguous")
+        expected = _summary_definition(x, where, v)
+        if not merge:
+            wt = None if where is None else t.asarray(where, None)
+            got = sk.summarize(xt, where=wt, values=vt, backend=backend)
+            _compare_summary(t, dtype, got, expected, f"summarize [{dtype}]")
+            return
+        # the parts come from the reference; the merge is the backend's
+        parts = []
+        for lo, hi in zip(ex["cuts"][:-1], ex["cuts"][1:], strict=True):
+            part_w = None if where is None else t.asarray(np.ascontiguousarray(where[:, lo:hi]),
+                                                          None)
+            part_v = None if v is None else t.asarray(np.ascontiguousarray(
+                ex["values"][:, lo:hi]), dtype)
+            parts.append(sk.summarize(t.asarray(np.ascontiguousarray(ex["x"][:, lo:hi]), dtype),
+                                      where=part_w, values=part_v, backend="reference"))
+        got = sk.merge(*parts, backend=backend)
+        _compare_summary(t, dtype, got, expected, f"merge of {len(parts)} parts [{dtype}]")
+
+    return check
+
+
 def _attention_args(t: Target, ex: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     causal = ex["causal"]
     common = {"window": ex["window"], "softcap": ex["softcap"], "scale": ex["scale"]}
@@ -391,6 +453,21 @@ def _row_example(draw: st.DrawFn, op: str, dtypes: Sequence[str]) -> dict[str, A
 
 
 @st.composite
+def _summary_example(draw: st.DrawFn, op: str, dtypes: Sequence[str]) -> dict[str, Any]:
+    dtype = draw(st.sampled_from(list(dtypes)))
+    r, n = draw(st.integers(0, 4)), draw(st.integers(1, 8))
+    ex: dict[str, Any] = {"op": op, "dtype": dtype,
+                          "x": draw(_values((r, n), dtype, huge=False)),
+                          "view": draw(st.sampled_from(VIEWS)), "where": _mask(draw, (r, n))}
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    ex["values"] = rng.normal(size=(r, n, draw(st.integers(1, 3)))) if draw(
+        st.booleans()) else None
+    inner = sorted(set(draw(st.lists(st.integers(1, n), max_size=2)))) if n > 1 else []
+    ex["cuts"] = [0, *[c for c in inner if c < n], n]
+    return ex
+
+
+@st.composite
 def _attention_example(draw: st.DrawFn, op: str, dtypes: Sequence[str],
                        head_dims: Sequence[tuple[int, int]]) -> dict[str, Any]:
     dtype = draw(st.sampled_from(list(dtypes)))
@@ -425,6 +502,8 @@ CHECKS: dict[str, Callable[[Target, str, dict[str, Any]], None]] = {
     "cross_entropy": _check_cross_entropy,
     "softmax_vjp": _vjp(False),
     "log_softmax_vjp": _vjp(True),
+    "summarize": _check_summary(merge=False),
+    "merge": _check_summary(merge=True),
     "attention": _check_attention,
     "attention_vjp": _check_attention_vjp,
 }
@@ -521,8 +600,12 @@ def fuzz(
     if not served:
         return result
     pairs = tuple(head_dims) if head_dims is not None else (t.head_dims or HEAD_DIMS)
-    strategy = (_attention_example(op, served, pairs) if op in ATTENTION_OPS
-                else _row_example(op, served))
+    if op in ATTENTION_OPS:
+        strategy = _attention_example(op, served, pairs)
+    elif op in SUMMARY_OPS:
+        strategy = _summary_example(op, served)
+    else:
+        strategy = _row_example(op, served)
     check = CHECKS[op]
 
     @settings(max_examples=max_examples, deadline=None, database=None, print_blob=False,
