@@ -72,3 +72,11 @@ def test_python_dash_m_entry_point(capsys):
                  "logsumexp", "--examples", "10"]) == 0
     out = capsys.readouterr().out
     assert "reference    softmax" in out and out.rstrip().endswith("0 disagreements")
+    # a backend on sys.path without an installed entry point, registered from its manifest
+    try:
+        assert main(["--target", "numpy", "--backend", "loopback-broken", "--ops", "softmax",
+                     "--examples", "100", "--manifest",
+                     "softmaxkit_loopback.broken:manifest"]) == 1
+        assert "loopback-broken softmax" in capsys.readouterr().out
+    finally:
+        registry.unregister("loopback-broken")

@@ -11,8 +11,8 @@ row's.  A draw that the backend declines (its ``can_run`` hook says no) is count
 compared.  :func:`fuzz_all` does this for every
 installed backend and every operation it serves on the target's device; on a GPU machine::
 
-    python -m softmaxkit.testing.fuzz --target torch-cuda --backend numba-cuda
-    python -m softmaxkit.testing.fuzz --target cupy --backend cupy
+    python -m softmaxkit.testing.fuzz --target torch-cuda --backend numba-cuda cupy
+    python -m softmaxkit.testing.fuzz --target cupy --backend cupy numba-cuda
 
 prints one line per (backend, operation) and exits 1 on any disagreement.
 """
@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 import softmaxkit as sk
 
-from ..registry import BackendLoadError, NoBackendError, registry
+from ..registry import BackendLoadError, NoBackendError, _load, register, registry
 from . import materialized
 from .attention_cases import ATTENTION_TOLERANCES, check_forward
 from .kit import HEAD_DIMS, Target, target
@@ -701,7 +701,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ops", nargs="+", choices=OPS, help="only these operations")
     p.add_argument("--examples", type=int, default=100, help="inputs per backend and op")
     p.add_argument("--seed", type=int, default=0, help="hypothesis seed (-1: random)")
+    p.add_argument("--manifest", action="append", default=[], metavar="MODULE:FUNCTION",
+                   help="register a backend from its manifest function first (a backend on "
+                        "sys.path whose entry point is not installed); repeatable")
     args = p.parse_args(argv)
+    for path in args.manifest:
+        manifest = _load(path)()
+        if manifest["name"] not in registry():
+            register(manifest)
     try:
         t = target(args.target)
     except ImportError as exc:
