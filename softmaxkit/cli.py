@@ -1,11 +1,15 @@
 """The ``softmaxkit`` command: ``info``, ``verify`` and ``bench``.
 
-``softmaxkit info``
-    the installed backends and the dispatch table: for each operation, device type and dtype,
-    the backend that wins, the others that could run it, and why the rest are not tried.
+``softmaxkit info [--all]``
+    what runs your arrays: for each device present here (``--all``: every device type a
+    backend serves), the backend a small call of each operation and dtype gets; then the
+    installed backends (and those that failed to load) and the dispatch table: the backends
+    tried in order, and why the rest are not tried.
 ``softmaxkit verify [--backend NAME] [--target numpy|array_api_strict|torch-cpu|...]``
-    the conformance kit against one backend (or every installed one), as a pass/fail table;
-    the exit status is 1 when a case fails.
+    the conformance kit against one backend (or every installed one): each case's status and
+    how many checks it ran, then a count of passed, failed, unsupported and "ran nothing"
+    cases per backend; the exit status is 1 when a case fails (a backend that fails to load
+    fails every case).
 ``softmaxkit bench [--quick] [--ops ...] [--dtype ...] [--shapes ...] [--device cpu|cuda]
 [--backends NAME ...]``
     times the operations on the default path next to the installed peers (see
@@ -21,17 +25,72 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .dtypes import FLOAT_DTYPES
 from .ops import OPERATIONS
 
 
+def _devices_present() -> dict[str, str]:
+    """The device types with a device here, each with the arrays that live there."""
+    found = {"cpu": "numpy arrays and torch CPU tensors"}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            found["cuda"] = (f"torch CUDA tensors and CuPy arrays; {n} device"
+                             f"{'s' * (n > 1)}: {torch.cuda.get_device_name(0)}")
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            found["mps"] = "torch MPS tensors"
+    except ImportError:
+        pass
+    if "cuda" not in found:
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() > 0:
+                found["cuda"] = "CuPy arrays"
+        except Exception:  # no CuPy, or no driver
+            pass
+    return found
+
+
 def _info(args: argparse.Namespace) -> int:
-    from .registry import ENV_BLOCK, ENV_PRIORITIZE, backends, candidates
+    from .registry import ENV_BLOCK, ENV_PRIORITIZE, backends, candidates, failed_to_load
 
     found = backends()
-    print("backends:")
+    present = _devices_present()
+    known = ["cpu", "cuda"]
+    for b in found.values():
+        for entry in b["serves"]:
+            known += [d for d in entry["devices"] if d != "*" and d not in known]
+    if args.device:
+        devices = args.device
+    elif args.all:
+        devices = known
+    else:
+        devices = [d for d in known if d in present] + [d for d in present if d not in known]
+    ops = args.op or list(OPERATIONS)
+    dtypes = args.dtype or list(FLOAT_DTYPES)
+
+    print("what runs your arrays here (the backend a small call gets; NAME? = the first "
+          "candidate, whose hooks decide per call):")
+    for device in devices:
+        where_from = present.get(device, "no device of this type here")
+        print(f"\n{device}: {where_from}")
+        rows = [("  operation", *dtypes)]
+        for op in ops:
+            rows.append((f"  {op}", *(_winner(op, device, dtype, device in present)
+                                      for dtype in dtypes)))
+        _table(rows)
+    hidden = [d for d in known if d not in devices]
+    if hidden and not args.device:
+        print(f"\n(no {', '.join(hidden)} device here: --all shows every device type)")
+
+    print("\nbackends:")
     for name, b in found.items():
         prio = b["priority"]
         extras = [f"priority {prio.get('*', 0)}" if set(prio) <= {"*"} else f"priority {prio}"]
@@ -43,22 +102,17 @@ def _info(args: argparse.Namespace) -> int:
                           + " per call")
         print(f"  {name:<14} {b['source']}  ({'; '.join(extras)})")
         for entry in b["serves"]:
-            ops = ",".join(entry["ops"]) if entry["ops"] != ["*"] else "all operations"
-            devices = ",".join(entry["devices"]) if entry["devices"] != ["*"] else "any device"
-            dtypes = ",".join(entry["dtypes"]) if entry["dtypes"] != ["*"] else "any dtype"
+            e_ops = ",".join(entry["ops"]) if entry["ops"] != ["*"] else "all operations"
+            e_devices = ",".join(entry["devices"]) if entry["devices"] != ["*"] else "any device"
+            e_dtypes = ",".join(entry["dtypes"]) if entry["dtypes"] != ["*"] else "any dtype"
             own = f" (priority {entry['priority']})" if "priority" in entry else ""
-            print(f"  {'':<14}   serves {ops} on {devices} for {dtypes}{own}")
+            print(f"  {'':<14}   serves {e_ops} on {e_devices} for {e_dtypes}{own}")
+    for name, reason in failed_to_load().items():
+        print(f"  {name:<14} FAILED TO LOAD: {reason}")
     print(f"environment: {ENV_PRIORITIZE} and {ENV_BLOCK} are read at discovery")
 
-    devices = ["cpu", "cuda"]
-    for b in found.values():
-        for entry in b["serves"]:
-            devices += [d for d in entry["devices"] if d != "*" and d not in devices]
-    ops = args.op or list(OPERATIONS)
-    devices = args.device or devices
-    dtypes = args.dtype or list(FLOAT_DTYPES)
     hooked = {n for n, b in found.items() if b["can_run"] or b["should_run"]}
-    rows = [("operation", "device", "dtype", "tried in order", "numpy runs on", "not tried")]
+    rows = [("  operation", "device", "dtype", "tried in order", "numpy runs on", "not tried")]
     for op in ops:
         for device in devices:
             for dtype in dtypes:
@@ -66,43 +120,105 @@ def _info(args: argparse.Namespace) -> int:
                 not_tried = ", ".join(f"{n} ({_short(why)})" for n, why in left_out.items()
                                       if not why.startswith("does not serve"))
                 tried = ", ".join(n + "?" * (n in hooked) for n in order)
-                numpy_on = _numpy_winner(op, dtype) if device == "cpu" else ""
-                rows.append((op, device, dtype, tried or "-", numpy_on or "-", not_tried or "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+                numpy_on = _sample_winner(op, "cpu", dtype) if device == "cpu" else ""
+                rows.append((f"  {op}", device, dtype, tried or "-", numpy_on or "-",
+                             not_tried or "-"))
     print("\ndispatch table: the first backend that accepts a call runs it; NAME? has "
           "can_run/should_run hooks that may decline a particular call; 'numpy runs on' asks "
           "them for a small numpy input")
-    for r in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[5])
+    _table(rows)
     return 0
 
 
-def _numpy_winner(op: str, dtype: str) -> str:
-    """The backend a small numpy call of a row operation gets here (hooks asked, no kernel
-    run); empty for the operations whose inputs this does not build."""
-    import array_api_compat.numpy as xp
-    import numpy as np
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
 
-    from .dtypes import lookup
+
+def _winner(op: str, device: str, dtype: str, present: bool) -> str:
+    """The backend a small call of ``op`` gets on ``device`` (hooks asked, no kernel run);
+    without a device or a way to build the call, the first candidate (``NAME?`` when its
+    hooks decide per call)."""
+    from .registry import backends, candidates
+
+    if present:
+        name = _sample_winner(op, device, dtype)
+        if name:
+            return name
+    order, _ = candidates(op, device, dtype)
+    if not order:
+        return "none"
+    found = backends()
+    # a backend written for this device, before one that takes any device's arrays of its
+    # own kind (Dask's)
+    hooked = {n for n in order if found[n]["can_run"] or found[n]["should_run"]}
+    first = next((n for n in order if any(device in e["devices"] for e in found[n]["serves"])),
+                 next((n for n in order if n not in hooked), order[0]))
+    return first + "?" * (first in hooked)
+
+
+def _sample_winner(op: str, device: str, dtype: str) -> str:
+    """The backend ``choose`` picks for a small call on ``device``; empty when no input can
+    be built here (the library or dtype is missing, or the operation is a summary's)."""
+    import array_api_compat
+
     from .ops import Call
     from .registry import NoBackendError, choose
 
     try:
-        x = np.zeros((2, 8), dtype=lookup(xp, dtype))
-    except (ImportError, TypeError):  # bfloat16 without ml_dtypes
+        if device == "cpu":
+            import numpy as np
+
+            from .dtypes import lookup
+
+            xp = array_api_compat.array_namespace(np.zeros(1))
+
+            def make(shape: tuple[int, ...], dt: str) -> object:
+                return np.zeros(shape, dtype=lookup(xp, dt))
+        else:
+            import torch
+
+            if device not in ("cuda", "mps"):
+                return ""
+            xp = array_api_compat.array_namespace(torch.zeros(1))
+
+            def make(shape: tuple[int, ...], dt: str) -> object:
+                return torch.zeros(shape, dtype=getattr(torch, dt), device=device)
+
+        args = _sample_args(op, make, dtype)
+    except (ImportError, TypeError, AttributeError, RuntimeError):
         return ""
-    common = {"x": x, "where": None, "out_dtype": x.dtype}
-    args = {
-        "softmax": {**common, "masked": "zero"},
-        "log_softmax": {**common, "masked": "zero"},
-        "logsumexp": {**common, "b": None, "return_sign": False},
-    }.get(op)
     if args is None:
         return ""
     try:
-        return choose(Call(op, xp, "cpu", dtype, args))[0].name
-    except (NoBackendError, ImportError) as exc:
-        return f"none ({exc})".splitlines()[0]
+        return choose(Call(op, xp, device, dtype, args))[0].name
+    except (NoBackendError, ImportError):
+        return "none"
+
+
+def _sample_args(op: str, make: Callable[[tuple[int, ...], str], Any],
+                 dtype: str) -> dict[str, Any] | None:
+    acc = "float64" if dtype == "float64" else "float32"
+    x = make((2, 8), dtype)
+    out_dtype = x.dtype  # type: ignore[attr-defined]
+    q = make((1, 2, 4, 16), dtype)
+    attn = {"q": q, "k": q, "v": q, "scale": 0.25, "causal": None, "window": (-1, -1),
+            "mask": None, "softcap": None}
+    return {
+        "softmax": {"x": x, "where": None, "masked": "zero", "out_dtype": out_dtype},
+        "log_softmax": {"x": x, "where": None, "masked": "zero", "out_dtype": out_dtype},
+        "logsumexp": {"x": x, "b": None, "where": None, "return_sign": False,
+                      "out_dtype": out_dtype},
+        "cross_entropy": {"logits": x, "index": None, "probs": x, "where": None,
+                          "ignore_index": None, "label_smoothing": 0.0, "grad_scale": None,
+                          "out_dtype": out_dtype},
+        "softmax_vjp": {"probs": x, "cotangent": x, "where": None, "out_dtype": out_dtype},
+        "log_softmax_vjp": {"logprobs": x, "cotangent": x, "where": None,
+                            "out_dtype": out_dtype},
+        "attention": {**attn, "return_lse": False},
+        "attention_vjp": {**attn, "out": q, "lse": make((1, 2, 4), acc), "dout": q},
+    }.get(op)
 
 
 def _short(reason: str) -> str:
@@ -110,8 +226,8 @@ def _short(reason: str) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .registry import backends
-    from .testing import check_backend, target
+    from .registry import backends, failed_to_load
+    from .testing import STATUSES, check_backend, target
 
     try:
         t = target(args.target)
@@ -121,38 +237,38 @@ def _verify(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    installed = backends()
+    installed = {**failed_to_load(), **backends()}
     names = args.backend or list(installed)
     unknown = [n for n in names if n not in installed]
     if unknown:
         print(f"backend(s) {unknown} are not installed; installed: {sorted(installed)}",
               file=sys.stderr)
         return 2
-    failed = 0
-    rows = [("backend", "case", "dtype", "status", "detail")]
+    rows = [("backend", "case", "dtype", "status", "checks", "detail")]
     counts: dict[str, dict[str, int]] = {}
     for name in names:
-        results = check_backend(name, target=t, ops=args.ops)
-        tally = counts.setdefault(name, {"passed": 0, "failed": 0, "unsupported": 0})
-        for r in results:
+        tally = counts.setdefault(name, dict.fromkeys(STATUSES, 0))
+        for r in check_backend(name, target=t, ops=args.ops):
             tally[r.status] += 1
-            if r.status == "unsupported" and not args.verbose:
+            if r.status in ("unsupported", "ran nothing") and not args.verbose:
                 continue
             detail = r.message.splitlines()[0][:100] if r.message else ""
             rows.append((name, r.case, r.dtype, r.status.upper() if not r.passed else r.status,
-                         detail))
-        failed += tally["failed"]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    print(f"conformance on target {t.name} (device {t.device})")
+                         str(r.checks), detail))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    print(f"conformance on target {t.name} (device {t.device}); checks: the backend's results "
+          "each case compared with the spec")
     for r in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[4])
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[5])
     for name, tally in counts.items():
-        print(f"{name}: {tally['passed']} passed, {tally['failed']} failed, "
-              f"{tally['unsupported']} unsupported"
-              + ("" if args.verbose or not tally["unsupported"] else " (-v lists them)"))
-        if not tally["passed"] and not tally["failed"]:
+        hidden = tally["unsupported"] + tally["ran nothing"]
+        print(f"{name}: " + ", ".join(f"{tally[s]} {s}" for s in STATUSES)
+              + ("" if args.verbose or not hidden else " (-v lists the last two)"))
+        if name in failed_to_load():
+            print(f"  {name} failed to load: {failed_to_load()[name]}")
+        elif not tally["passed"] and not tally["failed"]:
             print(f"  nothing ran: {name} serves none of these cases on target {t.name}")
-    return 1 if failed else 0
+    return 1 if any(tally["failed"] for tally in counts.values()) else 0
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -243,9 +359,12 @@ def parser() -> argparse.ArgumentParser:
         prog="softmaxkit", description="Inspect, verify and time softmaxkit's backends.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="print the backends and the dispatch table")
+    info = sub.add_parser("info", help="what runs your arrays: per device here, the backends "
+                                       "and the dispatch table")
     info.add_argument("--op", nargs="+", choices=list(OPERATIONS), help="only these operations")
     info.add_argument("--device", nargs="+", help="only these device types")
+    info.add_argument("--all", action="store_true",
+                      help="every device type a backend serves, not only those present here")
     info.add_argument("--dtype", nargs="+", choices=FLOAT_DTYPES, help="only these dtypes")
     info.set_defaults(func=_info)
 
@@ -257,7 +376,7 @@ def parser() -> argparse.ArgumentParser:
     verify.add_argument("--ops", nargs="+", choices=list(OPERATIONS),
                         help="only cases of these operations")
     verify.add_argument("-v", "--verbose", action="store_true",
-                        help="also list unsupported cases and why")
+                        help="also list the unsupported cases and those that ran nothing")
     verify.set_defaults(func=_verify)
 
     b = sub.add_parser("bench", help="time the operations next to the installed peers")

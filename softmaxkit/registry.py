@@ -69,6 +69,7 @@ import importlib
 import logging
 import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -96,8 +97,24 @@ class NoBackendError(RuntimeError):
     """No backend can run a call; the message lists every backend and why it declined."""
 
 
+class BackendLoadError(NoBackendError):
+    """A backend is installed but its manifest, a kernel or a hook failed to import."""
+
+
 class BackendWarning(UserWarning):
     """A plugin could not be loaded or clashes with another; it is skipped."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _warn(message: str) -> None:
+    """Warn with a :class:`BackendWarning` that points at the first line outside softmaxkit
+    (the caller's), however deep in the library the warning is raised."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, BackendWarning, stacklevel=level)
 
 
 def _load(path: str) -> Any:
@@ -236,8 +253,7 @@ class Backend:
         # one warning per backend: a broken module usually breaks every kernel it holds
         if not self._warned:
             self._warned = True
-            warnings.warn(f"softmaxkit backend {self.name!r}: {message}", BackendWarning,
-                          stacklevel=4)
+            _warn(f"softmaxkit backend {self.name!r}: {message}")
         logger.debug("backend %s: %s", self.name, message)
 
     def kernel(self, op: str) -> Callable[..., Any]:
@@ -311,18 +327,19 @@ class Backend:
 
 _lock = threading.RLock()
 _registry: dict[str, Backend] | None = None
+_unloaded: dict[str, str] = {}  # entry-point name -> why its manifest failed to load
 
 
 def _discover() -> dict[str, Backend]:
     from importlib.metadata import entry_points  # deferred: it costs import time
 
     found: dict[str, Backend] = {}
+    _unloaded.clear()
     try:
         eps = list(entry_points(group=GROUP))
     except Exception as exc:  # unreadable installed metadata must not break every call
-        warnings.warn(f"softmaxkit could not read the installed entry points, so only the "
-                      f"reference backend is used: {type(exc).__name__}: {exc}",
-                      BackendWarning, stacklevel=4)
+        _warn(f"softmaxkit could not read the installed entry points, so only the "
+              f"reference backend is used: {type(exc).__name__}: {exc}")
         eps = []
     for ep in sorted(eps, key=lambda e: (e.name != REFERENCE, e.value)):
         try:
@@ -331,20 +348,14 @@ def _discover() -> dict[str, Backend]:
                 manifest() if callable(manifest) else manifest, source=ep.value
             )
         except Exception as exc:
-            warnings.warn(
-                f"softmaxkit backend entry point {ep.name!r} ({ep.value}) could not be loaded "
-                f"and is skipped: {type(exc).__name__}: {exc}",
-                BackendWarning,
-                stacklevel=4,
-            )
+            reason = f"{ep.value} could not be loaded: {type(exc).__name__}: {exc}"
+            _unloaded.setdefault(ep.name, reason)
+            _warn(f"softmaxkit backend entry point {ep.name!r} ({ep.value}) could not be "
+                  f"loaded and is skipped: {type(exc).__name__}: {exc}")
             continue
         if backend.name in found:
-            warnings.warn(
-                f"two softmaxkit backends are named {backend.name!r} "
-                f"({found[backend.name].source} and {backend.source}); the first is kept",
-                BackendWarning,
-                stacklevel=4,
-            )
+            _warn(f"two softmaxkit backends are named {backend.name!r} "
+                  f"({found[backend.name].source} and {backend.source}); the first is kept")
             continue
         found[backend.name] = backend
     if REFERENCE not in found:  # running from a source tree that was never installed
@@ -364,14 +375,25 @@ def registry() -> dict[str, Backend]:
     return _registry  # type: ignore[return-value]
 
 
+def failed_to_load() -> dict[str, str]:
+    """Installed backends whose entry point or manifest failed to load, with the reason.
+
+    Returns
+    -------
+    dict
+        ``{entry-point name: reason}``; these backends are skipped by every call.
+    """
+    registry()
+    return dict(_unloaded)
+
+
 def register(manifest: Mapping[str, Any]) -> Backend:
     """Register a backend from a manifest mapping at run time (for tests and notebooks)."""
     backend = Backend.from_manifest(manifest, source="register()")
     with _lock:
         reg = dict(registry())
         if backend.name in reg:
-            warnings.warn(f"register() replaces the softmaxkit backend {backend.name!r}",
-                          BackendWarning, stacklevel=2)
+            _warn(f"register() replaces the softmaxkit backend {backend.name!r}")
         reg[backend.name] = backend
         _set_registry(reg)
     return backend
@@ -758,28 +780,49 @@ def _choose_strict(
 def _strict(call: Call, name: str, reg: dict[str, Backend]) -> tuple[Backend, Callable[..., Any]]:
     chosen = reg.get(name)
     if chosen is None:
+        if name in _unloaded:
+            raise BackendLoadError(
+                f"backend={name!r} is installed but failed to load: {_unloaded[name]}. "
+                "Reinstall it or fix its import error, or pass backend='reference'."
+            )
         raise NoBackendError(
             f"backend={name!r} is not installed; installed backends: {sorted(reg)}. "
             "Install the package that provides it, or pass backend='reference'."
         )
+    hint = f" (install: {chosen.install_hint})" if chosen.install_hint else ""
     if not chosen.serves_key(call.op, call.device, call.dtype):
         raise NoBackendError(
             f"backend={name!r} does not serve {call.op} for device {call.device!r} and dtype "
-            f"{call.dtype!r}; it serves {chosen.describe()['serves']}"
+            f"{call.dtype!r}; it serves {_serves_summary(chosen)}{hint}"
         )
+    if call.op in chosen._broken:
+        raise BackendLoadError(f"backend={name!r} cannot run {call.op}: "
+                               f"{chosen._broken[call.op]}{hint}")
     verdict = chosen.can_run(call)
     if verdict is not True:
-        raise NoBackendError(f"backend={name!r} cannot run {call.op}: {verdict}")
+        failed = isinstance(chosen._hooks.get(chosen.can_run_path or ""), str)
+        raise (BackendLoadError if failed else NoBackendError)(
+            f"backend={name!r} cannot run {call.op}: {verdict}" + (hint if failed else ""))
     try:
         kernel = chosen.kernel(call.op)
     except ImportError as exc:
-        hint = f" ({chosen.install_hint})" if chosen.install_hint else ""
-        raise NoBackendError(f"backend={name!r} cannot run {call.op}: {exc}{hint}") from exc
+        raise BackendLoadError(f"backend={name!r} cannot run {call.op}: {exc}{hint}") from exc
     opts = _options.get()
     if opts.trace is not None or logger.isEnabledFor(logging.DEBUG):
         asked = f"backend={name!r} was asked for"
         _record(opts, call, name, {other: asked for other in reg if other != name})
     return chosen, kernel
+
+
+def _serves_summary(backend: Backend) -> str:
+    """What a backend serves, in words: 'softmax, logsumexp on cpu for float32, float64'."""
+    def names(values: frozenset[str], anything: str) -> str:
+        return anything if "*" in values else ", ".join(sorted(values))
+
+    parts = [f"{names(ops & set(backend.kernels) if '*' not in ops else ops, 'every operation')}"
+             f" on {names(devices, 'any device')} for {names(dtypes, 'any dtype')}"
+             for ops, devices, dtypes, _ in backend.serves]
+    return "; ".join(parts) or "nothing"
 
 
 def _record(opts: _Options, call: Call, name: str, declined: dict[str, str]) -> None:
@@ -793,8 +836,13 @@ def _record(opts: _Options, call: Call, name: str, declined: dict[str, str]) -> 
 def _no_backend_message(call: Call, declined: dict[str, str], reg: dict[str, Backend]) -> str:
     lines = [f"no softmaxkit backend can run {call.op} on {call.device}/{call.dtype}:"]
     for name, reason in declined.items():
-        hint = reg[name].install_hint if name in reg else ""
+        backend = reg.get(name)
+        if backend is not None and reason.startswith("does not serve"):
+            reason += f"; it serves {_serves_summary(backend)}"
+        hint = backend.install_hint if backend is not None else ""
         lines.append(f"  {name}: {reason}" + (f" (install: {hint})" if hint else ""))
+    for name, reason in _unloaded.items():
+        lines.append(f"  {name}: installed but failed to load: {reason}")
     lines.append("Install a backend that serves this device, or pass backend='reference'.")
     return "\n".join(lines)
 

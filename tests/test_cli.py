@@ -41,7 +41,8 @@ def test_info_prints_backends_and_the_dispatch_table(capsys):
     # the 'numpy runs on' column names the backend a numpy call really gets
     with sk.backend_opts(trace=True) as trace:
         sk.softmax(np.zeros((2, 8), dtype=np.float32), axis=-1)
-    header = next(line for line in out.splitlines() if line.startswith("  operation "))
+    header = next(line for line in out.splitlines() if line.startswith("  operation ")
+                  and "numpy runs on" in line)
     line = next(line for line in out.splitlines() if line.startswith("  softmax ")
                 and line.split()[1:3] == ["cpu", "float32"])
     column = header.index("numpy runs on")
@@ -54,8 +55,25 @@ def test_info_follows_backend_opts(capsys):
     with sk.backend_opts(prioritize="loopback"):
         assert main(["info", "--op", "softmax", "--device", "cpu", "--dtype", "float32"]) == 0
     row = [line.split() for line in capsys.readouterr().out.splitlines()
-           if line.startswith("  softmax ")]
+           if line.startswith("  softmax ") and line.split()[1] == "cpu"]
     assert len(row) == 1 and row[0][3] == "loopback?,"
+
+
+def test_info_shows_what_runs_the_arrays_of_each_device_present(capsys):
+    assert main(["info", "--op", "softmax", "attention"]) == 0
+    out = capsys.readouterr().out
+    head = out.split("\nbackends:")[0]
+    assert "\ncpu: numpy arrays" in head
+    grid = [line.split() for line in head.splitlines() if line.startswith("  softmax ")]
+    with sk.backend_opts(trace=True) as trace:
+        sk.softmax(np.zeros((2, 8), dtype=np.float32), axis=-1)
+    assert grid[0][3] == trace[0].backend  # the float32 column: what a numpy call gets
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "\ncuda:" not in head and "--all shows every device type" in head
+        assert main(["info", "--all", "--op", "softmax"]) == 0
+        assert "\ncuda: no device of this type here" in capsys.readouterr().out
 
 
 def test_verify_loopback_through_the_installed_command():

@@ -12,6 +12,7 @@ from hypothesis.extra import numpy as hnp
 import softmaxkit as sk
 from softmaxkit.testing.kit import target
 from softmaxkit.testing.rows_cases import strict_fp
+from softmaxkit.testing.tolerance import HUGE
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +25,8 @@ def on_reference():
 elements = st.one_of(
     st.floats(-1e300, 1e300, allow_nan=False, allow_infinity=False),
     st.just(-np.inf),
-    st.sampled_from([0.0, -0.0, 700.0, -745.0, 1e-320]),
+    st.sampled_from([0.0, -0.0, 700.0, -745.0, 1e-320, 1.7976931348623157e308,
+                     -1.7976931348623157e308]),
 )
 
 
@@ -36,24 +38,20 @@ def finite_answer_inputs(draw):
     return x, where
 
 
-HALF_MAX = {
-    "float16": 65504.0 / 2,
-    "bfloat16": 2.0**126,  # float32 max / 2 would round up to 2**127 in bfloat16
-    "float32": float(np.finfo(np.float32).max) / 2,
-    "float64": float(np.finfo(np.float64).max) / 2,
-}
-
-
 @settings(max_examples=60, deadline=None)
 @given(finite_answer_inputs(), st.sampled_from(["float16", "bfloat16", "float32", "float64"]))
 def test_no_warning_for_finite_answers(data, dtype):
     x, where = data
     t = target("numpy")
-    # keep |x| <= max / 2 of the dtype, so that every log-probability x_i - lse (as low as
-    # -2 max |x|) is itself representable: beyond that the correctly rounded answer overflows
-    limit = HALF_MAX[dtype]
+    # logits up to the dtype's largest: a log-probability below its range rounds to -inf,
+    # without a warning
+    limit = HUGE[dtype]
     x = np.where(np.isfinite(x), np.clip(x, -limit, limit), x)
     xt = t.asarray(x, dtype)
+    # a loss reaches max |x_i - x_j|: it is finite in the dtype for logits up to half its
+    # largest (beyond, the loss itself rounds to inf)
+    half = limit / 2
+    x_ce = t.asarray(np.where(np.isfinite(x), np.clip(x, -half, half), x), dtype)
     idx = np.zeros(x.shape[0], dtype=np.int64)
     g = np.ones(x.shape, dtype=xt.dtype)
     with strict_fp():
@@ -62,7 +60,7 @@ def test_no_warning_for_finite_answers(data, dtype):
         lse = sk.logsumexp(xt, axis=-1, where=where)
         sk.logsumexp(xt, axis=-1, b=where.astype(xt.dtype), return_sign=True)
         if x.shape[1]:
-            loss, grad = sk.cross_entropy(xt, idx, where=where, reduction="none",
+            loss, grad = sk.cross_entropy(x_ce, idx, where=where, reduction="none",
                                           return_grad=True, label_smoothing=0.1)
         gp = sk.softmax_vjp(p, g, axis=-1, where=where)
         glp = sk.log_softmax_vjp(lp, g, axis=-1, where=where)
@@ -93,3 +91,16 @@ def test_fully_masked_rows_every_op_every_dtype():
         assert np.all(np.asarray(loss, np.float64) == np.inf)
         for g in (grad, gp, glp):
             assert np.all(np.asarray(g, np.float64) == 0)
+
+
+def test_reference_float16_log_softmax_at_the_ends_of_the_range():
+    """The log-probability -131008 is below float16's range: -inf, and no overflow warning."""
+    x = np.array([65504.0, -65504.0, 0.0], dtype=np.float16)
+    with strict_fp():
+        lp = sk.log_softmax(x, backend="reference")
+    np.testing.assert_array_equal(lp, np.array([0.0, -np.inf, -65504.0], dtype=np.float16))
+    # -65519.9 still rounds to the largest finite float16; -65520 is where rounding overflows
+    x = np.array([0.0, -65519.9, -65520.0], dtype=np.float32)
+    with strict_fp():
+        lp = sk.log_softmax(x, dtype="float16", backend="reference")
+    np.testing.assert_array_equal(lp, np.array([0.0, -65504.0, -np.inf], dtype=np.float16))

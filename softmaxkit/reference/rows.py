@@ -73,7 +73,14 @@ def row_stats(xp: Any, x: Any, where: Any, acc: Any = None) -> RowStats:
     empty = (m == NEG_INF) & ~nan
     special = nan | posinf
     shift = xp.where(special | empty, xp.zeros_like(m), m)
-    z = xp.where(special, xp.zeros_like(clean), clean - shift)
+    # x - M computed as 2 (x/2 - M/2): the same number wherever it is finite, and -inf,
+    # without an overflow warning, where it rounds below the accumulator's range (logits
+    # near both ends of it)
+    half = clean / 2 - shift / 2
+    below = half < -float(xp.finfo(acc).max) / 2
+    diff = xp.where(below, xp.full_like(half, NEG_INF), xp.where(below, xp.zeros_like(half),
+                                                                 half) * 2)
+    z = xp.where(special, xp.zeros_like(clean), diff)
     total = xp.sum(xp.exp(z), axis=-1, keepdims=True)
     total = xp.where(special, xp.ones_like(total), total)
     return RowStats(x=x, z=z, shift=shift, total=total, empty=empty, nan=nan, posinf=posinf)
@@ -104,7 +111,18 @@ def log_softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> 
     out = xp.where(s.posinf, at_inf, out)
     bad = s.nan | s.empty if masked == "nan" else s.nan
     out = xp.where(bad, xp.full_like(out, NAN), out)
-    return xp.astype(out, out_dtype)
+    return xp.astype(_below_range_to_inf(xp, out, out_dtype), out_dtype)
+
+
+def _below_range_to_inf(xp: Any, a: Any, dtype: Any) -> Any:
+    """``a`` with the values that round to ``-inf`` in ``dtype`` set to ``-inf`` already, so
+    the cast rounds them without an overflow warning (a log-probability below a 16-bit
+    format's range, say)."""
+    top = float(xp.finfo(dtype).max)
+    if top >= float(xp.finfo(a.dtype).max):  # no narrowing, nothing to round away
+        return a
+    edge = top + math.ldexp(float(xp.finfo(dtype).eps), math.frexp(top)[1] - 2)  # + ulp / 2
+    return xp.where(a <= -edge, xp.full_like(a, NEG_INF), a)
 
 
 def logsumexp(
@@ -232,7 +250,9 @@ def softmax_vjp(xp: Any, *, probs: Any, cotangent: Any, where: Any, out_dtype: A
     p = xp.where(part, p, zeros)
     g = xp.where(part, g, zeros)
     dot = xp.sum(p * g, axis=-1, keepdims=True)
-    return xp.astype(p * (g - dot), out_dtype)
+    # where, not 0 * (g - dot): an infinite dot must not make the positions that take no
+    # part NaN
+    return xp.astype(xp.where(part, p * (g - dot), zeros), out_dtype)
 
 
 def log_softmax_vjp(

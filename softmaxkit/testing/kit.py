@@ -5,7 +5,12 @@ A case is a function ``fn(t: Target, dtype: str, backend: str) -> None`` registe
 the public API with ``backend=`` (strict, so nothing silently falls back), brings results back
 with ``t.to_numpy`` and compares them with a float64 / mpmath reference under the tolerances of
 spec/semantics.md, raising ``AssertionError`` on a mismatch.  A backend that does not serve a
-case's operation, dtype or device is reported as unsupported, not as a failure.
+case's operation, dtype or device is reported as unsupported, not as a failure; a backend
+whose kernel or hook fails to import is a failure.
+
+A *check* is one call of the backend under test whose result the case compared with the
+spec; the runner counts them (through :func:`softmaxkit.backend_opts` tracing), and a case
+that ran no check is reported as "ran nothing", never as passed.
 
 The attention cases take their head dimensions from the target (:attr:`Target.head_dims`), so
 a backend whose kernels serve only a few head dimensions runs every attention case at those:
@@ -24,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import FLOAT_DTYPES
-from ..registry import NoBackendError
+from ..registry import BackendLoadError, NoBackendError, backend_opts
 
 CASE_MODULES = (
     "softmaxkit.testing.rows_cases",
@@ -43,6 +48,14 @@ are covered."""
 
 class Unsupported(Exception):
     """The backend declines this case (it does not serve the op, dtype or device)."""
+
+
+class RanNothing(Unsupported):
+    """No check of the case applies here (say, its vectors exist only in other dtypes)."""
+
+
+STATUSES = ("passed", "failed", "unsupported", "ran nothing")
+"""The outcomes of a case, in the order ``softmaxkit verify`` counts them."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,13 @@ def _numpy_target() -> Target:
 
     from ..dtypes import lookup
 
+    try:  # numpy spells bfloat16 through ml_dtypes; without it the target has none
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        dtypes: tuple[str, ...] = tuple(d for d in FLOAT_DTYPES if d != "bfloat16")
+    else:
+        dtypes = FLOAT_DTYPES
+
     def asarray(a: np.ndarray, dtype: str | None = None) -> Any:
         a = np.asarray(a)
         return a.astype(lookup(xp, dtype)) if dtype else a
@@ -94,7 +114,7 @@ def _numpy_target() -> Target:
         a = np.asarray(a)
         return a.astype(np.float64) if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else a
 
-    return Target("numpy", xp, asarray, to_numpy)
+    return Target("numpy", xp, asarray, to_numpy, dtypes=dtypes)
 
 
 def _strict_target() -> Target:
@@ -175,14 +195,42 @@ class Case:
     def __str__(self) -> str:
         return f"{self.name}[{self.dtype}]"
 
-    def run(self, backend: str) -> None:
-        """Run on ``backend``: ``AssertionError`` on failure, ``Unsupported`` if declined."""
+    def run(self, backend: str) -> int:
+        """Run on ``backend`` and return how many checks ran.
+
+        Raises
+        ------
+        AssertionError
+            When a result breaks the spec, or the backend failed to load
+            (:class:`~softmaxkit.registry.BackendLoadError`).  Every exception raised
+            carries the number of checks run until then as its ``checks`` attribute.
+        Unsupported
+            When the target lacks the dtype or the backend declines every part of the case;
+            :class:`RanNothing` (an ``Unsupported``) when no check ran.
+        """
         if self.dtype not in self.target.dtypes:
-            raise Unsupported(f"target {self.target.name} has no {self.dtype}")
-        try:
-            self.fn(self.target, self.dtype, backend)
-        except NoBackendError as exc:
-            raise Unsupported(str(exc)) from None
+            hint = " (install ml_dtypes)" if self.target.name == "numpy" else ""
+            raise Unsupported(f"target {self.target.name} has no {self.dtype}{hint}")
+        with backend_opts(trace=True) as trace:
+            try:
+                try:
+                    self.fn(self.target, self.dtype, backend)
+                except BackendLoadError as exc:
+                    raise AssertionError(f"the backend failed to load: {exc}") from None
+                except NoBackendError as exc:
+                    raise Unsupported(str(exc)) from None
+            except Exception as exc:
+                exc.checks = _count(trace, backend)  # type: ignore[attr-defined]
+                raise
+        checks = _count(trace, backend)
+        if not checks:
+            raise RanNothing(f"no check of {self} applies to backend {backend!r} on target "
+                             f"{self.target.name}")
+        return checks
+
+
+def _count(trace: list[Any], backend: str) -> int:
+    return sum(record.backend == backend for record in trace)
 
 
 _REGISTERED: list[tuple[str, tuple[str, ...], tuple[str, ...], Callable[..., None]]] = []
@@ -267,13 +315,28 @@ def cases(
 
 @dataclass
 class CaseResult:
-    """The outcome of one case: ``status`` is ``"passed"``, ``"failed"`` or ``"unsupported"``."""
+    """The outcome of one case.
+
+    Attributes
+    ----------
+    case, ops, dtype
+        The case's name, the operations it exercises and its dtype.
+    status
+        One of :data:`STATUSES`: ``"passed"`` (every check held, and at least one ran),
+        ``"failed"``, ``"unsupported"`` (the backend or target declines it) or
+        ``"ran nothing"`` (no check ran: nothing of the case applies here).
+    message
+        Why it failed or is unsupported.
+    checks
+        How many checks ran (calls of the backend whose results were compared).
+    """
 
     case: str
     ops: tuple[str, ...]
     dtype: str
     status: str
     message: str = ""
+    checks: int = 0
 
     @property
     def passed(self) -> bool:
@@ -302,20 +365,30 @@ def check_backend(
     Returns
     -------
     list of CaseResult
-        One result per case: passed, failed (with the message) or unsupported (with the
-        backend's reason).
+        One result per case: passed, failed (with the message), unsupported (with the
+        backend's reason) or ran nothing, each with the number of checks it ran.
     """
+    from ..registry import failed_to_load
+
+    unloaded = failed_to_load().get(backend)
     results = []
     for c in cases(target, ops, dtypes, head_dims):
+        if unloaded is not None:
+            results.append(CaseResult(c.name, c.ops, c.dtype, "failed",
+                                      f"the backend failed to load: {unloaded}"))
+            continue
         try:
-            c.run(backend)
+            checks = c.run(backend)
+        except RanNothing as exc:
+            results.append(CaseResult(c.name, c.ops, c.dtype, "ran nothing", str(exc)))
         except Unsupported as exc:
             results.append(CaseResult(c.name, c.ops, c.dtype, "unsupported", str(exc)))
-        except AssertionError as exc:
-            results.append(CaseResult(c.name, c.ops, c.dtype, "failed", str(exc)))
-        except Exception as exc:  # a crash is a failure, with its type
-            results.append(CaseResult(c.name, c.ops, c.dtype, "failed",
-                                      f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:
+            # a crash is a failure too, reported with its type
+            message = str(exc) if isinstance(exc, AssertionError) else (
+                f"{type(exc).__name__}: {exc}")
+            results.append(CaseResult(c.name, c.ops, c.dtype, "failed", message,
+                                      getattr(exc, "checks", 0)))
         else:
-            results.append(CaseResult(c.name, c.ops, c.dtype, "passed"))
+            results.append(CaseResult(c.name, c.ops, c.dtype, "passed", checks=checks))
     return results

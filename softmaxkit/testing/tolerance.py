@@ -9,6 +9,8 @@ flushed to zero) and ``N`` the row length.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..dtypes import accumulator_name
@@ -28,6 +30,27 @@ TINY: dict[str, float] = {
     "float16": 2.0**-14,
 }
 """Smallest positive normal number of each floating dtype."""
+
+HUGE: dict[str, float] = {
+    "float64": float(np.finfo(np.float64).max),
+    "float32": float(np.finfo(np.float32).max),
+    "bfloat16": (2 - 2.0**-7) * 2.0**127,
+    "float16": 65504.0,
+}
+"""Largest finite number of each floating dtype."""
+
+
+def fit_range(a: np.ndarray, dtype: str) -> np.ndarray:
+    """``a`` (float64) with every value that rounds to an infinity in ``dtype`` set to it.
+
+    A reference result beyond ``dtype``'s range (a log-probability below a 16-bit format's,
+    say) is compared as the infinity it rounds to; values up to half an ulp past the largest
+    finite number still round to it.
+    """
+    top = HUGE[dtype]
+    edge = top + math.ldexp(UNIT_ROUNDOFF[dtype], math.frexp(top)[1] - 1)  # + half an ulp
+    a = np.asarray(a, dtype=np.float64)
+    return np.where(a >= edge, np.inf, np.where(a <= -edge, -np.inf, a))
 
 SLACK = 8.0
 """The constant term ``c`` of every bound (a few ulps for exp, log and division)."""
@@ -59,7 +82,9 @@ def softmax_bound(p: np.ndarray, x: np.ndarray, n: int, dtype: str) -> np.ndarra
     with np.errstate(invalid="ignore"):
         m = np.max(np.where(finite, x, -np.inf), axis=-1, keepdims=True)
         d = np.where(finite & np.isfinite(m), np.abs(x - m), 0.0)
-    return (2 * u_d + u_a * (SLACK + n + 2 * d)) * np.abs(p) + TINY[dtype]
+        # a gap beyond float64's range has p = 0 exactly: its bound is tiny_D, not inf * 0
+        rel = np.where(p == 0, 0.0, 2 * u_d + u_a * (SLACK + n + 2 * d))
+    return rel * np.abs(p) + TINY[dtype]
 
 
 def log_bound(value: np.ndarray, n: int, dtype: str) -> np.ndarray:

@@ -177,7 +177,7 @@ def mask_rows(where: Any) -> tuple[np.ndarray, int, bool]:
     if where is None:
         return _NO_MASK, 0, False
     w = numpy_view(where)
-    if w.ndim > 1 and all(s == 0 for s in w.strides[:-1]):
+    if w.ndim > 1 and w.size and all(s == 0 for s in w.strides[:-1]):
         first = np.ascontiguousarray(w[(0,) * (w.ndim - 1)])
         return first.reshape(1, -1), 0, True
     return rows(w), 1, True

@@ -39,7 +39,7 @@ def _contiguous(a: Any) -> np.ndarray:
 def _pieces(r: int, n: int) -> int:
     """Pieces per row so that every thread has work: 1 unless rows are fewer than threads."""
     threads = numba.get_num_threads()
-    if r >= threads:
+    if r == 0 or r >= threads:  # no rows: nothing to split
         return 1
     return max(1, min(-(-threads // r), n // PIECE_MIN))
 

@@ -304,8 +304,8 @@ def vjp(op: str, kin: str, kc: str, kout: str, threads: int, slots: int, rows_pe
                 if live and i < n:
                     if is_log:
                         ys[j] = zero if ys[j] == neg_inf else cs[j] - exp(ys[j]) * total
-                    else:
-                        ys[j] = ys[j] * (cs[j] - total)
+                    elif ys[j] != zero:  # a position that takes no part stays 0, even
+                        ys[j] = ys[j] * (cs[j] - total)  # when the total is NaN or inf
                     store(orow, i, ys, j)
 
     return row_kernel
