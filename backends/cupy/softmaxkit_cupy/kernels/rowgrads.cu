@@ -137,8 +137,9 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_vjp(
             float g;
             if (OP == SK_SOFTMAX_VJP) {
                 const float p = k ? fa : 0.0f;
-                const float cv = (k && p != 0.0f) ? fc : 0.0f;
-                g = p * (cv - total);
+                // a position with p = 0 takes no part: its gradient is 0 even when the
+                // row's total is inf or NaN (spec: softmax_vjp)
+                g = p != 0.0f ? p * (fc - total) : 0.0f;
             } else {
                 const bool allowed = k && fa != -SK_INF;
                 g = allowed ? fc - sk_exp<PRECISE>(fa) * total : 0.0f;
