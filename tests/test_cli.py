@@ -47,7 +47,7 @@ def test_info_prints_backends_and_the_dispatch_table(capsys):
                 and line.split()[1:3] == ["cpu", "float32"])
     column = header.index("numpy runs on")
     assert line[column:].split()[0] == trace[0].backend
-    for op in sk.registry.OPERATIONS:
+    for op in sk.ops.OPERATIONS:
         assert any(line.split()[:1] == [op] for line in out.splitlines()), op
 
 
