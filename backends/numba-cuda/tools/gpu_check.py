@@ -18,7 +18,7 @@ plan) and take turns, under one lock, for everything that runs on the GPU at ful
 
 Run from the repository root::
 
-    python backends/numba-cuda/gpu_check.py [--quick] [--skip-conformance] [--sweep] \
+    python backends/numba-cuda/tools/gpu_check.py [--quick] [--skip-conformance] [--sweep] \
         [--shapes 4096x32768,256x524288]
 """
 

@@ -4,7 +4,7 @@ register cap), local-memory accesses, and the width of the global loads and stor
 
 Needs numba-cuda's NVVM and NVRTC libraries and ``ptxas`` on ``PATH`` (the CUDA toolkit)::
 
-    python backends/numba-cuda/ptx_report.py [--keep DIR]
+    python backends/numba-cuda/tools/ptx_report.py [--keep DIR]
 
 A row kernel that keeps its chunk in registers shows ``local 0``; 16-byte words show as
 ``ld.global.nc.v4`` / ``st.global.v4``.
