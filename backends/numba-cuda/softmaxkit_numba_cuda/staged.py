@@ -3,77 +3,60 @@
 A row longer than a block holds in registers is cut into the fewest equal chunks that fit a
 stage of shared memory (:func:`.plan.staged`; one chunk when the row fits) and each chunk is
 copied to a stage with ``cp.async``, which never passes through registers: a block needs few
-registers (one word's values at a time) and several blocks fit on a multiprocessor.
-
-Work items are the chunks, item ``t`` being chunk ``t % chunks`` of row ``t // chunks``.  By
-default a block has one stage and takes one item; a thread copies its words in
-:func:`groups` groups and takes the maximum of each group as soon as it has landed.  With a
-ring of two stages (:func:`ring`, an option: it measured slower on the H200) the grid is
-persistent: a block takes items ``t, t + grid, t + 2 grid, ...`` and starts copying its next
-item into the other stage before it works on the current one; the grid is what fits on the
-device at once, a multiple of ``chunks`` (:func:`grid`), so the chunks of a row are worked
-on together.
-
-Per item, each thread overwrites its excluded values (``where`` False) with ``-inf`` in the
-stage and takes its maximum, then its sum of exponentials, and the block merges
-the pairs; the blocks of a split row exchange their summaries as in :mod:`.rowkernels` (a
-bounded wait, then the missing chunks summarized from device memory with the same arithmetic
-in the same order).  Outputs are written from the staged words.  Each thread reads back only
-the words it copied, so no barrier is needed between a copy and its reads, nor before a stage
-is refilled.
-
-With :data:`FOLD` (the default with one stage) softmax and log_softmax fold each group, as it
-lands, into the thread's running (max, sum): the group's words are held in registers, its
-maximum raises the running maximum (the sum rescaled) and its exponentials join the sum, so no
-second pass over the stage is left once the last group has landed.
+registers (one word's values at a time) and several blocks fit on a multiprocessor.  A block
+takes one chunk: block ``t`` holds chunk ``t % chunks`` of row ``t // chunks``.  A thread
+copies its words in :data:`GROUPS` groups and folds each group, as it lands, into its running
+(max, sum): the group's words are held in registers, its maximum raises the running maximum
+(the sum rescaled) and its exponentials join the sum, so no second pass over the stage is left
+once the last group has landed.  Excluded values (``where`` False) are overwritten with
+``-inf`` in the stage first.  The block merges its threads' pairs; the blocks of a split row
+exchange their summaries as in :mod:`.rowkernels` (a bounded wait, then the missing chunks
+summarized from device memory with the same arithmetic in the same order).  Outputs are
+written from the staged words.  Each thread reads back only the words it copied, so no
+barrier is needed between a copy and its reads.
 
 Thread-block clusters (sm_90): a row of 2 to 8 chunks (:func:`.plan.clustered`) is launched
 as one cluster of one block per chunk (:func:`.arrays.run`; the cluster's index is the row,
-the block's rank in it the chunk).  The blocks
-exchange their summaries through distributed shared memory instead of the slots in device
-memory: each block writes its (max, sum) to its shared memory, the cluster barrier
-(arrive.release / wait.acquire) publishes them, each block reads its peers' with
-``ld.shared::cluster`` and merges, arrives again, and waits on that barrier before it exits,
-so that no block's shared memory goes while a peer may read it.  The cluster's blocks are
-co-scheduled by the hardware, so no wait is unbounded and no fallback is needed.
-:data:`.plan.CLUSTER` = ``0`` turns clusters off, a number sets the largest cluster (up to
-16, non-portable above 8).
+the block's rank in it the chunk).  The blocks exchange their summaries through distributed
+shared memory instead of the slots in device memory: each block writes its (max, sum) to its
+shared memory, the cluster barrier (arrive.release / wait.acquire) publishes them, each block
+reads its peers' with ``ld.shared::cluster`` and merges, arrives again, and waits on that
+barrier before it exits, so that no block's shared memory goes while a peer may read it.  The
+cluster's blocks are co-scheduled by the hardware, so no wait is unbounded and no fallback is
+needed.
 
-Persistent clusters (sm_90): rows of 9 to 32 chunks (:func:`.plan.persistent`; 256 x 524288
-is 16 chunks in bfloat16, 32 in float32) take :func:`persistent`, a grid of the clusters
-that fit at once, each walking rows: one cluster of up to 16 blocks a row, or several
-clusters a row (two by default, each an equal part of the chunks) that exchange their parts'
-summaries through slots in device memory.  Each block refills every staged word with the
-next row's word as soon as it has read it back for its store, so the next row's copies are
-in flight while the current row is written; one cluster barrier a row publishes the warps'
-(max, sum) pairs, which every warp merges itself.  Rows whose chunks are all full and
+Persistent clusters (sm_90): rows of 9 to 32 chunks (:func:`.plan.persistent`) take
+:func:`persistent`, a grid of the clusters that fit at once, each walking rows: one cluster of
+up to 16 blocks a row, or two clusters a row, each an equal part of the chunks, that exchange
+their parts' summaries through slots in device memory.  Each block refills every staged word
+with the next row's word as soon as it has read it back for its store, so the next row's
+copies are in flight while the current row is written; one cluster barrier a row publishes the
+warps' (max, sum) pairs, which every warp merges itself.  Rows whose chunks are all full and
 without ``where`` take a lean fold (16-byte shared loads, the group maximum on packed 16-bit
 pairs) and write 16-bit softmax as ``2^((x - M) log2 e - log2 S)``.  Float32 rows of whole
-128 KB chunks keep 4 words a thread in registers (:data:`HELD`) and stage the rest, two blocks
-a multiprocessor: a row of 256 x 524288 is then one cluster of 16, with nothing exchanged
-through device memory.  The cluster scheduling policy is set on the kernel (:data:`POLICY`).
+128 KB chunks keep :data:`HELD` words a thread in registers and stage the rest, two blocks a
+multiprocessor, so that a row of 2^19 float32 values is one cluster of 16.  The grid's groups
+of clusters that walk one row fewer than the others start late (:func:`stagger`), so that
+the groups' fold-and-exchange pauses fall at different times.
 
 What CI does not run: Numba's CUDA simulator runs the blocks of a grid one after another, so a
 barrier across the blocks of a cluster (or a read of another block's shared memory) cannot
-run there.  The simulator runs the cluster kernels as clusters of one block
-(``SOFTMAXKIT_NUMBA_CUDA_CLUSTER=all`` on rows of one chunk): the same kernel code, exchange
-and barriers included, on the block itself; the exchange between several blocks, the
-launch with cluster dimensions and non-portable cluster sizes are checked on the GPU only
-(``gpu_check.py``, against float64 with poisoned outputs).  The persistent kernel runs there
-as clusters of one block (``SOFTMAXKIT_NUMBA_CUDA_PERSIST=all``): two clusters walking
-several rows each, and rows of two (or four) chunks as that many clusters exchanging through
-device memory, where the one-block-at-a-time schedule takes the fallback that summarizes the
-parts not yet published.
+run there.  The simulator runs the cluster kernels as clusters of one block (the setting
+``cluster="all"`` on rows of one chunk): the same kernel code, exchange and barriers
+included, on the block itself; the exchange between several blocks, the launch with cluster
+dimensions and non-portable cluster sizes are checked on the GPU only
+(``tools/gpu_check.py``, against float64 with poisoned outputs).  The persistent kernel runs
+there as clusters of one block (``persist="all"``): two clusters walking several rows each,
+and rows of two chunks as two clusters exchanging through device memory, where the
+one-block-at-a-time schedule takes the fallback that summarizes the parts not yet published.
 
 Staged kernels serve rows that the register plan splits, read in 16-byte words (float32,
-bfloat16, float16, the same dtype in and out); the environment variable :data:`ENABLE` = ``0``
-turns them off (the register kernels then serve every row).
+bfloat16, float16, the same dtype in and out).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 from numba import float32, int32, uint32, uint64
 
@@ -125,52 +108,17 @@ from .wide import (
     unpack_f16,
 )
 
-ENABLE = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
-RING = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
-"""Environment variable: stages per block, 1 (the default) or 2 (a persistent grid that copies
-each block's next chunk ahead)."""
-GROUPS = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
-"""Environment variable: copy groups per thread with one stage (tuning; default 4)."""
-DEFAULT_GROUPS = 4
-FOLD = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
-"""Environment variable: ``0`` takes softmax's sum of exponentials in a pass of its own after
-the maxima (the fold of each landed group into a running (max, sum) is the default)."""
-POLICY = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
-"""Environment variable: the cluster scheduling policy of the persistent kernel, ``balance``
-(load balancing, the default: it measured fastest at 256 x 524288), ``spread`` or
-``default`` (the driver's)."""
-POLICIES = {"default": 0, "spread": 1, "balance": 2}
-AHEAD = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
-"""Environment variable: copy groups of a thread that the persistent kernel's lean rows read
-back into registers right after the fold, refilling their words with the next row's before
-the row's summary is known (tuning; default :data:`DEFAULT_AHEAD`, at most the groups)."""
-DEFAULT_AHEAD = {"float32": 0, "bfloat16": 0, "float16": 0}
-"""Copy groups ahead by dtype: none (one float32 group ahead measured 77 / 78% of the copy at
-256 x 524288 against 79 / 80% without, in one run; a 16-bit group does not fit the register
-budget without spills)."""
-SPIN = "SOFTMAXKIT_NUMBA_CUDA_EXCHANGE_SPIN"
-"""Environment variable: polls of the other parts' slots (several clusters a row) before the
-first pause (tuning; default :data:`.rowkernels.SPIN_POLLS`)."""
-STAGGER = "SOFTMAXKIT_NUMBA_CUDA_STAGGER"
-"""Environment variable: how late, as a fraction of the time a wave of rows takes at the
-device's peak bandwidth, the last of the persistent grid's groups of clusters that walk one
-row fewer than the others starts (they start one after another, the first of them at once),
-so that the groups' fold-and-exchange pauses fall at different times (tuning; default
-:data:`DEFAULT_STAGGER`)."""
-DEFAULT_STAGGER = "1"
-"""Groups start up to a wave late: float32 256 x 524288 88 / 89% against 87 / 88% (8 words
-held), bfloat16 84 / 85% against 83 / 84%, same run."""
-HELD = "SOFTMAXKIT_NUMBA_CUDA_HELD"
-"""Environment variable: words of a row that each thread of the persistent kernel keeps in
-registers, beside those staged in shared memory (:func:`.plan.held`: chunks twice as long, a
-row one cluster, for rows of whole such chunks without ``where``; 0 turns it off; tuning,
-default :data:`DEFAULT_HELD`)."""
-DEFAULT_HELD = {"float32": 4, "bfloat16": 0, "float16": 0}
-"""Words held in registers by dtype: 4 for float32 (at 256 x 524288 a row is then one cluster
-of 16 blocks of 128 KB, 112 KB staged, and exchanges nothing through device memory: 87-89% of
-the copy against 78% with two clusters a row, same run; 8 words measured 86-88%); none for
-16-bit rows, whose rows are one cluster already (77-82% with 8 or 16 words held against
-83-85%)."""
+GROUPS = 4
+"""Copy groups of a thread's words (each folded as soon as it has landed)."""
+POLICY = 2
+"""The ``CUclusterSchedulingPolicy`` of the persistent kernel's clusters: load balancing."""
+STAGGER = 1.0
+"""How late, as a fraction of the time a wave of rows takes at the device's peak bandwidth,
+the last of the persistent grid's groups of clusters that walk one row fewer starts."""
+HELD = {"float32": 4, "bfloat16": 0, "float16": 0}
+"""Words a thread of the persistent kernel keeps in registers beside those staged, by dtype
+(:func:`.plan.held`: chunks twice as long, a row one cluster, for rows of whole such chunks
+without ``where``); 16-bit rows are one cluster already."""
 KINDS = ("float32", "bfloat16", "float16")
 SHARED_PER_SM = 228 * 1024
 """Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
@@ -178,99 +126,51 @@ BLOCK_OVERHEAD = 1536
 
 
 def enabled(kind: str, split: bool, vector: bool, same_dtype: bool) -> bool:
-    """Whether a row that the register plan ``split``s takes a staged kernel."""
-    return (os.environ.get(ENABLE, "1") != "0" and split and vector and same_dtype
-            and kind in KINDS)
+    """Whether a row that the register plan ``split``s can take a staged kernel."""
+    return split and vector and same_dtype and kind in KINDS
 
 
-def groups(slots: int, stages: int) -> int:
-    """Copy groups of a thread's ``slots`` words, whose maxima are taken as they land, with
-    one stage (:data:`GROUPS`, at most 16, a divisor of ``slots``); 0 with two stages (the next
-    chunk's copies are one group, waited for as a whole)."""
-    if stages == 2:
-        return 0
-    g = max(1, min(int(os.environ.get(GROUPS, DEFAULT_GROUPS)), 16, slots))
+def groups(slots: int) -> int:
+    """Copy groups of a thread's ``slots`` words: :data:`GROUPS`, at most 16, a divisor of
+    ``slots``."""
+    g = max(1, min(GROUPS, 16, slots))
     while slots % g:
         g -= 1
     return g
-
-
-def ring() -> int:
-    """Stages per block: 1 (the default) or 2 (:data:`RING`)."""
-    return 2 if os.environ.get(RING) == "2" else 1
-
-
-def policy() -> int:
-    """The ``CUclusterSchedulingPolicy`` of the persistent kernel's clusters (:data:`POLICY`)."""
-    return POLICIES[os.environ.get(POLICY, "balance")]
-
-
-def ahead(kind: str, slots: int) -> int:
-    """Copy groups read back ahead of the summary exchange (:data:`AHEAD`)."""
-    n = os.environ.get(AHEAD)
-    return max(0, min(int(n) if n else DEFAULT_AHEAD[kind], groups(slots, 1)))
-
-
-def spin() -> int:
-    """Polls of the two-cluster exchange before it pauses between polls (:data:`SPIN`)."""
-    return int(os.environ.get(SPIN, SPIN_POLLS))
 
 
 def stagger(n_rows: int, groups: int, row_bytes: int, bandwidth: float) -> int:
     """Nanoseconds between the starts of consecutive groups of clusters of a persistent grid of
     ``groups`` groups (a row each at a time) walking ``n_rows`` rows of ``row_bytes`` bytes
     read and as many written, on a device of peak ``bandwidth`` bytes per second: only the
-    groups that walk one row fewer start late (:data:`STAGGER`), so no group ends later."""
+    groups that walk one row fewer start late (up to :data:`STAGGER` of a wave), so no group
+    ends later."""
     rem = n_rows % groups
-    fraction = float(os.environ.get(STAGGER, DEFAULT_STAGGER))
-    if fraction <= 0 or n_rows < groups or rem == 0:
+    if n_rows < groups or rem == 0:
         return 0
     wave_ns = 2 * row_bytes * groups / bandwidth * 1e9
-    return int(fraction * wave_ns / (groups - rem))
+    return int(STAGGER * wave_ns / (groups - rem))
 
 
-def held(kind: str) -> int:
-    """Words a thread of the persistent kernel keeps in registers for rows of ``kind``
-    (:data:`HELD`)."""
-    n = os.environ.get(HELD)
-    return max(0, int(n)) if n else DEFAULT_HELD[kind]
+def shared_bytes(threads: int, slots: int) -> int:
+    """Dynamic shared memory of a block staging ``threads * slots`` words."""
+    return threads * slots * WORD_BYTES
 
 
-def fold() -> bool:
-    """Whether softmax / log_softmax fold each landed copy group into a running (max, sum)
-    (:data:`FOLD`)."""
-    return os.environ.get(FOLD, "1") != "0"
-
-
-def shared_bytes(threads: int, slots: int, stages: int) -> int:
-    """Dynamic shared memory of a block with ``stages`` stages of ``threads * slots`` words."""
-    return stages * threads * slots * WORD_BYTES
-
-
-def _fit(threads: int, slots: int, stages: int) -> tuple[int, int]:
+def _fit(threads: int, slots: int) -> tuple[int, int]:
     """``(blocks per multiprocessor, values)``: the blocks that shared memory and threads
     allow on sm_90, and the values per thread that set the kernel's register budget
     (:func:`.intrinsics.register_cap`: 40, 56 or 80 registers, as many as those blocks leave;
     the fallback of the summary exchange keeps many values live)."""
-    smem = shared_bytes(threads, slots, stages) + BLOCK_OVERHEAD
+    smem = shared_bytes(threads, slots) + BLOCK_OVERHEAD
     blocks = max(1, min(SHARED_PER_SM // smem, 2048 // threads))
     values = 8 if blocks * threads > 1024 else 16 if blocks * threads > 768 else 32
     return min(blocks, 65536 // (threads * register_cap(threads, values))), values
 
 
-def blocks_per_sm(threads: int, slots: int, stages: int) -> int:
+def blocks_per_sm(threads: int, slots: int) -> int:
     """Blocks of a staged kernel that fit on one multiprocessor."""
-    return _fit(threads, slots, stages)[0]
-
-
-def grid(n_rows: int, chunks: int, resident: int, stages: int) -> int:
-    """Blocks to launch for ``n_rows`` rows of ``chunks`` chunks when ``resident`` blocks fit
-    on the device: one per item with one stage (or when a row has more chunks than fit),
-    else the largest multiple of ``chunks`` that fits, at most one per item."""
-    total = n_rows * chunks
-    if stages == 1 or chunks > resident:
-        return total
-    return min(total, resident // chunks * chunks)
+    return _fit(threads, slots)[0]
 
 
 @functools.cache
@@ -293,16 +193,15 @@ def _raise_max():
 
 
 @functools.cache
-def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, groups: int):
+def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool):
     """Device functions on a thread's words ``base + threads * j`` of a chunk, staged at
     ``off`` (in 32-bit words) in shared memory, ``lane`` the thread's index:
 
-    * ``issue(stage, off, xr, nw, base, lane)``: start copying them, in ``max(1, groups)``
+    * ``issue(stage, off, xr, nw, base, lane)``: start copying them, in :func:`groups`
       groups of whole words (each closed with a commit);
     * ``land(stage, off, wr, nw, base, lane) -> m_t``: overwrite the excluded values with
-      ``-inf`` (with ``where``) and return their maximum; with ``groups > 0`` it waits for the
-      groups as it goes (the maximum of a group as soon as it has landed), with ``groups ==
-      0`` the caller has waited;
+      ``-inf`` (with ``where``) and return their maximum; it waits for the groups as it goes
+      (the maximum of a group as soon as it has landed);
     * ``sums(stage, off, nw, base, lane, m_t) -> (s_t, included, zsum)``: as
       :func:`.rowkernels._thread_sum` (``included``, ``zsum`` with ``count``);
     * ``land_fold(stage, off, wr, nw, base, lane) -> (m_t, s_t)``: ``land`` and ``sums`` in
@@ -314,8 +213,7 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, gr
     tmax = thread_max("float32")
     exp = exponential("float32")
     raise_max = _raise_max()
-    waits = groups > 0
-    n_groups = max(1, groups)
+    n_groups = groups(slots)
     per = slots // n_groups
     neg_inf, zero, one = float32(NEG_INF), float32(0.0), float32(1.0)
     held = per * 4  # 32-bit words of a group of one thread
@@ -331,10 +229,10 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, gr
     def land(stage, off, wr, nw, base, lane):
         buf = cuda.local.array(width, float32)
         m = neg_inf
-        if waits and has_where:
+        if has_where:
             cp_async_pending(0)
         for g in range(n_groups):
-            if waits and not has_where:
+            if not has_where:
                 cp_async_pending(n_groups - 1 - g)
             for j in range(g * per, (g + 1) * per):
                 wi = base + j * threads
@@ -377,10 +275,10 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, gr
         words = cuda.local.array(held, uint32)
         m = neg_inf
         s = zero
-        if waits and has_where:
+        if has_where:
             cp_async_pending(0)
         for g in range(n_groups):
-            if waits and not has_where:
+            if not has_where:
                 cp_async_pending(n_groups - 1 - g)
             gm = neg_inf
             for i in range(per):
@@ -422,45 +320,6 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, gr
 
     return (device_function(issue), device_function(land), device_function(sums),
             device_function(land_fold))
-
-
-@functools.cache
-def _items(threads: int, slots: int, stages: int, issue):
-    """Device functions that walk a block's items (see the module docstring):
-    ``first() -> t`` and ``arrive(stage, x, nw, chunks, total, t, k) -> off``, which copies
-    item ``t + grid`` ahead (two stages), waits for the copies of item ``t`` (the block's
-    ``k``-th) and returns where it is staged."""
-    words = threads * slots
-    span = words * 4  # 32-bit words of a stage
-
-    def first(stage, x, nw, chunks, total):
-        t = cuda.blockIdx.x
-        if stages == 2:
-            if t < total:
-                r = t // chunks
-                issue(stage, 0, x[r], nw, (t - r * chunks) * words + cuda.threadIdx.x,
-                      cuda.threadIdx.x)
-            else:
-                cp_async_commit()
-        return t
-
-    def arrive(stage, x, nw, chunks, total, t, k):
-        lane = cuda.threadIdx.x
-        if stages == 2:
-            nxt = t + cuda.gridDim.x
-            if nxt < total:
-                r = nxt // chunks
-                issue(stage, ((k + 1) & 1) * span, x[r], nw, (nxt - r * chunks) * words + lane,
-                      lane)
-            else:
-                cp_async_commit()  # an empty group: the wait below counts one group ahead
-            cp_async_pending(1)  # item t's copies have landed, the next may be in flight
-            return (k & 1) * span
-        r = t // chunks
-        issue(stage, 0, x[r], nw, (t - r * chunks) * words + lane, lane)  # land waits
-        return 0
-
-    return device_function(first), device_function(arrive)
 
 
 @functools.cache
@@ -515,24 +374,20 @@ def _cluster_exchange(threads: int, fields: int):
 
 
 @functools.cache
-def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, stages: int,
-              cluster: bool = False, folded: bool = False):
+def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool,
+              cluster: bool = False):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` (the signature of
-    :func:`.rowkernels.normalize`): chunks of ``threads * slots`` words, blocks of ``threads``
-    with ``stages`` stages (:func:`shared_bytes` of dynamic shared memory, :func:`grid`
-    blocks).
+    :func:`.rowkernels.normalize`): chunks of ``threads * slots`` words, a block of
+    ``threads`` each (:func:`shared_bytes` of dynamic shared memory), each thread folding its
+    copy groups into a running (max, sum) as they land (``land_fold`` of :func:`_stage`).
 
-    With ``cluster`` (one stage), the ``chunks`` blocks of a row are one thread-block cluster
-    (launched with clusters of ``chunks`` blocks, :func:`.arrays.run`) and exchange their
-    summaries through distributed shared memory (:func:`_cluster_exchange`); ``wsp`` is
-    unused.  With ``folded``, each thread folds its copy groups into a running (max, sum) as
-    they land (``land_fold`` of :func:`_stage`).
+    With ``cluster``, the ``chunks`` blocks of a row are one thread-block cluster (launched
+    with clusters of ``chunks`` blocks, :func:`.arrays.run`) and exchange their summaries
+    through distributed shared memory (:func:`_cluster_exchange`); ``wsp`` is unused.
     """
     width, decode, encode = word_codec(kind)
     words = threads * slots
-    issue, land, sums, land_fold = _stage(kind, threads, slots, has_where, False,
-                                          groups(slots, stages))
-    first, arrive = _items(threads, slots, stages, issue)
+    issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False)
     exchange = _cluster_exchange(threads, 2)
     results = _word_results(op, kind)
     row_state = _row_state(op)
@@ -541,7 +396,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
     collect = _row_summary(kind, True, threads, slots, has_where, 2, True)
     zero = float32(0.0)
 
-    @kernel(threads, _fit(threads, slots, stages)[1])
+    @kernel(threads, _fit(threads, slots)[1])
     def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp):
         stage = cuda.shared.array(0, uint32)
         flag = cuda.shared.array(1, int32)
@@ -550,27 +405,21 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
         lane = cuda.threadIdx.x
         total = n_rows * chunks
         buf = cuda.local.array(width, float32)
-        t = first(stage, x, nw, chunks, total)
-        k = 0
+        t = cuda.blockIdx.x
         while t < total:
             if cluster:  # the cluster is the row, the rank its chunk (no division)
                 r = cluster_id()
                 c = cluster_rank()
-                off = 0
-                issue(stage, 0, x[r], nw, c * words + lane, lane)
             else:
-                off = arrive(stage, x, nw, chunks, total, t, k)
                 r = t // chunks
                 c = t - r * chunks
+            off = 0
+            issue(stage, 0, x[r], nw, c * words + lane, lane)  # land_fold waits
             xr = x[r]
             wr = w[r if has_where else 0]
             orow = out[r]
             base = c * words + lane
-            if folded:
-                m_t, s_t = land_fold(stage, off, wr, nw, base, lane)
-            else:
-                m_t = land(stage, off, wr, nw, base, lane)
-                s_t, _, _ = sums(stage, off, nw, base, lane, m_t)
+            m_t, s_t = land_fold(stage, off, wr, nw, base, lane)
             m, s = pair_reduce(m_t, s_t, scratch)
             if cluster:  # the row's summary from the other blocks of the cluster
                 m, s, _, _ = exchange(m, s, zero, zero, summary, scratch, chunks)
@@ -588,10 +437,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
                             masked_nan)
                     a, b, c2, d = encode(buf, 0)
                     store16(orow, wi * width, a, b, c2, d)
-            if stages == 1:  # one item per block: no loop
-                break
-            t += cuda.gridDim.x
-            k += 1
+            break  # one chunk per block
         if cluster:  # leave once every peer has read this block's summary
             cluster_wait()
 
@@ -600,7 +446,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
 
 @functools.cache
 def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: bool,
-                  stages: int, cluster: bool = False):
+                  cluster: bool = False):
     """Kernel ``(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
     smoothing, has_ignore, ignore)`` (the signature of :func:`.rowkernels.cross_entropy`) with
     the fused gradient, laid out as :func:`normalize`.
@@ -614,10 +460,8 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
     width, decode, encode = word_codec(kind)
     words = threads * slots
     fields = 4 if smooth else 2
-    issue, land, sums, _ = _stage(kind, threads, slots, has_where, smooth,
-                                  groups(slots, stages))
+    issue, land, sums, _ = _stage(kind, threads, slots, has_where, smooth)
     exchange = _cluster_exchange(threads, fields)
-    first, arrive = _items(threads, slots, stages, issue)
     exp = exponential("float32")
     pair_reduce, sum_reduce, _ = group_reducers(threads, "float32")
     publish = _slots("float32", fields)[0]
@@ -627,7 +471,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
     store_loss = storer("float32")
     nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
 
-    @kernel(threads, _fit(threads, slots, stages)[1])
+    @kernel(threads, _fit(threads, slots)[1])
     def row_kernel(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
                    smoothing, has_ignore, ignore):
         stage = cuda.shared.array(0, uint32)
@@ -640,18 +484,16 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
         n = nw * width
         g_scale = scale[0]
         buf = cuda.local.array(width, float32)
-        t = first(stage, x, nw, chunks, total)
-        k = 0
+        t = cuda.blockIdx.x
         while t < total:
             if cluster:  # the cluster is the row, the rank its chunk (no division)
                 r = cluster_id()
                 c = cluster_rank()
-                off = 0
-                issue(stage, 0, x[r], nw, c * words + lane, lane)
             else:
-                off = arrive(stage, x, nw, chunks, total, t, k)
                 r = t // chunks
                 c = t - r * chunks
+            off = 0
+            issue(stage, 0, x[r], nw, c * words + lane, lane)  # land waits
             xr = x[r]
             wr = w[r if has_where else 0]
             grow = grad[r]
@@ -733,10 +575,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
                         total_loss += share * (zsum - cnt * log_s)
                     res = zero - total_loss
                 store_loss(loss[r], 0, res)
-            if stages == 1:  # one item per block: no loop
-                break
-            t += cuda.gridDim.x
-            k += 1
+            break  # one chunk per block
         if cluster:  # leave once every peer has read this block's summary
             cluster_wait()
 
@@ -816,7 +655,7 @@ def _whole_fold(kind: str, threads: int, slots: int):
     instructions a value: each word read from the stage in one 16-byte load, the group's
     maximum taken on the packed words (two 16-bit values an instruction), no range tests."""
     width, decode, _ = word_codec(kind)
-    n_groups = groups(slots, 1)
+    n_groups = groups(slots)
     per = slots // n_groups
     exp = exponential("float32")
     raise_max = _raise_max()
@@ -868,8 +707,7 @@ def _whole_fold(kind: str, threads: int, slots: int):
 
 
 @functools.cache
-def _part_exchange(kind: str, threads: int, part_slots: int, has_where: bool, parts: int,
-                   spin: int = SPIN_POLLS):
+def _part_exchange(kind: str, threads: int, part_slots: int, has_where: bool, parts: int):
     """Device function ``exchange(wsp, r, h, m, s, xr, wr, nw, scratch, flag) -> (M, S)``: the
     row's summary for a block of the cluster that holds part ``h`` of row ``r`` (``(m, s)``
     that part's summary, ``part_slots`` words a thread of the part), the other ``parts - 1``
@@ -934,7 +772,7 @@ def _part_exchange(kind: str, threads: int, part_slots: int, has_where: bool, pa
                 if got == every or globaltimer() - start >= wait:
                     break
                 polls += 1
-                if polls > spin:  # then back off: fewer L2 requests
+                if polls > SPIN_POLLS:  # then back off: fewer L2 requests
                     nanosleep(pause)
                     pause = min(2 * pause, MAX_POLL_NS)
             flag[0] = int32(every ^ got)
@@ -959,8 +797,7 @@ def _part_exchange(kind: str, threads: int, part_slots: int, has_where: bool, pa
 
 @functools.cache
 def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
-               whole: bool = False, split: int = 0, ahead: int = 0, spin: int = SPIN_POLLS,
-               parts: int = 1, held: int = 0):
+               whole: bool = False, split: int = 0, parts: int = 1, held: int = 0):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp, spread)`` (the signature of
     :func:`normalize`, and ``spread``: :func:`stagger`'s nanoseconds): softmax or log_softmax
     on a persistent grid of thread-block clusters of ``chunks`` blocks, a block per chunk of
@@ -982,25 +819,22 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     outputs are then written word by word, and each staged word, once read back for its store,
     is refilled with the same word of the cluster's next row (``cp.async``, committed by copy
     group, so the fold of the next row waits group by group): the next row's loads are in flight
-    while this row is written, and no cluster waits for a launch between rows.  With ``whole``,
-    the first ``ahead`` copy groups of each thread are read back into registers as soon as the
-    fold is done and refilled at once, so that part of the next row is in flight during the
-    cluster barrier and the exchange too.  A thread reads back only the words it copied itself,
+    while this row is written, and no cluster waits for a launch between rows.  With ``held``,
+    each thread also keeps ``held`` words of its chunk in registers (loaded directly, written
+    and reloaded with the next row's).  A thread reads back only the words it copied itself,
     so no barrier guards the stage.  Before it exits a block arrives at and waits on the cluster
     barrier once more, so that no block's shared memory goes while a peer may read it.
     """
-    if held and (parts > 1 or not whole or has_where or ahead):
-        raise ValueError("words held in registers serve rows of one cluster, whole chunks, "
-                         "no where and none read ahead")
+    if held and (parts > 1 or not whole or has_where):
+        raise ValueError("words held in registers serve rows of one cluster, whole chunks "
+                         "and no where")
     width, decode, encode = word_codec(kind)
     words = threads * (slots + held)  # a chunk: ``slots`` words a thread staged, ``held`` kept
-    n_groups = groups(slots, 1)
+    n_groups = groups(slots)
     per = slots // n_groups
-    issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False, n_groups)
+    issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False)
     lean = whole and not has_where
-    ahead = ahead if lean else 0
     fold = _whole_fold(kind, threads, slots) if lean else None
-    kept_words = max(1, 4 * per * ahead)  # 32-bit words a thread keeps across the exchange
     results = _word_results(op, kind)
     row_state = _row_state(op)
     exp = exponential("float32")
@@ -1013,7 +847,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     # 16-bit softmax: the exponent's error from log2 S (|log2 S| u_A, at most 2^-19 for rows
     # of 2^19 values) is far below the 16-bit rounding; float32 keeps exp(x - m_t) * f
     short = width == 8
-    part_exchange = (_part_exchange(kind, threads, slots * split, has_where, parts, spin)
+    part_exchange = (_part_exchange(kind, threads, slots * split, has_where, parts)
                      if several else None)
     is_log = op == "log_softmax"
     neg_inf, zero = float32(NEG_INF), float32(0.0)
@@ -1044,11 +878,11 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     reload = device_function(reload)
     raise_max = _raise_max()
     # with held words, two blocks a multiprocessor: their registers allow twice the budget
-    registers = min(255, 65536 // (threads * blocks_per_sm(threads, slots, 1))) if held else None
+    registers = min(255, 65536 // (threads * blocks_per_sm(threads, slots))) if held else None
     n_held = held
     kw_words = max(1, 4 * held)
 
-    @kernel(threads, _fit(threads, slots, 1)[1], registers=registers)
+    @kernel(threads, _fit(threads, slots)[1], registers=registers)
     def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp, spread):
         stage = cuda.shared.array(0, uint32)
         summary = cuda.shared.array(pairs, float32)
@@ -1065,7 +899,6 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
         total = size * warps  # warp pairs of a cluster
         buf = cuda.local.array(width, float32)
         held = cuda.local.array(held_words, uint32)
-        kept = cuda.local.array(kept_words, uint32)
         kw = cuda.local.array(kw_words, uint32)  # the held words (registers)
         r = cid // parts
         late = r - n_rows % step + 1  # > 0: the group walks one row fewer than the first ones
@@ -1105,18 +938,6 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                                 s_t += exp(buf[v] - m_t)
             else:
                 m_t, s_t = land_fold(stage, 0, wr, nw, base, lane)
-            for g in range(ahead):  # kept in registers; the next row's words on their way
-                for i in range(per):
-                    j = g * per + i
-                    q = (lane + j * threads) * 4
-                    a, b, c, d = load_shared16(stage, q)
-                    kept[4 * j] = a
-                    kept[4 * j + 1] = b
-                    kept[4 * j + 2] = c
-                    kept[4 * j + 3] = d
-                    if more:
-                        cp_async16(stage, q, xn, (base + j * threads) * width)
-                cp_async_commit()
             m, s = warp_pair(m_t, s_t, summary)
             if wl == 0:
                 summary[slot + 2 * (lane // 32)] = m
@@ -1142,13 +963,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                                  kw[4 * k + 3], m, m_t, f, log_s, log2_s, buf)
                     if more:
                         reload(kw, k, xn, wi * width)
-                for g in range(ahead):  # the words kept in registers (constant indices)
-                    for i in range(per):
-                        j = g * per + i
-                        regular_word(orow, (base + j * threads) * width, kept[4 * j],
-                                     kept[4 * j + 1], kept[4 * j + 2], kept[4 * j + 3], m,
-                                     m_t, f, log_s, log2_s, buf)
-                for g in range(ahead, n_groups):
+                for g in range(n_groups):
                     for i in range(per):  # the group read back first, then written
                         a, b, c, d = load_shared16(stage, (lane + (g * per + i) * threads) * 4)
                         held[4 * i] = a
@@ -1175,25 +990,19 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                     if more:
                         reload(kw, k, xn, wi * width)
                 for g in range(n_groups):
-                    early = g < ahead
                     for j in range(g * per, (g + 1) * per):
                         wi = base + j * threads
                         if wi < nw:
                             q = (lane + j * threads) * 4
-                            if early:  # a rare row: the word read again (kept stays
-                                # in registers only if indexed by constants)
-                                a, b, c, d = load16(x[r], wi * width)
-                            else:
-                                a, b, c, d = stage[q], stage[q + 1], stage[q + 2], stage[q + 3]
+                            a, b, c, d = stage[q], stage[q + 1], stage[q + 2], stage[q + 3]
                             decode(a, b, c, d, buf, 0)
                             results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
                                     masked_nan)
                             a, b, c, d = encode(buf, 0)
                             store16(orow, wi * width, a, b, c, d)
-                            if more and not early:
+                            if more:
                                 cp_async16(stage, q, xn, wi * width)
-                    if not early:
-                        cp_async_commit()
+                    cp_async_commit()
             r = nxt
             slot = 2 * warps - slot
         cluster_arrive()  # leave once every peer has read this block's pairs

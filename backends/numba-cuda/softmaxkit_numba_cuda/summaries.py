@@ -11,6 +11,7 @@ from softmaxkit.dtypes import accumulator_name, lookup
 from . import summarykernels
 from .arrays import dummy, empty, kernel_view, launch, library, rows, run
 from .kernels import dtype_name, row_reduce
+from .settings import SETTINGS, Settings
 
 
 def _contiguous(a: Any, lib: str) -> Any:
@@ -23,7 +24,8 @@ def _contiguous(a: Any, lib: str) -> Any:
     return np.ascontiguousarray(a)
 
 
-def summarize(*, xp: Any, x: Any, where: Any, values: Any) -> tuple[Any, Any, Any]:
+def summarize(*, xp: Any, x: Any, where: Any, values: Any,
+              settings: Settings = SETTINGS) -> tuple[Any, Any, Any]:
     """``(max [R], mass [R], numerator [R, Dv] or None)`` of each row of ``x`` [R, N]."""
     lib = library(x)
     kin = dtype_name(x.dtype)
@@ -36,7 +38,7 @@ def summarize(*, xp: Any, x: Any, where: Any, values: Any) -> tuple[Any, Any, An
         num = empty(xp, x, (n_rows, values.shape[-1]), acc)
     if n_rows == 0:
         return m, mass, num
-    row_reduce("summarize", xp, x, where, m, mass, True)
+    row_reduce("summarize", xp, x, where, m, mass, True, settings)
     if num is not None and num.shape[-1] > 0:
         xr = rows(x, lib)
         w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
