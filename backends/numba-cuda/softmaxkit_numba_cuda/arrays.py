@@ -19,7 +19,7 @@ import numpy as np
 
 from softmaxkit.dtypes import dtype_name
 
-from .intrinsics import SIMULATOR, cuda
+from .primitives import SIMULATOR, cuda
 
 _streams: dict[int, Any] = {}
 _dummies: dict[Any, Any] = {}

@@ -11,7 +11,7 @@ when the row cannot be read in 16-byte words, one element.
   row;
 * long rows: the row is split into ``chunks`` chunks of ``block * slots`` words, one block
   (of whole warps) each; every block reads its chunk once, keeps it on chip, and the blocks
-  of a row combine their (max, sum) summaries (see :mod:`.rowkernels`).
+  of a row combine their (max, sum) summaries (see :mod:`.row_kernels`).
 
 Rows that the register plan splits, read in 16-byte words, are staged in shared memory
 instead (:func:`staged`, :mod:`.staged`): one chunk when the row fits in a stage of
@@ -174,7 +174,7 @@ def clustered(n: int, simulator: bool = False, mode: str = "",
 def persistent(n: int, simulator: bool = False, threads: int = STAGE_THREADS, mode: str = "",
                cluster: str = "", forced: tuple[int, int] | None = None) -> Plan | None:
     """The plan for staged rows of ``n`` 16-byte words served by the persistent grid of
-    clusters (:func:`.staged.persistent`, a block per chunk, :func:`row_clusters` clusters a
+    clusters (:func:`.persistent.persistent`, a block per chunk, :func:`row_clusters` clusters a
     row), or ``None`` when such rows take :func:`clustered` or :func:`staged` instead.
 
     Rows of :data:`MAX_CLUSTER` + 1 to :data:`LARGEST_CLUSTER` chunks of :func:`staged` (64

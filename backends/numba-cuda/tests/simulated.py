@@ -120,7 +120,8 @@ def _outputs(op: str, backend: str, x: np.ndarray, where: np.ndarray, target: np
     """``op``'s results on the rows of ``x``: through the frontend for the reference, through
     the backend's adapters with ``settings`` for numba-cuda."""
     import array_api_compat.numpy as xp
-    from softmaxkit_numba_cuda import kernels, summaries
+    from softmaxkit_numba_cuda import rows as adapters
+    from softmaxkit_numba_cuda import summaries
 
     import softmaxkit as sk
 
@@ -128,7 +129,7 @@ def _outputs(op: str, backend: str, x: np.ndarray, where: np.ndarray, target: np
     n = x.shape[-1]
     if op in ("softmax", "log_softmax"):
         if fast:
-            fn = getattr(kernels, op)
+            fn = getattr(adapters, op)
             return [fn(xp=xp, x=x, where=where, masked="zero", out_dtype=x.dtype,
                        settings=settings),
                     fn(xp=xp, x=x, where=None, masked="nan", out_dtype=x.dtype,
@@ -138,7 +139,7 @@ def _outputs(op: str, backend: str, x: np.ndarray, where: np.ndarray, target: np
                 fn(x, axis=-1, masked="nan", backend=backend)]
     if op == "logsumexp":
         if fast:
-            return list(kernels.logsumexp(xp=xp, x=x, b=None, where=where, return_sign=True,
+            return list(adapters.logsumexp(xp=xp, x=x, b=None, where=where, return_sign=True,
                                           out_dtype=x.dtype, settings=settings))
         return list(sk.logsumexp(x, axis=-1, return_sign=True, where=where, backend=backend))
     if op == "summarize":
@@ -152,7 +153,7 @@ def _outputs(op: str, backend: str, x: np.ndarray, where: np.ndarray, target: np
         allowed = where | (np.arange(n) == target[:, None])
         if fast:
             def ce(logits, w, eps, grad):
-                return kernels.cross_entropy(
+                return adapters.cross_entropy(
                     xp=xp, logits=logits, index=target, probs=None, where=w, ignore_index=-1,
                     label_smoothing=eps, grad_scale=1.0 if grad else None,
                     out_dtype=logits.dtype, settings=settings)
@@ -174,7 +175,7 @@ def _outputs(op: str, backend: str, x: np.ndarray, where: np.ndarray, target: np
         x, axis=-1, where=where, backend="reference")
     if fast:
         kw = {"probs" if op == "softmax_vjp" else "logprobs": primal}
-        return [getattr(kernels, op)(xp=xp, cotangent=cot, where=where, out_dtype=x.dtype,
+        return [getattr(adapters, op)(xp=xp, cotangent=cot, where=where, out_dtype=x.dtype,
                                      settings=settings, **kw)]
     return [getattr(sk, op)(primal, cot, axis=-1, where=where, backend=backend)]
 

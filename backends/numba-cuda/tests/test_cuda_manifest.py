@@ -202,13 +202,14 @@ def test_held_plans():
 
 
 def test_stagger():
-    from softmaxkit_numba_cuda import staged
+    from softmaxkit_numba_cuda import persistent
 
     wave_ns = 2 * 2**21 * 11 / 4e12 * 1e9  # 11 rows read and written at 4 TB/s
     # 256 = 23 * 11 + 3: the 8 groups that walk 23 rows start one after another, the last a
     # wave late
-    assert staged.stagger(256, 11, 2**21, 4e12) == int(staged.STAGGER * wave_ns / 8)
-    assert (staged.stagger(253, 11, 2**21, 4e12), staged.stagger(5, 11, 2**21, 4e12)) == (0, 0)
+    assert persistent.stagger(256, 11, 2**21, 4e12) == int(persistent.STAGGER * wave_ns / 8)
+    assert persistent.stagger(253, 11, 2**21, 4e12) == 0  # the rows divide evenly
+    assert persistent.stagger(5, 11, 2**21, 4e12) == 0  # fewer rows than groups
 
 
 def test_persistent_plans_in_the_simulator():

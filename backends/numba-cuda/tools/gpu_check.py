@@ -345,7 +345,7 @@ def ce_job(shape: tuple[int, int], plan: str | None, lock: Any, seed: int) -> li
     import array_api_compat.torch as xpt
     import torch
     import torch.nn.functional as F
-    from softmaxkit_numba_cuda import kernels
+    from softmaxkit_numba_cuda import rows as adapters
 
     import softmaxkit as sk
 
@@ -353,7 +353,7 @@ def ce_job(shape: tuple[int, int], plan: str | None, lock: Any, seed: int) -> li
     ensure_registered()
 
     def fused(x: Any, target: Any, scale: Any) -> Any:
-        return kernels.cross_entropy(
+        return adapters.cross_entropy(
             xp=xpt, logits=x, index=target, probs=None, where=None, ignore_index=None,
             label_smoothing=0.0, grad_scale=scale, out_dtype=x.dtype)
 

@@ -44,10 +44,11 @@ import functools
 
 from numba import float32, float64, int32, uint64
 
-from .intrinsics import (
+from .primitives import (
     NAN,
     NEG_INF,
     POS_INF,
+    accumulator,
     bits_from_f32,
     cuda,
     device_function,
@@ -58,15 +59,11 @@ from .intrinsics import (
     log_f64,
     u64_from_f64,
 )
+from .ptx import globaltimer, load_acquire, load_l2, nanosleep, store_release
 from .reductions import SCRATCH, exponential, group_reducers, summary_ops, thread_max
 from .storage import loader, storer, word_io
-from .wide import globaltimer, load_acquire, load_l2, nanosleep, store_release
 
 SUMMARY = "summarize"
-
-
-def _acc(kind: str) -> tuple[str, object]:
-    return ("float64", float64) if kind == "float64" else ("float32", float32)
 
 
 @functools.cache
@@ -95,7 +92,7 @@ def _placement(threads: int, rows_per_block: int, split: bool):
 def _chunk_io(kind: str, vector: bool, threads: int, slots: int, has_where: bool):
     """Device functions ``load_chunk(xr, wr, live, nw, base, vals) -> thread maximum`` and
     ``store_chunk(orow, live, nw, base, vals)`` for the words ``base + threads * j``."""
-    acc_name, acc = _acc(kind)
+    acc_name, acc = accumulator(kind)
     width, load_word, store_word = word_io(kind, vector)
     values = slots * width
     tmax = thread_max(acc_name)
@@ -147,7 +144,7 @@ def _chunk_stream(kind: str, vector: bool, threads: int, slots: int, has_where: 
 
     ``rolled``: the loops' trip count is not a compile-time constant, so they are not
     unrolled (a rare path that should not claim registers of the kernel around it)."""
-    acc_name, acc = _acc(kind)
+    acc_name, acc = accumulator(kind)
     width, load_word, _ = word_io(kind, vector)
     tmax = thread_max(acc_name)
     exp = exponential(acc_name)
@@ -375,7 +372,7 @@ def _row_summary(kind: str, vector: bool, threads: int, slots: int, has_where: b
     chunk's (see the module docstring: bounded polling, then the missing chunks computed
     here).  ``count`` and ``zsum`` are the included positions and their ``sum(x - M)``
     (with ``fields == 4``, and ``M`` finite)."""
-    acc_name, acc = _acc(kind)
+    acc_name, acc = accumulator(kind)
     counting = fields == 4
     publish, peek, counts = _slots(acc_name, fields)
     await_slot = _await_slot(acc_name, fields)
@@ -448,7 +445,7 @@ def normalize(op: str, kin: str, kout: str, vector: bool, threads: int, slots: i
               rows_per_block: int, split: bool, has_where: bool):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` for softmax or log_softmax
     over ``[rows, N]`` element arrays; ``nw`` is the row length in words."""
-    acc_name, acc = _acc(kin)
+    acc_name, acc = accumulator(kin)
     is_log = op == "log_softmax"
     values = _values(kin, vector, slots)
     load_chunk, _ = _chunk_io(kin, vector, threads, slots, has_where)
@@ -514,7 +511,7 @@ def reduce(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
     ``sign`` its sign.  ``op == "summarize"``: ``out`` and ``sign`` (``[rows, 1]`` in the
     accumulator dtype) receive the row's maximum and mass (spec "Summaries").
     """
-    acc_name, acc = _acc(kin)
+    acc_name, acc = accumulator(kin)
     values = _values(kin, vector, slots)
     load_chunk, _ = _chunk_io(kin, vector, threads, slots, has_where)
     thread_sum = _thread_sum(acc_name, values, False, False)
@@ -565,6 +562,43 @@ def reduce(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
 
 
 @functools.cache
+def cross_entropy_finish(acc_name: str, smooth: bool):
+    """Device functions that finish a cross-entropy row once its summary ``(m, s)``, ``log_s
+    = log s``, ``inv = 1 / s`` and the smoothing share ``share`` are known (``x_t`` the
+    target's logit, ``eps`` the smoothing, ``cnt`` and ``zsum`` the allowed count and sum of
+    ``x - m`` with ``smooth``):
+
+    * ``target_grad(x_t, m, inv, eps, share, g_scale)``: the gradient at the target position;
+    * ``loss(valid, special, normal, x_t, m, log_s, eps, share, cnt, zsum)``: the row's loss
+      (0 for an ignored row, NaN for a row with NaN or +inf).
+    """
+    acc = accumulator(acc_name)[1]
+    exp = exponential(acc_name)
+    nan, zero, one = acc(NAN), acc(0.0), acc(1.0)
+
+    def target_grad(x_t, m, inv, eps, share, g_scale):
+        g = exp(x_t - m) * inv - (one - eps)
+        if smooth:
+            g -= share
+        return g * g_scale
+
+    def loss(valid, special, normal, x_t, m, log_s, eps, share, cnt, zsum):
+        if not valid:
+            return zero
+        if special:
+            return nan
+        z = x_t - (m if normal else zero)
+        total = zero
+        if eps != one:
+            total += (one - eps) * (z - log_s)
+        if smooth and cnt > zero:
+            total += share * (zsum - cnt * log_s)
+        return zero - total
+
+    return device_function(target_grad), device_function(loss)
+
+
+@functools.cache
 def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                   rows_per_block: int, split: bool, has_where: bool, has_grad: bool,
                   smooth: bool):
@@ -577,7 +611,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     ``y`` the smoothing share only, then the thread that owns the target position rewrites
     that one element.
     """
-    acc_name, acc = _acc(kin)
+    acc_name, acc = accumulator(kin)
     values = _values(kin, vector, slots)
     width = word_io(kin, vector)[0]
     load_chunk, _ = _chunk_io(kin, vector, threads, slots, has_where)
@@ -595,6 +629,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     store_loss = storer(acc_name)
     exp = exponential(acc_name)
     log = log_f64 if acc_name == "float64" else log_f32
+    target_grad, row_loss = cross_entropy_finish(acc_name, smooth)
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
     @kernel(threads * rows_per_block, values, acc_name == "float64")
@@ -668,23 +703,9 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                     vals[k] = vals[k] * f
             store_chunk(grad[r], live, nw, base, vals)
             if owns and normal and x_t > neg_inf:
-                g = exp(x_t - m) * inv - (one - eps)
-                if smooth:
-                    g -= share
-                store(grad[r], target, g * g_scale)
+                store(grad[r], target, target_grad(x_t, m, inv, eps, share, g_scale))
         if writes_loss and live and lane == 0:
-            if not valid:
-                res = zero
-            elif special:
-                res = nan
-            else:
-                z = x_t - (m if normal else zero)
-                total = zero
-                if eps != one:
-                    total += (one - eps) * (z - log_s)
-                if smooth and cnt > zero:
-                    total += share * (zsum - cnt * log_s)
-                res = zero - total
-            store_loss(loss[r], 0, res)
+            store_loss(loss[r], 0, row_loss(valid, special, normal, x_t, m, log_s, eps, share,
+                                            cnt, zsum))
 
     return row_kernel

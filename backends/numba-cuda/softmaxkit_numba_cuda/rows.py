@@ -17,8 +17,8 @@ import numpy as np
 from softmaxkit.dtypes import FLOAT_DTYPES, accumulator_name, lookup
 from softmaxkit.dtypes import dtype_name as _dtype_name
 
+from . import persistent, row_kernels, staged, staging, tiled
 from . import plan as plans
-from . import rowkernels, staged, tiled
 from .arrays import (
     dummy,
     empty,
@@ -31,7 +31,7 @@ from .arrays import (
     run,
     vectorizable,
 )
-from .intrinsics import SIMULATOR
+from .primitives import SIMULATOR
 from .settings import SETTINGS, Settings
 from .storage import VECTOR_WIDTH
 
@@ -72,8 +72,8 @@ def _tiled_plan(n: int, kind: str, settings: Settings, width: int = 1) -> plans.
 
 def _staged(kind: str, p: plans.Plan, vector: bool, same_dtype: bool,
             settings: Settings) -> bool:
-    """Whether rows of plan ``p`` take a staged kernel (:mod:`.staged`)."""
-    return settings.staged and staged.enabled(kind, p.split, vector, same_dtype)
+    """Whether rows of plan ``p`` take a staged kernel (:mod:`.staged`, :mod:`.persistent`)."""
+    return settings.staged and staging.enabled(kind, p.split, vector, same_dtype)
 
 
 def _layout(lib: str, kin: str, kout: str, arrays: list[Any]) -> tuple[bool, int, list[Any]]:
@@ -101,7 +101,7 @@ def _slots(xp: Any, like: Any, lib: str, p: plans.Plan, n_rows: int, acc_name: s
     device = getattr(like, "device", None)
     if not p.split:
         return dummy(lib, device, "uint64")
-    fields = rowkernels.SLOT_FIELDS[acc_name]
+    fields = row_kernels.SLOT_FIELDS[acc_name]
     # int64 storage (every library has it), read as unsigned words by the kernel
     wsp = kernel_view(xp.zeros((fields, n_rows * p.chunks), dtype=xp.int64, device=device),
                       lib)
@@ -132,25 +132,25 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     if persist is not None:  # a persistent grid of clusters, each walking rows
         p, parts = persist, plans.row_clusters(persist, SIMULATOR)
         whole = n // width == p.chunks * p.chunk_words  # every chunk full
-        held = staged.HELD[kin] if where is None else 0
+        held = persistent.HELD[kin] if where is None else 0
         kept = plans.held(p, n // width, held, SIMULATOR) if held else None
         if kept is not None:  # chunks twice as long, ``held`` words a thread in registers
             p, parts, whole = kept, 1, True
         else:
             held = 0
         cluster = p.chunks // parts
-        kernel = staged.persistent(op, kin, p.threads, p.slots, where is not None, whole,
+        kernel = persistent.persistent(op, kin, p.threads, p.slots, where is not None, whole,
                                    cluster if parts > 1 else 0, parts, held)
-        shared = staged.shared_bytes(p.threads, p.slots)
+        shared = staging.shared_bytes(p.threads, p.slots)
         # several clusters a row exchange through zeroed slots in device memory, one a part
         wsp = _slots(xp, x, lib, plans.Plan(p.threads, p.slots, 1, parts), n_rows, "float32")
         args = (xv, w, masked == "nan", ov, n_rows, n // width, p.chunks, wsp)
         with launch(x, lib) as stream:
-            policy = staged.POLICY
+            policy = persistent.POLICY
             fit = resident_clusters(kernel, p.block, stream, args + (0,), shared, cluster,
                                     policy)  # the typed arguments, the spread a placeholder
             rows_at_once = min(n_rows, max(1, fit // parts))
-            spread = staged.stagger(n_rows, rows_at_once, n * x.dtype.itemsize,
+            spread = persistent.stagger(n_rows, rows_at_once, n * x.dtype.itemsize,
                                     memory_bandwidth(x, lib))
             run(kernel, rows_at_once * p.chunks, p.block, stream, *args, spread,
                 shared=shared, cluster=cluster, policy=policy)
@@ -159,13 +159,13 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
         p, cluster = clustered, clustered.chunks
         kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None,
                                   cluster=True)
-        blocks, shared = n_rows * p.chunks, staged.shared_bytes(p.threads, p.slots)
+        blocks, shared = n_rows * p.chunks, staging.shared_bytes(p.threads, p.slots)
     elif is_staged:
         p = plans.staged(n // width, SIMULATOR, forced=forced)
         kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None)
-        blocks, shared = n_rows * p.chunks, staged.shared_bytes(p.threads, p.slots)
+        blocks, shared = n_rows * p.chunks, staging.shared_bytes(p.threads, p.slots)
     else:
-        kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots,
+        kernel = row_kernels.normalize(op, kin, kout, vector, p.threads, p.slots,
                                       p.rows_per_block, p.split, where is not None)
         blocks, shared = p.grid(n_rows), 0
     # clustered rows exchange through distributed shared memory: no slots to zero
@@ -199,7 +199,7 @@ def row_reduce(op: str, xp: Any, x: Any, where: Any, out: Any, second: Any,
     kin, kout = dtype_name(x.dtype), dtype_name(out.dtype)
     vector, width, (xv,) = _layout(lib, kin, kin, [xr])
     p = _plan(n // width, kin, vector, settings)
-    kernel = rowkernels.reduce(op, kin, kout, vector, p.threads, p.slots, p.rows_per_block,
+    kernel = row_kernels.reduce(op, kin, kout, vector, p.threads, p.slots, p.rows_per_block,
                                p.split, where is not None)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     acc = lookup(xp, accumulator_name(kin))
@@ -320,13 +320,13 @@ def cross_entropy(
         p, cluster = clustered, clustered.chunks
         kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth,
                                       cluster=True)
-        blocks, shared = n_rows * p.chunks, staged.shared_bytes(p.threads, p.slots)
+        blocks, shared = n_rows * p.chunks, staging.shared_bytes(p.threads, p.slots)
     elif is_staged:
         p = plans.staged(n // width, SIMULATOR, forced=forced)
         kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth)
-        blocks, shared = n_rows * p.chunks, staged.shared_bytes(p.threads, p.slots)
+        blocks, shared = n_rows * p.chunks, staging.shared_bytes(p.threads, p.slots)
     else:
-        kernel = rowkernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
+        kernel = row_kernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
                                           p.rows_per_block, p.split, where is not None,
                                           grad is not None, smooth)
         blocks, shared = p.grid(n_rows), 0

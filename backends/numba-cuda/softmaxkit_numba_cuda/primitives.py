@@ -12,7 +12,9 @@ import math
 import threading
 
 import numpy as np
-from numba import float32, int32, int64, uint32, uint64
+from numba import float32, float64, int32, int64, uint32, uint64
+
+from softmaxkit.dtypes import accumulator_name
 
 from .compat import import_cuda, simulator_enabled
 
@@ -181,6 +183,16 @@ def f32_to_bf16(value):
     u = bits_from_f32(float32(value))
     rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     return int32(rounded & 0xFFFF)
+
+
+NUMBA_FLOATS = {"float32": float32, "float64": float64}
+
+
+def accumulator(kind: str) -> tuple[str, object]:
+    """The accumulator of inputs of dtype ``kind`` (:func:`softmaxkit.dtypes.accumulator_name`)
+    and its numba type."""
+    name = accumulator_name(kind)
+    return name, NUMBA_FLOATS[name]
 
 
 _REGISTERS = {1: 32, 2: 32, 4: 32, 8: 40, 16: 56, 32: 80}
