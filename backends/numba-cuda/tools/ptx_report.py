@@ -2,7 +2,8 @@
 them, without a GPU: registers, spills and stack frame (``ptxas -v`` under the kernel's
 register cap), local-memory accesses, and the width of the global loads and stores.
 
-Needs numba-cuda's NVVM and NVRTC libraries and ``ptxas`` on ``PATH`` (the CUDA toolkit)::
+Needs numba-cuda's NVVM and NVRTC libraries (``pip install -r requirements/ptx.txt``) and
+``ptxas`` on ``PATH`` (the CUDA toolkit)::
 
     python backends/numba-cuda/tools/ptx_report.py [--keep DIR] [--only TEXT]
 
