@@ -17,7 +17,7 @@ import numpy as np
 from softmaxkit.dtypes import FLOAT_DTYPES, accumulator_name, lookup
 from softmaxkit.dtypes import dtype_name as _dtype_name
 
-from . import persistent, row_kernels, staged, staging, tiled
+from . import cross_entropy_kernels, persistent, row_kernels, staged, staging, tiled
 from . import plan as plans
 from .arrays import (
     dummy,
@@ -326,7 +326,7 @@ def cross_entropy(
         kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth)
         blocks, shared = n_rows * p.chunks, staging.shared_bytes(p.threads, p.slots)
     else:
-        kernel = row_kernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
+        kernel = cross_entropy_kernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
                                           p.rows_per_block, p.split, where is not None,
                                           grad is not None, smooth)
         blocks, shared = p.grid(n_rows), 0

@@ -45,6 +45,7 @@ import functools
 
 from numba import float32, int32, uint32
 
+from .cross_entropy_kernels import cross_entropy_finish
 from .primitives import (
     NAN,
     NEG_INF,
@@ -63,7 +64,7 @@ from .ptx import (
     store16,
 )
 from .reductions import SCRATCH, exponential, group_reducers
-from .row_kernels import _row_summary, _slots, cross_entropy_finish
+from .row_kernels import _row_summary, _slots
 from .staging import _fit, _row_state, _stage, _word_results
 from .storage import loader, storer, word_codec
 
@@ -213,8 +214,9 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool,
 def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: bool,
                   cluster: bool = False):
     """Kernel ``(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
-    smoothing, has_ignore, ignore)`` (the signature of :func:`.row_kernels.cross_entropy`) with
-    the fused gradient, laid out as :func:`normalize`.
+    smoothing, has_ignore, ignore)`` (the signature of
+    :func:`.cross_entropy_kernels.cross_entropy`) with the fused gradient, laid out as
+    :func:`normalize`.
 
     The loss and the gradient are those of the register kernel: ``grad = scale *
     (softmax(x) - y)`` written from the staged words with ``y`` the smoothing share only, then

@@ -29,7 +29,13 @@ STORAGE = {"float32": "float32", "bfloat16": "int16", "float16": "float16", "flo
 def kernels():
     """(name, kernel, signature, block, slots, kind) of the kernels the benchmarks run: the
     default plans of short, medium and long (split) rows of each dtype."""
-    from softmaxkit_numba_cuda import persistent, row_kernels, staged, staging
+    from softmaxkit_numba_cuda import (
+        cross_entropy_kernels,
+        persistent,
+        row_kernels,
+        staged,
+        staging,
+    )
     from softmaxkit_numba_cuda import rows as k
 
     out = []
@@ -54,8 +60,8 @@ def kernels():
                    f"int64, int64, int64, {acc}[:, ::1], int32[::1])")
             out.append((f"logsumexp-{tag}", fn, sig, threads * rows, slots, kind))
             if kind != "float64":
-                fn = row_kernels.cross_entropy(kind, kind, True, threads, slots, rows, split,
-                                              False, True, False)
+                fn = cross_entropy_kernels.cross_entropy(kind, kind, True, threads, slots, rows,
+                                                         split, False, True, False)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], int64[::1], {acc}[::1], "
                        f"{acc}[:, ::1], {st}[:, ::1], int64, int64, int64, {acc}[:, ::1], "
                        "int32[::1], uint64[:, ::1], float64, boolean, int64)")
