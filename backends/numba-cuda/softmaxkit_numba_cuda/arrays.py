@@ -133,11 +133,6 @@ def _device_value(a: Any, lib: str, name: str, read: Callable[[Any], Any]) -> An
     return _device_values[key]
 
 
-def multiprocessors(a: Any, lib: str) -> int:
-    """Multiprocessors of the device that holds ``a`` (numba's device attribute)."""
-    return _device_value(a, lib, "multiprocessors", lambda d: int(d.MULTIPROCESSOR_COUNT))
-
-
 NOMINAL_BANDWIDTH = 3e12
 """Bytes per second assumed where the device does not report its memory clock and bus."""
 
