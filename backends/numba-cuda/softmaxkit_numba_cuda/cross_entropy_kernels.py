@@ -17,7 +17,6 @@ from .primitives import (
     POS_INF,
     accumulator,
     cuda,
-    device_function,
     kernel,
     log_f32,
     log_f64,
@@ -33,43 +32,6 @@ from .row_kernels import (
     _values,
 )
 from .storage import loader, storer, word_io
-
-
-@functools.cache
-def cross_entropy_finish(acc_name: str, smooth: bool):
-    """Device functions that finish a cross-entropy row once its summary ``(m, s)``, ``log_s
-    = log s``, ``inv = 1 / s`` and the smoothing share ``share`` are known (``x_t`` the
-    target's logit, ``eps`` the smoothing, ``cnt`` and ``zsum`` the allowed count and sum of
-    ``x - m`` with ``smooth``):
-
-    * ``target_grad(x_t, m, inv, eps, share, g_scale)``: the gradient at the target position;
-    * ``loss(valid, special, normal, x_t, m, log_s, eps, share, cnt, zsum)``: the row's loss
-      (0 for an ignored row, NaN for a row with NaN or +inf).
-    """
-    acc = accumulator(acc_name)[1]
-    exp = exponential(acc_name)
-    nan, zero, one = acc(NAN), acc(0.0), acc(1.0)
-
-    def target_grad(x_t, m, inv, eps, share, g_scale):
-        g = exp(x_t - m) * inv - (one - eps)
-        if smooth:
-            g -= share
-        return g * g_scale
-
-    def loss(valid, special, normal, x_t, m, log_s, eps, share, cnt, zsum):
-        if not valid:
-            return zero
-        if special:
-            return nan
-        z = x_t - (m if normal else zero)
-        total = zero
-        if eps != one:
-            total += (one - eps) * (z - log_s)
-        if smooth and cnt > zero:
-            total += share * (zsum - cnt * log_s)
-        return zero - total
-
-    return device_function(target_grad), device_function(loss)
 
 
 @functools.cache
@@ -103,7 +65,6 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     store_loss = storer(acc_name)
     exp = exponential(acc_name)
     log = log_f64 if acc_name == "float64" else log_f32
-    target_grad, row_loss = cross_entropy_finish(acc_name, smooth)
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
     @kernel(threads * rows_per_block, values, acc_name == "float64")
@@ -177,9 +138,23 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                     vals[k] = vals[k] * f
             store_chunk(grad[r], live, nw, base, vals)
             if owns and normal and x_t > neg_inf:
-                store(grad[r], target, target_grad(x_t, m, inv, eps, share, g_scale))
+                g = exp(x_t - m) * inv - (one - eps)
+                if smooth:
+                    g -= share
+                store(grad[r], target, g * g_scale)
         if writes_loss and live and lane == 0:
-            store_loss(loss[r], 0, row_loss(valid, special, normal, x_t, m, log_s, eps, share,
-                                            cnt, zsum))
+            if not valid:
+                res = zero
+            elif special:
+                res = nan
+            else:
+                z = x_t - (m if normal else zero)
+                total = zero
+                if eps != one:
+                    total += (one - eps) * (z - log_s)
+                if smooth and cnt > zero:
+                    total += share * (zsum - cnt * log_s)
+                res = zero - total
+            store_loss(loss[r], 0, res)
 
     return row_kernel

@@ -45,7 +45,6 @@ import functools
 
 from numba import float32, int32, uint32
 
-from .cross_entropy_kernels import cross_entropy_finish
 from .primitives import (
     NAN,
     NEG_INF,
@@ -230,7 +229,6 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
     issue, land, sums, _ = _stage(kind, threads, slots, has_where, smooth)
     arrive = _arrive(threads, slots, issue)
     exchange = _cluster_exchange(threads, fields)
-    target_grad, row_loss = cross_entropy_finish("float32", smooth)
     exp = exponential("float32")
     pair_reduce, sum_reduce, _ = group_reducers(threads, "float32")
     publish = _slots("float32", fields)[0]
@@ -327,10 +325,24 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
                     a, b, c2, d = encode(buf, 0)
                     store16(grow, wi * width, a, b, c2, d)
             if owns and normal and x_t > neg_inf:
-                store(grow, target, target_grad(x_t, m, inv, eps, share, g_scale))
+                g = exp(x_t - m) * inv - (one - eps)
+                if smooth:
+                    g -= share
+                store(grow, target, g * g_scale)
             if writes_loss and lane == 0:
-                store_loss(loss[r], 0, row_loss(valid, special, normal, x_t, m, log_s, eps,
-                                                share, cnt, zsum))
+                if not valid:
+                    res = zero
+                elif special:
+                    res = nan
+                else:
+                    z = x_t - (m if normal else zero)
+                    total_loss = zero
+                    if eps != one:
+                        total_loss += (one - eps) * (z - log_s)
+                    if smooth and cnt > zero:
+                        total_loss += share * (zsum - cnt * log_s)
+                    res = zero - total_loss
+                store_loss(loss[r], 0, res)
             break  # one chunk per block
         if cluster:  # leave once every peer has read this block's summary
             cluster_wait()
