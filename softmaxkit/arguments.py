@@ -159,16 +159,22 @@ def single_axis(axis: Any, ndim: int, name: str = "axis") -> int:
     return index
 
 
+def boolean(value: Any, name: str, meaning: str) -> Any:
+    """Validate that the array ``value`` is boolean; ``meaning`` says what True means."""
+    if dtypes.dtype_name(value.dtype) != "bool":
+        raise TypeError(
+            f"{name} must be a boolean array ({meaning}); "
+            f"got dtype {dtypes.dtype_name(value.dtype)}"
+        )
+    return value
+
+
 def mask(xp: Any, where: Any, shape: tuple[int, ...], like: Any, name: str = "where") -> Any:
     """Validate a boolean mask and broadcast it to ``shape`` (a view where possible)."""
     if where is None:
         return None
-    where = as_array(xp, where, name, like=like)
-    if dtypes.dtype_name(where.dtype) != "bool":
-        raise TypeError(
-            f"{name} must be a boolean array (True keeps a position, False excludes it); "
-            f"got dtype {dtypes.dtype_name(where.dtype)}"
-        )
+    where = boolean(as_array(xp, where, name, like=like), name,
+                    "True keeps a position, False excludes it")
     if tuple(where.shape) == tuple(shape):
         return where
     try:
@@ -215,3 +221,80 @@ def finite_scalar(value: Any, name: str, low: float, high: float) -> float:
     if not (math.isfinite(number) and low <= number <= high):
         raise ValueError(f"{name}={value!r} is out of range: expected a number in [{low}, {high}]")
     return number
+
+
+# attention's arguments
+
+CAUSAL: dict[Any, str | None] = {False: None, None: None, True: "bottom_right",
+                                 "bottom_right": "bottom_right", "top_left": "top_left"}
+"""Attention's accepted ``causal`` values and the alignment each names."""
+
+
+def lse_base(lse_base: Any) -> str:
+    """Validate the base of a returned log-sum-exp: ``"e"`` or ``"2"``."""
+    if isinstance(lse_base, str) and lse_base in ("e", "2"):
+        return lse_base
+    if not isinstance(lse_base, (bool, str)) and lse_base in (2, 2.0):
+        return "2"
+    raise ValueError(f"lse_base={lse_base!r} is not valid: expected 'e' (natural log) or 2")
+
+
+def empty_lse(empty_lse: Any) -> float:
+    """Validate the log-sum-exp of a row with no allowed key: -inf or +inf."""
+    value = float(empty_lse)
+    if value not in (-math.inf, math.inf):
+        raise ValueError(
+            f"empty_lse={empty_lse!r} is not valid: expected -inf (softmaxkit, FlashInfer) or "
+            "+inf (FlashAttention 2)"
+        )
+    return value
+
+
+def causal(causal: Any) -> str | None:
+    """Validate ``causal`` of attention: ``None`` (not causal), ``"bottom_right"`` or
+    ``"top_left"``."""
+    if isinstance(causal, np.bool_):
+        causal = bool(causal)
+    key = causal if isinstance(causal, (bool, str)) or causal is None else object()
+    if key not in CAUSAL:
+        raise ValueError(
+            f"causal={causal!r} is not valid: expected False, True / 'bottom_right' "
+            "(FlashAttention alignment) or 'top_left' (PyTorch SDPA / JAX alignment)"
+        )
+    return CAUSAL[key]
+
+
+def window(window: Any) -> tuple[int, int]:
+    """Validate a sliding window ``(left, right)``; -1 (or ``None``) is unbounded."""
+    if window is None:
+        return (-1, -1)
+    try:
+        left, right = (operator.index(w) for w in window)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"window={window!r} is not valid: expected (left, right) ints, -1 = unbounded"
+        ) from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window={window!r} is not valid: bounds must be >= -1 (-1 = unbounded)")
+    return (left, right)
+
+
+def softcap(softcap: Any) -> float | None:
+    """Validate a logit soft cap (``None`` or 0: none)."""
+    if softcap is None:
+        return None
+    value = finite_scalar(softcap, "softcap", 0.0, math.inf)
+    return value or None  # 0 means no cap, as in FlashAttention
+
+
+def attention_scale(scale: Any, d: int) -> float:
+    """Validate the attention scale; ``None`` gives ``1 / sqrt(d)``."""
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d else 1.0
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale={scale!r} is not a real number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"scale={scale!r} must be finite")
+    return value

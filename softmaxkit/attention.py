@@ -10,84 +10,16 @@ has output 0 and log-sum-exp ``-inf`` on every backend, and zero gradient.
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import numpy as np
 
 from . import arguments as args
 from .dispatch import run
-from .dtypes import accumulator_dtype, dtype_name
+from .dtypes import accumulator_dtype
 from .frameworks import route
 
 LN2 = math.log(2.0)
-CAUSAL = {False: None, None: None, True: "bottom_right", "bottom_right": "bottom_right",
-          "top_left": "top_left"}
-
-
-def _lse_base(lse_base: Any) -> str:
-    if isinstance(lse_base, str) and lse_base in ("e", "2"):
-        return lse_base
-    if not isinstance(lse_base, (bool, str)) and lse_base in (2, 2.0):
-        return "2"
-    raise ValueError(f"lse_base={lse_base!r} is not valid: expected 'e' (natural log) or 2")
-
-
-def _empty_lse(empty_lse: Any) -> float:
-    value = float(empty_lse)
-    if value not in (-math.inf, math.inf):
-        raise ValueError(
-            f"empty_lse={empty_lse!r} is not valid: expected -inf (softmaxkit, FlashInfer) or "
-            "+inf (FlashAttention 2)"
-        )
-    return value
-
-
-def _causal(causal: Any) -> Any:
-    if isinstance(causal, np.bool_):
-        causal = bool(causal)
-    key = causal if isinstance(causal, (bool, str)) or causal is None else object()
-    if key not in CAUSAL:
-        raise ValueError(
-            f"causal={causal!r} is not valid: expected False, True / 'bottom_right' "
-            "(FlashAttention alignment) or 'top_left' (PyTorch SDPA / JAX alignment)"
-        )
-    return CAUSAL[key]
-
-
-def _window(window: Any) -> tuple[int, int]:
-    if window is None:
-        return (-1, -1)
-    try:
-        left, right = (operator.index(w) for w in window)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"window={window!r} is not valid: expected (left, right) ints, -1 = unbounded"
-        ) from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window={window!r} is not valid: bounds must be >= -1 (-1 = unbounded)")
-    return (left, right)
-
-
-def _softcap(softcap: Any) -> float | None:
-    if softcap is None:
-        return None
-    value = args.finite_scalar(softcap, "softcap", 0.0, math.inf)
-    return value or None  # 0 means no cap, as in FlashAttention
-
-
-def _scale(scale: Any, d: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(d) if d else 1.0
-    try:
-        value = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"scale={scale!r} is not a real number") from None
-    if not math.isfinite(value):
-        raise ValueError(f"scale={scale!r} must be finite")
-    return value
-
-
 class _Layout:
     """Shapes of q, k, v (and mask) checked, leading dims broadcast, flattened into B."""
 
@@ -152,11 +84,7 @@ def _prepare(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any] | None = N
     k = args.floating(xp, args.as_array(xp, k, "k", like=q), "k")
     v = args.floating(xp, args.as_array(xp, v, "v", like=q), "v")
     if mask is not None:
-        mask = args.as_array(xp, mask, "mask", like=q)
-        if dtype_name(mask.dtype) != "bool":
-            raise TypeError(
-                f"mask must be a boolean array (True = attend); got dtype {dtype_name(mask.dtype)}"
-            )
+        mask = args.boolean(args.as_array(xp, mask, "mask", like=q), "mask", "True = attend")
         if mask.ndim < 3:
             mask = xp.reshape(mask, (1,) * (3 - mask.ndim) + tuple(mask.shape))
     layout = _Layout(xp, q, k, v, mask)
@@ -247,12 +175,13 @@ def attention(
             q, k, v, scale=scale, causal=causal, window=window, mask=mask, softcap=softcap,
             return_lse=return_lse, lse_base=lse_base, backend=backend,
         )
-    base = _lse_base(lse_base)
+    base = args.lse_base(lse_base)
     xp, layout, _, (qf, kf, vf, mf) = _prepare(q, k, v, mask)
     out, lse = run(
         "attention", xp, qf, backend,
-        q=qf, k=kf, v=vf, scale=_scale(scale, layout.d), causal=_causal(causal),
-        window=_window(window), mask=mf, softcap=_softcap(softcap), return_lse=bool(return_lse),
+        q=qf, k=kf, v=vf, scale=args.attention_scale(scale, layout.d),
+        causal=args.causal(causal), window=args.window(window), mask=mf,
+        softcap=args.softcap(softcap), return_lse=bool(return_lse),
     )
     out = layout.unflat(xp, out)
     if not return_lse:
@@ -309,7 +238,7 @@ def attention_vjp(
             q, k, v, out, lse, dout, scale=scale, causal=causal, window=window, mask=mask,
             softcap=softcap, lse_base=lse_base, backend=backend,
         )
-    base = _lse_base(lse_base)
+    base = args.lse_base(lse_base)
     xp, layout, (q0, k0, v0), (qf, kf, vf, mf) = _prepare(
         q, k, v, mask, {"out": out, "lse": lse, "dout": dout}
     )
@@ -329,8 +258,9 @@ def attention_vjp(
     dq, dk, dv = run(
         "attention_vjp", xp, qf, backend,
         q=qf, k=kf, v=vf, out=xp.astype(flat["out"], qf.dtype, copy=False), lse=lse_f,
-        dout=xp.astype(flat["dout"], qf.dtype, copy=False), scale=_scale(scale, layout.d),
-        causal=_causal(causal), window=_window(window), mask=mf, softcap=_softcap(softcap),
+        dout=xp.astype(flat["dout"], qf.dtype, copy=False),
+        scale=args.attention_scale(scale, layout.d), causal=args.causal(causal),
+        window=args.window(window), mask=mf, softcap=args.softcap(softcap),
     )
     grads = []
     for g, a in ((dq, q0), (dk, k0), (dv, v0)):
@@ -343,8 +273,8 @@ def _states(
     outs: Any, lses: Any, axis: int, lse_base: Any, empty_lse: Any, extra: dict[str, Any]
 ):
     """Validate partial states and bring them to [S, R, Dv] / [S, R], natural log, -inf empty."""
-    base = _lse_base(lse_base)
-    empty = _empty_lse(empty_lse)
+    base = args.lse_base(lse_base)
+    empty = args.empty_lse(empty_lse)
     if isinstance(outs, (list, tuple)) or isinstance(lses, (list, tuple)):
         xp = args.namespace(**{f"outs[{i}]": o for i, o in enumerate(outs)},
                             **{f"lses[{i}]": o for i, o in enumerate(lses)}, **extra)

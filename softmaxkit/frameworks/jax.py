@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import arguments as _args
 from .. import rows as _rows
 from ..arguments import AxisError
-from ..attention import _causal, _empty_lse, _lse_base, _scale, _softcap, _window
 from ..attention import attention as _attention_fn
 from ..attention import attention_vjp as _attention_vjp_fn
 from ..attention import merge_attention_states as _merge_fn
@@ -358,7 +358,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: Any
     The forward keeps ``out`` and ``lse``; the backward recomputes from them
     (:func:`softmaxkit.attention_vjp`), as FlashAttention does.
     """
-    base = _lse_base(lse_base)
+    base = _args.lse_base(lse_base)
     q, k, v = _floating(q), _floating(k), _floating(v)
     common = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
     q, k, v = q.astype(common), k.astype(common), v.astype(common)
@@ -368,8 +368,8 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: Any
             raise TypeError(f"mask must be a boolean array (True = attend); got {mask.dtype}")
         if mask.ndim < 3:
             mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)
-    options = (None if scale is None else _scale(scale, q.shape[-1]), _causal(causal),
-               _window(window), _softcap(softcap), backend)
+    options = (None if scale is None else _args.attention_scale(scale, q.shape[-1]),
+               _args.causal(causal), _args.window(window), _args.softcap(softcap), backend)
     out, lse = _attention_custom(options, bool(return_lse))(q, k, v, mask)
     if not return_lse:
         return out
@@ -396,7 +396,7 @@ def attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, *,
 def _states(outs: Any, lses: Any, axis: int, empty_lse: Any) -> tuple[Any, Any, int]:
     """Stacked states, lses in the accumulator dtype, -inf for empty, axis counted from the end
     of lses (so a vmapped batch axis never moves it)."""
-    empty = _empty_lse(empty_lse)
+    empty = _args.empty_lse(empty_lse)
     if isinstance(outs, (list, tuple)):
         outs = jnp.stack([jnp.asarray(o) for o in outs], axis=axis)
     if isinstance(lses, (list, tuple)):
@@ -444,7 +444,7 @@ def merge_attention_states(outs: Any, lses: Any, axis: int = 0, *, lse_base: Any
                            empty_lse: float = -math.inf,
                            backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`softmaxkit.merge_attention_states` for JAX arrays, differentiable in both."""
-    base = _lse_base(lse_base)
+    base = _args.lse_base(lse_base)
     outs, lses, ax = _states(outs, lses, axis, empty_lse)
     out, lse = _merge_custom(ax, backend)(outs, lses * LN2 if base == "2" else lses)
     return out, (lse / LN2 if base == "2" else lse)

@@ -18,6 +18,7 @@ import numpy as np
 
 import softmaxkit as sk
 
+from ..dtypes import accumulator_name
 from . import materialized as ref
 from .kit import Target, case
 
@@ -72,10 +73,6 @@ def _pair(t: Target) -> tuple[int, int]:
 def _square(t: Target) -> tuple[int, int]:
     """(D, Dv) for the other cases: the target's first pair with D == Dv, else its first."""
     return next(((d, dv) for d, dv in t.head_dims if d == dv), t.head_dims[0])
-
-
-def _acc(dtype: str) -> str:
-    return "float64" if dtype == "float64" else "float32"
 
 
 def _causal_kw(causal: Any) -> str | None:
@@ -244,7 +241,7 @@ def case_attention_vjp(t: Target, dtype: str, backend: str) -> None:
         # the forward's (out, lse) come from the float64 definition, so a backend that serves
         # only the gradient is checked too
         out64, lse64 = ref.attention(q64, k64, v64, **rkw)
-        out, lse = t.asarray(out64, dtype), t.asarray(lse64, _acc(dtype))
+        out, lse = t.asarray(out64, dtype), t.asarray(lse64, accumulator_name(dtype))
         got = sk.attention_vjp(q, k, v, out, lse, dout, backend=backend, **tkw)
         expected = ref.attention_vjp(q64, k64, v64, dout64, **rkw)
         _check_grads(t, dtype, got, expected, f"attention_vjp {name}")
@@ -263,7 +260,7 @@ def case_merge_attention_states_split_kv(t: Target, dtype: str, backend: str) ->
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         o, s = ref.attention(q64, k64[..., lo:hi, :], v64[..., lo:hi, :])
         outs.append(t.asarray(o, dtype))
-        lses.append(t.asarray(s, _acc(dtype)))
+        lses.append(t.asarray(s, accumulator_name(dtype)))
     # the partial outputs are rounded to the dtype once before the merge; the bounds allow it
     got = sk.merge_attention_states(outs, lses, backend=backend)
     check_forward(t, dtype, got, expected, "merge_attention_states over key chunks")
@@ -279,7 +276,7 @@ def case_merge_attention_conventions(t: Target, dtype: str, backend: str) -> Non
     lse_b64[1, 2] = -np.inf  # one empty -> the other unchanged
     out_a, out_b = t.asarray(out_a64, dtype), t.asarray(out_b64, dtype)
     out_a64, out_b64 = t.to_numpy(out_a), t.to_numpy(out_b)
-    acc = _acc(dtype)
+    acc = accumulator_name(dtype)
     la, lb = t.asarray(lse_a64, acc), t.asarray(lse_b64, acc)
     lse_a64, lse_b64 = t.to_numpy(la), t.to_numpy(lb)
     expected = ref.merge_states(np.stack([out_a64, out_b64]), np.stack([lse_a64, lse_b64]))
@@ -308,7 +305,7 @@ def case_merge_attention_nan_part(t: Target, dtype: str, backend: str) -> None:
     lses64[1, 0] = np.nan  # a NaN part: the row is NaN, never read as empty
     lses64[:, 2] = -np.inf
     lses64[0, 2] = np.nan  # NaN beside empty parts
-    acc = _acc(dtype)
+    acc = accumulator_name(dtype)
     outs, lses = t.asarray(outs64, dtype), t.asarray(lses64, acc)
     out, lse = (t.to_numpy(a) for a in sk.merge_attention_states(outs, lses, backend=backend))
     for row in (0, 2):
@@ -333,7 +330,7 @@ def case_merge_attention_vjp(t: Target, dtype: str, backend: str) -> None:
     lses64[1, 0] = -np.inf
     lses64[:, 3] = -np.inf
     dout64, dlse64 = rng.normal(size=(4, 5)), rng.normal(size=(4,))
-    acc = _acc(dtype)
+    acc = accumulator_name(dtype)
     outs, lses = t.asarray(outs64, dtype), t.asarray(lses64, acc)
     dout, dlse = t.asarray(dout64, dtype), t.asarray(dlse64, acc)
     outs64, lses64, dout64, dlse64 = map(t.to_numpy, (outs, lses, dout, dlse))

@@ -15,15 +15,12 @@ import numpy as np
 
 import softmaxkit as sk
 
+from ..dtypes import accumulator_name
 from .kit import Target, case
 from .tolerance import assert_within, log_bound, softmax_bound
 
 SUMMARY_RTOL = {"float32": 1e-5, "float64": 1e-12}
 """Accumulator dtype -> relative bound of mass and numerator (spec "Summaries")."""
-
-
-def _acc(dtype: str) -> str:
-    return "float64" if dtype == "float64" else "float32"
 
 
 def definition(
@@ -49,7 +46,7 @@ def check_summary(
 ) -> None:
     """Compare a summary with the float64 definition under the accumulator's bound."""
     m, mass, num, scale = expected
-    acc = _acc(dtype)
+    acc = accumulator_name(dtype)
     rtol = SUMMARY_RTOL[acc]
     for name, field in (("max", got.max), ("mass", got.mass)):
         field_dtype = str(getattr(field.dtype, "name", field.dtype)).rsplit(".", 1)[-1]
@@ -95,14 +92,16 @@ def case_summarize_rows(t: Target, dtype: str, backend: str) -> None:
     expected = np.where(mass > 0, m + np.log(np.where(mass > 0, mass, 1.0)), -np.inf)
     assert lse[0] == -np.inf, "Summary.logsumexp of an empty summary is not -inf"
     fin = mass > 0
-    assert np.allclose(lse[fin], expected[fin], rtol=0, atol=SUMMARY_RTOL[_acc(dtype)] * 10), (
+    atol = SUMMARY_RTOL[accumulator_name(dtype)] * 10
+    assert np.allclose(lse[fin], expected[fin], rtol=0, atol=atol), (
         "Summary.logsumexp differs from the definition"
     )
     avg = t.to_numpy(sk.summarize(x, where=w, values=v, backend=backend).normalized())
     _, _, num, scale = definition(x64, where, v64)
     e_avg = num / np.where(fin, mass, 1.0)[..., None]
     assert np.all(avg[~fin] == 0), "Summary.normalized of an empty summary is not 0"
-    bound = SUMMARY_RTOL[_acc(dtype)] * 2 * (scale / np.where(fin, mass, 1.0)[..., None])
+    rtol = SUMMARY_RTOL[accumulator_name(dtype)]
+    bound = rtol * 2 * (scale / np.where(fin, mass, 1.0)[..., None])
     assert np.all(np.abs(avg - e_avg)[fin] <= bound[fin] + 1e-300), "Summary.normalized"
 
 
@@ -149,7 +148,7 @@ def _summary_on(t: Target, dtype: str, x64: np.ndarray, where: np.ndarray | None
                 v64: np.ndarray | None) -> sk.Summary:
     """A summary built directly from the float64 definition, rounded to the accumulator."""
     m, mass, num, _ = definition(x64, where, v64)
-    acc = _acc(dtype)
+    acc = accumulator_name(dtype)
     return sk.Summary(t.asarray(m, acc), t.asarray(mass, acc),
                       None if num is None else t.asarray(num, acc))
 
@@ -249,7 +248,7 @@ def case_normalize_chunks_of_a_row(t: Target, dtype: str, backend: str) -> None:
     xp64 = _numpy_namespace()
     with np.errstate(invalid="ignore", over="ignore"):
         m, mass, _ = ref_summary.summarize(xp64, x=x64, where=where, values=None)
-    acc = _acc(dtype)
+    acc = accumulator_name(dtype)
     maxes, masses = t.asarray(m, acc), t.asarray(mass, acc)  # the max is exact in acc
     bounds = (0, 7, 7, 19, 40)  # a chunk of length 0 among them
     n = x64.shape[-1]
@@ -290,7 +289,7 @@ def case_normalize_rejects_a_summary_that_does_not_cover_x(
     rng = np.random.default_rng(51)
     x64 = t.to_numpy(t.asarray(rng.normal(scale=3.0, size=(3, 16)), dtype))
     xp64 = _numpy_namespace()
-    acc = _acc(dtype)
+    acc = accumulator_name(dtype)
     m, mass, _ = ref_summary.summarize(xp64, x=x64[:, :8], where=None, values=None)
     maxes, masses = t.asarray(m, acc), t.asarray(mass, acc)
     x64[:, 8:] = x64[:, :8].max(axis=-1, keepdims=True) + 1.0  # above the first half's max

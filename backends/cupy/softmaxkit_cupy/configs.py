@@ -132,20 +132,13 @@ ROW16_CONFIGS: tuple[RowConfig, ...] = (
     RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4, mode=8, persistent=True,
               policy=2),
 )
-"""The lean 16-bit softmax / log_softmax kernels (:func:`row_lean`), ordered by capacity.
-Chosen on the H200 (bf16 and fp16, CUDA-graph replay, ``sweep_rows16.py``): 16 threads of one
-load per 128-element row (83-89% of the copy bandwidth with the output placed right after the
-input, against 75-85% for the general kernel); 256 threads of 2 loads per 4096-element row with
-streaming stores (85-87%, against 73-82%); longer rows staged in shared memory in 32 KB blocks
-(84-86% at 4096 x 32768 in 2-block clusters, against 77% for one 64 KB block) and in 64 KB
-blocks over 16-block clusters at 256 x 524288, there as a persistent grid of the clusters
-that fit at once, 21 under spread and 22 under load balancing (81-87% with the output 3 MB
-after the input, against 79-81% for a cluster launched per row, 68-70% for 8 blocks of
-128 KB and 55-59% for the earlier staged kernel),
-softmax with its exponentials cached in the stage, under the load-balancing cluster policy
-(87% in gpu_check.py, against 85-86% under spread and 82% for softmax without the cache).
-gpu_check.py's public calls, whose outputs come from the allocator, measure up to 10 points
-more than outputs placed right after the input (docs/benchmarks-cupy.md)."""
+"""The lean 16-bit softmax / log_softmax kernels (:func:`row_lean`), ordered by capacity,
+chosen on the H200 with ``tools/sweep_rows16.py`` (docs/benchmarks-cupy.md): 16 threads of
+one load per 128-element row; 256 threads of 2 loads per 4096-element row with streaming
+stores; longer rows staged in shared memory in 32 KB blocks, in 2-block clusters up to 32768
+elements; at 256 x 524288, 64 KB blocks over 16-block clusters as a persistent grid of the
+clusters that fit at once, under the load-balancing cluster policy, softmax caching its
+exponentials in the stage."""
 
 ROW_ALTERNATIVES: tuple[RowConfig, ...] = (
     RowConfig(128, 4, 4),

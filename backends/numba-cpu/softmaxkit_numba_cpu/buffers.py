@@ -11,8 +11,8 @@ Two things make writing a large result slower than copying into an existing arra
   :data:`REUSE_FROM` bytes is therefore carved from a buffer that this module takes back
   when the last array using it is released (a view, a torch tensor sharing it: any of them
   keeps it in use), and hands out again for a result of the same size; at most
-  :data:`KEEP` released buffers are kept.  The ``SOFTMAXKIT_NUMBA_CPU_REUSE=0`` environment
-  variable turns reuse off; :func:`release` drops the buffers kept now.
+  :data:`KEEP` released buffers are kept.  The setting ``reuse`` (:mod:`.settings`) turns
+  reuse off; :func:`release` drops the buffers kept now.
 
 Only the storage is reused: every element of a result is written by its kernel.
 """
@@ -20,11 +20,12 @@ Only the storage is reused: every element of a result is written by its kernel.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from typing import Any
 
 import numpy as np
+
+from .settings import SETTINGS
 
 ALIGN_FROM = 1 << 16
 """Results of at least this many bytes start on a 64-byte cache line."""
@@ -35,8 +36,8 @@ KEEP = 4
 """Released buffers kept for reuse, at most."""
 _LINE = 64
 
-REUSE = os.environ.get("SOFTMAXKIT_NUMBA_CPU_REUSE", "1") != "0"
-"""Whether large buffers are reused (``SOFTMAXKIT_NUMBA_CPU_REUSE=0`` turns it off)."""
+REUSE = SETTINGS.reuse
+"""Whether large buffers are reused."""
 
 _kept: list[np.ndarray] = []
 _lock = threading.Lock()

@@ -19,7 +19,7 @@ import numpy as np
 
 from softmaxkit.dtypes import dtype_name
 
-from .intrinsics import SIMULATOR, cuda
+from .primitives import SIMULATOR, cuda
 
 _streams: dict[int, Any] = {}
 _dummies: dict[Any, Any] = {}
@@ -131,11 +131,6 @@ def _device_value(a: Any, lib: str, name: str, read: Callable[[Any], Any]) -> An
         with _on_device(index):
             _device_values[key] = read(cuda.get_current_device())
     return _device_values[key]
-
-
-def multiprocessors(a: Any, lib: str) -> int:
-    """Multiprocessors of the device that holds ``a`` (numba's device attribute)."""
-    return _device_value(a, lib, "multiprocessors", lambda d: int(d.MULTIPROCESSOR_COUNT))
 
 
 NOMINAL_BANDWIDTH = 3e12

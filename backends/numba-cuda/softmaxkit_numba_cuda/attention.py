@@ -20,10 +20,19 @@ import functools
 from typing import Any
 
 from .arrays import empty, kernel_view, launch, library, run
-from .intrinsics import NAN, NEG_INF, POS_INF, cuda, device_function, kernel, log_f32, log_f64
-from .kernels import dtype_name
+from .primitives import (
+    NAN,
+    NEG_INF,
+    POS_INF,
+    accumulator,
+    cuda,
+    device_function,
+    kernel,
+    log_f32,
+    log_f64,
+)
 from .reductions import exponential
-from .rowkernels import _acc
+from .rows import dtype_name
 from .storage import loader, storer
 from .summaries import _contiguous
 
@@ -33,7 +42,7 @@ THREADS = 256
 @functools.cache
 def _merge_kernel(kind: str):
     """Kernel ``(outs [S, R, Dv], lses [S, R], out [R, Dv], lse [R], n_rows, dv)``."""
-    acc_name, acc = _acc(kind)
+    acc_name, acc = accumulator(kind)
     load = loader(kind, acc_name)
     store = storer(kind)
     exp = exponential(acc_name)

@@ -33,7 +33,7 @@ def _simulated() -> bool:
 def manifest() -> dict[str, Any]:
     """What the backend serves and where its kernels live (see softmaxkit.registry)."""
     devices = ["cuda", "cpu"] if _simulated() else ["cuda"]
-    kernels = {op: f"softmaxkit_numba_cuda.kernels:{op}" for op in ROW_OPS}
+    kernels = {op: f"softmaxkit_numba_cuda.rows:{op}" for op in ROW_OPS}
     kernels.update({op: f"softmaxkit_numba_cuda.summaries:{op}" for op in SUMMARY_OPS})
     kernels["merge_attention"] = "softmaxkit_numba_cuda.attention:merge_attention"
     return {

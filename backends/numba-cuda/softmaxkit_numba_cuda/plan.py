@@ -11,7 +11,7 @@ when the row cannot be read in 16-byte words, one element.
   row;
 * long rows: the row is split into ``chunks`` chunks of ``block * slots`` words, one block
   (of whole warps) each; every block reads its chunk once, keeps it on chip, and the blocks
-  of a row combine their (max, sum) summaries (see :mod:`.rowkernels`).
+  of a row combine their (max, sum) summaries (see :mod:`.row_kernels`).
 
 Rows that the register plan splits, read in 16-byte words, are staged in shared memory
 instead (:func:`staged`, :mod:`.staged`): one chunk when the row fits in a stage of
@@ -21,12 +21,12 @@ rows of more chunks, up to 16 chunks of 128 KB, take a persistent grid of cluste
 walk several rows (:func:`persistent`).
 
 Kernels that walk a row in tiles instead (:mod:`.tiled`) read ``chunks`` as the number of
-tiles.  This module imports no numba: the plan is plain arithmetic, tested on its own.
+tiles.  This module imports no numba and reads no settings: the plan is plain arithmetic on
+its arguments, tested on its own.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 WARP = 32
@@ -40,31 +40,11 @@ STAGE_BYTES = 64 * 1024
 """Shared memory of a block staging a row or a chunk of one: three blocks fit on a
 multiprocessor of 228 KB."""
 STAGE_THREADS = 256
-OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_PLAN"
-"""Environment variable ``"threads,slots"`` that forces a plan (for tests and tuning)."""
-STAGE_OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_STAGE_PLAN"
-"""Environment variable ``"threads,slots"`` that forces the plan of staged rows only."""
-CLUSTER = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
-"""Environment variable: ``0`` turns thread-block clusters off (staged rows of several chunks
-then exchange their summaries through device memory); a number ``N`` (2 to 16) clusters rows
-of up to ``N`` chunks; ``all`` also gives rows of one chunk a cluster of one block (the form
-the simulator can run, for tests), and clusters rows of up to 16 chunks."""
 MAX_CLUSTER = 8
 """Chunks of a row launched as one cluster at most (the portable cluster size; 16-block
 clusters, which need the non-portable opt-in, measured slower than the exchange through
-device memory at 256 x 524288 bfloat16: docs/benchmarks-cuda.md)."""
+device memory at 256 x 524288 bfloat16)."""
 LARGEST_CLUSTER = 16
-PERSIST = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
-"""Environment variable: ``0`` turns the persistent cluster kernel off (rows of more than
-:data:`MAX_CLUSTER` chunks then exchange through device memory, or take :data:`CLUSTER`'s
-clusters); ``all`` also gives it rows of 1 to :data:`MAX_CLUSTER` chunks (rows of one chunk
-as clusters of one block: the form the simulator can run, for tests)."""
-ROW_CLUSTERS = "SOFTMAXKIT_NUMBA_CUDA_ROW_CLUSTERS"
-"""Environment variable: clusters a row of the persistent kernel takes, each an equal part of
-its chunks (tuning; rows of more than :data:`LARGEST_CLUSTER` chunks take two by default, rows
-of fewer one; a count that does not divide the chunks, or leaves a part above
-:data:`LARGEST_CLUSTER` chunks, is not used)."""
-
 
 def _pow2_at_least(v: int) -> int:
     p = 1
@@ -125,17 +105,16 @@ def make(threads: int, slots: int, n: int, group_threads: int = GROUP_THREADS) -
 
 
 def choose(n: int, slots: int | tuple[int, int, int], simulator: bool = False,
-           block: int = BLOCK) -> Plan:
+           block: int = BLOCK, forced: tuple[int, int] | None = None) -> Plan:
     """The plan for rows of ``n`` words (see the module docstring).
 
     ``slots`` is the words a thread holds (the caller's register budget), or a triple for
     short, medium and long rows; ``block`` the threads of a block that holds a medium row or
-    a chunk of a long one.  :data:`OVERRIDE` replaces the choice.
+    a chunk of a long one.  ``forced`` ``(threads, slots)`` replaces the choice.
     """
     short, medium, long = (slots,) * 3 if isinstance(slots, int) else slots
-    forced = os.environ.get(OVERRIDE)
     if forced:
-        threads, k = (int(v) for v in forced.split(",")[:2])
+        threads, k = forced
         if n <= threads * k or threads >= WARP:
             return make(threads, k, n)
         return make(WARP, k, n)  # a short-row group too small for this row
@@ -151,17 +130,15 @@ def choose(n: int, slots: int | tuple[int, int, int], simulator: bool = False,
 
 
 def staged(n: int, simulator: bool = False, stage_bytes: int = STAGE_BYTES,
-           threads: int = STAGE_THREADS) -> Plan:
+           threads: int = STAGE_THREADS, forced: tuple[int, int] | None = None) -> Plan:
     """The plan for rows of ``n`` 16-byte words staged in shared memory: one block per row
     when the row fits in ``stage_bytes``, else the fewest equal chunks that fit; ``threads``
     threads a block (one chunk at a time).
 
-    :data:`STAGE_OVERRIDE`, else :data:`OVERRIDE`, replaces the choice when it names whole
-    warps.
+    ``forced`` ``(threads, slots)`` replaces the choice when it names whole warps.
     """
-    forced = _forced_stage(n)
-    if forced is not None:
-        return forced
+    if forced and forced[0] >= WARP:
+        return make(forced[0], forced[1], n, group_threads=forced[0])
     if simulator:  # one warp; rows of up to 256 words are one chunk, longer ones split
         return make(WARP, min(8, -(-n // WARP)), n, group_threads=WARP)
     chunks = max(1, -(-n * WORD_BYTES // stage_bytes))
@@ -169,32 +146,24 @@ def staged(n: int, simulator: bool = False, stage_bytes: int = STAGE_BYTES,
     return make(threads, -(-words // threads), n, group_threads=threads)
 
 
-def _forced_stage(n: int) -> Plan | None:
-    forced = os.environ.get(STAGE_OVERRIDE) or os.environ.get(OVERRIDE)
-    if forced:
-        threads, k = (int(v) for v in forced.split(",")[:2])
-        if threads >= WARP:
-            return make(threads, k, n, group_threads=threads)
-    return None
-
-
-def clustered(n: int, simulator: bool = False) -> Plan | None:
+def clustered(n: int, simulator: bool = False, mode: str = "",
+              forced: tuple[int, int] | None = None) -> Plan | None:
     """The plan for staged rows of ``n`` 16-byte words whose chunks form one thread-block
     cluster (a block each, ``chunks`` blocks a cluster), or ``None`` when such rows take
     :func:`staged` with the exchange through device memory instead.
 
     The chunks are those of :func:`staged` (64 KB; 32 KB and 128 KB chunks measured slower
-    in clusters); a row of 2 to :data:`MAX_CLUSTER` of them is clustered.  :data:`CLUSTER`
-    turns clusters off, sets the largest cluster, or (``all``) clusters rows of one chunk
-    too.  The simulator runs the blocks of a grid one after another, so there only a
-    cluster of one block is possible: rows of one chunk with ``all``.
+    in clusters); a row of 2 to :data:`MAX_CLUSTER` of them is clustered.  ``mode`` (the
+    setting ``cluster``) ``"0"`` turns clusters off, a number sets the largest cluster, and
+    ``"all"`` clusters rows of one chunk too.  The simulator runs the blocks of a grid one
+    after another, so there only a cluster of one block is possible: rows of one chunk with
+    ``"all"``.  ``forced`` as in :func:`staged`.
     """
-    mode = os.environ.get(CLUSTER, "")
     if mode == "0":
         return None
     largest = (LARGEST_CLUSTER if mode == "all"
                else min(LARGEST_CLUSTER, int(mode)) if mode.isdigit() else MAX_CLUSTER)
-    p = staged(n, simulator)
+    p = staged(n, simulator, forced=forced)
     if p.chunks > largest or (p.chunks == 1 and mode != "all"):
         return None
     if simulator and p.chunks > 1:
@@ -202,29 +171,29 @@ def clustered(n: int, simulator: bool = False) -> Plan | None:
     return p
 
 
-def persistent(n: int, simulator: bool = False, threads: int = STAGE_THREADS) -> Plan | None:
+def persistent(n: int, simulator: bool = False, threads: int = STAGE_THREADS, mode: str = "",
+               cluster: str = "", forced: tuple[int, int] | None = None) -> Plan | None:
     """The plan for staged rows of ``n`` 16-byte words served by the persistent grid of
-    clusters (:func:`.staged.persistent`, a block per chunk, :func:`row_clusters` clusters a
+    clusters (:func:`.persistent.persistent`, a block per chunk, :func:`row_clusters` clusters a
     row), or ``None`` when such rows take :func:`clustered` or :func:`staged` instead.
 
     Rows of :data:`MAX_CLUSTER` + 1 to :data:`LARGEST_CLUSTER` chunks of :func:`staged` (64
     KB) are one cluster; longer rows take :func:`row_clusters` clusters, which exchange their
-    parts' summaries through device memory.  :data:`PERSIST` = ``0`` (or :data:`CLUSTER` =
-    ``0``) turns it off, ``all`` also gives it shorter rows, ``wide`` takes chunks of up to 128
-    KB (a block per multiprocessor) instead of several clusters.  The simulator runs clusters
-    of one block: with ``all``, rows of one chunk, or of several as a cluster each.  Blocks
-    have ``threads`` threads; a forced chunk (:data:`STAGE_OVERRIDE`) is kept as it is.
+    parts' summaries through device memory.  ``mode`` (the setting ``persist``) ``"0"`` (or
+    ``cluster`` ``"0"``) turns it off, ``"all"`` also gives it shorter rows, ``"wide"`` takes
+    chunks of up to 128 KB (a block per multiprocessor) instead of several clusters.  The
+    simulator runs clusters of one block: with ``"all"``, rows of one chunk, or of several as
+    a cluster each.  Blocks have ``threads`` threads; a ``forced`` chunk is kept as it is.
     """
-    mode = os.environ.get(PERSIST, "")
-    if mode == "0" or os.environ.get(CLUSTER) == "0" or (simulator and mode != "all"):
+    if mode == "0" or cluster == "0" or (simulator and mode != "all"):
         return None
-    p = staged(n, simulator, threads=threads)
+    p = staged(n, simulator, threads=threads, forced=forced)
     largest = 1 if simulator else LARGEST_CLUSTER
     if not simulator and p.chunks <= MAX_CLUSTER and mode != "all":
         return None
     if p.chunks <= largest or (mode != "wide" and row_clusters(p, simulator) > 1):
         return p
-    if not simulator and _forced_stage(n) is None:
+    if not simulator and not (forced and forced[0] >= WARP):
         p = staged(n, simulator, 2 * STAGE_BYTES, threads)
         if p.chunks <= largest:
             return p
@@ -245,17 +214,10 @@ def held(p: Plan, n: int, held: int, simulator: bool = False) -> Plan | None:
 
 
 def row_clusters(p: Plan, simulator: bool = False) -> int:
-    """Clusters a row of a :func:`persistent` plan takes, each an equal part of its chunks:
-    :data:`ROW_CLUSTERS` where that divides the chunks into parts of at most
-    :data:`LARGEST_CLUSTER` (of one in the simulator), else 1 for rows of at most that many
-    chunks and 2 for rows of up to twice as many (an even number); 0 for a row that fits
-    none."""
+    """Clusters a row of a :func:`persistent` plan takes, each an equal part of its chunks: 1
+    for rows of at most :data:`LARGEST_CLUSTER` chunks (of one in the simulator) and 2 for
+    rows of up to twice as many (an even number); 0 for a row that fits none."""
     largest = 1 if simulator else LARGEST_CLUSTER
-    forced = os.environ.get(ROW_CLUSTERS, "")
-    if forced.isdigit() and int(forced) > 0:
-        parts = int(forced)
-        if p.chunks % parts == 0 and p.chunks // parts <= largest:
-            return parts
     if p.chunks <= largest:
         return 1
     return 2 if p.chunks <= 2 * largest and p.chunks % 2 == 0 else 0

@@ -17,7 +17,7 @@ import functools
 
 from numba import float32, float64
 
-from .intrinsics import (
+from .primitives import (
     LOG2E,
     NAN,
     NEG_INF,
@@ -28,10 +28,10 @@ from .intrinsics import (
     exp_f64,
     shfl_xor,
 )
-from .wide import ex2, max_nan
+from .ptx import ex2, max_nan
 
 if SIMULATOR:
-    from .intrinsics import warp_butterfly
+    from .primitives import warp_butterfly
 
 
 @functools.cache

@@ -1,466 +1,87 @@
-"""Long rows staged in shared memory: softmax, log_softmax and cross-entropy with its gradient.
+"""Long rows staged in shared memory, a block per chunk: softmax, log_softmax and
+cross-entropy with its gradient.
 
 A row longer than a block holds in registers is cut into the fewest equal chunks that fit a
 stage of shared memory (:func:`.plan.staged`; one chunk when the row fits) and each chunk is
 copied to a stage with ``cp.async``, which never passes through registers: a block needs few
-registers (one word's values at a time) and several blocks fit on a multiprocessor.
-
-Work items are the chunks, item ``t`` being chunk ``t % chunks`` of row ``t // chunks``.  By
-default a block has one stage and takes one item; a thread copies its words in
-:func:`groups` groups and takes the maximum of each group as soon as it has landed.  With a
-ring of two stages (:func:`ring`, an option: it measured slower on the H200) the grid is
-persistent: a block takes items ``t, t + grid, t + 2 grid, ...`` and starts copying its next
-item into the other stage before it works on the current one; the grid is what fits on the
-device at once, a multiple of ``chunks`` (:func:`grid`), so the chunks of a row are worked
-on together.
-
-Per item, each thread overwrites its excluded values (``where`` False) with ``-inf`` in the
-stage and takes its maximum, then its sum of exponentials, and the block merges
-the pairs; the blocks of a split row exchange their summaries as in :mod:`.rowkernels` (a
-bounded wait, then the missing chunks summarized from device memory with the same arithmetic
-in the same order).  Outputs are written from the staged words.  Each thread reads back only
-the words it copied, so no barrier is needed between a copy and its reads, nor before a stage
-is refilled.
-
-With :data:`FOLD` (the default with one stage) softmax and log_softmax fold each group, as it
-lands, into the thread's running (max, sum): the group's words are held in registers, its
-maximum raises the running maximum (the sum rescaled) and its exponentials join the sum, so no
-second pass over the stage is left once the last group has landed.
+registers (one word's values at a time) and several blocks fit on a multiprocessor.  A block
+takes one chunk: block ``t`` holds chunk ``t % chunks`` of row ``t // chunks``.  A thread
+copies its words in :data:`.staging.GROUPS` groups and folds each group, as it lands, into its
+running (max, sum): the group's words are held in registers, its maximum raises the running
+maximum (the sum rescaled) and its exponentials join the sum, so no second pass over the stage
+is left once the last group has landed.  Excluded values (``where`` False) are overwritten with
+``-inf`` in the stage first.  The block merges its threads' pairs; the blocks of a split row
+exchange their summaries as in :mod:`.row_kernels` (a bounded wait, then the missing chunks
+summarized from device memory with the same arithmetic in the same order).  Outputs are
+written from the staged words.  Each thread reads back only the words it copied, so no
+barrier is needed between a copy and its reads.
 
 Thread-block clusters (sm_90): a row of 2 to 8 chunks (:func:`.plan.clustered`) is launched
 as one cluster of one block per chunk (:func:`.arrays.run`; the cluster's index is the row,
-the block's rank in it the chunk).  The blocks
-exchange their summaries through distributed shared memory instead of the slots in device
-memory: each block writes its (max, sum) to its shared memory, the cluster barrier
-(arrive.release / wait.acquire) publishes them, each block reads its peers' with
-``ld.shared::cluster`` and merges, arrives again, and waits on that barrier before it exits,
-so that no block's shared memory goes while a peer may read it.  The cluster's blocks are
-co-scheduled by the hardware, so no wait is unbounded and no fallback is needed.
-:data:`.plan.CLUSTER` = ``0`` turns clusters off, a number sets the largest cluster (up to
-16, non-portable above 8).
-
-Persistent clusters (sm_90): rows of 9 to 32 chunks (:func:`.plan.persistent`; 256 x 524288
-is 16 chunks in bfloat16, 32 in float32) take :func:`persistent`, a grid of the clusters
-that fit at once, each walking rows: one cluster of up to 16 blocks a row, or several
-clusters a row (two by default, each an equal part of the chunks) that exchange their parts'
-summaries through slots in device memory.  Each block refills every staged word with the
-next row's word as soon as it has read it back for its store, so the next row's copies are
-in flight while the current row is written; one cluster barrier a row publishes the warps'
-(max, sum) pairs, which every warp merges itself.  Rows whose chunks are all full and
-without ``where`` take a lean fold (16-byte shared loads, the group maximum on packed 16-bit
-pairs) and write 16-bit softmax as ``2^((x - M) log2 e - log2 S)``.  Float32 rows of whole
-128 KB chunks keep 4 words a thread in registers (:data:`HELD`) and stage the rest, two blocks
-a multiprocessor: a row of 256 x 524288 is then one cluster of 16, with nothing exchanged
-through device memory.  The cluster scheduling policy is set on the kernel (:data:`POLICY`).
+the block's rank in it the chunk).  The blocks exchange their summaries through distributed
+shared memory instead of the slots in device memory: each block writes its (max, sum) to its
+shared memory, the cluster barrier (arrive.release / wait.acquire) publishes them, each block
+reads its peers' with ``ld.shared::cluster`` and merges, arrives again, and waits on that
+barrier before it exits, so that no block's shared memory goes while a peer may read it.  The
+cluster's blocks are co-scheduled by the hardware, so no wait is unbounded and no fallback is
+needed.
 
 What CI does not run: Numba's CUDA simulator runs the blocks of a grid one after another, so a
 barrier across the blocks of a cluster (or a read of another block's shared memory) cannot
-run there.  The simulator runs the cluster kernels as clusters of one block
-(``SOFTMAXKIT_NUMBA_CUDA_CLUSTER=all`` on rows of one chunk): the same kernel code, exchange
-and barriers included, on the block itself; the exchange between several blocks, the
-launch with cluster dimensions and non-portable cluster sizes are checked on the GPU only
-(``gpu_check.py``, against float64 with poisoned outputs).  The persistent kernel runs there
-as clusters of one block (``SOFTMAXKIT_NUMBA_CUDA_PERSIST=all``): two clusters walking
-several rows each, and rows of two (or four) chunks as that many clusters exchanging through
-device memory, where the one-block-at-a-time schedule takes the fallback that summarizes the
-parts not yet published.
-
-Staged kernels serve rows that the register plan splits, read in 16-byte words (float32,
-bfloat16, float16, the same dtype in and out); the environment variable :data:`ENABLE` = ``0``
-turns them off (the register kernels then serve every row).
+run there.  The simulator runs the cluster kernels as clusters of one block (the setting
+``cluster="all"`` on rows of one chunk): the same kernel code, exchange and barriers
+included, on the block itself; the exchange between several blocks, the launch with cluster
+dimensions and non-portable cluster sizes are checked on the GPU only
+(``tools/gpu_check.py``, against float64 with poisoned outputs).  The persistent kernel runs
+there as clusters of one block (``persist="all"``): two clusters walking several rows each,
+and rows of two chunks as two clusters exchanging through device memory, where the
+one-block-at-a-time schedule takes the fallback that summarizes the parts not yet published.
 """
+
 
 from __future__ import annotations
 
 import functools
-import os
 
-from numba import float32, int32, uint32, uint64
+from numba import float32, int32, uint32
 
-from .intrinsics import (
-    LOG2E,
+from .primitives import (
     NAN,
     NEG_INF,
     POS_INF,
-    bits_from_f32,
     cuda,
     device_function,
-    f32_from_bits,
     kernel,
     log_f32,
-    register_cap,
 )
-from .plan import WORD_BYTES
-from .reductions import SCRATCH, exponential, group_reducers, summary_ops, thread_max
-from .rowkernels import (
-    MAX_POLL_NS,
-    POLL_NS,
-    SPIN_POLLS,
-    WAIT_NS,
-    _chunk_stream,
-    _row_summary,
-    _slots,
-)
-from .storage import loader, storer, word_codec
-from .wide import (
+from .ptx import (
     cluster_arrive,
     cluster_id,
     cluster_load,
     cluster_rank,
     cluster_wait,
-    cp_async16,
-    cp_async_commit,
-    cp_async_pending,
-    ex2,
-    globaltimer,
-    load16,
-    load_l2,
-    load_shared16,
-    max_bf16x2,
-    max_f16x2,
-    max_nan,
-    nanosleep,
-    opaque,
     store16,
-    unpack_f16,
 )
-
-ENABLE = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
-RING = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
-"""Environment variable: stages per block, 1 (the default) or 2 (a persistent grid that copies
-each block's next chunk ahead)."""
-GROUPS = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
-"""Environment variable: copy groups per thread with one stage (tuning; default 4)."""
-DEFAULT_GROUPS = 4
-FOLD = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
-"""Environment variable: ``0`` takes softmax's sum of exponentials in a pass of its own after
-the maxima (the fold of each landed group into a running (max, sum) is the default)."""
-POLICY = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
-"""Environment variable: the cluster scheduling policy of the persistent kernel, ``balance``
-(load balancing, the default: it measured fastest at 256 x 524288), ``spread`` or
-``default`` (the driver's)."""
-POLICIES = {"default": 0, "spread": 1, "balance": 2}
-AHEAD = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
-"""Environment variable: copy groups of a thread that the persistent kernel's lean rows read
-back into registers right after the fold, refilling their words with the next row's before
-the row's summary is known (tuning; default :data:`DEFAULT_AHEAD`, at most the groups)."""
-DEFAULT_AHEAD = {"float32": 0, "bfloat16": 0, "float16": 0}
-"""Copy groups ahead by dtype: none (one float32 group ahead measured 77 / 78% of the copy at
-256 x 524288 against 79 / 80% without, in one run; a 16-bit group does not fit the register
-budget without spills)."""
-SPIN = "SOFTMAXKIT_NUMBA_CUDA_EXCHANGE_SPIN"
-"""Environment variable: polls of the other parts' slots (several clusters a row) before the
-first pause (tuning; default :data:`.rowkernels.SPIN_POLLS`)."""
-STAGGER = "SOFTMAXKIT_NUMBA_CUDA_STAGGER"
-"""Environment variable: how late, as a fraction of the time a wave of rows takes at the
-device's peak bandwidth, the last of the persistent grid's groups of clusters that walk one
-row fewer than the others starts (they start one after another, the first of them at once),
-so that the groups' fold-and-exchange pauses fall at different times (tuning; default
-:data:`DEFAULT_STAGGER`)."""
-DEFAULT_STAGGER = "1"
-"""Groups start up to a wave late: float32 256 x 524288 88 / 89% against 87 / 88% (8 words
-held), bfloat16 84 / 85% against 83 / 84%, same run."""
-HELD = "SOFTMAXKIT_NUMBA_CUDA_HELD"
-"""Environment variable: words of a row that each thread of the persistent kernel keeps in
-registers, beside those staged in shared memory (:func:`.plan.held`: chunks twice as long, a
-row one cluster, for rows of whole such chunks without ``where``; 0 turns it off; tuning,
-default :data:`DEFAULT_HELD`)."""
-DEFAULT_HELD = {"float32": 4, "bfloat16": 0, "float16": 0}
-"""Words held in registers by dtype: 4 for float32 (at 256 x 524288 a row is then one cluster
-of 16 blocks of 128 KB, 112 KB staged, and exchanges nothing through device memory: 87-89% of
-the copy against 78% with two clusters a row, same run; 8 words measured 86-88%); none for
-16-bit rows, whose rows are one cluster already (77-82% with 8 or 16 words held against
-83-85%)."""
-KINDS = ("float32", "bfloat16", "float16")
-SHARED_PER_SM = 228 * 1024
-"""Shared memory of a multiprocessor (sm_90); each block also reserves 1 KB and its scratch."""
-BLOCK_OVERHEAD = 1536
-
-
-def enabled(kind: str, split: bool, vector: bool, same_dtype: bool) -> bool:
-    """Whether a row that the register plan ``split``s takes a staged kernel."""
-    return (os.environ.get(ENABLE, "1") != "0" and split and vector and same_dtype
-            and kind in KINDS)
-
-
-def groups(slots: int, stages: int) -> int:
-    """Copy groups of a thread's ``slots`` words, whose maxima are taken as they land, with
-    one stage (:data:`GROUPS`, at most 16, a divisor of ``slots``); 0 with two stages (the next
-    chunk's copies are one group, waited for as a whole)."""
-    if stages == 2:
-        return 0
-    g = max(1, min(int(os.environ.get(GROUPS, DEFAULT_GROUPS)), 16, slots))
-    while slots % g:
-        g -= 1
-    return g
-
-
-def ring() -> int:
-    """Stages per block: 1 (the default) or 2 (:data:`RING`)."""
-    return 2 if os.environ.get(RING) == "2" else 1
-
-
-def policy() -> int:
-    """The ``CUclusterSchedulingPolicy`` of the persistent kernel's clusters (:data:`POLICY`)."""
-    return POLICIES[os.environ.get(POLICY, "balance")]
-
-
-def ahead(kind: str, slots: int) -> int:
-    """Copy groups read back ahead of the summary exchange (:data:`AHEAD`)."""
-    n = os.environ.get(AHEAD)
-    return max(0, min(int(n) if n else DEFAULT_AHEAD[kind], groups(slots, 1)))
-
-
-def spin() -> int:
-    """Polls of the two-cluster exchange before it pauses between polls (:data:`SPIN`)."""
-    return int(os.environ.get(SPIN, SPIN_POLLS))
-
-
-def stagger(n_rows: int, groups: int, row_bytes: int, bandwidth: float) -> int:
-    """Nanoseconds between the starts of consecutive groups of clusters of a persistent grid of
-    ``groups`` groups (a row each at a time) walking ``n_rows`` rows of ``row_bytes`` bytes
-    read and as many written, on a device of peak ``bandwidth`` bytes per second: only the
-    groups that walk one row fewer start late (:data:`STAGGER`), so no group ends later."""
-    rem = n_rows % groups
-    fraction = float(os.environ.get(STAGGER, DEFAULT_STAGGER))
-    if fraction <= 0 or n_rows < groups or rem == 0:
-        return 0
-    wave_ns = 2 * row_bytes * groups / bandwidth * 1e9
-    return int(fraction * wave_ns / (groups - rem))
-
-
-def held(kind: str) -> int:
-    """Words a thread of the persistent kernel keeps in registers for rows of ``kind``
-    (:data:`HELD`)."""
-    n = os.environ.get(HELD)
-    return max(0, int(n)) if n else DEFAULT_HELD[kind]
-
-
-def fold() -> bool:
-    """Whether softmax / log_softmax fold each landed copy group into a running (max, sum)
-    (:data:`FOLD`)."""
-    return os.environ.get(FOLD, "1") != "0"
-
-
-def shared_bytes(threads: int, slots: int, stages: int) -> int:
-    """Dynamic shared memory of a block with ``stages`` stages of ``threads * slots`` words."""
-    return stages * threads * slots * WORD_BYTES
-
-
-def _fit(threads: int, slots: int, stages: int) -> tuple[int, int]:
-    """``(blocks per multiprocessor, values)``: the blocks that shared memory and threads
-    allow on sm_90, and the values per thread that set the kernel's register budget
-    (:func:`.intrinsics.register_cap`: 40, 56 or 80 registers, as many as those blocks leave;
-    the fallback of the summary exchange keeps many values live)."""
-    smem = shared_bytes(threads, slots, stages) + BLOCK_OVERHEAD
-    blocks = max(1, min(SHARED_PER_SM // smem, 2048 // threads))
-    values = 8 if blocks * threads > 1024 else 16 if blocks * threads > 768 else 32
-    return min(blocks, 65536 // (threads * register_cap(threads, values))), values
-
-
-def blocks_per_sm(threads: int, slots: int, stages: int) -> int:
-    """Blocks of a staged kernel that fit on one multiprocessor."""
-    return _fit(threads, slots, stages)[0]
-
-
-def grid(n_rows: int, chunks: int, resident: int, stages: int) -> int:
-    """Blocks to launch for ``n_rows`` rows of ``chunks`` chunks when ``resident`` blocks fit
-    on the device: one per item with one stage (or when a row has more chunks than fit),
-    else the largest multiple of ``chunks`` that fits, at most one per item."""
-    total = n_rows * chunks
-    if stages == 1 or chunks > resident:
-        return total
-    return min(total, resident // chunks * chunks)
+from .reductions import SCRATCH, exponential, group_reducers
+from .row_kernels import _row_summary, _slots
+from .staging import _fit, _row_state, _stage, _word_results
+from .storage import loader, storer, word_codec
 
 
 @functools.cache
-def _raise_max():
-    """Device function ``raise_max(m, s, mn) -> (m, s)``: a running (max, sum) whose maximum
-    rises to ``mn`` (a copy group's maximum merged in), the sum rescaled (0 while the maximum
-    was -inf); a NaN or +inf ``mn`` makes the row special and leaves the sum unused."""
-    exp = exponential("float32")
-    neg_inf, zero = float32(NEG_INF), float32(0.0)
-
-    def raise_max(m, s, mn):
-        if mn != mn or mn == POS_INF:
-            m = mn
-        elif mn > m:
-            s = s * exp(m - mn) if m > neg_inf else zero
-            m = mn
-        return m, s
-
-    return device_function(raise_max)
-
-
-@functools.cache
-def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool, groups: int):
-    """Device functions on a thread's words ``base + threads * j`` of a chunk, staged at
-    ``off`` (in 32-bit words) in shared memory, ``lane`` the thread's index:
-
-    * ``issue(stage, off, xr, nw, base, lane)``: start copying them, in ``max(1, groups)``
-      groups of whole words (each closed with a commit);
-    * ``land(stage, off, wr, nw, base, lane) -> m_t``: overwrite the excluded values with
-      ``-inf`` (with ``where``) and return their maximum; with ``groups > 0`` it waits for the
-      groups as it goes (the maximum of a group as soon as it has landed), with ``groups ==
-      0`` the caller has waited;
-    * ``sums(stage, off, nw, base, lane, m_t) -> (s_t, included, zsum)``: as
-      :func:`.rowkernels._thread_sum` (``included``, ``zsum`` with ``count``);
-    * ``land_fold(stage, off, wr, nw, base, lane) -> (m_t, s_t)``: ``land`` and ``sums`` in
-      one walk (without ``count``): each group, as it lands, is held in registers, its
-      maximum raises the running maximum (the running sum rescaled) and its exponentials
-      join the sum, so that after the last group only that group's sum is left to do.
-    """
-    width, decode, encode = word_codec(kind)
-    tmax = thread_max("float32")
-    exp = exponential("float32")
-    raise_max = _raise_max()
-    waits = groups > 0
-    n_groups = max(1, groups)
-    per = slots // n_groups
-    neg_inf, zero, one = float32(NEG_INF), float32(0.0), float32(1.0)
-    held = per * 4  # 32-bit words of a group of one thread
-
-    def issue(stage, off, xr, nw, base, lane):
-        for g in range(n_groups):
-            for j in range(g * per, (g + 1) * per):
-                if base + j * threads < nw:
-                    cp_async16(stage, off + (lane + j * threads) * 4, xr,
-                               (base + j * threads) * width)
-            cp_async_commit()
-
-    def land(stage, off, wr, nw, base, lane):
-        buf = cuda.local.array(width, float32)
-        m = neg_inf
-        if waits and has_where:
-            cp_async_pending(0)
-        for g in range(n_groups):
-            if waits and not has_where:
-                cp_async_pending(n_groups - 1 - g)
-            for j in range(g * per, (g + 1) * per):
-                wi = base + j * threads
-                if wi < nw:
-                    q = off + (lane + j * threads) * 4
-                    decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
-                    for v in range(width):
-                        if has_where:
-                            if not wr[wi * width + v]:
-                                buf[v] = neg_inf
-                        m = tmax(m, buf[v])
-                    if has_where:
-                        a, b, c, d = encode(buf, 0)
-                        stage[q] = a
-                        stage[q + 1] = b
-                        stage[q + 2] = c
-                        stage[q + 3] = d
-        return m
-
-    def sums(stage, off, nw, base, lane, m_t):
-        buf = cuda.local.array(width, float32)
-        s = zero
-        c = zero
-        z = zero
-        if m_t > neg_inf and m_t < POS_INF:
-            for j in range(slots):
-                if base + j * threads < nw:
-                    q = off + (lane + j * threads) * 4
-                    decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
-                    for v in range(width):
-                        d = buf[v] - m_t
-                        s += exp(d)
-                        if count and buf[v] > neg_inf:
-                            c += one
-                            z += d
-        return s, c, z
-
-    def land_fold(stage, off, wr, nw, base, lane):
-        buf = cuda.local.array(width, float32)
-        words = cuda.local.array(held, uint32)
-        m = neg_inf
-        s = zero
-        if waits and has_where:
-            cp_async_pending(0)
-        for g in range(n_groups):
-            if waits and not has_where:
-                cp_async_pending(n_groups - 1 - g)
-            gm = neg_inf
-            for i in range(per):
-                j = g * per + i
-                wi = base + j * threads
-                if wi < nw:
-                    q = off + (lane + j * threads) * 4
-                    words[4 * i] = stage[q]
-                    words[4 * i + 1] = stage[q + 1]
-                    words[4 * i + 2] = stage[q + 2]
-                    words[4 * i + 3] = stage[q + 3]
-                    decode(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3],
-                           buf, 0)
-                    for v in range(width):
-                        if has_where:
-                            if not wr[wi * width + v]:
-                                buf[v] = neg_inf
-                        gm = tmax(gm, buf[v])
-                    if has_where:
-                        a, b, c, d = encode(buf, 0)
-                        stage[q] = a
-                        stage[q + 1] = b
-                        stage[q + 2] = c
-                        stage[q + 3] = d
-                        words[4 * i] = a
-                        words[4 * i + 1] = b
-                        words[4 * i + 2] = c
-                        words[4 * i + 3] = d
-            mn = tmax(m, gm)
-            m, s = raise_max(m, s, mn)
-            if m > neg_inf and m < POS_INF:
-                for i in range(per):
-                    if base + (g * per + i) * threads < nw:
-                        decode(words[4 * i], words[4 * i + 1], words[4 * i + 2],
-                               words[4 * i + 3], buf, 0)
-                        for v in range(width):
-                            s += exp(buf[v] - m)
-        return m, s
-
-    return (device_function(issue), device_function(land), device_function(sums),
-            device_function(land_fold))
-
-
-@functools.cache
-def _items(threads: int, slots: int, stages: int, issue):
-    """Device functions that walk a block's items (see the module docstring):
-    ``first() -> t`` and ``arrive(stage, x, nw, chunks, total, t, k) -> off``, which copies
-    item ``t + grid`` ahead (two stages), waits for the copies of item ``t`` (the block's
-    ``k``-th) and returns where it is staged."""
+def _arrive(threads: int, slots: int, issue):
+    """Device function ``arrive(stage, x, nw, chunks, t) -> off``: start copying item ``t``
+    (chunk ``t % chunks`` of row ``t // chunks``) to the stage, whose offset it returns; the
+    fold waits for the copies group by group."""
     words = threads * slots
-    span = words * 4  # 32-bit words of a stage
 
-    def first(stage, x, nw, chunks, total):
-        t = cuda.blockIdx.x
-        if stages == 2:
-            if t < total:
-                r = t // chunks
-                issue(stage, 0, x[r], nw, (t - r * chunks) * words + cuda.threadIdx.x,
-                      cuda.threadIdx.x)
-            else:
-                cp_async_commit()
-        return t
-
-    def arrive(stage, x, nw, chunks, total, t, k):
+    def arrive(stage, x, nw, chunks, t):
         lane = cuda.threadIdx.x
-        if stages == 2:
-            nxt = t + cuda.gridDim.x
-            if nxt < total:
-                r = nxt // chunks
-                issue(stage, ((k + 1) & 1) * span, x[r], nw, (nxt - r * chunks) * words + lane,
-                      lane)
-            else:
-                cp_async_commit()  # an empty group: the wait below counts one group ahead
-            cp_async_pending(1)  # item t's copies have landed, the next may be in flight
-            return (k & 1) * span
         r = t // chunks
-        issue(stage, 0, x[r], nw, (t - r * chunks) * words + lane, lane)  # land waits
+        issue(stage, 0, x[r], nw, (t - r * chunks) * words + lane, lane)
         return 0
 
-    return device_function(first), device_function(arrive)
+    return device_function(arrive)
 
 
 @functools.cache
@@ -469,7 +90,7 @@ def _cluster_exchange(threads: int, fields: int):
     zsum)``: the row's summary from the block summaries of the ``chunks`` blocks of its
     cluster (rank ``k`` holding chunk ``k``), read from each block's ``summary`` (a shared
     float32 array of ``fields`` values) through distributed shared memory.  ``count`` and
-    ``zsum`` are merged as :func:`.rowkernels._row_summary` merges them (``fields == 4``).
+    ``zsum`` are merged as :func:`.row_kernels._row_summary` merges them (``fields == 4``).
 
     Every thread of every block of the cluster calls it once.  Each warp reads the
     ``chunks`` summaries (at most 32) and merges them by shuffles, the same steps in every
@@ -515,24 +136,22 @@ def _cluster_exchange(threads: int, fields: int):
 
 
 @functools.cache
-def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, stages: int,
-              cluster: bool = False, folded: bool = False):
+def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool,
+              cluster: bool = False):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` (the signature of
-    :func:`.rowkernels.normalize`): chunks of ``threads * slots`` words, blocks of ``threads``
-    with ``stages`` stages (:func:`shared_bytes` of dynamic shared memory, :func:`grid`
-    blocks).
+    :func:`.row_kernels.normalize`): chunks of ``threads * slots`` words, a block of
+    ``threads`` each (:func:`.staging.shared_bytes` of dynamic shared memory), each thread
+    folding its copy groups into a running (max, sum) as they land (``land_fold`` of
+    :func:`.staging._stage`).
 
-    With ``cluster`` (one stage), the ``chunks`` blocks of a row are one thread-block cluster
-    (launched with clusters of ``chunks`` blocks, :func:`.arrays.run`) and exchange their
-    summaries through distributed shared memory (:func:`_cluster_exchange`); ``wsp`` is
-    unused.  With ``folded``, each thread folds its copy groups into a running (max, sum) as
-    they land (``land_fold`` of :func:`_stage`).
+    With ``cluster``, the ``chunks`` blocks of a row are one thread-block cluster (launched
+    with clusters of ``chunks`` blocks, :func:`.arrays.run`) and exchange their summaries
+    through distributed shared memory (:func:`_cluster_exchange`); ``wsp`` is unused.
     """
     width, decode, encode = word_codec(kind)
     words = threads * slots
-    issue, land, sums, land_fold = _stage(kind, threads, slots, has_where, False,
-                                          groups(slots, stages))
-    first, arrive = _items(threads, slots, stages, issue)
+    issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False)
+    arrive = _arrive(threads, slots, issue)
     exchange = _cluster_exchange(threads, 2)
     results = _word_results(op, kind)
     row_state = _row_state(op)
@@ -541,7 +160,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
     collect = _row_summary(kind, True, threads, slots, has_where, 2, True)
     zero = float32(0.0)
 
-    @kernel(threads, _fit(threads, slots, stages)[1])
+    @kernel(threads, _fit(threads, slots)[1])
     def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp):
         stage = cuda.shared.array(0, uint32)
         flag = cuda.shared.array(1, int32)
@@ -550,8 +169,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
         lane = cuda.threadIdx.x
         total = n_rows * chunks
         buf = cuda.local.array(width, float32)
-        t = first(stage, x, nw, chunks, total)
-        k = 0
+        t = cuda.blockIdx.x
         while t < total:
             if cluster:  # the cluster is the row, the rank its chunk (no division)
                 r = cluster_id()
@@ -559,18 +177,14 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
                 off = 0
                 issue(stage, 0, x[r], nw, c * words + lane, lane)
             else:
-                off = arrive(stage, x, nw, chunks, total, t, k)
+                off = arrive(stage, x, nw, chunks, t)
                 r = t // chunks
                 c = t - r * chunks
             xr = x[r]
             wr = w[r if has_where else 0]
             orow = out[r]
             base = c * words + lane
-            if folded:
-                m_t, s_t = land_fold(stage, off, wr, nw, base, lane)
-            else:
-                m_t = land(stage, off, wr, nw, base, lane)
-                s_t, _, _ = sums(stage, off, nw, base, lane, m_t)
+            m_t, s_t = land_fold(stage, off, wr, nw, base, lane)
             m, s = pair_reduce(m_t, s_t, scratch)
             if cluster:  # the row's summary from the other blocks of the cluster
                 m, s, _, _ = exchange(m, s, zero, zero, summary, scratch, chunks)
@@ -588,10 +202,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
                             masked_nan)
                     a, b, c2, d = encode(buf, 0)
                     store16(orow, wi * width, a, b, c2, d)
-            if stages == 1:  # one item per block: no loop
-                break
-            t += cuda.gridDim.x
-            k += 1
+            break  # one chunk per block
         if cluster:  # leave once every peer has read this block's summary
             cluster_wait()
 
@@ -600,10 +211,11 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool, sta
 
 @functools.cache
 def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: bool,
-                  stages: int, cluster: bool = False):
+                  cluster: bool = False):
     """Kernel ``(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
-    smoothing, has_ignore, ignore)`` (the signature of :func:`.rowkernels.cross_entropy`) with
-    the fused gradient, laid out as :func:`normalize`.
+    smoothing, has_ignore, ignore)`` (the signature of
+    :func:`.cross_entropy_kernels.cross_entropy`) with the fused gradient, laid out as
+    :func:`normalize`.
 
     The loss and the gradient are those of the register kernel: ``grad = scale *
     (softmax(x) - y)`` written from the staged words with ``y`` the smoothing share only, then
@@ -614,10 +226,9 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
     width, decode, encode = word_codec(kind)
     words = threads * slots
     fields = 4 if smooth else 2
-    issue, land, sums, _ = _stage(kind, threads, slots, has_where, smooth,
-                                  groups(slots, stages))
+    issue, land, sums, _ = _stage(kind, threads, slots, has_where, smooth)
+    arrive = _arrive(threads, slots, issue)
     exchange = _cluster_exchange(threads, fields)
-    first, arrive = _items(threads, slots, stages, issue)
     exp = exponential("float32")
     pair_reduce, sum_reduce, _ = group_reducers(threads, "float32")
     publish = _slots("float32", fields)[0]
@@ -627,7 +238,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
     store_loss = storer("float32")
     nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
 
-    @kernel(threads, _fit(threads, slots, stages)[1])
+    @kernel(threads, _fit(threads, slots)[1])
     def row_kernel(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
                    smoothing, has_ignore, ignore):
         stage = cuda.shared.array(0, uint32)
@@ -640,8 +251,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
         n = nw * width
         g_scale = scale[0]
         buf = cuda.local.array(width, float32)
-        t = first(stage, x, nw, chunks, total)
-        k = 0
+        t = cuda.blockIdx.x
         while t < total:
             if cluster:  # the cluster is the row, the rank its chunk (no division)
                 r = cluster_id()
@@ -649,7 +259,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
                 off = 0
                 issue(stage, 0, x[r], nw, c * words + lane, lane)
             else:
-                off = arrive(stage, x, nw, chunks, total, t, k)
+                off = arrive(stage, x, nw, chunks, t)
                 r = t // chunks
                 c = t - r * chunks
             xr = x[r]
@@ -733,470 +343,8 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
                         total_loss += share * (zsum - cnt * log_s)
                     res = zero - total_loss
                 store_loss(loss[r], 0, res)
-            if stages == 1:  # one item per block: no loop
-                break
-            t += cuda.gridDim.x
-            k += 1
+            break  # one chunk per block
         if cluster:  # leave once every peer has read this block's summary
             cluster_wait()
-
-    return row_kernel
-
-
-@functools.cache
-def _row_state(op: str):
-    """Device function ``row_state(m, s, m_t, masked_nan) -> (nan_row, inf_row, empty, log_s,
-    f, regular)`` for a row of summary ``(m, s)`` and a thread of maximum ``m_t``: the row's
-    kind, ``log s`` (0 on special rows), the thread's factor ``f = exp(m_t - m) / s`` (NaN
-    where every output is NaN, 0 where every output is 0), and whether the thread's values
-    take the usual formula (tested once a word instead of for every value)."""
-    is_log = op == "log_softmax"
-    exp = exponential("float32")
-    nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
-
-    def row_state(m, s, m_t, masked_nan):
-        nan_row = m != m
-        inf_row = m == POS_INF
-        empty = m == neg_inf
-        log_s = log_f32(s) if not (nan_row or inf_row or empty) else zero
-        f = zero
-        if nan_row or inf_row or (masked_nan and empty):
-            f = nan
-        elif not empty and m_t > neg_inf:
-            f = exp(m_t - m) * (one / s)
-        if is_log:
-            regular = not (nan_row or inf_row or empty)
-        else:
-            regular = f == f and f != zero
-        return nan_row, inf_row, empty, log_s, f, regular
-
-    return device_function(row_state)
-
-
-@functools.cache
-def _word_results(op: str, kind: str):
-    """Device function ``results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
-    masked_nan)``: the outputs of the ``width`` values of one word in ``buf``, in place, by the
-    rules of :func:`normalize` (``m`` the row's maximum, ``m_t`` the thread's, ``f =
-    exp(m_t - m) / S``, ``regular`` the row's usual case)."""
-    is_log = op == "log_softmax"
-    width = word_codec(kind)[0]
-    exp = exponential("float32")
-    nan, neg_inf, zero = float32(NAN), float32(NEG_INF), float32(0.0)
-
-    def results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty, masked_nan):
-        for v in range(width):
-            x_v = buf[v]
-            if regular:
-                o = (x_v - m) - log_s if is_log else exp(x_v - m_t) * f
-            elif is_log:
-                if nan_row or (masked_nan and empty):
-                    o = nan
-                elif inf_row:
-                    o = nan if x_v == POS_INF else neg_inf
-                elif empty:
-                    o = x_v  # -inf: nothing is allowed
-                else:
-                    o = (x_v - m) - log_s
-            elif f != f:
-                o = nan
-            elif f == zero:
-                o = zero
-            else:
-                o = exp(x_v - m_t) * f
-            buf[v] = o
-
-    return device_function(results)
-
-
-@functools.cache
-def _whole_fold(kind: str, threads: int, slots: int):
-    """Device function ``fold(stage, lane) -> (m_t, s_t)``: ``land_fold`` of :func:`_stage`
-    for a thread whose words are all in the row and all allowed (no ``where``), with fewer
-    instructions a value: each word read from the stage in one 16-byte load, the group's
-    maximum taken on the packed words (two 16-bit values an instruction), no range tests."""
-    width, decode, _ = word_codec(kind)
-    n_groups = groups(slots, 1)
-    per = slots // n_groups
-    exp = exponential("float32")
-    raise_max = _raise_max()
-    packed = width == 8
-    bf16 = kind == "bfloat16"
-    pmax = max_bf16x2 if bf16 else max_f16x2
-    lowest = uint32(0xFF80FF80 if bf16 else 0xFC00FC00)  # -inf in both halves
-    neg_inf, zero = float32(NEG_INF), float32(0.0)
-    held = per * 4
-
-    def fold(stage, lane):
-        words = cuda.local.array(held, uint32)
-        buf = cuda.local.array(width, float32)
-        m = neg_inf
-        s = zero
-        for g in range(n_groups):
-            cp_async_pending(n_groups - 1 - g)
-            pm = lowest
-            gm = neg_inf
-            for i in range(per):
-                a, b, c, d = load_shared16(stage, (lane + (g * per + i) * threads) * 4)
-                words[4 * i] = a
-                words[4 * i + 1] = b
-                words[4 * i + 2] = c
-                words[4 * i + 3] = d
-                if packed:
-                    pm = pmax(pm, pmax(pmax(a, b), pmax(c, d)))
-                else:
-                    gm = max_nan(gm, max_nan(max_nan(f32_from_bits(a), f32_from_bits(b)),
-                                             max_nan(f32_from_bits(c), f32_from_bits(d))))
-            if packed:
-                if bf16:
-                    lo = f32_from_bits(pm << 16)
-                    hi = f32_from_bits(pm & 0xFFFF0000)
-                else:
-                    lo, hi = unpack_f16(pm)
-                gm = max_nan(lo, hi)
-            mn = max_nan(m, gm)
-            m, s = raise_max(m, s, mn)
-            if m > neg_inf and m < POS_INF:
-                for i in range(per):
-                    decode(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3],
-                           buf, 0)
-                    for v in range(width):
-                        s += exp(buf[v] - m)
-        return m, s
-
-    return device_function(fold)
-
-
-@functools.cache
-def _part_exchange(kind: str, threads: int, part_slots: int, has_where: bool, parts: int,
-                   spin: int = SPIN_POLLS):
-    """Device function ``exchange(wsp, r, h, m, s, xr, wr, nw, scratch, flag) -> (M, S)``: the
-    row's summary for a block of the cluster that holds part ``h`` of row ``r`` (``(m, s)``
-    that part's summary, ``part_slots`` words a thread of the part), the other ``parts - 1``
-    parts held by other clusters.
-
-    Thread 0 of each block claims the part's 64-bit slot ``parts r + h`` in device memory with
-    a compare-and-swap from zero and keeps what the slot holds after it (every block of the
-    cluster has merged the same pairs in the same order, so the first claim publishes the
-    part's summary for all), then polls the other parts' slots (relaxed loads: a 64-bit slot
-    is the whole message) for at most :data:`.rowkernels.WAIT_NS` in all.  A part still
-    missing then (its cluster not resident) is summarized by the block itself from device
-    memory and claimed the same way.  The parts reach the block's threads through shared
-    memory and every thread merges them in slot order, so every block of the row gets the same
-    summary.  Every thread of the block calls it; ``scratch[48:48 + 2 parts]`` carries the
-    parts.
-    """
-    if not 2 <= parts <= (SCRATCH - 48) // 2:
-        raise ValueError(f"a row of {parts} clusters: 2 to {(SCRATCH - 48) // 2} are served")
-    stream_stats = _chunk_stream(kind, True, threads, part_slots, has_where, False, True)
-    pair_reduce = group_reducers(threads, "float32")[0]
-    merge = summary_ops("float32")[1]
-    free = uint64(0)
-    wait = uint64(WAIT_NS)
-    low = uint64(0xFFFFFFFF)
-    shift = uint64(32)
-    every = (1 << parts) - 1
-
-    def claim(wsp, k, m, s):
-        """The slot's summary once ``(m, s)`` has been offered to it (the first one wins)."""
-        packed = uint64(bits_from_f32(m)) | (uint64(bits_from_f32(s)) << shift)
-        old = cuda.atomic.cas(wsp[0], k, free, packed)  # never 0: a finite max has a sum >= 1
-        return packed if old == free else old
-
-    claim = device_function(claim)
-
-    def put(scratch, i, word):
-        scratch[i] = f32_from_bits(word & low)
-        scratch[i + 1] = f32_from_bits(word >> shift)
-
-    put = device_function(put)
-
-    def exchange(wsp, r, h, m, s, xr, wr, nw, scratch, flag):
-        tid = cuda.threadIdx.x
-        first = parts * r
-        if tid == 0:
-            # the claim and the first reads of the other slots in flight together; a slot
-            # is its whole message, so relaxed loads suffice
-            packed = uint64(bits_from_f32(m)) | (uint64(bits_from_f32(s)) << shift)
-            old = cuda.atomic.cas(wsp[0], first + h, free, packed)
-            put(scratch, 48 + 2 * h, packed if old == free else old)
-            got = 1 << h
-            start = globaltimer()
-            polls = 0
-            pause = POLL_NS
-            while True:
-                for k in range(parts):
-                    if not (got >> k) & 1:
-                        word = load_l2(wsp[0], first + k)
-                        if word != free:
-                            put(scratch, 48 + 2 * k, word)
-                            got |= 1 << k
-                if got == every or globaltimer() - start >= wait:
-                    break
-                polls += 1
-                if polls > spin:  # then back off: fewer L2 requests
-                    nanosleep(pause)
-                    pause = min(2 * pause, MAX_POLL_NS)
-            flag[0] = int32(every ^ got)
-        cuda.syncthreads()
-        missing = flag[0]
-        if missing != 0:  # rare: summarize the parts whose clusters have not published
-            for k in range(parts):
-                if (missing >> k) & 1:
-                    mt, st, _, _ = stream_stats(xr, wr, nw, k * threads * part_slots + tid)
-                    mk, sk = pair_reduce(mt, st, scratch)
-                    if tid == 0:
-                        put(scratch, 48 + 2 * k, claim(wsp, first + k, mk, sk))
-                    cuda.syncthreads()
-        m = scratch[48]
-        s = scratch[49]
-        for k in range(1, parts):
-            m, s = merge(m, s, scratch[48 + 2 * k], scratch[49 + 2 * k])
-        return m, s
-
-    return device_function(exchange)
-
-
-@functools.cache
-def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
-               whole: bool = False, split: int = 0, ahead: int = 0, spin: int = SPIN_POLLS,
-               parts: int = 1, held: int = 0):
-    """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp, spread)`` (the signature of
-    :func:`normalize`, and ``spread``: :func:`stagger`'s nanoseconds): softmax or log_softmax
-    on a persistent grid of thread-block clusters of ``chunks`` blocks, a block per chunk of
-    ``threads * slots`` words (:func:`shared_bytes` of dynamic shared memory with one stage).
-
-    The grid is the clusters that fit on the device at once (:func:`.arrays.resident_clusters`)
-    and cluster ``c`` of ``C`` walks rows ``c, c + C, c + 2C, ...``; the groups that walk one
-    row fewer start ``spread`` ns apart.  With ``parts`` above 1 a row is ``parts`` clusters of
-    ``split`` blocks (``parts p`` to ``parts p + parts - 1`` walk rows ``p, p + C / parts,
-    ...``, each an equal part of the chunks) that exchange their parts' summaries through device
-    memory once a row (:func:`_part_exchange`: ``wsp`` holds zeroed slots, ``parts`` a row).  Per
-    row, each thread folds its copy groups into a running (max, sum) as they land (``land_fold``
-    of :func:`_stage`; :func:`_whole_fold` with ``whole``: every row ``chunks`` whole chunks and
-    no ``where``), each warp merges its threads' pairs by shuffles and publishes the pair in its
-    block's shared memory, and one cluster barrier later every warp reads the ``chunks x warps``
-    pairs of the cluster (distributed shared memory) and merges them itself: one barrier per
-    row, no block barrier.  The pairs alternate between two slots by row parity, so a slot is
-    rewritten only after every peer has passed the barrier that follows its last read of it.  The
-    outputs are then written word by word, and each staged word, once read back for its store,
-    is refilled with the same word of the cluster's next row (``cp.async``, committed by copy
-    group, so the fold of the next row waits group by group): the next row's loads are in flight
-    while this row is written, and no cluster waits for a launch between rows.  With ``whole``,
-    the first ``ahead`` copy groups of each thread are read back into registers as soon as the
-    fold is done and refilled at once, so that part of the next row is in flight during the
-    cluster barrier and the exchange too.  A thread reads back only the words it copied itself,
-    so no barrier guards the stage.  Before it exits a block arrives at and waits on the cluster
-    barrier once more, so that no block's shared memory goes while a peer may read it.
-    """
-    if held and (parts > 1 or not whole or has_where or ahead):
-        raise ValueError("words held in registers serve rows of one cluster, whole chunks, "
-                         "no where and none read ahead")
-    width, decode, encode = word_codec(kind)
-    words = threads * (slots + held)  # a chunk: ``slots`` words a thread staged, ``held`` kept
-    n_groups = groups(slots, 1)
-    per = slots // n_groups
-    issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False, n_groups)
-    lean = whole and not has_where
-    ahead = ahead if lean else 0
-    fold = _whole_fold(kind, threads, slots) if lean else None
-    kept_words = max(1, 4 * per * ahead)  # 32-bit words a thread keeps across the exchange
-    results = _word_results(op, kind)
-    row_state = _row_state(op)
-    exp = exponential("float32")
-    merge = summary_ops("float32")[1]
-    warp_pair = group_reducers(min(32, threads), "float32")[0]  # shuffles only: no scratch
-    warps = max(1, threads // 32)
-    pairs = 4 * warps  # (max, sum) per warp, two slots by row parity
-    held_words = 4 * per  # 32-bit words of a copy group of one thread
-    several = parts > 1
-    # 16-bit softmax: the exponent's error from log2 S (|log2 S| u_A, at most 2^-19 for rows
-    # of 2^19 values) is far below the 16-bit rounding; float32 keeps exp(x - m_t) * f
-    short = width == 8
-    part_exchange = (_part_exchange(kind, threads, slots * split, has_where, parts, spin)
-                     if several else None)
-    is_log = op == "log_softmax"
-    neg_inf, zero = float32(NEG_INF), float32(0.0)
-
-    def regular_word(orow, i, a, b, c, d, m, m_t, f, log_s, log2_s, buf):
-        """Write the outputs of the staged word ``a, b, c, d`` of a usual row at ``orow[i]``."""
-        decode(a, b, c, d, buf, 0)
-        for v in range(width):
-            if is_log:
-                buf[v] = (buf[v] - m) - log_s
-            elif short:  # 2^((x - M) log2 e - log2 S): one FMA, one ex2
-                buf[v] = ex2((buf[v] - m) * float32(LOG2E) - log2_s)
-            else:
-                buf[v] = exp(buf[v] - m_t) * f
-        a, b, c, d = encode(buf, 0)
-        store16(orow, i, a, b, c, d)
-
-    regular_word = device_function(regular_word)
-
-    def reload(kw, k, row, i):
-        """Load the 16 bytes at element ``i`` of ``row`` into held word ``k``."""
-        a, b, c, d = load16(row, i)
-        kw[4 * k] = a
-        kw[4 * k + 1] = b
-        kw[4 * k + 2] = c
-        kw[4 * k + 3] = d
-
-    reload = device_function(reload)
-    raise_max = _raise_max()
-    # with held words, two blocks a multiprocessor: their registers allow twice the budget
-    registers = min(255, 65536 // (threads * blocks_per_sm(threads, slots, 1))) if held else None
-    n_held = held
-    kw_words = max(1, 4 * held)
-
-    @kernel(threads, _fit(threads, slots, 1)[1], registers=registers)
-    def row_kernel(x, w, masked_nan, out, n_rows, nw, chunks, wsp, spread):
-        stage = cuda.shared.array(0, uint32)
-        summary = cuda.shared.array(pairs, float32)
-        scratch = cuda.shared.array(SCRATCH, float32)
-        flag = cuda.shared.array(1, int32)
-        lane = cuda.threadIdx.x
-        wl = lane % 32
-        size = chunks // parts  # blocks of a cluster
-        cid = cluster_id()
-        h = cid % parts  # the part of the row's chunks this cluster holds
-        row_base = (h * size + cluster_rank()) * words
-        base = row_base + lane
-        step = cuda.gridDim.x // chunks  # the clusters (groups of clusters) of the grid
-        total = size * warps  # warp pairs of a cluster
-        buf = cuda.local.array(width, float32)
-        held = cuda.local.array(held_words, uint32)
-        kept = cuda.local.array(kept_words, uint32)
-        kw = cuda.local.array(kw_words, uint32)  # the held words (registers)
-        r = cid // parts
-        late = r - n_rows % step + 1  # > 0: the group walks one row fewer than the first ones
-        if spread > 0 and late > 0 and n_rows % step > 0:
-            start = globaltimer()
-            while globaltimer() - start < uint64(spread * late):
-                nanosleep(256)
-        if r < n_rows:
-            issue(stage, 0, x[r], nw, base, lane)
-            for k in range(n_held):
-                reload(kw, k, x[r], (base + (slots + k) * threads) * width)
-        slot = 0
-        while r < n_rows:
-            # the thread's offsets derived afresh each row: hoisted, the words' addresses
-            # would be live across the loop (and spilled)
-            lane = opaque(cuda.threadIdx.x)
-            base = opaque(row_base) + lane
-            wr = w[r if has_where else 0]
-            orow = out[r]
-            nxt = r + step
-            more = nxt < n_rows
-            xn = x[nxt if more else r]
-            if lean:
-                m_t, s_t = fold(stage, lane)
-                if n_held:  # the words in registers: their maximum, then their exponentials
-                    gm = neg_inf
-                    for k in range(n_held):
-                        decode(kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3], buf, 0)
-                        for v in range(width):
-                            gm = max_nan(gm, buf[v])
-                    m_t, s_t = raise_max(m_t, s_t, max_nan(m_t, gm))
-                    if m_t > neg_inf and m_t < POS_INF:
-                        for k in range(n_held):
-                            decode(kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3], buf,
-                                   0)
-                            for v in range(width):
-                                s_t += exp(buf[v] - m_t)
-            else:
-                m_t, s_t = land_fold(stage, 0, wr, nw, base, lane)
-            for g in range(ahead):  # kept in registers; the next row's words on their way
-                for i in range(per):
-                    j = g * per + i
-                    q = (lane + j * threads) * 4
-                    a, b, c, d = load_shared16(stage, q)
-                    kept[4 * j] = a
-                    kept[4 * j + 1] = b
-                    kept[4 * j + 2] = c
-                    kept[4 * j + 3] = d
-                    if more:
-                        cp_async16(stage, q, xn, (base + j * threads) * width)
-                cp_async_commit()
-            m, s = warp_pair(m_t, s_t, summary)
-            if wl == 0:
-                summary[slot + 2 * (lane // 32)] = m
-                summary[slot + 2 * (lane // 32) + 1] = s
-            cluster_arrive()
-            cluster_wait()  # every warp's pair of the row is written
-            m = neg_inf
-            s = zero
-            for k in range(wl, total, 32):
-                peer = k // warps
-                i = slot + 2 * (k - peer * warps)
-                m, s = merge(m, s, cluster_load(summary, i, peer),
-                             cluster_load(summary, i + 1, peer))
-            m, s = warp_pair(m, s, summary)
-            if several:  # the other parts' summaries, from the other clusters
-                m, s = part_exchange(wsp, r, h, m, s, x[r], wr, nw, scratch, flag)
-            nan_row, inf_row, empty, log_s, f, regular = row_state(m, s, m_t, masked_nan)
-            log2_s = log_s * float32(LOG2E)
-            if lean and regular:  # the usual case: no tests a value
-                for k in range(n_held):  # written, then reloaded with the next row's
-                    wi = base + (slots + k) * threads
-                    regular_word(orow, wi * width, kw[4 * k], kw[4 * k + 1], kw[4 * k + 2],
-                                 kw[4 * k + 3], m, m_t, f, log_s, log2_s, buf)
-                    if more:
-                        reload(kw, k, xn, wi * width)
-                for g in range(ahead):  # the words kept in registers (constant indices)
-                    for i in range(per):
-                        j = g * per + i
-                        regular_word(orow, (base + j * threads) * width, kept[4 * j],
-                                     kept[4 * j + 1], kept[4 * j + 2], kept[4 * j + 3], m,
-                                     m_t, f, log_s, log2_s, buf)
-                for g in range(ahead, n_groups):
-                    for i in range(per):  # the group read back first, then written
-                        a, b, c, d = load_shared16(stage, (lane + (g * per + i) * threads) * 4)
-                        held[4 * i] = a
-                        held[4 * i + 1] = b
-                        held[4 * i + 2] = c
-                        held[4 * i + 3] = d
-                    for i in range(per):
-                        j = g * per + i
-                        wi = base + j * threads
-                        regular_word(orow, wi * width, held[4 * i], held[4 * i + 1],
-                                     held[4 * i + 2], held[4 * i + 3], m, m_t, f, log_s,
-                                     log2_s, buf)
-                        if more:  # the word is read back: refill it with the next row's
-                            cp_async16(stage, (lane + j * threads) * 4, xn, wi * width)
-                    cp_async_commit()
-            else:
-                for k in range(n_held):
-                    wi = base + (slots + k) * threads
-                    decode(kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3], buf, 0)
-                    results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
-                            masked_nan)
-                    a, b, c, d = encode(buf, 0)
-                    store16(orow, wi * width, a, b, c, d)
-                    if more:
-                        reload(kw, k, xn, wi * width)
-                for g in range(n_groups):
-                    early = g < ahead
-                    for j in range(g * per, (g + 1) * per):
-                        wi = base + j * threads
-                        if wi < nw:
-                            q = (lane + j * threads) * 4
-                            if early:  # a rare row: the word read again (kept stays
-                                # in registers only if indexed by constants)
-                                a, b, c, d = load16(x[r], wi * width)
-                            else:
-                                a, b, c, d = stage[q], stage[q + 1], stage[q + 2], stage[q + 3]
-                            decode(a, b, c, d, buf, 0)
-                            results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
-                                    masked_nan)
-                            a, b, c, d = encode(buf, 0)
-                            store16(orow, wi * width, a, b, c, d)
-                            if more and not early:
-                                cp_async16(stage, q, xn, wi * width)
-                    if not early:
-                        cp_async_commit()
-            r = nxt
-            slot = 2 * warps - slot
-        cluster_arrive()  # leave once every peer has read this block's pairs
-        cluster_wait()
 
     return row_kernel

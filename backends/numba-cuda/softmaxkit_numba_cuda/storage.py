@@ -13,7 +13,7 @@ import functools
 from numba import float32, float64, int16
 from numba.core.types import float16
 
-from .intrinsics import (
+from .primitives import (
     bf16_to_f32,
     bits_from_f32,
     device_function,
@@ -22,7 +22,7 @@ from .intrinsics import (
     f64_from_words,
     words_from_f64,
 )
-from .wide import load16, pack_bf16, pack_f16, store16, unpack_f16
+from .ptx import load16, pack_bf16, pack_f16, store16, unpack_f16
 
 ACCUMULATOR = {"float16": float32, "bfloat16": float32, "float32": float32, "float64": float64}
 """Storage dtype name -> the numba type the kernels accumulate in."""

@@ -8,9 +8,10 @@ import numpy as np
 
 from softmaxkit.dtypes import accumulator_name, lookup
 
-from . import summarykernels
+from . import summary_kernels
 from .arrays import dummy, empty, kernel_view, launch, library, rows, run
-from .kernels import dtype_name, row_reduce
+from .rows import dtype_name, row_reduce
+from .settings import SETTINGS, Settings
 
 
 def _contiguous(a: Any, lib: str) -> Any:
@@ -23,7 +24,8 @@ def _contiguous(a: Any, lib: str) -> Any:
     return np.ascontiguousarray(a)
 
 
-def summarize(*, xp: Any, x: Any, where: Any, values: Any) -> tuple[Any, Any, Any]:
+def summarize(*, xp: Any, x: Any, where: Any, values: Any,
+              settings: Settings = SETTINGS) -> tuple[Any, Any, Any]:
     """``(max [R], mass [R], numerator [R, Dv] or None)`` of each row of ``x`` [R, N]."""
     lib = library(x)
     kin = dtype_name(x.dtype)
@@ -36,12 +38,12 @@ def summarize(*, xp: Any, x: Any, where: Any, values: Any) -> tuple[Any, Any, An
         num = empty(xp, x, (n_rows, values.shape[-1]), acc)
     if n_rows == 0:
         return m, mass, num
-    row_reduce("summarize", xp, x, where, m, mass, True)
+    row_reduce("summarize", xp, x, where, m, mass, True, settings)
     if num is not None and num.shape[-1] > 0:
         xr = rows(x, lib)
         w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
         with launch(x, lib) as stream:
-            run(summarykernels.numerators(kin), n_rows, 128, stream, kernel_view(xr, lib), w,
+            run(summary_kernels.numerators(kin), n_rows, 128, stream, kernel_view(xr, lib), w,
                 where is not None, kernel_view(_contiguous(values, lib), lib),
                 kernel_view(m.reshape(n_rows, 1), lib), kernel_view(num, lib), n)
     return m, mass, num
@@ -67,7 +69,7 @@ def merge(*, xp: Any, maxes: Any, masses: Any, numerators: Any) -> tuple[Any, An
             else dummy(lib, device, acc_name).reshape(1, 1, 1))
     nv = kernel_view(num, lib) if num is not None else dummy(lib, device, acc_name)
     with launch(maxes, lib) as stream:
-        run(summarykernels.merge(acc_name), -(-threads // 256), 256, stream,
+        run(summary_kernels.merge(acc_name), -(-threads // 256), 256, stream,
             kernel_view(_contiguous(maxes, lib), lib),
             kernel_view(_contiguous(masses, lib), lib), nums, numerators is not None,
             kernel_view(m, lib), kernel_view(mass, lib), nv, n_rows, dv)

@@ -1,5 +1,5 @@
 """Row kernels that walk each row in tiles: the VJPs, weighted logsumexp and cross-entropy
-with probability targets (the operations :mod:`.rowkernels` does not hold on chip).
+with probability targets (the operations :mod:`.row_kernels` does not hold on chip).
 
 Every kernel takes 2-D C-contiguous ``[rows, N]`` arrays, read as *words* of one element, or
 of 16 bytes (:func:`.storage.word_io`).  A group of ``threads`` threads (a warp or less with
@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import functools
 
-from numba import float32, float64
-
-from .intrinsics import NAN, NEG_INF, POS_INF, cuda, device_function, kernel, log_f32, log_f64
+from .primitives import (
+    NAN,
+    NEG_INF,
+    POS_INF,
+    accumulator,
+    cuda,
+    device_function,
+    kernel,
+    log_f32,
+    log_f64,
+)
 from .reductions import SCRATCH, exponential, group_reducers, summary_ops
 from .storage import loader, word_io
-
-
-def _acc(kind: str) -> tuple[str, object]:
-    return ("float64", float64) if kind == "float64" else ("float32", float32)
 
 
 @functools.cache
@@ -36,7 +40,7 @@ def _first_pass(kin: str, vector: bool, threads: int, slots: int, cached: bool,
                 keep_exp: bool, count: bool = False):
     """Device functions ``load_tile`` and ``row_stats``: the row's maximum, normalizer and
     (with ``count``) number of included positions (allowed, above ``-inf``)."""
-    acc_name, acc = _acc(kin)
+    acc_name, acc = accumulator(kin)
     width, load_word, _ = word_io(kin, vector)
     values = slots * width
     merge = summary_ops(acc_name)[1]
@@ -133,7 +137,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     of ``index``, or the probabilities ``probs`` (``[rows, N]`` elements of storage ``kp``)
     when ``kp`` is given.
     """
-    acc_name, acc = _acc(kin)
+    acc_name, acc = accumulator(kin)
     soft = kp != ""
     load_prob = loader(kp or "float32", acc_name)
     load_tile, row_stats = _first_pass(kin, vector, threads, slots, cached, False, True)
@@ -243,7 +247,7 @@ def vjp(op: str, kin: str, kc: str, kout: str, threads: int, slots: int, rows_pe
     log_softmax_vjp: ``c - exp(logp) * sum(c)`` over allowed positions (``logp > -inf``).
     Both accumulate in the accumulator dtype of the output dtype.
     """
-    acc_name, acc = _acc(kout)
+    acc_name, acc = accumulator(kout)
     _, load_y, _ = word_io(kin, False)
     _, load_c, _ = word_io(kc, False)
     _, _, store = word_io(kout, False)
@@ -321,7 +325,7 @@ def logsumexp_weighted(kin: str, kb: str, kout: str, threads: int, slots: int,
     NaN; on a ``+inf`` row the result is ``+inf`` with the sign of the weights at ``+inf``
     (NaN when they have both signs), as in spec/semantics.md.
     """
-    acc_name, acc = _acc(kout)
+    acc_name, acc = accumulator(kout)
     load_x = loader(kin, acc_name)
     load_b = loader(kb, acc_name)
     _, _, store = word_io(kout, False)

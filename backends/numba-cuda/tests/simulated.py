@@ -8,8 +8,8 @@ pytest process that has already imported numba)::
     NUMBA_ENABLE_CUDASIM=1 python simulated.py plans
 
 ``kit`` runs the conformance kit on the numpy target; ``plans`` forces each row strategy
-(warp per row, block per row, several tiles per row) on random rows with special values and
-compares every operation with the reference backend, which computes in float64 here.
+(warp per row, block per row, several tiles per row) through the adapters' ``settings`` on
+random rows with special values and compares every operation with the reference backend.
 """
 
 from __future__ import annotations
@@ -30,51 +30,46 @@ PERSIST_OPS = ("softmax", "log_softmax")
 PLANS = {"32,1": (304, ("float32", "bfloat16"), PLAN_OPS),
          "32,4": (302, ("float64", "float32"), PLAN_OPS),
          "32,1,staged": (304, ("float32", "bfloat16"), STAGED_OPS),
-         "32,1,staged,ring2": (304, ("float32", "bfloat16"), STAGED_OPS),
          "staged-800": (800, ("float32",), STAGED_OPS),
          "staged-1608": (1608, ("bfloat16", "float16"), STAGED_OPS),
          "staged-2200": (2200, ("float32",), STAGED_OPS),
-         "32,1,staged,fold0": (304, ("float32",), STAGED_OPS),
          "staged-800,cluster": (800, ("float32",), STAGED_OPS),
          "staged-1608,cluster": (1608, ("bfloat16",), STAGED_OPS),
          "staged-800,persist": (800, ("float32",), PERSIST_OPS),
          "staged-1608,persist": (1608, ("bfloat16", "float16"), PERSIST_OPS),
          "staged-1024,persist": (1024, ("float32",), PERSIST_OPS),
          "staged-2048,persist": (2048, ("bfloat16", "float16", "float32"), PERSIST_OPS),
-         "staged-2048,persist,held0": (2048, ("float32",), PERSIST_OPS),
          "staged-4096,persist": (4096, ("bfloat16",), PERSIST_OPS),
-         "staged-1024,persist,ahead1": (1024, ("float32",), PERSIST_OPS),
-         "staged-2048,persist,ahead16": (2048, ("bfloat16", "float32"), PERSIST_OPS),
-         "staged-4096,persist,parts4": (4096, ("float32",), PERSIST_OPS),
-         "staged-1024,persist,stagger1,rows5": (1024, ("float32",), PERSIST_OPS),
-         "staged-2048,persist,held2": (2048, ("float32",), PERSIST_OPS),
-         "staged-4096,persist,held2": (4096, ("bfloat16",), PERSIST_OPS)}
+         "staged-1024,persist,rows5": (1024, ("float32",), PERSIST_OPS)}
 """Forced "threads,slots" -> (row length, dtypes, operations): rows split across 2-3 blocks
 of one warp, in 16-byte words and, for float32 rows of 302 elements, element by element; the
-same with split rows staged in shared memory, one stage per block or two (a persistent grid
-copying ahead), and with the sum of exponentials in a pass of its own (``fold0``).
-"staged-N": the default plans on rows of N
+same with split rows staged in shared memory.  "staged-N": the default plans on rows of N
 elements, which the register plan splits: staged in shared memory, one block per row (200 and
 201 words) or two blocks (550 words); with ``cluster``, rows of one chunk take the cluster
-kernels as a cluster of one block (``SOFTMAXKIT_NUMBA_CUDA_CLUSTER=all``), the only cluster
-the simulator can run: the exchange through the cluster's shared memory and its barriers run,
-on the block itself; with ``persist``, the persistent grid of clusters
-(``SOFTMAXKIT_NUMBA_CUDA_PERSIST=all``) as two clusters of one block, each walking three of
-the six rows (refilling its stage with the next row's words as it writes; rows of 1024
-and 2048 elements fill the chunk, so calls without ``where`` take the whole-chunk fold;
-float32 rows of 2048 elements and bfloat16 rows of 4096 are two chunks, two clusters a row
-exchanging through device memory, where the simulator's one-block-at-a-time schedule takes
-the fallback that summarizes the other half from device memory); ``aheadN``: N copy groups
-of the whole-chunk rows read back before the summary exchange (the default is none; 16: all);
-``parts4``: float32 rows of 4096 elements (four chunks) as four clusters a row
-(``SOFTMAXKIT_NUMBA_CUDA_ROW_CLUSTERS=4``), the first summarizing the three others;
-``stagger1,rows5``: five rows over two clusters, the second (one row fewer) starting late
-(``SOFTMAXKIT_NUMBA_CUDA_STAGGER=1``); ``heldN``: rows of two chunks as one chunk twice as
-long, N words a thread kept in registers (``SOFTMAXKIT_NUMBA_CUDA_HELD=N``; float32 keeps 4
-by default, so its rows of 2048 elements are one cluster unless ``held0``).  Every input has
-an ascending row (its maximum rises in every copy group) and a row whose first quarter is
--inf (copy groups that land while the maximum is -inf).
+kernels as a cluster of one block (the setting ``cluster="all"``), the only cluster the
+simulator can run: the exchange through the cluster's shared memory and its barriers run, on
+the block itself; with ``persist``, the persistent grid of clusters (``persist="all"``) as
+two clusters of one block, each walking three of the six rows (refilling its stage with the
+next row's words as it writes; rows of 1024 and 2048 elements fill the chunk, so calls without
+``where`` take the whole-chunk fold; float32 rows of 2048 elements are one chunk twice as long
+with 4 words a thread kept in registers; bfloat16 rows of 4096 elements are two chunks, two
+clusters a row exchanging through device memory, where the simulator's one-block-at-a-time
+schedule takes the fallback that summarizes the other half from device memory); ``rows5``:
+five rows over two clusters, the second (one row fewer) starting late.  Every input has an
+ascending row (its maximum rises in every copy group) and a row whose first quarter is -inf
+(copy groups that land while the maximum is -inf).
 (Short rows, a group of threads each, are the simulator's default plan in the kit.)"""
+
+
+def settings_of(forced: str):
+    """The backend's settings for a key of :data:`PLANS`."""
+    from softmaxkit_numba_cuda.settings import Settings
+
+    parts = forced.split(",")
+    plan = None if forced.startswith("staged-") else (int(parts[0]), int(parts[1]))
+    return Settings(plan=plan, staged=forced.startswith("staged-") or "staged" in parts,
+                    cluster="all" if "cluster" in parts else "",
+                    persist="all" if "persist" in parts else "")
 
 
 def emit(**record: object) -> None:
@@ -127,65 +122,77 @@ def _compare(got: np.ndarray, expected: np.ndarray, dtype: str) -> None:
 
 
 def _outputs(op: str, backend: str, x: np.ndarray, where: np.ndarray, target: np.ndarray,
-             cot: np.ndarray) -> list:
+             cot: np.ndarray, settings: object) -> list:
+    """``op``'s results on the rows of ``x``: through the frontend for the reference, through
+    the backend's adapters with ``settings`` for numba-cuda."""
+    import array_api_compat.numpy as xp
+    from softmaxkit_numba_cuda import rows as adapters
+    from softmaxkit_numba_cuda import summaries
+
     import softmaxkit as sk
 
+    fast = backend == "numba-cuda"
     n = x.shape[-1]
     if op in ("softmax", "log_softmax"):
+        if fast:
+            fn = getattr(adapters, op)
+            return [fn(xp=xp, x=x, where=where, masked="zero", out_dtype=x.dtype,
+                       settings=settings),
+                    fn(xp=xp, x=x, where=None, masked="nan", out_dtype=x.dtype,
+                       settings=settings)]
         fn = getattr(sk, op)
         return [fn(x, axis=-1, where=where, backend=backend),
                 fn(x, axis=-1, masked="nan", backend=backend)]
     if op == "logsumexp":
+        if fast:
+            return list(adapters.logsumexp(xp=xp, x=x, b=None, where=where, return_sign=True,
+                                          out_dtype=x.dtype, settings=settings))
         return list(sk.logsumexp(x, axis=-1, return_sign=True, where=where, backend=backend))
     if op == "summarize":
+        if fast:
+            return list(summaries.summarize(xp=xp, x=x, where=where, values=None,
+                                            settings=settings)[:2])
         s = sk.summarize(x, axis=-1, where=where, backend=backend)
         return [s.max, s.mass]
     if op.startswith("cross_entropy"):
         xf = np.where(np.isfinite(x.astype(np.float64)), x, 0).astype(x.dtype)
         allowed = where | (np.arange(n) == target[:, None])
-        with sk.backend_opts(prioritize=backend):
-            if op == "cross_entropy":  # smoothed, masked, with gradient
-                return list(sk.cross_entropy(
-                    xf, target, reduction="none", ignore_index=-1, label_smoothing=0.1,
-                    where=allowed, return_grad=True, backend=backend))
-            # plain targets: the gradient written from the kept exponentials, and the
-            # loss alone (the last block of a row writes it)
-            loss, grad = sk.cross_entropy(xf, target, reduction="none", ignore_index=-1,
-                                          return_grad=True, backend=backend)
-            alone = sk.cross_entropy(x, target, reduction="none", ignore_index=-1,
-                                     backend=backend)
-            return [loss, grad, alone]
+        if fast:
+            def ce(logits, w, eps, grad):
+                return adapters.cross_entropy(
+                    xp=xp, logits=logits, index=target, probs=None, where=w, ignore_index=-1,
+                    label_smoothing=eps, grad_scale=1.0 if grad else None,
+                    out_dtype=logits.dtype, settings=settings)
+
+            if op == "cross_entropy":
+                return list(ce(xf, allowed, 0.1, True))
+            return [*ce(xf, None, 0.0, True), ce(x, None, 0.0, False)[0]]
+        if op == "cross_entropy":  # smoothed, masked, with gradient
+            return list(sk.cross_entropy(
+                xf, target, reduction="none", ignore_index=-1, label_smoothing=0.1,
+                where=allowed, return_grad=True, backend=backend))
+        # plain targets: the gradient written from the kept exponentials, and the loss alone
+        # (the last block of a row writes it)
+        loss, grad = sk.cross_entropy(xf, target, reduction="none", ignore_index=-1,
+                                      return_grad=True, backend=backend)
+        alone = sk.cross_entropy(x, target, reduction="none", ignore_index=-1, backend=backend)
+        return [loss, grad, alone]
     primal = (sk.softmax if op == "softmax_vjp" else sk.log_softmax)(
         x, axis=-1, where=where, backend="reference")
-    fn = getattr(sk, op)
-    with sk.backend_opts(prioritize=backend):
-        return [fn(primal, cot, axis=-1, where=where)]
+    if fast:
+        kw = {"probs" if op == "softmax_vjp" else "logprobs": primal}
+        return [getattr(adapters, op)(xp=xp, cotangent=cot, where=where, out_dtype=x.dtype,
+                                     settings=settings, **kw)]
+    return [getattr(sk, op)(primal, cot, axis=-1, where=where, backend=backend)]
 
 
 def plans() -> None:
     rng = np.random.default_rng(7)
     for forced, (n, dtypes, ops) in PLANS.items():
-        options = forced.split(",")[1 if forced.startswith("staged-") else 2:]
-        if forced.startswith("staged-"):
-            os.environ.pop("SOFTMAXKIT_NUMBA_CUDA_PLAN", None)
-        else:
-            os.environ["SOFTMAXKIT_NUMBA_CUDA_PLAN"] = ",".join(forced.split(",")[:2])
-        staged = forced.startswith("staged-") or "staged" in options
-        os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGED"] = "1" if staged else "0"
-        os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"] = "2" if "ring2" in options else "1"
-        os.environ["SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"] = "0" if "fold0" in options else "1"
-        os.environ["SOFTMAXKIT_NUMBA_CUDA_CLUSTER"] = "all" if "cluster" in options else "1"
-        os.environ["SOFTMAXKIT_NUMBA_CUDA_PERSIST"] = "all" if "persist" in options else "1"
-        for prefix, name in (("ahead", "STAGE_AHEAD"), ("parts", "ROW_CLUSTERS"),
-                             ("stagger", "STAGGER"), ("held", "HELD")):
-            value = [o[len(prefix):] for o in options if o.startswith(prefix)]
-            if value:
-                os.environ[f"SOFTMAXKIT_NUMBA_CUDA_{name}"] = value[0]
-            else:
-                os.environ.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
+        settings = settings_of(forced)
         for dtype in dtypes:
             x, where = _inputs(rng, dtype, n)
-            if "rows5" in options:
+            if "rows5" in forced:
                 x, where = x[:5], where[:5]
             target = rng.integers(0, n, size=len(x))
             target[0] = -1
@@ -193,16 +200,13 @@ def plans() -> None:
             for op in ops:
                 rid = f"plan[{forced}]-{op}[{dtype}]"
                 try:
-                    outs = {b: _outputs(op, b, x, where, target, cot)
+                    outs = {b: _outputs(op, b, x, where, target, cot, settings)
                             for b in ("numba-cuda", "reference")}
                     for got, expected in zip(outs["numba-cuda"], outs["reference"], strict=True):
                         _compare(got, expected, dtype)
                     emit(id=rid, status="passed", message="")
                 except Exception:
                     emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
-    for name in ("PLAN", "STAGED", "STAGE_RING", "STAGE_FOLD", "CLUSTER", "PERSIST",
-                 "STAGE_AHEAD", "ROW_CLUSTERS", "STAGGER", "HELD"):
-        os.environ.pop(f"SOFTMAXKIT_NUMBA_CUDA_{name}", None)
 
 
 def main() -> None:

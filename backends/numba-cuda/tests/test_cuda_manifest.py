@@ -88,13 +88,11 @@ def test_plans_with_smaller_blocks():
     assert long.grid(3) == 24
 
 
-def test_plan_override(monkeypatch):
-    monkeypatch.setenv(plan.OVERRIDE, "64,2")
-    p = plan.choose(1000, 4)
+def test_plan_override():
+    p = plan.choose(1000, 4, forced=(64, 2))
     assert (p.threads, p.slots, p.chunks) == (64, 2, 8)
-    monkeypatch.setenv(plan.OVERRIDE, "8,2")
-    assert plan.choose(16, 4).threads == 8  # a short row: groups of 8 threads
-    split = plan.choose(1000, 4)  # a split row needs blocks of whole warps
+    assert plan.choose(16, 4, forced=(8, 2)).threads == 8  # a short row: groups of 8 threads
+    split = plan.choose(1000, 4, forced=(8, 2))  # a split row needs blocks of whole warps
     assert (split.threads, split.rows_per_block, split.chunks) == (32, 1, 16)
     with pytest.raises(ValueError):
         plan.make(48, 2, 10)
@@ -116,15 +114,12 @@ def test_staged_plans_fit_shared_memory(n):
         assert p.chunks == 1
 
 
-def test_staged_plan_overrides(monkeypatch):
-    monkeypatch.setenv(plan.OVERRIDE, "64,1")
-    assert plan.staged(300) == plan.make(64, 1, 300, group_threads=64)
-    monkeypatch.setenv(plan.STAGE_OVERRIDE, "256,16")
-    assert plan.staged(8192).chunks == 2
-    p = plan.staged(100, simulator=True)
+def test_staged_plan_overrides():
+    assert plan.staged(300, forced=(64, 1)) == plan.make(64, 1, 300, group_threads=64)
+    assert plan.staged(8192, forced=(256, 16)).chunks == 2
+    p = plan.staged(100, simulator=True, forced=(256, 16))
     assert (p.threads, p.chunks, p.rows_per_block) == (256, 1, 1)
-    monkeypatch.delenv(plan.STAGE_OVERRIDE)
-    monkeypatch.delenv(plan.OVERRIDE)
+    assert plan.staged(300, forced=(16, 1)) == plan.staged(300)  # not whole warps: ignored
     assert plan.staged(200, simulator=True).chunks == 1  # one warp of 8 words each
     assert plan.staged(300, simulator=True).chunks == 2
 
@@ -135,9 +130,7 @@ def test_staged_plan_overrides(monkeypatch):
     (262144, 2, 8),  # 512 KB: the largest default cluster
     (100000, 4, 7),  # a row that does not divide: 7 equal chunks, the last one short
 ])
-def test_clustered_plans(monkeypatch, cols, itemsize, chunks):
-    for name in (plan.CLUSTER, plan.STAGE_OVERRIDE, plan.OVERRIDE):
-        monkeypatch.delenv(name, raising=False)
+def test_clustered_plans(cols, itemsize, chunks):
     n = cols * itemsize // plan.WORD_BYTES
     p = plan.clustered(n)
     assert p == plan.staged(n)  # the staged chunks, launched as one cluster
@@ -147,46 +140,31 @@ def test_clustered_plans(monkeypatch, cols, itemsize, chunks):
     assert p.grid(3) == 3 * chunks  # a cluster of `chunks` blocks per row
 
 
-def test_clustered_plans_decline(monkeypatch):
-    for name in (plan.CLUSTER, plan.STAGE_OVERRIDE, plan.OVERRIDE):
-        monkeypatch.delenv(name, raising=False)
+def test_clustered_plans_decline():
     assert plan.clustered(4096) is None  # 64 KB: one block, nothing to exchange
     bf16_1m = 524288 * 2 // plan.WORD_BYTES  # 16 chunks: through device memory by default
     assert plan.staged(bf16_1m).chunks == 16 and plan.clustered(bf16_1m) is None
     assert plan.clustered(8192, simulator=True) is None  # the simulator: one block only
-    monkeypatch.setenv(plan.CLUSTER, "0")
-    assert plan.clustered(8192) is None
-    monkeypatch.setenv(plan.CLUSTER, "16")  # non-portable clusters of up to 16 blocks
-    assert plan.clustered(bf16_1m).chunks == 16
-    assert plan.clustered(bf16_1m * 2) is None  # 32 chunks
-    monkeypatch.setenv(plan.CLUSTER, "2")
-    assert plan.clustered(8192).chunks == 2 and plan.clustered(16384) is None
-    monkeypatch.setenv(plan.CLUSTER, "all")  # clusters of one block, as the simulator runs
-    assert plan.clustered(100, simulator=True).chunks == 1
-    assert plan.clustered(4096).chunks == 1
-    assert plan.clustered(8192, simulator=True) is None
+    assert plan.clustered(8192, mode="0") is None
+    # non-portable clusters of up to 16 blocks
+    assert plan.clustered(bf16_1m, mode="16").chunks == 16
+    assert plan.clustered(bf16_1m * 2, mode="16") is None  # 32 chunks
+    assert plan.clustered(8192, mode="2").chunks == 2 and plan.clustered(16384, mode="2") is None
+    # clusters of one block, as the simulator runs
+    assert plan.clustered(100, simulator=True, mode="all").chunks == 1
+    assert plan.clustered(4096, mode="all").chunks == 1
+    assert plan.clustered(8192, simulator=True, mode="all") is None
 
 
-def test_clustered_plan_overrides(monkeypatch):
-    monkeypatch.delenv(plan.CLUSTER, raising=False)
-    monkeypatch.setenv(plan.STAGE_OVERRIDE, "256,8")  # 32 KB chunks
-    p = plan.clustered(4096)
+def test_clustered_plan_overrides():
+    p = plan.clustered(4096, forced=(256, 8))  # 32 KB chunks
     assert (p.threads, p.slots, p.chunks) == (256, 8, 2)
-    assert plan.clustered(32768) is None  # 16 chunks: more than the default cluster
-    monkeypatch.setenv(plan.STAGE_OVERRIDE, "512,16")
-    assert plan.clustered(131072) is None
-    monkeypatch.setenv(plan.CLUSTER, "16")
-    assert plan.clustered(131072).chunks == 16
+    assert plan.clustered(32768, forced=(256, 8)) is None  # 16 chunks: more than the default
+    assert plan.clustered(131072, forced=(512, 16)) is None
+    assert plan.clustered(131072, mode="16", forced=(512, 16)).chunks == 16
 
 
-def _clear(monkeypatch):
-    for name in (plan.CLUSTER, plan.PERSIST, plan.STAGE_OVERRIDE, plan.OVERRIDE,
-                 plan.ROW_CLUSTERS):
-        monkeypatch.delenv(name, raising=False)
-
-
-def test_persistent_plans(monkeypatch):
-    _clear(monkeypatch)
+def test_persistent_plans():
     bf16_1m = 524288 * 2 // plan.WORD_BYTES  # 16 chunks of 64 KB: one 16-block cluster
     p = plan.persistent(bf16_1m, threads=128)
     assert (p.threads, p.slots, p.chunks) == (128, 32, 16)
@@ -198,75 +176,61 @@ def test_persistent_plans(monkeypatch):
     assert plan.persistent(f32_1m * 2) is None  # 64 chunks: through device memory
     # 17 chunks of 64 KB cannot be halved: 9 chunks of up to 128 KB, one cluster
     assert plan.persistent(4096 * 17).chunks == 9
-    monkeypatch.setenv(plan.PERSIST, "wide")  # 128 KB chunks, one cluster a row
-    p = plan.persistent(f32_1m)
+    p = plan.persistent(f32_1m, mode="wide")  # 128 KB chunks, one cluster a row
     assert (p.threads, p.slots, p.chunks) == (256, 32, 16) and plan.row_clusters(p) == 1
-    monkeypatch.setenv(plan.PERSIST, "0")
-    assert plan.persistent(bf16_1m) is None
-    monkeypatch.setenv(plan.PERSIST, "1")
-    monkeypatch.setenv(plan.CLUSTER, "0")  # no clusters at all
-    assert plan.persistent(bf16_1m) is None
+    assert plan.persistent(bf16_1m, mode="0") is None
+    assert plan.persistent(bf16_1m, cluster="0") is None  # no clusters at all
 
 
-def test_row_clusters_setting(monkeypatch):
-    _clear(monkeypatch)
-    f32_1m = 524288 * 4 // plan.WORD_BYTES  # 32 chunks of 64 KB
-    p = plan.persistent(f32_1m)
-    for forced, parts in (("4", 4), ("8", 8), ("2", 2), ("3", 2), ("1", 2), ("64", 2)):
-        monkeypatch.setenv(plan.ROW_CLUSTERS, forced)  # unusable counts: the default
-        assert plan.row_clusters(p) == parts, forced
-    monkeypatch.setenv(plan.ROW_CLUSTERS, "4")
-    p = plan.persistent(f32_1m * 2)  # 64 chunks: four clusters of 16
-    assert p.chunks == 64 and plan.row_clusters(p) == 4
-    bf16_1m = plan.persistent(524288 * 2 // plan.WORD_BYTES, threads=128)  # 16 chunks
-    assert plan.row_clusters(bf16_1m) == 4
-    monkeypatch.setenv(plan.ROW_CLUSTERS, "32")
-    assert plan.row_clusters(bf16_1m) == 1
-    monkeypatch.setenv(plan.PERSIST, "all")
-    monkeypatch.setenv(plan.ROW_CLUSTERS, "4")  # the simulator: clusters of one block
-    p = plan.persistent(1024, simulator=True)
-    assert p.chunks == 4 and plan.row_clusters(p, simulator=True) == 4
-    p = plan.persistent(512, simulator=True)
+def test_row_clusters():
+    p = plan.persistent(524288 * 4 // plan.WORD_BYTES)  # 32 chunks of 64 KB
+    assert plan.row_clusters(p) == 2
+    assert plan.row_clusters(plan.Plan(256, 16, 1, 30)) == 2
+    assert plan.row_clusters(plan.Plan(256, 16, 1, 31)) == 0  # odd: no equal halves
+    assert plan.row_clusters(plan.Plan(256, 16, 1, 34)) == 0  # halves above 16 chunks
+    p = plan.persistent(512, simulator=True, mode="all")  # the simulator: clusters of one
     assert p.chunks == 2 and plan.row_clusters(p, simulator=True) == 2
 
 
-def test_held_plans(monkeypatch):
-    from softmaxkit_numba_cuda import staged
-
-    _clear(monkeypatch)
+def test_held_plans():
     f32 = plan.persistent(524288 * 4 // plan.WORD_BYTES)  # 32 chunks of 64 KB
     # 8 words a thread kept: chunks of 256 x 32 words (128 KB), 24 staged: one cluster of 16
     assert plan.held(f32, 131072, 8) == plan.Plan(256, 24, 1, 16)
     assert plan.held(f32, 131072 + 8192, 8) is None  # 17 such chunks: too many
     assert plan.held(f32, 131072 - 16, 8) is None  # not whole chunks
     assert plan.held(f32, 131072, 32) is None and plan.held(f32, 131072, 0) is None
-    monkeypatch.delenv(staged.HELD, raising=False)
-    assert (staged.held("float32"), staged.held("bfloat16")) == (4, 0)
-    monkeypatch.setenv(staged.HELD, "4")
-    assert (staged.held("float32"), staged.held("bfloat16")) == (4, 4)
 
 
-def test_stagger(monkeypatch):
-    from softmaxkit_numba_cuda import staged
+def test_stagger():
+    from softmaxkit_numba_cuda import persistent
 
-    monkeypatch.setenv(staged.STAGGER, "0")
-    assert staged.stagger(256, 11, 2**21, 4e12) == 0
-    monkeypatch.delenv(staged.STAGGER)  # the default: the last group a wave late
     wave_ns = 2 * 2**21 * 11 / 4e12 * 1e9  # 11 rows read and written at 4 TB/s
-    # 256 = 23 * 11 + 3: the 8 groups that walk 23 rows start one after another
-    assert staged.stagger(256, 11, 2**21, 4e12) == int(wave_ns / 8)
-    assert (staged.stagger(253, 11, 2**21, 4e12), staged.stagger(5, 11, 2**21, 4e12)) == (0, 0)
-    monkeypatch.setenv(staged.STAGGER, "0.5")
-    assert staged.stagger(256, 11, 2**21, 4e12) == int(wave_ns / 16)
+    # 256 = 23 * 11 + 3: the 8 groups that walk 23 rows start one after another, the last a
+    # wave late
+    assert persistent.stagger(256, 11, 2**21, 4e12) == int(persistent.STAGGER * wave_ns / 8)
+    assert persistent.stagger(253, 11, 2**21, 4e12) == 0  # the rows divide evenly
+    assert persistent.stagger(5, 11, 2**21, 4e12) == 0  # fewer rows than groups
 
 
-def test_persistent_plans_in_the_simulator(monkeypatch):
-    _clear(monkeypatch)
+def test_persistent_plans_in_the_simulator():
     assert plan.persistent(256, simulator=True) is None  # only with "all"
-    monkeypatch.setenv(plan.PERSIST, "all")
-    p = plan.persistent(256, simulator=True)  # one chunk: a cluster of one block
+    p = plan.persistent(256, simulator=True, mode="all")  # one chunk: a cluster of one block
     assert p.chunks == 1 and plan.row_clusters(p, simulator=True) == 1
-    p = plan.persistent(512, simulator=True)  # two chunks: two clusters of one block
+    p = plan.persistent(512, simulator=True, mode="all")  # two chunks: two clusters of one
     assert p.chunks == 2 and plan.row_clusters(p, simulator=True) == 2
-    assert plan.persistent(768, simulator=True) is None
-    assert plan.persistent(4096).chunks == 1  # "all" on the GPU: rows of one chunk too
+    assert plan.persistent(768, simulator=True, mode="all") is None
+    assert plan.persistent(4096, mode="all").chunks == 1  # "all" on the GPU: one chunk too
+
+
+def test_settings_from_environ():
+    from softmaxkit_numba_cuda.settings import PREFIX, Settings
+
+    assert Settings.from_environ({}) == Settings()
+    s = Settings.from_environ({PREFIX + "PLAN": "64,2", PREFIX + "STAGED": "0",
+                               PREFIX + "CLUSTER": "16", PREFIX + "PERSIST": "wide"})
+    assert s == Settings(plan=(64, 2), staged=False, cluster="16", persist="wide")
+    assert s.replace(plan=None).plan is None and s.plan == (64, 2)  # frozen: a copy
+    with pytest.raises(ValueError, match="SOFTMAXKIT_NUMBA_CUDA_PLAN"):
+        Settings.from_environ({PREFIX + "PLAN": "64"})
+    with pytest.raises(ValueError, match="SOFTMAXKIT_NUMBA_CUDA_CLUSTER"):
+        Settings.from_environ({PREFIX + "CLUSTER": "some"})

@@ -18,7 +18,7 @@ plan) and take turns, under one lock, for everything that runs on the GPU at ful
 
 Run from the repository root::
 
-    python backends/numba-cuda/gpu_check.py [--quick] [--skip-conformance] [--sweep] \
+    python backends/numba-cuda/tools/gpu_check.py [--quick] [--skip-conformance] [--sweep] \
         [--shapes 4096x32768,256x524288]
 """
 
@@ -46,21 +46,11 @@ MERGE_SHAPES = [(8, 64 * 32, 128)]
 """merge_attention (parts, rows, Dv): 8 key splits of a decode step, 64 x 32 query rows."""
 FORCED_KIT_PLAN = "64,1"
 PLAN_ENV = "SOFTMAXKIT_NUMBA_CUDA_PLAN"
-REGISTERS_ENV = "SOFTMAXKIT_NUMBA_CUDA_REGISTERS"
+"""The backend's settings (backends/numba-cuda/README.md), read when a worker imports it."""
 STAGED_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGED"
 STAGE_PLAN_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_PLAN"
-RING_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_RING"
-GROUPS_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_GROUPS"
-FOLD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_FOLD"
 CLUSTER_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER"
-STAGGER_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGGER"
-HELD_ENV = "SOFTMAXKIT_NUMBA_CUDA_HELD"
 PERSIST_ENV = "SOFTMAXKIT_NUMBA_CUDA_PERSIST"
-POLICY_ENV = "SOFTMAXKIT_NUMBA_CUDA_CLUSTER_POLICY"
-AHEAD_ENV = "SOFTMAXKIT_NUMBA_CUDA_STAGE_AHEAD"
-SPIN_ENV = "SOFTMAXKIT_NUMBA_CUDA_EXCHANGE_SPIN"
-PARTS_ENV = "SOFTMAXKIT_NUMBA_CUDA_ROW_CLUSTERS"
-
 
 def log(*args: Any) -> None:
     print(*args, flush=True)
@@ -280,27 +270,17 @@ def check_ce(x: Any, target: Any) -> tuple[float, float]:
 # -- benchmark jobs (worker processes) -----------------------------------------------------------
 
 
-PLAN_OPTIONS = {"cluster": CLUSTER_ENV, "persist": PERSIST_ENV, "policy": POLICY_ENV,
-                "ahead": AHEAD_ENV, "spin": SPIN_ENV, "parts": PARTS_ENV,
-                "stagger": STAGGER_ENV, "held": HELD_ENV, "ring": RING_ENV,
-                "g": GROUPS_ENV}
+PLAN_OPTIONS = {"cluster": CLUSTER_ENV, "persist": PERSIST_ENV}
 """Plan options ``<prefix><value>`` of :func:`use_plan` and the setting each one sets."""
 
 
 def use_plan(plan: str | None) -> None:
-    """Force ``plan``: ``"threads,slots"``, then comma-separated options: ``staged`` (the plan
-    of the rows staged in shared memory; a row of 2 to 16 such chunks is one thread-block
-    cluster), ``registers`` (the register kernels, no staging), ``ringN`` (N stages per block
-    in the staged kernels), ``gN`` (N copy groups per thread with one stage), ``clusterN``
+    """Force ``plan`` through the backend's settings, before the worker imports it:
+    ``"threads,slots"``, then comma-separated options: ``staged`` (the plan of the rows
+    staged in shared memory), ``registers`` (the register kernels, no staging), ``clusterN``
     (rows of up to N chunks clustered; ``cluster0``: no clusters, the chunks exchange through
-    device memory), ``fold0`` (softmax's sum in a pass of its own), ``persist0`` (no
-    persistent cluster grid; ``persistwide``: 128 KB chunks, one cluster a row, where a row
-    would take two clusters), ``policyNAME`` (its cluster scheduling policy: spread, default,
-    balance), ``aheadN`` (its copy groups read back before the summary exchange), ``spinN``
-    (polls of the exchange between a row's clusters before it pauses), ``partsN`` (N
-    clusters a row, each an equal part of its chunks), ``staggerF`` (the persistent grid's
-    groups that walk one row fewer start up to F of a wave's time late), ``heldN`` (N words a
-    thread kept in registers), or a register budget."""
+    device memory), ``persist0`` (no persistent cluster grid; ``persistwide``: 128 KB chunks,
+    one cluster a row; ``persistall``: rows of fewer chunks too)."""
     if not plan:
         return
     parts = plan.split(",")
@@ -308,15 +288,9 @@ def use_plan(plan: str | None) -> None:
     for extra in parts[2:]:
         if extra in ("staged", "registers"):
             os.environ[STAGED_ENV] = "1" if extra == "staged" else "0"
-        elif extra == "fold0":
-            os.environ[FOLD_ENV] = "0"
-        else:  # a prefixed setting ("g" last: it prefixes none of the others), or a budget
-            prefix = next((p for p in PLAN_OPTIONS if extra.startswith(p)), None)
-            if prefix is None:
-                os.environ[REGISTERS_ENV] = extra
-            else:
-                os.environ[PLAN_OPTIONS[prefix]] = extra[len(prefix):]
-
+        else:
+            prefix = next(p for p in PLAN_OPTIONS if extra.startswith(p))
+            os.environ[PLAN_OPTIONS[prefix]] = extra[len(prefix):]
 
 def _random(shape: tuple[int, ...], dtype: str, seed: int) -> Any:
     import torch
@@ -371,7 +345,7 @@ def ce_job(shape: tuple[int, int], plan: str | None, lock: Any, seed: int) -> li
     import array_api_compat.torch as xpt
     import torch
     import torch.nn.functional as F
-    from softmaxkit_numba_cuda import kernels
+    from softmaxkit_numba_cuda import rows as adapters
 
     import softmaxkit as sk
 
@@ -379,7 +353,7 @@ def ce_job(shape: tuple[int, int], plan: str | None, lock: Any, seed: int) -> li
     ensure_registered()
 
     def fused(x: Any, target: Any, scale: Any) -> Any:
-        return kernels.cross_entropy(
+        return adapters.cross_entropy(
             xp=xpt, logits=x, index=target, probs=None, where=None, ignore_index=None,
             label_smoothing=0.0, grad_scale=scale, out_dtype=x.dtype)
 
@@ -480,27 +454,14 @@ def _job(args: tuple) -> list[dict[str, Any]]:
 
 
 SWEEP = {
-    ("float32", (256, 524288)): ["256,16,staged,held0", "256,16,staged,held8",
-                                 "256,16,staged,stagger0"],
-    ("bfloat16", (256, 524288)): ["128,32,staged,stagger0"],
+    ("float32", (256, 524288)): ["256,16,staged,persistwide"],
+    ("float32", (4096, 32768)): ["256,16,staged,cluster0"],
     ("bfloat16", (4096, 32768)): ["128,32,staged,persistall"],
 }
 """Plans ("threads,slots[,options]", slots in 16-byte words, see :func:`use_plan`) timed for
-softmax and log_softmax next to the default plans (64 KB chunks; a row of 2 to 8 chunks launched
-as one thread-block cluster, rows of 9 to 32 chunks on the persistent grid of clusters under the
-load-balancing cluster policy, float32 rows of whole 128 KB chunks with 4 words a thread kept in
-registers, one cluster a row, other rows one or two clusters a row; the groups of clusters that
-walk one row fewer starting up to a wave late; copy groups folded into a running (max, sum) as
-they land): at 256 x 524288 float32 with no words kept in registers (``held0``: two clusters a
-row, the former default) or 8 (the default keeps 4), both dtypes without the staggered start
-(``stagger0``), and bfloat16 rows of 32768 (one chunk) on the persistent grid
-(``persistall``). Earlier sweeps (a row as 4 or 8 clusters, ``partsN``; the exponentials cached
-in the stage; streaming stores and L2 prefetches; copy groups read back
-before the summary exchange, ``aheadN``; polls of the other half's slot before the first pause,
-``spinN``; 8 copy groups; the spread cluster policy; 256-thread blocks for bfloat16; 128 KB
-chunks in one cluster a row; the former default without the persistent grid, ``persist0``; the
-clusters against the exchange through device memory at 4096 x 32768, ``cluster0``; the sum in a
-pass of its own, ``fold0``; 32 KB chunks, ``256,8``) are recorded in docs/benchmarks-cuda.md."""
+softmax and log_softmax next to the default plans: 128 KB chunks without words kept in
+registers at 256 x 524288 float32, the exchange through device memory instead of clusters at
+4096 x 32768 float32, and bfloat16 rows of 32768 (one chunk) on the persistent grid."""
 CE_SWEEP: dict[tuple[int, int], list[str]] = {
     (4096, 32768): ["256,16,staged", "128,4,registers"],
 }

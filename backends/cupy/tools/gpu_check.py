@@ -10,7 +10,7 @@ float32); then the benchmarks (device-to-device copy; row
 kernels against torch, device time from CUDA graph replays and eager calls; attention forward
 and backward against torch SDPA's flash and cuDNN backends; split-KV decoding; cross-entropy).
 
-Usage: ``python backends/cupy/gpu_check.py [--out DIR] [--skip-bench] [--only STEPS]``; with
+Usage: ``python backends/cupy/tools/gpu_check.py [--out DIR] [--skip-bench] [--only STEPS]``; with
 ``--out`` the table is also written to ``DIR/benchmarks-cupy.md``.  ``--only sweep`` times
 every alternative row configuration instead (not part of the default run).
 """
@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from softmaxkit.testing.tolerance import TOLERANCES
 
 TABLE: list[tuple[str, str, str]] = []  # (what, figure, note)
 FAILURES: list[str] = []
@@ -227,8 +229,8 @@ def rows_check() -> None:
     import torch
     from softmaxkit_cupy.rows import launch_rows
 
-    tol = {torch.bfloat16: (1.6e-2, 1e-3), torch.float16: (2e-3, 1e-4),
-           torch.float32: (2e-6, 1e-7)}
+    tol = {dtype: TOLERANCES[str(dtype)[6:]]
+           for dtype in (torch.bfloat16, torch.float16, torch.float32)}
     # ragged rows (scalar path) and masks (n % 3 == 1), the staged kernels among them
     shapes = ROW_SHAPES + [(1000, 1000), (37, 12345), (5, 200003), (64, 7), (3, 65536 + 8),
                            (7, 30001), (3, 400003), (9, 32768)]
@@ -281,8 +283,8 @@ def grads_check() -> None:
     from softmaxkit_cupy import rows as kr
     from softmaxkit_cupy.configs import GRAD_CONFIGS
 
-    for dtype, (rtol, atol) in ((torch.bfloat16, (1.6e-2, 1e-3)), (torch.float16, (2e-3, 1e-4)),
-                                (torch.float32, (2e-6, 1e-7))):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        rtol, atol = TOLERANCES[str(dtype)[6:]]
         for rows, n, eps, masked in ((4096, 32768, 0.0, False), (1000, 1000, 0.1, True),
                                      (77, 130, 0.0, True), (5, 20000, 0.2, False)):
             if n > GRAD_CONFIGS[-1].capacity(torch.finfo(dtype).bits // 8):
@@ -686,7 +688,7 @@ def _row_excess(op: str, xpt: Any, x: Any, w: Any, config: Any) -> float:
     fin = torch.isfinite(ref)
     if not torch.equal(got[~fin], ref[~fin]) or torch.isnan(got[fin]).any():
         return math.inf
-    rtol, atol = (1.6e-2, 1e-3) if x.dtype == torch.bfloat16 else (2e-3, 1e-4)
+    rtol, atol = TOLERANCES[str(x.dtype)[6:]]
     excess = (got[fin] - ref[fin]).abs() - (atol + rtol * ref[fin].abs())
     return float(excess.max())
 

@@ -2,9 +2,10 @@
 them, without a GPU: registers, spills and stack frame (``ptxas -v`` under the kernel's
 register cap), local-memory accesses, and the width of the global loads and stores.
 
-Needs numba-cuda's NVVM and NVRTC libraries and ``ptxas`` on ``PATH`` (the CUDA toolkit)::
+Needs numba-cuda's NVVM and NVRTC libraries (``pip install -r requirements/ptx.txt``) and
+``ptxas`` on ``PATH`` (the CUDA toolkit)::
 
-    python backends/numba-cuda/ptx_report.py [--keep DIR]
+    python backends/numba-cuda/tools/ptx_report.py [--keep DIR] [--only TEXT]
 
 A row kernel that keeps its chunk in registers shows ``local 0``; 16-byte words show as
 ``ld.global.nc.v4`` / ``st.global.v4``.
@@ -28,8 +29,14 @@ STORAGE = {"float32": "float32", "bfloat16": "int16", "float16": "float16", "flo
 def kernels():
     """(name, kernel, signature, block, slots, kind) of the kernels the benchmarks run: the
     default plans of short, medium and long (split) rows of each dtype."""
-    from softmaxkit_numba_cuda import kernels as k
-    from softmaxkit_numba_cuda import rowkernels, staged
+    from softmaxkit_numba_cuda import (
+        cross_entropy_kernels,
+        persistent,
+        row_kernels,
+        staged,
+        staging,
+    )
+    from softmaxkit_numba_cuda import rows as k
 
     out = []
     for kind in ("float32", "bfloat16", "float64"):
@@ -42,76 +49,69 @@ def kernels():
             rows = 256 // threads if threads <= 32 else 1
             tag = f"{kind}-{threads}x{slots}{'-split' if split else ''}"
             for op in ("softmax", "log_softmax"):
-                fn = rowkernels.normalize(op, kind, kind, True, threads, slots, rows, split,
+                fn = row_kernels.normalize(op, kind, kind, True, threads, slots, rows, split,
                                           False)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
                        "int64, uint64[:, ::1])")
                 out.append((f"{op}-{tag}", fn, sig, threads * rows, slots, kind))
-            fn = rowkernels.reduce("logsumexp", kind, kind, True, threads, slots, rows, split,
+            fn = row_kernels.reduce("logsumexp", kind, kind, True, threads, slots, rows, split,
                                    False)
             sig = (f"({st}[:, ::1], boolean[:, ::1], {st}[:, ::1], {st}[:, ::1], boolean, "
                    f"int64, int64, int64, {acc}[:, ::1], int32[::1])")
             out.append((f"logsumexp-{tag}", fn, sig, threads * rows, slots, kind))
             if kind != "float64":
-                fn = rowkernels.cross_entropy(kind, kind, True, threads, slots, rows, split,
-                                              False, True, False)
+                fn = cross_entropy_kernels.cross_entropy(kind, kind, True, threads, slots, rows,
+                                                         split, False, True, False)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], int64[::1], {acc}[::1], "
                        f"{acc}[:, ::1], {st}[:, ::1], int64, int64, int64, {acc}[:, ::1], "
                        "int32[::1], uint64[:, ::1], float64, boolean, int64)")
                 out.append((f"cross_entropy-{tag}", fn, sig, threads * rows, slots, kind))
     for kind in ("float32", "bfloat16"):
         st = STORAGE[kind]
-        for threads, slots, stages, cluster in ((256, 8, 2, False), (256, 16, 1, False),
-                                                (256, 16, 2, False), (256, 8, 1, True),
-                                                (256, 16, 1, True), (256, 32, 1, True)):
-            tag = f"{kind}-{threads}x{slots}-{'cluster' if cluster else 'staged'}{stages}"
-            cap_slots = staged._fit(threads, slots, stages)[1] // VALUES[kind]
+        for threads, slots, cluster in ((256, 16, False), (256, 8, True), (256, 16, True),
+                                        (256, 32, True)):
+            tag = f"{kind}-{threads}x{slots}-{'cluster' if cluster else 'staged'}1"
+            cap_slots = staging._fit(threads, slots)[1] // VALUES[kind]
             for op in ("softmax", "log_softmax"):
-                fn = staged.normalize(op, kind, threads, slots, False, stages, cluster,
-                                      stages == 1)
+                fn = staged.normalize(op, kind, threads, slots, False, cluster)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
                        "int64, uint64[:, ::1])")
                 out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))
-            fn = staged.cross_entropy(kind, threads, slots, False, False, stages, cluster)
+            fn = staged.cross_entropy(kind, threads, slots, False, False, cluster)
             sig = (f"({st}[:, ::1], boolean[:, ::1], int64[::1], float32[::1], "
                    f"float32[:, ::1], {st}[:, ::1], int64, int64, int64, float32[:, ::1], "
                    "int32[::1], uint64[:, ::1], float64, boolean, int64)")
             out.append((f"cross_entropy-{tag}", fn, sig, threads, cap_slots, kind))
         for threads, slots in ((256, 16), (256, 32), (512, 16)):
             tag = f"{kind}-{threads}x{slots}-persist"
-            cap_slots = staged._fit(threads, slots, 1)[1] // VALUES[kind]
+            cap_slots = staging._fit(threads, slots)[1] // VALUES[kind]
             for op in ("softmax", "log_softmax"):
-                fn = staged.persistent(op, kind, threads, slots, False)
+                fn = persistent.persistent(op, kind, threads, slots, False)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
                        "int64, uint64[:, ::1], int64)")
                 out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))
         if kind == "float64":
             continue
-        # the lean kernels of 256 x 524288 (whole chunks; float32 rows are two clusters, or
-        # four), with none (the default), one, two or all copy groups read back ahead (the
-        # groups' staggered start included)
+        # the lean kernels of 256 x 524288 (whole chunks; float32 rows of 64 KB chunks are
+        # two clusters)
         threads = k.PERSIST_THREADS[kind]
         slots = 64 * 1024 // (16 * threads)
-        cap_slots = staged._fit(threads, slots, 1)[1] // VALUES[kind]
+        cap_slots = staging._fit(threads, slots)[1] // VALUES[kind]
         parts = 2 if kind == "float32" else 1
-        variants = [(parts, ahead) for ahead in (0, 1, 2, 4)]
-        if kind == "float32":  # four clusters a row
-            variants.append((4, 0))
-        for parts, ahead in variants:
-            tag = f"{kind}-{threads}x{slots}-lean-ahead{ahead}" + f"-parts{parts}" * (parts > 2)
-            for op in ("softmax", "log_softmax"):
-                fn = staged.persistent(op, kind, threads, slots, False, True, 32 // parts, ahead,
-                                       parts=parts)
-                sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
-                       "int64, uint64[:, ::1], int64)")
-                out.append((f"{op}-{tag}", fn, sig, threads, cap_slots, kind))
+        for op in ("softmax", "log_softmax"):
+            fn = persistent.persistent(op, kind, threads, slots, False, True, 32 // parts,
+                                   parts=parts)
+            sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
+                   "int64, uint64[:, ::1], int64)")
+            out.append((f"{op}-{kind}-{threads}x{slots}-lean", fn, sig, threads, cap_slots,
+                        kind))
         # 4 (float32's default) or 8 words a thread kept in registers, the rest of a chunk
         # twice as long staged (two blocks a multiprocessor, twice the registers)
         for held in (4, 8):
             staged_slots = 2 * slots - held
-            cap = 65536 // (threads * staged.blocks_per_sm(threads, staged_slots, 1))
+            cap = 65536 // (threads * staging.blocks_per_sm(threads, staged_slots))
             for op in ("softmax", "log_softmax"):
-                fn = staged.persistent(op, kind, threads, staged_slots, False, True, held=held)
+                fn = persistent.persistent(op, kind, threads, staged_slots, False, True, held=held)
                 sig = (f"({st}[:, ::1], boolean[:, ::1], boolean, {st}[:, ::1], int64, int64, "
                        "int64, uint64[:, ::1], int64)")
                 out.append((f"{op}-{kind}-{threads}x{staged_slots}-lean-held{held}", fn, sig,
@@ -122,7 +122,7 @@ def kernels():
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="write the PTX files to this folder")
-    parser.add_argument("--only", help="names containing this text")
+    parser.add_argument("--only", help="names containing one of these comma-separated texts")
     args = parser.parse_args()
     import types
 
@@ -132,7 +132,7 @@ def main() -> None:
     # device functions are compiled for the current device's architecture: stand in sm_90
     dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
 
-    from softmaxkit_numba_cuda.intrinsics import register_cap
+    from softmaxkit_numba_cuda.primitives import register_cap
     from softmaxkit_numba_cuda.storage import VECTOR_WIDTH
 
     ptxas = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
@@ -142,7 +142,7 @@ def main() -> None:
           f"{'ld.v4':>6s} {'st.v4':>6s} {'ld':>4s}")
     failed = False
     for name, fn, sig, block, slots, kind, *fixed in kernels():  # fixed: an explicit cap
-        if args.only and args.only not in name:
+        if args.only and not any(part in name for part in args.only.split(",")):
             continue
         ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
         path = os.path.join(folder, f"{name}.ptx")

@@ -7,7 +7,7 @@ maximum and ascending rows (maxima rising late) into NaN-poisoned outputs and he
 spec's bounds against float64; only variants that pass are timed (CUDA graph replay of 10
 calls, device time), beside torch and a device-to-device copy.
 
-Usage: ``python backends/cupy/sweep_rows16.py [--out DIR] [--dtypes bfloat16,float16]
+Usage: ``python backends/cupy/tools/sweep_rows16.py [--out DIR] [--dtypes bfloat16,float16]
 [--shapes 256x524288] [--labels persist] [--reverse]`` (``--labels``: only variants whose label
 holds one of the comma-separated words, without the declared kernel's layout comparison;
 ``--reverse``: time them in reverse order).
@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 CT = {"bfloat16": "sk_bf16", "float16": "__half"}
 OPS = {"softmax": 0, "log_softmax": 1}
@@ -201,9 +199,11 @@ def excess(op: str, x: object, w: object, got: object,
     ratio of error to bound."""
     import torch
 
-    u = 2.0 ** -8 if x.dtype == torch.bfloat16 else 2.0 ** -11
-    tiny = 2.0 ** -126 if x.dtype == torch.bfloat16 else 2.0 ** -14
-    ua = 2.0 ** -24
+    from softmaxkit.dtypes import accumulator_name
+    from softmaxkit.testing.tolerance import SLACK, TINY, UNIT_ROUNDOFF
+
+    name = str(x.dtype).removeprefix("torch.")
+    u, tiny, ua = UNIT_ROUNDOFF[name], TINY[name], UNIT_ROUNDOFF[accumulator_name(name)]
     x64 = x.double() if w is None else x.double().masked_fill(~w, -math.inf)
     n = x.shape[-1]
     empty = (x64 == -math.inf).all(-1, keepdim=True)
@@ -225,9 +225,9 @@ def excess(op: str, x: object, w: object, got: object,
     if op == "softmax":
         m = torch.where(empty, 0.0, x64.nan_to_num(nan=0.0, posinf=0.0).amax(-1, keepdim=True))
         d = (x64 - m).abs().nan_to_num(nan=0.0, posinf=0.0)
-        bound = (2 * u + ua * (8 + n + 2 * d)) * ref.abs() + tiny
+        bound = (2 * u + ua * (SLACK + n + 2 * d)) * ref.abs() + tiny
     else:
-        bound = 2 * u * ref.abs() + ua * (8 + n + 2 * ref.abs())
+        bound = 2 * u * ref.abs() + ua * (SLACK + n + 2 * ref.abs())
     e = ((g - ref).abs() - bound)[fin]
     r = ((g - ref).abs() / bound)[fin]
     return (float(e.max()), float(r.max())) if e.numel() else (0.0, 0.0)

@@ -7,8 +7,8 @@ the best of ``--repeats`` calls are printed, with the largest difference from SD
 the forward's relative Frobenius error against SDPA in float64 (spec bound for float32:
 1e-5), the load average, the thread counts and the OpenBLAS kernel in use::
 
-    python backends/numba-cpu/benchmarks/attention.py --repeats 9
-    python backends/numba-cpu/benchmarks/attention.py --threads 1 --cpu-time
+    python backends/numba-cpu/tools/attention.py --repeats 9
+    python backends/numba-cpu/tools/attention.py --threads 1 --cpu-time
 
 On a shared machine the second form (one thread each, CPU time of the process) compares the
 work each library does, whatever else runs meanwhile.

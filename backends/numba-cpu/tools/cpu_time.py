@@ -5,7 +5,7 @@ meaningful on a machine shared with other work, where wall-clock times of thread
 not.  Both libraries run on one thread (``numba.set_num_threads(1)``,
 ``torch.set_num_threads(1)``); the minimum over ``--repeats`` calls is kept::
 
-    python backends/numba-cpu/benchmarks/cpu_time.py
+    python backends/numba-cpu/tools/cpu_time.py
 """
 
 from __future__ import annotations

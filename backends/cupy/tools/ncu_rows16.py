@@ -1,7 +1,7 @@
 """Launch one sweep_rows16.py variant for a profiler: one warm-up launch, then one to profile.
 
 Usage (on the GPU machine): ``ncu --clock-control none --kernel-name regex:sk_rows16
---launch-skip 1 --launch-count 1 python backends/cupy/ncu_rows16.py --variant LABEL
+--launch-skip 1 --launch-count 1 python backends/cupy/tools/ncu_rows16.py --variant LABEL
 [--shape 256x524288] [--dtype bfloat16] [--op softmax]``; LABEL is a variant label of the
 shape in sweep_rows16.SWEEP.  Prints the clusters that fit at once for each staged variant.
 """
@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def main() -> int:

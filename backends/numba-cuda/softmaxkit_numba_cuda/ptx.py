@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-from .intrinsics import SIMULATOR, cuda
+from .primitives import SIMULATOR, cuda
 
 if SIMULATOR:
 

@@ -4,7 +4,8 @@ Each function takes the frontend's ``[..., N]`` arrays (validated, dtype policy 
 views them as ``[rows, N]`` without copying when they are contiguous, chooses the plan for
 the row length (:mod:`.plan`) -- in 16-byte words when the rows allow it -- and launches the
 row kernel on the caller's device and current stream.  Results are arrays of the caller's
-library.
+library.  Each takes ``settings`` (:mod:`.settings`; the process's by default), which tests
+replace to force a plan or strategy.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import numpy as np
 from softmaxkit.dtypes import FLOAT_DTYPES, accumulator_name, lookup
 from softmaxkit.dtypes import dtype_name as _dtype_name
 
+from . import cross_entropy_kernels, persistent, row_kernels, staged, staging, tiled
 from . import plan as plans
-from . import rowkernels, staged, tiled
 from .arrays import (
     dummy,
     empty,
@@ -25,13 +26,13 @@ from .arrays import (
     launch,
     library,
     memory_bandwidth,
-    multiprocessors,
     resident_clusters,
     rows,
     run,
     vectorizable,
 )
-from .intrinsics import SIMULATOR
+from .primitives import SIMULATOR
+from .settings import SETTINGS, Settings
 from .storage import VECTOR_WIDTH
 
 WORD_SLOTS = {"float32": (4, 4, 8), "bfloat16": (2, 4, 4), "float16": (2, 4, 4),
@@ -57,16 +58,22 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def _plan(n_words: int, kind: str, vector: bool) -> plans.Plan:
+def _plan(n_words: int, kind: str, vector: bool, settings: Settings) -> plans.Plan:
     if vector:
-        return plans.choose(n_words, WORD_SLOTS[kind], simulator=SIMULATOR,
-                            block=SPLIT_THREADS[kind])
-    return plans.choose(n_words, ELEMENT_SLOTS[kind], simulator=SIMULATOR)
+        return plans.choose(n_words, WORD_SLOTS[kind], SIMULATOR, SPLIT_THREADS[kind],
+                            settings.plan)
+    return plans.choose(n_words, ELEMENT_SLOTS[kind], SIMULATOR, forced=settings.plan)
 
 
-def _tiled_plan(n: int, kind: str, width: int = 1) -> plans.Plan:
+def _tiled_plan(n: int, kind: str, settings: Settings, width: int = 1) -> plans.Plan:
     values = TILE_VALUES // (2 if kind == "float64" else 1)
-    return plans.choose(n, max(1, values // width), simulator=SIMULATOR)
+    return plans.choose(n, max(1, values // width), SIMULATOR, forced=settings.plan)
+
+
+def _staged(kind: str, p: plans.Plan, vector: bool, same_dtype: bool,
+            settings: Settings) -> bool:
+    """Whether rows of plan ``p`` take a staged kernel (:mod:`.staged`, :mod:`.persistent`)."""
+    return settings.staged and staging.enabled(kind, p.split, vector, same_dtype)
 
 
 def _layout(lib: str, kin: str, kout: str, arrays: list[Any]) -> tuple[bool, int, list[Any]]:
@@ -94,25 +101,15 @@ def _slots(xp: Any, like: Any, lib: str, p: plans.Plan, n_rows: int, acc_name: s
     device = getattr(like, "device", None)
     if not p.split:
         return dummy(lib, device, "uint64")
-    fields = rowkernels.SLOT_FIELDS[acc_name]
+    fields = row_kernels.SLOT_FIELDS[acc_name]
     # int64 storage (every library has it), read as unsigned words by the kernel
     wsp = kernel_view(xp.zeros((fields, n_rows * p.chunks), dtype=xp.int64, device=device),
                       lib)
     return wsp.view(np.uint64)
 
 
-def _staged_launch(p: plans.Plan, n_rows: int, stages: int, like: Any,
-                   lib: str) -> tuple[int, int]:
-    """Blocks and dynamic shared memory of a staged kernel (:mod:`.staged`)."""
-    if SIMULATOR:  # two rows at a time: each block takes several items in turn
-        resident = 2 * p.chunks
-    else:
-        resident = multiprocessors(like, lib) * staged.blocks_per_sm(p.threads, p.slots, stages)
-    return (staged.grid(n_rows, p.chunks, resident, stages),
-            staged.shared_bytes(p.threads, p.slots, stages))
-
-
-def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any,
+               settings: Settings) -> Any:
     lib = library(x)
     out = empty(xp, x, tuple(x.shape), out_dtype)
     if out.size == 0:
@@ -121,54 +118,54 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     n_rows, n = xr.shape
     kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
     vector, width, (xv, ov) = _layout(lib, kin, kout, [xr, out.reshape(n_rows, n)])
-    p = _plan(n // width, kin, vector)
+    p = _plan(n // width, kin, vector, settings)
     cluster = 1
     clustered = persist = None
-    if staged.enabled(kin, p.split, vector, kin == kout):
-        persist = plans.persistent(n // width, SIMULATOR, PERSIST_THREADS[kin])
-        clustered = None if persist else plans.clustered(n // width, SIMULATOR)
+    is_staged = _staged(kin, p, vector, kin == kout, settings)
+    forced = settings.stage_plan or settings.plan
+    if is_staged:
+        persist = plans.persistent(n // width, SIMULATOR, PERSIST_THREADS[kin],
+                                   settings.persist, settings.cluster, forced)
+        clustered = (None if persist
+                     else plans.clustered(n // width, SIMULATOR, settings.cluster, forced))
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     if persist is not None:  # a persistent grid of clusters, each walking rows
         p, parts = persist, plans.row_clusters(persist, SIMULATOR)
         whole = n // width == p.chunks * p.chunk_words  # every chunk full
-        held = staged.held(kin) if where is None else 0
+        held = persistent.HELD[kin] if where is None else 0
         kept = plans.held(p, n // width, held, SIMULATOR) if held else None
         if kept is not None:  # chunks twice as long, ``held`` words a thread in registers
             p, parts, whole = kept, 1, True
         else:
             held = 0
         cluster = p.chunks // parts
-        kernel = staged.persistent(op, kin, p.threads, p.slots, where is not None, whole,
-                                   cluster if parts > 1 else 0,
-                                   0 if held else staged.ahead(kin, p.slots), staged.spin(),
-                                   parts, held)
-        shared = staged.shared_bytes(p.threads, p.slots, 1)
+        kernel = persistent.persistent(op, kin, p.threads, p.slots, where is not None, whole,
+                                   cluster if parts > 1 else 0, parts, held)
+        shared = staging.shared_bytes(p.threads, p.slots)
         # several clusters a row exchange through zeroed slots in device memory, one a part
         wsp = _slots(xp, x, lib, plans.Plan(p.threads, p.slots, 1, parts), n_rows, "float32")
         args = (xv, w, masked == "nan", ov, n_rows, n // width, p.chunks, wsp)
         with launch(x, lib) as stream:
-            policy = staged.policy()
+            policy = persistent.POLICY
             fit = resident_clusters(kernel, p.block, stream, args + (0,), shared, cluster,
                                     policy)  # the typed arguments, the spread a placeholder
             rows_at_once = min(n_rows, max(1, fit // parts))
-            spread = staged.stagger(n_rows, rows_at_once, n * x.dtype.itemsize,
+            spread = persistent.stagger(n_rows, rows_at_once, n * x.dtype.itemsize,
                                     memory_bandwidth(x, lib))
             run(kernel, rows_at_once * p.chunks, p.block, stream, *args, spread,
                 shared=shared, cluster=cluster, policy=policy)
         return out
     if clustered is not None:  # the chunks of a row are one thread-block cluster
         p, cluster = clustered, clustered.chunks
-        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None, 1,
-                                  cluster=True, folded=staged.fold())
-        blocks, shared = n_rows * p.chunks, staged.shared_bytes(p.threads, p.slots, 1)
-    elif staged.enabled(kin, p.split, vector, kin == kout):
-        stages = staged.ring()
-        p = plans.staged(n // width, SIMULATOR, plans.STAGE_BYTES // stages)
-        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None, stages,
-                                  folded=stages == 1 and staged.fold())
-        blocks, shared = _staged_launch(p, n_rows, stages, x, lib)
+        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None,
+                                  cluster=True)
+        blocks, shared = n_rows * p.chunks, staging.shared_bytes(p.threads, p.slots)
+    elif is_staged:
+        p = plans.staged(n // width, SIMULATOR, forced=forced)
+        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None)
+        blocks, shared = n_rows * p.chunks, staging.shared_bytes(p.threads, p.slots)
     else:
-        kernel = rowkernels.normalize(op, kin, kout, vector, p.threads, p.slots,
+        kernel = row_kernels.normalize(op, kin, kout, vector, p.threads, p.slots,
                                       p.rows_per_block, p.split, where is not None)
         blocks, shared = p.grid(n_rows), 0
     # clustered rows exchange through distributed shared memory: no slots to zero
@@ -180,18 +177,20 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     return out
 
 
-def softmax(*, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+def softmax(*, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any,
+            settings: Settings = SETTINGS) -> Any:
     """Softmax along the last axis (see ``softmaxkit.reference.rows.softmax``)."""
-    return _normalize("softmax", xp, x, where, masked, out_dtype)
+    return _normalize("softmax", xp, x, where, masked, out_dtype, settings)
 
 
-def log_softmax(*, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+def log_softmax(*, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any,
+                settings: Settings = SETTINGS) -> Any:
     """Log-softmax along the last axis (see ``softmaxkit.reference.rows.log_softmax``)."""
-    return _normalize("log_softmax", xp, x, where, masked, out_dtype)
+    return _normalize("log_softmax", xp, x, where, masked, out_dtype, settings)
 
 
 def row_reduce(op: str, xp: Any, x: Any, where: Any, out: Any, second: Any,
-               return_second: bool) -> None:
+               return_second: bool, settings: Settings = SETTINGS) -> None:
     """Launch the one-pass reduction ``op`` (``"logsumexp"`` or ``"summarize"``) of the rows of
     ``x`` into ``out`` and ``second`` (``[rows]`` arrays; ``second`` may be ``None``)."""
     lib = library(x)
@@ -199,8 +198,8 @@ def row_reduce(op: str, xp: Any, x: Any, where: Any, out: Any, second: Any,
     n_rows, n = xr.shape
     kin, kout = dtype_name(x.dtype), dtype_name(out.dtype)
     vector, width, (xv,) = _layout(lib, kin, kin, [xr])
-    p = _plan(n // width, kin, vector)
-    kernel = rowkernels.reduce(op, kin, kout, vector, p.threads, p.slots, p.rows_per_block,
+    p = _plan(n // width, kin, vector, settings)
+    kernel = row_kernels.reduce(op, kin, kout, vector, p.threads, p.slots, p.rows_per_block,
                                p.split, where is not None)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     acc = lookup(xp, accumulator_name(kin))
@@ -214,7 +213,8 @@ def row_reduce(op: str, xp: Any, x: Any, where: Any, out: Any, second: Any,
 
 
 def logsumexp(
-    *, xp: Any, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
+    *, xp: Any, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any,
+    settings: Settings = SETTINGS,
 ) -> Any:
     """``log |sum(b * exp(x))|`` along the last axis, and its sign with ``return_sign``."""
     lib = library(x)
@@ -224,7 +224,7 @@ def logsumexp(
     if out.size == 0:
         return (out, sign) if return_sign else out
     if b is None:
-        row_reduce("logsumexp", xp, x, where, out, sign, return_sign)
+        row_reduce("logsumexp", xp, x, where, out, sign, return_sign, settings)
         return (out, sign) if return_sign else out
     xr = rows(x, lib)
     n_rows, n = xr.shape
@@ -232,7 +232,7 @@ def logsumexp(
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
     s = (kernel_view(sign.reshape(n_rows, 1), lib) if return_sign
          else dummy(lib, x.device, kout))
-    p = _tiled_plan(n, kout)
+    p = _tiled_plan(n, kout, settings)
     kernel = tiled.logsumexp_weighted(kin, dtype_name(b.dtype), kout, p.threads, p.slots,
                                       p.rows_per_block)
     with launch(x, lib) as stream:
@@ -270,6 +270,7 @@ def cross_entropy(
     label_smoothing: float,
     grad_scale: Any,
     out_dtype: Any,
+    settings: Settings = SETTINGS,
 ) -> tuple[Any, Any]:
     """Per-row loss and, when ``grad_scale`` is given, the fused gradient, in one kernel."""
     lib = library(logits)
@@ -298,7 +299,7 @@ def cross_entropy(
     ignore = 0 if ignore_index is None else int(ignore_index)
     lv = kernel_view(loss.reshape(n_rows, 1), lib)
     if probs is not None:  # probability targets: the tiled kernel
-        p = _tiled_plan(n // width, kin, width)
+        p = _tiled_plan(n // width, kin, settings, width)
         kernel = tiled.cross_entropy(kin, kout, vector, p.threads, p.slots, p.rows_per_block,
                                      p.chunks == 1, dtype_name(probs.dtype))
         pv = kernel_view(rows(probs, lib), lib)
@@ -307,25 +308,25 @@ def cross_entropy(
                 pv, scale, lv, gv, grad is not None, n_rows, n // width, p.chunks,
                 float(label_smoothing), ignore_index is not None, ignore)
         return loss, grad
-    p = _plan(n // width, kin, vector)
+    p = _plan(n // width, kin, vector, settings)
     smooth = float(label_smoothing) != 0.0
     cluster = 1
     clustered = None
-    if grad is not None and staged.enabled(kin, p.split, vector, kin == kout):
-        clustered = plans.clustered(n // width, SIMULATOR)
+    is_staged = grad is not None and _staged(kin, p, vector, kin == kout, settings)
+    forced = settings.stage_plan or settings.plan
+    if is_staged:
+        clustered = plans.clustered(n // width, SIMULATOR, settings.cluster, forced)
     if clustered is not None:
         p, cluster = clustered, clustered.chunks
-        kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth, 1,
-                                      cluster=True)
-        blocks, shared = n_rows * p.chunks, staged.shared_bytes(p.threads, p.slots, 1)
-    elif grad is not None and staged.enabled(kin, p.split, vector, kin == kout):
-        stages = staged.ring()
-        p = plans.staged(n // width, SIMULATOR, plans.STAGE_BYTES // stages)
         kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth,
-                                      stages)
-        blocks, shared = _staged_launch(p, n_rows, stages, logits, lib)
+                                      cluster=True)
+        blocks, shared = n_rows * p.chunks, staging.shared_bytes(p.threads, p.slots)
+    elif is_staged:
+        p = plans.staged(n // width, SIMULATOR, forced=forced)
+        kernel = staged.cross_entropy(kin, p.threads, p.slots, where is not None, smooth)
+        blocks, shared = n_rows * p.chunks, staging.shared_bytes(p.threads, p.slots)
     else:
-        kernel = rowkernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
+        kernel = cross_entropy_kernels.cross_entropy(kin, kout, vector, p.threads, p.slots,
                                           p.rows_per_block, p.split, where is not None,
                                           grad is not None, smooth)
         blocks, shared = p.grid(n_rows), 0
@@ -343,14 +344,15 @@ def cross_entropy(
     return loss, grad
 
 
-def _vjp(op: str, xp: Any, y: Any, c: Any, where: Any, out_dtype: Any) -> Any:
+def _vjp(op: str, xp: Any, y: Any, c: Any, where: Any, out_dtype: Any,
+         settings: Settings) -> Any:
     lib = library(y)
     out = empty(xp, y, tuple(y.shape), out_dtype)
     if out.size == 0:
         return out
     yr, cr = rows(y, lib), rows(c, lib)
     n_rows, n = yr.shape
-    p = _tiled_plan(n, dtype_name(y.dtype))
+    p = _tiled_plan(n, dtype_name(y.dtype), settings)
     kernel = tiled.vjp(
         op, dtype_name(y.dtype), dtype_name(c.dtype), dtype_name(out_dtype), p.threads,
         p.slots, p.rows_per_block, p.chunks == 1,
@@ -363,16 +365,18 @@ def _vjp(op: str, xp: Any, y: Any, c: Any, where: Any, out_dtype: Any) -> Any:
     return out
 
 
-def softmax_vjp(*, xp: Any, probs: Any, cotangent: Any, where: Any, out_dtype: Any) -> Any:
+def softmax_vjp(*, xp: Any, probs: Any, cotangent: Any, where: Any, out_dtype: Any,
+                settings: Settings = SETTINGS) -> Any:
     """``p * (c - sum(p * c))`` along the last axis."""
-    return _vjp("softmax_vjp", xp, probs, cotangent, where, out_dtype)
+    return _vjp("softmax_vjp", xp, probs, cotangent, where, out_dtype, settings)
 
 
 def log_softmax_vjp(
-    *, xp: Any, logprobs: Any, cotangent: Any, where: Any, out_dtype: Any
+    *, xp: Any, logprobs: Any, cotangent: Any, where: Any, out_dtype: Any,
+    settings: Settings = SETTINGS,
 ) -> Any:
     """``c - exp(logp) * sum(c)`` along the last axis."""
-    return _vjp("log_softmax_vjp", xp, logprobs, cotangent, where, out_dtype)
+    return _vjp("log_softmax_vjp", xp, logprobs, cotangent, where, out_dtype, settings)
 
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Online-softmax summaries on the GPU: the numerators of ``summarize`` and the exact
 ``merge`` of summaries (the maxima and masses of ``summarize`` come from
-:func:`.rowkernels.reduce`).
+:func:`.row_kernels.reduce`).
 
 A summary of a row's allowed logits is ``(max, mass, numerator)`` with
 ``mass = sum(exp(x - max))`` and ``numerator = sum(exp(x - max) * values)`` in the accumulator
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import functools
 
-from .intrinsics import NAN, NEG_INF, POS_INF, cuda, device_function, kernel
+from .primitives import NAN, NEG_INF, POS_INF, accumulator, cuda, device_function, kernel
 from .reductions import exponential
-from .rowkernels import _acc
 from .storage import loader
 
 
@@ -25,7 +24,7 @@ def numerators(kin: str):
     """Kernel ``(x, w, has_where, values, maxes, out, n)``: one block per row, threads over
     the value dimension; ``out[r, d] = sum_i exp(x_i - max) * values[r, i, d]`` over the
     allowed positions (an excluded value is never read)."""
-    acc_name, acc = _acc(kin)
+    acc_name, acc = accumulator(kin)
     load = loader(kin, acc_name)
     exp = exponential(acc_name)
     nan, zero = acc(NAN), acc(0.0)
@@ -63,7 +62,7 @@ def merge(acc_name: str):
     """Kernel ``(maxes, masses, nums, has_nums, m_out, mass_out, num_out, n_rows, dv)`` with
     one thread per (row, value index); ``maxes``, ``masses`` are ``[S, R]``, ``nums``
     ``[S, R, Dv]``."""
-    _, acc = _acc(acc_name)
+    _, acc = accumulator(acc_name)
     exp = exponential(acc_name)
     nan, zero, one = acc(NAN), acc(0.0), acc(1.0)
 

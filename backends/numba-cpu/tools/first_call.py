@@ -3,7 +3,7 @@
 Run twice with the same NUMBA_CACHE_DIR: the first run compiles (cold cache), the second
 loads from the cache (warm).  Prints wall and CPU seconds per (operation, dtype)::
 
-    NUMBA_CACHE_DIR=/tmp/nbcache python backends/numba-cpu/benchmarks/first_call.py
+    NUMBA_CACHE_DIR=/tmp/nbcache python backends/numba-cpu/tools/first_call.py
 """
 
 from __future__ import annotations

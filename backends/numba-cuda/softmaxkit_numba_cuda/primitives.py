@@ -9,11 +9,12 @@ the kernel logic the simulator runs in CI is the logic the GPU runs.
 from __future__ import annotations
 
 import math
-import os
 import threading
 
 import numpy as np
-from numba import float32, int32, int64, uint32, uint64
+from numba import float32, float64, int32, int64, uint32, uint64
+
+from softmaxkit.dtypes import accumulator_name
 
 from .compat import import_cuda, simulator_enabled
 
@@ -184,9 +185,17 @@ def f32_to_bf16(value):
     return int32(rounded & 0xFFFF)
 
 
+NUMBA_FLOATS = {"float32": float32, "float64": float64}
+
+
+def accumulator(kind: str) -> tuple[str, object]:
+    """The accumulator of inputs of dtype ``kind`` (:func:`softmaxkit.dtypes.accumulator_name`)
+    and its numba type."""
+    name = accumulator_name(kind)
+    return name, NUMBA_FLOATS[name]
+
+
 _REGISTERS = {1: 32, 2: 32, 4: 32, 8: 40, 16: 56, 32: 80}
-REGISTERS_OVERRIDE = "SOFTMAXKIT_NUMBA_CUDA_REGISTERS"
-"""Environment variable forcing the register budget of kernels compiled afterwards (tuning)."""
 
 
 def register_cap(block: int, values: int, wide: bool = False) -> int:
@@ -197,8 +206,7 @@ def register_cap(block: int, values: int, wide: bool = False) -> int:
     for short rows that 2048 threads can be resident per multiprocessor, keeping enough loads
     in flight to saturate memory.
     """
-    forced = os.environ.get(REGISTERS_OVERRIDE)
-    budget = int(forced) if forced else _REGISTERS.get(values, 64) * (2 if wide else 1)
+    budget = _REGISTERS.get(values, 64) * (2 if wide else 1)
     return max(32, min(255, budget, 65536 // block))
 
 
