@@ -31,10 +31,10 @@ def exact(a: np.ndarray, b: np.ndarray | None) -> tuple[mp.mpf, mp.mpf]:
         keep = [i for i in range(a.size) if (b is None or b[i] != 0) and a[i] != -np.inf]
         av = [mp.mpf(float(a[i])) for i in keep]
         bv = [mp.mpf(1) if b is None else mp.mpf(float(b[i])) for i in keep]
-        total = mp.fsum(w * mp.exp(v) for v, w in zip(av, bv))
+        total = mp.fsum(w * mp.exp(v) for v, w in zip(av, bv, strict=True))
         lse = mp.log(abs(total))
         m = max(av)
-        e = mp.fsum(abs(w) * mp.exp(v - lse) * (m - v) for v, w in zip(av, bv))
+        e = mp.fsum(abs(w) * mp.exp(v - lse) * (m - v) for v, w in zip(av, bv, strict=True))
         bound = 2 * u * abs(lse) + u * tiny + u * (C + a.size) * (abs(lse - m) + e)
     return lse, bound
 
