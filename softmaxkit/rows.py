@@ -110,7 +110,7 @@ def softmax(
     --------
     >>> import numpy as np, softmaxkit as sk
     >>> sk.softmax(np.array([20.0, 18.0, 17.0, -5.0])).round(5)
-    array([0.8438 , 0.1142 , 0.04201, 0.     ])
+    array([0.84379, 0.1142 , 0.04201, 0.     ])
     """
     return _normalize("softmax", x, axis, where, dtype, masked, backend)
 
@@ -197,8 +197,21 @@ def logsumexp(
     Examples
     --------
     >>> import numpy as np, softmaxkit as sk
-    >>> float(sk.logsumexp(np.array([1000.0, 1000.0])))
-    1000.6931471805599
+    >>> sk.logsumexp(np.array([1000.0, 1000.0]))
+    np.float64(1000.6931471805599)
+
+    A term far below the maximum is kept (``log1p``), and the sign of a negative sum:
+
+    >>> sk.logsumexp([0.0, -40.0])
+    np.float64(4.248354255291589e-18)
+    >>> sk.logsumexp([1.0, 2.0], b=[1.0, -1.0], return_sign=True)
+    (np.float64(1.5413248546129181), np.float64(-1.0))
+
+    Other libraries get 0-d arrays, in their own dtype promotion:
+
+    >>> import torch
+    >>> sk.logsumexp(torch.tensor([2.0, 1.0]), b=torch.tensor([1, -1]))
+    tensor(1.5413)
     """
     xp = args.namespace(a=a, b=b, where=where)
     if b is None:
