@@ -38,6 +38,7 @@ def _run(tmp: Path, swap: bool) -> subprocess.Popen:
     env["SCIPY_ARRAY_API"] = json.dumps(BACKENDS)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
     report = tmp / ("softmaxkit.xml" if swap else "scipy.xml")
+    env["SOFTMAXKIT_SWAP_RECORD"] = str(tmp / "swapped.json")
     command = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "select_real",
         *(["-p", "swap_softmaxkit"] if swap else []),
@@ -71,10 +72,17 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scipy_suite")
     procs = {swap: _run(tmp, swap) for swap in (False, True)}  # the two run side by side
     logs = {swap: p.communicate(timeout=900)[0] for swap, p in procs.items()}
+    swapped = tmp / "swapped.json"
     return {
         "scipy": (_outcomes(tmp / "scipy.xml"), logs[False]),
         "softmaxkit": (_outcomes(tmp / "softmaxkit.xml"), logs[True]),
+        "swapped": json.loads(swapped.read_text()) if swapped.exists() else {},
     }
+
+
+def test_the_swapped_run_used_softmaxkit(runs):
+    assert runs["swapped"] == {name: "softmaxkit.rows"
+                               for name in ("logsumexp", "softmax", "log_softmax")}
 
 
 def test_scipy_passes_the_counted_cases(runs):
