@@ -4,8 +4,9 @@ makes, before SciPy's test module imports them.
 
 Load it with ``-p swap_softmaxkit`` (this directory on ``PYTHONPATH``) and ``SCIPY_ARRAY_API``
 set; with ``SOFTMAXKIT_SWAP_RECORD`` naming a file, it writes there which module each swapped
-name of ``scipy.special`` comes from.  SciPy's test helpers look the tested functions up in SciPy's capability table, so the
-replacements are entered there with the capabilities of the functions they replace.
+name of ``scipy.special`` comes from.  SciPy's test helpers look the tested functions up in
+SciPy's capability table, so the replacements are entered there with the capabilities of the
+functions they replace.
 """
 
 from __future__ import annotations
