@@ -107,6 +107,14 @@ def as_array(xp: Any, value: Any, name: str, like: Any = None) -> Any:
         raise TypeError(f"{name} could not be converted to an array: {exc}") from exc
 
 
+def real(xp: Any, x: Any, name: str) -> Any:
+    """``x`` itself if its dtype is real floating, integer or boolean; else a ``TypeError``
+    that names ``name``."""
+    if dtypes.is_float(xp, x.dtype) or dtypes.is_integral(xp, x.dtype):
+        return x
+    return floating(xp, x, name)  # raises the error that fits the dtype
+
+
 def floating(xp: Any, x: Any, name: str) -> Any:
     """``x`` itself if it is real floating; integers and booleans promote to the default float.
 

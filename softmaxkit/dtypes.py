@@ -7,6 +7,8 @@ This module is the one place where spec/semantics.md section "Dtypes" is decided
 * integer and boolean inputs (and Python array-likes) promote to the array library's default
   floating dtype, as SciPy does;
 * the output has the (promoted) input dtype unless ``dtype=`` asks for another floating dtype;
+* results of two inputs (``logsumexp``'s ``a`` and ``b``) follow the caller's library's own
+  promotion (:func:`result_float`);
 * complex inputs are rejected.
 """
 
@@ -92,6 +94,27 @@ def default_float(xp: Any, device: Any = None) -> Any:
         except Exception:  # some libraries reject a device they would accept elsewhere
             return info().default_dtypes()["real floating"]
     return xp.float64
+
+
+def result_float(xp: Any, device: Any, *types: Any) -> Any:
+    """The floating dtype of a result computed from inputs of dtypes ``types``.
+
+    The library's own promotion decides (``xp.result_type``: torch keeps float32 with integer
+    operands, numpy widens float32 with int64 to float64); a result that would be integral
+    becomes the default floating dtype.  Where the library refuses to promote floating with
+    integer dtypes (array_api_strict), integers count as the default floating dtype, as in
+    SciPy.
+    """
+    try:
+        promoted = xp.result_type(*types)
+    except Exception:  # a library without mixed-kind promotion
+        promoted = None
+    if promoted is not None and is_float(xp, promoted):
+        return promoted
+    floats = [t for t in types if is_float(xp, t)]
+    if len(floats) < len(types):
+        floats.append(default_float(xp, device))
+    return xp.result_type(*floats)
 
 
 def lookup(xp: Any, name: str) -> Any:

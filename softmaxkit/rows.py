@@ -11,13 +11,24 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import array_api_compat
+
 from . import arguments as args
+from . import dtypes
 from .dispatch import run
-from .dtypes import dtype_name, output_dtype
+from .dtypes import dtype_name, output_dtype, result_float
 from .frameworks import route
 from .layout import RowLayout
 
 REDUCTIONS = ("mean", "sum", "none")
+
+
+def scalar_result(xp: Any, r: Any) -> Any:
+    """The result convention for 0-d results: a numpy scalar for numpy inputs (as SciPy and
+    numpy's own reductions return), the 0-d array itself for every other library."""
+    if r.ndim == 0 and array_api_compat.is_numpy_namespace(xp):
+        return r[()]
+    return r
 
 
 def _prepare(x: Any, axis: Any, where: Any, name: str = "x") -> tuple[Any, Any, RowLayout, Any]:
@@ -55,7 +66,7 @@ def _normalize(
         _raise_on_empty_rows(xp, xr, wr)
         masked = "zero"
     y = run(op, xp, xr, backend, x=xr, where=wr, masked=masked, out_dtype=out_dtype)
-    return layout.from_rows(xp, y)
+    return scalar_result(xp, layout.from_rows(xp, y))
 
 
 def softmax(
@@ -100,7 +111,7 @@ def softmax(
     --------
     >>> import numpy as np, softmaxkit as sk
     >>> sk.softmax(np.array([20.0, 18.0, 17.0, -5.0])).round(5)
-    array([0.8438 , 0.1142 , 0.04201, 0.     ])
+    array([0.84379, 0.1142 , 0.04201, 0.     ])
     """
     framework = route(x, where)
     if framework is not None:
@@ -195,24 +206,42 @@ def logsumexp(
     Examples
     --------
     >>> import numpy as np, softmaxkit as sk
-    >>> float(sk.logsumexp(np.array([1000.0, 1000.0])))
-    1000.6931471805599
+    >>> sk.logsumexp(np.array([1000.0, 1000.0]))
+    np.float64(1000.6931471805599)
+
+    A term far below the maximum is kept (``log1p``), and the sign of a negative sum:
+
+    >>> sk.logsumexp([0.0, -40.0])
+    np.float64(4.248354255291589e-18)
+    >>> sk.logsumexp([1.0, 2.0], b=[1.0, -1.0], return_sign=True)
+    (np.float64(1.5413248546129181), np.float64(-1.0))
+
+    Other libraries get 0-d arrays, in their own dtype promotion:
+
+    >>> import torch
+    >>> sk.logsumexp(torch.tensor([2.0, 1.0]), b=torch.tensor([1, -1]))
+    tensor(1.5413)
     """
     framework = route(a, b, where)
     if framework is not None:
         return framework.logsumexp(a, axis, b, keepdims, return_sign, where=where, backend=backend)
     xp = args.namespace(a=a, b=b, where=where)
-    a = args.floating(xp, args.as_array(xp, a, "a"), "a")
-    out_dtype = a.dtype
-    if b is not None:
-        b = args.floating(xp, args.as_array(xp, b, "b", like=a), "b")
+    if b is None:
+        a = args.floating(xp, args.as_array(xp, a, "a"), "a")
+        out_dtype = a.dtype
+    else:
+        a = args.real(xp, args.as_array(xp, a, "a"), "a")
+        b = args.real(xp, args.as_array(xp, b, "b", like=a), "b")
+        # the result follows the caller's library's promotion of a and b (torch keeps float32
+        # with integer weights); integer operands are converted to it
+        out_dtype = result_float(xp, array_api_compat.device(a), a.dtype, b.dtype)
+        a, b = (v if dtypes.is_float(xp, v.dtype) else xp.astype(v, out_dtype) for v in (a, b))
         try:
             a, b = xp.broadcast_arrays(a, b)
         except Exception:
             raise ValueError(
                 f"b of shape {tuple(b.shape)} does not broadcast with a of shape {tuple(a.shape)}"
             ) from None
-        out_dtype = xp.result_type(a.dtype, b.dtype)
     layout = RowLayout.of(tuple(a.shape), args.axes(axis, a.ndim))
     w = args.mask(xp, where, tuple(a.shape), like=a)
     ar, br, wr = (layout.to_rows(xp, v) for v in (a, b, w))
@@ -222,8 +251,9 @@ def logsumexp(
     )
     if return_sign:
         lse, sign = result
-        return layout.reduced(xp, lse, keepdims), layout.reduced(xp, sign, keepdims)
-    return layout.reduced(xp, result, keepdims)
+        return (scalar_result(xp, layout.reduced(xp, lse, keepdims)),
+                scalar_result(xp, layout.reduced(xp, sign, keepdims)))
+    return scalar_result(xp, layout.reduced(xp, result, keepdims))
 
 
 def cross_entropy(
@@ -346,8 +376,8 @@ def cross_entropy(
         loss = xp.sum(loss)
     elif reduction == "mean":
         loss = xp.sum(loss) * grad_scale
-    # numpy reductions give scalars; the result is always an array of the caller's library
-    loss = xp.asarray(xp.astype(loss, logits.dtype))
+    # a reduced loss of a numpy input is a numpy scalar, like logsumexp's (scalar_result)
+    loss = scalar_result(xp, xp.asarray(xp.astype(loss, logits.dtype)))
     if return_grad:
         return loss, layout.from_rows(xp, grad)
     return loss
@@ -372,7 +402,7 @@ def _vjp(
     pr, cr, wr = (layout.to_rows(xp, v) for v in (primal, cot, w))
     g = run(op, xp, pr, backend, **{primal_name: pr, "cotangent": cr, "where": wr,
                                      "out_dtype": out_dtype})
-    return layout.from_rows(xp, g)
+    return scalar_result(xp, layout.from_rows(xp, g))
 
 
 def softmax_vjp(

@@ -1,4 +1,4 @@
-"""The examples of the user guide run and print what the pages say."""
+"""The examples of the user guide and the README run and print what the pages say."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 
 import softmaxkit as sk
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
-PAGES = ["semantics.md", "index.md"]
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = ["docs/semantics.md", "docs/index.md", "README.md"]
 
 
 @pytest.mark.parametrize("page", PAGES)
 def test_examples_in_docs(page):
-    path = DOCS / page
+    path = ROOT / page
     if not path.exists():
         pytest.skip(f"{page} not written")
     # the pages set numpy's print options; restore them afterwards

@@ -201,11 +201,54 @@ def test_difference_empty_sum_sign_is_zero():
     assert scipy_call(ss.logsumexp, np.array([-inf]), return_sign=True)[1] == 0.0
 
 
-def test_difference_results_are_arrays_not_scalars():
-    listed("S5")
-    assert isinstance(scipy_call(ss.logsumexp, [1.0, 2.0]), np.floating)
-    got = sk.logsumexp([1.0, 2.0])
-    assert isinstance(got, np.ndarray) and got.shape == ()
+def test_no_difference_numpy_full_reductions_are_scalars():
+    # the rule of spec "Dtypes": numpy scalars for numpy inputs, as SciPy returns
+    assert not re.search(r"\*\*S5\b", spec_differences())
+    for args in (([1.0, 2.0],), (np.array([[1.0, 2.0]]), (0, 1)), (np.float32([1.0]),)):
+        got, expected = sk.logsumexp(*args), ss.logsumexp(*args)
+        assert type(got) is type(expected) and isinstance(got, np.generic)
+        assert got == expected
+    lse, sign = sk.logsumexp([1.0, 2.0], return_sign=True)
+    assert isinstance(lse, np.float64) and isinstance(sign, np.float64)
+    assert isinstance(sk.softmax(np.float64(3.0)), np.float64)
+    assert isinstance(sk.log_softmax(1.0), type(ss.log_softmax(1.0)))
+    # a reduction that keeps an axis is an array, as in SciPy
+    assert isinstance(sk.logsumexp([[1.0, 2.0]], axis=1), np.ndarray)
+    assert isinstance(sk.logsumexp([1.0, 2.0], keepdims=True), np.ndarray)
+
+
+def test_zero_dimensional_results_of_other_libraries_are_arrays():
+    torch = pytest.importorskip("torch")
+    got = sk.logsumexp(torch.tensor([1.0, 2.0]))
+    assert isinstance(got, torch.Tensor) and got.shape == ()
+
+
+def test_logsumexp_result_follows_the_library_promotion():
+    torch = pytest.importorskip("torch")
+    a32 = torch.tensor([2.0, 1.0])
+    for int_dtype in (torch.int32, torch.int64):
+        b = torch.tensor([1, -1], dtype=int_dtype)
+        got = sk.logsumexp(a32, b=b)
+        assert got.dtype == (a32 * b).dtype == torch.float32
+        assert abs(float(got) - np.log(np.exp(2) - np.exp(1))) < 1e-6
+        # integer logits with float32 weights: float32 as well
+        assert sk.logsumexp(torch.tensor([2, 1], dtype=int_dtype), b=a32).dtype == torch.float32
+    # numpy promotes float32 with int64 to float64, as SciPy's result does
+    got = sk.logsumexp(np.float32([2.0, 1.0]), b=np.array([1, -1]))
+    assert got.dtype == ss.logsumexp(np.float32([2.0, 1.0]), b=np.array([1, -1])).dtype
+    assert got.dtype == np.float64
+
+
+def test_difference_zero_weights_exclude_in_every_row():
+    listed("S9")
+    for a in ([inf], [nan], [inf, nan]):
+        b = [0.0] * len(a)
+        assert np.isnan(scipy_call(ss.logsumexp, a, b=b))
+        assert sk.logsumexp(a, b=b) == -inf
+        assert sk.logsumexp(a, b=b, return_sign=True) == (-inf, 0.0)
+    # where another position has a weight, SciPy and softmaxkit agree
+    assert sk.logsumexp([inf, 1.0], b=[0.0, 1.0]) == scipy_call(ss.logsumexp, [inf, 1.0],
+                                                                  b=[0.0, 1.0]) == 1.0
 
 
 def test_difference_16_bit_inputs_accumulate_in_float32():

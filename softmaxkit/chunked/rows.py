@@ -30,6 +30,7 @@ from dask.array.utils import meta_from_array
 
 from ..dispatch import run
 from ..dtypes import accumulator_dtype, dtype_name
+from ..reference.rows import log_abs_sum
 from ..registry import REFERENCE, device_type, registry
 from . import state as st
 
@@ -152,22 +153,23 @@ def _lse_state(x: Any, b: Any, where: Any, *, acc: Any) -> Any:
     finite = xp.isfinite(lse)
     posinf = (lse == math.inf) & ~nan
     level = xp.where(finite, lse, 0.0)
-    mass = xp.where(finite, sign, 0.0)
-    return st.pack(xp, level, mass, nan, posinf & (sign > 0), posinf & (sign < 0))
+    # the chunk's sum is sign * exp(lse): all of it at the level, nothing in the rest
+    head = xp.where(finite, sign, 0.0)
+    return st.pack(xp, level, head, xp.zeros_like(head), nan, posinf & (sign > 0),
+                   posinf & (sign < 0))
 
 
 def _lse_finish(state: Any, return_sign: bool, out_dtype: Any) -> Any:
     """``(lse, sign)`` of each row from its merged state ``[..., WIDTH]``, as the reference."""
     xp = array_api_compat.array_namespace(state)
-    level, mass = state[..., st.LEVEL], state[..., st.MASS]
+    level = state[..., st.LEVEL]
     up, down = state[..., st.UP] != 0, state[..., st.DOWN] != 0
     # +inf logits of both weight signs make inf - inf: NaN, as in one row
     nan = (state[..., st.NAN] != 0) | (up & down)
     posinf = (up | down) & ~nan
-    sign = xp.where(posinf, xp.where(down, -1.0, 1.0), xp.sign(mass))
-    magnitude = xp.abs(mass)
-    zero = magnitude == 0
-    lse = xp.where(zero, -math.inf, level + xp.log(xp.where(zero, 1.0, magnitude)))
+    log_t, sign = log_abs_sum(xp, state[..., st.HEAD], state[..., st.REST])
+    sign = xp.where(posinf, xp.where(down, -1.0, 1.0), sign)
+    lse = level + log_t
     lse = xp.where(posinf, math.inf, lse)
     lse = xp.where(nan, math.nan, lse)
     sign = xp.where(nan, math.nan, sign)
@@ -202,8 +204,8 @@ def _softmax_block(x: Any, where: Any, own: Any, row: Any, *, masked: str, out_d
     xp = array_api_compat.array_namespace(x)
     acc = _acc(xp, x.dtype)
     part = run("softmax", xp, x, None, x=x, where=where, masked="zero", out_dtype=acc)
-    level_c, mass_c = own[..., st.LEVEL], own[..., st.MASS]
-    level, mass = row[..., st.LEVEL], row[..., st.MASS]
+    level_c, mass_c = own[..., st.LEVEL], st.mass(own)
+    level, mass = row[..., st.LEVEL], st.mass(row)
     live = mass_c != 0
     shift = xp.exp(xp.where(live, level_c - level, 0.0))
     factor = xp.where(live, mass_c * shift / xp.where(mass == 0, 1.0, mass), 0.0)

@@ -4,10 +4,16 @@ A chunk of a row is described by ``WIDTH`` numbers in the accumulator dtype, sto
 trailing axis so that Dask can move, concatenate and tree-reduce them like any array:
 
 ``LEVEL``
-    the reference level ``m`` (the chunk's maximum, or a log-sum-exp); 0 when ``MASS`` is 0.
-``MASS``
-    the signed sum of ``b * exp(x - m)`` over the allowed positions (``b = 1`` without
-    weights); 0 means the chunk contributes nothing, whatever ``LEVEL`` holds.
+    the reference level ``m`` (the chunk's maximum, or a log-sum-exp); 0 when the chunk
+    contributes nothing.
+``HEAD``
+    the signed weight of the terms at the level itself (1 for a maximum without weights, the
+    sign of a chunk's log-sum-exp);
+``REST``
+    the signed sum of the other terms ``b * exp(x - m)``.  The chunk's sum is
+    ``exp(m) * (HEAD + REST)``; held apart, a small ``REST`` keeps its relative precision
+    and the result is ``m + log|HEAD| + log1p(REST / HEAD)`` (spec "logsumexp").
+    ``HEAD = REST = 0`` means the chunk contributes nothing, whatever ``LEVEL`` holds.
 ``NAN``
     1 when an allowed NaN (or a NaN weight) was seen.
 ``UP``
@@ -16,8 +22,9 @@ trailing axis so that Dask can move, concatenate and tree-reduce them like any a
     1 when an allowed ``+inf`` with a negative weight was seen (``UP`` and ``DOWN``
     together make the sum NaN, as ``inf - inf`` would).
 
-Merging picks the largest level among the chunks that contribute, rescales each mass by
-``exp(level - largest)`` (a factor in [0, 1]) and adds; a chunk of mass 0 is the identity and
+Merging picks the largest level among the chunks that contribute; the heads at that level
+add, and every other chunk's whole sum ``HEAD + REST``, rescaled by ``exp(level - largest)``
+(a factor in [0, 1]), joins the rest.  A chunk that contributes nothing is the identity and
 its level never enters an exponent, so ``-inf - (-inf)`` is never evaluated.
 """
 
@@ -28,54 +35,66 @@ from typing import Any
 
 import array_api_compat
 
-LEVEL, MASS, NAN, UP, DOWN = range(5)
-WIDTH = 5
+LEVEL, HEAD, REST, NAN, UP, DOWN = range(6)
+WIDTH = 6
 
 
-def pack(xp: Any, level: Any, mass: Any, nan: Any, up: Any, down: Any) -> Any:
-    """Stack the five fields (each ``[...]``) into a state ``[..., WIDTH]`` of ``level``'s dtype."""
+def pack(xp: Any, level: Any, head: Any, rest: Any, nan: Any, up: Any, down: Any) -> Any:
+    """Stack the six fields (each ``[...]``) into a state ``[..., WIDTH]`` of ``level``'s dtype."""
     dtype = level.dtype
-    fields = [level, mass, nan, up, down]
+    fields = [level, head, rest, nan, up, down]
     return xp.stack([xp.astype(xp.asarray(f), dtype) for f in fields], axis=-1)
+
+
+def mass(state: Any) -> Any:
+    """The chunk's sum relative to its level, ``HEAD + REST`` (0: nothing contributes)."""
+    return state[..., HEAD] + state[..., REST]
 
 
 def from_summary(xp: Any, maximum: Any, mass: Any) -> Any:
     """The state of a chunk from its summary ``(max, mass)`` (:func:`softmaxkit.summarize`).
 
     A summary marks an allowed NaN with a NaN maximum, an allowed ``+inf`` with an infinite
-    maximum, and an empty chunk with ``(-inf, 0)``.
+    maximum, and an empty chunk with ``(-inf, 0)``.  The maximum contributes exactly 1 to
+    the mass, so ``REST = mass - 1`` (exact for a mass of at least 1).
     """
     nan = xp.isnan(maximum)
     finite = xp.isfinite(maximum)
     posinf = (maximum == math.inf) & ~nan
     level = xp.where(finite, maximum, 0.0)
-    weight = xp.where(finite, mass, 0.0)
-    return pack(xp, level, weight, nan, posinf, xp.zeros_like(posinf))
+    head = xp.where(finite, 1.0, 0.0)
+    rest = xp.where(finite, mass - 1.0, 0.0)
+    return pack(xp, level, head, rest, nan, posinf, xp.zeros_like(posinf))
 
 
 def to_summary(xp: Any, state: Any) -> tuple[Any, Any]:
     """The summary ``(max, mass)`` of a state without weights: the inverse of
     :func:`from_summary` (NaN maximum for an allowed NaN, ``+inf`` for an allowed ``+inf``,
     ``(-inf, 0)`` for nothing allowed)."""
-    level, mass = state[..., LEVEL], state[..., MASS]
-    maximum = xp.where(mass == 0, -math.inf, level)
+    level, total = state[..., LEVEL], mass(state)
+    maximum = xp.where(total == 0, -math.inf, level)
     maximum = xp.where(posinf(state), math.inf, maximum)
-    return xp.where(state[..., NAN] != 0, math.nan, maximum), mass
+    return xp.where(state[..., NAN] != 0, math.nan, maximum), total
 
 
 def merge(xp: Any, states: Any) -> Any:
     """Merge states ``[..., K, WIDTH]`` along the ``K`` axis into one ``[..., WIDTH]``."""
-    level, mass = states[..., LEVEL], states[..., MASS]
-    live = mass != 0
+    level, head, rest = states[..., LEVEL], states[..., HEAD], states[..., REST]
+    live = (head != 0) | (rest != 0)
     top = xp.max(xp.where(live, level, -math.inf), axis=-1, keepdims=True)
     any_live = xp.any(live, axis=-1, keepdims=True)
     top = xp.where(any_live, top, 0.0)
-    factor = xp.exp(xp.where(live, level - top, 0.0))
-    total = xp.sum(xp.where(live, mass * factor, 0.0), axis=-1)
+    at_top = live & (level == top)
+    below = live & ~at_top
+    factor = xp.exp(xp.where(below, level - top, 0.0))
+    new_head = xp.sum(xp.where(at_top, head, 0.0), axis=-1)
+    new_rest = xp.sum(
+        xp.where(at_top, rest, xp.where(below, (head + rest) * factor, 0.0)), axis=-1)
     return pack(
         xp,
         top[..., 0],
-        total,
+        new_head,
+        new_rest,
         xp.any(states[..., NAN] != 0, axis=-1),
         xp.any(states[..., UP] != 0, axis=-1),
         xp.any(states[..., DOWN] != 0, axis=-1),
@@ -106,4 +125,4 @@ def posinf(state: Any) -> Any:
 
 def empty(state: Any) -> Any:
     """Rows with nothing allowed: no mass, no NaN, no ``+inf``."""
-    return (state[..., MASS] == 0) & (state[..., NAN] == 0) & ~posinf(state)
+    return (mass(state) == 0) & (state[..., NAN] == 0) & ~posinf(state)

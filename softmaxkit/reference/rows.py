@@ -125,13 +125,36 @@ def _below_range_to_inf(xp: Any, a: Any, dtype: Any) -> Any:
     return xp.where(a <= -edge, xp.full_like(a, NEG_INF), a)
 
 
+def log_abs_sum(xp: Any, head: Any, rest: Any) -> tuple[Any, Any]:
+    """``(log |head + rest|, sign(head + rest))``, keeping a small ``rest`` through ``log1p``.
+
+    ``head`` is the weight at the row's maximum (the number of maxima without weights) and
+    ``rest`` the sum of the other terms ``b_i exp(x_i - M)``.  Where ``|rest| <= |head| / 2``
+    the log is ``log|head| + log1p(rest / head)``, so terms far below the maximum are not lost
+    in a sum rounded at ``head`` (``logsumexp([0, -40])`` is ``4.25e-18``, not 0); elsewhere
+    ``log|head + rest|`` loses nothing.  A zero sum gives ``(-inf, 0)``.
+    """
+    total = head + rest
+    magnitude = xp.abs(total)
+    zero = magnitude == 0
+    small = (head != 0) & (xp.abs(rest) <= 0.5 * xp.abs(head))
+    safe_head = xp.where(head == 0, xp.ones_like(head), head)
+    # the ratio is formed only where it is at most 1/2, so it cannot overflow
+    ratio = xp.where(small, rest, xp.zeros_like(rest)) / safe_head
+    near = xp.log(xp.abs(safe_head)) + xp.log1p(ratio)
+    far = xp.log(xp.where(zero, xp.ones_like(magnitude), magnitude))
+    out = xp.where(small, near, far)
+    return xp.where(zero, xp.full_like(out, NEG_INF), out), xp.sign(total)
+
+
 def logsumexp(
     xp: Any, *, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
 ) -> Any:
     """Spec "logsumexp": ``log |sum b exp(x)|`` and its sign over the allowed positions.
 
     A position whose weight ``b`` is 0 is excluded, like one masked by ``where`` (so
-    ``b = 0`` next to ``x = inf`` or NaN contributes nothing, as in SciPy).
+    ``b = 0`` next to ``x = inf`` or NaN contributes nothing; spec S9).  The sum is split
+    into the weight at the maximum and the rest (:func:`log_abs_sum`).
     """
     acc = accumulator_dtype(xp, out_dtype)
     nan_b = None
@@ -144,30 +167,32 @@ def logsumexp(
         keep = b != 0
         where = keep if where is None else (where & keep)
     s = row_stats(xp, x, where, acc)
+    # z == 0 exactly at the maxima of a regular row (and everywhere on NaN / +inf rows,
+    # whose results are set below); z == -inf at excluded positions
+    at_max = s.z == 0
+    terms = xp.exp(s.z)
+    zeros = xp.zeros_like(terms)
     if b is None:
-        total = s.total
+        weights = xp.ones_like(terms)
         nan = s.nan
-        sign_inf = xp.ones_like(total)
+        sign_inf = xp.ones_like(s.total)
     else:
         allowed = s.x != NEG_INF
         bz = xp.where(allowed & ~xp.isnan(b), b, xp.zeros_like(b))
         nan = s.nan | nan_b
-        ok = ~nan
         # sanitized so that no NaN or 0 * inf is formed on rows handled separately
         weights = xp.where(s.special | nan, xp.zeros_like(bz), bz)
-        total = xp.sum(xp.exp(s.z) * weights, axis=-1, keepdims=True)
         # a +inf row: +-inf by the sign of the weights on its +inf positions; both signs: NaN
         at_inf = s.x == math.inf
         up = xp.any(at_inf & (bz > 0), axis=-1, keepdims=True)
         down = xp.any(at_inf & (bz < 0), axis=-1, keepdims=True)
         nan = nan | (s.posinf & up & down)
-        sign_inf = xp.where(down, -xp.ones_like(total), xp.ones_like(total))
-        total = xp.where(ok, total, xp.zeros_like(total))
-    magnitude = xp.abs(total)
-    zero = magnitude == 0
-    sign = xp.where(s.posinf, sign_inf, xp.sign(total))
-    lse = xp.log(xp.where(zero, xp.ones_like(magnitude), magnitude)) + s.shift
-    lse = xp.where(zero, xp.full_like(lse, NEG_INF), lse)
+        sign_inf = xp.where(down, -xp.ones_like(s.total), xp.ones_like(s.total))
+    head = xp.sum(xp.where(at_max, weights, zeros), axis=-1, keepdims=True)
+    rest = xp.sum(xp.where(at_max, zeros, terms * weights), axis=-1, keepdims=True)
+    log_t, sign = log_abs_sum(xp, head, rest)
+    sign = xp.where(s.posinf, sign_inf, sign)
+    lse = log_t + s.shift
     lse = xp.where(s.posinf, xp.full_like(lse, math.inf), lse)
     lse = xp.where(nan, xp.full_like(lse, NAN), lse)
     sign = xp.where(nan, xp.full_like(sign, NAN), sign)

@@ -86,6 +86,48 @@ def exp_sum_of(x, j0, n, m, buf, k0, store):
 
 
 @njit(fastmath=FASTMATH, cache=True)
+def exp_rest_of(x, j0, n, m):
+    """``(sum(2**LIFT exp(v - m)) over v < m, count of v == m)`` of ``x[j0:j0 + n]``.
+
+    The terms at the maximum are counted, not summed, so a small rest keeps its precision
+    (spec "logsumexp", ``t = S - 1``).  Both sums vectorize: a compare, a multiply-add and an
+    add per element beyond the plain sum.
+    """
+    s = like(m, 0.0)
+    c = like(m, 0.0)
+    zero = like(m, 0.0)
+    one = like(m, 1.0)
+    lifted_one = exp_lifted(zero)
+    a = uint64(j0)
+    for t in range(uint64(0), uint64(n)):
+        v = widen(x[a + t])
+        top = one if v == m else zero
+        # a term at the maximum is exactly lifted_one: it cancels exactly, branch-free
+        s += exp_lifted(v - m) - top * lifted_one
+        c += top
+    return s, c
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def masked_exp_rest_of(x, j0, w, q0, n, m):
+    """:func:`exp_rest_of` over the positions of ``x[j0:j0 + n]`` allowed by ``w[q0:q0 + n]``."""
+    s = like(m, 0.0)
+    c = like(m, 0.0)
+    zero = like(m, 0.0)
+    one = like(m, 1.0)
+    ninf = like(m, -np.inf)
+    lifted_one = exp_lifted(zero)
+    a = uint64(j0)
+    q = uint64(q0)
+    for t in range(uint64(0), uint64(n)):
+        v = widen(x[a + t]) if w[q + t] else ninf
+        top = one if v == m else zero
+        s += exp_lifted(v - m) - top * lifted_one
+        c += top
+    return s, c
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def masked_max_of(x, j0, w, q0, n):
     """:func:`max_of` over the positions of ``x[j0:j0 + n]`` allowed by ``w[q0:q0 + n]``."""
     m = like(x, -np.inf)
@@ -145,13 +187,36 @@ def special_kind(x, j0, w, q0, has_where, n):
 
 
 @njit(cache=True)
+def block_rest(x, j0, w, q0, has_where, n, m, s):
+    """The block's ``t = S - 1`` (lifted, float64) from its lifted sum ``s`` and maximum ``m``.
+
+    Where the maximum's 1 is at most half of ``s`` (``s >= 2``), ``s - 1`` is exact and as
+    precise as ``s``.  Otherwise the block is dominated by one term and ``s`` was rounded at
+    it, so ``t`` is summed again without the terms at the maximum (:func:`exp_rest_of`), from
+    the block still in the L1 cache: only dominated blocks pay this second pass.
+    """
+    one = 1.0 / unlift(m)
+    if s >= 2.0 * one:
+        return s - one
+    if has_where:
+        part, top = masked_exp_rest_of(x, j0, w, q0, n, m)
+    else:
+        part, top = exp_rest_of(x, j0, n, m)
+    return np.float64(part) + (np.float64(top) - 1.0) * one
+
+
+@njit(cache=True)
 def _block_max(x, j0, w, q0, has_where, n):
     return masked_max_of(x, j0, w, q0, n) if has_where else max_of(x, j0, n)
 
 
 @njit(cache=True)
-def summarize(x, r0, n, stop, w, q0, has_where, buf, store, bmax, bsum, first):
+def summarize(x, r0, n, stop, w, q0, has_where, buf, store, bmax, bsum, first, rest):
     """``(kind, M, S, after)`` of the row ``x[r0:r0 + n]`` (``S`` lifted, float64).
+
+    With ``rest`` (logsumexp), ``S`` is instead ``t = S - 1`` lifted, the sum without one
+    instance of the maximum, whose precision a sum rounded at 1 would lose (spec
+    "logsumexp"): each block's (:func:`block_rest`), merged by the spec's rule.
 
     ``x`` is flat storage in which the rows of this batch end at ``stop``; ``w[q0:q0 + n]``
     is the row's mask when ``has_where``.  Without a mask the maximum of each block is taken
@@ -186,6 +251,8 @@ def summarize(x, r0, n, stop, w, q0, has_where, buf, store, bmax, bsum, first):
                     nxt = masked_max_of(x, n0, w, q0 + b0 + size, nn)
             else:
                 bsum[b], nxt = block_exp_next(x, r0 + b0, size, mb, buf, b0, store, n0, nn)
+            if rest:
+                bsum[b] = block_rest(x, r0 + b0, w, q0 + b0, has_where, size, mb, bsum[b])
             m = maxnum(m, mb)
             mb = nxt
             continue
@@ -204,14 +271,33 @@ def summarize(x, r0, n, stop, w, q0, has_where, buf, store, bmax, bsum, first):
     if special or m == -np.inf:
         return special_kind(x, r0, w, q0, has_where, n), m, 0.0, after
     total = 0.0
-    for b in range(nb):
-        if bmax[b] == m:  # the common case, and every row of one block
-            total += bsum[b]
-        elif bmax[b] != -np.inf:
-            total += bsum[b] * math.exp(bmax[b] - np.float64(m))
+    if rest:
+        # the merge of the blocks' (m_b, t_b): t = sum of t_b at the maximum, plus one for each
+        # further block at it, plus (t_b + 1) exp(m_b - M) for the others
+        one = 1.0 / unlift(m)
+        tops = -1.0
+        for b in range(nb):
+            if bmax[b] == m:
+                total += bsum[b]
+                tops += 1.0
+            elif bmax[b] != -np.inf:
+                total += (bsum[b] + one) * math.exp(bmax[b] - np.float64(m))
+        total += tops * one
+    else:
+        for b in range(nb):
+            if bmax[b] == m:  # the common case, and every row of one block
+                total += bsum[b]
+            elif bmax[b] != -np.inf:
+                total += bsum[b] * math.exp(bmax[b] - np.float64(m))
     if total != total:  # an allowed NaN in a block with a finite maximum
         return NAN, m, total, after
     return NORMAL, m, total, after
+
+
+@njit(cache=True)
+def log1p_total(v, total):
+    """``log1p(t * 2**-LIFT)`` of a lifted ``t = S - 1`` (float64): the log of the real sum."""
+    return math.log1p(total * unlift(v))
 
 
 @njit(cache=True)
@@ -247,6 +333,6 @@ def row_stats(x, w, has_where):
     bmax = np.empty(nb, dtype=np.float64)
     bsum = np.empty(nb, dtype=np.float64)
     kind, m, total, _ = summarize(x, 0, n, n, w, 0, has_where, bmax, False, bmax, bsum,
-                                  like(x, np.nan))
+                                  like(x, np.nan), False)
     s = total * unlift(m) if kind == NORMAL else 0.0
     return kind, m, like(m, s)

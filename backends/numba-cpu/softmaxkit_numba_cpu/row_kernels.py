@@ -25,7 +25,18 @@ from numba.extending import overload
 
 from .bits import like, put, widen
 from .exp import exp_nonpos, unlift
-from .lanes import BLOCK, EMPTY, NAN, NORMAL, POSINF, blocks, log_total, row_stats, summarize
+from .lanes import (
+    BLOCK,
+    EMPTY,
+    NAN,
+    NORMAL,
+    POSINF,
+    blocks,
+    log1p_total,
+    log_total,
+    row_stats,
+    summarize,
+)
 from .stores import (
     LANES,
     aligned_span,
@@ -146,7 +157,7 @@ def softmax_row(x, r0, n, stop, w, q0, has_where, masked_nan, buf, bmax, bsum, o
     of the next row's first block (see :func:`~.lanes.summarize`).
     """
     kind, m, total, after = summarize(x, r0, n, stop, w, q0, has_where, buf, True, bmax, bsum,
-                                      first)
+                                      first, False)
     if kind == NORMAL:
         u = unlift(m)
         g = like(m, u * u)
@@ -209,7 +220,7 @@ def softmax_ser(x, w, wstep, has_where, masked_nan, out):
 def log_softmax_row(x, r0, n, stop, w, q0, has_where, masked_nan, bmax, bsum, out, first):
     """(x - M) - log(S) of ``x[r0:r0 + n]`` into ``out[r0:r0 + n]``; excluded positions -inf."""
     kind, m, total, after = summarize(x, r0, n, stop, w, q0, has_where, bmax, False, bmax,
-                                      bsum, first)
+                                      bsum, first, False)
     ninf = like(m, -np.inf)
     nan = like(m, np.nan)
     if kind == NORMAL:
@@ -273,9 +284,10 @@ def log_softmax_ser(x, w, wstep, has_where, masked_nan, out):
 def logsumexp_row(x, r0, n, stop, w, q0, has_where, bmax, bsum, first):
     """``(lse, sign, after)`` of ``x[r0:r0 + n]`` without weights (``after``: summarize)."""
     kind, m, total, after = summarize(x, r0, n, stop, w, q0, has_where, bmax, False, bmax,
-                                      bsum, first)
+                                      bsum, first, True)
     if kind == NORMAL:
-        return like(m, m + log_total(m, total)), like(m, 1.0), after
+        # t = S - 1 through log1p: a row with one dominant term keeps the others' share
+        return like(m, m + log1p_total(m, total)), like(m, 1.0), after
     if kind == NAN:
         return like(m, np.nan), like(m, np.nan), after
     if kind == POSINF:
@@ -360,18 +372,26 @@ def logsumexp_b_row(x, b, w, has_where, return_sign):
         return like(b, np.inf), like(b, -1.0) if down else like(b, 1.0)
     if nan_b:
         return like(b, np.nan), like(b, np.nan)
-    total = 0.0
+    # the weight at the maximum apart from the rest, so a small rest survives (log1p below)
+    head = 0.0
+    rest = 0.0
     if m != -np.inf:
         for j in range(n):
             bj = b[j]
             if (has_where and not w[j]) or bj == 0:
                 continue
-            total += exp_nonpos(x[j] - m) * bj
-    t = like(b, total)
+            if x[j] == m:
+                head += bj
+            else:
+                rest += exp_nonpos(x[j] - m) * bj
+    t = like(b, head + rest)
     sign = like(b, 1.0) if t > 0 else (like(b, -1.0) if t < 0 else zero)
     if t == 0:
         return like(b, -np.inf), sign
-    lse = like(b, math.log(abs(t))) + m
+    if head != 0 and abs(rest) <= 0.5 * abs(head):
+        lse = like(b, math.log(abs(head)) + math.log1p(rest / head)) + m
+    else:
+        lse = like(b, math.log(abs(t))) + m
     if not return_sign and t < 0:
         lse = like(b, np.nan)
     return lse, sign

@@ -73,8 +73,12 @@ def thread_max(acc_name: str):
 
 
 @functools.cache
-def summary_ops(acc_name: str):
-    """``(nanmax, merge)`` device functions for online summaries in the accumulator type."""
+def summary_ops(acc_name: str, rest: bool = False):
+    """``(nanmax, merge)`` device functions for online summaries in the accumulator type.
+
+    With ``rest`` (logsumexp) the summaries are ``(m, t)`` with ``t = s - 1``, the sum without
+    one instance of the maximum, merged by the rule of spec "logsumexp" (empty: ``(-inf, -1)``).
+    """
     acc = float64 if acc_name == "float64" else float32
     exp = exponential(acc_name)
 
@@ -96,7 +100,18 @@ def summary_ops(acc_name: str):
             return m, acc(1.0)  # a +inf row: the sum is not used
         return m, s1 * exp(m1 - m) + s2 * exp(m2 - m)
 
-    return nanmax, device_function(merge)
+    one = acc(1.0)
+
+    def merge_rest(m1, t1, m2, t2):
+        if m1 != m1 or m2 != m2:
+            return acc(NAN), acc(0.0)
+        if m2 > m1:
+            return m2, (t1 + one) * exp(m1 - m2) + t2
+        if m2 < m1:
+            return m1, t1 + (t2 + one) * exp(m2 - m1)
+        return m1, t1 + t2 + one  # equal maxima; two empty sides stay (-inf, -1)
+
+    return nanmax, device_function(merge_rest if rest else merge)
 
 
 SCRATCH = 64
@@ -104,14 +119,15 @@ SCRATCH = 64
 
 
 @functools.cache
-def group_reducers(threads: int, acc_name: str):
-    """``(pair_reduce, sum_reduce, max_reduce)`` for groups of ``threads`` threads.
+def group_reducers(threads: int, acc_name: str, rest: bool = False):
+    """``(pair_reduce, sum_reduce, max_reduce)`` for groups of ``threads`` threads; with
+    ``rest`` the pairs are logsumexp's ``(m, t)`` (:func:`summary_ops`).
 
     Each takes a shared ``scratch`` array of :data:`SCRATCH` accumulator values, allocated by
     the kernel (shared arrays declared in separately compiled device functions would clash
     at link time).
     """
-    nanmax, merge = summary_ops(acc_name)
+    nanmax, merge = summary_ops(acc_name, rest)
     warps = max(1, threads // 32)
     block = threads > 32
     # xor offsets within a group: a group smaller than a warp never mixes with its neighbours

@@ -41,6 +41,7 @@ each call by the caller.
 from __future__ import annotations
 
 import functools
+import math
 
 from numba import float32, float64, int32, uint64
 
@@ -189,14 +190,35 @@ def _chunk_stream(kind: str, vector: bool, threads: int, slots: int, has_where: 
 
 
 @functools.cache
-def _thread_sum(acc_name: str, values: int, keep_exp: bool, count: bool):
+def _thread_sum(acc_name: str, values: int, keep_exp: bool, count: bool, rest: bool = False):
     """Device function ``thread_sum(vals, m) -> (s, included, zsum)``: ``s = sum exp(v - m)``
     over the thread's values (stored back in ``vals`` with ``keep_exp``, zeros when ``m`` is
     not finite); with ``count``, the number of values above ``-inf`` and the sum of their
-    ``v - m``."""
+    ``v - m``.  With ``rest`` (logsumexp, neither of the others), ``s`` is ``t = S - 1``: the
+    values at the maximum are counted instead of summed, so a row dominated by one term keeps
+    the others' share (spec "logsumexp"); ``-1`` when ``m`` is not finite."""
     acc = float64 if acc_name == "float64" else float32
     exp = exponential(acc_name)
     neg_inf, zero, one = acc(NEG_INF), acc(0.0), acc(1.0)
+
+    if rest:
+
+        def thread_rest(vals, m):
+            t = -one
+            if m > neg_inf and m < POS_INF:
+                tops = zero
+                r = zero
+                for k in range(values):
+                    v = vals[k]
+                    e = exp(v - m)
+                    if v == m:
+                        tops += one
+                    else:
+                        r += e
+                t = r + (tops - one)
+            return t, zero, zero
+
+        return device_function(thread_rest)
 
     def thread_sum(vals, m):
         s = zero
@@ -222,13 +244,15 @@ def _thread_sum(acc_name: str, values: int, keep_exp: bool, count: bool):
 
 
 @functools.cache
-def _last_arriver(threads: int, acc_name: str, fields: int):
+def _last_arriver(threads: int, acc_name: str, fields: int, rest: bool = False):
     """Device functions ``publish``, ``gather`` and ``gather_counts`` for the blocks of a
-    split row when the block that arrives last writes the row's result."""
+    split row when the block that arrives last writes the row's result (``rest``: the
+    summaries are logsumexp's ``(m, t)``, see :func:`_thread_sum`)."""
     acc = float64 if acc_name == "float64" else float32
-    merge = summary_ops(acc_name)[1]
-    pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
+    merge = summary_ops(acc_name, rest)[1]
+    pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name, rest)
     neg_inf, zero = acc(NEG_INF), acc(0.0)
+    empty_s = acc(-1.0) if rest else zero
 
     def publish(ws, sync, r, c, chunks, m, s, cnt, z, flag):
         """Write the chunk's summary, count the block in; True in every thread of the block
@@ -251,7 +275,7 @@ def _last_arriver(threads: int, acc_name: str, fields: int):
     def gather(ws, r, chunks, scratch):
         """The row's summary ``(M, S)``, in every thread."""
         m = neg_inf
-        s = zero
+        s = empty_s
         for k in range(cuda.threadIdx.x, chunks, threads):
             i = r * chunks + k
             m, s = merge(m, s, load_l2(ws[0], i), load_l2(ws[1], i))
@@ -514,12 +538,13 @@ def reduce(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
     acc_name, acc = accumulator(kin)
     values = _values(kin, vector, slots)
     load_chunk, _ = _chunk_io(kin, vector, threads, slots, has_where)
-    thread_sum = _thread_sum(acc_name, values, False, False)
-    pair_reduce = group_reducers(threads, acc_name)[0]
-    publish, gather, _ = _last_arriver(threads, acc_name, 2)
+    # logsumexp carries t = S - 1 and finishes with log1p (spec "logsumexp")
+    rest = op != SUMMARY
+    thread_sum = _thread_sum(acc_name, values, False, False, rest)
+    pair_reduce = group_reducers(threads, acc_name, rest)[0]
+    publish, gather, _ = _last_arriver(threads, acc_name, 2, rest)
     place = _placement(threads, rows_per_block, split)
     store = storer(acc_name if op == SUMMARY else kout)
-    log = log_f64 if acc_name == "float64" else log_f32
     summary = op == SUMMARY
     nan, neg_inf, pos_inf, zero, one = (acc(v) for v in (NAN, NEG_INF, POS_INF, 0.0, 1.0))
 
@@ -553,7 +578,7 @@ def reduce(op: str, kin: str, kout: str, vector: bool, threads: int, slots: int,
                 elif m == neg_inf:
                     res, sg = neg_inf, zero
                 else:
-                    res, sg = m + log(s), one
+                    res, sg = m + math.log1p(s), one
                 store(out[r], 0, res)
                 if return_sign:
                     store(sign[r], 0, sg)

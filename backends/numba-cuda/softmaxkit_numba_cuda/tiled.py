@@ -19,6 +19,7 @@ spec/semantics.md.
 from __future__ import annotations
 
 import functools
+import math
 
 from .primitives import (
     NAN,
@@ -323,14 +324,15 @@ def logsumexp_weighted(kin: str, kb: str, kout: str, threads: int, slots: int,
 
     A zero weight excludes its position; a NaN weight where ``where`` allows makes the row
     NaN; on a ``+inf`` row the result is ``+inf`` with the sign of the weights at ``+inf``
-    (NaN when they have both signs), as in spec/semantics.md.
+    (NaN when they have both signs), as in spec/semantics.md.  Each thread carries
+    ``(m, h, r)``: the weight ``h`` at its maximum ``m`` apart from the rest ``r`` of
+    ``b exp(x - m)``, so a row dominated by one term keeps the others' share (``log1p``).
     """
     acc_name, acc = accumulator(kout)
     load_x = loader(kin, acc_name)
     load_b = loader(kb, acc_name)
     _, _, store = word_io(kout, False)
-    merge = summary_ops(acc_name)[1]
-    pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
+    _, sum_reduce, max_reduce = group_reducers(threads, acc_name)
     exp = exponential(acc_name)
     log = log_f64 if acc_name == "float64" else log_f32
     coordinates = _coordinates(threads, rows_per_block)
@@ -383,17 +385,46 @@ def logsumexp_weighted(kin: str, kb: str, kout: str, threads: int, slots: int,
         flags[2] = zero
         scratch = cuda.shared.array(SCRATCH, acc)
         m = neg_inf
-        s = zero
+        h = zero  # the weight at m
+        s = zero  # the rest: b exp(x - m) below m
         for t in range(tiles):
             tm = load_tile(xr, br, wr, has_where, live, n, t * (threads * slots) + lane, xs,
                            bs, flags)
+            th = zero
             ts = zero
             if tm > neg_inf and tm < POS_INF:
                 for j in range(slots):
                     if bs[j] == bs[j]:
-                        ts += bs[j] * exp(xs[j] - tm)
-            m, s = merge(m, s, tm, ts)
-        m, s = pair_reduce(m, s, scratch)
+                        if xs[j] == tm:
+                            th += bs[j]
+                        else:
+                            ts += bs[j] * exp(xs[j] - tm)
+            if m != m or tm != tm:
+                m = nan
+            elif tm > m:
+                if m > neg_inf:
+                    s = (h + s) * exp(m - tm) + ts
+                else:
+                    s = ts
+                h = th
+                m = tm
+            elif tm < m:
+                if tm > neg_inf:
+                    s += (th + ts) * exp(tm - m)
+            else:
+                h += th
+                s += ts
+        # the row's maximum, then each thread's (h, r) moved to it and summed
+        row_m = max_reduce(m, scratch)
+        if row_m > neg_inf and row_m < POS_INF and m == m and m > neg_inf and m != row_m:
+            s = (h + s) * exp(m - row_m)
+            h = zero
+        elif not (row_m > neg_inf and row_m < POS_INF and m == row_m):
+            h = zero
+            s = zero
+        m = row_m
+        h = sum_reduce(h, scratch)
+        s = sum_reduce(s, scratch)
         nan_b = sum_reduce(flags[0], scratch)
         up = sum_reduce(flags[1], scratch)
         down = sum_reduce(flags[2], scratch)
@@ -406,11 +437,15 @@ def logsumexp_weighted(kin: str, kb: str, kout: str, threads: int, slots: int,
             elif inf_row:
                 res[0] = pos_inf
                 res[1] = -one if down > zero else one
-            elif m == neg_inf or s == zero:
+            elif m == neg_inf or h + s == zero:
                 res[0], res[1] = neg_inf, zero
             else:
-                res[0] = log(abs(s)) + m
-                res[1] = one if s > zero else -one
+                total = h + s
+                if h != zero and abs(s) <= acc(0.5) * abs(h):
+                    res[0] = log(abs(h)) + math.log1p(s / h) + m
+                else:
+                    res[0] = log(abs(total)) + m
+                res[1] = one if total > zero else -one
             if not return_sign and res[1] < zero:
                 res[0] = nan
             store(out[r], 0, res, 0)

@@ -53,6 +53,22 @@ __device__ __forceinline__ void sk_merge(float& m, float& s, float m2, float s2)
     }
 }
 
+// logsumexp's summary (m, t) with t = S - 1, the sum without one instance of the maximum, so
+// that a row dominated by one term keeps the others' share (log1p at the end; spec
+// "logsumexp").  The empty summary is (-inf, -1); equal maxima (both -inf for empty sides)
+// take the last branch, so -inf - -inf is never evaluated.
+template <bool PRECISE>
+__device__ __forceinline__ void sk_merge_rest(float& m, float& t, float m2, float t2) {
+    if (m2 > m) {
+        t = (t + 1.0f) * sk_exp<PRECISE>(m - m2) + t2;
+        m = m2;
+    } else if (m2 < m) {
+        t += (t2 + 1.0f) * sk_exp<PRECISE>(m2 - m);
+    } else {
+        t += t2 + 1.0f;
+    }
+}
+
 // Thread-block clusters (sm_90): rank, barrier halves, and loads from a peer's shared memory.
 __device__ __forceinline__ unsigned sk_cluster_rank() {
     unsigned r;

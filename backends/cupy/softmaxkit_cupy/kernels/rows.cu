@@ -38,16 +38,25 @@ __device__ __forceinline__ float2 sk_unpack2(__nv_bfloat162 v) { return __bfloat
 template <bool WIDE> struct SkWide { typedef float type; };
 template <> struct SkWide<true> { typedef double type; };
 
+// Merge two summaries: (m, s) with s the shifted sum, or with REST (logsumexp) (m, t) with
+// t = s - 1 (sk_merge_rest), whose empty value is -1 instead of 0.
+template <bool PRECISE, bool REST>
+__device__ __forceinline__ void sk_merge_any(float& m, float& s, float m2, float s2) {
+    if (REST) sk_merge_rest<PRECISE>(m, s, m2, s2);
+    else sk_merge<PRECISE>(m, s, m2, s2);
+}
+
 // Reduce (m, s, nan) over the G threads of a group; the result is in every thread of it.
-template <int THREADS, int G, bool PRECISE>
+template <int THREADS, int G, bool PRECISE, bool REST = false>
 __device__ __forceinline__ void sk_group_reduce(float& m, float& s, int& nan, float* scratch) {
     constexpr int WIDTH = G < 32 ? G : 32;
+    constexpr float EMPTY_S = REST ? -1.0f : 0.0f;
 #pragma unroll
     for (int off = WIDTH / 2; off > 0; off /= 2) {
         float m2 = __shfl_xor_sync(0xffffffffu, m, off);
         float s2 = __shfl_xor_sync(0xffffffffu, s, off);
         nan |= __shfl_xor_sync(0xffffffffu, nan, off);
-        sk_merge<PRECISE>(m, s, m2, s2);
+        sk_merge_any<PRECISE, REST>(m, s, m2, s2);
     }
     if (G > 32) {
         constexpr int WARPS = THREADS / 32;
@@ -59,24 +68,24 @@ __device__ __forceinline__ void sk_group_reduce(float& m, float& s, int& nan, fl
         }
         __syncthreads();
         m = lane < WARPS ? scratch[lane] : -SK_INF;
-        s = lane < WARPS ? scratch[WARPS + lane] : 0.0f;
+        s = lane < WARPS ? scratch[WARPS + lane] : EMPTY_S;
         nan = lane < WARPS ? __float_as_int(scratch[2 * WARPS + lane]) : 0;
 #pragma unroll
         for (int off = 16; off > 0; off /= 2) {
             float m2 = __shfl_xor_sync(0xffffffffu, m, off);
             float s2 = __shfl_xor_sync(0xffffffffu, s, off);
             nan |= __shfl_xor_sync(0xffffffffu, nan, off);
-            sk_merge<PRECISE>(m, s, m2, s2);
+            sk_merge_any<PRECISE, REST>(m, s, m2, s2);
         }
     }
 }
 
 // Merge (m, s, nan) over the row: the group, then (CLUSTER > 1) the cluster's blocks through
 // distributed shared memory.  Every thread of the block ends with the row's summary.
-template <int THREADS, int G, int CLUSTER, bool PRECISE>
+template <int THREADS, int G, int CLUSTER, bool PRECISE, bool REST = false>
 __device__ __forceinline__ void sk_rows_reduce(float& m, float& s, int& nan, float* scratch,
                                                float* summary) {
-    sk_group_reduce<THREADS, G, PRECISE>(m, s, nan, scratch);
+    sk_group_reduce<THREADS, G, PRECISE, REST>(m, s, nan, scratch);
     if (CLUSTER > 1) {
         if (threadIdx.x == 0) {
             summary[0] = m;
@@ -88,14 +97,14 @@ __device__ __forceinline__ void sk_rows_reduce(float& m, float& s, int& nan, flo
         if (threadIdx.x < 32) {
             const unsigned r = threadIdx.x;
             m = r < CLUSTER ? sk_cluster_load(&summary[0], r) : -SK_INF;
-            s = r < CLUSTER ? sk_cluster_load(&summary[1], r) : 0.0f;
+            s = r < CLUSTER ? sk_cluster_load(&summary[1], r) : (REST ? -1.0f : 0.0f);
             nan = r < CLUSTER ? __float_as_int(sk_cluster_load(&summary[2], r)) : 0;
 #pragma unroll
             for (int off = 16; off > 0; off /= 2) {
                 float m2 = __shfl_xor_sync(0xffffffffu, m, off);
                 float s2 = __shfl_xor_sync(0xffffffffu, s, off);
                 nan |= __shfl_xor_sync(0xffffffffu, nan, off);
-                sk_merge<PRECISE>(m, s, m2, s2);
+                sk_merge_any<PRECISE, REST>(m, s, m2, s2);
             }
         }
         // peers may still read this block's summary: leave only after they all arrive again
@@ -195,6 +204,8 @@ __device__ __forceinline__ void sk_rows_finish(
     }
     // float32 results accumulate each thread's share in double (the merges stay in float)
     typename SkWide<PRECISE>::type s_acc = 0;
+    // logsumexp counts the terms at the maximum instead of summing them (t = S - 1 below)
+    int tops = 0;
     // softmax overwrites the inputs with their exponentials when both are the same width
     constexpr bool IN_PLACE = sizeof(Tout) == sizeof(Tin);
     E2 ex_own[OP == SK_SOFTMAX && !IN_PLACE ? K * VEC / 2 : 1];
@@ -205,16 +216,25 @@ __device__ __forceinline__ void sk_rows_finish(
         const Tin* v = reinterpret_cast<const Tin*>(&raw[j]);
 #pragma unroll
         for (int e = 0; e < VEC; e += 2) {
-            const float a = none ? 0.0f : sk_exp<PRECISE>(sk_to_float(v[e]) - m);
-            const float b = none ? 0.0f : sk_exp<PRECISE>(sk_to_float(v[e + 1]) - m);
+            const float fa = sk_to_float(v[e]), fb = sk_to_float(v[e + 1]);
+            float a = none ? 0.0f : sk_exp<PRECISE>(fa - m);
+            float b = none ? 0.0f : sk_exp<PRECISE>(fb - m);
+            if (OP == SK_LOGSUMEXP) {
+                tops += (fa == m) + (fb == m);
+                a = fa == m ? 0.0f : a;
+                b = fb == m ? 0.0f : b;
+            }
             s_acc += static_cast<decltype(s_acc)>(a) + static_cast<decltype(s_acc)>(b);
             if (OP == SK_SOFTMAX) ex[(j * VEC + e) / 2] = sk_pack2(a, b, static_cast<E2*>(nullptr));
         }
     }
     float s = static_cast<float>(s_acc);
+    // logsumexp: t = S - 1 (the sum without one instance of the maximum), -1 when empty
+    if (OP == SK_LOGSUMEXP) s = none ? -1.0f : static_cast<float>(s_acc + (tops - 1));
     const float m_thread = m;
 
-    sk_rows_reduce<THREADS, G, CLUSTER, PRECISE>(m, s, nan, scratch, summary);
+    sk_rows_reduce<THREADS, G, CLUSTER, PRECISE, OP == SK_LOGSUMEXP>(m, s, nan, scratch,
+                                                                     summary);
 
     if (active) {
         const bool is_nan = nan != 0;
@@ -222,7 +242,8 @@ __device__ __forceinline__ void sk_rows_finish(
         const bool empty = !is_nan && m == -SK_INF;
         if (OP == SK_LOGSUMEXP) {
             if (lane == 0 && seg0 == 0) {
-                float r = m + sk_log<PRECISE>(s);
+                // s holds t = S - 1: log1p keeps the share of terms far below the maximum
+                float r = m + log1pf(s);
                 if (is_nan) r = SK_NAN;
                 else if (posinf) r = SK_INF;
                 else if (empty) r = -SK_INF;
