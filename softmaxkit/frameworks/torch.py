@@ -28,8 +28,8 @@ import array_api_compat
 import torch
 from torch import Tensor
 
+from .. import arguments as _args
 from .. import rows as _rows
-from ..attention import _causal, _empty_lse, _lse_base, _scale, _softcap, _window
 from ..attention import attention as _attention_fn
 from ..attention import attention_vjp as _attention_vjp_fn
 from ..attention import merge_attention_states as _merge_fn
@@ -457,11 +457,11 @@ def attention(
     The forward saves ``out`` and ``lse``; the backward recomputes the probabilities from them
     (``attention_vjp``).  The returned ``lse`` is differentiable too.
     """
-    base = _lse_base(lse_base)
+    base = _args.lse_base(lse_base)
     out, lse = attention_op(
-        q, k, v, None if scale is None else _scale(scale, q.shape[-1]),
-        _causal(causal), list(_window(window)),
-        _tensor_or_none(mask, q, "mask"), _softcap(softcap), backend, bool(return_lse),
+        q, k, v, None if scale is None else _args.attention_scale(scale, q.shape[-1]),
+        _args.causal(causal), list(_args.window(window)),
+        _tensor_or_none(mask, q, "mask"), _args.softcap(softcap), backend, bool(return_lse),
     )
     if not return_lse:
         return out
@@ -531,7 +531,7 @@ def _states(outs: Any, lses: Any, axis: int, empty_lse: float) -> tuple[Tensor, 
 
     Torch operations, so gradients flow through the conversions.
     """
-    empty = _empty_lse(empty_lse)
+    empty = _args.empty_lse(empty_lse)
     if isinstance(outs, (list, tuple)):
         outs = torch.stack(list(outs), dim=axis)
     if isinstance(lses, (list, tuple)):
@@ -559,7 +559,7 @@ def merge_attention_states(
     The conversions of ``lse_base`` and ``empty_lse`` are torch operations around the
     operator, so gradients flow through them; the operator sees natural logs, ``-inf`` empty.
     """
-    base = _lse_base(lse_base)
+    base = _args.lse_base(lse_base)
     outs, lses, ax = _states(outs, lses, axis, empty_lse)
     if base == "2":
         lses = lses * LN2
@@ -573,12 +573,13 @@ def attention_vjp(
     softcap: float | None = None, lse_base: Any = "e", backend: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`softmaxkit.attention_vjp` as an operator (no second derivative)."""
-    if _lse_base(lse_base) == "2":
+    if _args.lse_base(lse_base) == "2":
         lse = lse * LN2
+    scale = None if scale is None else _args.attention_scale(scale, q.shape[-1])
     return attention_vjp_op(
-        q, k, v, out, lse, dout, None if scale is None else _scale(scale, q.shape[-1]),
-        _causal(causal), list(_window(window)), _tensor_or_none(mask, q, "mask"),
-        _softcap(softcap), backend,
+        q, k, v, out, lse, dout, scale,
+        _args.causal(causal), list(_args.window(window)), _tensor_or_none(mask, q, "mask"),
+        _args.softcap(softcap), backend,
     )
 
 
@@ -587,7 +588,7 @@ def merge_attention_vjp(
     lse_base: Any = "e", empty_lse: float = -math.inf, backend: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`softmaxkit.merge_attention_vjp` as an operator (no second derivative)."""
-    base = _lse_base(lse_base)
+    base = _args.lse_base(lse_base)
     outs, lses, ax = _states(outs, lses, axis, empty_lse)
     if dlse is not None:
         dlse = _tensor_or_none(dlse, outs, "dlse").to(lses.dtype)
