@@ -97,14 +97,14 @@ def exp_rest_of(x, j0, n, m):
     c = like(m, 0.0)
     zero = like(m, 0.0)
     one = like(m, 1.0)
-    lifted_one = exp_lifted(zero)
     a = uint64(j0)
     for t in range(uint64(0), uint64(n)):
         v = widen(x[a + t])
-        top = one if v == m else zero
-        # a term at the maximum is exactly lifted_one: it cancels exactly, branch-free
-        s += exp_lifted(v - m) - top * lifted_one
-        c += top
+        at_max = v == m
+        # a select, not "+ term - 1": under fast math the compiler may reassociate a sum
+        # and a cancelling subtraction, and lose the small rest to the rounding at the 1
+        s += zero if at_max else exp_lifted(v - m)
+        c += one if at_max else zero
     return s, c
 
 
@@ -116,14 +116,13 @@ def masked_exp_rest_of(x, j0, w, q0, n, m):
     zero = like(m, 0.0)
     one = like(m, 1.0)
     ninf = like(m, -np.inf)
-    lifted_one = exp_lifted(zero)
     a = uint64(j0)
     q = uint64(q0)
     for t in range(uint64(0), uint64(n)):
         v = widen(x[a + t]) if w[q + t] else ninf
-        top = one if v == m else zero
-        s += exp_lifted(v - m) - top * lifted_one
-        c += top
+        at_max = v == m
+        s += zero if at_max else exp_lifted(v - m)  # a select: see exp_rest_of
+        c += one if at_max else zero
     return s, c
 
 
