@@ -158,7 +158,7 @@ def test_kit_attention_cases_at_the_kernels_head_dims_are_accepted(monkeypatch) 
     assert not left, "\n".join(left)
 
 
-def test_should_run_leaves_large_float32_short_rows_to_numba_cuda() -> None:
+def test_should_run_leaves_large_float32_calls_to_numba_cuda() -> None:
     from types import SimpleNamespace
 
     from softmaxkit import registry
@@ -173,7 +173,8 @@ def test_should_run_leaves_large_float32_short_rows_to_numba_cuda() -> None:
         assert "numba-cuda" in registry.registry()
         assert "numba-cuda" in str(should_run(call((32768, 4096))))
         assert should_run(call((64, 1024))) is True  # small: the per-call cost decides
-        assert should_run(call((256, 524288))) is True  # long rows stay here
+        assert "numba-cuda" in str(should_run(call((4096, 32768))))  # long rows too
+        assert should_run(call((262144, 128))) is True  # 2**25 elements: still here
         assert should_run(call((32768, 4096), "bfloat16")) is True
         with sk.backend_opts(prioritize="cupy"):
             assert should_run(call((32768, 4096))) is True
