@@ -16,6 +16,8 @@ import array_api_compat
 
 from softmaxkit.dtypes import dtype_name
 
+from . import launches
+
 
 def is_torch(a: Any) -> bool:
     """Whether ``a`` is a PyTorch tensor."""
@@ -174,26 +176,25 @@ def _torch_stream(index: int) -> int:
 
 
 def launch(kernel: Any, like: Any, grid: int, block: int, args: tuple[Any, ...],
-           shared: int = 0) -> None:
-    """Launch ``kernel`` (a ``cupy.RawKernel``) on ``like``'s device and current stream.
+           shared: int = 0, codes: str | None = None) -> None:
+    """Launch ``kernel`` (a ``cupy.RawKernel``) on ``like``'s device and current stream, its
+    ``args`` packed by :mod:`.launches` (as ``codes``, or as their numpy-scalar types).
 
-    The stream is PyTorch's current stream for tensors, CuPy's for CuPy arrays; it is passed
-    to the launch, and the device is switched only when ``like`` is not on the current one,
-    so a call makes no context changes, no synchronization and no device query.
+    The stream is PyTorch's current stream for tensors, CuPy's for CuPy arrays; the device is
+    switched only when ``like`` is not on the current one, so a call makes no context
+    changes, no synchronization and no device query.
     """
     import cupy
 
-    if is_torch(like):
-        index = like.get_device()
-        stream = _cupy_stream(_torch_stream(index), index)
-    else:
-        index = like.device.id
-        stream = None  # CuPy's current stream
+    torch_array = is_torch(like)
+    index = like.get_device() if torch_array else like.device.id
     if index == cupy.cuda.runtime.getDevice():
-        kernel((grid,), (block,), args, shared_mem=shared, stream=stream)
+        stream = _torch_stream(index) if torch_array else cupy.cuda.get_current_stream().ptr
+        launches.launch(kernel, index, stream, grid, block, args, shared, codes)
         return
     with cupy.cuda.Device(index):
-        kernel((grid,), (block,), args, shared_mem=shared, stream=stream)
+        stream = _torch_stream(index) if torch_array else cupy.cuda.get_current_stream().ptr
+        launches.launch(kernel, index, stream, grid, block, args, shared, codes)
 
 
 @contextlib.contextmanager

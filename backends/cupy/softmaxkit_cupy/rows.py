@@ -37,6 +37,14 @@ _CLUSTER_SCHEDULING_POLICY = 15
 """``CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE`` (values as RowConfig.policy)."""
 
 
+_ROW_PARAMS = "QqQqQqqiii"
+"""The row kernels' parameters (kernels/rows.cu): x, its row stride, where, its row stride,
+out, its row stride, rows, n, whether 16-byte words are used, the masked-row policy."""
+_VJP_PARAMS = "QqQqQqQqii"
+"""The gradient kernels' parameters (kernels/rowgrads.cu): primal, cotangent, where and out
+with their row strides (out's is n), rows, n, whether 16-byte words are used."""
+
+
 def _aligned(address: int, stride_bytes: int, width: int) -> bool:
     return address % width == 0 and stride_bytes % width == 0
 
@@ -129,12 +137,8 @@ def launch_rows(
     if where is not None:
         w_ptr, ld_w, _keep_w = interop.row_pointer(xp, where)
         vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
-    args = (
-        np.uint64(x_ptr), np.int64(ld_x), np.uint64(w_ptr), np.int64(ld_w),
-        np.uint64(o_ptr), np.int64(ld_o), np.int64(rows), np.int32(n),
-        np.int32(vec_ok), np.int32(masked_nan),
-    )
-    interop.launch(kernel, x, grid, threads, args, shared)
+    args = (x_ptr, ld_x, w_ptr, ld_w, o_ptr, ld_o, rows, n, vec_ok, masked_nan)
+    interop.launch(kernel, x, grid, threads, args, shared, _ROW_PARAMS)
 
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
@@ -201,10 +205,8 @@ def _vjp(op: str, xp: Any, primal: Any, cotangent: Any, where: Any) -> Any:
     if where is not None:
         w_ptr, ld_w, _keep_w = interop.row_pointer(xp, where)
         vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
-    args = (np.uint64(a_ptr), np.int64(ld_a), np.uint64(c_ptr),
-            np.int64(ld_c), np.uint64(w_ptr), np.int64(ld_w), np.uint64(o_ptr),
-            np.int64(rows), np.int32(n), np.int32(vec_ok))
-    interop.launch(kernel, primal, grid, threads, args)
+    args = (a_ptr, ld_a, c_ptr, ld_c, w_ptr, ld_w, o_ptr, rows, n, vec_ok)
+    interop.launch(kernel, primal, grid, threads, args, codes=_VJP_PARAMS)
     return out
 
 

@@ -1,27 +1,30 @@
 """The caller's arrays as kernel arguments, without copies, on the caller's device and stream.
 
-CuPy arrays, torch CUDA tensors and Numba device arrays reach the kernels through the CUDA
-array interface (``numba.cuda.as_cuda_array(..., sync=False)``: the launch is ordered on the
-caller's current stream instead of synchronizing).  bfloat16 tensors travel as 16-bit integer
-views of the same memory.  Results are allocated by the caller's library, on the input's
-device.  Under Numba's CUDA simulator, numpy arrays stand for device arrays.
+CuPy arrays, torch CUDA tensors and Numba device arrays reach the kernels as
+:class:`~.launches.DeviceView` s (address, shape, strides, dtype, read once from the array),
+and kernels are launched through :mod:`.launches` on the caller's current stream, never
+synchronizing.  bfloat16 tensors travel as 16-bit integer views of the same memory.  Results
+are allocated by the caller's library, on the input's device.  Under Numba's CUDA simulator,
+numpy arrays stand for device arrays and kernels run through numba's own launch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from softmaxkit.dtypes import dtype_name
 
+from . import launches
+from .launches import DeviceView, c_strides
 from .primitives import SIMULATOR, cuda
 
-_streams: dict[int, Any] = {}
 _dummies: dict[Any, Any] = {}
 
 
@@ -54,17 +57,38 @@ def rows(a: Any, lib: str) -> Any:
 
 
 def kernel_view(a: Any, lib: str) -> Any:
-    """The kernel argument for array ``a``: a device array view (numpy in the simulator)."""
-    if dtype_name(a.dtype) == "bfloat16":
-        if lib == "torch":
-            import torch
+    """The kernel argument for array ``a``: a :class:`DeviceView` of its memory (bfloat16 read
+    as int16), or ``a`` itself in the simulator."""
+    if lib == "numpy" or SIMULATOR:
+        if dtype_name(a.dtype) == "bfloat16":
+            a = a.view(_torch().int16) if lib == "torch" else a.view(np.int16)
+        return cuda.as_cuda_array(a, sync=False) if lib == "numba" else a
+    if lib == "torch":
+        size = a.element_size()
+        return DeviceView(a.data_ptr(), tuple(a.shape), tuple(s * size for s in a.stride()),
+                          _torch_dtype(a.dtype), a)
+    if lib == "cupy":
+        dtype = a.dtype if dtype_name(a.dtype) != "bfloat16" else np.dtype(np.int16)
+        return DeviceView(a.data.ptr, tuple(a.shape), tuple(a.strides), dtype, a)
+    cai = a.__cuda_array_interface__
+    dtype = np.dtype(cai["typestr"])
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides") or c_strides(shape, dtype.itemsize)
+    return DeviceView(cai["data"][0], shape, tuple(strides), dtype, a)
 
-            a = a.view(torch.int16)
-        else:
-            a = a.view(np.int16)
-    if lib == "numpy" or (SIMULATOR and lib != "numba"):
-        return a
-    return cuda.as_cuda_array(a, sync=False)
+
+_TORCH_DTYPES: dict[Any, np.dtype] = {}
+
+
+def _torch_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype a kernel reads a torch dtype as (bfloat16 as int16)."""
+    np_dtype = _TORCH_DTYPES.get(dtype)
+    if np_dtype is None:
+        name = str(dtype).rsplit(".", 1)[-1]
+        np_dtype = np.dtype(np.int16 if name == "bfloat16" else "bool" if name == "bool"
+                            else name)
+        _TORCH_DTYPES[dtype] = np_dtype
+    return np_dtype
 
 
 def _address(a: Any, lib: str) -> int:
@@ -106,7 +130,7 @@ def dummy(lib: str, device: Any, dtype: str = "bool", ndim: int = 2) -> Any:
             d = np.ones((1,) * ndim, dtype=np_dtype)
         else:
             with _on_device(device_index(device, lib)):
-                d = cuda.device_array((1,) * ndim, dtype=np_dtype)
+                d = kernel_view(cuda.device_array((1,) * ndim, dtype=np_dtype), "numba")
         _dummies[key] = d
     return d
 
@@ -159,38 +183,67 @@ def _torch() -> Any:
     return torch
 
 
-@contextlib.contextmanager
-def _on_device(index: int) -> Iterator[None]:
-    if SIMULATOR or len(cuda.gpus) == 1:
-        yield
-        return
-    with cuda.gpus[index]:
-        yield
+_device_count: list[int] = []
 
 
-def _stream_for(ptr: int) -> Any:
-    s = _streams.get(ptr)
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def _on_device(index: int) -> contextlib.AbstractContextManager:
+    """A context that makes device ``index`` current (nothing to do with one device)."""
+    if SIMULATOR:
+        return _SAME_DEVICE
+    if not _device_count:
+        _device_count.append(len(cuda.gpus))
+    return _SAME_DEVICE if _device_count[0] == 1 else cuda.gpus[index]
+
+
+class Stream:
+    """The caller's current stream on a device: the device's ordinal and cuda.core's view of
+    the stream, which kernels are queued on."""
+
+    __slots__ = ("core", "device", "handle")
+
+    def __init__(self, handle: int, device: int) -> None:
+        from cuda import core
+
+        self.handle = handle
+        self.device = device
+        self.core = core.Stream.from_handle(handle)
+
+
+_streams: dict[tuple[int, int], Stream] = {}
+_ready = threading.local()
+
+
+def _stream(handle: int, device: int) -> Stream:
+    s = _streams.get((handle, device))
     if s is None:
-        if ptr == 0:
-            s = cuda.legacy_default_stream()
-        elif ptr == 2:
-            s = cuda.per_thread_default_stream()
-        else:
-            s = cuda.external_stream(ptr)
-        _streams[ptr] = s
+        s = _streams[(handle, device)] = Stream(handle, device)
     return s
 
 
-@contextlib.contextmanager
-def launch(a: Any, lib: str) -> Iterator[Any]:
-    """Select ``a``'s device and yield the caller's current stream there (0 in the simulator)."""
+def _ensure_context(device: int) -> None:
+    """Make numba's context for ``device`` current on this thread, once per thread (a launch
+    on a thread where no library has touched the device yet would have no context)."""
+    seen = getattr(_ready, "devices", None)
+    if seen is None:
+        seen = _ready.devices = set()
+    if device not in seen:
+        cuda.current_context()
+        seen.add(device)
+
+
+def stream_of(a: Any, lib: str) -> Any:
+    """The caller's current stream on ``a``'s device (0 in the simulator): PyTorch's for
+    tensors, CuPy's for CuPy arrays, the default stream for Numba device arrays."""
     if SIMULATOR or lib == "numpy":
-        yield 0
-        return
+        return 0
     if lib == "torch":
         torch = _torch()
-        ptr = torch.cuda.current_stream(a.device).cuda_stream
-        index = device_index(a.device, lib)
+        index = a.get_device()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # makes no Stream object
+        ptr = raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
     elif lib == "cupy":
         import cupy
 
@@ -200,7 +253,8 @@ def launch(a: Any, lib: str) -> Iterator[Any]:
     else:
         index, ptr = 0, 0
     with _on_device(index):
-        yield _stream_for(ptr)
+        _ensure_context(index)
+    return _stream(ptr, index)
 
 
 _SHARED_ALLOWED: dict[tuple[int, int], int] = {}
@@ -209,23 +263,16 @@ _SHARED_ALLOWED: dict[tuple[int, int], int] = {}
 _NON_PORTABLE: set[tuple[int, int]] = set()
 """(id of a compiled kernel, device id) allowed clusters of more than 8 blocks there."""
 PORTABLE_CLUSTER = 8
-
-
-def _allow_shared(compiled: Any, config: Any) -> None:
-    """Let ``compiled`` take ``config.sharedmem`` bytes of dynamic shared memory (above 48 KB
-    a kernel must opt in) and prefer the largest shared-memory carveout."""
-    _allow(compiled, int(config.sharedmem), 1)
-
-
 _POLICY: dict[tuple[int, int], int] = {}
 """(id of a compiled kernel, device id) -> the cluster scheduling policy set there."""
 
 
 def _allow(compiled: Any, size: int, cluster: int, policy: int = 0) -> None:
     """Set the function attributes of ``compiled`` on the current device for ``size`` bytes of
-    dynamic shared memory, clusters of ``cluster`` blocks (non-portable above 8) and the
-    cluster scheduling ``policy`` (``CUclusterSchedulingPolicy``: 0 the driver's default, 1
-    spread, 2 load balancing)."""
+    dynamic shared memory (above 48 KB a kernel must opt in; the largest shared-memory
+    carveout is then preferred), clusters of ``cluster`` blocks (non-portable above 8) and
+    the cluster scheduling ``policy`` (``CUclusterSchedulingPolicy``: 0 the driver's
+    default, 1 spread, 2 load balancing)."""
     cufunc = compiled._codelibrary.get_cufunc()  # the function of the current device
     key = (id(compiled), cufunc.device.id)
     from numba.cuda.cudadrv.driver import binding, driver
@@ -246,38 +293,21 @@ def _allow(compiled: Any, size: int, cluster: int, policy: int = 0) -> None:
         _NON_PORTABLE.add(key)
 
 
-def cluster_launch(grid: int, block: int, shared: int, cluster: int,
-                   core_version: str) -> dict[str, int]:
-    """Keyword arguments of cuda.core's ``LaunchConfig`` for ``grid`` blocks of ``block``
-    threads in clusters of ``cluster`` blocks: cuda.core 1.0 and later count the grid in
-    clusters when a cluster is given, earlier versions in blocks."""
-    if cluster < 1 or grid % cluster:
-        raise ValueError(f"a grid of {grid} blocks is not made of clusters of {cluster}")
-    counts_clusters = int(core_version.split(".")[0]) >= 1
-    return {"grid": grid // cluster if counts_clusters else grid, "cluster": cluster,
-            "block": block, "shmem_size": shared}
+_allowed: dict[tuple[int, int, int, int, int], bool] = {}
+"""(id of a compiled kernel, device, shared bytes, cluster, policy) already set up."""
 
 
-def _launch_cluster(kernel: Any, grid: int, block: int, stream: Any, args: tuple,
-                    shared: int, cluster: int, policy: int = 0) -> None:
-    """Launch ``kernel`` on ``grid`` blocks in clusters of ``cluster`` (numba's launch passes no
-    cluster dimensions): the kernel compiled for the arguments' types by its dispatcher, the
-    arguments marshalled as numba marshals them, the launch made through cuda.core."""
-    from cuda import core
-    from numba.cuda.cudadrv.driver import _to_core_stream
-
-    config = core.LaunchConfig(**cluster_launch(grid, block, shared, cluster,
-                                                str(core.__version__)))
-    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    _allow(compiled, shared, cluster, policy)
-    core_stream = _to_core_stream(stream)
-    kernelargs: list[Any] = []
-    retr: list[Any] = []
-    for ty, value in zip(compiled.argument_types, args, strict=True):
-        compiled._prepare_args(ty, value, core_stream, retr, kernelargs)
-    core.launch(core_stream, config, compiled._codelibrary.get_cufunc().kernel, *kernelargs)
-    for writeback in retr:  # none for device arrays; kept as numba's launch does
-        writeback()
+def _prepare(kernel: Any, stream: Stream, args: tuple, shared: int, cluster: int,
+             policy: int) -> launches.Compiled:
+    """``kernel`` compiled for ``args`` on ``stream``'s device, its attributes set for
+    ``shared`` bytes of dynamic shared memory, clusters of ``cluster`` and ``policy``."""
+    entry = launches.compiled_for(kernel, args, stream.device)
+    if shared or cluster > 1 or policy:
+        key = (id(entry.compiled), stream.device, shared, cluster, policy)
+        if key not in _allowed:
+            _allow(entry.compiled, shared, cluster, policy)
+            _allowed[key] = True
+    return entry
 
 
 _RESIDENT: dict[tuple[int, ...], int] = {}
@@ -295,40 +325,34 @@ def resident_clusters(kernel: Any, block: int, stream: Any, args: tuple, shared:
     wait for each other (a grid larger than what fits is correct, only slower)."""
     if SIMULATOR:
         return SIMULATED_CLUSTERS
-    from cuda import core
-    from numba.cuda.cudadrv.driver import _to_core_stream
-
-    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    _allow(compiled, shared, cluster, policy)  # the occupancy depends on the opt-ins
-    cufunc = compiled._codelibrary.get_cufunc()
-    key = (id(compiled), cufunc.device.id, block, shared, cluster, policy)
-    count = _RESIDENT.get(key)
-    if count is None:
-        config = core.LaunchConfig(**cluster_launch(cluster, block, shared, cluster,
-                                                    str(core.__version__)))
-        count = int(cufunc.kernel.occupancy.max_active_clusters(
-            config, stream=_to_core_stream(stream)))
-        _RESIDENT[key] = count
+    with _on_device(stream.device):
+        entry = _prepare(kernel, stream, args, shared, cluster, policy)  # occupancy needs them
+        key = (id(entry.compiled), stream.device, block, shared, cluster, policy)
+        count = _RESIDENT.get(key)
+        if count is None:
+            config = launches.config(cluster, block, shared, cluster)
+            count = int(entry.function.kernel.occupancy.max_active_clusters(
+                config, stream=stream.core))
+            _RESIDENT[key] = count
     return max(1, count)
 
 
 def run(kernel: Any, grid: int, block: int, stream: Any, *args: Any, shared: int = 0,
         cluster: int = 1, policy: int = 0) -> None:
-    """Launch ``kernel`` with ``shared`` bytes of dynamic shared memory, in thread-block
-    clusters of ``cluster`` blocks when above 1 (``grid`` a multiple of it; the simulator
-    runs clusters of one block only) under the cluster scheduling ``policy`` (see
-    :func:`_allow`); numba's occupancy advice for small grids is not shown to callers."""
-    if cluster > 1:
-        if SIMULATOR:
-            raise NotImplementedError("the simulator runs clusters of one block only")
-        _launch_cluster(kernel, grid, block, stream, args, shared, cluster, policy)
+    """Launch ``kernel`` on ``stream`` (from :func:`stream_of`) with ``shared`` bytes of dynamic
+    shared memory, in thread-block clusters of ``cluster`` blocks when above 1 (``grid`` a
+    multiple of it; the simulator runs clusters of one block only) under the cluster
+    scheduling ``policy`` (see :func:`_allow`)."""
+    if not SIMULATOR:
+        with _on_device(stream.device):
+            entry = _prepare(kernel, stream, args, shared, cluster, policy)
+            launches.launch(entry, stream, grid, block, args, shared, cluster)
         return
+    if cluster > 1:
+        raise NotImplementedError("the simulator runs clusters of one block only")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*GPU under-utilization")
         if not shared:
             kernel[grid, block, stream](*args)
             return
-        config = kernel[grid, block, stream, shared]
-        if not SIMULATOR:
-            config.pre_launch_callbacks.append(_allow_shared)
-        config(*args)
+        kernel[grid, block, stream, shared](*args)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .arrays import empty, kernel_view, launch, library, run
+from .arrays import empty, kernel_view, library, run, stream_of
 from .primitives import (
     NAN,
     NEG_INF,
@@ -112,8 +112,8 @@ def merge_attention(*, xp: Any, outs: Any, lses: Any) -> tuple[Any, Any]:
     if threads == 0:
         return out, lse
     kernel_fn = _merge_kernel(dtype_name(outs.dtype))
-    with launch(outs, lib) as stream:
-        run(kernel_fn, -(-threads // THREADS), THREADS, stream,
-            kernel_view(_contiguous(outs, lib), lib), kernel_view(_contiguous(lses, lib), lib),
-            kernel_view(out, lib), kernel_view(lse, lib), n_rows, dv)
+    stream = stream_of(outs, lib)
+    run(kernel_fn, -(-threads // THREADS), THREADS, stream,
+        kernel_view(_contiguous(outs, lib), lib), kernel_view(_contiguous(lses, lib), lib),
+        kernel_view(out, lib), kernel_view(lse, lib), n_rows, dv)
     return out, lse

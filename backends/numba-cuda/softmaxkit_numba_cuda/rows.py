@@ -23,12 +23,12 @@ from .arrays import (
     dummy,
     empty,
     kernel_view,
-    launch,
     library,
     memory_bandwidth,
     resident_clusters,
     rows,
     run,
+    stream_of,
     vectorizable,
 )
 from .primitives import SIMULATOR
@@ -145,15 +145,15 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
         # several clusters a row exchange through zeroed slots in device memory, one a part
         wsp = _slots(xp, x, lib, plans.Plan(p.threads, p.slots, 1, parts), n_rows, "float32")
         args = (xv, w, masked == "nan", ov, n_rows, n // width, p.chunks, wsp)
-        with launch(x, lib) as stream:
-            policy = persistent.POLICY
-            fit = resident_clusters(kernel, p.block, stream, args + (0,), shared, cluster,
-                                    policy)  # the typed arguments, the spread a placeholder
-            rows_at_once = min(n_rows, max(1, fit // parts))
-            spread = persistent.stagger(n_rows, rows_at_once, n * x.dtype.itemsize,
+        stream = stream_of(x, lib)
+        policy = persistent.POLICY
+        fit = resident_clusters(kernel, p.block, stream, args + (0,), shared, cluster,
+                                policy)  # the typed arguments, the spread a placeholder
+        rows_at_once = min(n_rows, max(1, fit // parts))
+        spread = persistent.stagger(n_rows, rows_at_once, n * x.dtype.itemsize,
                                     memory_bandwidth(x, lib))
-            run(kernel, rows_at_once * p.chunks, p.block, stream, *args, spread,
-                shared=shared, cluster=cluster, policy=policy)
+        run(kernel, rows_at_once * p.chunks, p.block, stream, *args, spread,
+            shared=shared, cluster=cluster, policy=policy)
         return out
     if clustered is not None:  # the chunks of a row are one thread-block cluster
         p, cluster = clustered, clustered.chunks
@@ -171,9 +171,9 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     # clustered rows exchange through distributed shared memory: no slots to zero
     wsp = _slots(xp, x, lib, plans.make(1, 1, 1) if clustered else p, n_rows,
                  accumulator_name(kin))
-    with launch(x, lib) as stream:
-        run(kernel, blocks, p.block, stream, xv, w, masked == "nan", ov, n_rows,
-            n // width, p.chunks, wsp, shared=shared, cluster=cluster)
+    stream = stream_of(x, lib)
+    run(kernel, blocks, p.block, stream, xv, w, masked == "nan", ov, n_rows,
+        n // width, p.chunks, wsp, shared=shared, cluster=cluster)
     return out
 
 
@@ -206,10 +206,10 @@ def row_reduce(op: str, xp: Any, x: Any, where: Any, out: Any, second: Any,
     ws, sync = _counters(xp, x, lib, p, n_rows, acc, 2)
     sv = (kernel_view(second.reshape(n_rows, 1), lib) if second is not None
           else dummy(lib, x.device, kout))
-    with launch(x, lib) as stream:
-        run(kernel, p.grid(n_rows), p.block, stream, xv, w,
-            kernel_view(out.reshape(n_rows, 1), lib), sv, bool(return_second), n_rows,
-            n // width, p.chunks, ws, sync)
+    stream = stream_of(x, lib)
+    run(kernel, p.grid(n_rows), p.block, stream, xv, w,
+        kernel_view(out.reshape(n_rows, 1), lib), sv, bool(return_second), n_rows,
+        n // width, p.chunks, ws, sync)
 
 
 def logsumexp(
@@ -235,11 +235,11 @@ def logsumexp(
     p = _tiled_plan(n, kout, settings)
     kernel = tiled.logsumexp_weighted(kin, dtype_name(b.dtype), kout, p.threads, p.slots,
                                       p.rows_per_block)
-    with launch(x, lib) as stream:
-        run(kernel, p.grid_rows(n_rows), p.block, stream,
-            kernel_view(xr, lib), kernel_view(rows(b, lib), lib), w, where is not None,
-            kernel_view(out.reshape(n_rows, 1), lib), s, bool(return_sign), n_rows, n,
-            p.chunks)
+    stream = stream_of(x, lib)
+    run(kernel, p.grid_rows(n_rows), p.block, stream,
+        kernel_view(xr, lib), kernel_view(rows(b, lib), lib), w, where is not None,
+        kernel_view(out.reshape(n_rows, 1), lib), s, bool(return_sign), n_rows, n,
+        p.chunks)
     return (out, sign) if return_sign else out
 
 
@@ -303,10 +303,10 @@ def cross_entropy(
         kernel = tiled.cross_entropy(kin, kout, vector, p.threads, p.slots, p.rows_per_block,
                                      p.chunks == 1, dtype_name(probs.dtype))
         pv = kernel_view(rows(probs, lib), lib)
-        with launch(logits, lib) as stream:
-            run(kernel, p.grid_rows(n_rows), p.block, stream, xv, w, where is not None, idx,
-                pv, scale, lv, gv, grad is not None, n_rows, n // width, p.chunks,
-                float(label_smoothing), ignore_index is not None, ignore)
+        stream = stream_of(logits, lib)
+        run(kernel, p.grid_rows(n_rows), p.block, stream, xv, w, where is not None, idx,
+            pv, scale, lv, gv, grad is not None, n_rows, n // width, p.chunks,
+            float(label_smoothing), ignore_index is not None, ignore)
         return loss, grad
     p = _plan(n // width, kin, vector, settings)
     smooth = float(label_smoothing) != 0.0
@@ -337,10 +337,10 @@ def cross_entropy(
     else:
         ws, sync = _counters(xp, logits, lib, p, n_rows, acc, 4 if smooth else 2)
         wsp = _slots(xp, logits, lib, plans.make(1, 1, 1), n_rows, accumulator_name(kin))
-    with launch(logits, lib) as stream:
-        run(kernel, blocks, p.block, stream, xv, w, idx, scale, lv, gv, n_rows,
-            n // width, p.chunks, ws, sync, wsp, float(label_smoothing),
-            ignore_index is not None, ignore, shared=shared, cluster=cluster)
+    stream = stream_of(logits, lib)
+    run(kernel, blocks, p.block, stream, xv, w, idx, scale, lv, gv, n_rows,
+        n // width, p.chunks, ws, sync, wsp, float(label_smoothing),
+        ignore_index is not None, ignore, shared=shared, cluster=cluster)
     return loss, grad
 
 
@@ -358,10 +358,10 @@ def _vjp(op: str, xp: Any, y: Any, c: Any, where: Any, out_dtype: Any,
         p.slots, p.rows_per_block, p.chunks == 1,
     )
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, y.device)
-    with launch(y, lib) as stream:
-        run(kernel, p.grid_rows(n_rows), p.block, stream,
-            kernel_view(yr, lib), kernel_view(cr, lib), w, where is not None,
-            kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.chunks)
+    stream = stream_of(y, lib)
+    run(kernel, p.grid_rows(n_rows), p.block, stream,
+        kernel_view(yr, lib), kernel_view(cr, lib), w, where is not None,
+        kernel_view(out.reshape(n_rows, n), lib), n_rows, n, p.chunks)
     return out
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from softmaxkit.dtypes import accumulator_name, lookup
 
 from . import summary_kernels
-from .arrays import dummy, empty, kernel_view, launch, library, rows, run
+from .arrays import dummy, empty, kernel_view, library, rows, run, stream_of
 from .rows import dtype_name, row_reduce
 from .settings import SETTINGS, Settings
 
@@ -42,10 +42,10 @@ def summarize(*, xp: Any, x: Any, where: Any, values: Any,
     if num is not None and num.shape[-1] > 0:
         xr = rows(x, lib)
         w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
-        with launch(x, lib) as stream:
-            run(summary_kernels.numerators(kin), n_rows, 128, stream, kernel_view(xr, lib), w,
-                where is not None, kernel_view(_contiguous(values, lib), lib),
-                kernel_view(m.reshape(n_rows, 1), lib), kernel_view(num, lib), n)
+        stream = stream_of(x, lib)
+        run(summary_kernels.numerators(kin), n_rows, 128, stream, kernel_view(xr, lib), w,
+            where is not None, kernel_view(_contiguous(values, lib), lib),
+            kernel_view(m.reshape(n_rows, 1), lib), kernel_view(num, lib), n)
     return m, mass, num
 
 
@@ -68,9 +68,9 @@ def merge(*, xp: Any, maxes: Any, masses: Any, numerators: Any) -> tuple[Any, An
     nums = (kernel_view(_contiguous(numerators, lib), lib) if numerators is not None
             else dummy(lib, device, acc_name).reshape(1, 1, 1))
     nv = kernel_view(num, lib) if num is not None else dummy(lib, device, acc_name)
-    with launch(maxes, lib) as stream:
-        run(summary_kernels.merge(acc_name), -(-threads // 256), 256, stream,
-            kernel_view(_contiguous(maxes, lib), lib),
-            kernel_view(_contiguous(masses, lib), lib), nums, numerators is not None,
-            kernel_view(m, lib), kernel_view(mass, lib), nv, n_rows, dv)
+    stream = stream_of(maxes, lib)
+    run(summary_kernels.merge(acc_name), -(-threads // 256), 256, stream,
+        kernel_view(_contiguous(maxes, lib), lib),
+        kernel_view(_contiguous(masses, lib), lib), nums, numerators is not None,
+        kernel_view(m, lib), kernel_view(mass, lib), nv, n_rows, dv)
     return m, mass, num

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from softmaxkit_numba_cuda import arrays
+from softmaxkit_numba_cuda import arrays, launches
 
 
 def test_cluster_launch_counts_the_grid_as_cuda_core_does():
-    new = arrays.cluster_launch(64, 256, 32768, 16, "1.2.2")
+    new = launches.cluster_launch(64, 256, 32768, 16, "1.2.2")
     assert new == {"grid": 4, "cluster": 16, "block": 256, "shmem_size": 32768}
-    old = arrays.cluster_launch(64, 256, 32768, 16, "0.4.0")  # grid in blocks before 1.0
+    old = launches.cluster_launch(64, 256, 32768, 16, "0.4.0")  # grid in blocks before 1.0
     assert old["grid"] == 64 and old["cluster"] == 16
     with pytest.raises(ValueError):
-        arrays.cluster_launch(10, 256, 0, 4, "1.2.2")  # not whole clusters
+        launches.cluster_launch(10, 256, 0, 4, "1.2.2")  # not whole clusters
 
 
 def test_simulator_declines_clusters_of_several_blocks():

@@ -1,0 +1,278 @@
+"""Kernel launches without numba's per-call dispatch.
+
+``kernel[grid, block, stream](*args)`` types every argument, looks the compiled kernel up,
+wraps each array in a device array (``as_cuda_array``) and marshals it on every call: over
+two hundred microseconds for a small row, where the kernel runs for a few.  Here an array
+argument is a :class:`DeviceView` (address, shape, byte strides, dtype), the compiled kernel,
+its function on the device and the packing of each argument are found once per argument
+signature and device, and a call packs the values as numba's dispatcher would into a
+parameter buffer (:mod:`softmaxkit.kernel_params`) and launches with the driver's
+``cuLaunchKernel`` (cuda.core's launch for thread-block clusters, which need launch
+attributes).  Not used under Numba's simulator, which runs numba's own launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from softmaxkit.kernel_params import param_buffer
+
+
+class DeviceView:
+    """A device array as a kernel argument: its address, shape, strides in bytes and numpy
+    dtype, and the object that owns the memory (kept alive until the launch is queued).
+
+    ``key`` is what decides the array's numba type: dtype, rank and layout (``"C"``, ``"F"``
+    or ``"A"``, decided as numba decides it for a device array).
+    """
+
+    __slots__ = ("dtype", "key", "owner", "ptr", "shape", "size", "strides")
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
+                 dtype: np.dtype, owner: Any) -> None:
+        self.ptr = ptr
+        self.shape = shape
+        self.strides = strides
+        self.dtype = dtype
+        self.owner = owner
+        size = 1
+        for d in shape:
+            size *= d
+        self.size = size
+        self.key = (dtype, len(shape), layout(shape, strides, dtype.itemsize))
+
+    @property
+    def ndim(self) -> int:
+        """Number of axes."""
+        return len(self.shape)
+
+    def view(self, dtype: Any) -> DeviceView:
+        """The same memory read as ``dtype`` (of the same item size)."""
+        dtype = np.dtype(dtype)
+        if dtype.itemsize != self.dtype.itemsize:
+            raise ValueError(f"cannot view {self.dtype} items as {dtype}")
+        return DeviceView(self.ptr, self.shape, self.strides, dtype, self.owner)
+
+    def reshape(self, *shape: int) -> DeviceView:
+        """A C-contiguous view of the same elements in ``shape``."""
+        if self.key[2] != "C":
+            raise ValueError("only a C-contiguous view can be reshaped")
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        return DeviceView(self.ptr, shape, c_strides(shape, self.dtype.itemsize), self.dtype,
+                          self.owner)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": self.shape, "strides": self.strides, "typestr": self.dtype.str,
+                "data": (self.ptr, False), "version": 3}
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Byte strides of a C-contiguous array of ``shape``."""
+    out = []
+    step = itemsize
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return tuple(reversed(out))
+
+
+def layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> str:
+    """numba's layout letter for a device array: ``"C"`` or ``"F"`` when contiguous that way
+    (C first), ``"A"`` otherwise; an array with a zero stride is broadcast, so ``"A"`` unless
+    it is empty (numpy's contiguity rules: axes of length one do not count)."""
+    if 0 in shape:
+        return "C"
+    if 0 in strides:
+        return "A"
+    axes = range(len(shape))
+    if _contiguous(shape, strides, itemsize, reversed(axes)):
+        return "C"
+    if _contiguous(shape, strides, itemsize, axes):
+        return "F"
+    return "A"
+
+
+def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int,
+                axes: Any) -> bool:
+    expected = itemsize
+    for i in axes:
+        if shape[i] != 1:
+            if strides[i] != expected:
+                return False
+            expected *= shape[i]
+    return True
+
+
+_SCALARS: dict[type, tuple[str, Callable[[Any], Any], str]] = {
+    bool: ("boolean", bool, "?"),
+    np.bool_: ("boolean", bool, "?"),
+    int: ("int64", ctypes.c_int64, "q"),
+    float: ("float64", ctypes.c_double, "d"),
+    np.int32: ("int32", ctypes.c_int32, "i"),
+    np.int64: ("int64", ctypes.c_int64, "q"),
+    np.uint32: ("uint32", ctypes.c_uint32, "I"),
+    np.uint64: ("uint64", ctypes.c_uint64, "Q"),
+    np.float32: ("float32", ctypes.c_float, "f"),
+    np.float64: ("float64", ctypes.c_double, "d"),
+}
+"""Scalar argument types: numba's type for them (as ``typeof`` gives it), how numba's
+dispatcher marshals them for cuda.core (booleans as Python bools) and their parameter code
+(:mod:`struct`)."""
+
+
+def signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The cache key of an argument list: each array's ``key``, each scalar's type."""
+    return tuple(a.key if type(a) is DeviceView else type(a) for a in args)
+
+
+def argument_types(sig: tuple[Any, ...]) -> tuple[Any, ...]:
+    """numba types for a :func:`signature`."""
+    from numba import types
+    from numba.cuda.np import numpy_support
+
+    out = []
+    for k in sig:
+        if type(k) is tuple:
+            dtype, ndim, order = k
+            out.append(types.Array(numpy_support.from_dtype(dtype), ndim, order))
+        elif k in _SCALARS:
+            out.append(getattr(types, _SCALARS[k][0]))
+        else:
+            raise TypeError(f"no lean launch for a kernel argument of type {k.__name__}")
+    return tuple(out)
+
+
+def pack(packers: tuple[Any, ...], args: tuple[Any, ...]) -> list[Any]:
+    """Kernel parameters for ``args`` as numba's dispatcher marshals them: an array is its
+    meminfo and parent (null), element count, item size, address, shape and byte strides."""
+    out: list[Any] = []
+    for packer, a in zip(packers, args, strict=True):
+        if packer is None:
+            out += (0, 0, a.size, a.dtype.itemsize, a.ptr, *a.shape, *a.strides)
+        else:
+            out.append(packer(a))
+    return out
+
+
+def codes(sig: tuple[Any, ...]) -> str:
+    """The kernel's parameters for a :func:`signature` as :mod:`struct` codes: an array is
+    meminfo, parent, element count, item size, address, then its shape and byte strides
+    (numba's flattened array argument), a scalar its own code."""
+    return "".join("qqqqQ" + "qq" * k[1] if type(k) is tuple else _SCALARS[k][2] for k in sig)
+
+
+def values(args: tuple[Any, ...]) -> list[Any]:
+    """The parameter values of ``args``, in the order of :func:`codes`."""
+    out: list[Any] = []
+    for a in args:
+        if type(a) is DeviceView:
+            out += (0, 0, a.size, a.dtype.itemsize, a.ptr, *a.shape, *a.strides)
+        else:
+            out.append(a)
+    return out
+
+
+class Compiled:
+    """One kernel compiled for one argument signature, with its function on one device."""
+
+    __slots__ = ("codes", "compiled", "function", "handle", "packers")
+
+    def __init__(self, kernel: Any, sig: tuple[Any, ...]) -> None:
+        self.compiled = kernel.compile(argument_types(sig))
+        self.function = self.compiled._codelibrary.get_cufunc()  # the current device's
+        self.handle = int(self.function.handle)
+        self.packers = tuple(None if type(k) is tuple else _SCALARS[k][1] for k in sig)
+        self.codes = codes(sig)
+
+
+_compiled: dict[tuple[Any, ...], Compiled] = {}
+_lock = threading.Lock()
+
+
+def compiled_for(kernel: Any, args: tuple[Any, ...], device: int) -> Compiled:
+    """The compiled form of ``kernel`` for ``args`` on ``device`` (the current device),
+    compiled and loaded on the first call with this signature there."""
+    key = (kernel, signature(args), device)
+    entry = _compiled.get(key)
+    if entry is None:
+        with _lock:
+            entry = _compiled.get(key)
+            if entry is None:
+                entry = _compiled[key] = Compiled(kernel, key[1])
+    return entry
+
+
+_configs: dict[tuple[int, int, int, int], Any] = {}
+
+
+def config(grid: int, block: int, shared: int, cluster: int) -> Any:
+    """cuda.core's ``LaunchConfig`` for ``grid`` blocks (cached)."""
+    key = (grid, block, shared, cluster)
+    c = _configs.get(key)
+    if c is None:
+        from cuda import core
+
+        if len(_configs) > 4096:
+            _configs.clear()
+        kwargs = cluster_launch(grid, block, shared, cluster, str(core.__version__))
+        if cluster == 1:
+            del kwargs["cluster"]
+        c = _configs[key] = core.LaunchConfig(**kwargs)
+    return c
+
+
+def cluster_launch(grid: int, block: int, shared: int, cluster: int,
+                   core_version: str) -> dict[str, int]:
+    """Keyword arguments of cuda.core's ``LaunchConfig`` for ``grid`` blocks of ``block``
+    threads in clusters of ``cluster`` blocks: cuda.core 1.0 and later count the grid in
+    clusters when a cluster is given, earlier versions in blocks."""
+    if cluster < 1 or grid % cluster:
+        raise ValueError(f"a grid of {grid} blocks is not made of clusters of {cluster}")
+    counts_clusters = int(core_version.split(".")[0]) >= 1
+    return {"grid": grid // cluster if counts_clusters else grid, "cluster": cluster,
+            "block": block, "shmem_size": shared}
+
+
+_driver: list[Any] = []
+
+
+def _cu_launch_kernel() -> Any:
+    """``cuLaunchKernel`` of the CUDA driver, through ctypes (loaded once)."""
+    if not _driver:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernel
+        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        fn.restype = ctypes.c_int
+        name = lib.cuGetErrorName
+        name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        _driver.extend((fn, name))
+    return _driver[0]
+
+
+def _error(code: int) -> str:
+    text = ctypes.c_char_p()
+    _driver[1](code, ctypes.byref(text))
+    return (text.value or b"CUDA_ERROR_UNKNOWN").decode()
+
+
+def launch(entry: Compiled, stream: Any, grid: int, block: int, args: tuple[Any, ...],
+           shared: int = 0, cluster: int = 1) -> None:
+    """Queue ``entry``'s kernel on ``stream`` (a :class:`~.arrays.Stream`) with ``args``."""
+    if cluster > 1:
+        from cuda import core
+
+        core.launch(stream.core, config(grid, block, shared, cluster), entry.function.kernel,
+                    *pack(entry.packers, args))
+        return
+    params = param_buffer(entry.codes).pack(values(args))
+    code = _cu_launch_kernel()(entry.handle, grid, 1, 1, block, 1, 1, shared, stream.handle,
+                               params, None)
+    if code:
+        raise RuntimeError(f"cuLaunchKernel failed: {_error(code)} (grid {grid}, block {block}, "
+                           f"{shared} bytes of shared memory)")

@@ -1,0 +1,121 @@
+"""Lean launches: the array views and argument packing they use instead of numba's dispatch.
+
+The layout letter and the packing must be what numba's dispatcher makes of the same array,
+or the kernel compiled for the view's type would read its arguments wrongly.  The layout is
+checked here against numpy's contiguity flags (numba's rules are numpy's); the packing
+against numba's own marshalling of a device array, on a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from softmaxkit_numba_cuda import launches
+from softmaxkit_numba_cuda.launches import DeviceView, layout
+
+
+def _view(a: np.ndarray) -> DeviceView:
+    return DeviceView(a.ctypes.data, a.shape, a.strides, a.dtype, a)
+
+
+def _numba_layout(a: np.ndarray) -> str:
+    """numba's rule for a device array: broadcast (a zero stride, not empty) is "A", else C
+    before F by the contiguity flags."""
+    if 0 in a.strides and a.size:
+        return "A"
+    return "C" if a.flags.c_contiguous else "F" if a.flags.f_contiguous else "A"
+
+
+_BASE = np.zeros((6, 8, 4), dtype=np.float32)
+CASES = {
+    "c": _BASE,
+    "f": np.asfortranarray(_BASE),
+    "rows": _BASE.reshape(48, 4),
+    "column": _BASE.reshape(-1)[:, None],
+    "row": _BASE.reshape(-1)[None, :],
+    "sliced": _BASE[:, ::2],
+    "transposed": _BASE.transpose(1, 0, 2),
+    "broadcast": np.broadcast_to(np.zeros((1, 4), np.float32), (5, 4)),
+    "scalar-like": np.zeros((1, 1), np.int64),
+    "empty": np.zeros((0, 4), np.float16),
+    "one-d": np.zeros(7, np.bool_),
+    "strided-one-d": np.zeros(14, np.float64)[::2],
+    "unit-middle": np.zeros((3, 1, 5), np.float32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_layout_is_numbas(name):
+    a = CASES[name]
+    assert layout(a.shape, a.strides, a.itemsize) == _numba_layout(a)
+
+
+def test_view_reinterprets_and_reshapes_without_copying():
+    a = np.zeros((4, 6), np.int64)
+    v = _view(a).view(np.uint64)
+    assert (v.ptr, v.shape, v.strides, v.dtype) == (a.ctypes.data, (4, 6), (48, 8),
+                                                    np.dtype(np.uint64))
+    r = _view(a).reshape(2, 3, 4)
+    assert r.shape == (2, 3, 4) and r.strides == (96, 32, 8) and r.size == 24
+    assert r.key == (np.dtype(np.int64), 3, "C")
+    with pytest.raises(ValueError):
+        _view(a).view(np.int32)
+    with pytest.raises(ValueError):
+        _view(a[:, ::2]).reshape(12)
+
+
+def test_pack_lays_out_arrays_and_scalars_as_numba_does():
+    a = np.zeros((3, 5), np.float32)
+    args = (_view(a), 7, np.int32(2), True, 0.5, np.float32(1.5))
+    sig = launches.signature(args)
+    names = [str(t) for t in launches.argument_types(sig)]
+    assert names == ["array(float32, 2d, C)", "int64", "int32", "bool", "float64", "float32"]
+    packers = tuple(None if type(k) is tuple else launches._SCALARS[k][1] for k in sig)
+    packed = launches.pack(packers, args)
+    assert packed[:9] == [0, 0, 15, 4, a.ctypes.data, 3, 5, 20, 4]
+    assert isinstance(packed[9], ctypes.c_int64) and packed[9].value == 7
+    assert isinstance(packed[10], ctypes.c_int32) and packed[10].value == 2
+    assert packed[11] is True
+    assert isinstance(packed[12], ctypes.c_double) and packed[12].value == 0.5
+    assert isinstance(packed[13], ctypes.c_float) and packed[13].value == 1.5
+    with pytest.raises(TypeError, match="complex"):
+        launches.argument_types(launches.signature((1j,)))
+
+
+def _gpu() -> bool:
+    from softmaxkit_numba_cuda.primitives import SIMULATOR, cuda
+
+    return not SIMULATOR and cuda.is_available()
+
+
+@pytest.mark.skipif("not _gpu()")
+def test_pack_matches_numbas_marshalling_on_the_gpu():
+    from numba import cuda
+
+    @cuda.jit
+    def kernel(x, n, flag, out):
+        pass
+
+    for host in (np.zeros((4, 8), np.float32), np.zeros((5, 1), np.int16),
+                 np.zeros((2, 3, 4), np.float64)[:, 1:]):
+        dev = cuda.to_device(np.ascontiguousarray(host))
+        if host.ndim == 3:
+            dev = dev[:, 1:]
+        out = cuda.device_array(3, np.int64)
+        cai = dev.__cuda_array_interface__
+        view = DeviceView(cai["data"][0], dev.shape, dev.strides, dev.dtype, dev)
+        ocai = out.__cuda_array_interface__
+        oview = DeviceView(ocai["data"][0], out.shape, out.strides, out.dtype, out)
+        args = (view, 9, False, oview)
+        entry = launches.compiled_for(kernel, args, 0)
+        expected_types = tuple(kernel.typeof_pyval(a) for a in (dev, 9, False, out))
+        assert entry.compiled.argument_types == expected_types
+        theirs: list = []
+        for ty, value in zip(expected_types, (dev, 9, False, out), strict=True):
+            entry.compiled._prepare_args(ty, value, 0, [], theirs)
+        ours = launches.pack(entry.packers, args)
+        plain = [v.value if isinstance(v, ctypes._SimpleCData) else v for v in ours]
+        expected = [v.value if isinstance(v, ctypes._SimpleCData) else v for v in theirs]
+        assert plain == expected
