@@ -10,7 +10,8 @@ replace to force a plan or strategy.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -108,6 +109,47 @@ def _slots(xp: Any, like: Any, lib: str, p: plans.Plan, n_rows: int, acc_name: s
     return wsp.view(np.uint64)
 
 
+class _RowLaunch(NamedTuple):
+    """How rows of one length are normalized (everything but the persistent grid, which
+    depends on the device's occupancy): the kernel, its plan, dynamic shared memory, cluster
+    size, whether a row takes ``plan.chunks`` blocks of its own (staged and clustered
+    kernels), and the plan of the zeroed summary slots."""
+
+    kernel: Any
+    plan: plans.Plan
+    shared: int
+    cluster: int
+    block_per_chunk: bool
+    slots: plans.Plan
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_launch(op: str, kin: str, kout: str, vector: bool, n_words: int, has_where: bool,
+                settings: Settings) -> _RowLaunch | None:
+    """The launch of a normalization of rows of ``n_words`` words (values when not
+    ``vector``), or None for the persistent grid; chosen once per call shape (cached)."""
+    p = _plan(n_words, kin, vector, settings)
+    forced = settings.stage_plan or settings.plan
+    if _staged(kin, p, vector, kin == kout, settings):
+        if plans.persistent(n_words, SIMULATOR, PERSIST_THREADS[kin], settings.persist,
+                            settings.cluster, forced):
+            return None
+        clustered = plans.clustered(n_words, SIMULATOR, settings.cluster, forced)
+        if clustered is not None:  # the chunks of a row are one thread-block cluster
+            kernel = staged.normalize(op, kin, clustered.threads, clustered.slots, has_where,
+                                      cluster=True)
+            # clustered rows exchange through distributed shared memory: no slots to zero
+            return _RowLaunch(kernel, clustered,
+                              staging.shared_bytes(clustered.threads, clustered.slots),
+                              clustered.chunks, True, plans.make(1, 1, 1))
+        p = plans.staged(n_words, SIMULATOR, forced=forced)
+        kernel = staged.normalize(op, kin, p.threads, p.slots, has_where)
+        return _RowLaunch(kernel, p, staging.shared_bytes(p.threads, p.slots), 1, True, p)
+    kernel = row_kernels.normalize(op, kin, kout, vector, p.threads, p.slots,
+                                  p.rows_per_block, p.split, has_where)
+    return _RowLaunch(kernel, p, 0, 1, False, p)
+
+
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any,
                settings: Settings) -> Any:
     lib = library(x)
@@ -118,63 +160,51 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     n_rows, n = xr.shape
     kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
     vector, width, (xv, ov) = _layout(lib, kin, kout, [xr, out.reshape(n_rows, n)])
-    p = _plan(n // width, kin, vector, settings)
-    cluster = 1
-    clustered = persist = None
-    is_staged = _staged(kin, p, vector, kin == kout, settings)
-    forced = settings.stage_plan or settings.plan
-    if is_staged:
-        persist = plans.persistent(n // width, SIMULATOR, PERSIST_THREADS[kin],
-                                   settings.persist, settings.cluster, forced)
-        clustered = (None if persist
-                     else plans.clustered(n // width, SIMULATOR, settings.cluster, forced))
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, x.device)
-    if persist is not None:  # a persistent grid of clusters, each walking rows
-        p, parts = persist, plans.row_clusters(persist, SIMULATOR)
-        whole = n // width == p.chunks * p.chunk_words  # every chunk full
-        held = persistent.HELD[kin] if where is None else 0
-        kept = plans.held(p, n // width, held, SIMULATOR) if held else None
-        if kept is not None:  # chunks twice as long, ``held`` words a thread in registers
-            p, parts, whole = kept, 1, True
-        else:
-            held = 0
-        cluster = p.chunks // parts
-        kernel = persistent.persistent(op, kin, p.threads, p.slots, where is not None, whole,
-                                   cluster if parts > 1 else 0, parts, held)
-        shared = staging.shared_bytes(p.threads, p.slots)
-        # several clusters a row exchange through zeroed slots in device memory, one a part
-        wsp = _slots(xp, x, lib, plans.Plan(p.threads, p.slots, 1, parts), n_rows, "float32")
-        args = (xv, w, masked == "nan", ov, n_rows, n // width, p.chunks, wsp)
-        stream = stream_of(x, lib)
-        policy = persistent.POLICY
-        fit = resident_clusters(kernel, p.block, stream, args + (0,), shared, cluster,
-                                policy)  # the typed arguments, the spread a placeholder
-        rows_at_once = min(n_rows, max(1, fit // parts))
-        spread = persistent.stagger(n_rows, rows_at_once, n * x.dtype.itemsize,
-                                    memory_bandwidth(x, lib))
-        run(kernel, rows_at_once * p.chunks, p.block, stream, *args, spread,
-            shared=shared, cluster=cluster, policy=policy)
+    launch = _row_launch(op, kin, kout, vector, n // width, where is not None, settings)
+    if launch is None:
+        _persistent(op, xp, x, lib, kin, n_rows, n // width, xv, w, where is not None, ov,
+                    masked, settings)
         return out
-    if clustered is not None:  # the chunks of a row are one thread-block cluster
-        p, cluster = clustered, clustered.chunks
-        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None,
-                                  cluster=True)
-        blocks, shared = n_rows * p.chunks, staging.shared_bytes(p.threads, p.slots)
-    elif is_staged:
-        p = plans.staged(n // width, SIMULATOR, forced=forced)
-        kernel = staged.normalize(op, kin, p.threads, p.slots, where is not None)
-        blocks, shared = n_rows * p.chunks, staging.shared_bytes(p.threads, p.slots)
-    else:
-        kernel = row_kernels.normalize(op, kin, kout, vector, p.threads, p.slots,
-                                      p.rows_per_block, p.split, where is not None)
-        blocks, shared = p.grid(n_rows), 0
-    # clustered rows exchange through distributed shared memory: no slots to zero
-    wsp = _slots(xp, x, lib, plans.make(1, 1, 1) if clustered else p, n_rows,
-                 accumulator_name(kin))
-    stream = stream_of(x, lib)
-    run(kernel, blocks, p.block, stream, xv, w, masked == "nan", ov, n_rows,
-        n // width, p.chunks, wsp, shared=shared, cluster=cluster)
+    p = launch.plan
+    blocks = n_rows * p.chunks if launch.block_per_chunk else p.grid(n_rows)
+    wsp = _slots(xp, x, lib, launch.slots, n_rows, accumulator_name(kin))
+    run(launch.kernel, blocks, p.block, stream_of(x, lib), xv, w, masked == "nan", ov, n_rows,
+        n // width, p.chunks, wsp, shared=launch.shared, cluster=launch.cluster)
     return out
+
+
+def _persistent(op: str, xp: Any, x: Any, lib: str, kin: str, n_rows: int, n_words: int,
+                xv: Any, w: Any, has_where: bool, ov: Any, masked: str,
+                settings: Settings) -> None:
+    """Normalize rows on a persistent grid of clusters, each walking rows."""
+    forced = settings.stage_plan or settings.plan
+    p = plans.persistent(n_words, SIMULATOR, PERSIST_THREADS[kin], settings.persist,
+                         settings.cluster, forced)
+    parts = plans.row_clusters(p, SIMULATOR)
+    whole = n_words == p.chunks * p.chunk_words  # every chunk full
+    held = persistent.HELD[kin] if not has_where else 0
+    kept = plans.held(p, n_words, held, SIMULATOR) if held else None
+    if kept is not None:  # chunks twice as long, ``held`` words a thread in registers
+        p, parts, whole = kept, 1, True
+    else:
+        held = 0
+    cluster = p.chunks // parts
+    kernel = persistent.persistent(op, kin, p.threads, p.slots, has_where, whole,
+                                   cluster if parts > 1 else 0, parts, held)
+    shared = staging.shared_bytes(p.threads, p.slots)
+    # several clusters a row exchange through zeroed slots in device memory, one a part
+    wsp = _slots(xp, x, lib, plans.Plan(p.threads, p.slots, 1, parts), n_rows, "float32")
+    args = (xv, w, masked == "nan", ov, n_rows, n_words, p.chunks, wsp)
+    stream = stream_of(x, lib)
+    policy = persistent.POLICY
+    fit = resident_clusters(kernel, p.block, stream, args + (0,), shared, cluster,
+                            policy)  # the typed arguments, the spread a placeholder
+    rows_at_once = min(n_rows, max(1, fit // parts))
+    spread = persistent.stagger(n_rows, rows_at_once, x.shape[-1] * x.dtype.itemsize,
+                                memory_bandwidth(x, lib))
+    run(kernel, rows_at_once * p.chunks, p.block, stream, *args, spread,
+        shared=shared, cluster=cluster, policy=policy)
 
 
 def softmax(*, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any,
