@@ -33,12 +33,13 @@ where Numba CUDA's reached 0.7-0.9 TB/s, and a small call costs a third of Numba
 (73 against 235 us at 64x1024; ``softmaxkit bench --device cuda --backends numba-cuda cupy``,
 docs/benchmarks-cupy.md)."""
 
-LARGE_FLOAT32_ROWS = 1 << 26
-"""float32 row calls of at least this many elements are left to Numba CUDA when it is
-installed: its float32 kernels were faster on such inputs in eager calls on the H200
-(32768x4096 softmax 98% of the copy against 62-65%, 4096x32768 log_softmax 84% against this
-backend's softmax at 49%; ``softmaxkit bench --device cuda``), and on inputs this large its
-per-call cost hides behind the kernel.  Smaller float32 calls stay here."""
+LARGE_FLOAT32_ROWS = 1 << 24
+"""float32 softmax and log_softmax calls of at least this many elements are left to Numba
+CUDA when it is installed: its float32 normalization kernels are faster on such inputs in
+eager calls on the H200 (``softmaxkit bench --device cuda --backends cupy numba-cuda``), and
+on inputs this large its per-call cost hides behind the kernel.  Smaller calls stay here."""
+LARGE_FLOAT32_SUMS = 1 << 26
+"""The same for float32 logsumexp, whose kernel here leads up to larger inputs."""
 
 
 NAME = "cupy"
@@ -217,9 +218,6 @@ def row_reason(
         return f"rows of {n} elements exceed the {longest} the kernels hold on chip"
     if math.prod(shape[:-1]) >= 2**31 // 8:
         return "more rows than one launch addresses"
-    if op == "log_softmax" and din == "float32":
-        # log p near 0 needs log(sum) to better than float32 rounding on long rows
-        return "float32 log_softmax is left to backends that accumulate in float64"
     if op == "logsumexp" and weighted:
         return "weights b= are left to the other backends"
     return None
@@ -275,7 +273,8 @@ def should_run(call: Any) -> bool | str:
     if call.op not in ROW_OPS or call.dtype != "float32":
         return True
     shape = tuple(call.args["x"].shape)
-    if not shape or math.prod(shape) < LARGE_FLOAT32_ROWS:
+    large = LARGE_FLOAT32_SUMS if call.op == "logsumexp" else LARGE_FLOAT32_ROWS
+    if not shape or math.prod(shape) < large:
         return True
     from softmaxkit.registry import prioritized, registry
 

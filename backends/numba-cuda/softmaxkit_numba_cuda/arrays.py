@@ -65,7 +65,7 @@ def kernel_view(a: Any, lib: str) -> Any:
         return cuda.as_cuda_array(a, sync=False) if lib == "numba" else a
     if lib == "torch":
         size = a.element_size()
-        return DeviceView(a.data_ptr(), tuple(a.shape), tuple(s * size for s in a.stride()),
+        return DeviceView(a.data_ptr(), tuple(a.shape), tuple([s * size for s in a.stride()]),
                           _torch_dtype(a.dtype), a)
     if lib == "cupy":
         dtype = a.dtype if dtype_name(a.dtype) != "bfloat16" else np.dtype(np.int16)
@@ -122,7 +122,7 @@ def empty(xp: Any, like: Any, shape: tuple[int, ...], dtype: Any) -> Any:
 
 def dummy(lib: str, device: Any, dtype: str = "bool", ndim: int = 2) -> Any:
     """A tiny array (``ndim`` axes of length 1) standing for an absent argument of ``dtype``."""
-    key = (lib, str(device), dtype, ndim)
+    key = (lib, device, dtype, ndim)
     d = _dummies.get(key)
     if d is None:
         np_dtype = np.int16 if dtype == "bfloat16" else np.dtype(dtype)

@@ -14,6 +14,7 @@ attributes).  Not used under Numba's simulator, which runs numba's own launch.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -40,11 +41,14 @@ class DeviceView:
         self.strides = strides
         self.dtype = dtype
         self.owner = owner
-        size = 1
-        for d in shape:
-            size *= d
-        self.size = size
-        self.key = (dtype, len(shape), layout(shape, strides, dtype.itemsize))
+        itemsize = dtype.itemsize
+        if len(shape) == 2 and strides[1] == itemsize and strides[0] == shape[1] * itemsize:
+            self.size = shape[0] * shape[1]  # the common [rows, n] view, C-contiguous
+            order = "C" if self.size else layout(shape, strides, itemsize)
+        else:
+            self.size = math.prod(shape)
+            order = layout(shape, strides, itemsize)
+        self.key = (dtype, len(shape), order)
 
     @property
     def ndim(self) -> int:
