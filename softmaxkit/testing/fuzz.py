@@ -35,7 +35,7 @@ import softmaxkit as sk
 
 from ..registry import BackendLoadError, NoBackendError, _load, register, registry
 from . import materialized
-from .attention_cases import ATTENTION_TOLERANCES, check_forward
+from .attention_cases import check_forward, check_grads
 from .kit import HEAD_DIMS, Target, target
 from .rows_cases import (
     LD,
@@ -384,12 +384,7 @@ def _check_attention_vjp(t: Target, backend: str, ex: dict[str, Any]) -> None:
     got = sk.attention_vjp(q, k, v, t.asarray(out64, dtype), t.asarray(lse64, acc), dout,
                            backend=backend, **fkw)
     expected = materialized.attention_vjp(q64, k64, v64, dout64, **rkw)
-    tol = ATTENTION_TOLERANCES[dtype][2]
-    for name, g, e in zip(("dq", "dk", "dv"), got, expected, strict=True):
-        g = t.to_numpy(g)
-        assert g.shape == e.shape, f"attention_vjp: {name} shape {g.shape} != {e.shape}"
-        err = materialized.rel_frobenius(g, e)
-        assert err <= tol, f"attention_vjp [{dtype}]: {name} relative error {err:.3g} > {tol}"
+    check_grads(t, dtype, got, expected, "attention_vjp")
 
 
 # ------------------------------------------------------------------ strategies per operation
