@@ -17,6 +17,7 @@ from .primitives import (
     POS_INF,
     accumulator,
     cuda,
+    device_function,
     kernel,
     log_f32,
     log_f64,
@@ -32,6 +33,32 @@ from .row_kernels import (
     _values,
 )
 from .storage import loader, storer, word_io
+
+
+@functools.cache
+def row_loss(acc_name: str, smooth: bool):
+    """Device function ``loss(valid, special, normal, x_t, m, log_s, eps, cnt, share, zsum)``:
+    a row's loss from its summary (``m``, ``log_s``; ``cnt`` allowed positions whose ``x - m``
+    sum to ``zsum``), its target's logit ``x_t`` and the smoothing ``eps`` (``share = eps /
+    cnt``); zero for an ignored row, NaN for a special one.  The register and the staged
+    kernels share it."""
+    acc = accumulator(acc_name)[1]
+    nan, zero, one = acc(NAN), acc(0.0), acc(1.0)
+
+    def loss(valid, special, normal, x_t, m, log_s, eps, cnt, share, zsum):
+        if not valid:
+            return zero
+        if special:
+            return nan
+        z = x_t - (m if normal else zero)
+        total = zero
+        if eps != one:
+            total += (one - eps) * (z - log_s)
+        if smooth and cnt > zero:
+            total += share * (zsum - cnt * log_s)
+        return zero - total
+
+    return device_function(loss, inline=True)
 
 
 @functools.cache
@@ -64,6 +91,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     store = storer(kout)
     store_loss = storer(acc_name)
     exp = exponential(acc_name)
+    loss_of = row_loss(acc_name, smooth)
     log = log_f64 if acc_name == "float64" else log_f32
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
@@ -143,18 +171,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                     g -= share
                 store(grad[r], target, g * g_scale)
         if writes_loss and live and lane == 0:
-            if not valid:
-                res = zero
-            elif special:
-                res = nan
-            else:
-                z = x_t - (m if normal else zero)
-                total = zero
-                if eps != one:
-                    total += (one - eps) * (z - log_s)
-                if smooth and cnt > zero:
-                    total += share * (zsum - cnt * log_s)
-                res = zero - total
+            res = loss_of(valid, special, normal, x_t, m, log_s, eps, cnt, share, zsum)
             store_loss(loss[r], 0, res)
 
     return row_kernel
