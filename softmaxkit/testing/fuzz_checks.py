@@ -19,7 +19,7 @@ import softmaxkit as sk
 from . import materialized
 from .attention_cases import check_forward, check_grads
 from .kit import Target
-from .rows_cases import (
+from .row_references import (
     LD,
     _ref_log_softmax_ext,
     _rows,
