@@ -110,15 +110,14 @@ def _run_parts(parts: dict[str, Callable[[], None]]) -> None:
 # ------------------------------------------------------------------ golden vectors
 
 
-def _vector_cases(stem: str) -> Iterator[dict[str, Any]]:
-    yield from vectors.load(stem)
+def _vector_cases(stem: str, dtype: str) -> Iterator[dict[str, Any]]:
+    """The golden vectors of spec/vectors/``stem``.json whose inputs ``dtype`` represents."""
+    yield from (v for v in vectors.load(stem) if dtype in v["dtypes"])
 
 
 def _check_normalizer(t: Target, dtype: str, backend: str, log: bool) -> None:
     op = sk.log_softmax if log else sk.softmax
-    for v in _vector_cases("log_softmax" if log else "softmax"):
-        if dtype not in v["dtypes"]:
-            continue
+    for v in _vector_cases("log_softmax" if log else "softmax", dtype):
         what = f"{op.__name__} vector {v['name']}"
         x = vectors.array(v["x"], v["shape"])
         where = vectors.array(v["where"], v["shape"])
@@ -159,9 +158,7 @@ def case_log_softmax_vectors(t: Target, dtype: str, backend: str) -> None:
 @case("logsumexp")
 def case_logsumexp_vectors(t: Target, dtype: str, backend: str) -> None:
     """spec/vectors/logsumexp.json: b weights, return_sign, keepdims, axis tuples, edges."""
-    for v in _vector_cases("logsumexp"):
-        if dtype not in v["dtypes"]:
-            continue
+    for v in _vector_cases("logsumexp", dtype):
         what = f"logsumexp vector {v['name']} [{dtype}]"
         a = vectors.array(v["a"], v["shape"])
         b = vectors.array(v["b"], v["b_shape"]) if v["b"] is not None else None
@@ -185,9 +182,7 @@ def case_logsumexp_vectors(t: Target, dtype: str, backend: str) -> None:
 @case("cross_entropy")
 def case_cross_entropy_vectors(t: Target, dtype: str, backend: str) -> None:
     """spec/vectors/cross_entropy.json: index and probability targets, smoothing, ignore."""
-    for v in _vector_cases("cross_entropy"):
-        if dtype not in v["dtypes"]:
-            continue
+    for v in _vector_cases("cross_entropy", dtype):
         what = f"cross_entropy vector {v['name']} [{dtype}]"
         x = vectors.array(v["logits"], v["shape"])
         where = vectors.array(v["where"], v["shape"])
@@ -221,8 +216,8 @@ def case_vjp_vectors(t: Target, dtype: str, backend: str) -> None:
 
     def part(op: str) -> Callable[[], None]:
         def run() -> None:
-            for v in _vector_cases("vjp"):
-                if v["op"] == op and dtype in v["dtypes"]:
+            for v in _vector_cases("vjp", dtype):
+                if v["op"] == op:
                     _check_vjp_vector(t, dtype, backend, v)
 
         return run
