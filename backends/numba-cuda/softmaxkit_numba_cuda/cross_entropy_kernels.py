@@ -62,6 +62,26 @@ def row_loss(acc_name: str, smooth: bool):
 
 
 @functools.cache
+def smoothing_sums(threads: int, acc_name: str, smooth: bool):
+    """Device function ``sums(c_t, z_t, m_t, m, scratch) -> (cnt, zsum)``: the group's count
+    of allowed positions and the sum of their ``x - m`` (each thread's ``z_t`` is relative to
+    its own maximum ``m_t``), which label smoothing needs; zeros without ``smooth``.  The
+    register and the staged kernels share it."""
+    sum_reduce = group_reducers(threads, acc_name)[1]
+    zero = accumulator(acc_name)[1](0.0)
+
+    def sums(c_t, z_t, m_t, m, scratch):
+        cnt = zero
+        zsum = zero
+        if smooth:
+            cnt = sum_reduce(c_t, scratch)
+            zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
+        return cnt, zsum
+
+    return device_function(sums, inline=True)
+
+
+@functools.cache
 def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                   rows_per_block: int, split: bool, has_where: bool, has_grad: bool,
                   smooth: bool):
@@ -81,7 +101,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     _, store_chunk = _chunk_io(kout, vector, threads, slots, False)
     keep_exp = has_grad and not smooth
     thread_sum = _thread_sum(acc_name, values, keep_exp, smooth)
-    pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
+    pair_reduce = group_reducers(threads, acc_name)[0]
     fields = 4 if smooth else 2
     publish, gather, gather_counts = _last_arriver(threads, acc_name, fields)
     publish_slot = _slots(acc_name, fields)[0]
@@ -92,6 +112,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     store_loss = storer(acc_name)
     exp = exponential(acc_name)
     loss_of = row_loss(acc_name, smooth)
+    smooth_sums = smoothing_sums(threads, acc_name, smooth)
     log = log_f64 if acc_name == "float64" else log_f32
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
@@ -108,11 +129,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
         m_t = load_chunk(xr, wr, live, nw, base, vals)
         s_t, c_t, z_t = thread_sum(vals, m_t)
         m, s = pair_reduce(m_t, s_t, scratch)
-        cnt = zero
-        zsum = zero
-        if smooth:
-            cnt = sum_reduce(c_t, scratch)
-            zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
+        cnt, zsum = smooth_sums(c_t, z_t, m_t, m, scratch)
         writes_loss = c == 0
         if split:
             if has_grad:

@@ -45,7 +45,7 @@ import functools
 
 from numba import float32, int32, uint32
 
-from .cross_entropy_kernels import row_loss
+from .cross_entropy_kernels import row_loss, smoothing_sums
 from .primitives import (
     NAN,
     NEG_INF,
@@ -237,13 +237,14 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
     locate = _locate(threads, slots, issue, cluster)
     exchange = _cluster_exchange(threads, fields)
     exp = exponential("float32")
-    pair_reduce, sum_reduce, _ = group_reducers(threads, "float32")
+    pair_reduce = group_reducers(threads, "float32")[0]
     publish = _slots("float32", fields)[0]
     collect = _row_summary(kind, True, threads, slots, has_where, fields, True)
     load_one = loader(kind, "float32")
     store = storer(kind)
     store_loss = storer("float32")
     loss_of = row_loss("float32", smooth)
+    smooth_sums = smoothing_sums(threads, "float32", smooth)
     nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
 
     @kernel(threads, _fit(threads, slots)[1])
@@ -269,11 +270,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
             m_t = land(stage, off, wr, nw, base, lane)
             s_t, c_t, z_t = sums(stage, off, nw, base, lane, m_t)
             m, s = pair_reduce(m_t, s_t, scratch)
-            cnt = zero
-            zsum = zero
-            if smooth:
-                cnt = sum_reduce(c_t, scratch)
-                zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
+            cnt, zsum = smooth_sums(c_t, z_t, m_t, m, scratch)
             if cluster:
                 m, s, cnt, zsum = exchange(m, s, cnt, zsum, summary, scratch, chunks)
             elif chunks > 1:
