@@ -306,7 +306,7 @@ def _bench_calls(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from . import bench, bench_cuda
 
     if args.device == "cuda" and not bench.cuda_available():
         print("--device cuda needs PyTorch with a visible CUDA device", file=sys.stderr)
@@ -322,9 +322,9 @@ def _bench(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     eager = args.device == "cuda" and not args.shapes and not args.quick
-    shapes = args.shapes or (bench.QUICK_SHAPES if args.quick else bench.EAGER_SHAPES if eager
+    shapes = args.shapes or (bench.QUICK_SHAPES if args.quick else bench_cuda.EAGER_SHAPES if eager
                              else bench.DEFAULT_SHAPES)
-    dtypes = args.dtype or (list(bench.EAGER_DTYPES) if eager else ["float32"])
+    dtypes = args.dtype or (list(bench_cuda.EAGER_DTYPES) if eager else ["float32"])
     try:
         result = bench.run(
             ops=args.ops or list(bench.OPERATIONS),
@@ -341,9 +341,9 @@ def _bench(args: argparse.Namespace) -> int:
         return 1
     text = result.table()
     if args.device == "cuda":
-        summary = bench.eager_summary(result)
+        summary = bench_cuda.eager_summary(result)
         if eager:
-            summary += "\n\n" + bench.cross_entropy_eager()
+            summary += "\n\n" + bench_cuda.cross_entropy_eager()
         text += "\n\n" + summary
     _write_log(args.log, text)
     print(text)

@@ -33,6 +33,16 @@ def _groups(xp: Any, q: Any, k: Any) -> tuple[Any, int]:
     return xp.reshape(q, (b, hk, hq // hk, lq, d)), hq // hk
 
 
+def _operands(xp: Any, q: Any, k: Any, v: Any) -> tuple[Any, Any, int, Any, Any]:
+    """``(acc, q5, g, ka, va)``: the accumulator dtype, ``q`` in it grouped by :func:`_groups`,
+    and ``k``, ``v`` in it with an axis for the group ([B, Hk, 1, Lk, D])."""
+    acc = accumulator_dtype(xp, q.dtype)
+    q5, g = _groups(xp, xp.astype(q, acc, copy=False), k)
+    ka = xp.astype(k, acc, copy=False)[:, :, None, ...]
+    va = xp.astype(v, acc, copy=False)[:, :, None, ...]
+    return acc, q5, g, ka, va
+
+
 def allowed_positions(
     xp: Any, lq: int, lk: int, start: int, stop: int, causal: Any, window: Any, device: Any
 ) -> Any:
@@ -98,13 +108,10 @@ def attention(
     block: int = BLOCK,
 ) -> tuple[Any, Any]:
     """Exact attention by online softmax over key tiles; out 0 and lse -inf for empty rows."""
-    acc = accumulator_dtype(xp, q.dtype)
     dev = _device(q)
     b, hq, lq, _ = q.shape
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    q5, g = _groups(xp, xp.astype(q, acc, copy=False), k)
-    ka = xp.astype(k, acc, copy=False)[:, :, None, ...]
-    va = xp.astype(v, acc, copy=False)[:, :, None, ...]
+    acc, q5, g, ka, va = _operands(xp, q, k, v)
     shape5 = (b, hk, g, lq)
     m = xp.full(shape5, NEG_INF, dtype=acc, device=dev)
     mass = xp.zeros(shape5, dtype=acc, device=dev)
@@ -156,13 +163,10 @@ def attention_vjp(
     ``dS = P * (dout V^T - D)`` (times ``1 - tanh^2`` under softcap), ``dQ = scale dS K`` and
     ``dK = scale dS^T Q``.  Rows with ``lse = -inf`` have ``P = 0`` and so zero gradient.
     """
-    acc = accumulator_dtype(xp, q.dtype)
     dev = _device(q)
     b, hq, lq, d = q.shape
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    q5, g = _groups(xp, xp.astype(q, acc, copy=False), k)
-    ka = xp.astype(k, acc, copy=False)[:, :, None, ...]
-    va = xp.astype(v, acc, copy=False)[:, :, None, ...]
+    acc, q5, g, ka, va = _operands(xp, q, k, v)
     do5 = xp.reshape(xp.astype(dout, acc, copy=False), (b, hk, g, lq, dv))
     o5 = xp.reshape(xp.astype(out, acc, copy=False), (b, hk, g, lq, dv))
     lse5 = xp.reshape(xp.astype(lse, acc, copy=False), (b, hk, g, lq))

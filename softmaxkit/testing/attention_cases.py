@@ -205,9 +205,11 @@ def case_attention_lse_base_2(t: Target, dtype: str, backend: str) -> None:
                        atol=ATTENTION_TOLERANCES[dtype][1] / math.log(2.0))
 
 
-def _check_grads(
+def check_grads(
     t: Target, dtype: str, got: tuple[Any, ...], expected: tuple[np.ndarray, ...], what: str
 ) -> None:
+    """Assert that ``got`` = (dq, dk, dv) match ``expected`` in shape and within the dtype's
+    relative Frobenius tolerance."""
     tol = ATTENTION_TOLERANCES[dtype][2]
     for name, g, e in zip(("dq", "dk", "dv"), got, expected, strict=True):
         g = t.to_numpy(g)
@@ -244,7 +246,7 @@ def case_attention_vjp(t: Target, dtype: str, backend: str) -> None:
         out, lse = t.asarray(out64, dtype), t.asarray(lse64, accumulator_name(dtype))
         got = sk.attention_vjp(q, k, v, out, lse, dout, backend=backend, **tkw)
         expected = ref.attention_vjp(q64, k64, v64, dout64, **rkw)
-        _check_grads(t, dtype, got, expected, f"attention_vjp {name}")
+        check_grads(t, dtype, got, expected, f"attention_vjp {name}")
         if "mask" in kw:
             dq = t.to_numpy(got[0])
             assert np.all(dq[:, :, 1] == 0), "attention_vjp: a row with no key has nonzero dq"

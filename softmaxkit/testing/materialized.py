@@ -35,6 +35,25 @@ def _expand(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np
     return np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3), g
 
 
+def _scores(
+    q: np.ndarray,
+    ke: np.ndarray,
+    scale: float,
+    causal: str | None,
+    window: tuple[int, int] | None,
+    mask: np.ndarray | None,
+    softcap: float | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(scaled scores, scores soft-capped with the excluded ones at -inf) of float64 queries
+    against the keys ``ke`` already repeated over each group of query heads."""
+    raw = scale * (q @ np.swapaxes(ke, -1, -2))
+    s = softcap * np.tanh(raw / softcap) if softcap else raw
+    ok = allowed_mask(q.shape[-2], ke.shape[-2], causal, window)
+    if mask is not None:
+        ok = ok & mask
+    return raw, np.where(np.broadcast_to(ok, s.shape), s, -np.inf)
+
+
 def attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -50,14 +69,7 @@ def attention(
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     ke, ve, _ = _expand(q, k, v)
-    s = scale * (q @ np.swapaxes(ke, -1, -2))
-    if softcap:
-        s = softcap * np.tanh(s / softcap)
-    ok = allowed_mask(q.shape[-2], k.shape[-2], causal, window)
-    if mask is not None:
-        ok = ok & mask
-    ok = np.broadcast_to(ok, s.shape)
-    s = np.where(ok, s, -np.inf)
+    _, s = _scores(q, ke, scale, causal, window, mask, softcap)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     empty = m == -np.inf
     shift = np.where(empty, 0.0, m)
@@ -85,13 +97,7 @@ def attention_vjp(
     q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     ke, ve, g = _expand(q, k, v)
-    raw = scale * (q @ np.swapaxes(ke, -1, -2))
-    s = softcap * np.tanh(raw / softcap) if softcap else raw
-    ok = allowed_mask(q.shape[-2], k.shape[-2], causal, window)
-    if mask is not None:
-        ok = ok & mask
-    ok = np.broadcast_to(ok, s.shape)
-    s = np.where(ok, s, -np.inf)
+    raw, s = _scores(q, ke, scale, causal, window, mask, softcap)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     empty = m == -np.inf
     p = np.exp(s - np.where(empty, 0.0, m))

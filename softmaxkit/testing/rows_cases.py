@@ -8,6 +8,8 @@ Three kinds of case, each run for every dtype the target has:
   error bounds of spec/semantics.md ("Error bounds"), with masks and every policy;
 * floating-point hygiene: no warning for any input whose answer is finite (fully masked rows
   included), results in the caller's array library and dtype, inputs left untouched.
+
+The extended-precision references are in :mod:`softmaxkit.testing.row_references`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ from ..dtypes import dtype_name
 from ..registry import BackendLoadError, NoBackendError
 from . import vectors
 from .kit import Target, Unsupported, case
+from .row_references import (
+    LD,
+    _ref_cross_entropy,
+    _rows,
+    ref_log_softmax,
+    ref_logsumexp,
+    ref_softmax,
+)
 from .tolerance import (
     HUGE,
     assert_within,
@@ -38,7 +48,6 @@ from .tolerance import (
 
 ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
            "log_softmax_vjp")
-LD = np.longdouble  # the reference precision (80-bit on x86; float64 elsewhere)
 
 
 # ------------------------------------------------------------------ helpers
@@ -56,101 +65,10 @@ def strict_fp() -> Iterator[None]:
         yield
 
 
-def _rows(a: np.ndarray, axis: Any) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]]:
-    """``a`` viewed as ``[R, N]`` rows along ``axis`` (like the frontend), and the inverse."""
-    if axis is None:
-        axes = tuple(range(a.ndim))
-    elif isinstance(axis, tuple):
-        axes = tuple(sorted(i % a.ndim for i in axis))
-    else:
-        axes = (axis % a.ndim,) if a.ndim else ()
-    kept = tuple(i for i in range(a.ndim) if i not in axes)
-    perm = kept + axes
-    moved = np.transpose(a, perm)
-    n = math.prod(moved.shape[len(kept):])
-    rows = moved.reshape((math.prod(moved.shape[: len(kept)]), n))
-
-    def back(r: np.ndarray) -> np.ndarray:
-        return np.transpose(np.asarray(r).reshape(moved.shape), np.argsort(perm))
-
-    return rows, back
-
-
 def _represented(t: Target, a: np.ndarray, dtype: str) -> tuple[Any, np.ndarray]:
     """``a`` on the target in ``dtype``, and the float64 values it represents there."""
     arr = t.asarray(a, dtype)
     return arr, t.to_numpy(arr)
-
-
-def _classify(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(nan, posinf, empty) flags ``[R, 1]`` for rows whose excluded entries are ``-inf``."""
-    nan = np.isnan(x).any(-1, keepdims=True)
-    posinf = (x == np.inf).any(-1, keepdims=True) & ~nan
-    empty = ((x == -np.inf) | (x.shape[-1] == 0)).all(-1, keepdims=True) & ~nan
-    return nan, posinf, empty
-
-
-def _ref_log_softmax_ext(x: np.ndarray, masked: str) -> np.ndarray:
-    """Spec log_softmax of ``[R, N]`` rows, kept in extended precision."""
-    x = x.astype(LD)
-    nan, posinf, empty = _classify(x)
-    special = nan | posinf | empty
-    clean = np.where(np.isnan(x), -np.inf, x)
-    m = np.max(clean, -1, keepdims=True) if x.shape[-1] else np.zeros(x.shape[:-1] + (1,), LD)
-    m = np.where(special, 0, m)
-    z = np.where(special, 0, clean - m)
-    out = z - np.log(np.exp(z).sum(-1, keepdims=True))
-    out = np.where(posinf, np.where(x == np.inf, np.nan, -np.inf), out)
-    out = np.where(nan, np.nan, out)
-    return np.where(empty, np.nan if masked == "nan" else -np.inf, out)
-
-
-def ref_log_softmax(x: np.ndarray, masked: str = "zero") -> np.ndarray:
-    """Spec log_softmax of ``[R, N]`` rows (excluded entries ``-inf``), rounded to float64."""
-    with np.errstate(over="ignore"):  # below float64's range rounds to -inf
-        return _ref_log_softmax_ext(x, masked).astype(np.float64)
-
-
-def ref_softmax(x: np.ndarray, masked: str = "zero") -> np.ndarray:
-    """Spec softmax of ``[R, N]`` rows (excluded entries ``-inf``), rounded to float64."""
-    nan, posinf, empty = _classify(x)
-    p = np.exp(_ref_log_softmax_ext(x, "zero"))
-    p = np.where(nan | posinf, np.nan, p)
-    return np.where(empty, np.nan if masked == "nan" else 0.0, p).astype(np.float64)
-
-
-def ref_logsumexp(x: np.ndarray, b: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Spec logsumexp and sign of ``[R, N]`` rows (excluded entries -inf; b = 0 excludes).
-
-    A NaN weight makes its row NaN even on a ``-inf`` logit: the caller sets ``b = 0`` where
-    ``where`` excludes a position.
-    """
-    x = x.astype(LD)
-    if b is None:
-        b = np.ones_like(x)
-    b = b.astype(LD)
-    nan_b = np.isnan(b).any(-1, keepdims=True)
-    x = np.where(b == 0, -np.inf, x)
-    bz = np.where(x == -np.inf, 0, b)
-    nan, posinf, empty = _classify(x)
-    nan = nan | nan_b
-    posinf, empty = posinf & ~nan, empty & ~nan
-    at_inf = x == np.inf
-    up = (at_inf & (bz > 0)).any(-1, keepdims=True)
-    down = (at_inf & (bz < 0)).any(-1, keepdims=True)
-    with np.errstate(all="ignore"):
-        m = np.where(nan | posinf | empty, 0,
-                     np.max(np.where(np.isnan(x), -np.inf, x), -1, keepdims=True)
-                     if x.shape[-1] else 0)
-        total = (np.where(bz == 0, 0, bz * np.exp(x - m))).sum(-1, keepdims=True)
-        lse = np.log(np.abs(total)) + m
-    sign = np.sign(total)
-    lse = np.where(total == 0, -np.inf, lse)
-    lse = np.where(posinf, np.inf, lse)
-    sign = np.where(posinf, np.where(down, -1.0, 1.0), sign)
-    bad = nan | (posinf & up & down)
-    lse, sign = np.where(bad, np.nan, lse), np.where(bad, np.nan, sign)
-    return lse[:, 0].astype(np.float64), sign[:, 0].astype(np.float64)
 
 
 def _masked(x: np.ndarray, where: np.ndarray | None) -> np.ndarray:
@@ -192,15 +110,14 @@ def _run_parts(parts: dict[str, Callable[[], None]]) -> None:
 # ------------------------------------------------------------------ golden vectors
 
 
-def _vector_cases(stem: str) -> Iterator[dict[str, Any]]:
-    yield from vectors.load(stem)
+def _vector_cases(stem: str, dtype: str) -> Iterator[dict[str, Any]]:
+    """The golden vectors of spec/vectors/``stem``.json whose inputs ``dtype`` represents."""
+    yield from (v for v in vectors.load(stem) if dtype in v["dtypes"])
 
 
 def _check_normalizer(t: Target, dtype: str, backend: str, log: bool) -> None:
     op = sk.log_softmax if log else sk.softmax
-    for v in _vector_cases("log_softmax" if log else "softmax"):
-        if dtype not in v["dtypes"]:
-            continue
+    for v in _vector_cases("log_softmax" if log else "softmax", dtype):
         what = f"{op.__name__} vector {v['name']}"
         x = vectors.array(v["x"], v["shape"])
         where = vectors.array(v["where"], v["shape"])
@@ -241,9 +158,7 @@ def case_log_softmax_vectors(t: Target, dtype: str, backend: str) -> None:
 @case("logsumexp")
 def case_logsumexp_vectors(t: Target, dtype: str, backend: str) -> None:
     """spec/vectors/logsumexp.json: b weights, return_sign, keepdims, axis tuples, edges."""
-    for v in _vector_cases("logsumexp"):
-        if dtype not in v["dtypes"]:
-            continue
+    for v in _vector_cases("logsumexp", dtype):
         what = f"logsumexp vector {v['name']} [{dtype}]"
         a = vectors.array(v["a"], v["shape"])
         b = vectors.array(v["b"], v["b_shape"]) if v["b"] is not None else None
@@ -267,9 +182,7 @@ def case_logsumexp_vectors(t: Target, dtype: str, backend: str) -> None:
 @case("cross_entropy")
 def case_cross_entropy_vectors(t: Target, dtype: str, backend: str) -> None:
     """spec/vectors/cross_entropy.json: index and probability targets, smoothing, ignore."""
-    for v in _vector_cases("cross_entropy"):
-        if dtype not in v["dtypes"]:
-            continue
+    for v in _vector_cases("cross_entropy", dtype):
         what = f"cross_entropy vector {v['name']} [{dtype}]"
         x = vectors.array(v["logits"], v["shape"])
         where = vectors.array(v["where"], v["shape"])
@@ -303,8 +216,8 @@ def case_vjp_vectors(t: Target, dtype: str, backend: str) -> None:
 
     def part(op: str) -> Callable[[], None]:
         def run() -> None:
-            for v in _vector_cases("vjp"):
-                if v["op"] == op and dtype in v["dtypes"]:
+            for v in _vector_cases("vjp", dtype):
+                if v["op"] == op:
                     _check_vjp_vector(t, dtype, backend, v)
 
         return run
@@ -481,16 +394,6 @@ def case_long_rows(t: Target, dtype: str, backend: str) -> None:
                       f"log_softmax of 4096 equal logits [{dtype}]")
 
     _run_parts({"softmax": softmax_part, "log_softmax": log_softmax_part})
-
-
-def _ref_cross_entropy(x: np.ndarray, y: np.ndarray, valid: np.ndarray) -> tuple[Any, Any]:
-    """Per-row loss and p - y for regular rows (x: [R, C], y: [R, C], valid: [R])."""
-    lp = _ref_log_softmax_ext(x, "zero")
-    with np.errstate(invalid="ignore"):
-        loss = -np.where(y != 0, y.astype(LD) * lp, 0).sum(-1)
-    grad = np.exp(lp) - y
-    return (np.where(valid, loss, 0).astype(np.float64),
-            np.where(valid[:, None], grad, 0).astype(np.float64))
 
 
 @case("cross_entropy")

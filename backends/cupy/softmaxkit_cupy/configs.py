@@ -172,12 +172,14 @@ def row_configs(lean: bool) -> tuple[RowConfig, ...]:
     return ROW16_CONFIGS if lean else ROW_CONFIGS
 
 
+def _holding(configs: tuple[RowConfig, ...], n: int, itemsize: int) -> RowConfig | None:
+    """The first of ``configs`` (ordered by capacity) that holds a row of ``n`` elements."""
+    return next((c for c in configs if n <= c.capacity(itemsize)), None)
+
+
 def row_config(n: int, itemsize: int, lean: bool = False) -> RowConfig | None:
     """The smallest configuration that holds a row of ``n`` elements, or None if none does."""
-    for config in row_configs(lean):
-        if n <= config.capacity(itemsize):
-            return config
-    return None
+    return _holding(row_configs(lean), n, itemsize)
 
 
 def max_row_length(itemsize: int) -> int:
@@ -241,7 +243,7 @@ class AttentionConfig:
 
 ATTENTION_CONFIGS = {
     64: AttentionConfig(64, warps=4, block_n=64, m_tiles=2),
-    128: AttentionConfig(128, warps=4, block_n=32, m_tiles=2),  # 238 registers, no spill
+    128: AttentionConfig(128, warps=4, block_n=32, m_tiles=2),
 }
 """The forward configuration for each head dimension, with boolean-mask support."""
 
@@ -249,8 +251,8 @@ UNMASKED_CONFIGS = {
     128: AttentionConfig(128, warps=4, block_n=64, m_tiles=2, mask=False),
 }
 """Forward configurations for calls without a boolean mask, where they differ: at head
-dimension 128 the mask's code would spill registers with 64-key tiles (H200, bf16, L4096:
-275 TFLOP/s against 240 for the 32-key tiles)."""
+dimension 128 the mask's code would spill registers with 64-key tiles, so masked calls keep
+32-key tiles and unmasked ones take the faster 64-key tiles (docs/benchmarks-cupy.md)."""
 
 ATTENTION_ALTERNATIVES = (
     *(AttentionConfig(d, warps=8, block_n=64, m_tiles=1) for d in ATTENTION_HEAD_DIMS),
@@ -388,24 +390,17 @@ def backward_alternative_names() -> tuple[str, ...]:
 GRAD_OPS = {"softmax_vjp": 3, "log_softmax_vjp": 4, "cross_entropy": None}
 """Row operations of kernels/rowgrads.cu (VJPs with the kernel's OP argument)."""
 
-GRAD_CONFIGS: tuple[RowConfig, ...] = (
-    RowConfig(256, 4, 4),
-    RowConfig(256, 16, 4),
-    RowConfig(256, 32, 4),
-    RowConfig(128, 128, 4),
-    RowConfig(256, 256, 4),
-    RowConfig(512, 512, 4),
-    RowConfig(512, 512, 8),
+GRAD_CONFIGS: tuple[RowConfig, ...] = tuple(
+    RowConfig(threads, group, k)
+    for threads, group, k in ((256, 4, 4), (256, 16, 4), (256, 32, 4), (128, 128, 4),
+                              (256, 256, 4), (512, 512, 4), (512, 512, 8))
 )
 """One block (or less) per row, ordered by capacity; longer rows are declined."""
 
 
 def grad_config(n: int, itemsize: int) -> RowConfig | None:
     """The smallest gradient-kernel configuration that holds a row of ``n`` elements."""
-    for config in GRAD_CONFIGS:
-        if n <= config.capacity(itemsize):
-            return config
-    return None
+    return _holding(GRAD_CONFIGS, n, itemsize)
 
 
 def grad_name(op: str, dtype: str, config: RowConfig) -> str:

@@ -28,16 +28,14 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 PRIORITY = 25
 """Above the Numba CUDA backend (20) and the reference (-100): the attention kernels are the
-only tensor-core ones; in eager calls on the H200 the 16-bit row kernels ran at 3.3 TB/s
-where Numba CUDA's reached 0.7-0.9 TB/s, and a small call costs a third of Numba CUDA's
-(73 against 235 us at 64x1024; ``softmaxkit bench --device cuda --backends numba-cuda cupy``,
-docs/benchmarks-cupy.md)."""
+only tensor-core ones, the 16-bit row kernels lead Numba CUDA's in eager calls, and a small
+call costs less than Numba CUDA's (docs/benchmarks-cupy.md)."""
 
 LARGE_FLOAT32_ROWS = 1 << 24
 """float32 softmax and log_softmax calls of at least this many elements are left to Numba
 CUDA when it is installed: its float32 normalization kernels are faster on such inputs in
-eager calls on the H200 (``softmaxkit bench --device cuda --backends cupy numba-cuda``), and
-on inputs this large its per-call cost hides behind the kernel.  Smaller calls stay here."""
+eager calls (docs/benchmarks-eager.md), and on inputs this large its per-call cost hides
+behind the kernel.  Smaller calls stay here."""
 LARGE_FLOAT32_SUMS = 1 << 26
 """The same for float32 logsumexp, whose kernel here leads up to larger inputs."""
 

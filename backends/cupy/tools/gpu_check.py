@@ -379,17 +379,36 @@ def bench_cross_entropy(copy_bw: float) -> None:
     print(TABLE[-1])
 
 
-def _materialized(q, k, v, scale, causal, window, mask, softcap):
+COMMON_CASES = [
+    dict(b=2, hq=4, hk=4, lq=256, lk=256, d=128),
+    dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right"),
+    dict(b=1, hq=4, hk=1, lq=517, lk=300, d=64, causal="bottom_right"),
+    dict(b=2, hq=4, hk=2, lq=200, lk=333, d=64, causal="top_left"),
+    dict(b=1, hq=4, hk=4, lq=257, lk=700, d=128, window=(100, 20)),
+    dict(b=1, hq=2, hk=2, lq=130, lk=190, d=128, mask=True),
+    dict(b=1, hq=2, hk=1, lq=64, lk=1000, d=64, softcap=5.0, causal="bottom_right"),
+    dict(b=1, hq=2, hk=2, lq=5, lk=3000, d=128),
+]
+"""Attention cases that both the forward and the backward check run."""
+
+
+def _scores(qd, kd, scale, softcap):
+    """Float64 scores of queries ``qd`` against keys ``kd`` (repeated over each group of
+    query heads), soft-capped, and which of them the exclusions leave."""
     import torch
 
-    qd, kd, vd = q.double(), k.double(), v.double()
-    g = q.shape[1] // k.shape[1]
-    kd = kd.repeat_interleave(g, 1)
-    vd = vd.repeat_interleave(g, 1)
-    s = (qd @ kd.transpose(-1, -2)) * scale
+    g = qd.shape[1] // kd.shape[1]
+    s = (qd @ kd.repeat_interleave(g, 1).transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    lq, lk = q.shape[2], k.shape[2]
+    return s
+
+
+def _allowed(s, causal, window, mask):
+    """Which scores of ``s`` (``[B, Hq, Lq, Lk]``) causality, the window and ``mask`` allow."""
+    import torch
+
+    lq, lk = s.shape[-2:]
     off = 0 if causal == "top_left" else lk - lq
     i = torch.arange(lq, device="cuda")[:, None] + off
     j = torch.arange(lk, device="cuda")[None, :]
@@ -402,8 +421,34 @@ def _materialized(q, k, v, scale, causal, window, mask, softcap):
     if right >= 0:
         ok &= j <= i + right
     ok = ok.expand_as(s)
-    if mask is not None:
-        ok = ok & mask
+    return ok if mask is None else ok & mask
+
+
+def _case_inputs(c, dtype, seed, with_dout=False):
+    """``q, k, v`` (and ``dout``) of an attention case in ``dtype``, and its boolean mask
+    (None, or one with a query row that allows no key)."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(c["b"], c["hq"], c["lq"], c["d"]), (c["b"], c["hk"], c["lk"], c["d"]),
+              (c["b"], c["hk"], c["lk"], c["d"])]
+    if with_dout:
+        shapes.append(shapes[0])
+    arrays = [torch.randn(*shape, device="cuda", generator=gen).to(dtype) for shape in shapes]
+    mask = None
+    if c.get("mask"):
+        mask = torch.rand(1, 1, c["lq"], c["lk"], device="cuda") > 0.5
+        mask[..., min(3, c["lq"] - 1), :] = False  # a query row with no allowed key
+        mask = mask.expand(c["b"], c["hq"], c["lq"], c["lk"])
+    return (*arrays, mask)
+
+
+def _materialized(q, k, v, scale, causal, window, mask, softcap):
+    import torch
+
+    qd, vd = q.double(), v.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    s = _scores(qd, k.double(), scale, softcap)
+    ok = _allowed(s, causal, window, mask)
     s = s.masked_fill(~ok, -math.inf)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
@@ -420,14 +465,7 @@ def attention_check() -> None:
     from softmaxkit_cupy.configs import ATTENTION_ALTERNATIVES
 
     cases = [
-        dict(b=2, hq=4, hk=4, lq=256, lk=256, d=128),
-        dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right"),
-        dict(b=1, hq=4, hk=1, lq=517, lk=300, d=64, causal="bottom_right"),
-        dict(b=2, hq=4, hk=2, lq=200, lk=333, d=64, causal="top_left"),
-        dict(b=1, hq=4, hk=4, lq=257, lk=700, d=128, window=(100, 20)),
-        dict(b=1, hq=2, hk=2, lq=130, lk=190, d=128, mask=True),
-        dict(b=1, hq=2, hk=1, lq=64, lk=1000, d=64, softcap=5.0, causal="bottom_right"),
-        dict(b=1, hq=2, hk=2, lq=5, lk=3000, d=128),
+        *COMMON_CASES,
         dict(b=1, hq=2, hk=2, lq=100, lk=0, d=128),
         dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right", alt=0),
         dict(b=1, hq=2, hk=2, lq=130, lk=190, d=64, mask=True, alt=0),
@@ -443,16 +481,7 @@ def attention_check() -> None:
     ]
     for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 4e-3)):
         for c in cases:
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            q = torch.randn(c["b"], c["hq"], c["lq"], c["d"], device="cuda", generator=gen)
-            k = torch.randn(c["b"], c["hk"], c["lk"], c["d"], device="cuda", generator=gen)
-            v = torch.randn(c["b"], c["hk"], c["lk"], c["d"], device="cuda", generator=gen)
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-            mask = None
-            if c.get("mask"):
-                mask = torch.rand(1, 1, c["lq"], c["lk"], device="cuda") > 0.5
-                mask[..., min(3, c["lq"] - 1), :] = False  # a query row with no allowed key
-                mask = mask.expand(c["b"], c["hq"], c["lq"], c["lk"])
+            q, k, v, mask = _case_inputs(c, dtype, seed=1)
             scale = c["d"] ** -0.5
             causal = c.get("causal")
             window = c.get("window", (-1, -1))
@@ -482,28 +511,11 @@ def _materialized_grads(q, k, v, dout, scale, causal, window, mask, softcap):
     import torch
 
     qd, kd, vd = (a.detach().double().requires_grad_(True) for a in (q, k, v))
-    g = q.shape[1] // k.shape[1]
-    s = (qd @ kd.repeat_interleave(g, 1).transpose(-1, -2)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    lq, lk = q.shape[2], k.shape[2]
-    off = 0 if causal == "top_left" else lk - lq
-    i = torch.arange(lq, device="cuda")[:, None] + off
-    j = torch.arange(lk, device="cuda")[None, :]
-    ok = torch.ones(lq, lk, dtype=torch.bool, device="cuda")
-    if causal:
-        ok &= j <= i
-    left, right = window
-    if left >= 0:
-        ok &= j >= i - left
-    if right >= 0:
-        ok &= j <= i + right
-    ok = ok.expand_as(s)
-    if mask is not None:
-        ok = ok & mask
+    s = _scores(qd, kd, scale, softcap)
+    ok = _allowed(s, causal, window, mask)
     p = torch.softmax(s.masked_fill(~ok, -1e300), -1)
     p = torch.where(ok, p, 0.0)
-    out = p @ vd.repeat_interleave(g, 1)
+    out = p @ vd.repeat_interleave(q.shape[1] // k.shape[1], 1)
     return torch.autograd.grad(out, (qd, kd, vd), dout.double())
 
 
@@ -517,14 +529,7 @@ def _poison(*shapes_dtypes: Any) -> None:
 
 
 BACKWARD_CASES = [
-    dict(b=2, hq=4, hk=4, lq=256, lk=256, d=128),
-    dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right"),
-    dict(b=1, hq=4, hk=1, lq=517, lk=300, d=64, causal="bottom_right"),
-    dict(b=2, hq=4, hk=2, lq=200, lk=333, d=64, causal="top_left"),
-    dict(b=1, hq=4, hk=4, lq=257, lk=700, d=128, window=(100, 20)),
-    dict(b=1, hq=2, hk=2, lq=130, lk=190, d=128, mask=True),
-    dict(b=1, hq=2, hk=1, lq=64, lk=1000, d=64, softcap=5.0, causal="bottom_right"),
-    dict(b=1, hq=2, hk=2, lq=5, lk=3000, d=128),
+    *COMMON_CASES,
     dict(b=1, hq=4, hk=2, lq=333, lk=200, d=128, mask=True, causal="top_left"),
     dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right", alt=0),
     dict(b=1, hq=2, hk=2, lq=130, lk=190, d=64, mask=True, softcap=3.0, alt=0),
@@ -542,17 +547,7 @@ def attention_vjp_check() -> None:
 
     for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 4e-3)):
         for c in BACKWARD_CASES:
-            gen = torch.Generator(device="cuda").manual_seed(2)
-            q = torch.randn(c["b"], c["hq"], c["lq"], c["d"], device="cuda", generator=gen)
-            k = torch.randn(c["b"], c["hk"], c["lk"], c["d"], device="cuda", generator=gen)
-            v = torch.randn(c["b"], c["hk"], c["lk"], c["d"], device="cuda", generator=gen)
-            dout = torch.randn(c["b"], c["hq"], c["lq"], c["d"], device="cuda", generator=gen)
-            q, k, v, dout = q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype)
-            mask = None
-            if c.get("mask"):
-                mask = torch.rand(1, 1, c["lq"], c["lk"], device="cuda") > 0.5
-                mask[..., min(3, c["lq"] - 1), :] = False  # a query row with no allowed key
-                mask = mask.expand(c["b"], c["hq"], c["lq"], c["lk"])
+            q, k, v, dout, mask = _case_inputs(c, dtype, seed=2, with_dout=True)
             scale = c["d"] ** -0.5
             causal, window, softcap = c.get("causal"), c.get("window", (-1, -1)), c.get("softcap")
             config = None
@@ -582,6 +577,29 @@ def attention_vjp_check() -> None:
                 FAILURES.append(f"attention_vjp {dtype} {c}")
 
 
+def _sdpa_peers(flops, time_backend):
+    """``"flash N"`` and ``"cudnn N"`` (TFLOP/s) of torch's SDPA backends, or why one failed;
+    ``time_backend(backend)`` times torch's call under ``backend``, in seconds."""
+    from torch.nn.attention import SDPBackend
+
+    peers = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            tp = time_backend(backend)
+            peers.append(f"{backend.name.split('_')[0].lower()} {flops / tp / 1e12:.0f}")
+        except Exception as exc:
+            peers.append(f"{backend.name}: {type(exc).__name__}")
+    return peers
+
+
+def _attention_row(direction, shape, causal, flops_per_s, peers):
+    """Add (and print) a row of the attention benchmark to the table."""
+    b, h, L, d = shape
+    TABLE.append((f"attention {direction} bf16 B{b} H{h} L{L} D{d}{' causal' if causal else ''}",
+                  f"{flops_per_s / 1e12:.0f} TFLOP/s", "; ".join(peers)))
+    print(TABLE[-1])
+
+
 @guarded
 def bench_attention_vjp() -> None:
     import array_api_compat.torch as xpt
@@ -589,7 +607,7 @@ def bench_attention_vjp() -> None:
     import torch.nn.functional as F
     from softmaxkit_cupy.attention import attention, attention_vjp
     from softmaxkit_cupy.configs import BACKWARD_ALTERNATIVES
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     for b, h, L, d in ((4, 32, 4096, 128), (2, 16, 16384, 128)):
         q, k, v, dout = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16)
@@ -610,21 +628,16 @@ def bench_attention_vjp() -> None:
                            reps=3, inner=2)
                 peers.append(f"alt {alt.warps}w/{alt.block_m} {flops / ta / 1e12:.0f}")
             del out, lse
-            for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-                try:
-                    qkv = tuple(a.clone().requires_grad_(True) for a in (q, k, v))
-                    with sdpa_kernel(backend):
-                        o = F.scaled_dot_product_attention(*qkv, is_causal=causal)
-                    tp = timed(functools.partial(torch.autograd.grad, o, qkv, dout,
-                                                 retain_graph=True), reps=5, inner=3)
-                    peers.append(f"{backend.name.split('_')[0].lower()} {flops / tp / 1e12:.0f}")
-                    del o, qkv
-                except Exception as exc:
-                    peers.append(f"{backend.name}: {type(exc).__name__}")
-            TABLE.append((f"attention bwd bf16 B{b} H{h} L{L} D{d}"
-                          f"{' causal' if causal else ''}",
-                          f"{flops / ours / 1e12:.0f} TFLOP/s", "; ".join(peers)))
-            print(TABLE[-1])
+
+            def torch_backward(backend, causal=causal, q=q, k=k, v=v, dout=dout):
+                qkv = tuple(a.clone().requires_grad_(True) for a in (q, k, v))
+                with sdpa_kernel(backend):
+                    o = F.scaled_dot_product_attention(*qkv, is_causal=causal)
+                return timed(functools.partial(torch.autograd.grad, o, qkv, dout,
+                                               retain_graph=True), reps=5, inner=3)
+
+            peers += _sdpa_peers(flops, torch_backward)
+            _attention_row("bwd", (b, h, L, d), causal, flops / ours, peers)
 
 
 @guarded
@@ -754,7 +767,7 @@ def bench_attention() -> None:
     import torch.nn.functional as F
     from softmaxkit_cupy.attention import attention
     from softmaxkit_cupy.configs import ATTENTION_ALTERNATIVES
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     for b, h, L, d in ((4, 32, 4096, 128), (2, 16, 16384, 128)):
         q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16)
@@ -777,18 +790,14 @@ def bench_attention() -> None:
                 peers.append(f"alt {alt.warps}w/{alt.block_n}/{alt.m_tiles}"
                              f"{'' if alt.mask else ' nomask'} "
                              f"{flops / ta / 1e12:.0f}")
-            for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-                try:
-                    with sdpa_kernel(backend):
-                        tp = timed(lambda causal=causal, qkv=qkv: F.scaled_dot_product_attention(
-                            *qkv, is_causal=causal), reps=5, inner=3)
-                    peers.append(f"{backend.name.split('_')[0].lower()} {flops / tp / 1e12:.0f}")
-                except Exception as exc:
-                    peers.append(f"{backend.name}: {type(exc).__name__}")
-            TABLE.append((f"attention fwd bf16 B{b} H{h} L{L} D{d}"
-                          f"{' causal' if causal else ''}",
-                          f"{flops / ours / 1e12:.0f} TFLOP/s", "; ".join(peers)))
-            print(TABLE[-1])
+
+            def torch_forward(backend, causal=causal, qkv=qkv):
+                with sdpa_kernel(backend):
+                    return timed(lambda: F.scaled_dot_product_attention(*qkv, is_causal=causal),
+                                 reps=5, inner=3)
+
+            peers += _sdpa_peers(flops, torch_forward)
+            _attention_row("fwd", (b, h, L, d), causal, flops / ours, peers)
 
 
 @guarded

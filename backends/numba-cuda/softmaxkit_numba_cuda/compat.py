@@ -10,9 +10,10 @@ numpy 2.5), then removes the alias, so numpy is left exactly as it was found.
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 from types import ModuleType
+
+from .settings import simulator_requested
 
 _lock = threading.Lock()
 _PATCHED_MODULE = "numba.cuda.np.arrayobj"
@@ -23,7 +24,7 @@ def simulator_enabled() -> bool:
     try:
         from numba import config
     except ImportError:
-        return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+        return simulator_requested()
     return bool(config.ENABLE_CUDASIM)
 
 

@@ -17,6 +17,7 @@ from .primitives import (
     POS_INF,
     accumulator,
     cuda,
+    device_function,
     kernel,
     log_f32,
     log_f64,
@@ -32,6 +33,52 @@ from .row_kernels import (
     _values,
 )
 from .storage import loader, storer, word_io
+
+
+@functools.cache
+def row_loss(acc_name: str, smooth: bool):
+    """Device function ``loss(valid, special, normal, x_t, m, log_s, eps, cnt, share, zsum)``:
+    a row's loss from its summary (``m``, ``log_s``; ``cnt`` allowed positions whose ``x - m``
+    sum to ``zsum``), its target's logit ``x_t`` and the smoothing ``eps`` (``share = eps /
+    cnt``); zero for an ignored row, NaN for a special one.  The register and the staged
+    kernels share it."""
+    acc = accumulator(acc_name)[1]
+    nan, zero, one = acc(NAN), acc(0.0), acc(1.0)
+
+    def loss(valid, special, normal, x_t, m, log_s, eps, cnt, share, zsum):
+        if not valid:
+            return zero
+        if special:
+            return nan
+        z = x_t - (m if normal else zero)
+        total = zero
+        if eps != one:
+            total += (one - eps) * (z - log_s)
+        if smooth and cnt > zero:
+            total += share * (zsum - cnt * log_s)
+        return zero - total
+
+    return device_function(loss, inline=True)
+
+
+@functools.cache
+def smoothing_sums(threads: int, acc_name: str, smooth: bool):
+    """Device function ``sums(c_t, z_t, m_t, m, scratch) -> (cnt, zsum)``: the group's count
+    of allowed positions and the sum of their ``x - m`` (each thread's ``z_t`` is relative to
+    its own maximum ``m_t``), which label smoothing needs; zeros without ``smooth``.  The
+    register and the staged kernels share it."""
+    sum_reduce = group_reducers(threads, acc_name)[1]
+    zero = accumulator(acc_name)[1](0.0)
+
+    def sums(c_t, z_t, m_t, m, scratch):
+        cnt = zero
+        zsum = zero
+        if smooth:
+            cnt = sum_reduce(c_t, scratch)
+            zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
+        return cnt, zsum
+
+    return device_function(sums, inline=True)
 
 
 @functools.cache
@@ -54,7 +101,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     _, store_chunk = _chunk_io(kout, vector, threads, slots, False)
     keep_exp = has_grad and not smooth
     thread_sum = _thread_sum(acc_name, values, keep_exp, smooth)
-    pair_reduce, sum_reduce, _ = group_reducers(threads, acc_name)
+    pair_reduce = group_reducers(threads, acc_name)[0]
     fields = 4 if smooth else 2
     publish, gather, gather_counts = _last_arriver(threads, acc_name, fields)
     publish_slot = _slots(acc_name, fields)[0]
@@ -64,6 +111,8 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     store = storer(kout)
     store_loss = storer(acc_name)
     exp = exponential(acc_name)
+    loss_of = row_loss(acc_name, smooth)
+    smooth_sums = smoothing_sums(threads, acc_name, smooth)
     log = log_f64 if acc_name == "float64" else log_f32
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
@@ -80,11 +129,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
         m_t = load_chunk(xr, wr, live, nw, base, vals)
         s_t, c_t, z_t = thread_sum(vals, m_t)
         m, s = pair_reduce(m_t, s_t, scratch)
-        cnt = zero
-        zsum = zero
-        if smooth:
-            cnt = sum_reduce(c_t, scratch)
-            zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
+        cnt, zsum = smooth_sums(c_t, z_t, m_t, m, scratch)
         writes_loss = c == 0
         if split:
             if has_grad:
@@ -143,18 +188,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                     g -= share
                 store(grad[r], target, g * g_scale)
         if writes_loss and live and lane == 0:
-            if not valid:
-                res = zero
-            elif special:
-                res = nan
-            else:
-                z = x_t - (m if normal else zero)
-                total = zero
-                if eps != one:
-                    total += (one - eps) * (z - log_s)
-                if smooth and cnt > zero:
-                    total += share * (zsum - cnt * log_s)
-                res = zero - total
+            res = loss_of(valid, special, normal, x_t, m, log_s, eps, cnt, share, zsum)
             store_loss(loss[r], 0, res)
 
     return row_kernel

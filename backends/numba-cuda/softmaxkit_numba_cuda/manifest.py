@@ -13,8 +13,9 @@ runs them without a GPU.
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from .settings import simulator_requested as _simulated
 
 NAME = "numba-cuda"
 ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
@@ -24,10 +25,6 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 _PRIMARY = {"softmax": "x", "log_softmax": "x", "logsumexp": "x", "cross_entropy": "logits",
             "softmax_vjp": "probs", "log_softmax_vjp": "logprobs", "summarize": "x",
             "merge": "maxes", "merge_attention": "outs"}
-
-
-def _simulated() -> bool:
-    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 
 def manifest() -> dict[str, Any]:

@@ -8,6 +8,7 @@ the kernel logic the simulator runs in CI is the logic the GPU runs.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
@@ -157,8 +158,9 @@ else:
         return cuda.shfl_xor_sync(0xFFFFFFFF, value, lane_mask)
 
 
-def device_function(fn):
-    """``fn`` as a device function.
+def device_function(fn, inline: bool = False):
+    """``fn`` as a device function; with ``inline``, inlined into its callers at the Numba IR
+    level, so the kernel compiles as if its body were written there.
 
     In the simulator, a function that does not name ``cuda`` stays plain Python: wrapping it
     would only add the simulator's per-call swap of the ``cuda`` module, which dominates the
@@ -166,6 +168,8 @@ def device_function(fn):
     """
     if SIMULATOR and "cuda" not in fn.__code__.co_names:
         return fn
+    if inline:
+        return cuda.jit(device=True, inline="always")(fn)
     return cuda.jit(device=True)(fn)
 
 
@@ -208,6 +212,27 @@ def register_cap(block: int, values: int, wide: bool = False) -> int:
     """
     budget = _REGISTERS.get(values, 64) * (2 if wide else 1)
     return max(32, min(255, budget, 65536 // block))
+
+
+@functools.cache
+def group_coordinates(threads: int, rows_per_block: int):
+    """Device function ``coordinates(n_rows) -> (lane, row, live)`` of a thread of a kernel
+    whose groups of ``threads`` threads each take a row (``rows_per_block`` rows a block when
+    ``threads <= 32``, one otherwise); a thread past the last row is not ``live`` and reads
+    row 0."""
+
+    def coordinates(n_rows):
+        tid = cuda.threadIdx.x
+        if threads <= 32:
+            lane = tid % threads
+            row = cuda.blockIdx.x * rows_per_block + tid // threads
+        else:
+            lane = tid
+            row = cuda.blockIdx.x
+        live = row < n_rows
+        return lane, (row if live else 0), live
+
+    return device_function(coordinates)
 
 
 def kernel(block: int, values: int, wide: bool = False, registers: int | None = None):

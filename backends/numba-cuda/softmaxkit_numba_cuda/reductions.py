@@ -118,6 +118,11 @@ SCRATCH = 64
 """Shared accumulator values a block needs for its reductions (two per warp)."""
 
 
+@device_function
+def _add(a, b):
+    return a + b
+
+
 @functools.cache
 def group_reducers(threads: int, acc_name: str, rest: bool = False):
     """``(pair_reduce, sum_reduce, max_reduce)`` for groups of ``threads`` threads; with
@@ -191,34 +196,27 @@ def group_reducers(threads: int, acc_name: str, rest: bool = False):
             cuda.syncthreads()
         return m, s
 
-    def sum_reduce(v, scratch):
-        v = warp_sum(v)
-        if block:
-            tid = cuda.threadIdx.x
-            if tid % 32 == 0:
-                scratch[tid // 32] = v
-            cuda.syncthreads()
-            v = scratch[0]
-            for k in range(1, warps):
-                v = v + scratch[k]
-            cuda.syncthreads()
-        return v
+    def one_reduce(warp_reduce, combine):
+        """The block's reduction of one value: its warps' results combined through
+        ``scratch``."""
 
-    def max_reduce(v, scratch):
-        v = warp_max(v)
-        if block:
-            tid = cuda.threadIdx.x
-            if tid % 32 == 0:
-                scratch[tid // 32] = v
-            cuda.syncthreads()
-            v = scratch[0]
-            for k in range(1, warps):
-                v = nanmax(v, scratch[k])
-            cuda.syncthreads()
-        return v
+        def reduce(v, scratch):
+            v = warp_reduce(v)
+            if block:
+                tid = cuda.threadIdx.x
+                if tid % 32 == 0:
+                    scratch[tid // 32] = v
+                cuda.syncthreads()
+                v = scratch[0]
+                for k in range(1, warps):
+                    v = combine(v, scratch[k])
+                cuda.syncthreads()
+            return v
+
+        return device_function(reduce)
 
     return (
         device_function(pair_reduce),
-        device_function(sum_reduce),
-        device_function(max_reduce),
+        one_reduce(warp_sum, _add),
+        one_reduce(warp_max, nanmax),
     )

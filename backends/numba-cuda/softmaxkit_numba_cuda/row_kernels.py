@@ -55,6 +55,7 @@ from .primitives import (
     device_function,
     f32_from_bits,
     f64_from_u64,
+    group_coordinates,
     kernel,
     log_f32,
     log_f64,
@@ -70,6 +71,7 @@ SUMMARY = "summarize"
 @functools.cache
 def _placement(threads: int, rows_per_block: int, split: bool):
     """Device function ``place(n_rows, chunks) -> (lane, row, chunk, live)``."""
+    coordinates = group_coordinates(threads, rows_per_block)
 
     def place(n_rows, chunks):
         tid = cuda.threadIdx.x
@@ -77,14 +79,8 @@ def _placement(threads: int, rows_per_block: int, split: bool):
             t = cuda.blockIdx.x
             r = t // chunks
             return tid, r, t - r * chunks, True
-        if threads <= 32:
-            lane = tid % threads
-            row = cuda.blockIdx.x * rows_per_block + tid // threads
-        else:
-            lane = tid
-            row = cuda.blockIdx.x
-        live = row < n_rows
-        return lane, (row if live else 0), 0, live
+        lane, row, live = coordinates(n_rows)
+        return lane, row, 0, live
 
     return device_function(place)
 

@@ -1,9 +1,15 @@
-"""The backend's settings: one frozen object, read from the environment once, at import.
+"""The backend's settings: one frozen object, read from the environment once, and whether
+Numba's CUDA simulator is asked for.
 
 Every setting has a default that the benchmarks chose; the environment variables exist for
 tuning on a GPU (backends/numba-cuda/README.md lists them).  Nothing else in the backend
 reads the environment.  Tests pass their own :class:`Settings` (``SETTINGS.replace(...)``)
 to the adapters of :mod:`.rows` instead of setting variables.
+
+``SETTINGS`` is read at its first use (``from .settings import SETTINGS``), not when this
+module is imported: the manifest imports this module for :func:`simulator_requested`, and a
+mistyped tuning variable must fail the first kernel call, as it always has, not make the
+registry skip the backend.
 """
 
 from __future__ import annotations
@@ -82,5 +88,20 @@ def _choice(name: str, value: str, allowed: tuple[str, ...], digits: bool = Fals
                      + (" or a number" if digits else ""))
 
 
-SETTINGS = Settings.from_environ(os.environ)
-"""The settings of this process."""
+def simulator_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``NUMBA_ENABLE_CUDASIM`` asks for Numba's CUDA simulator.
+
+    Read at each call (the manifest is asked again after the variable changes); numba itself
+    reads the variable once, at its first import.
+    """
+    value = (os.environ if environ is None else environ).get("NUMBA_ENABLE_CUDASIM", "0")
+    return value not in ("", "0")
+
+
+def __getattr__(name: str) -> Settings:
+    # SETTINGS, the settings of this process: parsed once, at its first use (see above)
+    if name == "SETTINGS":
+        settings = Settings.from_environ(os.environ)
+        globals()["SETTINGS"] = settings
+        return settings
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -45,6 +45,7 @@ import functools
 
 from numba import float32, int32, uint32
 
+from .cross_entropy_kernels import row_loss, smoothing_sums
 from .primitives import (
     NAN,
     NEG_INF,
@@ -69,10 +70,11 @@ from .storage import loader, storer, word_codec
 
 
 @functools.cache
-def _arrive(threads: int, slots: int, issue):
-    """Device function ``arrive(stage, x, nw, chunks, t) -> off``: start copying item ``t``
-    (chunk ``t % chunks`` of row ``t // chunks``) to the stage, whose offset it returns; the
-    fold waits for the copies group by group."""
+def _locate(threads: int, slots: int, issue, cluster: bool):
+    """Device function ``locate(stage, x, nw, chunks, t) -> (off, r, c)``: the row ``r`` and
+    chunk ``c`` of item ``t`` (chunk ``t % chunks`` of row ``t // chunks``; in a cluster the
+    cluster's row and the block's rank), whose copy to the stage at offset ``off`` it starts;
+    the fold waits for the copies group by group."""
     words = threads * slots
 
     def arrive(stage, x, nw, chunks, t):
@@ -81,7 +83,20 @@ def _arrive(threads: int, slots: int, issue):
         issue(stage, 0, x[r], nw, (t - r * chunks) * words + lane, lane)
         return 0
 
-    return device_function(arrive)
+    arrive = device_function(arrive)
+
+    def locate(stage, x, nw, chunks, t):
+        if cluster:  # the cluster is the row, the rank its chunk (no division)
+            lane = cuda.threadIdx.x
+            r = cluster_id()
+            c = cluster_rank()
+            issue(stage, 0, x[r], nw, c * words + lane, lane)
+            return 0, r, c
+        off = arrive(stage, x, nw, chunks, t)
+        r = t // chunks
+        return off, r, t - r * chunks
+
+    return device_function(locate)
 
 
 @functools.cache
@@ -151,7 +166,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool,
     width, decode, encode = word_codec(kind)
     words = threads * slots
     issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False)
-    arrive = _arrive(threads, slots, issue)
+    locate = _locate(threads, slots, issue, cluster)
     exchange = _cluster_exchange(threads, 2)
     results = _word_results(op, kind)
     row_state = _row_state(op)
@@ -171,15 +186,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool,
         buf = cuda.local.array(width, float32)
         t = cuda.blockIdx.x
         while t < total:
-            if cluster:  # the cluster is the row, the rank its chunk (no division)
-                r = cluster_id()
-                c = cluster_rank()
-                off = 0
-                issue(stage, 0, x[r], nw, c * words + lane, lane)
-            else:
-                off = arrive(stage, x, nw, chunks, t)
-                r = t // chunks
-                c = t - r * chunks
+            off, r, c = locate(stage, x, nw, chunks, t)
             xr = x[r]
             wr = w[r if has_where else 0]
             orow = out[r]
@@ -227,15 +234,17 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
     words = threads * slots
     fields = 4 if smooth else 2
     issue, land, sums, _ = _stage(kind, threads, slots, has_where, smooth)
-    arrive = _arrive(threads, slots, issue)
+    locate = _locate(threads, slots, issue, cluster)
     exchange = _cluster_exchange(threads, fields)
     exp = exponential("float32")
-    pair_reduce, sum_reduce, _ = group_reducers(threads, "float32")
+    pair_reduce = group_reducers(threads, "float32")[0]
     publish = _slots("float32", fields)[0]
     collect = _row_summary(kind, True, threads, slots, has_where, fields, True)
     load_one = loader(kind, "float32")
     store = storer(kind)
     store_loss = storer("float32")
+    loss_of = row_loss("float32", smooth)
+    smooth_sums = smoothing_sums(threads, "float32", smooth)
     nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
 
     @kernel(threads, _fit(threads, slots)[1])
@@ -253,15 +262,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
         buf = cuda.local.array(width, float32)
         t = cuda.blockIdx.x
         while t < total:
-            if cluster:  # the cluster is the row, the rank its chunk (no division)
-                r = cluster_id()
-                c = cluster_rank()
-                off = 0
-                issue(stage, 0, x[r], nw, c * words + lane, lane)
-            else:
-                off = arrive(stage, x, nw, chunks, t)
-                r = t // chunks
-                c = t - r * chunks
+            off, r, c = locate(stage, x, nw, chunks, t)
             xr = x[r]
             wr = w[r if has_where else 0]
             grow = grad[r]
@@ -269,11 +270,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
             m_t = land(stage, off, wr, nw, base, lane)
             s_t, c_t, z_t = sums(stage, off, nw, base, lane, m_t)
             m, s = pair_reduce(m_t, s_t, scratch)
-            cnt = zero
-            zsum = zero
-            if smooth:
-                cnt = sum_reduce(c_t, scratch)
-                zsum = sum_reduce(z_t + c_t * (m_t - m) if c_t > zero else zero, scratch)
+            cnt, zsum = smooth_sums(c_t, z_t, m_t, m, scratch)
             if cluster:
                 m, s, cnt, zsum = exchange(m, s, cnt, zsum, summary, scratch, chunks)
             elif chunks > 1:
@@ -330,18 +327,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
                     g -= share
                 store(grow, target, g * g_scale)
             if writes_loss and lane == 0:
-                if not valid:
-                    res = zero
-                elif special:
-                    res = nan
-                else:
-                    z = x_t - (m if normal else zero)
-                    total_loss = zero
-                    if eps != one:
-                        total_loss += (one - eps) * (z - log_s)
-                    if smooth and cnt > zero:
-                        total_loss += share * (zsum - cnt * log_s)
-                    res = zero - total_loss
+                res = loss_of(valid, special, normal, x_t, m, log_s, eps, cnt, share, zsum)
                 store_loss(loss[r], 0, res)
             break  # one chunk per block
         if cluster:  # leave once every peer has read this block's summary

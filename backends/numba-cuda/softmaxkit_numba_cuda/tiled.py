@@ -28,6 +28,7 @@ from .primitives import (
     accumulator,
     cuda,
     device_function,
+    group_coordinates,
     kernel,
     log_f32,
     log_f64,
@@ -112,21 +113,6 @@ def _first_pass(kin: str, vector: bool, threads: int, slots: int, cached: bool,
     return load_tile, device_function(row_stats)
 
 
-def _coordinates(threads: int, rows_per_block: int):
-    def coordinates(n_rows):
-        tid = cuda.threadIdx.x
-        if threads <= 32:
-            lane = tid % threads
-            row = cuda.blockIdx.x * rows_per_block + tid // threads
-        else:
-            lane = tid
-            row = cuda.blockIdx.x
-        live = row < n_rows
-        return lane, (row if live else 0), live
-
-    return device_function(coordinates)
-
-
 @functools.cache
 def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                   rows_per_block: int, cached: bool, kp: str = ""):
@@ -149,7 +135,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     sum_reduce = group_reducers(threads, acc_name)[1]
     exp = exponential(acc_name)
     log = log_f64 if acc_name == "float64" else log_f32
-    coordinates = _coordinates(threads, rows_per_block)
+    coordinates = group_coordinates(threads, rows_per_block)
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
     @kernel(threads * rows_per_block, values, acc_name == "float64")
@@ -254,7 +240,7 @@ def vjp(op: str, kin: str, kc: str, kout: str, threads: int, slots: int, rows_pe
     _, _, store = word_io(kout, False)
     sum_reduce = group_reducers(threads, acc_name)[1]
     exp = exponential(acc_name)
-    coordinates = _coordinates(threads, rows_per_block)
+    coordinates = group_coordinates(threads, rows_per_block)
     is_log = op == "log_softmax_vjp"
     neg_inf, zero = acc(NEG_INF), acc(0.0)
 
@@ -335,7 +321,7 @@ def logsumexp_weighted(kin: str, kb: str, kout: str, threads: int, slots: int,
     _, sum_reduce, max_reduce = group_reducers(threads, acc_name)
     exp = exponential(acc_name)
     log = log_f64 if acc_name == "float64" else log_f32
-    coordinates = _coordinates(threads, rows_per_block)
+    coordinates = group_coordinates(threads, rows_per_block)
     nan, neg_inf, pos_inf, zero, one = (acc(v) for v in (NAN, NEG_INF, POS_INF, 0.0, 1.0))
 
     def load_tile(xr, br, wr, has_where, live, n, base, xs, bs, flags):

@@ -46,11 +46,10 @@ __device__ __forceinline__ void sk_merge_any(float& m, float& s, float m2, float
     else sk_merge<PRECISE>(m, s, m2, s2);
 }
 
-// Reduce (m, s, nan) over the G threads of a group; the result is in every thread of it.
-template <int THREADS, int G, bool PRECISE, bool REST = false>
-__device__ __forceinline__ void sk_group_reduce(float& m, float& s, int& nan, float* scratch) {
-    constexpr int WIDTH = G < 32 ? G : 32;
-    constexpr float EMPTY_S = REST ? -1.0f : 0.0f;
+// Merge (m, s, nan) over groups of WIDTH lanes of a warp by an xor butterfly; the result is
+// in every lane of each group.
+template <int WIDTH, bool PRECISE, bool REST>
+__device__ __forceinline__ void sk_warp_merge(float& m, float& s, int& nan) {
 #pragma unroll
     for (int off = WIDTH / 2; off > 0; off /= 2) {
         float m2 = __shfl_xor_sync(0xffffffffu, m, off);
@@ -58,6 +57,14 @@ __device__ __forceinline__ void sk_group_reduce(float& m, float& s, int& nan, fl
         nan |= __shfl_xor_sync(0xffffffffu, nan, off);
         sk_merge_any<PRECISE, REST>(m, s, m2, s2);
     }
+}
+
+// Reduce (m, s, nan) over the G threads of a group; the result is in every thread of it.
+template <int THREADS, int G, bool PRECISE, bool REST = false>
+__device__ __forceinline__ void sk_group_reduce(float& m, float& s, int& nan, float* scratch) {
+    constexpr int WIDTH = G < 32 ? G : 32;
+    constexpr float EMPTY_S = REST ? -1.0f : 0.0f;
+    sk_warp_merge<WIDTH, PRECISE, REST>(m, s, nan);
     if (G > 32) {
         constexpr int WARPS = THREADS / 32;
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -70,13 +77,7 @@ __device__ __forceinline__ void sk_group_reduce(float& m, float& s, int& nan, fl
         m = lane < WARPS ? scratch[lane] : -SK_INF;
         s = lane < WARPS ? scratch[WARPS + lane] : EMPTY_S;
         nan = lane < WARPS ? __float_as_int(scratch[2 * WARPS + lane]) : 0;
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) {
-            float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-            float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-            nan |= __shfl_xor_sync(0xffffffffu, nan, off);
-            sk_merge_any<PRECISE, REST>(m, s, m2, s2);
-        }
+        sk_warp_merge<32, PRECISE, REST>(m, s, nan);
     }
 }
 
@@ -99,13 +100,7 @@ __device__ __forceinline__ void sk_rows_reduce(float& m, float& s, int& nan, flo
             m = r < CLUSTER ? sk_cluster_load(&summary[0], r) : -SK_INF;
             s = r < CLUSTER ? sk_cluster_load(&summary[1], r) : (REST ? -1.0f : 0.0f);
             nan = r < CLUSTER ? __float_as_int(sk_cluster_load(&summary[2], r)) : 0;
-#pragma unroll
-            for (int off = 16; off > 0; off /= 2) {
-                float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-                float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-                nan |= __shfl_xor_sync(0xffffffffu, nan, off);
-                sk_merge_any<PRECISE, REST>(m, s, m2, s2);
-            }
+            sk_warp_merge<32, PRECISE, REST>(m, s, nan);
         }
         // peers may still read this block's summary: leave only after they all arrive again
         sk_cluster_arrive();
