@@ -326,12 +326,16 @@ def cross_entropy(
         Unnormalized log-probabilities; ``axis`` is the class axis.
     target : array_like
         Either class indices (an integer array of ``logits``' shape without ``axis``) or
-        probabilities (a floating array broadcastable to ``logits``' shape).
+        probabilities (a floating array broadcastable to ``logits``' shape).  A class index
+        outside ``[0, C)`` that is not ``ignore_index`` raises ``ValueError`` when the labels
+        are in host memory; on an accelerator, for Dask arrays and under ``torch.compile``
+        nothing is read back to check, and its row's loss and gradient are NaN instead.
     axis : int, optional
         The class axis (default -1).
     reduction : {"mean", "sum", "none"}, optional
         ``"mean"`` averages over the rows that count (rows whose index target is not
-        ``ignore_index``); ``"none"`` returns the per-row losses.
+        ``ignore_index``; the count stays on the device, so the call reads nothing back and
+        can be captured in a CUDA graph); ``"none"`` returns the per-row losses.
     ignore_index : int, optional
         Index targets equal to it contribute no loss and no gradient.
     label_smoothing : float, optional
