@@ -9,8 +9,9 @@ the backend does not serve is reported as such, not failed.  With ``--graphs`` (
 each operation's forward and backward is also captured in a CUDA graph, replayed on fresh
 data copied into the captured inputs (and class labels: fresh ones, all ignored, and one
 outside ``[0, C)``, which must give a NaN loss and a NaN gradient row, spec "cross_entropy"),
-and each replay compared with float64 references; a capture or replay that fails counts as a
-failure.
+and each replay compared with float64 references; the cross-entropy cases also run under
+``torch.compile(mode="reduce-overhead", fullgraph=True)`` (Inductor's CUDA graphs) on the same
+fresh data.  A capture or replay that fails counts as a failure.
 
 Examples
 --------
@@ -28,6 +29,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -213,6 +215,47 @@ def capture(fn: Callable, ref: Callable, inputs: Sequence[torch.Tensor], dtype: 
             labels.copy_(kept)
 
 
+def compiled(fn: Callable, ref: Callable, inputs: Sequence[torch.Tensor], dtype: torch.dtype,
+             backend: str, op: str, compile_kw: dict[str, Any] | None = None
+             ) -> tuple[bool, str]:
+    """The forward under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (Inductor's
+    CUDA graphs, for the forward and the compiled backward), run on fresh data copied into
+    the same input tensors and compared with float64 references as :func:`capture` does.
+
+    Fails when Inductor skipped its CUDA graphs (it counts the skips).  ``compile_kw``
+    replaces the mode (the test suite compiles with ``{"backend": "eager"}`` on the CPU).
+    """
+    from torch._dynamo.utils import counters
+
+    labels = LABELS.get(op)
+    kept = None if labels is None else labels.clone()
+    xs = [x.detach().to(dtype).requires_grad_() for x in inputs]
+    torch._dynamo.reset()
+    step = torch.compile(lambda *a: fn(backend, *a), fullgraph=True,
+                         **(compile_kw or {"mode": "reduce-overhead"}))
+    skips = counters["inductor"]["cudagraph_skips"]
+
+    def replay() -> tuple[torch.Tensor, Sequence[torch.Tensor]]:
+        out = step(*xs)
+        grads = torch.autograd.grad(out.float().sum(), xs)
+        # copies: the next replay writes into the graph's outputs
+        return out.detach().clone(), [g.clone() for g in grads]
+
+    try:
+        for _ in range(3):  # warm-up: Inductor records its graphs on the first calls
+            replay()
+        ok, notes = check_replays(op, ref, inputs, dtype, xs, replay)
+    except Exception as exc:
+        return False, f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+    finally:
+        if kept is not None:
+            labels.copy_(kept)
+    skipped = counters["inductor"]["cudagraph_skips"] - skips
+    if skipped:
+        return False, f"Inductor skipped CUDA graphs ({skipped}x); {notes}"
+    return ok, notes
+
+
 def check_replays(op: str, ref: Callable, inputs: Sequence[torch.Tensor], dtype: torch.dtype,
                   xs: Sequence[torch.Tensor], replay: Callable) -> tuple[bool, str]:
     """Copy each round of fresh data into ``xs`` (and the op's labels), call ``replay`` for
@@ -330,6 +373,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             fn, ref, inputs = all_cases[op]
             try:
                 ok, result = capture(fn, ref, inputs, getattr(torch, dtype_name), backend, op)
+            except Exception as exc:
+                ok, result = False, (f"error: {type(exc).__name__}: "
+                                     f"{str(exc).splitlines()[0][:100]}")
+            failed += not ok
+            print(f"{backend:<11} {dtype_name:<9} {op:<26} {'ok' if ok else 'FAIL':<8} "
+                  f"{result}", flush=True)
+        print("\ntorch.compile(mode='reduce-overhead', fullgraph=True) of cross_entropy, "
+              "replayed on fresh data against float64")
+        for backend, dtype_name, op in served:
+            if not op.startswith("cross_entropy"):
+                continue
+            fn, ref, inputs = all_cases[op]
+            try:
+                ok, result = compiled(fn, ref, inputs, getattr(torch, dtype_name), backend, op)
             except Exception as exc:
                 ok, result = False, (f"error: {type(exc).__name__}: "
                                      f"{str(exc).splitlines()[0][:100]}")

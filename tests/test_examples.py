@@ -78,6 +78,23 @@ def test_grad_check_replay_comparisons_with_an_eager_step(monkeypatch, backend, 
         assert not ok, f"{op}: a stale replay passed: {notes}"
 
 
+def test_grad_check_compiled_step_with_eager_backend(monkeypatch):
+    """``--graphs``' torch.compile check, compiled with the eager backend on the CPU."""
+    from softmaxkit import rows
+
+    monkeypatch.setattr(rows, "_labels_on_host", lambda index: False)
+    grad_check = _load("grad_check")
+    cases = grad_check.cases("cpu")
+    import torch
+
+    for op in ("cross_entropy", "cross_entropy-none"):
+        fn, ref, inputs = cases[op]
+        ok, notes = grad_check.compiled(fn, ref, inputs, torch.float32, "reference", op,
+                                        {"backend": "eager"})
+        assert ok, f"{op}: {notes}"
+        assert "NaN row as the spec says" in notes and "0 / 0 as the spec says" in notes
+
+
 def test_training_page_examples_run():
     """Every Python block of docs/training.md runs (PyTorch always; JAX when installed)."""
     page = (EXAMPLES.parent / "docs" / "training.md").read_text()
