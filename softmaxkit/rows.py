@@ -259,14 +259,14 @@ def logsumexp(
 
 
 def _labels_on_host(index: Any) -> bool:
-    """Whether the class indices can be range-checked without reading a device.
+    """Whether the class indices can be read (range-checked, counted) without a device read.
 
     True for concrete arrays in host memory (numpy, torch CPU tensors, array_api_strict's
-    CPU device): the check is one pass over memory the caller already holds.  False on an
-    accelerator, where it would be a device-to-host synchronization on every call (and an
-    error during CUDA-graph capture), for Dask arrays, where it would compute the labels'
-    graph a second time, and while ``torch.compile`` traces.  There, out-of-range labels give
-    NaN rows instead (spec/semantics.md, "cross_entropy").
+    CPU device): a pass over memory the caller already holds.  False on an accelerator, where
+    a read is a device-to-host synchronization on every call (and an error during CUDA-graph
+    capture), for Dask arrays, where it would compute the labels' graph a second time, and
+    while ``torch.compile`` traces.  There, out-of-range labels give NaN rows instead
+    (spec/semantics.md, "cross_entropy") and the mean's count stays an array.
     """
     if array_api_compat.is_dask_array(index) or device_type(index) != "cpu":
         return False
@@ -291,7 +291,8 @@ def _check_labels(
 
 
 def _mean_scale(xp: Any, valid: Any, logits: Any) -> Any:
-    """``1 / count`` of the rows that count, as a 0-d array on the labels' device.
+    """``1 / count`` of the rows that count, as a 0-d array on the labels' device (labels
+    that are not in host memory; on the host the count is read back, which costs less).
 
     The count is summed in int64 and divided in float64 (float32 where the device has no
     float64), then rounded to the accumulator dtype: the value ``1.0 / count`` in Python
@@ -392,11 +393,17 @@ def cross_entropy(
         index = target
         rows_total = math.prod(index.shape)
         valid = index != ignore_index if ignore_index is not None else None
-        if rows_total and _labels_on_host(index):
+        on_host = bool(rows_total) and _labels_on_host(index)
+        if on_host:
             _check_labels(xp, index, valid, n_classes, ignore_index)
-        # the count of the mean stays an array on the labels' device: reading it back would
-        # be a synchronization on every call and is illegal during CUDA-graph capture
-        count = rows_total if valid is None or not rows_total else valid
+        if valid is None or not rows_total or reduction != "mean":
+            count: Any = rows_total  # only a mean reads it
+        elif on_host:  # a read of host memory: cheaper than the array operations below
+            count = int(xp.sum(xp.astype(valid, xp.int64)))
+        else:
+            # the count of the mean stays an array on the labels' device: reading it back
+            # would be a synchronization on every call and is illegal during capture
+            count = valid
     elif args.dtypes.is_float(xp, target.dtype):
         if ignore_index is not None:
             raise ValueError("ignore_index applies to class-index targets only")

@@ -1,9 +1,10 @@
 """cross_entropy without host reads: the mean's count on the device, the label-range policy.
 
-The frontend keeps the count of the rows that are not ``ignore_index`` as an array (the scale
-of the mean and of the fused gradient is a 0-d array on the labels' device), and checks the
-class-index range only where the labels sit in host memory; elsewhere an out-of-range label
-gives its row a NaN loss and NaN gradient (spec/semantics.md, "cross_entropy").  These tests
+Where the labels are not in host memory the frontend keeps the count of the rows that are not
+``ignore_index`` as an array (the scale of the mean and of the fused gradient is a 0-d array
+on the labels' device) and does not check the class-index range: an out-of-range label gives
+its row a NaN loss and NaN gradient (spec/semantics.md, "cross_entropy").  Host labels are
+checked and counted on the host; the tests take them as a GPU's too (``count_path``).  These tests
 hold the device-count path to the host-count results bit for bit and to float64 references,
 and check that a call on labels that are not on the host reads nothing back: under a torch
 dispatch mode that refuses every scalar read, on ``meta`` tensors (which hold no data), and
@@ -91,14 +92,23 @@ def _host_count(frontend_kw: dict, x, index, where, backend: str, reduction: str
 # the device count gives what the host count gave
 
 
+@pytest.fixture(params=["host", "device"])
+def count_path(request, monkeypatch):
+    """Host labels counted on the host, and the same labels taken as a GPU's (counted as an
+    array, never read back)."""
+    if request.param == "device":
+        monkeypatch.setattr(frontend, "_labels_on_host", lambda index: False)
+    return request.param
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.3])
 @pytest.mark.parametrize("masked", [False, True])
-def test_device_count_equals_host_count_and_float64(backend, lib, dtype, reduction, smoothing,
-                                                    masked):
+def test_device_count_equals_host_count_and_float64(count_path, backend, lib, dtype,
+                                                    reduction, smoothing, masked):
     if dtype == "bfloat16" and lib == "numpy":
         pytest.importorskip("ml_dtypes")
         dtype_np = __import__("ml_dtypes").bfloat16
@@ -139,7 +149,7 @@ def test_device_count_equals_host_count_and_float64(backend, lib, dtype, reducti
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.3])
-def test_all_rows_ignored_mean_is_zero_with_zero_gradient(backend, lib, smoothing):
+def test_all_rows_ignored_mean_is_zero_with_zero_gradient(count_path, backend, lib, smoothing):
     x64, _, _ = _inputs("float32")
     idx = _as(lib, np.full(len(x64), IGNORE))
     loss, grad = sk.cross_entropy(_as(lib, x64), idx, ignore_index=IGNORE,
@@ -148,7 +158,7 @@ def test_all_rows_ignored_mean_is_zero_with_zero_gradient(backend, lib, smoothin
     assert np.all(_np(grad) == 0)
 
 
-def test_array_api_strict_and_dask_take_the_device_count():
+def test_array_api_strict_and_dask_take_the_device_count(count_path):
     xps = pytest.importorskip("array_api_strict")
     da = pytest.importorskip("dask.array")
     import dask
@@ -255,8 +265,8 @@ def test_no_host_read_when_labels_are_off_the_host(monkeypatch, backend, reducti
               where=torch.from_numpy(where), return_grad=True, backend=backend)
     with HostReads() as mode:
         eager = sk.cross_entropy(*args, **kw)
-    # on the host the range check is the one read (the count of the mean is never read)
-    assert len(mode.reads) == 1
+    # on the host: the range check, and the count of the mean (reads of host memory)
+    assert len(mode.reads) == (2 if reduction == "mean" else 1)
     monkeypatch.setattr(frontend, "_labels_on_host", lambda index: False)
     with HostReads(forbid=True):
         captured = sk.cross_entropy(*args, **kw)
