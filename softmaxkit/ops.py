@@ -17,6 +17,12 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     "softmax": ("x", "where", "masked", "out_dtype"),
     "log_softmax": ("x", "where", "masked", "out_dtype"),
     "logsumexp": ("x", "b", "where", "return_sign", "out_dtype"),
+    # cross_entropy: index None | integer [...] (a value outside [0, N) that is not
+    #   ignore_index gives that row a NaN loss and a NaN gradient row; the frontend has not
+    #   necessarily checked the range, and a kernel must never read logits[index] there);
+    #   grad_scale None (no gradient) | a Python float | a 0-d array of the accumulator dtype
+    #   on the logits' device (1 / count for reduction="mean" with ignore_index, kept on the
+    #   device): a kernel reads an array scale on the device, never on the host
     "cross_entropy": (
         "logits", "index", "probs", "where", "ignore_index", "label_smoothing",
         "grad_scale", "out_dtype",

@@ -9,6 +9,7 @@ What every result is, at every edge, is written in spec/semantics.md.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import array_api_compat
@@ -16,9 +17,10 @@ import array_api_compat
 from . import arguments as args
 from . import dtypes
 from .dispatch import run
-from .dtypes import dtype_name, output_dtype, result_float
+from .dtypes import accumulator_dtype, dtype_name, output_dtype, result_float
 from .frameworks import route
 from .layout import RowLayout
+from .registry import device_type
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -256,6 +258,55 @@ def logsumexp(
     return scalar_result(xp, layout.reduced(xp, result, keepdims))
 
 
+def _labels_on_host(index: Any) -> bool:
+    """Whether the class indices can be read (range-checked, counted) without a device read.
+
+    True for concrete arrays in host memory (numpy, torch CPU tensors, array_api_strict's
+    CPU device): a pass over memory the caller already holds.  False on an accelerator, where
+    a read is a device-to-host synchronization on every call (and an error during CUDA-graph
+    capture), for Dask arrays, where it would compute the labels' graph a second time, and
+    while ``torch.compile`` traces.  There, out-of-range labels give NaN rows instead
+    (spec/semantics.md, "cross_entropy") and the mean's count stays an array.
+    """
+    if array_api_compat.is_dask_array(index) or device_type(index) != "cpu":
+        return False
+    torch = sys.modules.get("torch")
+    return not (
+        torch is not None and isinstance(index, torch.Tensor) and torch.compiler.is_compiling()
+    )
+
+
+def _check_labels(
+    xp: Any, index: Any, valid: Any, n_classes: int, ignore_index: int | None
+) -> None:
+    """Raise the named ``ValueError`` for class indices outside ``[0, n_classes)``."""
+    out_of_range = (index < 0) | (index >= n_classes)
+    if valid is not None:
+        out_of_range = out_of_range & valid
+    if bool(xp.any(out_of_range)):
+        raise ValueError(
+            f"target holds class indices outside [0, {n_classes})"
+            + (f" that are not ignore_index={ignore_index}" if valid is not None else "")
+        )
+
+
+def _mean_scale(xp: Any, valid: Any, logits: Any) -> Any:
+    """``1 / count`` of the rows that count, as a 0-d array on the labels' device (labels
+    that are not in host memory; on the host the count is read back, which costs less).
+
+    The count is summed in int64 and divided in float64 (float32 where the device has no
+    float64), then rounded to the accumulator dtype: the value ``1.0 / count`` in Python
+    gave before the count stayed on the device.  A count of 0 gives 1 (the mean of no rows is
+    the sum of zeros, 0, with gradient 0).
+    """
+    count = xp.sum(xp.astype(valid, xp.int64))
+    wide = xp.float32 if device_type(logits) == "mps" else xp.float64
+    count = xp.astype(count, wide)
+    count = xp.where(count > 0, count, xp.ones_like(count))
+    # asarray: numpy's arithmetic on 0-d arrays gives numpy scalars
+    return xp.asarray(xp.astype(1.0 / count, accumulator_dtype(xp, logits.dtype)))
+
+
 def cross_entropy(
     logits: Any,
     target: Any,
@@ -276,12 +327,16 @@ def cross_entropy(
         Unnormalized log-probabilities; ``axis`` is the class axis.
     target : array_like
         Either class indices (an integer array of ``logits``' shape without ``axis``) or
-        probabilities (a floating array broadcastable to ``logits``' shape).
+        probabilities (a floating array broadcastable to ``logits``' shape).  A class index
+        outside ``[0, C)`` that is not ``ignore_index`` raises ``ValueError`` when the labels
+        are in host memory; on an accelerator, for Dask arrays and under ``torch.compile``
+        nothing is read back to check, and its row's loss and gradient are NaN instead.
     axis : int, optional
         The class axis (default -1).
     reduction : {"mean", "sum", "none"}, optional
         ``"mean"`` averages over the rows that count (rows whose index target is not
-        ``ignore_index``); ``"none"`` returns the per-row losses.
+        ``ignore_index``; the count stays on the device, so the call reads nothing back and
+        can be captured in a CUDA graph); ``"none"`` returns the per-row losses.
     ignore_index : int, optional
         Index targets equal to it contribute no loss and no gradient.
     label_smoothing : float, optional
@@ -338,18 +393,17 @@ def cross_entropy(
         index = target
         rows_total = math.prod(index.shape)
         valid = index != ignore_index if ignore_index is not None else None
-        out_of_range = (index < 0) | (index >= n_classes)
-        if valid is not None:
-            out_of_range = out_of_range & valid
-        if rows_total and bool(xp.any(out_of_range)):
-            raise ValueError(
-                f"target holds class indices outside [0, {n_classes})"
-                + (f" that are not ignore_index={ignore_index}" if valid is not None else "")
-            )
-        if valid is None or not rows_total:
-            count = rows_total
-        else:
+        on_host = bool(rows_total) and _labels_on_host(index)
+        if on_host:
+            _check_labels(xp, index, valid, n_classes, ignore_index)
+        if valid is None or not rows_total or reduction != "mean":
+            count: Any = rows_total  # only a mean reads it
+        elif on_host:  # a read of host memory: cheaper than the array operations below
             count = int(xp.sum(xp.astype(valid, xp.int64)))
+        else:
+            # the count of the mean stays an array on the labels' device: reading it back
+            # would be a synchronization on every call and is illegal during capture
+            count = valid
     elif args.dtypes.is_float(xp, target.dtype):
         if ignore_index is not None:
             raise ValueError("ignore_index applies to class-index targets only")
@@ -364,7 +418,12 @@ def cross_entropy(
     w = layout.to_rows(xp, args.mask(xp, where, tuple(logits.shape), like=logits))
     rows = layout.to_rows(xp, logits)
     # the mean is over the rows that count; with none counted the loss and gradient are 0
-    grad_scale = 1.0 / count if reduction == "mean" and count else 1.0
+    if reduction != "mean":
+        grad_scale: Any = 1.0
+    elif isinstance(count, int):
+        grad_scale = 1.0 / count if count else 1.0
+    else:
+        grad_scale = _mean_scale(xp, count, logits)
     loss, grad = run(
         "cross_entropy", xp, rows, backend,
         logits=rows, index=index, probs=probs, where=w,
@@ -375,6 +434,8 @@ def cross_entropy(
     if reduction == "sum":
         loss = xp.sum(loss)
     elif reduction == "mean":
+        # times the scale the gradient uses (1 / count rounded to the accumulator), as before
+        # the count moved to the device: the same bits whichever form the scale takes
         loss = xp.sum(loss) * grad_scale
     # a reduced loss of a numpy input is a numpy scalar, like logsumexp's (scalar_result)
     loss = scalar_result(xp, xp.asarray(xp.astype(loss, logits.dtype)))

@@ -39,6 +39,62 @@ def test_grad_check_passes_on_cpu():
     assert status == 0
 
 
+def test_grad_check_cross_entropy_reductions_on_cpu():
+    status = _load("grad_check").main([
+        "--device", "cpu", "--backends", "numba-cpu", "reference", "--ops",
+        "cross_entropy-sum", "cross_entropy-none",
+    ])
+    assert status == 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba-cpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grad_check_replay_comparisons_with_an_eager_step(monkeypatch, backend, dtype):
+    """The comparisons ``--graphs`` makes after each replay, with an eager step in place of
+    the CUDA graph (labels treated as on a GPU: out-of-range rows are NaN, not an error)."""
+    import torch
+
+    from softmaxkit import rows
+
+    monkeypatch.setattr(rows, "_labels_on_host", lambda index: False)
+    grad_check = _load("grad_check")
+    cases = grad_check.cases("cpu")
+    dt = getattr(torch, dtype)
+    for op in ("cross_entropy", "cross_entropy-sum", "cross_entropy-none", "softmax"):
+        fn, ref, inputs = cases[op]
+        xs = [x.detach().to(dt).requires_grad_() for x in inputs]
+
+        def step(fn=fn, xs=xs):
+            out = fn(backend, *xs)
+            return out.detach(), torch.autograd.grad(out.float().sum(), xs)
+
+        ok, notes = grad_check.check_replays(op, ref, inputs, dt, xs, step)
+        assert ok, f"{op}: {notes}"
+        if op.startswith("cross_entropy"):
+            assert "NaN row as the spec says" in notes and "0 / 0 as the spec says" in notes
+        # a replay that does not see the fresh data is caught
+        stale = step()
+        ok, notes = grad_check.check_replays(op, ref, inputs, dt, xs, lambda stale=stale: stale)
+        assert not ok, f"{op}: a stale replay passed: {notes}"
+
+
+def test_grad_check_compiled_step_with_eager_backend(monkeypatch):
+    """``--graphs``' torch.compile check, compiled with the eager backend on the CPU."""
+    from softmaxkit import rows
+
+    monkeypatch.setattr(rows, "_labels_on_host", lambda index: False)
+    grad_check = _load("grad_check")
+    cases = grad_check.cases("cpu")
+    import torch
+
+    for op in ("cross_entropy", "cross_entropy-none"):
+        fn, ref, inputs = cases[op]
+        ok, notes = grad_check.compiled(fn, ref, inputs, torch.float32, "reference", op,
+                                        {"backend": "eager"})
+        assert ok, f"{op}: {notes}"
+        assert "NaN row as the spec says" in notes and "0 / 0 as the spec says" in notes
+
+
 def test_training_page_examples_run():
     """Every Python block of docs/training.md runs (PyTorch always; JAX when installed)."""
     page = (EXAMPLES.parent / "docs" / "training.md").read_text()

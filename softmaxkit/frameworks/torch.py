@@ -8,7 +8,9 @@ library's own VJP operators on the same backend:
 
 - softmax, log_softmax: ``softmax_vjp`` / ``log_softmax_vjp`` from the saved output;
 - logsumexp: the softmax of the input (with weights ``b``: ``b * exp(a - lse)``);
-- cross_entropy: the gradient the fused forward computed in the same pass, and nothing else;
+- cross_entropy: the gradient the fused forward computed in the same pass, and nothing else
+  (on a GPU its implementation reads nothing back to the host: the mean's count stays on the
+  device and labels are not range-checked there, so it can be captured in a CUDA graph);
 - attention: ``attention_vjp`` recomputing from the saved ``out`` and ``lse``;
 - merge_attention_states: ``merge_attention_vjp``.
 

@@ -221,7 +221,9 @@ def cross_entropy(
     Returns the per-row losses ``[...]`` in the accumulator dtype (the frontend reduces them)
     and, when ``grad_scale`` is not None, the gradient ``[..., N]`` in ``out_dtype``.  A class
     is excluded when ``where`` is False or its logit is ``-inf``; target mass on an excluded
-    class makes the loss ``+inf``; excluded classes and ignored rows get gradient 0.
+    class makes the loss ``+inf``; excluded classes and ignored rows get gradient 0.  A class
+    index outside ``[0, N)`` that is not ``ignore_index`` gives a NaN loss and gradient row.
+    ``grad_scale`` is a Python float or a 0-d array beside the logits (ops.py).
     """
     acc = accumulator_dtype(xp, logits.dtype)
     s = row_stats(xp, logits, where)
@@ -236,9 +238,13 @@ def cross_entropy(
             valid = xp.ones(index.shape, dtype=xp.bool, device=dev)
         else:
             valid = index != ignore_index
+        # a class index outside [0, N) that is not ignored makes its row NaN (loss and
+        # gradient): the frontend checks only where that costs no device read
+        unknown = valid & ((index < 0) | (index >= n))
     else:
         y = xp.astype(probs, acc)
         valid = xp.ones(logits.shape[:-1], dtype=xp.bool, device=dev)
+        unknown = xp.zeros(logits.shape[:-1], dtype=xp.bool, device=dev)
     if label_smoothing:
         count = xp.sum(xp.astype(included, acc), axis=-1, keepdims=True)
         share = label_smoothing / xp.where(count == 0, xp.ones_like(count), count)
@@ -247,14 +253,14 @@ def cross_entropy(
     zeros = xp.zeros_like(y)
     terms = xp.where(has, y * xp.where(has, logp, zeros), zeros)  # 0 * log 0 is 0
     loss = 0.0 - xp.sum(terms, axis=-1)  # +0.0, not -0.0, for a row without target mass
-    special = s.special[..., 0]
-    loss = xp.where(special, xp.full_like(loss, NAN), loss)
+    nan_rows = s.special | xp.expand_dims(unknown, axis=-1)
+    loss = xp.where(nan_rows[..., 0], xp.full_like(loss, NAN), loss)
     loss = xp.where(valid, loss, xp.zeros_like(loss))
     if grad_scale is None:
         return loss, None
     p = xp.exp(logp)
     grad = xp.where(included, (p - y) * grad_scale, zeros)
-    grad = xp.where(s.special, xp.full_like(grad, NAN), grad)
+    grad = xp.where(nan_rows, xp.full_like(grad, NAN), grad)
     grad = xp.where(xp.expand_dims(valid, axis=-1), grad, zeros)
     return loss, xp.astype(grad, out_dtype)
 

@@ -435,6 +435,49 @@ def case_random_cross_entropy(t: Target, dtype: str, backend: str) -> None:
                                                         dtype), "cross_entropy probs grad")
 
 
+@case("cross_entropy")
+def case_cross_entropy_label_range(t: Target, dtype: str, backend: str) -> None:
+    """The kernel on class indices outside ``[0, C)`` (what a GPU call or a CUDA-graph capture
+    hands it, unchecked): NaN loss and gradient rows, never a read of ``logits[index]``; the
+    other rows as usual, with the gradient's scale a 0-d array (a mean's device count)."""
+    from .. import arguments
+    from ..dispatch import run
+    from ..dtypes import accumulator_dtype
+
+    rng = np.random.default_rng(17)
+    xt, x = _represented(t, _random_logits(17, (8, 13), 3.0), dtype)
+    index = rng.integers(0, 13, size=8)
+    index[[0, 3]] = -100
+    index[[1, 4, 6]] = (13, -1, 2**40)  # outside [0, 13), not ignore_index
+    bad = np.zeros(8, bool)
+    bad[[1, 4, 6]] = True
+    valid = (index != -100) & ~bad
+    xp = arguments.namespace(logits=xt)
+    scale = xp.asarray(xp.full((), 0.25, dtype=accumulator_dtype(xp, xt.dtype),
+                               device=getattr(xt, "device", None)))
+    for smoothing in (0.0, 0.1):
+        loss, grad = run("cross_entropy", xp, xt, backend, logits=xt,
+                         index=t.asarray(index, None), probs=None, where=None,
+                         ignore_index=-100, label_smoothing=smoothing, grad_scale=scale,
+                         out_dtype=xt.dtype)
+        loss, grad = t.to_numpy(loss), t.to_numpy(grad)
+        what = f"cross_entropy labels outside [0, C) eps={smoothing} [{dtype}]"
+        if not (np.isnan(loss[bad]).all() and np.isnan(grad[bad]).all()):
+            raise AssertionError(f"{what}: rows with such labels must be NaN (loss and "
+                                 f"gradient), got losses {loss[bad]}")
+        if np.isnan(loss[~bad]).any() or np.isnan(grad[~bad]).any():
+            raise AssertionError(f"{what}: NaN outside the rows with bad labels")
+        y = np.zeros((8, 13))
+        y[np.arange(8)[valid], index[valid]] = 1.0
+        y = (1 - smoothing) * y + smoothing / 13
+        loss_ref, grad_ref = _ref_cross_entropy(x, y, valid)
+        mag = np.abs(loss_ref) + np.abs(x).max()
+        assert_within(loss[~bad], loss_ref[~bad], log_bound(mag[~bad], 13, dtype), what)
+        g = grad_ref[~bad] * 0.25
+        assert_within(grad[~bad], g, vjp_bound(g, 0.25 * (np.abs(y[~bad]) + 1.0), 13, dtype),
+                      what + " grad")
+
+
 @case("softmax_vjp", "log_softmax_vjp")
 def case_random_vjp(t: Target, dtype: str, backend: str) -> None:
     """VJPs of random rows against p * (g - <p, g>) and g - p * sum(g) in extended precision."""

@@ -415,14 +415,15 @@ def cross_entropy_row(x, w, has_where, target, probs, has_index, eps, valid, sca
 
     ``y`` is the one-hot of ``target`` (``has_index``) or ``probs``, smoothed by ``eps`` over
     the included classes (allowed by ``w``, logit above -inf); excluded classes have
-    ``log p = -inf`` and gradient 0.
+    ``log p = -inf`` and gradient 0.  A valid ``target`` outside ``[0, n)`` makes the row NaN.
     """
     n = x.shape[0]
     kind, m, s = row_stats(x, w, has_where)
     zero = like(m, 0.0)
     one = like(m, 1.0)
     ninf = like(m, -np.inf)
-    special = kind == NAN or kind == POSINF
+    unknown = has_index and (target < 0 or target >= n)
+    special = kind == NAN or kind == POSINF or unknown
     count = 0
     for j in range(n):
         count += 1 if (not has_where or w[j]) and widen(x[j]) != -np.inf else 0

@@ -160,6 +160,18 @@ def logsumexp(
     return (lse.finish(), sign.finish()) if return_sign else lse.finish()
 
 
+def _scale(grad_scale: Any, acc: Any) -> Any:
+    """The gradient's scale as an accumulator scalar: a Python float, or the 0-d array the
+    frontend computes for a mean over the rows not ignored (read in place, CPU memory)."""
+    if grad_scale is None:
+        return acc(0.0)
+    if isinstance(grad_scale, np.generic):
+        return acc(grad_scale)
+    if hasattr(grad_scale, "shape"):
+        return acc(numpy_view(grad_scale).reshape(-1)[0])
+    return acc(float(grad_scale))
+
+
 def cross_entropy(
     xp: Any,
     *,
@@ -192,7 +204,7 @@ def cross_entropy(
     run(
         x2, w2, wstep, has_where, target, p2, pstep, index is not None,
         acc(label_smoothing), -1 if ignore_index is None else int(ignore_index),
-        ignore_index is not None, acc(float(grad_scale) if want_grad else 0.0), want_grad,
+        ignore_index is not None, _scale(grad_scale, acc), want_grad,
         loss.storage.reshape(r), grad_s, 1 if want_grad else 0,
     )
     return loss.finish(), grad.finish() if want_grad else None

@@ -92,7 +92,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
 
     The target's logit is read once per row; the gradient is written from registers with
     ``y`` the smoothing share only, then the thread that owns the target position rewrites
-    that one element.
+    that one element.  A target outside ``[0, n)`` that is not ``ignore`` gives a NaN row.
     """
     acc_name, acc = accumulator(kin)
     values = _values(kin, vector, slots)
@@ -147,7 +147,8 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
         n = nw * width
         target = index[r] if live else -1
         valid = live and (not has_ignore or target != ignore)
-        special = m != m or m == POS_INF
+        # a target outside [0, n) that is not ignored makes the row NaN (never read there)
+        special = m != m or m == POS_INF or (valid and (target < 0 or target >= n))
         normal = not special and m > neg_inf
         log_s = log(s) if normal else zero
         inv = one / s if normal else zero

@@ -279,7 +279,8 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
                 m, s, cnt, zsum = collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
             target = index[r]
             valid = not has_ignore or target != ignore
-            special = m != m or m == POS_INF
+            # a target outside [0, n) that is not ignored makes the row NaN (never read there)
+            special = m != m or m == POS_INF or (valid and (target < 0 or target >= n))
             normal = not special and m > neg_inf
             log_s = log_f32(s) if normal else zero
             inv = one / s if normal else zero

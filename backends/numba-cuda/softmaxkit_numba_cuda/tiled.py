@@ -153,13 +153,15 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
         nan_row = m != m
         inf_row = m == POS_INF
         empty = m == neg_inf
-        special = nan_row or inf_row
+        target = index[r] if (live and not soft) else -1
+        valid = live and (soft or not has_ignore or target != ignore)
+        # a class target outside [0, n) that is not ignored makes the row NaN
+        unknown = valid and not soft and (target < 0 or target >= nw * width)
+        special = nan_row or inf_row or unknown
         shift = zero if (special or empty) else m
         safe = one if (special or empty) else s
         inv = one / safe
         share = eps / (count if count > zero else one)
-        target = index[r] if (live and not soft) else -1
-        valid = live and (soft or not has_ignore or target != ignore)
         log_s = log(safe)
         terms = zero  # soft targets: sum of y * log p over y != 0
         g_scale = scale[0]

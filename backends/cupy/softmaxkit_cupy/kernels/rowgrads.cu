@@ -161,7 +161,9 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_vjp(
 // number of included classes, y = (1 - eps) onehot(t) + eps / count on the included ones,
 // loss = -sum_{y > 0} y log p (+inf when target mass sits on an excluded class), and, when
 // `grad` is given, grad = scale (p - y) on included classes and 0 elsewhere.  Rows whose
-// target is ignore_index give loss 0 and gradient 0; an allowed NaN or +inf gives NaN.
+// target is ignore_index give loss 0 and gradient 0; an allowed NaN or +inf gives NaN, and so
+// does a target outside [0, n) (the frontend checks the range only where it costs no device
+// read, so the kernel must never index the row with it).
 template <typename T, int THREADS, int G, int K>
 __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_xent(
     const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
@@ -225,7 +227,8 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_xent(
 
     const long long t = index[row];
     const bool valid = !(has_ignore && t == ignore_index);
-    const bool special = nan != 0 || m == SK_INF;
+    const bool unknown = valid && (t < 0 || t >= n);
+    const bool special = nan != 0 || m == SK_INF || unknown;
     const bool empty = !special && m == -SK_INF;
     const float logs = empty ? 0.0f : sk_log<PRECISE>(s);
     if (lane == 0) {
