@@ -32,11 +32,30 @@ def scalar_result(xp: Any, r: Any) -> Any:
 
 
 def _prepare(x: Any, axis: Any, where: Any, name: str = "x") -> tuple[Any, Any, RowLayout, Any]:
+    if where is None:
+        key = args.checked_key(x, axis)
+        try:
+            checked = _CHECKED.get(key) if key is not None else None
+        except TypeError:  # an unhashable dtype or shape: checked every time
+            checked = key = None
+        if checked is not None:
+            return checked[0], x, checked[1], None
     xp = args.namespace(**{name: x, "where": where})
+    given = x
     x = args.floating(xp, args.as_array(xp, x, name), name)
     layout = RowLayout.of(tuple(x.shape), args.axes(axis, x.ndim))
     w = args.mask(xp, where, tuple(x.shape), like=x)
+    if where is None and key is not None and x is given and args.fixed_namespace(xp, x):
+        if len(_CHECKED) >= 1024:  # a bound on memory
+            _CHECKED.clear()
+        _CHECKED[key] = (xp, layout)
     return xp, x, layout, w
+
+
+_CHECKED: dict[tuple[Any, ...], tuple[Any, RowLayout]] = {}
+"""The outcome of :func:`_prepare`'s checks for an unmasked array that needed no conversion,
+by :func:`~softmaxkit.arguments.checked_key`: a repeated call of the same kind of array
+skips them (they would pass again and give the same namespace and layout)."""
 
 
 def _raise_on_empty_rows(xp: Any, x: Any, where: Any) -> None:

@@ -100,6 +100,10 @@ def numpy_view(a: Any) -> np.ndarray:
     """
     if isinstance(a, np.ndarray):
         return a
+    try:  # the common tensor: no grad, no negation or conjugation bit, a numpy dtype
+        return a.numpy()
+    except (RuntimeError, TypeError):
+        pass
     t = a.detach() if a.requires_grad else a
     if t.is_neg():
         t = t.resolve_neg()

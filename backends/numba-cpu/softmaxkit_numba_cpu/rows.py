@@ -26,7 +26,7 @@ from .adapters import (
     rows,
     storage,
 )
-from .buffers import result_array
+from .buffers import ALIGN_FROM, result_array
 
 PARALLEL_MIN_ELEMENTS = 1 << 18
 """Below this many elements one thread is faster than starting Numba's thread pool.
@@ -63,31 +63,42 @@ def _direct(x: Any, where: Any, out_dtype: Any) -> np.ndarray | None:
         return None
     view = x if type(x) is np.ndarray else numpy_view(x)
     dtype = view.dtype
-    if (dtype in _DIRECT and (out_dtype is dtype or numpy_dtype(out_dtype) == dtype)
-            and view.size and view.flags.c_contiguous and view.flags.writeable):
-        return view
+    if dtype in _DIRECT and (out_dtype is dtype or numpy_dtype(out_dtype) == dtype) and view.size:
+        flags = view.flags
+        if flags.c_contiguous and flags.writeable:
+            return view
     return None
 
 
-def _result(like: Any, view: np.ndarray, shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
-    """A result of ``view``'s dtype in ``like``'s library, and its numpy view."""
-    out = result_array(shape, view.dtype)
+def _result(like: Any, view: np.ndarray, shape: tuple[int, ...],
+            small: bool) -> tuple[Any, np.ndarray]:
+    """A result of ``view``'s dtype in ``like``'s library, and its numpy view; ``small``
+    says it is below :data:`~.buffers.ALIGN_FROM` bytes, so plain ``np.empty`` is what
+    :func:`~.buffers.result_array` would give."""
+    out = np.empty(shape, view.dtype) if small else result_array(shape, view.dtype)
     return (out if type(like) is np.ndarray else _torch_from_numpy(out)), out
 
 
-def _torch_from_numpy(a: np.ndarray) -> Any:
+_torch_from_numpy: Any = None
+"""``torch.from_numpy``, bound by :func:`_bind_torch` on the first torch call."""
+
+
+def _bind_torch() -> None:
+    global _torch_from_numpy
     import torch
 
-    return torch.from_numpy(a)
+    _torch_from_numpy = torch.from_numpy
 
 
 def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
     view = _direct(x, where, out_dtype)
     if view is not None:  # the common call, straight to its kernel
-        n = view.shape[-1]
-        x2 = view.reshape(-1, n)
-        result, out = _result(x, view, view.shape)
-        o2 = out.reshape(x2.shape)
+        if _torch_from_numpy is None and type(x) is not np.ndarray:
+            _bind_torch()
+        shape = view.shape
+        x2 = view if len(shape) == 2 else view.reshape(-1, shape[-1])
+        result, out = _result(x, view, shape, view.nbytes < ALIGN_FROM)
+        o2 = out if len(shape) == 2 else out.reshape(x2.shape)
         nan = masked == "nan"
         if parallel(*x2.shape):
             run = k.softmax_par if which == "softmax" else k.log_softmax_par
@@ -130,7 +141,11 @@ def logsumexp(
     view = _direct(x, where, out_dtype) if b is None else None
     if view is not None:  # the common call, straight to its kernel
         x2 = view.reshape(-1, view.shape[-1])
-        (lse, lse_s), (sign, sign_s) = (_result(x, view, view.shape[:-1]) for _ in range(2))
+        if _torch_from_numpy is None and type(x) is not np.ndarray:
+            _bind_torch()
+        small = view.nbytes < ALIGN_FROM  # the results are smaller than the input
+        (lse, lse_s), (sign, sign_s) = (_result(x, view, view.shape[:-1], small)
+                                        for _ in range(2))
         if parallel(*x2.shape):
             k.logsumexp_par(x2, _NO_MASK, 0, False, lse_s.reshape(-1), sign_s.reshape(-1),
                             numba.get_num_threads())
