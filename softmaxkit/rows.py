@@ -244,11 +244,11 @@ def logsumexp(
     framework = route(a, b, where)
     if framework is not None:
         return framework.logsumexp(a, axis, b, keepdims, return_sign, where=where, backend=backend)
-    xp = args.namespace(a=a, b=b, where=where)
     if b is None:
-        a = args.floating(xp, args.as_array(xp, a, "a"), "a")
+        xp, a, layout, w = _prepare(a, axis, where, "a")
         out_dtype = a.dtype
     else:
+        xp = args.namespace(a=a, b=b, where=where)
         a = args.real(xp, args.as_array(xp, a, "a"), "a")
         b = args.real(xp, args.as_array(xp, b, "b", like=a), "b")
         # the result follows the caller's library's promotion of a and b (torch keeps float32
@@ -261,9 +261,9 @@ def logsumexp(
             raise ValueError(
                 f"b of shape {tuple(b.shape)} does not broadcast with a of shape {tuple(a.shape)}"
             ) from None
-    layout = RowLayout.of(tuple(a.shape), args.axes(axis, a.ndim))
-    w = args.mask(xp, where, tuple(a.shape), like=a)
-    ar, br, wr = (layout.to_rows(xp, v) for v in (a, b, w))
+        layout = RowLayout.of(tuple(a.shape), args.axes(axis, a.ndim))
+        w = args.mask(xp, where, tuple(a.shape), like=a)
+    ar, br, wr = layout.to_rows(xp, a), layout.to_rows(xp, b), layout.to_rows(xp, w)
     result = run(
         "logsumexp", xp, ar, backend,
         x=ar, b=br, where=wr, return_sign=bool(return_sign), out_dtype=out_dtype,

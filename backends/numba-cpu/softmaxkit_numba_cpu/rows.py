@@ -41,6 +41,24 @@ def parallel(r: int, n: int) -> bool:
     return r > 1 and r * n >= PARALLEL_MIN_ELEMENTS and numba.get_num_threads() > 1
 
 
+SPLIT_MIN_BATCHES = 2
+"""The streamed kernels (softmax, log_softmax, logsumexp) use the threads for inputs of at
+least this many batches of rows (:data:`~.row_kernels.BATCH_BYTES` each, 128 KiB in all).
+
+Their threads take whole batches from a shared counter, so a smaller input (one row, or
+rows that fit one batch) cannot be split and never starts the pool.  A ``prange`` launch
+costs a few microseconds on an idle 2-core machine, against about 0.5-0.9 ns per float32
+element on one core: a float32 64 x 1024 softmax (4 batches) takes about 55 us on one
+thread and about half of it on two.
+"""
+
+
+def split(x2: np.ndarray) -> bool:
+    """Whether a streamed kernel over the ``[R, N]`` storage rows ``x2`` runs on threads."""
+    return (x2.shape[0] > 1 and x2.nbytes >= SPLIT_MIN_BATCHES * k.BATCH_BYTES
+            and numba.get_num_threads() > 1)
+
+
 def _plan(x: Any, out_dtype: Any) -> tuple[np.ndarray, np.ndarray, np.dtype]:
     """``x``'s numpy view, the ``[R, N]`` storage rows the kernel reads, and their dtype.
 
@@ -100,7 +118,7 @@ def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> A
         result, out = _result(x, view, shape, view.nbytes < ALIGN_FROM)
         o2 = out if len(shape) == 2 else out.reshape(x2.shape)
         nan = masked == "nan"
-        if parallel(*x2.shape):
+        if split(x2):
             run = k.softmax_par if which == "softmax" else k.log_softmax_par
             run(x2, _NO_MASK, 0, False, nan, o2, numba.get_num_threads())
         else:
@@ -112,7 +130,7 @@ def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> A
     out = Output(view.shape, out_dtype, x, compute)
     o2 = out.storage.reshape(x2.shape)
     nan = masked == "nan"
-    par = parallel(*x2.shape)
+    par = split(x2)
     if which == "softmax" and par:
         k.softmax_par(x2, w2, wstep, has_where, nan, o2, numba.get_num_threads())
     elif which == "softmax":
@@ -146,7 +164,7 @@ def logsumexp(
         small = view.nbytes < ALIGN_FROM  # the results are smaller than the input
         (lse, lse_s), (sign, sign_s) = (_result(x, view, view.shape[:-1], small)
                                         for _ in range(2))
-        if parallel(*x2.shape):
+        if split(x2):
             k.logsumexp_par(x2, _NO_MASK, 0, False, lse_s.reshape(-1), sign_s.reshape(-1),
                             numba.get_num_threads())
         else:
@@ -166,7 +184,7 @@ def logsumexp(
     sign = Output(batch, out_dtype, x, compute)
     lse_s, sign_s = lse.storage.reshape(-1), sign.storage.reshape(-1)
     if b is None:
-        if parallel(*x2.shape):
+        if split(x2):
             k.logsumexp_par(x2, w2, wstep, has_where, lse_s, sign_s, numba.get_num_threads())
         else:
             k.logsumexp_ser(x2, w2, wstep, has_where, lse_s, sign_s)
