@@ -7,6 +7,7 @@ the caller's library.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numba
@@ -42,21 +43,99 @@ def parallel(r: int, n: int) -> bool:
 
 
 SPLIT_MIN_BATCHES = 2
-"""The streamed kernels (softmax, log_softmax, logsumexp) use the threads for inputs of at
-least this many batches of rows (:data:`~.row_kernels.BATCH_BYTES` each, 128 KiB in all).
+"""The streamed kernels (softmax, log_softmax, logsumexp) may use the threads for inputs of
+at least this many batches of rows (:data:`~.row_kernels.BATCH_BYTES` each, 128 KiB in all).
 
-Their threads take whole batches from a shared counter, so a smaller input (one row, or
-rows that fit one batch) cannot be split and never starts the pool.  A ``prange`` launch
-costs a few microseconds on an idle 2-core machine, against about 0.5-0.9 ns per float32
-element on one core: a float32 64 x 1024 softmax (4 batches) takes about 55 us on one
-thread and about half of it on two.
+Their threads take whole batches from a shared counter, so a smaller input (one row, or rows
+within one batch) cannot be split and never starts the pool.
 """
 
+SPLIT_BYTES = SPLIT_MIN_BATCHES * k.BATCH_BYTES
 
-def split(x2: np.ndarray) -> bool:
-    """Whether a streamed kernel over the ``[R, N]`` storage rows ``x2`` runs on threads."""
-    return (x2.shape[0] > 1 and x2.nbytes >= SPLIT_MIN_BATCHES * k.BATCH_BYTES
-            and numba.get_num_threads() > 1)
+EXPLORE_FIRST = 16
+"""Calls of a mid-size input between two tries of the way that was slower, at first."""
+EXPLORE_MAX = 1024
+"""... and at most, after the slower way has stayed slower try after try."""
+
+
+class Threads:
+    """For mid-size inputs of one streamed kernel: threads or one thread, by measured cost.
+
+    Between :data:`SPLIT_MIN_BATCHES` batches and :data:`PARALLEL_MIN_ELEMENTS` elements
+    neither way always wins.  On an idle 2-core machine a ``prange`` launch costs a few
+    microseconds, so two threads take about half the time of one (a float32 64 x 1024
+    softmax: about 55 us on one core); on a machine whose cores are busy with other work the
+    launch and the join wait until the second thread gets a core, which can take
+    milliseconds, and one thread is many times faster.  So the time per byte of each way is
+    measured on the calls themselves and the cheaper way runs; the other is tried again
+    after :data:`EXPLORE_FIRST` calls, twice as rarely each time it loses again (at most
+    every :data:`EXPLORE_MAX` calls).  A measurement lower than the estimate replaces it (a
+    first call that compiled, or a stall, is forgotten at once); a higher one is averaged in.
+    Both ways give bitwise the same result: every row is computed by the same code.
+    """
+
+    __slots__ = ("cost", "countdown", "interval", "trying")
+
+    def __init__(self) -> None:
+        self.cost = [0.0, 0.0]  # seconds per byte: one thread, threads (0: not measured)
+        self.countdown = 0  # calls of the cheaper way before the other is tried again
+        self.interval = EXPLORE_FIRST
+        self.trying = False  # whether the call being made tries the slower way
+
+    def choose(self) -> bool:
+        """Whether the next call runs on the threads."""
+        one, many = self.cost
+        if not many or not one:  # each way is measured once first
+            return not many
+        if self.countdown > 0:
+            self.countdown -= 1
+            return many < one
+        self.trying = True
+        return not many < one  # the slower way, tried again
+
+    def record(self, threads: bool, seconds: float, nbytes: int) -> None:
+        """Take in the time of a call made the way :meth:`choose` said."""
+        measured = seconds / nbytes
+        one, many = self.cost
+        before = many < one
+        old = self.cost[threads]
+        self.cost[threads] = measured if not old or measured < old else 0.5 * (old + measured)
+        if self.trying:
+            self.trying = False
+            one, many = self.cost
+            lost_again = (many < one) == before
+            self.interval = min(2 * self.interval, EXPLORE_MAX) if lost_again else EXPLORE_FIRST
+            self.countdown = self.interval
+        elif not (one and many) and all(self.cost):  # both ways now measured once
+            self.countdown = self.interval
+
+
+_THREADS: dict[tuple[str, int], Threads] = {}
+
+
+def run_rows(name: str, ser: Any, par: Any, x2: np.ndarray, *args: Any) -> None:
+    """Run streamed kernel ``name`` over the ``[R, N]`` storage rows ``x2`` (its first
+    argument; ``args`` the rest): on one thread, on the threads, or as :class:`Threads`
+    decides for a mid-size input."""
+    nbytes = x2.nbytes
+    if x2.shape[0] < 2 or nbytes < SPLIT_BYTES:
+        ser(x2, *args)
+        return
+    threads = numba.get_num_threads()
+    if threads < 2:
+        ser(x2, *args)
+    elif x2.size >= PARALLEL_MIN_ELEMENTS:
+        par(x2, *args, threads)
+    else:
+        key = (name, nbytes.bit_length())  # one estimate per size within a factor of two
+        chooser = _THREADS.get(key) or _THREADS.setdefault(key, Threads())
+        use = chooser.choose()
+        start = time.perf_counter()
+        if use:
+            par(x2, *args, threads)
+        else:
+            ser(x2, *args)
+        chooser.record(use, time.perf_counter() - start, nbytes)
 
 
 def _plan(x: Any, out_dtype: Any) -> tuple[np.ndarray, np.ndarray, np.dtype]:
@@ -118,27 +197,25 @@ def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> A
         result, out = _result(x, view, shape, view.nbytes < ALIGN_FROM)
         o2 = out if len(shape) == 2 else out.reshape(x2.shape)
         nan = masked == "nan"
-        if split(x2):
-            run = k.softmax_par if which == "softmax" else k.log_softmax_par
-            run(x2, _NO_MASK, 0, False, nan, o2, numba.get_num_threads())
+        if view.nbytes < SPLIT_BYTES:  # the small call: one thread, no more bookkeeping
+            (k.softmax_ser if which == "softmax" else k.log_softmax_ser)(
+                x2, _NO_MASK, 0, False, nan, o2)
+        elif which == "softmax":
+            run_rows(which, k.softmax_ser, k.softmax_par, x2, _NO_MASK, 0, False, nan, o2)
         else:
-            run = k.softmax_ser if which == "softmax" else k.log_softmax_ser
-            run(x2, _NO_MASK, 0, False, nan, o2)
+            run_rows(which, k.log_softmax_ser, k.log_softmax_par, x2, _NO_MASK, 0, False,
+                     nan, o2)
         return result
     view, x2, compute = _plan(x, out_dtype)
     w2, wstep, has_where = mask_rows(where)
     out = Output(view.shape, out_dtype, x, compute)
     o2 = out.storage.reshape(x2.shape)
     nan = masked == "nan"
-    par = split(x2)
-    if which == "softmax" and par:
-        k.softmax_par(x2, w2, wstep, has_where, nan, o2, numba.get_num_threads())
-    elif which == "softmax":
-        k.softmax_ser(x2, w2, wstep, has_where, nan, o2)
-    elif par:
-        k.log_softmax_par(x2, w2, wstep, has_where, nan, o2, numba.get_num_threads())
+    if which == "softmax":
+        run_rows(which, k.softmax_ser, k.softmax_par, x2, w2, wstep, has_where, nan, o2)
     else:
-        k.log_softmax_ser(x2, w2, wstep, has_where, nan, o2)
+        run_rows(which, k.log_softmax_ser, k.log_softmax_par, x2, w2, wstep, has_where, nan,
+                 o2)
     return out.finish()
 
 
@@ -164,11 +241,8 @@ def logsumexp(
         small = view.nbytes < ALIGN_FROM  # the results are smaller than the input
         (lse, lse_s), (sign, sign_s) = (_result(x, view, view.shape[:-1], small)
                                         for _ in range(2))
-        if split(x2):
-            k.logsumexp_par(x2, _NO_MASK, 0, False, lse_s.reshape(-1), sign_s.reshape(-1),
-                            numba.get_num_threads())
-        else:
-            k.logsumexp_ser(x2, _NO_MASK, 0, False, lse_s.reshape(-1), sign_s.reshape(-1))
+        run_rows("logsumexp", k.logsumexp_ser, k.logsumexp_par, x2, _NO_MASK, 0, False,
+                 lse_s.reshape(-1), sign_s.reshape(-1))
         return (lse, sign) if return_sign else lse
     w2, wstep, has_where = mask_rows(where)
     if b is None:
@@ -184,10 +258,8 @@ def logsumexp(
     sign = Output(batch, out_dtype, x, compute)
     lse_s, sign_s = lse.storage.reshape(-1), sign.storage.reshape(-1)
     if b is None:
-        if split(x2):
-            k.logsumexp_par(x2, w2, wstep, has_where, lse_s, sign_s, numba.get_num_threads())
-        else:
-            k.logsumexp_ser(x2, w2, wstep, has_where, lse_s, sign_s)
+        run_rows("logsumexp", k.logsumexp_ser, k.logsumexp_par, x2, w2, wstep, has_where,
+                 lse_s, sign_s)
     else:
         k.logsumexp_b_ser(x2, b2, w2, wstep, has_where, bool(return_sign), lse_s, sign_s)
     return (lse.finish(), sign.finish()) if return_sign else lse.finish()
