@@ -58,6 +58,10 @@ EXPLORE_MAX = 1024
 """... and at most, after the slower way has stayed slower try after try."""
 
 
+KEEP_TIMES = 4
+"""Recent times kept of each way; the smallest is its estimate."""
+
+
 class Threads:
     """For mid-size inputs of one streamed kernel: threads or one thread, by measured cost.
 
@@ -67,46 +71,53 @@ class Threads:
     softmax: about 55 us on one core); on a machine whose cores are busy with other work the
     launch and the join wait until the second thread gets a core, which can take
     milliseconds, and one thread is many times faster.  So the time per byte of each way is
-    measured on the calls themselves and the cheaper way runs; the other is tried again
-    after :data:`EXPLORE_FIRST` calls, twice as rarely each time it loses again (at most
-    every :data:`EXPLORE_MAX` calls).  A measurement lower than the estimate replaces it (a
-    first call that compiled, or a stall, is forgotten at once); a higher one is averaged in.
-    Both ways give bitwise the same result: every row is computed by the same code.
+    measured on the calls themselves, and the way whose smallest of its last
+    :data:`KEEP_TIMES` times is lower runs (the smallest, so that one stalled call does not
+    condemn a way, while a way that stalls on every call loses within a few).  The other
+    way is tried again after :data:`EXPLORE_FIRST` calls, twice as rarely each time it loses
+    again (at most every :data:`EXPLORE_MAX` calls).  Both ways give bitwise the same
+    result: every row is computed by the same code.
     """
 
-    __slots__ = ("cost", "countdown", "interval", "trying")
+    __slots__ = ("times", "countdown", "interval", "trying")
 
     def __init__(self) -> None:
-        self.cost = [0.0, 0.0]  # seconds per byte: one thread, threads (0: not measured)
+        # seconds per byte of the recent calls: one thread, threads
+        self.times: tuple[list[float], list[float]] = ([], [])
         self.countdown = 0  # calls of the cheaper way before the other is tried again
         self.interval = EXPLORE_FIRST
         self.trying = False  # whether the call being made tries the slower way
 
+    def _threads_cheaper(self) -> bool:
+        one, many = self.times
+        return min(many) < min(one)
+
     def choose(self) -> bool:
         """Whether the next call runs on the threads."""
-        one, many = self.cost
+        one, many = self.times
         if not many or not one:  # each way is measured once first
             return not many
         if self.countdown > 0:
             self.countdown -= 1
-            return many < one
+            return self._threads_cheaper()
         self.trying = True
-        return not many < one  # the slower way, tried again
+        return not self._threads_cheaper()  # the slower way, tried again
 
     def record(self, threads: bool, seconds: float, nbytes: int) -> None:
         """Take in the time of a call made the way :meth:`choose` said."""
-        measured = seconds / nbytes
-        one, many = self.cost
-        before = many < one
-        old = self.cost[threads]
-        self.cost[threads] = measured if not old or measured < old else 0.5 * (old + measured)
+        one, many = self.times
+        measured = all(self.times)
+        before = measured and self._threads_cheaper()
+        recent = many if threads else one
+        recent.append(seconds / nbytes)
+        if len(recent) > KEEP_TIMES:
+            del recent[0]
         if self.trying:
             self.trying = False
-            one, many = self.cost
-            lost_again = (many < one) == before
+            lost_again = self._threads_cheaper() == before
             self.interval = min(2 * self.interval, EXPLORE_MAX) if lost_again else EXPLORE_FIRST
             self.countdown = self.interval
-        elif not (one and many) and all(self.cost):  # both ways now measured once
+        elif not measured and all(self.times):  # both ways now measured once
             self.countdown = self.interval
 
 
