@@ -58,8 +58,12 @@ EXPLORE_MAX = 1024
 """... and at most, after the slower way has stayed slower try after try."""
 
 
-KEEP_TIMES = 4
-"""Recent times kept of each way; the smallest is its estimate."""
+KEEP_TIMES = 3
+"""Recent times kept of each way; their median (the larger of two) is its estimate."""
+
+
+def _middle(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2]
 
 
 class Threads:
@@ -71,9 +75,9 @@ class Threads:
     softmax: about 55 us on one core); on a machine whose cores are busy with other work the
     launch and the join wait until the second thread gets a core, which can take
     milliseconds, and one thread is many times faster.  So the time per byte of each way is
-    measured on the calls themselves, and the way whose smallest of its last
-    :data:`KEEP_TIMES` times is lower runs (the smallest, so that one stalled call does not
-    condemn a way, while a way that stalls on every call loses within a few).  The other
+    measured on the calls themselves, and the way whose median of its last
+    :data:`KEEP_TIMES` times is lower runs (a median, so that neither one stalled call nor
+    one lucky call decides, while a way that stalls on every call loses within two).  The other
     way is tried again after :data:`EXPLORE_FIRST` calls, twice as rarely each time it loses
     again (at most every :data:`EXPLORE_MAX` calls).  Both ways give bitwise the same
     result: every row is computed by the same code.
@@ -90,7 +94,7 @@ class Threads:
 
     def _threads_cheaper(self) -> bool:
         one, many = self.times
-        return min(many) < min(one)
+        return _middle(many) < _middle(one)
 
     def choose(self) -> bool:
         """Whether the next call runs on the threads."""
