@@ -72,15 +72,19 @@ class Threads:
     Between :data:`SPLIT_MIN_BATCHES` batches and :data:`PARALLEL_MIN_ELEMENTS` elements
     neither way always wins.  On an idle 2-core machine a ``prange`` launch costs a few
     microseconds, so two threads take about half the time of one (a float32 64 x 1024
-    softmax: about 55 us on one core); on a machine whose cores are busy with other work the
-    launch and the join wait until the second thread gets a core, which can take
-    milliseconds, and one thread is many times faster.  So the time per byte of each way is
-    measured on the calls themselves, and the way whose median of its last
+    softmax: about 55 us on one core, 28 on two); on a machine whose cores are busy with
+    other work the launch and the join wait until the second thread gets a core, which can
+    take milliseconds, and one thread is many times faster.  So the time per byte of each
+    way is measured on the calls themselves, and the way whose median of its last
     :data:`KEEP_TIMES` times is lower runs (a median, so that neither one stalled call nor
-    one lucky call decides, while a way that stalls on every call loses within two).  The other
-    way is tried again after :data:`EXPLORE_FIRST` calls, twice as rarely each time it loses
-    again (at most every :data:`EXPLORE_MAX` calls).  Both ways give bitwise the same
-    result: every row is computed by the same code.
+    one lucky call decides, while a way that stalls on every call loses within two).
+
+    The other way is tried again after :data:`EXPLORE_FIRST` calls, twice as rarely each
+    time it loses again (at most every :data:`EXPLORE_MAX` calls); its try replaces its
+    older, stale times.  A try of the threads makes two calls and keeps the second's time:
+    after a stretch on one thread the pool's threads have gone to sleep, and the first call
+    pays for waking them.  Both ways give bitwise the same result: every row is computed
+    by the same code.
     """
 
     __slots__ = ("times", "countdown", "interval", "trying")
@@ -90,7 +94,7 @@ class Threads:
         self.times: tuple[list[float], list[float]] = ([], [])
         self.countdown = 0  # calls of the cheaper way before the other is tried again
         self.interval = EXPLORE_FIRST
-        self.trying = False  # whether the call being made tries the slower way
+        self.trying = 0  # calls left of a try of the slower way (the last one is timed)
 
     def _threads_cheaper(self) -> bool:
         one, many = self.times
@@ -101,23 +105,31 @@ class Threads:
         one, many = self.times
         if not many or not one:  # each way is measured once first
             return not many
+        if self.trying:
+            return not self._threads_cheaper()
         if self.countdown > 0:
             self.countdown -= 1
             return self._threads_cheaper()
-        self.trying = True
-        return not self._threads_cheaper()  # the slower way, tried again
+        slower = not self._threads_cheaper()
+        self.trying = 2 if slower else 1
+        return slower  # the slower way, tried again
 
     def record(self, threads: bool, seconds: float, nbytes: int) -> None:
         """Take in the time of a call made the way :meth:`choose` said."""
+        if self.trying > 1:  # the call that woke the threads: not timed
+            self.trying -= 1
+            return
         one, many = self.times
         measured = all(self.times)
         before = measured and self._threads_cheaper()
         recent = many if threads else one
+        if self.trying:  # the tried way's older times are stale: its try replaces them
+            recent.clear()
         recent.append(seconds / nbytes)
         if len(recent) > KEEP_TIMES:
             del recent[0]
         if self.trying:
-            self.trying = False
+            self.trying = 0
             lost_again = self._threads_cheaper() == before
             self.interval = min(2 * self.interval, EXPLORE_MAX) if lost_again else EXPLORE_FIRST
             self.countdown = self.interval
