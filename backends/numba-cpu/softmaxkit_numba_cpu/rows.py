@@ -120,14 +120,13 @@ class Threads:
             self.trying -= 1
             return
         one, many = self.times
-        measured = all(self.times)
+        measured = bool(one and many)
         before = measured and self._threads_cheaper()
-        recent = many if threads else one
-        if self.trying:  # the tried way's older times are stale: its try replaces them
-            recent.clear()
-        recent.append(seconds / nbytes)
-        if len(recent) > KEEP_TIMES:
-            del recent[0]
+        # the tried way's older times are stale: its try replaces them; the lists are
+        # replaced whole, so a call in another thread never sees one empty
+        kept = [] if self.trying else (many if threads else one)[1 - KEEP_TIMES:]
+        kept.append(seconds / nbytes)
+        self.times = (one, kept) if threads else (kept, many)
         if self.trying:
             self.trying = 0
             lost_again = self._threads_cheaper() == before
