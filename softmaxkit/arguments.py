@@ -92,6 +92,29 @@ def _namespace_of(value: Any) -> Any:
     return xp
 
 
+def fixed_namespace(xp: Any, x: Any) -> bool:
+    """Whether every array of ``x``'s type has namespace ``xp`` (see :data:`_FIXED`)."""
+    return _NAMESPACES.get(type(x)) is xp
+
+
+def checked_key(x: Any, axis: Any) -> tuple[Any, ...] | None:
+    """What the checks of a single array ``x`` along ``axis`` depend on, as a hashable key,
+    or ``None`` when there is no such key.
+
+    Once ``x`` has passed them (an array of a library whose namespace its type decides, of
+    a real floating dtype, ``axis`` valid for its shape), any array of the same type, dtype
+    and shape with an equal ``axis`` of the same type passes them with the same outcome.
+    Only ``None`` and plain ints are keyed: an ``axis`` equal to an int but of another type
+    (``1.0``, ``True``) must still get its error.
+    """
+    if axis is not None and type(axis) is not int:
+        return None
+    try:
+        return (type(x), x.dtype, x.shape, axis)
+    except AttributeError:  # not an array: Python scalars and sequences are converted
+        return None
+
+
 def _numpy_namespace() -> Any:
     return _namespace_of(np.empty(0))
 

@@ -31,29 +31,24 @@ from typing import Any
 
 import numpy as np
 
-from .ops import Call
-
 _PLAIN = (type(None), bool, int, str)
 
 PROPERTIES: tuple[str, ...] = ("arrays", "shapes", "out_dtype", "options", "layout", "chunks")
 """The names a manifest's ``hook_keys`` may list."""
 
 
-def _torch_flags(value: Any) -> Any:
-    if type(value).__module__.split(".", 1)[0] != "torch":
-        return None
-    return (value.layout, value.is_quantized, value.is_conj())
-
-
-_PLAIN_VALUE, _NUMPY_ARRAY, _FOREIGN_ARRAY, _OTHER = 1, 2, 3, 4
+_PLAIN_VALUE, _NUMPY_ARRAY, _TORCH_ARRAY, _FOREIGN_ARRAY, _OTHER = 1, 2, 3, 4, 5
 _KINDS: dict[type, int] = {t: _PLAIN_VALUE for t in _PLAIN} | {np.ndarray: _NUMPY_ARRAY}
 """What each argument type is, decided once per type: arrays are what has a shape and a
-dtype (an array library's types all do, or none of their instances do)."""
+dtype (an array library's types all do, or none of their instances do); torch tensors are
+told apart by their module, so their layout flags are read without asking again."""
 
 
 def _kind(t: type, v: Any) -> int:
     if isinstance(v, type) or t is float or not (hasattr(v, "shape") and hasattr(v, "dtype")):
         kind = _OTHER
+    elif t.__module__.split(".", 1)[0] == "torch":
+        kind = _TORCH_ARRAY
     else:
         kind = _FOREIGN_ARRAY
     _KINDS[t] = kind
@@ -61,35 +56,57 @@ def _kind(t: type, v: Any) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def reader(names: frozenset[str]) -> Callable[[Call], tuple[Any, ...]]:
-    """A function reading the named properties of a call, as one hashable tuple.
+def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """A function reading the named properties of a call from its kernel arguments
+    (:attr:`Call.args <softmaxkit.ops.Call.args>`), as one hashable tuple.
 
     One pass over the arguments: each is described by the parts of it the properties ask
-    for, so a call on numpy arrays costs a few attribute lookups.
+    for, so a call on numpy arrays costs a few attribute lookups.  It takes the arguments,
+    not the :class:`~softmaxkit.ops.Call`, so a cached decision is found before any
+    ``Call`` is built.
     """
     arrays, shapes, options = "arrays" in names, "shapes" in names, "options" in names
     layout, chunks = "layout" in names, "chunks" in names
 
-    def describe(v: Any) -> Any:
-        t = type(v)
-        kind = _KINDS.get(t) or _kind(t, v)
-        if kind == _PLAIN_VALUE:
-            return v if options else None
-        if kind == _OTHER:
-            return t if options else None
+    kinds = _KINDS
+
+    def describe(v: Any, t: type, kind: int) -> Any:
         d: Any = (t, v.dtype) if arrays else None
         if shapes:
             d = (d, tuple(v.shape))
-        if kind == _FOREIGN_ARRAY:
+        if kind == _TORCH_ARRAY:
             if layout:
-                d = (d, _torch_flags(v))
+                d = (d, (v.layout, v.is_quantized, v.is_conj()))
+            if chunks:
+                d = (d, None)
+        elif kind == _FOREIGN_ARRAY:
+            if layout:
+                d = (d, None)
             if chunks:
                 d = (d, getattr(v, "chunks", None))
         return d
 
+    # the commonest descriptions are made inline: a plain value's, another object's, and a
+    # numpy array's when only its type and dtype are asked for
+    numpy_inline = arrays and not shapes
+
+    def read(args: dict[str, Any]) -> tuple[Any, ...]:
+        out = []
+        for v in args.values():
+            t = type(v)
+            kind = kinds.get(t) or _kind(t, v)
+            if kind == _PLAIN_VALUE:
+                out.append(v if options else None)
+            elif kind == _OTHER:
+                out.append(t if options else None)
+            elif kind == _NUMPY_ARRAY and numpy_inline:
+                out.append((t, v.dtype))
+            else:
+                out.append(describe(v, t, kind))
+        return tuple(out)
+
     if not names:
-        return lambda call: ()
+        return lambda args: ()
     if "out_dtype" in names:
-        return lambda call: (tuple(map(describe, call.args.values())),
-                             call.args.get("out_dtype"))
-    return lambda call: tuple(map(describe, call.args.values()))
+        return lambda args: (read(args), args.get("out_dtype"))
+    return read

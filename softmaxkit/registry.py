@@ -84,6 +84,7 @@ from .backend import (  # noqa: F401 - re-exported: the registry's public names
     _warn,
     logger,
 )
+from .dtypes import dtype_name
 from .ops import Call
 from .options import (  # noqa: F401 - re-exported
     ENV_BLOCK,
@@ -245,14 +246,17 @@ def device_type(x: Any) -> str:
     Dask arrays report the device type of their chunks' library (``"cpu"`` for numpy chunks,
     ``"cuda"`` for CuPy chunks).
     """
-    if type(x) is np.ndarray:  # the common cases first, without the library probes below
-        return "cpu"
+    read = _DEVICE_READERS.get(type(x))
+    if read is not None:
+        return read(x)
     if array_api_compat.is_torch_array(x):
-        return "cpu" if x.is_cpu else "cuda" if x.is_cuda else x.device.type
+        _DEVICE_READERS[type(x)] = _torch_device
+        return _torch_device(x)
     if array_api_compat.is_dask_array(x):
         meta = getattr(x, "_meta", None)
         return device_type(meta) if meta is not None else "cpu"
     if array_api_compat.is_cupy_array(x):
+        _DEVICE_READERS[type(x)] = _on_cuda
         return "cuda"
     if array_api_compat.is_jax_array(x):
         try:
@@ -267,6 +271,24 @@ def device_type(x: Any) -> str:
     return "cpu" if str(dev).lower() in ("cpu", "cpu_device") or "CPU" in str(dev) else str(dev)
 
 
+def _on_cpu(x: Any) -> str:
+    return "cpu"
+
+
+def _on_cuda(x: Any) -> str:
+    return "cuda"
+
+
+def _torch_device(x: Any) -> str:
+    return "cpu" if x.is_cpu else "cuda" if x.is_cuda else x.device.type
+
+
+_DEVICE_READERS: dict[type, Callable[[Any], str]] = {np.ndarray: _on_cpu}
+"""How to read the device type of each array type whose answer needs no library probe: a
+numpy array is always on the CPU, a CuPy array on CUDA, a torch tensor says so itself.
+Dask and JAX arrays are asked every time (their device is per array)."""
+
+
 @dataclass(frozen=True, eq=False)  # hashed by identity: one plan per key until a reset
 class _Plan:
     """The candidates for one (op, device, dtype, options) and how their decision is keyed.
@@ -279,7 +301,7 @@ class _Plan:
     ordered: tuple[Backend, ...]
     left_out: tuple[tuple[str, str], ...]
     cut: int
-    read: Callable[[Call], tuple[Any, ...]]
+    read: Callable[[dict[str, Any]], tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -351,7 +373,7 @@ def choose(
     key: tuple[Any, ...] | None = None
     if cached and plan.cut:
         # the plan stands for (op, device, dtype, options): the cache is emptied with it
-        key, hit = _lookup((plan, call.xp, plan.read(call)))
+        key, hit = _lookup((plan, call.xp, plan.read(call.args)))
         if hit is not None:
             if opts.trace is not None or logger.isEnabledFor(logging.DEBUG):
                 _record(opts, call, hit.backend.name, dict(hit.others))
@@ -384,6 +406,30 @@ def choose(
                                              registry()))
 
 
+def kernel_for(
+    op: str, xp: Any, like: Any, args: dict[str, Any], backend: str | None = None
+) -> Callable[..., Any]:
+    """The kernel that runs ``op`` on the kernel arguments ``args``: :func:`choose` on the
+    call of ``like``'s device and dtype, with its common case made cheap.
+
+    A call whose decision is cached, with no ``backend=``, no ``trace=`` and no DEBUG log,
+    costs one plan lookup, the plan's reading of ``args`` and one decision lookup; no
+    :class:`~softmaxkit.ops.Call` is built.  Every other call goes through :func:`choose`.
+    """
+    device, dtype = device_type(like), dtype_name(like.dtype)
+    opts = _options.get()
+    if backend is None and opts.trace is None:
+        plan = _plans.get((op, device, dtype, opts.prioritize, opts.disable))
+        if plan is not None and plan.cut:
+            try:
+                hit = _decisions.get((plan, xp, plan.read(args)))
+            except TypeError:  # an unhashable property: choose() makes the decision
+                hit = None
+            if hit is not None and not logger.isEnabledFor(logging.DEBUG):
+                return hit.kernel
+    return choose(Call(op, xp, device, dtype, args), backend)[1]
+
+
 def _choose_strict(
     call: Call, name: str, opts: _Options, cached: bool
 ) -> tuple[Backend, Callable[..., Any]]:
@@ -393,7 +439,7 @@ def _choose_strict(
     key: tuple[Any, ...] | None = None
     if cached and chosen is not None and (chosen.hook_keys is not None or not chosen.has_hooks):
         key, hit = _lookup((name, call.op, call.xp, call.device, call.dtype,
-                            decisions.reader(chosen.hook_keys or frozenset())(call)))
+                            decisions.reader(chosen.hook_keys or frozenset())(call.args)))
         if hit is not None:
             if opts.trace is not None or logger.isEnabledFor(logging.DEBUG):
                 _record(opts, call, name, dict(hit.others))

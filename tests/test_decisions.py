@@ -12,6 +12,8 @@ import torch
 
 import softmaxkit as sk
 from softmaxkit import dispatch, registry
+from softmaxkit.dtypes import dtype_name
+from softmaxkit.ops import Call
 from softmaxkit.testing import Unsupported, cases
 from softmaxkit.testing.kit import RanNothing
 
@@ -59,16 +61,17 @@ def compared(monkeypatch):
     """Make every dispatched call also choose afresh, without the cache, and compare."""
     seen = {"calls": 0, "hits": 0}
 
-    def checked(call, backend=None):
-        fresh_backend, fresh_kernel = registry.choose(call, backend, cached=False)
+    def checked(op, xp, like, args, backend=None):
+        call = Call(op, xp, registry.device_type(like), dtype_name(like.dtype), args)
+        _, fresh_kernel = registry.choose(call, backend, cached=False)
         before = len(registry._decisions)
-        got_backend, got_kernel = registry.choose(call, backend)
-        assert (got_backend.name, got_kernel) == (fresh_backend.name, fresh_kernel), call.op
+        got_kernel = registry.kernel_for(op, xp, like, args, backend)  # the cached path
+        assert got_kernel == fresh_kernel, op
         seen["calls"] += 1
         seen["hits"] += len(registry._decisions) == before
-        return got_backend, got_kernel
+        return got_kernel
 
-    monkeypatch.setattr(dispatch, "choose", checked)
+    monkeypatch.setattr(dispatch, "kernel_for", checked)
     return seen
 
 

@@ -32,6 +32,13 @@ def _jax_module() -> ModuleType:
     return module
 
 
+_PLAIN: set[type] = {type(None)}
+"""Types whose values never need a framework: neither a torch tensor, nor a JAX array, nor
+a list or tuple that may hold one.  A type is added when first seen to be neither; a type of
+JAX or PyTorch cannot be seen before its framework is imported, and once imported a
+framework makes no existing type its own."""
+
+
 def route(*arrays: Any) -> ModuleType | None:
     """The framework module that must run a call on ``arrays``, or None for the plain path.
 
@@ -46,6 +53,11 @@ def route(*arrays: Any) -> ModuleType | None:
         :mod:`softmaxkit.frameworks.torch` when autograd or ``torch.compile`` could record the
         call, :mod:`softmaxkit.frameworks.jax` for JAX arrays, otherwise None.
     """
+    for a in arrays:
+        if type(a) not in _PLAIN:
+            break
+    else:  # the common call on arrays of other libraries: one set lookup each
+        return None
     modules = sys.modules
     torch = modules.get("torch")
     jax = modules.get("jax")
@@ -61,6 +73,8 @@ def route(*arrays: Any) -> ModuleType | None:
                 grad = grad or b.requires_grad
             elif isinstance(b, array):
                 return _jax_module()
+            elif b is a:  # not a list or tuple: its type never routes
+                _PLAIN.add(type(a))
     if not seen:
         return None
     if (grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():

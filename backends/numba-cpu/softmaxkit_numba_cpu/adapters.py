@@ -21,7 +21,7 @@ from softmaxkit.ops import Call
 
 from .buffers import result_array
 
-_STORAGE: dict[np.dtype, type] = {np.dtype(np.float16): np.int16}  # see bits.py
+_STORAGE: dict[np.dtype, type | None] = {np.dtype(np.float16): np.int16}  # see bits.py
 _NO_MASK = np.ones((1, 1), dtype=bool)
 
 
@@ -100,6 +100,11 @@ def numpy_view(a: Any) -> np.ndarray:
     """
     if isinstance(a, np.ndarray):
         return a
+    if not a.requires_grad and a.dtype is not _torch_bfloat16():
+        try:  # the common tensor (a failed try costs ~10 us: the cases above are excluded)
+            return a.numpy()
+        except (RuntimeError, TypeError):  # a negative or conjugate bit
+            pass
     t = a.detach() if a.requires_grad else a
     if t.is_neg():
         t = t.resolve_neg()
@@ -130,11 +135,21 @@ def _torch_int16() -> Any:
     return torch.int16
 
 
+def _storage_kind(dtype: np.dtype) -> type | None:
+    """The integer type whose bits the kernels read for ``dtype``, or None (read as it is).
+
+    Decided once per dtype, the answer None included: numpy's ``dtype.name`` is slow."""
+    try:
+        return _STORAGE[dtype]
+    except KeyError:
+        kind = _STORAGE[dtype] = (np.uint16 if dtype.itemsize == 2 and dtype.name == "bfloat16"
+                                  else None)
+        return kind
+
+
 def storage(a: np.ndarray) -> np.ndarray:
     """The kernel's view of ``a``: 16-bit floats as integer bits, the others unchanged."""
-    kind = _STORAGE.get(a.dtype)
-    if kind is None and a.dtype.itemsize == 2 and a.dtype.name == "bfloat16":
-        kind = _STORAGE[a.dtype] = np.uint16
+    kind = _storage_kind(a.dtype)
     return a.view(kind) if kind is not None else a
 
 
@@ -197,7 +212,7 @@ def empty(shape: tuple[int, ...], dtype: Any, like: Any) -> tuple[Any, np.ndarra
         return result, storage(result)
     import torch
 
-    bf16 = np_dtype.itemsize == 2 and np_dtype.name == "bfloat16"
+    bf16 = _storage_kind(np_dtype) is np.uint16
     raw = result_array(shape, np.uint16 if bf16 else np_dtype)
     result = torch.from_numpy(raw)
     if bf16:

@@ -7,6 +7,7 @@ the caller's library.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numba
@@ -26,7 +27,7 @@ from .adapters import (
     rows,
     storage,
 )
-from .buffers import result_array
+from .buffers import ALIGN_FROM, result_array
 
 PARALLEL_MIN_ELEMENTS = 1 << 18
 """Below this many elements one thread is faster than starting Numba's thread pool.
@@ -39,6 +40,128 @@ OpenMP layer, the time one core needs for a softmax over about 150 000 float32 e
 def parallel(r: int, n: int) -> bool:
     """Whether a call over ``r`` rows of ``n`` elements should use the threaded loop."""
     return r > 1 and r * n >= PARALLEL_MIN_ELEMENTS and numba.get_num_threads() > 1
+
+
+SPLIT_MIN_BATCHES = 2
+"""The streamed kernels (softmax, log_softmax, logsumexp) may use the threads for inputs of
+at least this many batches of rows (:data:`~.row_kernels.BATCH_BYTES` each, 128 KiB in all).
+
+Their threads take whole batches from a shared counter, so a smaller input (one row, or rows
+within one batch) cannot be split and never starts the pool.
+"""
+
+SPLIT_BYTES = SPLIT_MIN_BATCHES * k.BATCH_BYTES
+
+EXPLORE_FIRST = 16
+"""Calls of a mid-size input between two tries of the way that was slower, at first."""
+EXPLORE_MAX = 1024
+"""... and at most, after the slower way has stayed slower try after try."""
+
+
+KEEP_TIMES = 3
+"""Recent times kept of each way; their median (the larger of two) is its estimate."""
+
+
+def _middle(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2]
+
+
+class Threads:
+    """For mid-size inputs of one streamed kernel: threads or one thread, by measured cost.
+
+    Between :data:`SPLIT_MIN_BATCHES` batches and :data:`PARALLEL_MIN_ELEMENTS` elements
+    neither way always wins.  On an idle 2-core machine a ``prange`` launch costs a few
+    microseconds, so two threads take about half the time of one (a float32 64 x 1024
+    softmax: about 55 us on one core, 28 on two); on a machine whose cores are busy with
+    other work the launch and the join wait until the second thread gets a core, which can
+    take milliseconds, and one thread is many times faster.  So the time per byte of each
+    way is measured on the calls themselves, and the way whose median of its last
+    :data:`KEEP_TIMES` times is lower runs (a median, so that neither one stalled call nor
+    one lucky call decides, while a way that stalls on every call loses within two).
+
+    The other way is tried again after :data:`EXPLORE_FIRST` calls, twice as rarely each
+    time it loses again (at most every :data:`EXPLORE_MAX` calls); its try replaces its
+    older, stale times.  A try of the threads makes two calls and keeps the second's time:
+    after a stretch on one thread the pool's threads have gone to sleep, and the first call
+    pays for waking them.  Both ways give bitwise the same result: every row is computed
+    by the same code.
+    """
+
+    __slots__ = ("times", "countdown", "interval", "trying")
+
+    def __init__(self) -> None:
+        # seconds per byte of the recent calls: one thread, threads
+        self.times: tuple[list[float], list[float]] = ([], [])
+        self.countdown = 0  # calls of the cheaper way before the other is tried again
+        self.interval = EXPLORE_FIRST
+        self.trying = 0  # calls left of a try of the slower way (the last one is timed)
+
+    def _threads_cheaper(self) -> bool:
+        one, many = self.times
+        return _middle(many) < _middle(one)
+
+    def choose(self) -> bool:
+        """Whether the next call runs on the threads."""
+        one, many = self.times
+        if not many or not one:  # each way is measured once first
+            return not many
+        if self.trying:
+            return not self._threads_cheaper()
+        if self.countdown > 0:
+            self.countdown -= 1
+            return self._threads_cheaper()
+        slower = not self._threads_cheaper()
+        self.trying = 2 if slower else 1
+        return slower  # the slower way, tried again
+
+    def record(self, threads: bool, seconds: float, nbytes: int) -> None:
+        """Take in the time of a call made the way :meth:`choose` said."""
+        if self.trying > 1:  # the call that woke the threads: not timed
+            self.trying -= 1
+            return
+        one, many = self.times
+        measured = bool(one and many)
+        before = measured and self._threads_cheaper()
+        # the tried way's older times are stale: its try replaces them; the lists are
+        # replaced whole, so a call in another thread never sees one empty
+        kept = [] if self.trying else (many if threads else one)[1 - KEEP_TIMES:]
+        kept.append(seconds / nbytes)
+        self.times = (one, kept) if threads else (kept, many)
+        if self.trying:
+            self.trying = 0
+            lost_again = self._threads_cheaper() == before
+            self.interval = min(2 * self.interval, EXPLORE_MAX) if lost_again else EXPLORE_FIRST
+            self.countdown = self.interval
+        elif not measured and all(self.times):  # both ways now measured once
+            self.countdown = self.interval
+
+
+_THREADS: dict[tuple[str, int], Threads] = {}
+
+
+def run_rows(name: str, ser: Any, par: Any, x2: np.ndarray, *args: Any) -> None:
+    """Run streamed kernel ``name`` over the ``[R, N]`` storage rows ``x2`` (its first
+    argument; ``args`` the rest): on one thread, on the threads, or as :class:`Threads`
+    decides for a mid-size input."""
+    nbytes = x2.nbytes
+    if x2.shape[0] < 2 or nbytes < SPLIT_BYTES:
+        ser(x2, *args)
+        return
+    threads = numba.get_num_threads()
+    if threads < 2:
+        ser(x2, *args)
+    elif x2.size >= PARALLEL_MIN_ELEMENTS:
+        par(x2, *args, threads)
+    else:
+        key = (name, nbytes.bit_length())  # one estimate per size within a factor of two
+        chooser = _THREADS.get(key) or _THREADS.setdefault(key, Threads())
+        use = chooser.choose()
+        start = time.perf_counter()
+        if use:
+            par(x2, *args, threads)
+        else:
+            ser(x2, *args)
+        chooser.record(use, time.perf_counter() - start, nbytes)
 
 
 def _plan(x: Any, out_dtype: Any) -> tuple[np.ndarray, np.ndarray, np.dtype]:
@@ -63,53 +186,62 @@ def _direct(x: Any, where: Any, out_dtype: Any) -> np.ndarray | None:
         return None
     view = x if type(x) is np.ndarray else numpy_view(x)
     dtype = view.dtype
-    if (dtype in _DIRECT and (out_dtype is dtype or numpy_dtype(out_dtype) == dtype)
-            and view.size and view.flags.c_contiguous and view.flags.writeable):
-        return view
+    if dtype in _DIRECT and (out_dtype is dtype or numpy_dtype(out_dtype) == dtype) and view.size:
+        flags = view.flags
+        if flags.c_contiguous and flags.writeable:
+            return view
     return None
 
 
-def _result(like: Any, view: np.ndarray, shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
-    """A result of ``view``'s dtype in ``like``'s library, and its numpy view."""
-    out = result_array(shape, view.dtype)
+def _result(like: Any, view: np.ndarray, shape: tuple[int, ...],
+            small: bool) -> tuple[Any, np.ndarray]:
+    """A result of ``view``'s dtype in ``like``'s library, and its numpy view; ``small``
+    says it is below :data:`~.buffers.ALIGN_FROM` bytes, so plain ``np.empty`` is what
+    :func:`~.buffers.result_array` would give."""
+    out = np.empty(shape, view.dtype) if small else result_array(shape, view.dtype)
     return (out if type(like) is np.ndarray else _torch_from_numpy(out)), out
 
 
-def _torch_from_numpy(a: np.ndarray) -> Any:
+_torch_from_numpy: Any = None
+"""``torch.from_numpy``, bound by :func:`_bind_torch` on the first torch call."""
+
+
+def _bind_torch() -> None:
+    global _torch_from_numpy
     import torch
 
-    return torch.from_numpy(a)
+    _torch_from_numpy = torch.from_numpy
 
 
 def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
     view = _direct(x, where, out_dtype)
     if view is not None:  # the common call, straight to its kernel
-        n = view.shape[-1]
-        x2 = view.reshape(-1, n)
-        result, out = _result(x, view, view.shape)
-        o2 = out.reshape(x2.shape)
+        if _torch_from_numpy is None and type(x) is not np.ndarray:
+            _bind_torch()
+        shape = view.shape
+        x2 = view if len(shape) == 2 else view.reshape(-1, shape[-1])
+        result, out = _result(x, view, shape, view.nbytes < ALIGN_FROM)
+        o2 = out if len(shape) == 2 else out.reshape(x2.shape)
         nan = masked == "nan"
-        if parallel(*x2.shape):
-            run = k.softmax_par if which == "softmax" else k.log_softmax_par
-            run(x2, _NO_MASK, 0, False, nan, o2, numba.get_num_threads())
+        if view.nbytes < SPLIT_BYTES:  # the small call: one thread, no more bookkeeping
+            (k.softmax_ser if which == "softmax" else k.log_softmax_ser)(
+                x2, _NO_MASK, 0, False, nan, o2)
+        elif which == "softmax":
+            run_rows(which, k.softmax_ser, k.softmax_par, x2, _NO_MASK, 0, False, nan, o2)
         else:
-            run = k.softmax_ser if which == "softmax" else k.log_softmax_ser
-            run(x2, _NO_MASK, 0, False, nan, o2)
+            run_rows(which, k.log_softmax_ser, k.log_softmax_par, x2, _NO_MASK, 0, False,
+                     nan, o2)
         return result
     view, x2, compute = _plan(x, out_dtype)
     w2, wstep, has_where = mask_rows(where)
     out = Output(view.shape, out_dtype, x, compute)
     o2 = out.storage.reshape(x2.shape)
     nan = masked == "nan"
-    par = parallel(*x2.shape)
-    if which == "softmax" and par:
-        k.softmax_par(x2, w2, wstep, has_where, nan, o2, numba.get_num_threads())
-    elif which == "softmax":
-        k.softmax_ser(x2, w2, wstep, has_where, nan, o2)
-    elif par:
-        k.log_softmax_par(x2, w2, wstep, has_where, nan, o2, numba.get_num_threads())
+    if which == "softmax":
+        run_rows(which, k.softmax_ser, k.softmax_par, x2, w2, wstep, has_where, nan, o2)
     else:
-        k.log_softmax_ser(x2, w2, wstep, has_where, nan, o2)
+        run_rows(which, k.log_softmax_ser, k.log_softmax_par, x2, w2, wstep, has_where, nan,
+                 o2)
     return out.finish()
 
 
@@ -130,12 +262,13 @@ def logsumexp(
     view = _direct(x, where, out_dtype) if b is None else None
     if view is not None:  # the common call, straight to its kernel
         x2 = view.reshape(-1, view.shape[-1])
-        (lse, lse_s), (sign, sign_s) = (_result(x, view, view.shape[:-1]) for _ in range(2))
-        if parallel(*x2.shape):
-            k.logsumexp_par(x2, _NO_MASK, 0, False, lse_s.reshape(-1), sign_s.reshape(-1),
-                            numba.get_num_threads())
-        else:
-            k.logsumexp_ser(x2, _NO_MASK, 0, False, lse_s.reshape(-1), sign_s.reshape(-1))
+        if _torch_from_numpy is None and type(x) is not np.ndarray:
+            _bind_torch()
+        small = view.nbytes < ALIGN_FROM  # the results are smaller than the input
+        (lse, lse_s), (sign, sign_s) = (_result(x, view, view.shape[:-1], small)
+                                        for _ in range(2))
+        run_rows("logsumexp", k.logsumexp_ser, k.logsumexp_par, x2, _NO_MASK, 0, False,
+                 lse_s.reshape(-1), sign_s.reshape(-1))
         return (lse, sign) if return_sign else lse
     w2, wstep, has_where = mask_rows(where)
     if b is None:
@@ -151,10 +284,8 @@ def logsumexp(
     sign = Output(batch, out_dtype, x, compute)
     lse_s, sign_s = lse.storage.reshape(-1), sign.storage.reshape(-1)
     if b is None:
-        if parallel(*x2.shape):
-            k.logsumexp_par(x2, w2, wstep, has_where, lse_s, sign_s, numba.get_num_threads())
-        else:
-            k.logsumexp_ser(x2, w2, wstep, has_where, lse_s, sign_s)
+        run_rows("logsumexp", k.logsumexp_ser, k.logsumexp_par, x2, w2, wstep, has_where,
+                 lse_s, sign_s)
     else:
         k.logsumexp_b_ser(x2, b2, w2, wstep, has_where, bool(return_sign), lse_s, sign_s)
     return (lse.finish(), sign.finish()) if return_sign else lse.finish()

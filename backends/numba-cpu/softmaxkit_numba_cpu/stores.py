@@ -98,32 +98,9 @@ def _trap(context, builder):
     builder.call(fn, [])
 
 
-@intrinsic
-def stream_scaled(typingctx, dst, j, src, k, h, g):
-    """``dst[j:j+LANES] = (src[k:k+LANES] * h) * g``, float32 arithmetic, streamed.
-
-    Two factors, so that a scale below the float32 range can be applied as a normal ``h``
-    and a power of two ``g`` (the product is rounded once unless the result is subnormal).
-    """
-    if not _typed(dst, src) or h != g:
-        return None
-
-    def codegen(context, builder, signature, args):
-        if not (streams(dst) and streams(src) and h == types.float32):
-            _trap(context, builder)
-            return context.get_dummy_value()
-        adst, aj, asrc, ak, ah, ag = args
-        v = _load(context, builder, signature.args[2], asrc, ak)
-        v = builder.fmul(builder.fmul(v, _splat(builder, ah)), _splat(builder, ag))
-        _stream(context, builder, signature.args[0], adst, aj, v)
-        return context.get_dummy_value()
-
-    return types.void(dst, j, src, k, h, g), codegen
-
-
-@intrinsic
-def stream_shifted(typingctx, dst, j, src, k, a, b):
-    """``dst[j:j+LANES] = (src[k:k+LANES] - a) - b``, float32 arithmetic, streamed."""
+def _two_steps(dst, j, src, k, a, b, step):
+    """The typing and code of ``dst[j:j+LANES] = step(step(src[k:k+LANES], a), b)`` in float32
+    arithmetic, streamed; ``step`` names an IR builder operation (``"fmul"``, ``"fsub"``)."""
     if not _typed(dst, src) or a != b:
         return None
 
@@ -132,12 +109,29 @@ def stream_shifted(typingctx, dst, j, src, k, a, b):
             _trap(context, builder)
             return context.get_dummy_value()
         adst, aj, asrc, ak, aa, ab = args
+        apply = getattr(builder, step)
         v = _load(context, builder, signature.args[2], asrc, ak)
-        v = builder.fsub(builder.fsub(v, _splat(builder, aa)), _splat(builder, ab))
+        v = apply(apply(v, _splat(builder, aa)), _splat(builder, ab))
         _stream(context, builder, signature.args[0], adst, aj, v)
         return context.get_dummy_value()
 
     return types.void(dst, j, src, k, a, b), codegen
+
+
+@intrinsic
+def stream_scaled(typingctx, dst, j, src, k, h, g):
+    """``dst[j:j+LANES] = (src[k:k+LANES] * h) * g``, float32 arithmetic, streamed.
+
+    Two factors, so that a scale below the float32 range can be applied as a normal ``h``
+    and a power of two ``g`` (the product is rounded once unless the result is subnormal).
+    """
+    return _two_steps(dst, j, src, k, h, g, "fmul")
+
+
+@intrinsic
+def stream_shifted(typingctx, dst, j, src, k, a, b):
+    """``dst[j:j+LANES] = (src[k:k+LANES] - a) - b``, float32 arithmetic, streamed."""
+    return _two_steps(dst, j, src, k, a, b, "fsub")
 
 
 @intrinsic

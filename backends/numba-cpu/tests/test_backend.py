@@ -185,3 +185,43 @@ def test_attention_threaded_heads_match_float64(causal):
     check_log(lse, ref_lse, 2048, "float32")
     scale = p @ np.abs(v.astype(np.float64))
     assert_within(out, ref, vjp_bound(ref, scale, 2048, "float32"), "attention out")
+
+
+def test_mid_size_calls_take_the_way_measured_cheaper():
+    chooser = rows.Threads()
+    EXPLORE_FIRST, EXPLORE_MAX = rows.EXPLORE_FIRST, rows.EXPLORE_MAX  # noqa: N806
+    cost = {False: 2.0, True: 1.0}  # seconds per call, threads cheaper
+
+    def step():
+        use = chooser.choose()
+        chooser.record(use, cost[use], 1)
+        return use
+
+    first = [step() for _ in range(2)]
+    assert sorted(first) == [False, True]  # each way measured once
+    ways = [step() for _ in range(EXPLORE_FIRST + 1)]
+    assert ways[:EXPLORE_FIRST] == [True] * EXPLORE_FIRST and ways[-1] is False  # one try
+    # the slower way is tried twice as rarely each time it loses again, up to a bound
+    ways = [step() for _ in range(8 * EXPLORE_MAX)]
+    assert 3 <= ways.count(False) <= 8 + (EXPLORE_MAX.bit_length() - EXPLORE_FIRST.bit_length())
+    # the machine gets busy: threads now cost more, and the choice follows at its next try
+    cost[True] = 10.0
+    ways = [step() for _ in range(2 * EXPLORE_MAX + 2)]
+    assert ways[-EXPLORE_FIRST:] == [False] * EXPLORE_FIRST
+
+
+def test_threads_and_one_thread_give_the_same_bits():
+    x = np.random.default_rng(3).normal(scale=3, size=(64, 1024)).astype(np.float32)
+    results = {}
+    for threads in (1, 2):
+        with_threads = numba.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            for _ in range(3):
+                results.setdefault(threads, []).append(
+                    rows.softmax(np, x=x, where=None, masked="zero", out_dtype=x.dtype))
+        finally:
+            numba.set_num_threads(with_threads)
+    assert rows._THREADS  # the mid-size input went through the chooser
+    for got in results[1] + results[2]:
+        assert np.array_equal(got, results[1][0])
