@@ -179,8 +179,16 @@ def test_should_run_leaves_large_float32_calls_to_numba_cuda() -> None:
         assert should_run(call((262144, 128), op="logsumexp")) is True
         assert "numba-cuda" in str(should_run(call((4096, 32768), op="logsumexp")))
         assert should_run(call((4096, 1024))) is True  # 2**22 elements: here
+        ce = Call("cross_entropy", None, "cuda", "bfloat16",
+                  {"logits": SimpleNamespace(shape=(4096, 32768))})
+        assert "numba-cuda" in str(should_run(ce))  # large cross-entropy, any dtype
+        small_ce = Call("cross_entropy", None, "cuda", "bfloat16",
+                        {"logits": SimpleNamespace(shape=(64, 1024))})
+        assert should_run(small_ce) is True
         assert should_run(call((32768, 4096), "bfloat16")) is True
         with sk.backend_opts(prioritize="cupy"):
+            assert should_run(call((32768, 4096))) is True
+        with sk.backend_opts(disable="numba-cuda"):  # never left to the reference
             assert should_run(call((32768, 4096))) is True
         registry.unregister("numba-cuda")
         assert should_run(call((32768, 4096))) is True  # nobody else to take them
