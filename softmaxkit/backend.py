@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -46,7 +47,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def _warn(message: str) -> None:
     """Warn with a :class:`BackendWarning` that points at the first line outside softmaxkit
     (the caller's), however deep in the library the warning is raised."""
-    level, frame = 2, sys._getframe(1)
+    level = 2
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         level, frame = level + 1, frame.f_back
     warnings.warn(message, BackendWarning, stacklevel=level)
@@ -129,10 +131,11 @@ class Backend:
             if own is not None and (not isinstance(own, int) or isinstance(own, bool)):
                 raise ValueError(f"manifest of {name!r}: a serves entry's 'priority' must be "
                                  f"an int, got {own!r}")
-            serves.append((*(
+            ops, devices, dtypes = (
                 _strings(entry.get(key, ("*",)), f"manifest of {name!r}: serves {key}")
                 for key in ("ops", "devices", "dtypes")
-            ), own))
+            )
+            serves.append((ops, devices, dtypes, own))
         priority = manifest.get("priority", 0)
         if not isinstance(priority, Mapping):
             priority = {"*": priority}

@@ -267,8 +267,9 @@ def cuda_timer() -> str:
 def _sample(fn: Callable[[], Any], number: int, device: str, sync: Callable[[], None]) -> float:
     """Seconds per call over ``number`` calls of ``fn`` (on CUDA with triton installed, the
     median of ``triton.testing.do_bench``, which times each call by itself)."""
-    if device != "cpu" and _do_bench() is not None:
-        return _do_bench()(fn, return_mode="median") / 1e3
+    do_bench = _do_bench() if device != "cpu" else None
+    if do_bench is not None:
+        return do_bench(fn, return_mode="median") / 1e3
     if device == "cpu":
         t0 = time.perf_counter()
         for _ in range(number):
@@ -467,7 +468,7 @@ def run(
                 else:
                     _check(op, got64, expected, _to_float64(native), dtype)
             del got, got64
-            timed.append((result, lambda f=fns[op], a=native: f(a),
+            timed.append((result, functools.partial(fns[op], native),
                           OPERATIONS[op].traffic(_nbytes(native))))
         copy = Result(op, dtype, shape, "copy", note="bandwidth ceiling")
         out.results.append(copy)

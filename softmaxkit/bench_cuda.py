@@ -9,7 +9,7 @@ and :data:`EAGER_DTYPES`, then prints :func:`eager_summary` and :func:`cross_ent
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .bench import Result, Run, _poison, _trace, cuda_timer, time_calls
@@ -118,8 +118,10 @@ def torch_reference(op: str, x: Any) -> Any:
     """The float64 result of ``op`` on a float64 torch tensor, on its device."""
     import torch
 
-    return {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
-            "logsumexp": torch.logsumexp}[op](x, -1)
+    fns: dict[str, Callable[..., Any]] = {
+        "softmax": torch.softmax, "log_softmax": torch.log_softmax,
+        "logsumexp": torch.logsumexp}
+    return fns[op](x, -1)
 
 
 def torch_max_error(got: Any, expected: Any) -> float:

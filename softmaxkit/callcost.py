@@ -117,6 +117,7 @@ def _poison(like: Any, nbytes: int) -> None:
     """Fill a released buffer of ``nbytes`` with NaN so the next allocation of that size
     (the result's) most likely starts as NaN, not as an earlier correct result."""
     # all-ones bytes are NaN in every floating dtype
+    junk: Any
     if hasattr(like, "detach"):
         import torch
 

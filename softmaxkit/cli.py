@@ -258,8 +258,9 @@ def _verify(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     print(f"conformance on target {t.name} (device {t.device}); checks: the backend's results "
           "each case compared with the spec")
-    for r in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[5])
+    for row in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  "
+              + row[5])
     for name, tally in counts.items():
         hidden = tally["unsupported"] + tally["ran nothing"]
         print(f"{name}: " + ", ".join(f"{tally[s]} {s}" for s in STATUSES)

@@ -75,7 +75,7 @@ def route(*arrays: Any) -> ModuleType | None:
                 return _jax_module()
             elif b is a:  # not a list or tuple: its type never routes
                 _PLAIN.add(type(a))
-    if not seen:
+    if not seen or torch is None:
         return None
     if (grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return _torch_module()

@@ -43,8 +43,7 @@ def _spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
 def _host(fn: Any, results: Any, *args: Any) -> Any:
     """``fn(*args)`` on host numpy arrays, under jit and vmap; None arguments pass through."""
     def call(*host_args: Any) -> Any:
-        host_args = [None if a is None else np.asarray(a) for a in host_args]
-        out = fn(*host_args)
+        out = fn(*[None if a is None else np.asarray(a) for a in host_args])
         return jax.tree.map(lambda r, o: np.asarray(o, dtype=r.dtype), results, out)
 
     return jax.pure_callback(call, results, *args, vmap_method="broadcast_all")
@@ -280,6 +279,7 @@ def cross_entropy(logits: Any, target: Any, axis: int = -1, *, reduction: str = 
     fn = _cross_entropy_rows_fn(ax, None if ignore_index is None else int(ignore_index),
                                 float(label_smoothing), backend)
     losses = fn(logits, target, _mask(where, logits.shape))
+    scale: Any
     if reduction == "none":
         loss, scale = losses, 1.0
     elif reduction == "sum":

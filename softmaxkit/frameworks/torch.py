@@ -376,7 +376,7 @@ def attention_op(
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
         out, lse = _attention_fn(
-            q, k, v, scale=scale, causal=causal or False, window=tuple(window), mask=mask,
+            q, k, v, scale=scale, causal=causal or False, window=(window[0], window[1]), mask=mask,
             softcap=softcap, return_lse=True, backend=backend,
         )
     return out.contiguous(), lse.contiguous()
@@ -407,7 +407,7 @@ def attention_vjp_op(
     with torch.no_grad():
         grads = _attention_vjp_fn(
             q, k, v, out, lse, dout, scale=scale, causal=causal or False,
-            window=tuple(window), mask=mask, softcap=softcap, backend=backend,
+            window=(window[0], window[1]), mask=mask, softcap=softcap, backend=backend,
         )
     return tuple(g.contiguous() for g in grads)
 
@@ -438,6 +438,7 @@ def _attention_backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple:
         # the lse's own gradient enters as D_i = <dout_i, out_i> - dlse_i; widening v by a zero
         # column, out by -dlse and dout by one gives exactly that to the unchanged VJP
         v = torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], dim=-1)
+        assert dlse is not None  # widen says so; for the type checker
         out = torch.cat([out, (-dlse).to(out.dtype).unsqueeze(-1)], dim=-1)
         dout = torch.cat([dout, dout.new_ones(dout.shape[:-1] + (1,))], dim=-1)
     dq, dk, dv = attention_vjp_op(q, k, v, out, lse, dout, *ctx.args, mask, *ctx.tail)
@@ -593,7 +594,7 @@ def merge_attention_vjp(
     base = _args.lse_base(lse_base)
     outs, lses, ax = _states(outs, lses, axis, empty_lse)
     if dlse is not None:
-        dlse = _tensor_or_none(dlse, outs, "dlse").to(lses.dtype)
+        dlse = torch.as_tensor(_tensor_or_none(dlse, outs, "dlse")).to(lses.dtype)
         if base == "2":
             dlse = dlse / LN2  # d/d lse_e of the base-2 lse
     douts, dlses = merge_attention_vjp_op(

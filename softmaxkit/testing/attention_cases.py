@@ -224,7 +224,7 @@ def case_attention_vjp(t: Target, dtype: str, backend: str) -> None:
     d, dv = _pair(t)
     mask = rng.random((6, 11)) < 0.7
     mask[1] = False
-    settings = (
+    settings: tuple[tuple[dict[str, Any], str], ...] = (
         ({}, "plain"),
         ({"causal": True}, "causal"),
         ({"causal": "top_left", "window": (2, 1)}, "top_left window"),

@@ -81,7 +81,7 @@ def _shape_and_axis(draw: st.DrawFn, *, tuples: bool = True, none: bool = True,
                     min_side: int = 0) -> tuple[tuple[int, ...], Any]:
     ndim = draw(st.integers(1, 3))
     shape = tuple(draw(st.integers(min_side, 6)) for _ in range(ndim))
-    choices = [draw(st.integers(-ndim, ndim - 1))]
+    choices: list[Any] = [draw(st.integers(-ndim, ndim - 1))]
     if none:
         choices.append(None)
     if tuples and ndim >= 2:

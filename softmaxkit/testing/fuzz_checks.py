@@ -211,7 +211,7 @@ def _vjp(log: bool) -> Callable[[Target, str, dict[str, Any]], None]:
 
 
 def _summary_definition(x: np.ndarray, where: np.ndarray | None, values: np.ndarray | None
-                        ) -> tuple[np.ndarray, ...]:
+                        ) -> tuple[Any, ...]:
     """(max, mass, numerator, sum of |terms|) of ``[R, N]`` rows, special rows included: an
     allowed NaN makes every field NaN, an allowed +inf gives (+inf, NaN, NaN)."""
     allowed = np.ones(x.shape, bool) if where is None else where
@@ -223,6 +223,7 @@ def _summary_definition(x: np.ndarray, where: np.ndarray | None, values: np.ndar
     m = np.where(nan, np.nan, np.where(posinf, np.inf, m))
     mass = np.where(special, np.nan, mass)
     if num is not None:
+        assert scale is not None  # definition gives both with the values, or neither
         num = np.where(special[:, None], np.nan, num)
         scale = np.where(special[:, None], 0.0, scale)
     return m, mass, num, scale

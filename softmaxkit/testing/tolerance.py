@@ -104,7 +104,7 @@ def normalization_bound(n: int, dtype: str) -> float:
     return 2 * u_d + u_a * (SLACK + n + 2 * np.log(max(n, 1))) + n * TINY[dtype]
 
 
-def vjp_bound(g: np.ndarray, scale: np.ndarray, n: int, dtype: str) -> np.ndarray:
+def vjp_bound(g: np.ndarray, scale: np.ndarray | float, n: int, dtype: str) -> np.ndarray:
     """|g^ - g| <= 2 u_D |g| + u_A (c + N) scale + tiny_D for a vector-Jacobian product.
 
     ``scale`` is the magnitude the gradient is built from, elementwise: for softmax_vjp
@@ -138,11 +138,11 @@ def assert_within(got: np.ndarray, expected: np.ndarray, bound: np.ndarray | flo
     if not np.all(np.isfinite(got[fin])):
         raise AssertionError(f"{what}: non-finite value where a finite one is expected")
     err = np.abs(got[fin] - expected[fin])
-    bound = np.broadcast_to(np.asarray(bound, dtype=np.float64), expected.shape)[fin]
-    if err.size and not np.all(err <= bound):
-        worst = int(np.argmax(err - bound))
+    limit = np.broadcast_to(np.asarray(bound, dtype=np.float64), expected.shape)[fin]
+    if err.size and not np.all(err <= limit):
+        worst = int(np.argmax(err - limit))
         raise AssertionError(
-            f"{what}: error {err[worst]:.3g} exceeds bound {bound[worst]:.3g} "
+            f"{what}: error {err[worst]:.3g} exceeds bound {limit[worst]:.3g} "
             f"(expected {expected[fin][worst]!r}, got {got[fin][worst]!r})"
         )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from importlib import resources
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -25,6 +25,10 @@ def load(stem: str) -> tuple[dict[str, Any], ...]:
     return tuple(json.loads(text)["cases"])
 
 
+@overload
+def array(values: None, shape: list[int] | tuple[int, ...]) -> None: ...
+@overload
+def array(values: list[Any], shape: list[int] | tuple[int, ...]) -> np.ndarray: ...
 def array(values: list[Any] | None, shape: list[int] | tuple[int, ...]) -> np.ndarray | None:
     """A flat list of number strings (or bools, or ints) as a float64 / bool / int array."""
     if values is None:
