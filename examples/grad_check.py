@@ -337,6 +337,24 @@ def _replace_rows(labels: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return out
 
 
+
+def _replay(check: Callable[..., tuple[bool, str]], served: Sequence[tuple[str, str, str]],
+            all_cases: dict[str, Any]) -> int:
+    """Run ``check`` (:func:`capture` or :func:`compiled`) on every served case, print a line
+    each, and return the number that failed (an exception counts as a failure)."""
+    failed = 0
+    for backend, dtype_name, op in served:
+        fn, ref, inputs = all_cases[op]
+        try:
+            ok, result = check(fn, ref, inputs, getattr(torch, dtype_name), backend, op)
+        except Exception as exc:
+            ok, result = False, (f"error: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:100]}")
+        failed += not ok
+        print(f"{backend:<11} {dtype_name:<9} {op:<26} {'ok' if ok else 'FAIL':<8} "
+              f"{result}", flush=True)
+    return failed
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -369,30 +387,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # after every gradient check: a failed capture may leave the device unusable
         print("\nCUDA-graph capture of forward + backward, replayed on fresh data against "
               "float64")
-        for backend, dtype_name, op in served:
-            fn, ref, inputs = all_cases[op]
-            try:
-                ok, result = capture(fn, ref, inputs, getattr(torch, dtype_name), backend, op)
-            except Exception as exc:
-                ok, result = False, (f"error: {type(exc).__name__}: "
-                                     f"{str(exc).splitlines()[0][:100]}")
-            failed += not ok
-            print(f"{backend:<11} {dtype_name:<9} {op:<26} {'ok' if ok else 'FAIL':<8} "
-                  f"{result}", flush=True)
+        failed += _replay(capture, served, all_cases)
         print("\ntorch.compile(mode='reduce-overhead', fullgraph=True) of cross_entropy, "
               "replayed on fresh data against float64")
-        for backend, dtype_name, op in served:
-            if not op.startswith("cross_entropy"):
-                continue
-            fn, ref, inputs = all_cases[op]
-            try:
-                ok, result = compiled(fn, ref, inputs, getattr(torch, dtype_name), backend, op)
-            except Exception as exc:
-                ok, result = False, (f"error: {type(exc).__name__}: "
-                                     f"{str(exc).splitlines()[0][:100]}")
-            failed += not ok
-            print(f"{backend:<11} {dtype_name:<9} {op:<26} {'ok' if ok else 'FAIL':<8} "
-                  f"{result}", flush=True)
+        failed += _replay(compiled, [s for s in served if s[2].startswith("cross_entropy")],
+                          all_cases)
     print("all served operations passed" if not failed else f"{failed} FAILED")
     return 1 if failed else 0
 

@@ -417,14 +417,12 @@ def cross_entropy(
         on_host = bool(rows_total) and _labels_on_host(index)
         if on_host:
             _check_labels(xp, index, valid, n_classes, ignore_index)
-        if valid is None or not rows_total or reduction != "mean":
-            count: Any = rows_total  # only a mean reads it
-        elif on_host:  # a read of host memory: cheaper than the array operations below
-            count = int(xp.sum(xp.astype(valid, xp.int64)))
-        else:
-            # the count of the mean stays an array on the labels' device: reading it back
-            # would be a synchronization on every call and is illegal during capture
-            count = valid
+        count: int | None = rows_total  # only a mean reads it
+        if valid is not None and rows_total and reduction == "mean":
+            # on the host a read of host memory costs less than the array operations of
+            # _mean_scale; elsewhere the count stays on the labels' device (None here):
+            # reading it back would be a synchronization on every call, illegal in capture
+            count = int(xp.sum(xp.astype(valid, xp.int64))) if on_host else None
     elif args.dtypes.is_float(xp, target.dtype):
         if ignore_index is not None:
             raise ValueError("ignore_index applies to class-index targets only")
@@ -441,10 +439,10 @@ def cross_entropy(
     # the mean is over the rows that count; with none counted the loss and gradient are 0
     if reduction != "mean":
         grad_scale: Any = 1.0
-    elif isinstance(count, int):
-        grad_scale = 1.0 / count if count else 1.0
+    elif count is None:
+        grad_scale = _mean_scale(xp, valid, logits)
     else:
-        grad_scale = _mean_scale(xp, count, logits)
+        grad_scale = 1.0 / count if count else 1.0
     loss, grad = run(
         "cross_entropy", xp, rows, backend,
         logits=rows, index=index, probs=probs, where=w,

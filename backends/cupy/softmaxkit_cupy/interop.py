@@ -175,10 +175,10 @@ def _torch_stream(index: int) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def launch(kernel: Any, like: Any, grid: int, block: int, args: tuple[Any, ...],
-           shared: int = 0, codes: str | None = None) -> None:
+def launch(kernel: Any, like: Any, grid: int, block: int, codes: str, args: tuple[Any, ...],
+           shared: int = 0) -> None:
     """Launch ``kernel`` (a ``cupy.RawKernel``) on ``like``'s device and current stream, its
-    ``args`` packed by :mod:`.launches` (as ``codes``, or as their numpy-scalar types).
+    ``args`` packed by :mod:`.launches` as its parameter list ``codes`` says.
 
     The stream is PyTorch's current stream for tensors, CuPy's for CuPy arrays; the device is
     switched only when ``like`` is not on the current one, so a call makes no context
@@ -190,11 +190,11 @@ def launch(kernel: Any, like: Any, grid: int, block: int, args: tuple[Any, ...],
     index = like.get_device() if torch_array else like.device.id
     if index == cupy.cuda.runtime.getDevice():
         stream = _torch_stream(index) if torch_array else cupy.cuda.get_current_stream().ptr
-        launches.launch(kernel, index, stream, grid, block, args, shared, codes)
+        launches.launch(kernel, index, stream, grid, block, codes, args, shared)
         return
     with cupy.cuda.Device(index):
         stream = _torch_stream(index) if torch_array else cupy.cuda.get_current_stream().ptr
-        launches.launch(kernel, index, stream, grid, block, args, shared, codes)
+        launches.launch(kernel, index, stream, grid, block, codes, args, shared)
 
 
 @contextlib.contextmanager

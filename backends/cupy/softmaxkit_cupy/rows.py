@@ -12,8 +12,6 @@ import functools
 import math
 from typing import Any
 
-import numpy as np
-
 from softmaxkit.dtypes import dtype_name
 
 from . import compiler, interop
@@ -43,6 +41,10 @@ out, its row stride, rows, n, whether 16-byte words are used, the masked-row pol
 _VJP_PARAMS = "QqQqQqQqii"
 """The gradient kernels' parameters (kernels/rowgrads.cu): primal, cotangent, where and out
 with their row strides (out's is n), rows, n, whether 16-byte words are used."""
+_XENT_PARAMS = "QqQqQQQqiiqifQf"
+"""The cross-entropy kernel's parameters (kernels/rowgrads.cu): logits and where with their
+row strides, class indices, loss, gradient, rows, n, whether 16-byte words are used, the
+ignored index and whether there is one, label smoothing, the scale's address and value."""
 
 
 def _aligned(address: int, stride_bytes: int, width: int) -> bool:
@@ -138,7 +140,7 @@ def launch_rows(
         w_ptr, ld_w, _keep_w = interop.row_pointer(xp, where)
         vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
     args = (x_ptr, ld_x, w_ptr, ld_w, o_ptr, ld_o, rows, n, vec_ok, masked_nan)
-    interop.launch(kernel, x, grid, threads, args, shared, _ROW_PARAMS)
+    interop.launch(kernel, x, grid, threads, _ROW_PARAMS, args, shared)
 
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
@@ -206,7 +208,7 @@ def _vjp(op: str, xp: Any, primal: Any, cotangent: Any, where: Any) -> Any:
         w_ptr, ld_w, _keep_w = interop.row_pointer(xp, where)
         vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
     args = (a_ptr, ld_a, c_ptr, ld_c, w_ptr, ld_w, o_ptr, rows, n, vec_ok)
-    interop.launch(kernel, primal, grid, threads, args, codes=_VJP_PARAMS)
+    interop.launch(kernel, primal, grid, threads, _VJP_PARAMS, args)
     return out
 
 
@@ -257,13 +259,9 @@ def cross_entropy(
     if where is not None:
         w_ptr, ld_w, _keep_w = interop.row_pointer(xp, where)
         vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
-    args = (np.uint64(x_ptr), np.int64(ld_x), np.uint64(w_ptr), np.int64(ld_w),
-            np.uint64(interop.pointer(idx)), np.uint64(interop.pointer(loss)),
-            np.uint64(g_ptr), np.int64(rows),
-            np.int32(n), np.int32(vec_ok),
-            np.int64(ignore_index if ignore_index is not None else 0),
-            np.int32(ignore_index is not None), np.float32(label_smoothing),
-            np.uint64(scale_ptr), np.float32(scale_value))
-    interop.launch(kernel, logits, grid, threads, args)
+    args = (x_ptr, ld_x, w_ptr, ld_w, interop.pointer(idx), interop.pointer(loss), g_ptr, rows,
+            n, vec_ok, ignore_index if ignore_index is not None else 0,
+            ignore_index is not None, float(label_smoothing), scale_ptr, scale_value)
+    interop.launch(kernel, logits, grid, threads, _XENT_PARAMS, args)
     del keep  # the launch is queued on the stream; the allocator keeps its block until then
     return loss, grad

@@ -257,44 +257,37 @@ def stream_of(a: Any, lib: str) -> Any:
     return _stream(ptr, index)
 
 
-_SHARED_ALLOWED: dict[tuple[int, int], int] = {}
-"""(id of a compiled kernel, device id) -> the dynamic shared memory it has been allowed there
-(the attribute belongs to the kernel's function on each device)."""
-_NON_PORTABLE: set[tuple[int, int]] = set()
-"""(id of a compiled kernel, device id) allowed clusters of more than 8 blocks there."""
 PORTABLE_CLUSTER = 8
-_POLICY: dict[tuple[int, int], int] = {}
-"""(id of a compiled kernel, device id) -> the cluster scheduling policy set there."""
 
 
-def _allow(compiled: Any, size: int, cluster: int, policy: int = 0) -> None:
-    """Set the function attributes of ``compiled`` on the current device for ``size`` bytes of
-    dynamic shared memory (above 48 KB a kernel must opt in; the largest shared-memory
-    carveout is then preferred), clusters of ``cluster`` blocks (non-portable above 8) and
-    the cluster scheduling ``policy`` (``CUclusterSchedulingPolicy``: 0 the driver's
-    default, 1 spread, 2 load balancing)."""
-    cufunc = compiled._codelibrary.get_cufunc()  # the function of the current device
-    key = (id(compiled), cufunc.device.id)
+def _allow(entry: launches.Compiled, size: int, cluster: int, policy: int = 0) -> None:
+    """Set the function attributes of ``entry`` (a kernel's function on one device) for
+    ``size`` bytes of dynamic shared memory (above 48 KB a kernel must opt in; the largest
+    shared-memory carveout is then preferred), clusters of ``cluster`` blocks (non-portable
+    above 8) and the cluster scheduling ``policy`` (``CUclusterSchedulingPolicy``: 0 the
+    driver's default, 1 spread, 2 load balancing); each set once, kept in
+    ``entry.attributes``."""
+    allowed, wide, current = entry.attributes
+    grow, widen = size > allowed, cluster > PORTABLE_CLUSTER and not wide
+    if not (grow or widen or policy != current):
+        return
     from numba.cuda.cudadrv.driver import binding, driver
 
-    if _POLICY.get(key, 0) != policy:
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
-        driver.cuKernelSetAttribute(attr, policy, cufunc.handle, cufunc.device.id)
-        _POLICY[key] = policy
-
-    if size and _SHARED_ALLOWED.get(key, -1) < size:
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.cuKernelSetAttribute(attr, size, cufunc.handle, cufunc.device.id)
-        cufunc.set_shared_memory_carveout(100)
-        _SHARED_ALLOWED[key] = size
-    if cluster > PORTABLE_CLUSTER and key not in _NON_PORTABLE:
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-        driver.cuKernelSetAttribute(attr, 1, cufunc.handle, cufunc.device.id)
-        _NON_PORTABLE.add(key)
-
-
-_allowed: dict[tuple[int, int, int, int, int], bool] = {}
-"""(id of a compiled kernel, device, shared bytes, cluster, policy) already set up."""
+    fn = entry.function
+    attribute = binding.CUfunction_attribute
+    if policy != current:
+        driver.cuKernelSetAttribute(
+            attribute.CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE, policy,
+            fn.handle, fn.device.id)
+    if grow:
+        driver.cuKernelSetAttribute(attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    size, fn.handle, fn.device.id)
+        fn.set_shared_memory_carveout(100)
+    if widen:
+        driver.cuKernelSetAttribute(
+            attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1, fn.handle,
+            fn.device.id)
+    entry.attributes = (max(size, allowed), wide or widen, policy)
 
 
 def _prepare(kernel: Any, stream: Stream, args: tuple, shared: int, cluster: int,
@@ -302,17 +295,13 @@ def _prepare(kernel: Any, stream: Stream, args: tuple, shared: int, cluster: int
     """``kernel`` compiled for ``args`` on ``stream``'s device, its attributes set for
     ``shared`` bytes of dynamic shared memory, clusters of ``cluster`` and ``policy``."""
     entry = launches.compiled_for(kernel, args, stream.device)
-    if shared or cluster > 1 or policy:
-        key = (id(entry.compiled), stream.device, shared, cluster, policy)
-        if key not in _allowed:
-            _allow(entry.compiled, shared, cluster, policy)
-            _allowed[key] = True
+    _allow(entry, shared, cluster, policy)
     return entry
 
 
 _RESIDENT: dict[tuple[int, ...], int] = {}
-"""(id of a compiled kernel, device id, block, shared, cluster, policy) -> clusters that fit
-at once."""
+"""(id of a kernel's function on a device, block, shared, cluster, policy) -> clusters that
+fit at once."""
 SIMULATED_CLUSTERS = 2
 """Clusters of a persistent grid in the simulator (each then walks several rows)."""
 
@@ -327,7 +316,7 @@ def resident_clusters(kernel: Any, block: int, stream: Any, args: tuple, shared:
         return SIMULATED_CLUSTERS
     with _on_device(stream.device):
         entry = _prepare(kernel, stream, args, shared, cluster, policy)  # occupancy needs them
-        key = (id(entry.compiled), stream.device, block, shared, cluster, policy)
+        key = (id(entry), block, shared, cluster, policy)
         count = _RESIDENT.get(key)
         if count is None:
             config = launches.config(cluster, block, shared, cluster)

@@ -152,18 +152,6 @@ def argument_types(sig: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def pack(packers: tuple[Any, ...], args: tuple[Any, ...]) -> list[Any]:
-    """Kernel parameters for ``args`` as numba's dispatcher marshals them: an array is its
-    meminfo and parent (null), element count, item size, address, shape and byte strides."""
-    out: list[Any] = []
-    for packer, a in zip(packers, args, strict=True):
-        if packer is None:
-            out += (0, 0, a.size, a.dtype.itemsize, a.ptr, *a.shape, *a.strides)
-        else:
-            out.append(packer(a))
-    return out
-
-
 def codes(sig: tuple[Any, ...]) -> str:
     """The kernel's parameters for a :func:`signature` as :mod:`struct` codes: an array is
     meminfo, parent, element count, item size, address, then its shape and byte strides
@@ -171,21 +159,24 @@ def codes(sig: tuple[Any, ...]) -> str:
     return "".join("qqqqQ" + "qq" * k[1] if type(k) is tuple else _SCALARS[k][2] for k in sig)
 
 
-def values(args: tuple[Any, ...]) -> list[Any]:
-    """The parameter values of ``args``, in the order of :func:`codes`."""
+def values(args: tuple[Any, ...], packers: tuple[Any, ...] | None = None) -> list[Any]:
+    """The parameter values of ``args``, in the order of :func:`codes`: an array is its
+    meminfo and parent (null), element count, item size, address, shape and byte strides;
+    a scalar itself, or ``packers[i](scalar)`` (the ctypes value cuda.core's launch takes,
+    as numba's dispatcher marshals it)."""
     out: list[Any] = []
-    for a in args:
+    for i, a in enumerate(args):
         if type(a) is DeviceView:
             out += (0, 0, a.size, a.dtype.itemsize, a.ptr, *a.shape, *a.strides)
         else:
-            out.append(a)
+            out.append(a if packers is None else packers[i](a))
     return out
 
 
 class Compiled:
     """One kernel compiled for one argument signature, with its function on one device."""
 
-    __slots__ = ("codes", "compiled", "function", "handle", "packers")
+    __slots__ = ("attributes", "codes", "compiled", "function", "handle", "packers")
 
     def __init__(self, kernel: Any, sig: tuple[Any, ...]) -> None:
         self.compiled = kernel.compile(argument_types(sig))
@@ -193,6 +184,9 @@ class Compiled:
         self.handle = int(self.function.handle)
         self.packers = tuple(None if type(k) is tuple else _SCALARS[k][1] for k in sig)
         self.codes = codes(sig)
+        # the function's attributes as set so far (dynamic shared memory allowed,
+        # non-portable clusters allowed, cluster scheduling policy): the driver's defaults
+        self.attributes: tuple[int, bool, int] = (0, False, 0)
 
 
 _compiled: dict[tuple[Any, ...], Compiled] = {}
@@ -272,7 +266,7 @@ def launch(entry: Compiled, stream: Any, grid: int, block: int, args: tuple[Any,
         from cuda import core
 
         core.launch(stream.core, config(grid, block, shared, cluster), entry.function.kernel,
-                    *pack(entry.packers, args))
+                    *values(args, entry.packers))
         return
     params = param_buffer(entry.codes).pack(values(args))
     code = _cu_launch_kernel()(entry.handle, grid, 1, 1, block, 1, 1, shared, stream.handle,

@@ -15,6 +15,8 @@ import pytest
 from softmaxkit_numba_cuda import launches
 from softmaxkit_numba_cuda.launches import DeviceView, layout
 
+from softmaxkit.kernel_params import param_buffer
+
 
 def _view(a: np.ndarray) -> DeviceView:
     return DeviceView(a.ctypes.data, a.shape, a.strides, a.dtype, a)
@@ -73,13 +75,18 @@ def test_pack_lays_out_arrays_and_scalars_as_numba_does():
     names = [str(t) for t in launches.argument_types(sig)]
     assert names == ["array(float32, 2d, C)", "int64", "int32", "bool", "float64", "float32"]
     packers = tuple(None if type(k) is tuple else launches._SCALARS[k][1] for k in sig)
-    packed = launches.pack(packers, args)
+    packed = launches.values(args, packers)
     assert packed[:9] == [0, 0, 15, 4, a.ctypes.data, 3, 5, 20, 4]
     assert isinstance(packed[9], ctypes.c_int64) and packed[9].value == 7
     assert isinstance(packed[10], ctypes.c_int32) and packed[10].value == 2
     assert packed[11] is True
     assert isinstance(packed[12], ctypes.c_double) and packed[12].value == 0.5
     assert isinstance(packed[13], ctypes.c_float) and packed[13].value == 1.5
+    # the driver launch: the same values, unwrapped, under the parameter codes
+    plain = launches.values(args)
+    assert plain == [0, 0, 15, 4, a.ctypes.data, 3, 5, 20, 4, 7, 2, True, 0.5, 1.5]
+    assert launches.codes(sig) == "qqqqQ" + "qq" * 2 + "qi?df"
+    param_buffer(launches.codes(sig)).pack(plain)  # every value fits its code
     with pytest.raises(TypeError, match="complex"):
         launches.argument_types(launches.signature((1j,)))
 
@@ -115,7 +122,7 @@ def test_pack_matches_numbas_marshalling_on_the_gpu():
         theirs: list = []
         for ty, value in zip(expected_types, (dev, 9, False, out), strict=True):
             entry.compiled._prepare_args(ty, value, 0, [], theirs)
-        ours = launches.pack(entry.packers, args)
+        ours = launches.values(args, entry.packers)
         plain = [v.value if isinstance(v, ctypes._SimpleCData) else v for v in ours]
         expected = [v.value if isinstance(v, ctypes._SimpleCData) else v for v in theirs]
         assert plain == expected
