@@ -7,6 +7,7 @@ the caller's library.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -199,49 +200,38 @@ def _result(like: Any, view: np.ndarray, shape: tuple[int, ...],
     says it is below :data:`~.buffers.ALIGN_FROM` bytes, so plain ``np.empty`` is what
     :func:`~.buffers.result_array` would give."""
     out = np.empty(shape, view.dtype) if small else result_array(shape, view.dtype)
-    return (out if type(like) is np.ndarray else _torch_from_numpy(out)), out
+    return (out if type(like) is np.ndarray else _torch_from_numpy()(out)), out
 
 
-_torch_from_numpy: Any = None
-"""``torch.from_numpy``, bound by :func:`_bind_torch` on the first torch call."""
-
-
-def _bind_torch() -> None:
-    global _torch_from_numpy
+@functools.cache
+def _torch_from_numpy() -> Any:
+    """``torch.from_numpy`` (looked up once: torch is imported by whoever passed a tensor)."""
     import torch
 
-    _torch_from_numpy = torch.from_numpy
+    return torch.from_numpy
+
+
+_KERNELS = {"softmax": (k.softmax_ser, k.softmax_par),
+            "log_softmax": (k.log_softmax_ser, k.log_softmax_par)}
+"""The one-thread and threaded kernels of each normalization."""
 
 
 def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
     view = _direct(x, where, out_dtype)
     if view is not None:  # the common call, straight to its kernel
-        if _torch_from_numpy is None and type(x) is not np.ndarray:
-            _bind_torch()
         shape = view.shape
         x2 = view if len(shape) == 2 else view.reshape(-1, shape[-1])
         result, out = _result(x, view, shape, view.nbytes < ALIGN_FROM)
         o2 = out if len(shape) == 2 else out.reshape(x2.shape)
         nan = masked == "nan"
-        if view.nbytes < SPLIT_BYTES:  # the small call: one thread, no more bookkeeping
-            (k.softmax_ser if which == "softmax" else k.log_softmax_ser)(
-                x2, _NO_MASK, 0, False, nan, o2)
-        elif which == "softmax":
-            run_rows(which, k.softmax_ser, k.softmax_par, x2, _NO_MASK, 0, False, nan, o2)
-        else:
-            run_rows(which, k.log_softmax_ser, k.log_softmax_par, x2, _NO_MASK, 0, False,
-                     nan, o2)
+        run_rows(which, *_KERNELS[which], x2, _NO_MASK, 0, False, nan, o2)
         return result
     view, x2, compute = _plan(x, out_dtype)
     w2, wstep, has_where = mask_rows(where)
     out = Output(view.shape, out_dtype, x, compute)
     o2 = out.storage.reshape(x2.shape)
     nan = masked == "nan"
-    if which == "softmax":
-        run_rows(which, k.softmax_ser, k.softmax_par, x2, w2, wstep, has_where, nan, o2)
-    else:
-        run_rows(which, k.log_softmax_ser, k.log_softmax_par, x2, w2, wstep, has_where, nan,
-                 o2)
+    run_rows(which, *_KERNELS[which], x2, w2, wstep, has_where, nan, o2)
     return out.finish()
 
 
@@ -262,8 +252,6 @@ def logsumexp(
     view = _direct(x, where, out_dtype) if b is None else None
     if view is not None:  # the common call, straight to its kernel
         x2 = view.reshape(-1, view.shape[-1])
-        if _torch_from_numpy is None and type(x) is not np.ndarray:
-            _bind_torch()
         small = view.nbytes < ALIGN_FROM  # the results are smaller than the input
         (lse, lse_s), (sign, sign_s) = (_result(x, view, view.shape[:-1], small)
                                         for _ in range(2))
