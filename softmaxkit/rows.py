@@ -79,10 +79,9 @@ def _raise_on_empty_rows(xp: Any, x: Any, where: Any) -> None:
 def _normalize(
     op: str, x: Any, axis: Any, where: Any, dtype: Any, masked: str, backend: str | None
 ) -> Any:
-    if masked not in ("zero", "nan"):  # "zero" and "nan" need no more than this test
-        masked = args.masked_policy(masked)
+    masked = args.masked_policy(masked)
     xp, x, layout, w = _prepare(x, axis, where)
-    out_dtype = x.dtype if dtype is None else output_dtype(xp, x.dtype, dtype)
+    out_dtype = output_dtype(xp, x.dtype, dtype)
     xr = layout.to_rows(xp, x)
     wr = None if w is None else layout.to_rows(xp, w)
     if masked == "raise":
