@@ -7,8 +7,8 @@ argument is a :class:`DeviceView` (address, shape, byte strides, dtype), the com
 its function on the device and the packing of each argument are found once per argument
 signature and device, and a call packs the values as numba's dispatcher would into a
 parameter buffer (:mod:`softmaxkit.kernel_params`) and launches with the driver's
-``cuLaunchKernel`` (cuda.core's launch for thread-block clusters, which need launch
-attributes).  Not used under Numba's simulator, which runs numba's own launch.
+``cuLaunchKernel`` (``cuLaunchKernelEx`` with a cluster-dimension attribute for thread-block
+clusters).  Not used under Numba's simulator, which runs numba's own launch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -113,21 +112,20 @@ def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int,
     return True
 
 
-_SCALARS: dict[type, tuple[str, Callable[[Any], Any], str]] = {
-    bool: ("boolean", bool, "?"),
-    np.bool_: ("boolean", bool, "?"),
-    int: ("int64", ctypes.c_int64, "q"),
-    float: ("float64", ctypes.c_double, "d"),
-    np.int32: ("int32", ctypes.c_int32, "i"),
-    np.int64: ("int64", ctypes.c_int64, "q"),
-    np.uint32: ("uint32", ctypes.c_uint32, "I"),
-    np.uint64: ("uint64", ctypes.c_uint64, "Q"),
-    np.float32: ("float32", ctypes.c_float, "f"),
-    np.float64: ("float64", ctypes.c_double, "d"),
+_SCALARS: dict[type, tuple[str, str]] = {
+    bool: ("boolean", "?"),
+    np.bool_: ("boolean", "?"),
+    int: ("int64", "q"),
+    float: ("float64", "d"),
+    np.int32: ("int32", "i"),
+    np.int64: ("int64", "q"),
+    np.uint32: ("uint32", "I"),
+    np.uint64: ("uint64", "Q"),
+    np.float32: ("float32", "f"),
+    np.float64: ("float64", "d"),
 }
-"""Scalar argument types: numba's type for them (as ``typeof`` gives it), how numba's
-dispatcher marshals them for cuda.core (booleans as Python bools) and their parameter code
-(:mod:`struct`)."""
+"""Scalar argument types: numba's type for them (as ``typeof`` gives it) and their parameter
+code (:mod:`struct`)."""
 
 
 def signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -156,33 +154,31 @@ def codes(sig: tuple[Any, ...]) -> str:
     """The kernel's parameters for a :func:`signature` as :mod:`struct` codes: an array is
     meminfo, parent, element count, item size, address, then its shape and byte strides
     (numba's flattened array argument), a scalar its own code."""
-    return "".join("qqqqQ" + "qq" * k[1] if type(k) is tuple else _SCALARS[k][2] for k in sig)
+    return "".join("qqqqQ" + "qq" * k[1] if type(k) is tuple else _SCALARS[k][1] for k in sig)
 
 
-def values(args: tuple[Any, ...], packers: tuple[Any, ...] | None = None) -> list[Any]:
+def values(args: tuple[Any, ...]) -> list[Any]:
     """The parameter values of ``args``, in the order of :func:`codes`: an array is its
     meminfo and parent (null), element count, item size, address, shape and byte strides;
-    a scalar itself, or ``packers[i](scalar)`` (the ctypes value cuda.core's launch takes,
-    as numba's dispatcher marshals it)."""
+    a scalar itself."""
     out: list[Any] = []
-    for i, a in enumerate(args):
+    for a in args:
         if type(a) is DeviceView:
             out += (0, 0, a.size, a.dtype.itemsize, a.ptr, *a.shape, *a.strides)
         else:
-            out.append(a if packers is None else packers[i](a))
+            out.append(a)
     return out
 
 
 class Compiled:
     """One kernel compiled for one argument signature, with its function on one device."""
 
-    __slots__ = ("attributes", "codes", "compiled", "function", "handle", "packers")
+    __slots__ = ("attributes", "codes", "compiled", "function", "handle")
 
     def __init__(self, kernel: Any, sig: tuple[Any, ...]) -> None:
         self.compiled = kernel.compile(argument_types(sig))
         self.function = self.compiled._codelibrary.get_cufunc()  # the current device's
         self.handle = int(self.function.handle)
-        self.packers = tuple(None if type(k) is tuple else _SCALARS[k][1] for k in sig)
         self.codes = codes(sig)
         # the function's attributes as set so far (dynamic shared memory allowed,
         # non-portable clusters allowed, cluster scheduling policy): the driver's defaults
@@ -237,40 +233,84 @@ def cluster_launch(grid: int, block: int, shared: int, cluster: int,
             "block": block, "shmem_size": shared}
 
 
+class _Attribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padded to 8 bytes, then a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_uint * 16)]
+
+
+class _Config(ctypes.Structure):
+    """``CUlaunchConfig``."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attribute)), ("count", ctypes.c_uint)]
+
+
+CLUSTER_DIMENSION = 4
+"""``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION``."""
+
+_cluster_configs: dict[tuple[int, int, int, int, int], _Config] = {}
+
+
+def cluster_config(grid: int, block: int, shared: int, cluster: int, stream: int) -> _Config:
+    """The ``CUlaunchConfig`` of ``grid`` blocks in clusters of ``cluster`` (cached; read
+    only by the driver, so threads share it)."""
+    key = (grid, block, shared, cluster, stream)
+    c = _cluster_configs.get(key)
+    if c is None:
+        if cluster < 1 or grid % cluster:
+            raise ValueError(f"a grid of {grid} blocks is not made of clusters of {cluster}")
+        attribute = _Attribute(id=CLUSTER_DIMENSION)
+        attribute.value[:3] = [cluster, 1, 1]
+        c = _Config(grid=(grid, 1, 1), block=(block, 1, 1), shared=shared, stream=stream,
+                    count=1)
+        c.attrs = ctypes.pointer(attribute)  # the pointer keeps the attribute alive
+        if len(_cluster_configs) > 4096:
+            _cluster_configs.clear()
+        _cluster_configs[key] = c
+    return c
+
+
 _driver: list[Any] = []
 
 
-def _cu_launch_kernel() -> Any:
-    """``cuLaunchKernel`` of the CUDA driver, through ctypes (loaded once)."""
+def _functions() -> list[Any]:
+    """``cuLaunchKernel``, ``cuLaunchKernelEx`` and ``cuGetErrorName`` of the CUDA driver,
+    through ctypes (loaded once)."""
     if not _driver:
         lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchKernel
-        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        fn.restype = ctypes.c_int
+        plain = lib.cuLaunchKernel
+        plain.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        plain.restype = ctypes.c_int
+        ex = lib.cuLaunchKernelEx
+        ex.argtypes = [ctypes.POINTER(_Config)] + [ctypes.c_void_p] * 3
+        ex.restype = ctypes.c_int
         name = lib.cuGetErrorName
         name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        _driver.extend((fn, name))
-    return _driver[0]
+        _driver.extend((plain, ex, name))
+    return _driver
 
 
 def _error(code: int) -> str:
     text = ctypes.c_char_p()
-    _driver[1](code, ctypes.byref(text))
+    _driver[2](code, ctypes.byref(text))
     return (text.value or b"CUDA_ERROR_UNKNOWN").decode()
 
 
 def launch(entry: Compiled, stream: Any, grid: int, block: int, args: tuple[Any, ...],
            shared: int = 0, cluster: int = 1) -> None:
-    """Queue ``entry``'s kernel on ``stream`` (a :class:`~.arrays.Stream`) with ``args``."""
-    if cluster > 1:
-        from cuda import core
-
-        core.launch(stream.core, config(grid, block, shared, cluster), entry.function.kernel,
-                    *values(args, entry.packers))
-        return
+    """Queue ``entry``'s kernel on ``stream`` (a :class:`~.arrays.Stream`) with ``args``, in
+    clusters of ``cluster`` blocks when above 1 (``grid`` counts blocks)."""
     params = param_buffer(entry.codes).pack(values(args))
-    code = _cu_launch_kernel()(entry.handle, grid, 1, 1, block, 1, 1, shared, stream.handle,
-                               params, None)
+    driver = _driver or _functions()
+    if cluster > 1:
+        code = driver[1](cluster_config(grid, block, shared, cluster, stream.handle),
+                         entry.handle, params, None)
+    else:
+        code = driver[0](entry.handle, grid, 1, 1, block, 1, 1, shared, stream.handle,
+                         params, None)
     if code:
-        raise RuntimeError(f"cuLaunchKernel failed: {_error(code)} (grid {grid}, block {block}, "
-                           f"{shared} bytes of shared memory)")
+        raise RuntimeError(f"kernel launch failed: {_error(code)} (grid {grid}, block {block}, "
+                           f"cluster {cluster}, {shared} bytes of shared memory)")

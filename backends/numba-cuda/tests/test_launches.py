@@ -74,21 +74,28 @@ def test_pack_lays_out_arrays_and_scalars_as_numba_does():
     sig = launches.signature(args)
     names = [str(t) for t in launches.argument_types(sig)]
     assert names == ["array(float32, 2d, C)", "int64", "int32", "bool", "float64", "float32"]
-    packers = tuple(None if type(k) is tuple else launches._SCALARS[k][1] for k in sig)
-    packed = launches.values(args, packers)
-    assert packed[:9] == [0, 0, 15, 4, a.ctypes.data, 3, 5, 20, 4]
-    assert isinstance(packed[9], ctypes.c_int64) and packed[9].value == 7
-    assert isinstance(packed[10], ctypes.c_int32) and packed[10].value == 2
-    assert packed[11] is True
-    assert isinstance(packed[12], ctypes.c_double) and packed[12].value == 0.5
-    assert isinstance(packed[13], ctypes.c_float) and packed[13].value == 1.5
-    # the driver launch: the same values, unwrapped, under the parameter codes
+    # the driver launch: the values under the parameter codes
     plain = launches.values(args)
     assert plain == [0, 0, 15, 4, a.ctypes.data, 3, 5, 20, 4, 7, 2, True, 0.5, 1.5]
     assert launches.codes(sig) == "qqqqQ" + "qq" * 2 + "qi?df"
     param_buffer(launches.codes(sig)).pack(plain)  # every value fits its code
     with pytest.raises(TypeError, match="complex"):
         launches.argument_types(launches.signature((1j,)))
+
+
+def test_cluster_launch_config_has_the_drivers_layout():
+    # CUlaunchConfig: six dimensions and the shared bytes (28 bytes), the stream at 32, the
+    # attribute pointer at 40, their count at 48; CUlaunchAttribute: an 8-byte id, 64 of value
+    config, attribute = launches._Config, launches._Attribute
+    assert (ctypes.sizeof(config), config.stream.offset, config.attrs.offset,
+            config.count.offset) == (56, 32, 40, 48)
+    assert (ctypes.sizeof(attribute), attribute.value.offset) == (72, 8)
+    c = launches.cluster_config(64, 256, 1024, 8, 0)
+    assert (list(c.grid), list(c.block), c.shared, c.count) == ([64, 1, 1], [256, 1, 1], 1024, 1)
+    assert c.attrs[0].id == launches.CLUSTER_DIMENSION and list(c.attrs[0].value[:3]) == [8, 1, 1]
+    assert launches.cluster_config(64, 256, 1024, 8, 0) is c
+    with pytest.raises(ValueError, match="clusters of 8"):
+        launches.cluster_config(60, 256, 0, 8, 0)
 
 
 def _gpu() -> bool:
@@ -122,7 +129,25 @@ def test_pack_matches_numbas_marshalling_on_the_gpu():
         theirs: list = []
         for ty, value in zip(expected_types, (dev, 9, False, out), strict=True):
             entry.compiled._prepare_args(ty, value, 0, [], theirs)
-        ours = launches.values(args, entry.packers)
-        plain = [v.value if isinstance(v, ctypes._SimpleCData) else v for v in ours]
+        ours = launches.values(args)
         expected = [v.value if isinstance(v, ctypes._SimpleCData) else v for v in theirs]
-        assert plain == expected
+        assert ours == expected
+
+
+@pytest.mark.skipif("not _gpu()")
+def test_cluster_launch_runs_every_block_on_the_gpu():
+    from numba import cuda
+    from softmaxkit_numba_cuda.arrays import kernel_view, run, stream_of
+
+    @cuda.jit
+    def kernel(out, n):
+        i = cuda.blockIdx.x
+        if cuda.threadIdx.x == 0 and i < n:
+            out[i] = i + 1
+
+    for cluster in (1, 2, 4):
+        out = cuda.to_device(np.zeros(16, np.int64))
+        run(kernel, 16, 32, stream_of(out, "numba"), kernel_view(out, "numba"), 16,
+            cluster=cluster)
+        cuda.synchronize()
+        np.testing.assert_array_equal(out.copy_to_host(), np.arange(1, 17))
