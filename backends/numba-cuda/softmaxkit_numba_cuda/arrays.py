@@ -135,6 +135,11 @@ def dummy(lib: str, device: Any, dtype: str = "bool", ndim: int = 2) -> Any:
     return d
 
 
+def is_placeholder(a: Any) -> bool:
+    """Whether ``a`` is one of the :func:`dummy` arrays (the same in every call)."""
+    return any(a is d for d in _dummies.values())
+
+
 def device_index(device: Any, lib: str) -> int:
     """The CUDA ordinal of a torch / CuPy device object."""
     if lib == "torch":
@@ -326,6 +331,42 @@ def resident_clusters(kernel: Any, block: int, stream: Any, args: tuple, shared:
     return max(1, count)
 
 
+class Replay:
+    """A launch kept for one call shape and replayed with the addresses of new arrays: the
+    kernel's function (its attributes set), the launch geometry, and the packed parameter
+    values with the places of the addresses that change from call to call."""
+
+    __slots__ = ("block", "cluster", "entry", "grid", "params", "shared", "slots")
+
+    def __init__(self, entry: launches.Compiled, grid: int, block: int, params: list[Any],
+                 slots: tuple[int, ...], shared: int, cluster: int) -> None:
+        self.entry, self.grid, self.block, self.shared = entry, grid, block, shared
+        self.params, self.slots, self.cluster = params, slots, cluster
+
+    def __call__(self, stream: Stream, *addresses: int) -> None:
+        """Launch on ``stream`` with ``addresses`` in the places of the recorded arrays."""
+        params = self.params.copy()
+        for i, address in zip(self.slots, addresses, strict=True):
+            params[i] = address
+        with _on_device(stream.device):
+            launches.launch(self.entry, stream, self.grid, self.block, params, self.shared,
+                            self.cluster)
+
+
+def record(kernel: Any, grid: int, block: int, stream: Any, *args: Any, live: tuple[int, ...],
+           shared: int = 0, cluster: int = 1, policy: int = 0) -> Replay | None:
+    """:func:`run` the launch, and return it as a :class:`Replay` whose addresses are those
+    of the arrays ``args[i]``, ``i`` in ``live`` (None in the simulator).  The other
+    arguments must be the same in every call the replay serves: placeholders, sizes,
+    flags."""
+    run(kernel, grid, block, stream, *args, shared=shared, cluster=cluster, policy=policy)
+    if SIMULATOR:
+        return None
+    entry = launches.compiled_for(kernel, args, stream.device)
+    return Replay(entry, grid, block, launches.values(args), launches.address_slots(args, live),
+                  shared, cluster)
+
+
 def run(kernel: Any, grid: int, block: int, stream: Any, *args: Any, shared: int = 0,
         cluster: int = 1, policy: int = 0) -> None:
     """Launch ``kernel`` on ``stream`` (from :func:`stream_of`) with ``shared`` bytes of dynamic
@@ -335,7 +376,8 @@ def run(kernel: Any, grid: int, block: int, stream: Any, *args: Any, shared: int
     if not SIMULATOR:
         with _on_device(stream.device):
             entry = _prepare(kernel, stream, args, shared, cluster, policy)
-            launches.launch(entry, stream, grid, block, args, shared, cluster)
+            launches.launch(entry, stream, grid, block, launches.values(args), shared,
+                            cluster)
         return
     if cluster > 1:
         raise NotImplementedError("the simulator runs clusters of one block only")

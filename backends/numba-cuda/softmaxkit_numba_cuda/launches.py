@@ -299,11 +299,25 @@ def _error(code: int) -> str:
     return (text.value or b"CUDA_ERROR_UNKNOWN").decode()
 
 
-def launch(entry: Compiled, stream: Any, grid: int, block: int, args: tuple[Any, ...],
+def address_slots(args: tuple[Any, ...], which: tuple[int, ...]) -> tuple[int, ...]:
+    """Where the addresses of the arrays ``args[i]``, ``i`` in ``which``, stand among the
+    parameter :func:`values` of ``args``."""
+    starts, at = [], 0
+    for a in args:
+        starts.append(at)
+        at += 5 + 2 * len(a.shape) if type(a) is DeviceView else 1
+    for i in which:
+        if type(args[i]) is not DeviceView:
+            raise TypeError(f"argument {i} is not an array")
+    return tuple(starts[i] + 4 for i in which)
+
+
+def launch(entry: Compiled, stream: Any, grid: int, block: int, params: list[Any],
            shared: int = 0, cluster: int = 1) -> None:
-    """Queue ``entry``'s kernel on ``stream`` (a :class:`~.arrays.Stream`) with ``args``, in
-    clusters of ``cluster`` blocks when above 1 (``grid`` counts blocks)."""
-    params = param_buffer(entry.codes).pack(values(args))
+    """Queue ``entry``'s kernel on ``stream`` (a :class:`~.arrays.Stream`) with the parameter
+    :func:`values` ``params``, in clusters of ``cluster`` blocks when above 1 (``grid``
+    counts blocks)."""
+    params = param_buffer(entry.codes).pack(params)
     driver = _driver or _functions()
     if cluster > 1:
         code = driver[1](cluster_config(grid, block, shared, cluster, stream.handle),

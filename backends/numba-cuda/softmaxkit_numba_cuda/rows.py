@@ -21,11 +21,14 @@ from softmaxkit.dtypes import dtype_name as _dtype_name
 from . import cross_entropy_kernels, persistent, row_kernels, staged, staging, tiled
 from . import plan as plans
 from .arrays import (
+    Replay,
     dummy,
     empty,
+    is_placeholder,
     kernel_view,
     library,
     memory_bandwidth,
+    record,
     resident_clusters,
     rows,
     run,
@@ -57,6 +60,27 @@ def dtype_name(dtype: Any) -> str:
     if name not in FLOAT_DTYPES and isinstance(dtype, type):
         name = np.dtype(dtype).name
     return name
+
+
+_replays: dict[tuple[Any, ...], Replay] = {}
+"""Launches kept for calls on contiguous torch tensors without a mask, under
+:func:`_replay_key`: a repeated call allocates its results and fills in their addresses."""
+
+
+def _replay_key(op: str, x: Any, *options: Any) -> tuple[Any, ...] | None:
+    """The key of ``op``'s kept launch on ``x`` (None where launches are not kept): dtype,
+    shape, strides and 16-byte alignment decide the plan and the kernel's argument types; the
+    options the rest."""
+    if SIMULATOR or type(x).__module__ != "torch":
+        return None
+    return (op, x.dtype, x.shape, x.stride(), x.data_ptr() % 16, x.device, *options)
+
+
+def _keep(key: tuple[Any, ...], replay: Replay | None) -> None:
+    if replay is not None:
+        if len(_replays) > 4096:
+            _replays.clear()
+        _replays[key] = replay
 
 
 def _plan(n_words: int, kind: str, vector: bool, settings: Settings) -> plans.Plan:
@@ -152,6 +176,12 @@ def _row_launch(op: str, kin: str, kout: str, vector: bool, n_words: int, has_wh
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any,
                settings: Settings) -> Any:
+    key = _replay_key(op, x, out_dtype, masked, settings) if where is None else None
+    replay = _replays.get(key) if key is not None else None
+    if replay is not None:
+        out = x.new_empty(x.shape, dtype=out_dtype)
+        replay(stream_of(x, "torch"), x.data_ptr(), out.data_ptr())
+        return out
     lib = library(x)
     out = empty(xp, x, tuple(x.shape), out_dtype)
     if out.size == 0:
@@ -169,8 +199,14 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     p = launch.plan
     blocks = n_rows * p.chunks if launch.block_per_chunk else p.grid(n_rows)
     wsp = _slots(xp, x, lib, launch.slots, n_rows, accumulator_name(kin))
-    run(launch.kernel, blocks, p.block, stream_of(x, lib), xv, w, masked == "nan", ov, n_rows,
-        n // width, p.chunks, wsp, shared=launch.shared, cluster=launch.cluster)
+    args = (xv, w, masked == "nan", ov, n_rows, n // width, p.chunks, wsp)
+    stream = stream_of(x, lib)
+    if key is not None and x.is_contiguous() and is_placeholder(wsp):
+        _keep(key, record(launch.kernel, blocks, p.block, stream, *args, live=(0, 3),
+                          shared=launch.shared, cluster=launch.cluster))
+    else:
+        run(launch.kernel, blocks, p.block, stream, *args, shared=launch.shared,
+            cluster=launch.cluster)
     return out
 
 
@@ -220,9 +256,11 @@ def log_softmax(*, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any,
 
 
 def row_reduce(op: str, xp: Any, x: Any, where: Any, out: Any, second: Any,
-               return_second: bool, settings: Settings = SETTINGS) -> None:
+               return_second: bool, settings: Settings = SETTINGS,
+               key: tuple[Any, ...] | None = None) -> None:
     """Launch the one-pass reduction ``op`` (``"logsumexp"`` or ``"summarize"``) of the rows of
-    ``x`` into ``out`` and ``second`` (``[rows]`` arrays; ``second`` may be ``None``)."""
+    ``x`` into ``out`` and ``second`` (``[rows]`` arrays; ``second`` may be ``None``), and
+    keep the launch under ``key`` (x and out its addresses) where it can be replayed."""
     lib = library(x)
     xr = rows(x, lib)
     n_rows, n = xr.shape
@@ -237,9 +275,12 @@ def row_reduce(op: str, xp: Any, x: Any, where: Any, out: Any, second: Any,
     sv = (kernel_view(second.reshape(n_rows, 1), lib) if second is not None
           else dummy(lib, x.device, kout))
     stream = stream_of(x, lib)
-    run(kernel, p.grid(n_rows), p.block, stream, xv, w,
-        kernel_view(out.reshape(n_rows, 1), lib), sv, bool(return_second), n_rows,
-        n // width, p.chunks, ws, sync)
+    args = (xv, w, kernel_view(out.reshape(n_rows, 1), lib), sv, bool(return_second), n_rows,
+            n // width, p.chunks, ws, sync)
+    if key is not None and x.is_contiguous() and is_placeholder(ws) and is_placeholder(sync):
+        _keep(key, record(kernel, p.grid(n_rows), p.block, stream, *args, live=(0, 2)))
+    else:
+        run(kernel, p.grid(n_rows), p.block, stream, *args)
 
 
 def logsumexp(
@@ -247,6 +288,13 @@ def logsumexp(
     settings: Settings = SETTINGS,
 ) -> Any:
     """``log |sum(b * exp(x))|`` along the last axis, and its sign with ``return_sign``."""
+    plain = b is None and where is None and not return_sign
+    key = _replay_key("logsumexp", x, out_dtype, settings) if plain else None
+    replay = _replays.get(key) if key is not None else None
+    if replay is not None:
+        out = x.new_empty(x.shape[:-1], dtype=out_dtype)
+        replay(stream_of(x, "torch"), x.data_ptr(), out.data_ptr())
+        return out
     lib = library(x)
     batch = tuple(x.shape[:-1])
     out = empty(xp, x, batch, out_dtype)
@@ -254,7 +302,7 @@ def logsumexp(
     if out.size == 0:
         return (out, sign) if return_sign else out
     if b is None:
-        row_reduce("logsumexp", xp, x, where, out, sign, return_sign, settings)
+        row_reduce("logsumexp", xp, x, where, out, sign, return_sign, settings, key)
         return (out, sign) if return_sign else out
     xr = rows(x, lib)
     n_rows, n = xr.shape
@@ -273,20 +321,42 @@ def logsumexp(
     return (out, sign) if return_sign else out
 
 
+_scales: dict[tuple[Any, ...], Any] = {}
+"""One-element torch tensors of the gradient scales given as numbers, per value, dtype and
+device (kernels only read them)."""
+
+
+def _capturing() -> bool:
+    """Whether torch's current stream is capturing a CUDA graph (where a new array's value
+    is only set when the graph replays, so it must not be kept)."""
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
 def _grad_scale(xp: Any, grad_scale: Any, acc: Any, device: Any) -> Any:
     if grad_scale is None or not hasattr(grad_scale, "shape"):
         value = 1.0 if grad_scale is None else float(grad_scale)
-        return xp.full((1,), value, dtype=acc, device=device)
-    return xp.reshape(xp.astype(grad_scale, acc), (1,))
+        key = (value, acc, device)
+        scale = _scales.get(key)
+        if scale is None:
+            scale = xp.full((1,), value, dtype=acc, device=device)
+            if type(scale).__module__ == "torch" and not _capturing():
+                if len(_scales) > 1024:
+                    _scales.clear()
+                _scales[key] = scale
+        return scale
+    return xp.reshape(xp.astype(grad_scale, acc, copy=False), (1,))
 
 
 def _index(xp: Any, index: Any, lib: str, device: Any) -> Any:
+    """The class indices as a contiguous int64 vector (a placeholder without them)."""
     if index is None:
-        return kernel_view(xp.zeros((1,), dtype=xp.int64, device=device), lib)
-    idx = xp.reshape(xp.astype(index, xp.int64), (-1,))
+        return xp.zeros((1,), dtype=xp.int64, device=device)
+    idx = xp.reshape(xp.astype(index, xp.int64, copy=False), (-1,))
     if lib == "torch":
         idx = idx.contiguous()
-    return kernel_view(idx, lib)
+    return idx
 
 
 def cross_entropy(
@@ -303,13 +373,29 @@ def cross_entropy(
     settings: Settings = SETTINGS,
 ) -> tuple[Any, Any]:
     """Per-row loss and, when ``grad_scale`` is given, the fused gradient, in one kernel."""
-    lib = library(logits)
     if xp is None:
         import array_api_compat
 
         xp = array_api_compat.array_namespace(logits)
     kin, kout = dtype_name(logits.dtype), dtype_name(out_dtype)
     acc = lookup(xp, accumulator_name(kin))
+    device = getattr(logits, "device", None)
+    key = None
+    if probs is None and where is None and index is not None:
+        key = _replay_key("cross_entropy", logits, out_dtype, index.dtype, ignore_index,
+                          float(label_smoothing), grad_scale is None, settings)
+    replay = _replays.get(key) if key is not None else None
+    if replay is not None:
+        loss = logits.new_empty(logits.shape[:-1], dtype=acc)
+        addresses = [logits.data_ptr(), _index(xp, index, "torch", device).data_ptr(),
+                     _grad_scale(xp, grad_scale, acc, device).data_ptr(), loss.data_ptr()]
+        grad = None
+        if grad_scale is not None:
+            grad = logits.new_empty(logits.shape, dtype=out_dtype)
+            addresses.append(grad.data_ptr())
+        replay(stream_of(logits, "torch"), *addresses)
+        return loss, grad
+    lib = library(logits)
     batch = tuple(logits.shape[:-1])
     loss = empty(xp, logits, batch, acc)
     grad = empty(xp, logits, tuple(logits.shape), out_dtype) if grad_scale is not None else None
@@ -317,14 +403,13 @@ def cross_entropy(
         return loss, grad
     xr = rows(logits, lib)
     n_rows, n = xr.shape
-    device = getattr(logits, "device", None)
     if grad is not None:
         vector, width, (xv, gv) = _layout(lib, kin, kout, [xr, grad.reshape(n_rows, n)])
     else:
         vector, width, (xv,) = _layout(lib, kin, kin, [xr])
         gv = dummy(lib, device, kout)
     scale = kernel_view(_grad_scale(xp, grad_scale, acc, device), lib)
-    idx = _index(xp, index, lib, device)
+    idx = kernel_view(_index(xp, index, lib, device), lib)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, device)
     ignore = 0 if ignore_index is None else int(ignore_index)
     lv = kernel_view(loss.reshape(n_rows, 1), lib)
@@ -368,9 +453,16 @@ def cross_entropy(
         ws, sync = _counters(xp, logits, lib, p, n_rows, acc, 4 if smooth else 2)
         wsp = _slots(xp, logits, lib, plans.make(1, 1, 1), n_rows, accumulator_name(kin))
     stream = stream_of(logits, lib)
-    run(kernel, blocks, p.block, stream, xv, w, idx, scale, lv, gv, n_rows,
-        n // width, p.chunks, ws, sync, wsp, float(label_smoothing),
-        ignore_index is not None, ignore, shared=shared, cluster=cluster)
+    args = (xv, w, idx, scale, lv, gv, n_rows, n // width, p.chunks, ws, sync, wsp,
+            float(label_smoothing), ignore_index is not None, ignore)
+    if (key is not None and logits.is_contiguous()
+            and all(is_placeholder(a) for a in (ws, sync, wsp))):
+        # the addresses of logits, labels, scale, loss and gradient change from call to call
+        live = (0, 2, 3, 4, 5) if grad is not None else (0, 2, 3, 4)
+        _keep(key, record(kernel, blocks, p.block, stream, *args, live=live, shared=shared,
+                          cluster=cluster))
+    else:
+        run(kernel, blocks, p.block, stream, *args, shared=shared, cluster=cluster)
     return loss, grad
 
 
