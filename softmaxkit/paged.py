@@ -24,23 +24,30 @@ INDEX_DTYPES = ("int32", "int64")
 """The integer dtypes accepted for ``block_table`` and ``seqlens``."""
 
 
-def _host(a: Any) -> np.ndarray:
+def _host(a: Any, name: str) -> np.ndarray:
     """A numpy copy (or view) of a metadata array, wherever it lives.
 
     For an array on an accelerator this is a device-to-host copy and a synchronization: the
     price of validating the metadata before any kernel runs (spec "Paged attention").
     """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(a, torch.Tensor):
-        return a.detach().cpu().numpy()
-    if array_api_compat.is_cupy_array(a):
-        return a.get()
-    if array_api_compat.is_dask_array(a):
-        return np.asarray(a.compute())
     try:
-        return np.from_dlpack(a)
-    except Exception:  # libraries without DLPack export on their device
-        return np.asarray(a)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(a, torch.Tensor):
+            return a.detach().cpu().numpy()
+        if array_api_compat.is_cupy_array(a):
+            return a.get()
+        if array_api_compat.is_dask_array(a):
+            return np.asarray(a.compute())
+        try:
+            return np.from_dlpack(a)
+        except Exception:  # libraries without DLPack export on their device
+            return np.asarray(a)
+    except Exception as exc:  # a traced value (jax.jit) has nothing to read
+        raise TypeError(
+            f"{name} could not be read on the host ({type(exc).__name__}): paged_attention "
+            "validates block_table and seqlens before any kernel runs, so they must be "
+            "concrete arrays, not values traced by a compiler such as jax.jit"
+        ) from exc
 
 
 def _index_array(xp: Any, value: Any, name: str, like: Any) -> Any:
@@ -236,7 +243,8 @@ def paged_attention(
     cap = args.softcap(softcap)
     scale_f = args.attention_scale(scale, q.shape[-1])
     pages, _, page_size, _ = k_pages.shape
-    _check_metadata(_host(block_table), _host(seqlens), pages, page_size)
+    _check_metadata(_host(block_table, "block_table"), _host(seqlens, "seqlens"), pages,
+                    page_size)
     common = xp.result_type(q.dtype, k_pages.dtype, v_pages.dtype)
     qc, kc, vc = (xp.astype(a, common, copy=False) for a in (q, k_pages, v_pages))
     out, lse = run(

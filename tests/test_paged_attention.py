@@ -155,3 +155,38 @@ def test_float_promotion_and_lse_dtype():
     out, lse = sk.paged_attention(q.astype(np.float16), k.astype(np.float16),
                                   v.astype(np.float16), table, lens, return_lse=True)
     assert out.dtype == np.float16 and lse.dtype == np.float32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_shapes(backend):
+    q, k, v, table, lens = _cache([5, 0, 9], lq=2)
+    cases = {
+        "Lq=0": (q[:, :, :0], k, v, table, lens),
+        "B=0": (q[:0], k, v, table[:0], lens[:0]),
+        "Dv=0": (q, k, v[..., :0], table, lens),
+        "page_size=0": (q, k[:, :, :0], v[:, :, :0], table, np.zeros(3, np.int32)),
+    }
+    for name, (qq, kk, vv, tt, ll) in cases.items():
+        out, lse = sk.paged_attention(qq, kk, vv, tt, ll, causal=True, return_lse=True,
+                                      backend=backend)
+        e_out, e_lse = _expected(qq, kk, vv, tt, ll, causal=True) if len(ll) else (
+            np.zeros(out.shape), np.zeros(lse.shape))
+        assert out.shape == e_out.shape and lse.shape == e_lse.shape, name
+        np.testing.assert_array_equal(lse == -np.inf, e_lse == -np.inf, err_msg=name)
+        fin = np.isfinite(e_lse)
+        np.testing.assert_allclose(lse[fin], e_lse[fin], rtol=0, atol=1e-12, err_msg=name)
+        np.testing.assert_allclose(out, e_out, rtol=1e-12, atol=1e-13, err_msg=name)
+
+
+def test_jax_arrays_and_traced_metadata():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    q, k, v, table, lens = _cache([5, 0, 9], lq=2)
+    f32 = [a.astype(np.float32) for a in (q, k, v)]
+    got = sk.paged_attention(*(jnp.asarray(a) for a in (*f32, table, lens)), causal=True)
+    want = _expected(*(a.astype(np.float64) for a in f32), table, lens, causal=True)[0]
+    assert ref.rel_frobenius(np.asarray(got, dtype=np.float64), want) <= 1e-5
+    # under jit the metadata is traced: it cannot be validated, and the error says so
+    jitted = jax.jit(lambda *a: sk.paged_attention(*a, causal=True))
+    with pytest.raises(TypeError, match="block_table could not be read on the host"):
+        jitted(*(jnp.asarray(a) for a in (*f32, table, lens)))

@@ -24,7 +24,7 @@ def _gather(xp: Any, pages: Any, table: Any, used: Any) -> Any:
     if pages.shape[0] == 0 or b * max_pages == 0:  # no page at all: no key
         return xp.zeros((b, h, max_pages * s, d), dtype=pages.dtype, device=_device(pages))
     index = xp.reshape(xp.where(used, table, xp.zeros_like(table)), (b * max_pages,))
-    g = xp.take(pages, xp.astype(index, xp.int64), axis=0)  # [B * max_pages, H, S, d]
+    g = xp.take(pages, index, axis=0)  # [B * max_pages, H, S, d]
     g = xp.permute_dims(xp.reshape(g, (b, max_pages, h, s, d)), (0, 2, 1, 3, 4))
     return xp.reshape(g, (b, h, max_pages * s, d))
 
@@ -38,9 +38,11 @@ def allowed_keys(
     ``d = seqlens[b] - Lq + i``; causal keeps ``j <= d``, the window ``d - left <= j <= d +
     right`` (a negative bound is unbounded).
     """
-    n = xp.reshape(xp.astype(seqlens, xp.int64), (-1, 1, 1))
-    i = xp.reshape(xp.arange(lq, dtype=xp.int64, device=device), (1, lq, 1))
-    j = xp.reshape(xp.arange(lk, dtype=xp.int64, device=device), (1, 1, lk))
+    # integers of the library's default dtype and the lengths' own (int32 or int64) compare
+    # without casts, which keeps JAX without x64 free of int64 requests
+    n = xp.reshape(seqlens, (-1, 1, 1))
+    i = xp.reshape(xp.arange(lq, device=device), (1, lq, 1))
+    j = xp.reshape(xp.arange(lk, device=device), (1, 1, lk))
     diag = n - lq + i
     ok = j < n
     if causal is not None:
@@ -76,8 +78,8 @@ def paged_attention(
     page_size = k_pages.shape[2]
     lk = max_pages * page_size
     # the pages each sequence uses: the first ceil(seqlens[b] / page_size) of its row
-    first_key = xp.reshape(xp.arange(max_pages, dtype=xp.int64, device=dev), (1, -1))
-    used = first_key * page_size < xp.reshape(xp.astype(seqlens, xp.int64), (-1, 1))
+    first_key = xp.reshape(xp.arange(max_pages, device=dev), (1, -1)) * page_size
+    used = first_key < xp.reshape(seqlens, (-1, 1))
     k = _gather(xp, k_pages, block_table, used)
     v = _gather(xp, v_pages, block_table, used)
     exists = allowed_keys(xp, seqlens, 1, lk, None, (-1, -1), dev)[:, None, ...]

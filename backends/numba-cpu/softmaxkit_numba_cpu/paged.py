@@ -101,7 +101,7 @@ def paged_attention(
     parts = np.zeros(bsz, dtype=np.int64)
     for b in range(bsz):
         n = int(lens[b])
-        for key0 in range(0, n, chunk):
+        for key0 in range(0, n, max(chunk, 1)):
             key1 = min(n, key0 + chunk)
             seen = _coverage(key0, key1, lq, n - lq, is_causal, left, right)
             if seen != "none":
@@ -117,7 +117,7 @@ def paged_attention(
     def pages_of(b: int, key0: int, key1: int) -> np.ndarray:
         return table[b, key0 // page_size: -(-key1 // page_size)].astype(np.intp)
 
-    group = max(1, group_keys // chunk)
+    group = max(1, group_keys // max(chunk, 1))
     for g0 in range(0, len(whole), group):
         tasks = whole[g0:g0 + group]
         seqs = [t[0] for t in tasks]
