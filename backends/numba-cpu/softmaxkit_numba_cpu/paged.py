@@ -1,6 +1,7 @@
 """Paged attention on the CPU: split-KV over chunks of pages, partial states merged exactly.
 
-Each sequence's cache is cut into chunks of whole pages, :data:`SPLIT_KEYS` keys at most.
+Each sequence's cache is cut into chunks of whole pages, :data:`SPLIT_KEYS` keys (more
+when the partial outputs of many queries would pass :data:`PARTIAL_ELEMENTS`).
 Chunks' pages are gathered into contiguous blocks in the accumulator dtype (a bounded number
 of chunks at a time, :data:`GROUP_KEYS`, never the whole cache at once) and run through the
 dense forward of :mod:`.attention` (:func:`~.attention.forward_into`): the chunks every query
@@ -30,6 +31,10 @@ SPLIT_KEYS = 1024
 
 GROUP_KEYS = 1 << 15
 """The most keys gathered for one batched kernel call over whole chunks (bounds the copy)."""
+
+PARTIAL_ELEMENTS = 1 << 24
+"""About the most elements of the partial outputs held for the merge: long chunked prefills
+(many queries) get longer chunks rather than one partial output per 1024 keys."""
 
 
 def _coverage(key0: int, key1: int, lq: int, diag0: int, causal: bool, left: int,
@@ -80,7 +85,8 @@ def paged_attention(
     group_keys: int = GROUP_KEYS,
 ) -> tuple[Any, Any]:
     """Attention of ``q [B, Hq, Lq, D]`` over the paged cache, split into chunks of at most
-    ``split_keys`` keys (whole pages, at least one) whose partial states are merged.
+    ``split_keys`` keys (whole pages, at least one; more when the partial outputs would
+    exceed :data:`PARTIAL_ELEMENTS`) whose partial states are merged.
 
     Chunks that every query sees whole (all but the last of a decoding sequence) run as one
     batch of the dense kernel, ``group_keys`` keys at a time, so the kernel's threads
@@ -96,7 +102,10 @@ def paged_attention(
     table, lens = numpy_view(block_table), numpy_view(seqlens)
     page_size, hk, dv = kpool.shape[2], kpool.shape[1], vpool.shape[3]
     is_causal, left, right = causal is not None, int(window[0]), int(window[1])
-    chunk = max(1, split_keys // max(page_size, 1)) * page_size
+    per_part = bsz * hq * lq * max(dv, 1)
+    parts_allowed = max(1, PARTIAL_ELEMENTS // max(per_part, 1))
+    keys = max(split_keys, -(-int(lens.max(initial=0)) // parts_allowed))
+    chunk = max(1, keys // max(page_size, 1)) * page_size
     whole, cut = [], []  # (sequence, part, first key, end key)
     parts = np.zeros(bsz, dtype=np.int64)
     for b in range(bsz):
@@ -147,9 +156,9 @@ def paged_attention(
     if count == 1:
         out_acc, lse_acc = outs[0], lses[0]
     else:
-        rows = bsz * hq * lq
-        out_acc, lse_acc = merge_attention(npx, outs=outs.reshape(count, rows, dv),
-                                           lses=lses.reshape(count, rows))
+        n_rows = bsz * hq * lq
+        out_acc, lse_acc = merge_attention(npx, outs=outs.reshape(count, n_rows, dv),
+                                           lses=lses.reshape(count, n_rows))
     result = Output((bsz, hq, lq, dv), q.dtype, q, acc)
     lse, lse_s = empty((bsz, hq, lq), accumulator_dtype(xp, q.dtype), q)
     result.storage[...] = out_acc.reshape(bsz, hq, lq, dv)

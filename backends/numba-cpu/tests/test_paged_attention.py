@@ -80,3 +80,16 @@ def test_numpy_calls_are_served_by_numba_cpu():
     with sk.backend_opts(trace=True) as trace:
         sk.paged_attention(q, k.astype(np.float32), v.astype(np.float32), table, lens)
     assert [r.backend for r in trace] == ["numba-cpu"]
+
+
+def test_long_prefills_get_longer_chunks_with_the_same_result(monkeypatch):
+    # a budget of partial outputs below one chunk per sequence's 1024 keys lengthens the
+    # chunks; the result is the same
+    rng = np.random.default_rng(4)
+    k, v, table, lens = make_cache(rng, [900, 260], 4, 1, 8, 8)
+    q = rng.normal(size=(2, 2, 5, 8))
+    whole = _call(q, k, v, table, lens, 10**9, causal="bottom_right")
+    monkeypatch.setattr(paged, "PARTIAL_ELEMENTS", 2 * 2 * 5 * 8 * 3)  # three parts
+    out, lse = _call(q, k, v, table, lens, 16, causal="bottom_right")
+    np.testing.assert_allclose(out, whole[0], rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, whole[1], rtol=0, atol=1e-12)
