@@ -127,6 +127,9 @@ def test_metadata_of_int64_and_mixed_dtypes_and_an_empty_pool():
     got = sk.paged_attention(q, k, v, table.astype(np.int64), lens.astype(np.int64),
                              backend="reference")
     np.testing.assert_array_equal(got, want)
+    # Python lists become numpy's default integers
+    got = sk.paged_attention(q, k, v, table.tolist(), lens.tolist(), backend="reference")
+    np.testing.assert_array_equal(got, want)
     # no page at all: every sequence is empty
     out, lse = sk.paged_attention(q, k[:0], v[:0], np.zeros((2, 0), np.int32),
                                   np.zeros(2, np.int32), return_lse=True, backend="reference")
