@@ -14,6 +14,7 @@ from .attention import (
     merge_attention_states,
     merge_attention_vjp,
 )
+from .paged import paged_attention
 from .registry import BackendWarning, NoBackendError, backend_opts, backends
 from .rows import cross_entropy, log_softmax, log_softmax_vjp, logsumexp, softmax, softmax_vjp
 from .summary import Summary, merge, summarize
@@ -38,6 +39,7 @@ __all__ = [
     "merge_attention",
     "merge_attention_states",
     "merge_attention_vjp",
+    "paged_attention",
     "softmax",
     "softmax_vjp",
     "summarize",

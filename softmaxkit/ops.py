@@ -69,6 +69,22 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     # gradient of merge_attention; dout [R, Dv], dlse None | [R] (natural log)
     # -> (douts [S, R, Dv] in outs' dtype, dlses [S, R] in acc); empty parts get 0
     "merge_attention_vjp": ("outs", "lses", "dout", "dlse"),
+    # paged_attention (spec "Paged attention"): decoding and chunked prefill over a paged KV
+    # cache; q [B, Hq, Lq, D], k_pages [P, Hk, S, D], v_pages [P, Hk, S, Dv] (one dtype,
+    # Hq % Hk == 0; S = page size); block_table int32 | int64 [B, max_pages] and seqlens
+    # int32 | int64 [B], on q's device; the frontend has checked on the host that
+    # 0 <= seqlens[b] <= max_pages * S and that the first ceil(seqlens[b] / S) entries of row b
+    # lie in [0, P): a kernel must never read the other entries, nor a cache slot at a key
+    # position >= seqlens[b]; key j of sequence b is slot j % S of page
+    # block_table[b, j // S]; query i of sequence b sits on the diagonal
+    # d = i + seqlens[b] - Lq (bottom-right, per sequence); causal: None | "bottom_right";
+    # window (left, right) as for attention, around d; scale: float; softcap: None | float > 0
+    # -> (out [B, Hq, Lq, Dv] in q's dtype, lse [B, Hq, Lq] in acc, natural log, or None
+    #   when return_lse is False); a row with no allowed key: out 0, lse -inf
+    "paged_attention": (
+        "q", "k_pages", "v_pages", "block_table", "seqlens", "scale", "causal", "window",
+        "softcap", "return_lse",
+    ),
 }
 """Operation name -> the keyword parameters its kernel takes after ``xp``."""
 

@@ -24,6 +24,7 @@ _MODULES = {
     "attention_vjp": "attention",
     "merge_attention": "attention",
     "merge_attention_vjp": "attention",
+    "paged_attention": "paged",
 }
 
 

@@ -120,18 +120,35 @@ def attention(
     return_lse: bool,
 ) -> tuple[Any, Any]:
     """``softmax(scale q k^T) v`` per head, and the natural-log log-sum-exp of each row."""
-    from . import attention_kernels as kernels  # compiled on first use, not on import
-
     qn, kn, vn = compute_arrays(q, k, v)
     bsz, hq, lq, _ = qn.shape
     lk, dv = kn.shape[2], vn.shape[3]
     result = Output((bsz, hq, lq, dv), q.dtype, q, qn.dtype)
     lse, lse_s = empty((bsz, hq, lq), accumulator_dtype(xp, q.dtype), q)
-    flat, strides = mask_view(mask)
     offset, is_causal, left, right = band(causal, window, lq, lk)
+    forward_into(qn, kn, vn, result.storage, lse_s, scale, offset, is_causal, left, right,
+                 softcap, mask)
+    return result.finish(), (lse if return_lse else None)
+
+
+def forward_into(
+    qn: np.ndarray, kn: np.ndarray, vn: np.ndarray, out: np.ndarray, lse: np.ndarray,
+    scale: float, offset: int, is_causal: bool, left: int, right: int, softcap: Any,
+    mask: Any = None,
+) -> None:
+    """Run the compiled forward on C-contiguous arrays in the accumulator dtype.
+
+    Writes ``out [B, Hq, Lq, Dv]`` and the natural-log ``lse [B, Hq, Lq]`` (both in the
+    accumulator dtype); query ``i``'s diagonal is key ``i + offset`` (:func:`band`).  Dense
+    attention and each key chunk of paged attention (:mod:`.paged`) run through here.
+    """
+    from . import attention_kernels as kernels  # compiled on first use, not on import
+
+    bsz, hq, lq, d = qn.shape
+    lk, dv = kn.shape[2], vn.shape[3]
+    flat, strides = mask_view(mask)
     tile_q, tile_k = kernels.TILE_Q, -(-kernels.TILE_K // 16) * 16
     workers = workers_for(bsz * hq * math.ceil(lq / tile_q), bsz * hq * lq * lk)
-    d = qn.shape[3]
     # float32 keys and values in panels for the register-blocked products
     # (attention_microkernels.py); float64, and value dims not a multiple of 16, use BLAS
     heads, keys = kn.shape[0] * kn.shape[1], 16 * math.ceil(lk / 16)
@@ -140,10 +157,9 @@ def attention(
     vp = np.empty((heads, keys * dv) if f32 and dv and dv % 16 == 0 else (0, 0),
                   dtype=np.float32)
     with single_threaded_blas(), numba_threads(workers):
-        kernels.forward(qn, kn, vn, result.storage, lse_s, float(scale), offset, is_causal, left,
+        kernels.forward(qn, kn, vn, out, lse, float(scale), offset, is_causal, left,
                         right, float(softcap or 0.0), flat, strides, mask is not None, workers,
                         tile_q, tile_k, kp, vp)
-    return result.finish(), (lse if return_lse else None)
 
 
 def attention_vjp(

@@ -1,0 +1,257 @@
+"""Attention against a paged KV cache: decoding and chunked prefill (``paged_attention``).
+
+The frontend validates the cache's metadata (block table and sequence lengths) on the host
+before any backend runs, so a kernel never meets a page index outside the pool or a length
+beyond a sequence's pages; then it hands the backend one call in the layout of
+:data:`softmaxkit.ops.OPERATIONS`.  spec/semantics.md, "Paged attention", is the contract.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+from . import arguments as args
+from .attention import LN2
+from .dispatch import run
+from .dtypes import dtype_name
+from .frameworks import refuse_gradient
+
+INDEX_DTYPES = ("int32", "int64")
+"""The integer dtypes accepted for ``block_table`` and ``seqlens``."""
+
+
+def _host(a: Any, name: str) -> np.ndarray:
+    """A numpy copy (or view) of a metadata array, wherever it lives.
+
+    For an array on an accelerator this is a device-to-host copy and a synchronization: the
+    price of validating the metadata before any kernel runs (spec "Paged attention").
+    """
+    try:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(a, torch.Tensor):
+            return a.detach().cpu().numpy()
+        if array_api_compat.is_cupy_array(a):
+            return a.get()
+        if array_api_compat.is_dask_array(a):
+            return np.asarray(a.compute())
+        try:
+            return np.from_dlpack(a)
+        except Exception:  # libraries without DLPack export on their device
+            return np.asarray(a)
+    except Exception as exc:  # a traced value (jax.jit) has nothing to read
+        raise TypeError(
+            f"{name} could not be read on the host ({type(exc).__name__}): paged_attention "
+            "validates block_table and seqlens before any kernel runs, so they must be "
+            "concrete arrays, not values traced by a compiler such as jax.jit"
+        ) from exc
+
+
+def _index_array(xp: Any, value: Any, name: str, like: Any) -> Any:
+    a = args.as_array(xp, value, name, like=like)
+    found = dtype_name(a.dtype)
+    if found not in INDEX_DTYPES:
+        raise TypeError(f"{name} has dtype {found}: expected int32 or int64")
+    return a
+
+
+def _causal(causal: Any) -> str | None:
+    """``causal`` of paged attention: only the bottom-right alignment exists here."""
+    aligned = args.causal(causal)
+    if aligned == "top_left":
+        raise ValueError(
+            "causal='top_left' is not valid for paged_attention: the queries are the last Lq "
+            "positions of each sequence, so causal attention is bottom-right aligned "
+            "(pass causal=True)"
+        )
+    return aligned
+
+
+def _check_shapes(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"q must have shape [B, Hq, Lq, D]; got {tuple(q.shape)}")
+    for name, a, last in (("k_pages", k_pages, "D"), ("v_pages", v_pages, "Dv")):
+        if a.ndim != 4:
+            raise ValueError(
+                f"{name} must have shape [P, Hk, page_size, {last}]; got {tuple(a.shape)}"
+            )
+    b, hq, _, d = q.shape
+    pages, hk, page_size, dk = k_pages.shape
+    if dk != d:
+        raise ValueError(f"q's head dim {d} differs from k_pages' {dk}")
+    if tuple(v_pages.shape[:3]) != (pages, hk, page_size):
+        raise ValueError(
+            f"v_pages of shape {tuple(v_pages.shape)} must be [P, Hk, page_size, Dv] with "
+            f"(P, Hk, page_size) = {(pages, hk, page_size)} from k_pages"
+        )
+    if hk == 0 or hq % hk:
+        raise ValueError(
+            f"q's {hq} heads must be a multiple of k_pages' and v_pages' {hk} heads "
+            "(grouped-query attention)"
+        )
+    if block_table.ndim != 2 or block_table.shape[0] != b:
+        raise ValueError(
+            f"block_table of shape {tuple(block_table.shape)} must have shape "
+            f"[B, max_pages] with B = {b} from q"
+        )
+    if tuple(seqlens.shape) != (b,):
+        raise ValueError(f"seqlens of shape {tuple(seqlens.shape)} must have shape ({b},)")
+
+
+def _check_metadata(
+    table: np.ndarray, lens: np.ndarray, pages: int, page_size: int
+) -> None:
+    """Lengths within each sequence's pages, and every page a sequence uses in the pool."""
+    max_pages = table.shape[1]
+    lens = lens.astype(np.int64)
+    bad = np.flatnonzero(lens < 0)
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"seqlens[{b}] = {int(lens[b])} is negative")
+    capacity = max_pages * page_size
+    bad = np.flatnonzero(lens > capacity)
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(
+            f"seqlens[{b}] = {int(lens[b])} exceeds the keys its pages can hold: block_table "
+            f"has {max_pages} pages of page_size {page_size} per sequence ({capacity} keys)"
+        )
+    if not table.size:
+        return
+    # pages a sequence uses: the first ceil(seqlens[b] / page_size) entries of its row
+    used = np.arange(max_pages)[None, :] * page_size < lens[:, None]
+    outside = used & ((table < 0) | (table >= pages))
+    if outside.any():
+        b, j = (int(i) for i in np.argwhere(outside)[0])
+        raise ValueError(
+            f"block_table[{b}, {j}] = {int(table[b, j])} is outside the page pool [0, {pages}) "
+            f"(sequence {b} of length {int(lens[b])} uses its first "
+            f"{-(-int(lens[b]) // page_size)} pages)"
+        )
+
+
+def paged_attention(
+    q: Any,
+    k_pages: Any,
+    v_pages: Any,
+    block_table: Any,
+    seqlens: Any,
+    *,
+    scale: float | None = None,
+    causal: bool | str = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    lse_base: str | int = "e",
+    backend: str | None = None,
+) -> Any:
+    """Exact attention of new queries against a paged KV cache (decoding, chunked prefill).
+
+    Sequence ``b`` has ``seqlens[b]`` keys: key ``j`` is slot ``j % page_size`` of page
+    ``block_table[b, j // page_size]`` of the pool.  Its ``Lq`` queries are the *last* ``Lq``
+    positions of the sequence (their own keys included in ``seqlens``), so query ``i`` sits on
+    key ``seqlens[b] - Lq + i``: the bottom-right alignment of :func:`softmaxkit.attention`,
+    per sequence.  The result equals :func:`softmaxkit.attention` on each sequence's gathered
+    keys and values.
+
+    Parameters
+    ----------
+    q : array
+        Queries ``[B, Hq, Lq, D]``; ``Lq = 1`` for decoding.
+    k_pages : array
+        The key page pool ``[P, Hk, page_size, D]``; ``Hq`` must be a multiple of ``Hk``
+        (grouped-query attention).
+    v_pages : array
+        The value page pool ``[P, Hk, page_size, Dv]``.
+    block_table : array of int32 or int64
+        ``[B, max_pages]``: the pages of each sequence, in order.  Only the first
+        ``ceil(seqlens[b] / page_size)`` entries of row ``b`` are read; the rest may hold
+        anything (-1 as padding, say).
+    seqlens : array of int32 or int64
+        ``[B]``: the number of keys of each sequence, the ``Lq`` new ones included;
+        ``0 <= seqlens[b] <= max_pages * page_size``.  Cache slots at or beyond a sequence's
+        length are never read.
+    scale : float, optional
+        Score scale; default ``1 / sqrt(D)``.
+    causal : bool or "bottom_right", optional
+        Query ``i`` of sequence ``b`` sees keys ``j <= seqlens[b] - Lq + i``.  Default False,
+        as in FlashInfer's paged prefill and FlashAttention's ``flash_attn_with_kvcache``; for
+        decoding (``Lq = 1``) the two are the same, for chunked prefill pass ``causal=True``.
+        With ``seqlens[b] < Lq`` the first ``Lq - seqlens[b]`` causal rows see no key.
+    window : (int, int), optional
+        Sliding window ``(left, right)`` around each query's diagonal key (bottom-right, as
+        for causal); ``-1`` is unbounded.
+    softcap : float, optional
+        Apply ``softcap * tanh(s / softcap)`` to the scaled scores (0 or None: no cap).
+    return_lse : bool, optional
+        Also return the log-sum-exp of each query row's allowed scores.
+    lse_base : {"e", 2}, optional
+        Base of the returned log-sum-exp: natural (default) or 2 (FlashInfer's convention).
+    backend : str, optional
+        Run on this backend only (strict).
+
+    Returns
+    -------
+    out : array
+        ``[B, Hq, Lq, Dv]`` in the promoted dtype of q, k_pages, v_pages; 0 for a query row
+        with no allowed key (a sequence of length 0, say).
+    lse : array
+        Only with ``return_lse``: ``[B, Hq, Lq]`` in float32 (float64 for float64 inputs);
+        ``-inf`` for a row with no allowed key.
+
+    Raises
+    ------
+    TypeError
+        ``block_table`` or ``seqlens`` not of dtype int32 or int64.
+    ValueError
+        Shapes that do not fit together; a negative length, or one beyond the sequence's
+        ``max_pages * page_size`` slots; a page a sequence uses outside ``[0, P)``.  The
+        metadata is read on the host (a device-to-host copy for arrays on an accelerator) and
+        checked before any kernel runs.
+    NotImplementedError
+        A torch tensor requires grad under grad mode: this operation has no gradient.
+
+    Examples
+    --------
+    >>> import numpy as np, softmaxkit as sk
+    >>> rng = np.random.default_rng(0)
+    >>> k_pages, v_pages = rng.normal(size=(2, 3, 1, 4, 8))   # 3 pages of 4 keys, 1 head
+    >>> q = rng.normal(size=(2, 2, 1, 8))                     # 2 sequences, 2 query heads
+    >>> block_table = np.array([[2, 0], [1, -1]], dtype=np.int32)
+    >>> seqlens = np.array([6, 3], dtype=np.int32)
+    >>> out = sk.paged_attention(q, k_pages, v_pages, block_table, seqlens)
+    >>> k0 = np.concatenate([k_pages[2], k_pages[0]], axis=1)[:, :6]   # sequence 0, gathered
+    >>> v0 = np.concatenate([v_pages[2], v_pages[0]], axis=1)[:, :6]
+    >>> bool(np.allclose(out[0], sk.attention(q[0], k0, v0)))
+    True
+    """
+    refuse_gradient("paged_attention", q, k_pages, v_pages)
+    base = args.lse_base(lse_base)
+    xp = args.namespace(q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table,
+                        seqlens=seqlens)
+    q = args.floating(xp, args.as_array(xp, q, "q"), "q")
+    k_pages = args.floating(xp, args.as_array(xp, k_pages, "k_pages", like=q), "k_pages")
+    v_pages = args.floating(xp, args.as_array(xp, v_pages, "v_pages", like=q), "v_pages")
+    block_table = _index_array(xp, block_table, "block_table", q)
+    seqlens = _index_array(xp, seqlens, "seqlens", q)
+    _check_shapes(q, k_pages, v_pages, block_table, seqlens)
+    aligned = _causal(causal)
+    win = args.window(window)
+    cap = args.softcap(softcap)
+    scale_f = args.attention_scale(scale, q.shape[-1])
+    pages, _, page_size, _ = k_pages.shape
+    _check_metadata(_host(block_table, "block_table"), _host(seqlens, "seqlens"), pages,
+                    page_size)
+    common = xp.result_type(q.dtype, k_pages.dtype, v_pages.dtype)
+    qc, kc, vc = (xp.astype(a, common, copy=False) for a in (q, k_pages, v_pages))
+    out, lse = run(
+        "paged_attention", xp, qc, backend,
+        q=qc, k_pages=kc, v_pages=vc, block_table=block_table, seqlens=seqlens,
+        scale=scale_f, causal=aligned, window=win, softcap=cap, return_lse=bool(return_lse),
+    )
+    if not return_lse:
+        return out
+    return out, (lse / LN2 if base == "2" else lse)
