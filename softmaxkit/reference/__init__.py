@@ -24,6 +24,8 @@ _MODULES = {
     "attention_vjp": "attention",
     "merge_attention": "attention",
     "merge_attention_vjp": "attention",
+    "varlen_attention": "varlen",
+    "varlen_attention_vjp": "varlen",
 }
 
 

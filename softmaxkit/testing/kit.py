@@ -35,6 +35,7 @@ CASE_MODULES = (
     "softmaxkit.testing.rows_cases",
     "softmaxkit.testing.summary_cases",
     "softmaxkit.testing.attention_cases",
+    "softmaxkit.testing.varlen_cases",
 )
 
 

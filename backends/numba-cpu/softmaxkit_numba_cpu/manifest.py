@@ -22,6 +22,8 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 ATTENTION_OPS = ("attention", "attention_vjp")
 ATTENTION_DTYPES = DTYPES
 
+VARLEN_OPS = ("varlen_attention", "varlen_attention_vjp")  # the attention kernels per sequence
+
 SUMMARY_OPS = ("summarize", "normalize", "merge_attention", "merge_attention_vjp")
 MERGE_OPS = ("merge",)  # keyed by the summaries' dtype: the accumulator's
 MERGE_DTYPES = ("float32", "float64")
@@ -44,12 +46,14 @@ def manifest() -> dict[str, Any]:
             {"ops": list(ROW_OPS), "devices": ["cpu"], "dtypes": list(DTYPES)},
             {"ops": list(ATTENTION_OPS), "devices": ["cpu"], "dtypes": list(ATTENTION_DTYPES)},
             {"ops": list(SUMMARY_OPS), "devices": ["cpu"], "dtypes": list(DTYPES)},
+            {"ops": list(VARLEN_OPS), "devices": ["cpu"], "dtypes": list(ATTENTION_DTYPES)},
             {"ops": list(MERGE_OPS), "devices": ["cpu"], "dtypes": list(MERGE_DTYPES)},
         ],
         "kernels": {
             **{op: f"softmaxkit_numba_cpu.rows:{op}" for op in ROW_OPS},
             **{op: f"softmaxkit_numba_cpu.attention:{op}" for op in ATTENTION_OPS},
             **{op: f"softmaxkit_numba_cpu.summaries:{op}" for op in SUMMARY_OPS + MERGE_OPS},
+            **{op: f"softmaxkit_numba_cpu.varlen:{op}" for op in VARLEN_OPS},
         },
         "priority": PRIORITY,
         "install_hint": "pip install softmaxkit-numba-cpu",
