@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from softmaxkit_numba_cpu.manifest import ATTENTION_OPS, ROW_OPS
+from softmaxkit_numba_cpu.manifest import ATTENTION_OPS, ROW_OPS, VARLEN_OPS
 
 from softmaxkit.testing import Unsupported, cases
 
@@ -14,6 +14,7 @@ ATTENTION_CASES = [
     c for t in TARGETS for c in cases(target=t, ops=ATTENTION_OPS)
     if set(c.ops) <= set(ATTENTION_OPS)  # merges are tested with the summary kernels
 ]
+VARLEN_CASES = [c for t in TARGETS for c in cases(target=t, ops=VARLEN_OPS)]
 DECLINED: set[str] = set()
 """Cases this backend declines on purpose (none: every attention option is served)."""
 
@@ -33,6 +34,14 @@ def test_attention_case(case):
         with pytest.raises(Unsupported, match="not a boolean mask"):
             case.run(BACKEND)
         return
+    try:
+        case.run(BACKEND)
+    except Unsupported as exc:  # pragma: no cover
+        pytest.fail(f"numba-cpu declined a case it serves: {exc}")
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: f"{c.target.name}-{c}")
+def test_varlen_case(case):
     try:
         case.run(BACKEND)
     except Unsupported as exc:  # pragma: no cover
