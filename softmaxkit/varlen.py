@@ -122,6 +122,21 @@ def cu_seqlens(
     return xp.astype(a, xp.int64, copy=False), host
 
 
+def check_seqlens(
+    xp: Any, cu_q: Any, cu_k: Any, tq: int, tk: int, like: Any
+) -> tuple[Any, Any]:
+    """Validate both cumulative lengths (:func:`cu_seqlens`) and that they count the same
+    sequences; return them as int64 arrays of ``xp`` on ``like``'s device."""
+    cq, hq = cu_seqlens(xp, cu_q, "cu_seqlens_q", tq, "Tq = q.shape[0]", like)
+    ck, hk = cu_seqlens(xp, cu_k, "cu_seqlens_k", tk, "Tk = k.shape[0]", like)
+    if hq.shape != hk.shape:
+        raise ValueError(
+            f"cu_seqlens_q has {hq.shape[0]} entries and cu_seqlens_k {hk.shape[0]}: both "
+            "must be [B + 1] for the same B sequences"
+        )
+    return cq, ck
+
+
 def _prepare(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, extra: dict[str, Any] | None = None):
     arrays = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
               **(extra or {})}
@@ -130,13 +145,7 @@ def _prepare(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, extra: dict[str, Any]
     k = args.floating(xp, args.as_array(xp, k, "k", like=q), "k")
     v = args.floating(xp, args.as_array(xp, v, "v", like=q), "v")
     dims = _Packed(q, k, v)
-    cq, hq = cu_seqlens(xp, cu_q, "cu_seqlens_q", dims.tq, "Tq = q.shape[0]", q)
-    ck, hk = cu_seqlens(xp, cu_k, "cu_seqlens_k", dims.tk, "Tk = k.shape[0]", q)
-    if hq.shape != hk.shape:
-        raise ValueError(
-            f"cu_seqlens_q has {hq.shape[0]} entries and cu_seqlens_k {hk.shape[0]}: both "
-            "must be [B + 1] for the same B sequences"
-        )
+    cq, ck = check_seqlens(xp, cu_q, cu_k, dims.tq, dims.tk, q)
     common = xp.result_type(q.dtype, k.dtype, v.dtype)
     qf, kf, vf = (xp.astype(a, common, copy=False) for a in (q, k, v))
     return xp, dims, (q, k, v), (qf, kf, vf), (cq, ck)

@@ -281,6 +281,29 @@ def test_torch_operators_pass_opcheck():
     cu_q, cu_k = torch.tensor([0, 2, 5]), torch.tensor([0, 3, 4])
     torch.library.opcheck(ops.varlen_attention_op,
                           (q, k, v, cu_q, cu_k, None, "bottom_right", [-1, -1], None, None, True))
+    out, lse = sk.varlen_attention(q.detach(), k.detach(), v.detach(), cu_q, cu_k,
+                                   return_lse=True)
+    torch.library.opcheck(ops.varlen_attention_vjp_op,
+                          (q.detach(), k.detach(), v.detach(), out, lse, out, cu_q, cu_k, None,
+                           None, [-1, -1], 2.0, None))
+
+
+def test_torch_compile_traces_varlen_without_graph_breaks():
+    g = torch.Generator().manual_seed(10)
+    cu_q, cu_k = torch.tensor([0, 2, 5]), torch.tensor([0, 3, 4])
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True)
+               for s in ((5, 2, 3), (4, 1, 3), (4, 1, 2)))
+
+    def step(q, k, v):
+        return sk.varlen_attention(q, k, v, cu_q, cu_k, causal=True).square().sum()
+
+    explained = torch._dynamo.explain(step)(q, k, v)
+    assert explained.graph_break_count == 0
+    eager = torch.autograd.grad(step(q, k, v), (q, k, v))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for a, b in zip(torch.autograd.grad(compiled(q, k, v), (q, k, v)), eager, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 def test_jax_grad_and_jit_match_torch():
@@ -303,3 +326,19 @@ def test_jax_grad_and_jit_match_torch():
     for a, b, leaf in zip(eager, jitted, leaves, strict=True):
         np.testing.assert_allclose(np.asarray(a), leaf.grad.numpy(), rtol=1e-10, atol=1e-12)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_jax_metadata_errors_are_named():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    q, k, v = jnp.zeros((5, 2, 4)), jnp.zeros((6, 1, 4)), jnp.zeros((6, 1, 3))
+    with pytest.raises(ValueError, match="cu_seqlens_q ends at 6, past the packed length"):
+        sk.varlen_attention(q, k, v, [0, 6], [0, 6])
+    with pytest.raises(TypeError, match="cu_seqlens_k has dtype int16"):
+        sk.varlen_attention(q, k, v, [0, 5], np.array([0, 6], dtype=np.int16))
+    # traced lengths are validated in the host callback; the message comes through
+    jitted = jax.jit(lambda q, k, v, cq, ck: sk.varlen_attention(q, k, v, cq, ck))
+    assert jitted(q, k, v, jnp.array([0, 2, 5]), jnp.array([0, 3, 6])).shape == (5, 2, 3)
+    with pytest.raises(Exception, match="cu_seqlens_q ends at 6, past the packed length"):
+        jitted(q, k, v, jnp.array([0, 2, 6]), jnp.array([0, 3, 6])).block_until_ready()

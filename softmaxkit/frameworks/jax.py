@@ -32,6 +32,7 @@ from ..attention import attention as _attention_fn
 from ..attention import attention_vjp as _attention_vjp_fn
 from ..attention import merge_attention_states as _merge_fn
 from ..attention import merge_attention_vjp as _merge_vjp_fn
+from ..varlen import check_seqlens as _check_seqlens
 from ..varlen import varlen_attention as _varlen_fn
 from ..varlen import varlen_attention_vjp as _varlen_vjp_fn
 
@@ -475,14 +476,22 @@ def _varlen_shapes(q, k, v):
     return _spec((tq, hq, v.shape[-1]), dtype), _spec((tq, hq), acc)
 
 
-def _packed(*arrays: Any) -> None:
-    """Refuse arrays with leading (vmapped) dimensions: packing is already the batch."""
-    for name, a in zip(("q", "k", "v"), arrays, strict=True):
+def _packed(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any) -> tuple[jax.Array, jax.Array]:
+    """Refuse arrays with leading (vmapped) dimensions, packing being the batch already, and
+    validate concrete cumulative lengths here, so their errors are raised as they are (a
+    traced one is validated in the host callback)."""
+    for name, a in zip(("q", "k", "v"), (q, k, v), strict=True):
         if a.ndim != 3:
             raise ValueError(
                 f"{name} must have the packed shape [T, H, D]; got {tuple(a.shape)} (vmap over "
                 "varlen_attention is not supported: pack the batch into the token axis)"
             )
+    cu_q, cu_k = jnp.asarray(cu_q), jnp.asarray(cu_k)
+    if not isinstance(cu_q, jax.core.Tracer) and not isinstance(cu_k, jax.core.Tracer):
+        host = np.empty(0)
+        _check_seqlens(_args.namespace(x=host), np.asarray(cu_q), np.asarray(cu_k),
+                       q.shape[0], k.shape[0], host)
+    return cu_q, cu_k
 
 
 @functools.lru_cache(maxsize=256)
@@ -529,13 +538,12 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     ``vmap``."""
     base = _args.lse_base(lse_base)
     q, k, v = _floating(q), _floating(k), _floating(v)
-    _packed(q, k, v)
+    cu_seqlens_q, cu_seqlens_k = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k)
     common = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
     q, k, v = q.astype(common), k.astype(common), v.astype(common)
     options = (None if scale is None else _args.attention_scale(scale, q.shape[-1]),
                _args.causal(causal), _args.window(window), _args.softcap(softcap), backend)
-    out, lse = _varlen_custom(options, bool(return_lse))(
-        q, k, v, jnp.asarray(cu_seqlens_q), jnp.asarray(cu_seqlens_k))
+    out, lse = _varlen_custom(options, bool(return_lse))(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if not return_lse:
         return out
     return out, (lse / LN2 if base == "2" else lse)
@@ -548,11 +556,12 @@ def varlen_attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`softmaxkit.varlen_attention_vjp` for JAX arrays (under jit, not vmap)."""
     arrays = [jnp.asarray(a) for a in (q, k, v, out, lse, dout)]
-    _packed(*arrays[:3])
+    cu_seqlens_q, cu_seqlens_k = _packed(arrays[0], arrays[1], arrays[2], cu_seqlens_q,
+                                         cu_seqlens_k)
     spec = tuple(_spec(a.shape, a.dtype) for a in arrays[:3])
     kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lse_base=lse_base,
               backend=backend)
     return _host(
         lambda q, k, v, o, s, d, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, **kw),
-        spec, *arrays, jnp.asarray(cu_seqlens_q), jnp.asarray(cu_seqlens_k),
+        spec, *arrays, cu_seqlens_q, cu_seqlens_k,
     )
