@@ -241,14 +241,15 @@ def varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, window=window,
             softcap=softcap, return_lse=return_lse, lse_base=lse_base, backend=backend,
         )
+    # the options are checked before the metadata is read
     base = args.lse_base(lse_base)
-    options = dict(scale=scale, causal=args.causal(causal), window=args.window(window),
+    options = dict(causal=args.causal(causal), window=args.window(window),
                    softcap=args.softcap(softcap))
     xp, dims, _, (qf, kf, vf), (cq, ck) = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    options["scale"] = args.attention_scale(scale, dims.d)
     out, lse = run(
         "varlen_attention", xp, qf, backend, q=qf, k=kf, v=vf, cu_seqlens_q=cq,
-        cu_seqlens_k=ck, **options, return_lse=bool(return_lse),
+        cu_seqlens_k=ck, scale=args.attention_scale(scale, dims.d), **options,
+        return_lse=bool(return_lse),
     )
     if not return_lse:
         return out
@@ -312,6 +313,7 @@ def varlen_attention_vjp(
             q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
             window=window, softcap=softcap, lse_base=lse_base, backend=backend,
         )
+    # the options are checked before the metadata is read
     base = args.lse_base(lse_base)
     options = dict(causal=args.causal(causal), window=args.window(window),
                    softcap=args.softcap(softcap))
