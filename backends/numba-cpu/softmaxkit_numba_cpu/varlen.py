@@ -1,11 +1,13 @@
-"""Packed variable-length attention: the backend's attention kernels run once per sequence.
+"""Packed variable-length attention: the backend's dense attention kernels, per sequence.
 
-Each sequence's rows of the packed ``[T, H, D]`` arrays are viewed as one batch
-``[1, H, L, D]`` (a transposed view; :func:`.attention.compute_arrays` makes the
-C-contiguous copy in the accumulator dtype that the kernels read anyway) and handed to
-:func:`.attention.attention` / :func:`.attention.attention_vjp`, so the compiled kernels, the
-causal and window bands and the threading decisions are those of dense attention, with no
-kernel of its own.  Results are written into packed arrays of the caller's library.
+Sequences of equal lengths ``(Lq, Lk)`` are gathered into one batch ``[G, H, L, D]`` (one
+copy, which the kernels' C-contiguous layout needs anyway; a lone sequence is passed as a
+transposed view, copied by :func:`.attention.compute_arrays`) and handed to
+:func:`.attention.attention` / :func:`.attention.attention_vjp`: one call per distinct pair
+of lengths, so a batch of equal lengths is one dense call whose tasks Numba's threads share,
+and the compiled kernels, the causal and window bands and the threading decisions are those
+of dense attention, with no kernel of its own.  Results are written into packed arrays of the
+caller's library.
 """
 
 from __future__ import annotations
@@ -20,16 +22,33 @@ from softmaxkit.dtypes import accumulator_dtype
 from .adapters import empty, numpy_view
 from .attention import attention, attention_vjp
 
+Span = tuple[int, int, int, int]
 
-def _sequences(cu_q: Any, cu_k: Any) -> list[tuple[int, int, int, int]]:
-    """``(q0, q1, k0, k1)`` of each sequence (the frontend has validated the lengths)."""
+
+def _groups(cu_q: Any, cu_k: Any) -> list[list[Span]]:
+    """The spans ``(q0, q1, k0, k1)`` of the sequences with queries, grouped by their lengths
+    ``(q1 - q0, k1 - k0)`` (the frontend has validated the cumulative lengths)."""
     hq, hk = numpy_view(cu_q).tolist(), numpy_view(cu_k).tolist()
-    return [(hq[b], hq[b + 1], hk[b], hk[b + 1]) for b in range(len(hq) - 1)]
+    groups: dict[tuple[int, int], list[Span]] = {}
+    for b in range(len(hq) - 1):
+        span = (hq[b], hq[b + 1], hk[b], hk[b + 1])
+        if span[1] > span[0]:  # a sequence without queries has nothing to compute
+            groups.setdefault((span[1] - span[0], span[3] - span[2]), []).append(span)
+    return list(groups.values())
 
 
-def _batch(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Rows ``lo:hi`` of a packed ``[T, H, D]`` array as a ``[1, H, L, D]`` view."""
-    return a[lo:hi].transpose(1, 0, 2)[None]
+def _batch(a: np.ndarray, spans: list[Span], first: int) -> np.ndarray:
+    """The rows of each span (``span[first]:span[first + 1]``) of a packed ``[T, H, D]`` array,
+    as one ``[G, H, L, D]`` batch: a view for one span, a copy for several."""
+    parts = [a[s[first]:s[first + 1]].transpose(1, 0, 2) for s in spans]
+    if len(parts) == 1:
+        return parts[0][None]
+    # filled part by part: np.stack would keep the parts' transposed layout, and the kernels
+    # would need one more copy
+    batch = np.empty((len(parts),) + parts[0].shape, dtype=a.dtype)
+    for g, part in enumerate(parts):
+        batch[g] = part
+    return batch
 
 
 def varlen_attention(
@@ -52,16 +71,15 @@ def varlen_attention(
     out, out_s = empty((tq, hq, vn.shape[2]), q.dtype, q)
     lse, lse_s = empty((tq, hq), accumulator_dtype(xp, q.dtype), q)
     out_n = numpy_view(out)
-    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
-        if q1 == q0:
-            continue
+    for spans in _groups(cu_seqlens_q, cu_seqlens_k):
         o, s = attention(
-            npx, q=_batch(qn, q0, q1), k=_batch(kn, k0, k1), v=_batch(vn, k0, k1),
+            npx, q=_batch(qn, spans, 0), k=_batch(kn, spans, 2), v=_batch(vn, spans, 2),
             scale=scale, causal=causal, window=window, mask=None, softcap=softcap,
             return_lse=True,
         )
-        out_n[q0:q1] = o[0].transpose(1, 0, 2)
-        lse_s[q0:q1] = s[0].T
+        for g, (q0, q1, _, _) in enumerate(spans):
+            out_n[q0:q1] = o[g].transpose(1, 0, 2)
+            lse_s[q0:q1] = s[g].T
     return out, (lse if return_lse else None)
 
 
@@ -88,15 +106,15 @@ def varlen_attention_vjp(
     views = [numpy_view(g) for g in grads]
     for view in views[1:]:
         view[...] = 0  # keys that no query reads keep a zero gradient
-    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
-        if q1 == q0:
-            continue
+    for spans in _groups(cu_seqlens_q, cu_seqlens_k):
+        lse_b = _batch(lse_n[..., None], spans, 0)[..., 0]
         parts = attention_vjp(
-            npx, q=_batch(qn, q0, q1), k=_batch(kn, k0, k1), v=_batch(vn, k0, k1),
-            out=_batch(on, q0, q1), lse=lse_n[q0:q1].T[None], dout=_batch(don, q0, q1),
+            npx, q=_batch(qn, spans, 0), k=_batch(kn, spans, 2), v=_batch(vn, spans, 2),
+            out=_batch(on, spans, 0), lse=lse_b, dout=_batch(don, spans, 0),
             scale=scale, causal=causal, window=window, mask=None, softcap=softcap,
         )
-        for view, part, (lo, hi) in zip(views, parts, ((q0, q1), (k0, k1), (k0, k1)),
-                                        strict=True):
-            view[lo:hi] = part[0].transpose(1, 0, 2)
+        for g, (q0, q1, k0, k1) in enumerate(spans):
+            for view, part, (lo, hi) in zip(views, parts, ((q0, q1), (k0, k1), (k0, k1)),
+                                            strict=True):
+                view[lo:hi] = part[g].transpose(1, 0, 2)
     return tuple(grads)
