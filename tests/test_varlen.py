@@ -31,6 +31,21 @@ def test_reference_passes_the_varlen_cases(case):
         pytest.fail(str(exc))
 
 
+def test_kit_detects_attention_across_sequence_boundaries(monkeypatch):
+    """A kernel that lets every query see every packed key (no boundaries) fails the kit."""
+    import softmaxkit.reference.varlen as reference
+    from softmaxkit.arguments import host_integers
+    from softmaxkit.testing import check_backend
+
+    def one_sequence(cu_q, cu_k):
+        return [(0, int(host_integers(cu_q)[-1]), 0, int(host_integers(cu_k)[-1]))]
+
+    monkeypatch.setattr(reference, "_sequences", one_sequence)
+    results = check_backend("reference", ops=["varlen_attention", "varlen_attention_vjp"],
+                            dtypes=["float64"])
+    assert results and all(r.status == "failed" for r in results)
+
+
 def _packed(seed, lens_q, lens_k, hq=4, hk=2, d=8, dv=6, dtype=np.float64):
     rng = np.random.default_rng(seed)
     cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int64)
