@@ -18,6 +18,7 @@ from .paged import paged_attention
 from .registry import BackendWarning, NoBackendError, backend_opts, backends
 from .rows import cross_entropy, log_softmax, log_softmax_vjp, logsumexp, softmax, softmax_vjp
 from .summary import Summary, merge, summarize
+from .varlen import varlen_attention, varlen_attention_vjp
 
 __version__ = "0.1.0"
 
@@ -43,4 +44,6 @@ __all__ = [
     "softmax",
     "softmax_vjp",
     "summarize",
+    "varlen_attention",
+    "varlen_attention_vjp",
 ]

@@ -85,6 +85,26 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
         "q", "k_pages", "v_pages", "block_table", "seqlens", "scale", "causal", "window",
         "softcap", "return_lse",
     ),
+    # varlen_attention (spec "Packed variable-length attention"): sequences packed along the
+    # token axis; q [Tq, Hq, D], k [Tk, Hk, D], v [Tk, Hk, Dv]: one dtype, Hq % Hk == 0;
+    # cu_seqlens_q, cu_seqlens_k: int64 [B + 1] on q's device, checked by the frontend (start
+    #   at 0, never decrease, end at Tq / Tk; a kernel may read them to the host); sequence b
+    #   is q[cu_q[b]:cu_q[b+1]] attending to k, v[cu_k[b]:cu_k[b+1]] and nothing else;
+    # scale, causal, window, softcap as for attention, causal and window aligned within each
+    #   sequence (Lq, Lk its own lengths); no mask
+    # -> (out [Tq, Hq, Dv] in q's dtype, lse [Tq, Hq] in acc, natural log, or None when
+    #   return_lse is False); a row with no allowed key (a sequence with no keys included):
+    #   out 0, lse -inf
+    "varlen_attention": (
+        "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "scale", "causal", "window", "softcap",
+        "return_lse",
+    ),
+    # out, dout [Tq, Hq, Dv] (q's dtype), lse [Tq, Hq] in acc, natural log, -inf = empty
+    # -> (dq, dk, dv) shaped and typed like q, k, v (dk, dv summed over each GQA group)
+    "varlen_attention_vjp": (
+        "q", "k", "v", "out", "lse", "dout", "cu_seqlens_q", "cu_seqlens_k", "scale", "causal",
+        "window", "softcap",
+    ),
 }
 """Operation name -> the keyword parameters its kernel takes after ``xp``."""
 

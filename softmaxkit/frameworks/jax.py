@@ -32,6 +32,9 @@ from ..attention import attention as _attention_fn
 from ..attention import attention_vjp as _attention_vjp_fn
 from ..attention import merge_attention_states as _merge_fn
 from ..attention import merge_attention_vjp as _merge_vjp_fn
+from ..varlen import check_seqlens as _check_seqlens
+from ..varlen import varlen_attention as _varlen_fn
+from ..varlen import varlen_attention_vjp as _varlen_vjp_fn
 
 LN2 = math.log(2.0)
 
@@ -460,3 +463,105 @@ def merge_attention_vjp(outs: Any, lses: Any, dout: Any, dlse: Any = None, axis:
     return _host(lambda o, s, d, dl: _merge_vjp_fn(o, s, d, dl, ax, lse_base=lse_base,
                                                    empty_lse=empty_lse, backend=backend),
                  spec, outs, lses, jnp.asarray(dout), None if dlse is None else jnp.asarray(dlse))
+
+
+# ---------------------------------------------------------------------------------------------
+# packed variable-length attention
+
+
+def _varlen_shapes(q, k, v):
+    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+    acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    tq, hq = q.shape[0], q.shape[1]
+    return _spec((tq, hq, v.shape[-1]), dtype), _spec((tq, hq), acc)
+
+
+def _packed(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any) -> tuple[jax.Array, jax.Array]:
+    """Refuse arrays with leading (vmapped) dimensions, packing being the batch already, and
+    validate concrete cumulative lengths here, so their errors are raised as they are (a
+    traced one is validated in the host callback)."""
+    for name, a in zip(("q", "k", "v"), (q, k, v), strict=True):
+        if a.ndim != 3:
+            raise ValueError(
+                f"{name} must have the packed shape [T, H, D]; got {tuple(a.shape)} (vmap over "
+                "varlen_attention is not supported: pack the batch into the token axis)"
+            )
+    cu_q, cu_k = jnp.asarray(cu_q), jnp.asarray(cu_k)
+    if not isinstance(cu_q, jax.core.Tracer) and not isinstance(cu_k, jax.core.Tracer):
+        host = np.empty(0)
+        _check_seqlens(_args.namespace(x=host), np.asarray(cu_q), np.asarray(cu_k),
+                       q.shape[0], k.shape[0], host)
+    return cu_q, cu_k
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_custom(options: tuple, lse_used: bool) -> Any:
+    scale, causal, window, softcap, backend = options
+    kw = dict(scale=scale, causal=causal or False, window=window, softcap=softcap,
+              backend=backend)
+
+    @jax.custom_vjp
+    def f(q, k, v, cu_q, cu_k):
+        return _host(lambda q, k, v, cq, ck: _varlen_fn(q, k, v, cq, ck, return_lse=True, **kw),
+                     _varlen_shapes(q, k, v), q, k, v, cu_q, cu_k)
+
+    def fwd(q, k, v, cu_q, cu_k):
+        out, lse = f(q, k, v, cu_q, cu_k)
+        return (out, lse), (q, k, v, cu_q, cu_k, out, lse)
+
+    def bwd(res, cots):
+        q, k, v, cu_q, cu_k, out, lse = res
+        dout, dlse = cots
+        dv_width = v.shape[-1]
+        if lse_used:
+            # as for attention: D_i = <dout_i, out_i> - dlse_i through one extra value column
+            v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+            out = jnp.concatenate([out, (-dlse).astype(out.dtype)[..., None]], axis=-1)
+            dout = jnp.concatenate([dout, jnp.ones(dout.shape[:-1] + (1,), dout.dtype)], -1)
+        spec = tuple(_spec(a.shape, a.dtype) for a in (q, k, v))
+        dq, dk, dv = _host(
+            lambda q, k, v, o, s, d, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, **kw),
+            spec, q, k, v, out, lse, dout.astype(out.dtype), cu_q, cu_k,
+        )
+        return dq, dk, dv[..., :dv_width], None, None
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                     scale: float | None = None, causal: Any = False, window: Any = None,
+                     softcap: float | None = None, return_lse: bool = False,
+                     lse_base: Any = "e", backend: str | None = None) -> Any:
+    """:func:`softmaxkit.varlen_attention` for JAX arrays, differentiable in q, k, v (and its
+    lse), under ``jit`` (the cumulative lengths are validated in the host callback); not under
+    ``vmap``."""
+    base = _args.lse_base(lse_base)
+    q, k, v = _floating(q), _floating(k), _floating(v)
+    cu_seqlens_q, cu_seqlens_k = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    common = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+    q, k, v = q.astype(common), k.astype(common), v.astype(common)
+    options = (None if scale is None else _args.attention_scale(scale, q.shape[-1]),
+               _args.causal(causal), _args.window(window), _args.softcap(softcap), backend)
+    out, lse = _varlen_custom(options, bool(return_lse))(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if not return_lse:
+        return out
+    return out, (lse / LN2 if base == "2" else lse)
+
+
+def varlen_attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
+                         cu_seqlens_q: Any, cu_seqlens_k: Any, *, scale: float | None = None,
+                         causal: Any = False, window: Any = None, softcap: float | None = None,
+                         lse_base: Any = "e", backend: str | None = None,
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`softmaxkit.varlen_attention_vjp` for JAX arrays (under jit, not vmap)."""
+    arrays = [jnp.asarray(a) for a in (q, k, v, out, lse, dout)]
+    cu_seqlens_q, cu_seqlens_k = _packed(arrays[0], arrays[1], arrays[2], cu_seqlens_q,
+                                         cu_seqlens_k)
+    spec = tuple(_spec(a.shape, a.dtype) for a in arrays[:3])
+    kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lse_base=lse_base,
+              backend=backend)
+    return _host(
+        lambda q, k, v, o, s, d, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, **kw),
+        spec, *arrays, cu_seqlens_q, cu_seqlens_k,
+    )

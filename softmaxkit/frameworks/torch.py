@@ -12,7 +12,8 @@ library's own VJP operators on the same backend:
   (on a GPU its implementation reads nothing back to the host: the mean's count stays on the
   device and labels are not range-checked there, so it can be captured in a CUDA graph);
 - attention: ``attention_vjp`` recomputing from the saved ``out`` and ``lse``;
-- merge_attention_states: ``merge_attention_vjp``.
+- merge_attention_states: ``merge_attention_vjp``;
+- varlen_attention: ``varlen_attention_vjp`` recomputing from the saved ``out`` and ``lse``.
 
 Second derivatives are not implemented: differentiating a backward raises an error that names
 the operation.  Arguments that have no gradient formula (for example probabilities as
@@ -36,6 +37,8 @@ from ..attention import attention as _attention_fn
 from ..attention import attention_vjp as _attention_vjp_fn
 from ..attention import merge_attention_states as _merge_fn
 from ..attention import merge_attention_vjp as _merge_vjp_fn
+from ..varlen import varlen_attention as _varlen_fn
+from ..varlen import varlen_attention_vjp as _varlen_vjp_fn
 
 LN2 = math.log(2.0)
 
@@ -601,3 +604,128 @@ def merge_attention_vjp(
         outs, lses * LN2 if base == "2" else lses, dout, dlse, ax, backend
     )
     return douts, (dlses * LN2 if base == "2" else dlses)
+
+
+# ---------------------------------------------------------------------------------------------
+# packed variable-length attention
+
+
+@torch.library.custom_op("softmaxkit::varlen_attention", mutates_args=())
+def varlen_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    scale: float | None, causal: str | None, window: list[int], softcap: float | None,
+    backend: str | None, lse_used: bool,
+) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        out, lse = _varlen_fn(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal or False,
+            window=(window[0], window[1]), softcap=softcap, return_lse=True, backend=backend,
+        )
+    return out.contiguous(), lse.contiguous()
+
+
+@varlen_attention_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, backend, lse_used):
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    tq, hq = q.shape[0], q.shape[1]
+    return _empty(q, (tq, hq, v.shape[-1]), dtype), _empty(q, (tq, hq), _acc(dtype))
+
+
+@torch.library.custom_op("softmaxkit::varlen_attention_vjp", mutates_args=())
+def varlen_attention_vjp_op(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float | None, causal: str | None,
+    window: list[int], softcap: float | None, backend: str | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    with torch.no_grad():
+        grads = _varlen_vjp_fn(
+            q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, scale=scale,
+            causal=causal or False, window=(window[0], window[1]), softcap=softcap,
+            backend=backend,
+        )
+    return tuple(g.contiguous() for g in grads)
+
+
+@varlen_attention_vjp_op.register_fake
+def _(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap,
+      backend):
+    return tuple(_empty(a, a.shape, a.dtype) for a in (q, k, v))
+
+
+varlen_attention_vjp_op.register_autograd(
+    _no_double_backward("varlen_attention_vjp"), setup_context=_no_setup
+)
+
+
+def _varlen_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, cu_q, cu_k, scale, causal, window, softcap, backend, lse_used = inputs
+    ctx.args = (scale, causal, window, softcap, backend)
+    ctx.lse_used = lse_used
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)  # out and lse: the backward recomputes
+
+
+def _varlen_backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple:
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+    dv_width = v.shape[-1]
+    widen = ctx.lse_used and dlse is not None
+    if widen:
+        # as for attention: D_i = <dout_i, out_i> - dlse_i through one extra value column
+        assert dlse is not None
+        v = torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], dim=-1)
+        out = torch.cat([out, (-dlse).to(out.dtype).unsqueeze(-1)], dim=-1)
+        dout = torch.cat([dout, dout.new_ones(dout.shape[:-1] + (1,))], dim=-1)
+    dq, dk, dv = varlen_attention_vjp_op(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args)
+    if widen:
+        dv = dv[..., :dv_width]
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+varlen_attention_op.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+def _seqlens(value: Any, like: Tensor, name: str) -> Tensor:
+    """Cumulative lengths as a tensor on ``like``'s device (the frontend validates them)."""
+    if isinstance(value, Tensor):
+        if value.requires_grad:
+            raise TypeError(f"{name} holds cumulative lengths and cannot require grad")
+        return value
+    return torch.as_tensor(value, device=like.device)
+
+
+def varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+    scale: float | None = None, causal: Any = False, window: Any = None,
+    softcap: float | None = None, return_lse: bool = False, lse_base: Any = "e",
+    backend: str | None = None,
+) -> Any:
+    """:func:`softmaxkit.varlen_attention` as the differentiable operator
+    ``softmaxkit::varlen_attention``; the backward recomputes from the saved ``out`` and
+    ``lse`` (``varlen_attention_vjp``), and the returned ``lse`` is differentiable too."""
+    base = _args.lse_base(lse_base)
+    out, lse = varlen_attention_op(
+        q, k, v, _seqlens(cu_seqlens_q, q, "cu_seqlens_q"),
+        _seqlens(cu_seqlens_k, q, "cu_seqlens_k"),
+        None if scale is None else _args.attention_scale(scale, q.shape[-1]),
+        _args.causal(causal), list(_args.window(window)), _args.softcap(softcap), backend,
+        bool(return_lse),
+    )
+    if not return_lse:
+        return out
+    return out, (lse / LN2 if base == "2" else lse)
+
+
+def varlen_attention_vjp(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+    cu_seqlens_q: Any, cu_seqlens_k: Any, *, scale: float | None = None, causal: Any = False,
+    window: Any = None, softcap: float | None = None, lse_base: Any = "e",
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`softmaxkit.varlen_attention_vjp` as an operator (no second derivative)."""
+    if _args.lse_base(lse_base) == "2":
+        lse = lse * LN2
+    return varlen_attention_vjp_op(
+        q, k, v, out, lse, dout, _seqlens(cu_seqlens_q, q, "cu_seqlens_q"),
+        _seqlens(cu_seqlens_k, q, "cu_seqlens_k"),
+        None if scale is None else _args.attention_scale(scale, q.shape[-1]),
+        _args.causal(causal), list(_args.window(window)), _args.softcap(softcap), backend,
+    )

@@ -25,6 +25,8 @@ _MODULES = {
     "merge_attention": "attention",
     "merge_attention_vjp": "attention",
     "paged_attention": "paged",
+    "varlen_attention": "varlen",
+    "varlen_attention_vjp": "varlen",
 }
 
 

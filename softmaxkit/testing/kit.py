@@ -36,6 +36,7 @@ CASE_MODULES = (
     "softmaxkit.testing.summary_cases",
     "softmaxkit.testing.attention_cases",
     "softmaxkit.testing.paged_cases",
+    "softmaxkit.testing.varlen_cases",
 )
 
 

@@ -23,6 +23,7 @@ ATTENTION_OPS = ("attention", "attention_vjp")
 ATTENTION_DTYPES = DTYPES
 
 PAGED_OPS = ("paged_attention",)
+VARLEN_OPS = ("varlen_attention", "varlen_attention_vjp")  # the attention kernels per sequence
 
 SUMMARY_OPS = ("summarize", "normalize", "merge_attention", "merge_attention_vjp")
 MERGE_OPS = ("merge",)  # keyed by the summaries' dtype: the accumulator's
@@ -47,6 +48,7 @@ def manifest() -> dict[str, Any]:
             {"ops": list(ATTENTION_OPS), "devices": ["cpu"], "dtypes": list(ATTENTION_DTYPES)},
             {"ops": list(PAGED_OPS), "devices": ["cpu"], "dtypes": list(ATTENTION_DTYPES)},
             {"ops": list(SUMMARY_OPS), "devices": ["cpu"], "dtypes": list(DTYPES)},
+            {"ops": list(VARLEN_OPS), "devices": ["cpu"], "dtypes": list(ATTENTION_DTYPES)},
             {"ops": list(MERGE_OPS), "devices": ["cpu"], "dtypes": list(MERGE_DTYPES)},
         ],
         "kernels": {
@@ -54,6 +56,7 @@ def manifest() -> dict[str, Any]:
             **{op: f"softmaxkit_numba_cpu.attention:{op}" for op in ATTENTION_OPS},
             **{op: f"softmaxkit_numba_cpu.paged:{op}" for op in PAGED_OPS},
             **{op: f"softmaxkit_numba_cpu.summaries:{op}" for op in SUMMARY_OPS + MERGE_OPS},
+            **{op: f"softmaxkit_numba_cpu.varlen:{op}" for op in VARLEN_OPS},
         },
         "priority": PRIORITY,
         "install_hint": "pip install softmaxkit-numba-cpu",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from softmaxkit_numba_cpu.manifest import ATTENTION_OPS, PAGED_OPS, ROW_OPS
+from softmaxkit_numba_cpu.manifest import ATTENTION_OPS, PAGED_OPS, ROW_OPS, VARLEN_OPS
 
 from softmaxkit.testing import Unsupported, cases
 
@@ -15,6 +15,7 @@ ATTENTION_CASES = [
     if set(c.ops) <= set(ATTENTION_OPS)  # merges are tested with the summary kernels
 ]
 PAGED_CASES = [c for t in TARGETS for c in cases(target=t, ops=PAGED_OPS)]
+VARLEN_CASES = [c for t in TARGETS for c in cases(target=t, ops=VARLEN_OPS)]
 DECLINED: set[str] = set()
 """Cases this backend declines on purpose (none: every attention option is served)."""
 
@@ -40,8 +41,9 @@ def test_attention_case(case):
         pytest.fail(f"numba-cpu declined a case it serves: {exc}")
 
 
-@pytest.mark.parametrize("case", PAGED_CASES, ids=lambda c: f"{c.target.name}-{c}")
-def test_paged_attention_case(case):
+@pytest.mark.parametrize("case", PAGED_CASES + VARLEN_CASES,
+                         ids=lambda c: f"{c.target.name}-{c}")
+def test_packed_and_paged_attention_case(case):
     try:
         case.run(BACKEND)
     except Unsupported as exc:  # pragma: no cover

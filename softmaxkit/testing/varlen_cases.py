@@ -1,0 +1,213 @@
+"""Conformance cases for packed variable-length attention and its gradient.
+
+Each case packs a few sequences of different lengths (no queries, no keys, more queries than
+keys and the reverse among them), runs ``varlen_attention`` on the backend under test and
+checks the packed result twice: against the float64 materialized definition evaluated on each
+unpacked sequence (:mod:`softmaxkit.testing.materialized`), under the bounds of
+spec/semantics.md, "Attention", and against the library's dense ``attention`` called on each
+unpacked sequence in the case's dtype, which must agree within the same bounds and give the
+same empty rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+import softmaxkit as sk
+
+from ..dtypes import accumulator_name
+from . import materialized as ref
+from .attention_cases import ATTENTION_TOLERANCES, check_forward, check_grads
+from .kit import Target, case
+
+LENGTHS: tuple[tuple[int, ...], tuple[int, ...]] = ((3, 0, 6, 1, 4, 9), (5, 2, 3, 0, 4, 12))
+"""Query and key lengths of the packed sequences: sequence 1 has keys but no queries,
+sequence 3 a query but no keys (out 0, lse -inf), sequence 2 more queries than keys (its
+first rows see no key under bottom-right causal alignment)."""
+
+
+def _cu(lengths: tuple[int, ...]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)])
+
+
+def _spans(cu_q: np.ndarray, cu_k: np.ndarray) -> list[tuple[int, int, int, int]]:
+    return [(int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1]))
+            for b in range(len(cu_q) - 1)]
+
+
+def _heads_first(a: np.ndarray) -> np.ndarray:
+    return a.transpose(1, 0, 2)
+
+
+def _causal_kw(causal: Any) -> str | None:
+    return {False: None, True: "bottom_right"}.get(causal, causal)
+
+
+def _inputs(t: Target, dtype: str, seed: int, hq: int, hk: int, d: int, dv: int,
+            scale: float = 1.0) -> tuple[list[Any], list[np.ndarray], np.ndarray, np.ndarray]:
+    """Packed (q, k, v) on the target, their represented float64 values, and cu_seqlens."""
+    cu_q, cu_k = _cu(LENGTHS[0]), _cu(LENGTHS[1])
+    rng = np.random.default_rng(seed)
+    shapes = ((cu_q[-1], hq, d), (cu_k[-1], hk, d), (cu_k[-1], hk, dv))
+    on_target = [t.asarray(rng.normal(scale=scale, size=s), dtype) for s in shapes]
+    return on_target, [t.to_numpy(a) for a in on_target], cu_q, cu_k
+
+
+def _metadata(t: Target, cu_q: np.ndarray, cu_k: np.ndarray, kind: str) -> tuple[Any, Any]:
+    return t.asarray(cu_q.astype(kind), None), t.asarray(cu_k.astype(kind), None)
+
+
+def packed_reference(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_q: np.ndarray, cu_k: np.ndarray,
+    **kw: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(out [Tq, Hq, Dv], lse [Tq, Hq]) in float64: the definition on each sequence, packed."""
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
+    lse = np.full(q.shape[:2], -np.inf)
+    for q0, q1, k0, k1 in _spans(cu_q, cu_k):
+        o, s = ref.attention(_heads_first(q[q0:q1]), _heads_first(k[k0:k1]),
+                             _heads_first(v[k0:k1]), **kw)
+        out[q0:q1], lse[q0:q1] = _heads_first(o), s.T
+    return out, lse
+
+
+def _dense_on_target(
+    t: Target, dtype: str, q: Any, k: Any, v: Any, cu_q: np.ndarray, cu_k: np.ndarray,
+    **kw: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The library's dense attention on each unpacked sequence (default dispatch), packed."""
+    xp = t.xp
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
+    lse = np.full(tuple(q.shape[:2]), -np.inf)
+
+    def heads_first(a: Any, lo: int, hi: int) -> Any:
+        return xp.permute_dims(a[lo:hi, ...], (1, 0, 2))
+
+    for q0, q1, k0, k1 in _spans(cu_q, cu_k):
+        if q1 == q0:
+            continue
+        o, s = sk.attention(heads_first(q, q0, q1), heads_first(k, k0, k1),
+                            heads_first(v, k0, k1), return_lse=True, **kw)
+        out[q0:q1], lse[q0:q1] = _heads_first(t.to_numpy(o)), t.to_numpy(s).T
+    return out, lse
+
+
+def _check_dense(dtype: str, got: tuple[Any, Any], dense: tuple[np.ndarray, np.ndarray],
+                 t: Target, what: str) -> None:
+    """The packed result agrees with dense attention per sequence: same empty rows, and within
+    twice the bounds (each is within the bounds of the float64 definition)."""
+    out, lse = t.to_numpy(got[0]), t.to_numpy(got[1])
+    d_out, d_lse = dense
+    empty = d_lse == -np.inf
+    assert np.array_equal(lse == -np.inf, empty), (
+        f"{what}: rows with no allowed key differ from dense attention's")
+    out_tol, lse_tol, _ = ATTENTION_TOLERANCES[dtype]
+    err = ref.rel_frobenius(out, d_out)
+    assert err <= 2 * out_tol, f"{what} [{dtype}]: out differs from dense attention by {err:.3g}"
+    if np.any(~empty):
+        lerr = float(np.max(np.abs(lse[~empty] - d_lse[~empty])))
+        assert lerr <= 2 * lse_tol, (
+            f"{what} [{dtype}]: lse differs from dense attention by {lerr:.3g}")
+
+
+def _forward(t: Target, dtype: str, backend: str, seed: int, heads: tuple[int, int],
+             dims: tuple[int, int], what: str, kind: str = "int64", scale: Any = None,
+             score_scale: float = 1.0, **kw: Any) -> None:
+    (q, k, v), (q64, k64, v64), cu_q, cu_k = _inputs(t, dtype, seed, *heads, *dims,
+                                                      scale=score_scale)
+    mq, mk = _metadata(t, cu_q, cu_k, kind)
+    got = sk.varlen_attention(q, k, v, mq, mk, return_lse=True, scale=scale, backend=backend,
+                              **kw)
+    rkw = dict(kw, causal=_causal_kw(kw.get("causal", False)))
+    expected = packed_reference(q64, k64, v64, cu_q, cu_k, scale=scale, **rkw)
+    check_forward(t, dtype, got, expected, what)
+    dense = _dense_on_target(t, dtype, q, k, v, cu_q, cu_k, scale=scale, **kw)
+    _check_dense(dtype, got, dense, t, what + " vs dense attention")
+
+
+@case("varlen_attention")
+def case_varlen_attention_causal_alignments(t: Target, dtype: str, backend: str) -> None:
+    d, dv = t.head_dims[0]
+    for causal in (False, True, "top_left"):
+        _forward(t, dtype, backend, 40, (2, 2), (d, dv), f"varlen_attention causal={causal!r}",
+                 causal=causal)
+    _forward(t, dtype, backend, 41, (2, 2), (d, dv), "varlen_attention int32 cu_seqlens",
+             kind="int32", causal=True)
+
+
+@case("varlen_attention")
+def case_varlen_attention_grouped_query(t: Target, dtype: str, backend: str) -> None:
+    d, dv = t.head_dims[0]
+    for hq, hk in ((4, 2), (3, 1)):
+        _forward(t, dtype, backend, 42 + hq, (hq, hk), (d, dv),
+                 f"varlen_attention Hq={hq} Hk={hk}", causal=True)
+
+
+@case("varlen_attention")
+def case_varlen_attention_window_softcap(t: Target, dtype: str, backend: str) -> None:
+    d, dv = next(((d, dv) for d, dv in t.head_dims if d == dv), t.head_dims[0])
+    for window, causal in (((2, 1), False), ((1, -1), True), ((2, 2), "top_left")):
+        _forward(t, dtype, backend, 44, (2, 2), (d, dv),
+                 f"varlen_attention window={window} causal={causal!r}", window=window,
+                 causal=causal)
+    # scores of standard deviation about 4, so the cap bends some of them
+    _forward(t, dtype, backend, 45, (2, 2), (d, dv), "varlen_attention softcap=5",
+             softcap=5.0, scale=4.0 / math.sqrt(d), causal=True)
+
+
+@case("varlen_attention")
+def case_varlen_attention_lse_base_2(t: Target, dtype: str, backend: str) -> None:
+    d, dv = t.head_dims[0]
+    (q, k, v), (q64, k64, v64), cu_q, cu_k = _inputs(t, dtype, 46, 2, 2, d, dv)
+    mq, mk = _metadata(t, cu_q, cu_k, "int64")
+    out, lse2 = sk.varlen_attention(q, k, v, mq, mk, causal=True, return_lse=True, lse_base=2,
+                                    backend=backend)
+    e_out, e_lse = packed_reference(q64, k64, v64, cu_q, cu_k, causal="bottom_right")
+    lse_e = t.asarray(t.to_numpy(lse2) * math.log(2.0), None)
+    check_forward(t, dtype, (out, lse_e), (e_out, e_lse), "varlen_attention lse_base=2")
+    plain = sk.varlen_attention(q, k, v, mq, mk, causal=True, backend=backend)
+    assert np.array_equal(t.to_numpy(plain), t.to_numpy(out)), (
+        "varlen_attention: out differs between return_lse=False and True")
+
+
+@case("varlen_attention_vjp")
+def case_varlen_attention_vjp(t: Target, dtype: str, backend: str) -> None:
+    d, dv = t.head_dims[0]
+    settings: tuple[tuple[dict[str, Any], str], ...] = (
+        ({}, "plain"),
+        ({"causal": True}, "causal (empty rows)"),
+        ({"causal": "top_left", "window": (2, 1)}, "top_left window"),
+        ({"softcap": 4.0, "scale": 4.0 / math.sqrt(d)}, "softcap"),
+    )
+    acc = accumulator_name(dtype)
+    for i, (kw, name) in enumerate(settings):
+        (q, k, v), (q64, k64, v64), cu_q, cu_k = _inputs(t, dtype, 50 + i, 4, 2, d, dv)
+        rng = np.random.default_rng(60 + i)
+        dout = t.asarray(rng.normal(size=(int(cu_q[-1]), 4, dv)), dtype)
+        dout64 = t.to_numpy(dout)
+        rkw = dict(kw, causal=_causal_kw(kw.get("causal", False)))
+        # the forward's (out, lse) come from the float64 definition, so a backend that serves
+        # only the gradient is checked too
+        out64, lse64 = packed_reference(q64, k64, v64, cu_q, cu_k, **rkw)
+        mq, mk = _metadata(t, cu_q, cu_k, "int64")
+        got = sk.varlen_attention_vjp(q, k, v, t.asarray(out64, dtype), t.asarray(lse64, acc),
+                                      dout, mq, mk, backend=backend, **kw)
+        expected = [np.zeros_like(a) for a in (q64, k64, v64)]
+        for q0, q1, k0, k1 in _spans(cu_q, cu_k):
+            grads = ref.attention_vjp(_heads_first(q64[q0:q1]), _heads_first(k64[k0:k1]),
+                                      _heads_first(v64[k0:k1]), _heads_first(dout64[q0:q1]),
+                                      **rkw)
+            for e, g, (lo, hi) in zip(expected, grads, ((q0, q1), (k0, k1), (k0, k1)),
+                                      strict=True):
+                e[lo:hi] = _heads_first(g)
+        check_grads(t, dtype, got, tuple(expected), f"varlen_attention_vjp {name}")
+        dq, dk, dvv = (t.to_numpy(g) for g in got)
+        k0, k1 = int(cu_k[1]), int(cu_k[2])  # the keys of the sequence with no queries
+        assert np.all(dk[k0:k1] == 0) and np.all(dvv[k0:k1] == 0), (
+            f"varlen_attention_vjp {name}: keys of a sequence with no queries have a gradient")
+        empty = lse64 == -np.inf
+        assert np.all(dq[empty] == 0), (
+            f"varlen_attention_vjp {name}: a row with no allowed key has nonzero dq")

@@ -1,0 +1,340 @@
+"""Packed variable-length attention and its gradient.
+
+A batch of sequences of different lengths is packed along one token axis, without padding:
+``q`` is ``[Tq, Hq, D]`` and sequence ``b`` owns the query rows
+``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and the key rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``
+(the FlashAttention ``varlen`` layout).  Each sequence attends only within itself, exactly as
+:func:`softmaxkit.attention` would on that sequence alone.  spec/semantics.md, "Packed
+variable-length attention", is the contract; the cumulative lengths are validated here, on the
+host, before any kernel runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import arguments as args
+from .dispatch import run
+from .dtypes import accumulator_dtype, dtype_name
+from .frameworks import route
+
+LN2 = math.log(2.0)
+
+SEQLEN_DTYPES = ("int32", "int64")
+"""The integer dtypes accepted for ``cu_seqlens_q`` and ``cu_seqlens_k``."""
+
+
+class _Packed:
+    """Shapes of packed q [Tq, Hq, D], k [Tk, Hk, D], v [Tk, Hk, Dv], checked."""
+
+    def __init__(self, q: Any, k: Any, v: Any) -> None:
+        for name, a, layout in (("q", q, "[Tq, Hq, D]"), ("k", k, "[Tk, Hk, D]"),
+                                ("v", v, "[Tk, Hk, Dv]")):
+            if a.ndim != 3:
+                raise ValueError(
+                    f"{name} must have the packed shape {layout} (tokens of every sequence "
+                    f"along the first axis); got {tuple(a.shape)}"
+                )
+        self.tq, self.hq, self.d = q.shape
+        self.tk, self.hk, dk = k.shape
+        if dk != self.d:
+            raise ValueError(f"q's head dim {self.d} differs from k's {dk}")
+        if tuple(v.shape[:2]) != (self.tk, self.hk):
+            raise ValueError(
+                f"v of shape {tuple(v.shape)} must be [Tk, Hk, Dv] with (Tk, Hk) = "
+                f"{(self.tk, self.hk)} from k"
+            )
+        self.dv = v.shape[2]
+        if self.hk == 0 or self.hq % self.hk:
+            raise ValueError(
+                f"q's {self.hq} heads must be a multiple of k's and v's {self.hk} heads "
+                "(grouped-query attention)"
+            )
+
+
+def cu_seqlens(
+    xp: Any, value: Any, name: str, total: int, what: str, like: Any
+) -> tuple[Any, np.ndarray]:
+    """Validate cumulative sequence lengths; return them as int64 on ``like``'s device, and
+    their values on the host.
+
+    Parameters
+    ----------
+    xp : namespace
+        The caller's array namespace.
+    value : array or sequence of int
+        ``[B + 1]`` cumulative lengths: int32 or int64, starting at 0, never decreasing,
+        ending at ``total``.
+    name : str
+        The argument's name, for the errors.
+    total : int
+        The packed length (``Tq`` or ``Tk``) the last entry must equal.
+    what : str
+        How the packed length is called in the errors (``"Tq = q.shape[0]"``).
+    like : array
+        The array whose device the result goes to (a Python sequence is converted there).
+
+    Returns
+    -------
+    (array, numpy.ndarray)
+        The lengths as an int64 array of ``xp`` and as a host int64 array.
+
+    Raises
+    ------
+    TypeError
+        A dtype other than int32 or int64.
+    ValueError
+        Not one-dimensional, empty, not starting at 0, decreasing, or not ending at ``total``.
+    """
+    a = args.as_array(xp, value, name, like=like)
+    kind = dtype_name(a.dtype)
+    if kind not in SEQLEN_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {kind}: expected int32 or int64 cumulative sequence lengths"
+        )
+    if a.ndim != 1 or a.shape[0] < 1:
+        raise ValueError(
+            f"{name} of shape {tuple(a.shape)} must be one-dimensional [B + 1] with at least "
+            "one entry (the cumulative lengths, starting at 0)"
+        )
+    host = args.host_integers(a)
+    if host[0] != 0:
+        raise ValueError(f"{name} must start at 0; got {int(host[0])}")
+    steps = np.diff(host)
+    if np.any(steps < 0):
+        b = int(np.argmax(steps < 0))
+        raise ValueError(
+            f"{name} decreases from {int(host[b])} to {int(host[b + 1])} at entry {b + 1}: "
+            "cumulative lengths never decrease"
+        )
+    if host[-1] > total:
+        raise ValueError(
+            f"{name} ends at {int(host[-1])}, past the packed length {what} = {total}"
+        )
+    if host[-1] < total:
+        raise ValueError(
+            f"{name} ends at {int(host[-1])}, before the packed length {what} = {total}: its "
+            "last entry must equal the packed length (every token belongs to a sequence)"
+        )
+    return xp.astype(a, xp.int64, copy=False), host
+
+
+def check_seqlens(
+    xp: Any, cu_q: Any, cu_k: Any, tq: int, tk: int, like: Any
+) -> tuple[Any, Any]:
+    """Validate both cumulative lengths (:func:`cu_seqlens`) and that they count the same
+    sequences; return them as int64 arrays of ``xp`` on ``like``'s device."""
+    cq, hq = cu_seqlens(xp, cu_q, "cu_seqlens_q", tq, "Tq = q.shape[0]", like)
+    ck, hk = cu_seqlens(xp, cu_k, "cu_seqlens_k", tk, "Tk = k.shape[0]", like)
+    if hq.shape != hk.shape:
+        raise ValueError(
+            f"cu_seqlens_q has {hq.shape[0]} entries and cu_seqlens_k {hk.shape[0]}: both "
+            "must be [B + 1] for the same B sequences"
+        )
+    return cq, ck
+
+
+def _prepare(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, extra: dict[str, Any] | None = None):
+    arrays = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+              **(extra or {})}
+    xp = args.namespace(**arrays)
+    q = args.floating(xp, args.as_array(xp, q, "q"), "q")
+    k = args.floating(xp, args.as_array(xp, k, "k", like=q), "k")
+    v = args.floating(xp, args.as_array(xp, v, "v", like=q), "v")
+    dims = _Packed(q, k, v)
+    cq, ck = check_seqlens(xp, cu_q, cu_k, dims.tq, dims.tk, q)
+    common = xp.result_type(q.dtype, k.dtype, v.dtype)
+    qf, kf, vf = (xp.astype(a, common, copy=False) for a in (q, k, v))
+    return xp, dims, (q, k, v), (qf, kf, vf), (cq, ck)
+
+
+def varlen_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    *,
+    scale: float | None = None,
+    causal: bool | str = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    lse_base: str | int = "e",
+    backend: str | None = None,
+) -> Any:
+    """Exact attention over a batch of variable-length sequences packed along one axis.
+
+    Sequence ``b`` is the query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of ``q`` and the
+    key rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of ``k`` and ``v``; it attends only to
+    its own keys, and its result is :func:`softmaxkit.attention` of that sequence alone.
+
+    Parameters
+    ----------
+    q : array
+        Packed queries ``[Tq, Hq, D]``.
+    k : array
+        Packed keys ``[Tk, Hk, D]``; ``Hq`` must be a multiple of ``Hk`` (grouped-query
+        attention, as in :func:`softmaxkit.attention`).
+    v : array
+        Packed values ``[Tk, Hk, Dv]``.
+    cu_seqlens_q : array of int32 or int64
+        ``[B + 1]`` cumulative query lengths: ``0``, then non-decreasing, the last equal to
+        ``Tq``.  Read on the host to be validated (one device-to-host copy for device arrays).
+    cu_seqlens_k : array of int32 or int64
+        ``[B + 1]`` cumulative key lengths, the last equal to ``Tk``.
+    scale : float, optional
+        Score scale; default ``1 / sqrt(D)``.
+    causal : bool or {"bottom_right", "top_left"}, optional
+        As in :func:`softmaxkit.attention`, with each sequence's own lengths: ``True`` or
+        ``"bottom_right"`` lets query ``i`` of a sequence see its keys ``j <= i + Lk - Lq``,
+        ``"top_left"`` its keys ``j <= i``.
+    window : (int, int), optional
+        Sliding window ``(left, right)`` within each sequence, aligned like ``causal``.
+    softcap : float, optional
+        Apply ``softcap * tanh(s / softcap)`` to the scaled scores (0 or None: no cap).
+    return_lse : bool, optional
+        Also return the log-sum-exp of each query row's allowed scores.
+    lse_base : {"e", 2}, optional
+        Base of the returned log-sum-exp: natural (default) or 2.
+    backend : str, optional
+        Run on this backend only (strict).
+
+    Returns
+    -------
+    out : array
+        ``[Tq, Hq, Dv]`` in the promoted dtype of q, k, v; 0 for a query row with no allowed
+        key (every query of a sequence with no keys, for one).
+    lse : array
+        Only with ``return_lse``: ``[Tq, Hq]`` in float32 (float64 for float64 inputs);
+        ``-inf`` for a row with no allowed key.
+
+    Raises
+    ------
+    TypeError
+        ``cu_seqlens_q`` or ``cu_seqlens_k`` is not int32 or int64.
+    ValueError
+        Cumulative lengths that do not start at 0, decrease, or do not end at the packed
+        length; ``cu_seqlens_q`` and ``cu_seqlens_k`` of different lengths; shapes that do not
+        match.  The error names the argument, and nothing runs.
+
+    Examples
+    --------
+    >>> import numpy as np, softmaxkit as sk
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(7, 2, 8)), rng.normal(size=(9, 2, 8)), rng.normal(size=(9, 2, 4))
+    >>> cu_q, cu_k = np.array([0, 3, 7]), np.array([0, 4, 9])  # two sequences
+    >>> out = sk.varlen_attention(q, k, v, cu_q, cu_k, causal=True)
+    >>> out.shape
+    (7, 2, 4)
+    >>> second = sk.attention(q[3:].transpose(1, 0, 2), k[4:].transpose(1, 0, 2),
+    ...                       v[4:].transpose(1, 0, 2), causal=True)
+    >>> bool(np.allclose(out[3:], second.transpose(1, 0, 2)))
+    True
+    """
+    framework = route(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if framework is not None:
+        return framework.varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, window=window,
+            softcap=softcap, return_lse=return_lse, lse_base=lse_base, backend=backend,
+        )
+    # the options are checked before the metadata is read
+    base = args.lse_base(lse_base)
+    options = dict(causal=args.causal(causal), window=args.window(window),
+                   softcap=args.softcap(softcap))
+    xp, dims, _, (qf, kf, vf), (cq, ck) = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    out, lse = run(
+        "varlen_attention", xp, qf, backend, q=qf, k=kf, v=vf, cu_seqlens_q=cq,
+        cu_seqlens_k=ck, scale=args.attention_scale(scale, dims.d), **options,
+        return_lse=bool(return_lse),
+    )
+    if not return_lse:
+        return out
+    return out, (lse / LN2 if base == "2" else lse)
+
+
+def varlen_attention_vjp(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    *,
+    scale: float | None = None,
+    causal: bool | str = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    lse_base: str | int = "e",
+    backend: str | None = None,
+) -> tuple[Any, Any, Any]:
+    """Gradient of :func:`varlen_attention`: ``(dq, dk, dv)`` for the upstream gradient ``dout``.
+
+    Computed by recomputation from ``lse``, as :func:`softmaxkit.attention_vjp` is: a query row
+    with no allowed key (``lse = -inf``) has zero gradient, and a key of a sequence with no
+    queries has ``dk = dv = 0``.
+
+    Parameters
+    ----------
+    q, k, v : array
+        The forward's packed inputs.
+    out, lse : array
+        The forward's output ``[Tq, Hq, Dv]`` and log-sum-exp ``[Tq, Hq]``
+        (``varlen_attention(..., return_lse=True)``).
+    dout : array
+        Upstream gradient, the shape of ``out``.
+    cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap
+        The forward's arguments, unchanged.
+    lse_base : {"e", 2}, optional
+        The base ``lse`` is given in.
+    backend : str, optional
+        Run on this backend only (strict).
+
+    Returns
+    -------
+    dq, dk, dv : array
+        Shaped and typed like ``q``, ``k``, ``v`` (``dk``, ``dv`` summed over each group of
+        query heads).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`varlen_attention`, and for ``out``, ``lse`` or ``dout`` of the wrong
+        shape.
+    """
+    framework = route(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k)
+    if framework is not None:
+        return framework.varlen_attention_vjp(
+            q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
+            window=window, softcap=softcap, lse_base=lse_base, backend=backend,
+        )
+    # the options are checked before the metadata is read
+    base = args.lse_base(lse_base)
+    options = dict(causal=args.causal(causal), window=args.window(window),
+                   softcap=args.softcap(softcap))
+    xp, dims, (q0, k0, v0), (qf, kf, vf), (cq, ck) = _prepare(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, {"out": out, "lse": lse, "dout": dout}
+    )
+    out_shape = (dims.tq, dims.hq, dims.dv)
+    checked = {}
+    for name, a, shape in (("out", out, out_shape), ("dout", dout, out_shape),
+                           ("lse", lse, out_shape[:-1])):
+        a = args.floating(xp, args.as_array(xp, a, name, like=qf), name)
+        if tuple(a.shape) != shape:
+            raise ValueError(f"{name} of shape {tuple(a.shape)} must have shape {shape}")
+        checked[name] = a
+    lse_f = xp.astype(checked["lse"], accumulator_dtype(xp, qf.dtype), copy=False)
+    if base == "2":
+        lse_f = lse_f * LN2
+    dq, dk, dv = run(
+        "varlen_attention_vjp", xp, qf, backend,
+        q=qf, k=kf, v=vf, out=xp.astype(checked["out"], qf.dtype, copy=False), lse=lse_f,
+        dout=xp.astype(checked["dout"], qf.dtype, copy=False), cu_seqlens_q=cq,
+        cu_seqlens_k=ck, scale=args.attention_scale(scale, dims.d), **options,
+    )
+    return tuple(xp.astype(g, a.dtype, copy=False) for g, a in ((dq, q0), (dk, k0), (dv, v0)))
