@@ -135,6 +135,39 @@ def dummy(lib: str, device: Any, dtype: str = "bool", ndim: int = 2) -> Any:
     return d
 
 
+_constants: dict[tuple[Any, ...], Any] = {}
+
+
+def capturing(lib: str) -> bool:
+    """Whether the caller's current stream is capturing a CUDA graph."""
+    if lib == "torch":
+        return bool(_torch().cuda.is_current_stream_capturing())
+    if lib == "cupy":
+        import cupy
+
+        return bool(cupy.cuda.get_current_stream().is_capturing())
+    return False
+
+
+def constant(value: float, dtype: str, device: Any, lib: str) -> Any:
+    """A one-element device array holding ``value`` (kernels only read it), kept per value,
+    dtype and device, or None where one cannot be made now (the simulator, a stream that is
+    capturing a graph).  Its copy to the device is finished when it is returned, so a kernel
+    on any stream may read it."""
+    if SIMULATOR or lib == "numpy" or capturing(lib):
+        return None
+    index = device_index(device, lib)
+    key = (value, dtype, index)
+    c = _constants.get(key)
+    if c is None:
+        if len(_constants) > 1024:
+            _constants.clear()
+        with _on_device(index):
+            c = kernel_view(cuda.to_device(np.array([value], dtype=np.dtype(dtype))), "numba")
+        _constants[key] = c
+    return c
+
+
 def is_placeholder(a: Any) -> bool:
     """Whether ``a`` is one of the :func:`dummy` arrays (the same in every call)."""
     return any(a is d for d in _dummies.values())

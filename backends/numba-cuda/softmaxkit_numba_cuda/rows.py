@@ -22,6 +22,7 @@ from . import cross_entropy_kernels, persistent, row_kernels, staged, staging, t
 from . import plan as plans
 from .arrays import (
     Replay,
+    constant,
     dummy,
     empty,
     is_placeholder,
@@ -321,32 +322,15 @@ def logsumexp(
     return (out, sign) if return_sign else out
 
 
-_scales: dict[tuple[Any, ...], Any] = {}
-"""One-element torch tensors of the gradient scales given as numbers, per value, dtype and
-device (kernels only read them)."""
-
-
-def _capturing() -> bool:
-    """Whether torch's current stream is capturing a CUDA graph (where a new array's value
-    is only set when the graph replays, so it must not be kept)."""
-    import torch
-
-    return torch.cuda.is_current_stream_capturing()
-
-
-def _grad_scale(xp: Any, grad_scale: Any, acc: Any, device: Any) -> Any:
-    if grad_scale is None or not hasattr(grad_scale, "shape"):
-        value = 1.0 if grad_scale is None else float(grad_scale)
-        key = (value, acc, device)
-        scale = _scales.get(key)
-        if scale is None:
-            scale = xp.full((1,), value, dtype=acc, device=device)
-            if type(scale).__module__ == "torch" and not _capturing():
-                if len(_scales) > 1024:
-                    _scales.clear()
-                _scales[key] = scale
-        return scale
-    return xp.reshape(xp.astype(grad_scale, acc, copy=False), (1,))
+def _scale(xp: Any, grad_scale: Any, acc: Any, device: Any, lib: str) -> Any:
+    """The gradient scale as a one-element kernel argument."""
+    if grad_scale is not None and hasattr(grad_scale, "shape"):
+        return kernel_view(xp.reshape(xp.astype(grad_scale, acc, copy=False), (1,)), lib)
+    value = 1.0 if grad_scale is None else float(grad_scale)
+    kept = constant(value, dtype_name(acc), device, lib)
+    if kept is not None:
+        return kept
+    return kernel_view(xp.full((1,), value, dtype=acc, device=device), lib)
 
 
 def _index(xp: Any, index: Any, lib: str, device: Any) -> Any:
@@ -388,7 +372,7 @@ def cross_entropy(
     if replay is not None:
         loss = logits.new_empty(logits.shape[:-1], dtype=acc)
         addresses = [logits.data_ptr(), _index(xp, index, "torch", device).data_ptr(),
-                     _grad_scale(xp, grad_scale, acc, device).data_ptr(), loss.data_ptr()]
+                     _scale(xp, grad_scale, acc, device, "torch").ptr, loss.data_ptr()]
         grad = None
         if grad_scale is not None:
             grad = logits.new_empty(logits.shape, dtype=out_dtype)
@@ -408,7 +392,7 @@ def cross_entropy(
     else:
         vector, width, (xv,) = _layout(lib, kin, kin, [xr])
         gv = dummy(lib, device, kout)
-    scale = kernel_view(_grad_scale(xp, grad_scale, acc, device), lib)
+    scale = _scale(xp, grad_scale, acc, device, lib)
     idx = kernel_view(_index(xp, index, lib, device), lib)
     w = kernel_view(rows(where, lib), lib) if where is not None else dummy(lib, device)
     ignore = 0 if ignore_index is None else int(ignore_index)
