@@ -118,11 +118,42 @@ def _plan(op: str, din: str, dout: str, n: int, rows: int,
     return kernel, grid, config.threads, config.shared_bytes()
 
 
+class _Kept:
+    """A row launch kept for one call shape: kernel, geometry and parameters, the addresses
+    of x and out (parameters 0 and 4) filled in per call."""
+
+    __slots__ = ("block", "grid", "kernel", "params", "shared")
+
+    def __init__(self, kernel: Any, grid: int, block: int, params: tuple[Any, ...],
+                 shared: int) -> None:
+        self.kernel, self.grid, self.block, self.params, self.shared = (kernel, grid, block,
+                                                                         params, shared)
+
+    def __call__(self, x: Any, out: Any) -> None:
+        params = list(self.params)
+        params[0], params[4] = x.data_ptr(), out.data_ptr()
+        interop.launch(self.kernel, x, self.grid, self.block, _ROW_PARAMS, params, self.shared)
+
+
+_kept: dict[tuple[Any, ...], _Kept] = {}
+"""Row launches on contiguous torch tensors without a mask, under :func:`_kept_key`: a
+repeated call allocates its result and fills in two addresses."""
+
+
+def _kept_key(op: str, x: Any, where: Any, *options: Any) -> tuple[Any, ...] | None:
+    """Dtype, shape, strides and 16-byte alignment decide the kernel, its geometry and its
+    parameters; the options the rest (None: a launch not kept)."""
+    if where is not None or not interop.is_torch(x):
+        return None
+    return (op, x.dtype, x.shape, x.stride(), x.data_ptr() % 16, x.device, *options)
+
+
 def launch_rows(
     op: str, xp: Any, x: Any, where: Any, out: Any, masked_nan: bool = False,
-    config: RowConfig | None = None,
+    config: RowConfig | None = None, keep: tuple[Any, ...] | None = None,
 ) -> None:
-    """Run row operation ``op`` of ``x`` ([..., N]) into ``out`` ([..., N], or [...] for lse)."""
+    """Run row operation ``op`` of ``x`` ([..., N]) into ``out`` ([..., N], or [...] for lse),
+    and keep the launch under ``keep`` (from :func:`_kept_key`) where it can be replayed."""
     din, dout = interop.name(x), interop.name(out)
     n = int(x.shape[-1])
     rows = math.prod(x.shape[:-1])
@@ -141,11 +172,21 @@ def launch_rows(
         vec_ok = vec_ok and _aligned(w_ptr, ld_w, vec)
     args = (x_ptr, ld_x, w_ptr, ld_w, o_ptr, ld_o, rows, n, vec_ok, masked_nan)
     interop.launch(kernel, x, grid, threads, _ROW_PARAMS, args, shared)
+    if keep is not None and config is None and x.is_contiguous() and rows:
+        if len(_kept) > 4096:
+            _kept.clear()
+        _kept[keep] = _Kept(kernel, grid, threads, args, shared)
 
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+    key = _kept_key(op, x, where, out_dtype, masked)
+    kept = _kept.get(key) if key is not None else None
+    if kept is not None:
+        out = x.new_empty(x.shape, dtype=out_dtype)
+        kept(x, out)
+        return out
     out = interop.empty(x, tuple(x.shape), dtype_name(out_dtype))
-    launch_rows(op, xp, x, where, out, masked_nan=masked == "nan")
+    launch_rows(op, xp, x, where, out, masked_nan=masked == "nan", keep=key)
     return out
 
 
@@ -163,10 +204,14 @@ def logsumexp(
     xp: Any, *, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
 ) -> Any:
     """Log-sum-exp along the last axis (without weights ``b``: can_run declines them)."""
-    from softmaxkit.dtypes import dtype_name
-
-    out = interop.empty(x, tuple(x.shape[:-1]), dtype_name(out_dtype))
-    launch_rows("logsumexp", xp, x, where, out)
+    key = _kept_key("logsumexp", x, where, out_dtype)
+    kept = _kept.get(key) if key is not None else None
+    if kept is not None:
+        out = x.new_empty(x.shape[:-1], dtype=out_dtype)
+        kept(x, out)
+    else:
+        out = interop.empty(x, tuple(x.shape[:-1]), dtype_name(out_dtype))
+        launch_rows("logsumexp", xp, x, where, out, keep=key)
     if not return_sign:
         return out
     # without weights the sum is positive unless the row is empty (0) or has a NaN (NaN)

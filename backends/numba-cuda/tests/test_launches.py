@@ -83,6 +83,17 @@ def test_pack_lays_out_arrays_and_scalars_as_numba_does():
         launches.argument_types(launches.signature((1j,)))
 
 
+def test_address_slots_find_each_arrays_address():
+    a, b = np.zeros((3, 4), np.float32), np.zeros(5, np.int64)
+    args = (DeviceView(a.ctypes.data, a.shape, a.strides, a.dtype, a), 7, True,
+            DeviceView(b.ctypes.data, b.shape, b.strides, b.dtype, b), 0.5)
+    slots = launches.address_slots(args, (0, 3))
+    values = launches.values(args)
+    assert [values[i] for i in slots] == [a.ctypes.data, b.ctypes.data]
+    with pytest.raises(TypeError, match="argument 1"):
+        launches.address_slots(args, (1,))
+
+
 def test_cluster_launch_config_has_the_drivers_layout():
     # CUlaunchConfig: six dimensions and the shared bytes (28 bytes), the stream at 32, the
     # attribute pointer at 40, their count at 48; CUlaunchAttribute: an 8-byte id, 64 of value
