@@ -164,12 +164,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
                 row_sum[mt][r] = row_sum[mt][r] * scale_old[r] + sum;
             }
 #pragma unroll
-            for (int i = 0; i < DB; ++i) {
-                o[mt][i][0] *= scale_old[0];
-                o[mt][i][1] *= scale_old[0];
-                o[mt][i][2] *= scale_old[1];
-                o[mt][i][3] *= scale_old[1];
-            }
+            for (int i = 0; i < DB; ++i) sk_scale_rows(o[mt][i], scale_old);
         }
 
         sk_cp_async_wait<1>();  // this tile's V has landed
@@ -389,12 +384,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
             row_sum[r] = row_sum[r] * scale_old[r] + sum;
         }
 #pragma unroll
-        for (int i = 0; i < DB; ++i) {
-            o[i][0] *= scale_old[0];
-            o[i][1] *= scale_old[0];
-            o[i][2] *= scale_old[1];
-            o[i][3] *= scale_old[1];
-        }
+        for (int i = 0; i < DB; ++i) sk_scale_rows(o[i], scale_old);
         sk_cp_async_wait<1>();
         __syncthreads();
         if (tile + 1 < tiles) {

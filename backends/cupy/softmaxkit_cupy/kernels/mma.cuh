@@ -142,6 +142,14 @@ __device__ __forceinline__ void sk_mma_abt(float (&c)[NB][4], const T* a, int a0
     }
 }
 
+// A C accumulator's rows g and g + 8 scaled by f[0] and f[1] (an online softmax's rescale).
+__device__ __forceinline__ void sk_scale_rows(float (&c)[4], const float (&f)[2]) {
+    c[0] *= f[0];
+    c[1] *= f[0];
+    c[2] *= f[1];
+    c[3] *= f[1];
+}
+
 // The A fragment (16 x 16) of two adjacent C accumulators (16 x 8 each) rounded to T: a
 // product's result feeds the next product without leaving registers.
 template <typename T>
