@@ -26,7 +26,7 @@ def test_reference_conforms(case):
 
 
 def test_kit_covers_every_row_operation():
-    from softmaxkit.testing.rows_cases import ROW_OPS
+    from softmaxkit.testing.row_checks import ROW_OPS
 
     covered = {op for c in cases("numpy") for op in c.ops}
     assert set(ROW_OPS) <= covered

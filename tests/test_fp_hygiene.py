@@ -11,7 +11,7 @@ from hypothesis.extra import numpy as hnp
 
 import softmaxkit as sk
 from softmaxkit.testing.kit import target
-from softmaxkit.testing.rows_cases import strict_fp
+from softmaxkit.testing.row_checks import strict_fp
 from softmaxkit.testing.tolerance import HUGE
 
 

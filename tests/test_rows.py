@@ -14,7 +14,7 @@ import torch
 
 import softmaxkit as sk
 from softmaxkit.testing.kit import target
-from softmaxkit.testing.rows_cases import ref_log_softmax, ref_logsumexp, ref_softmax
+from softmaxkit.testing.row_references import ref_log_softmax, ref_logsumexp, ref_softmax
 from softmaxkit.testing.tolerance import assert_within, log_bound, softmax_bound
 
 TARGETS = ("numpy", "array_api_strict", "torch-cpu")

@@ -32,7 +32,10 @@ from ..dtypes import FLOAT_DTYPES
 from ..registry import BackendLoadError, NoBackendError, backend_opts
 
 CASE_MODULES = (
-    "softmaxkit.testing.rows_cases",
+    "softmaxkit.testing.rows_vector_cases",
+    "softmaxkit.testing.rows_random_cases",
+    "softmaxkit.testing.rows_special_cases",
+    "softmaxkit.testing.rows_hygiene_cases",
     "softmaxkit.testing.summary_cases",
     "softmaxkit.testing.attention_cases",
     "softmaxkit.testing.paged_cases",

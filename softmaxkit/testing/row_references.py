@@ -1,5 +1,5 @@
 """Extended-precision references of the row operations, by the spec's definitions
-(spec/semantics.md), for the conformance cases (:mod:`.rows_cases`) and the fuzzer.
+(spec/semantics.md), for the conformance cases (:mod:`.rows_random_cases`) and the fuzzer.
 
 Each takes ``[R, N]`` rows with excluded entries already ``-inf`` and computes in
 ``np.longdouble`` (80-bit on x86; float64 elsewhere), special rows (a NaN, a ``+inf``,

@@ -55,6 +55,25 @@ def _data(context, builder, ty, value, offset):
     return builder.gep(context.make_array(ty)(context, builder, value).data, [offset])
 
 
+def _element(builder, base, ld):
+    """``(r, c) -> base[r * ld + c]``: an element of a row-major block, ``r`` a literal row."""
+
+    def load(r, c):
+        at = builder.add(builder.mul(ir.Constant(_I64, r), ld), c)
+        return builder.load(builder.gep(base, [at]))
+
+    return load
+
+
+def _literal_rows(rows, arrays):
+    """A microkernel's literal row count, or None where ``rows`` is not a literal or an
+    array is not float32 (the microkernels then do not apply)."""
+    if not isinstance(rows, types.IntegerLiteral) or any(
+            not isinstance(a, types.Array) or a.dtype != types.float32 for a in arrays):
+        return None
+    return rows.literal_value
+
+
 def _block_loop(builder, count, rows, a_elem, b_pair):
     """The k-loop of a block: ``acc[r] += broadcast(a_elem(r, k)) * b_pair(k)``, k < count.
 
@@ -103,11 +122,9 @@ def score_block(typingctx, rows, q, q_off, ldq, kp, kp_off, d, s, s_off, lds, mx
     offsets and strides (``kp`` is one panel, ``[d][16]``; ``mx`` rows are 8 lanes).
     ``d`` must be at least 1.
     """
-    arrays = (q, kp, s, mx)
-    if not isinstance(rows, types.IntegerLiteral) or any(
-            not isinstance(a, types.Array) or a.dtype != types.float32 for a in arrays):
+    nrows = _literal_rows(rows, (q, kp, s, mx))
+    if nrows is None:
         return None
-    nrows = rows.literal_value
 
     def codegen(context, builder, signature, args):
         _, qa, qoff, ldq_, ka, koff, d_, sa, soff, lds_, ma, moff = args
@@ -117,9 +134,7 @@ def score_block(typingctx, rows, q, q_off, ldq, kp, kp_off, d, s, s_off, lds, mx
         sbase = _data(context, builder, sig[7], sa, soff)
         mbase = _data(context, builder, sig[10], ma, moff)
 
-        def q_elem(r, c):
-            at = builder.add(builder.mul(ir.Constant(_I64, r), ldq_), c)
-            return builder.load(builder.gep(qbase, [at]))
+        q_elem = _element(builder, qbase, ldq_)
 
         def k_pair(c):
             return _pair(builder, builder.gep(kbase, [builder.mul(c, ir.Constant(_I64, 16))]))
@@ -148,11 +163,9 @@ def value_block(typingctx, rows, p, p_off, ldp, v, v_off, ldv, nk, o, o_off, ldo
 
     All float32, rows at the given element offsets and strides; ``nk`` must be at least 1.
     """
-    arrays = (p, v, o)
-    if not isinstance(rows, types.IntegerLiteral) or any(
-            not isinstance(a, types.Array) or a.dtype != types.float32 for a in arrays):
+    nrows = _literal_rows(rows, (p, v, o))
+    if nrows is None:
         return None
-    nrows = rows.literal_value
 
     def codegen(context, builder, signature, args):
         _, pa, poff, ldp_, va, voff, ldv_, nk_, oa, ooff, ldo_ = args
@@ -161,9 +174,7 @@ def value_block(typingctx, rows, p, p_off, ldp, v, v_off, ldv, nk, o, o_off, ldo
         vbase = _data(context, builder, sig[4], va, voff)
         obase = _data(context, builder, sig[8], oa, ooff)
 
-        def p_elem(r, k):
-            at = builder.add(builder.mul(ir.Constant(_I64, r), ldp_), k)
-            return builder.load(builder.gep(pbase, [at]))
+        p_elem = _element(builder, pbase, ldp_)
 
         def v_pair(k):
             return _pair(builder, builder.gep(vbase, [builder.mul(k, ldv_)]))

@@ -141,22 +141,21 @@ def exp_lifted(z):  # pragma: no cover
     raise NotImplementedError
 
 
-@overload(exp_nonpos, jit_options={"cache": True})
-def _exp_nonpos(z):
-    if z == types.float32:
-        return lambda z: exp_f32(z)
-    if z == types.float64:
-        return lambda z: exp_f64(z)
-    return None
+def _per_float(f32, f64):
+    """An overload's implementation: ``f32`` for a float32 ``z``, ``f64`` for a float64 one."""
+
+    def impl(z):
+        if z == types.float32:
+            return lambda z: f32(z)
+        if z == types.float64:
+            return lambda z: f64(z)
+        return None
+
+    return impl
 
 
-@overload(exp_lifted, jit_options={"cache": True})
-def _exp_lifted(z):
-    if z == types.float32:
-        return lambda z: exp_lifted_f32(z)
-    if z == types.float64:
-        return lambda z: exp_lifted_f64(z)
-    return None
+overload(exp_nonpos, jit_options={"cache": True})(_per_float(exp_f32, exp_f64))
+overload(exp_lifted, jit_options={"cache": True})(_per_float(exp_lifted_f32, exp_lifted_f64))
 
 
 def lift(v):  # pragma: no cover

@@ -132,6 +132,19 @@ def _workers(x, threads):
 
 
 @njit(cache=True)
+def _shared(x, threads):
+    """``(workers, batch, counter, bmax, bsum)`` of a parallel driver over the rows of ``x``.
+
+    The block scratch is one row per worker, allocated here, before the parallel loop: Numba
+    hoists an allocation out of a ``prange`` body, which would make the workers share it.
+    """
+    workers = _workers(x, threads)
+    width = max(1, blocks(x.shape[1]))
+    return (workers, _batch(x), np.zeros(1, dtype=np.int64), np.empty((workers, width)),
+            np.empty((workers, width)))
+
+
+@njit(cache=True)
 def _take(counter, batch, r):
     """The next batch of rows ``(lo, hi)`` from the shared counter (``lo == r``: none left)."""
     lo = min(fetch_add(counter, 0, batch), r)
@@ -187,14 +200,8 @@ def _softmax_rows(x, w, wstep, has_where, masked_nan, out, lo, hi, buf, bmax, bs
 @njit(parallel=True, cache=True)
 def softmax_par(x, w, wstep, has_where, masked_nan, out, threads):
     r, n = x.shape
-    workers = _workers(x, threads)
-    batch = _batch(x)
-    counter = np.zeros(1, dtype=np.int64)
-    # scratch for each worker, allocated outside the parallel loop: Numba hoists an
-    # allocation out of a prange body, which would make the workers share it
-    bufs = scratch_rows(x, workers, n)
-    bmax = np.empty((workers, max(1, blocks(n))))
-    bsum = np.empty((workers, max(1, blocks(n))))
+    workers, batch, counter, bmax, bsum = _shared(x, threads)
+    bufs = scratch_rows(x, workers, n)  # one row per worker, as _shared's
     for c in prange(workers):
         lo, hi = _take(counter, batch, r)
         while lo < r:
@@ -254,12 +261,8 @@ def _log_softmax_rows(x, w, wstep, has_where, masked_nan, out, lo, hi, bmax, bsu
 
 @njit(parallel=True, cache=True)
 def log_softmax_par(x, w, wstep, has_where, masked_nan, out, threads):
-    r, n = x.shape
-    workers = _workers(x, threads)
-    batch = _batch(x)
-    counter = np.zeros(1, dtype=np.int64)
-    bmax = np.empty((workers, max(1, blocks(n))))
-    bsum = np.empty((workers, max(1, blocks(n))))
+    r = x.shape[0]
+    workers, batch, counter, bmax, bsum = _shared(x, threads)
     for c in prange(workers):
         lo, hi = _take(counter, batch, r)
         while lo < r:
@@ -309,12 +312,8 @@ def _logsumexp_rows(x, w, wstep, has_where, lse, sign, lo, hi, bmax, bsum):
 
 @njit(parallel=True, cache=True)
 def logsumexp_par(x, w, wstep, has_where, lse, sign, threads):
-    r, n = x.shape
-    workers = _workers(x, threads)
-    batch = _batch(x)
-    counter = np.zeros(1, dtype=np.int64)
-    bmax = np.empty((workers, max(1, blocks(n))))
-    bsum = np.empty((workers, max(1, blocks(n))))
+    r = x.shape[0]
+    workers, batch, counter, bmax, bsum = _shared(x, threads)
     for c in prange(workers):
         lo, hi = _take(counter, batch, r)
         while lo < r:

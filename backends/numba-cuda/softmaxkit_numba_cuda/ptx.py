@@ -396,18 +396,6 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def cp_async_wait(typingctx):
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;",
-                               "~{memory}", side_effect=True)
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
     def _asm_statement(text):
         @intrinsic
         def impl(typingctx):
@@ -423,6 +411,7 @@ else:
 
         return impl
 
+    cp_async_wait = _asm_statement("cp.async.wait_all;")
     cp_async_commit = _asm_statement("cp.async.commit_group;")
     _WAIT = tuple(_asm_statement(f"cp.async.wait_group {n};") for n in range(16))
     (_w0, _w1, _w2, _w3, _w4, _w5, _w6, _w7, _w8, _w9, _w10, _w11, _w12, _w13, _w14,
@@ -466,26 +455,25 @@ else:
         else:
             _w15()
 
-    @intrinsic
-    def cluster_rank(typingctx):
-        sig = types.uint32()
+    def _read_register(text, ty, ir_ty, constraint, side_effect=False):
+        """An intrinsic ``() -> ty`` of one ``mov`` from a special register (``side_effect``:
+        read where it is written, each time)."""
 
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(_I32, []), "mov.u32 $0, %cluster_ctarank;", "=r")
-            return builder.call(asm, [])
+        @intrinsic
+        def impl(typingctx):
+            sig = ty()
 
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir_ty, []), text, constraint,
+                                   side_effect=side_effect)
+                return builder.call(asm, [])
 
-    @intrinsic
-    def cluster_id(typingctx):
-        sig = types.uint32()
+            return sig, codegen
 
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(_I32, []), "mov.u32 $0, %clusterid.x;", "=r")
-            return builder.call(asm, [])
+        return impl
 
-        return sig, codegen
-
+    cluster_rank = _read_register("mov.u32 $0, %cluster_ctarank;", types.uint32, _I32, "=r")
+    cluster_id = _read_register("mov.u32 $0, %clusterid.x;", types.uint32, _I32, "=r")
     cluster_arrive = _asm_statement("barrier.cluster.arrive.release.aligned;")
     cluster_wait = _asm_statement("barrier.cluster.wait.acquire.aligned;")
 
@@ -509,16 +497,8 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def globaltimer(typingctx):
-        sig = types.uint64()
-
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(64), []),
-                               "mov.u64 $0, %globaltimer;", "=l", side_effect=True)
-            return builder.call(asm, [])
-
-        return sig, codegen
+    globaltimer = _read_register("mov.u64 $0, %globaltimer;", types.uint64, ir.IntType(64),
+                                 "=l", side_effect=True)
 
     @intrinsic
     def opaque(typingctx, v):

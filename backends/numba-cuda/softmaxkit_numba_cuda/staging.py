@@ -119,6 +119,28 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool):
     neg_inf, zero, one = float32(NEG_INF), float32(0.0), float32(1.0)
     held = per * 4  # 32-bit words of a group of one thread
 
+    def exclude(buf, wr, wi, m):
+        """The maximum of ``m`` and word ``wi``'s values in ``buf``, those that ``where``
+        excludes set to -inf first."""
+        for v in range(width):
+            if has_where:
+                if not wr[wi * width + v]:
+                    buf[v] = neg_inf
+            m = tmax(m, buf[v])
+        return m
+
+    def restage(stage, q, buf):
+        """``buf`` encoded back into the staged word at ``q``; returns its 32-bit words."""
+        a, b, c, d = encode(buf, 0)
+        stage[q] = a
+        stage[q + 1] = b
+        stage[q + 2] = c
+        stage[q + 3] = d
+        return a, b, c, d
+
+    exclude = device_function(exclude, inline=True)
+    restage = device_function(restage, inline=True)
+
     def issue(stage, off, xr, nw, base, lane):
         for g in range(n_groups):
             for j in range(g * per, (g + 1) * per):
@@ -140,17 +162,9 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool):
                 if wi < nw:
                     q = off + (lane + j * threads) * 4
                     decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
-                    for v in range(width):
-                        if has_where:
-                            if not wr[wi * width + v]:
-                                buf[v] = neg_inf
-                        m = tmax(m, buf[v])
+                    m = exclude(buf, wr, wi, m)
                     if has_where:
-                        a, b, c, d = encode(buf, 0)
-                        stage[q] = a
-                        stage[q + 1] = b
-                        stage[q + 2] = c
-                        stage[q + 3] = d
+                        restage(stage, q, buf)
         return m
 
     def sums(stage, off, nw, base, lane, m_t):
@@ -193,17 +207,9 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool):
                     words[4 * i + 3] = stage[q + 3]
                     decode(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3],
                            buf, 0)
-                    for v in range(width):
-                        if has_where:
-                            if not wr[wi * width + v]:
-                                buf[v] = neg_inf
-                        gm = tmax(gm, buf[v])
+                    gm = exclude(buf, wr, wi, gm)
                     if has_where:
-                        a, b, c, d = encode(buf, 0)
-                        stage[q] = a
-                        stage[q + 1] = b
-                        stage[q + 2] = c
-                        stage[q + 3] = d
+                        a, b, c, d = restage(stage, q, buf)
                         words[4 * i] = a
                         words[4 * i + 1] = b
                         words[4 * i + 2] = c

@@ -109,15 +109,14 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
         for (int kk = 0; kk < DK; ++kk) {
             unsigned qf[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) sk_frag_a<D>(qf[mt], sq, w0 + 16 * mt, kk * 16);
+            for (int mt = 0; mt < MT; ++mt) sk_frag<SK_A, D>(qf[mt], sq, w0 + 16 * mt, kk * 16);
 #pragma unroll
             for (int nb = 0; nb < NB; nb += 2) {
                 unsigned bf[4];
-                sk_frag_b<D>(bf, ks, nb * 8, kk * 16);
+                sk_frag<SK_B, D>(bf, ks, nb * 8, kk * 16);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    Mma::run(s[mt][nb], qf[mt], bf[0], bf[1]);
-                    Mma::run(s[mt][nb + 1], qf[mt], bf[2], bf[3]);
+                    sk_mma_pair<T>(s[mt][nb], s[mt][nb + 1], qf[mt], bf);
                 }
             }
         }
@@ -165,12 +164,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
                 row_sum[mt][r] = row_sum[mt][r] * scale_old[r] + sum;
             }
 #pragma unroll
-            for (int i = 0; i < DB; ++i) {
-                o[mt][i][0] *= scale_old[0];
-                o[mt][i][1] *= scale_old[0];
-                o[mt][i][2] *= scale_old[1];
-                o[mt][i][3] *= scale_old[1];
-            }
+            for (int i = 0; i < DB; ++i) sk_scale_rows(o[mt][i], scale_old);
         }
 
         sk_cp_async_wait<1>();  // this tile's V has landed
@@ -187,19 +181,15 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
             unsigned pa[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = Mma::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = Mma::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = Mma::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = Mma::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                sk_pack_a<T>(pa[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
             }
 #pragma unroll
             for (int db = 0; db < DB; db += 2) {
                 unsigned bf[4];
-                sk_frag_bt<D>(bf, vs, kk * 16, db * 8);
+                sk_frag<SK_BT, D>(bf, vs, kk * 16, db * 8);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    Mma::run(o[mt][db], pa[mt], bf[0], bf[1]);
-                    Mma::run(o[mt][db + 1], pa[mt], bf[2], bf[3]);
+                    sk_mma_pair<T>(o[mt][db], o[mt][db + 1], pa[mt], bf);
                 }
             }
         }
@@ -252,25 +242,21 @@ __global__ void __launch_bounds__(128) sk_mma_probe(const T* q, const T* k, cons
     float s[BN / 8][4] = {};
     for (int kk = 0; kk < D / 16; ++kk) {
         unsigned a[4];
-        sk_frag_a<D>(a, sq, warp * 16, kk * 16);
+        sk_frag<SK_A, D>(a, sq, warp * 16, kk * 16);
         for (int nb = 0; nb < BN / 8; nb += 2) {
             unsigned bf[4];
-            sk_frag_b<D>(bf, sk, nb * 8, kk * 16);
-            SkMma<T>::run(s[nb], a, bf[0], bf[1]);
-            SkMma<T>::run(s[nb + 1], a, bf[2], bf[3]);
+            sk_frag<SK_B, D>(bf, sk, nb * 8, kk * 16);
+            sk_mma_pair<T>(s[nb], s[nb + 1], a, bf);
         }
     }
     float o[D / 8][4] = {};
     for (int kk = 0; kk < BN / 16; ++kk) {
-        unsigned pa[4] = {SkMma<T>::pack(s[2 * kk][0], s[2 * kk][1]),
-                          SkMma<T>::pack(s[2 * kk][2], s[2 * kk][3]),
-                          SkMma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                          SkMma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        unsigned pa[4];
+        sk_pack_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
         for (int db = 0; db < D / 8; db += 2) {
             unsigned bf[4];
-            sk_frag_bt<D>(bf, sv, kk * 16, db * 8);
-            SkMma<T>::run(o[db], pa, bf[0], bf[1]);
-            SkMma<T>::run(o[db + 1], pa, bf[2], bf[3]);
+            sk_frag<SK_BT, D>(bf, sv, kk * 16, db * 8);
+            sk_mma_pair<T>(o[db], o[db + 1], pa, bf);
         }
     }
     const int r = warp * 16 + g;
@@ -299,7 +285,6 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
     constexpr int BN = 16 * WARPS;
     constexpr int THREADS = WARPS * 32;
     constexpr int DB = D / 8, DK = D / 16;
-    typedef SkMma<T> Mma;
     extern __shared__ __align__(16) unsigned char sk_smem[];
     T* sq = reinterpret_cast<T*>(sk_smem);
     T* sk = sq + 16 * D;      // 2 stages
@@ -341,7 +326,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
     sk_cp_async_wait<1>();
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < DK; ++kk) sk_frag_a<D>(qf[kk], sq, 0, kk * 16);
+    for (int kk = 0; kk < DK; ++kk) sk_frag<SK_A, D>(qf[kk], sq, 0, kk * 16);
 
     for (int tile = 0; tile < tiles; ++tile) {
         const int stage = tile & 1;
@@ -360,9 +345,8 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
 #pragma unroll
         for (int kk = 0; kk < DK; ++kk) {
             unsigned bf[4];
-            sk_frag_b<D>(bf, ks, warp * 16, kk * 16);
-            Mma::run(s[0], qf[kk], bf[0], bf[1]);
-            Mma::run(s[1], qf[kk], bf[2], bf[3]);
+            sk_frag<SK_B, D>(bf, ks, warp * 16, kk * 16);
+            sk_mma_pair<T>(s[0], s[1], qf[kk], bf);
         }
 #pragma unroll
         for (int nb = 0; nb < 2; ++nb) {
@@ -400,12 +384,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
             row_sum[r] = row_sum[r] * scale_old[r] + sum;
         }
 #pragma unroll
-        for (int i = 0; i < DB; ++i) {
-            o[i][0] *= scale_old[0];
-            o[i][1] *= scale_old[0];
-            o[i][2] *= scale_old[1];
-            o[i][3] *= scale_old[1];
-        }
+        for (int i = 0; i < DB; ++i) sk_scale_rows(o[i], scale_old);
         sk_cp_async_wait<1>();
         __syncthreads();
         if (tile + 1 < tiles) {
@@ -414,14 +393,13 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
         }
         sk_cp_async_commit();
         const T* vs = sv + stage * BN * D;
-        unsigned pa[4] = {Mma::pack(s[0][0], s[0][1]), Mma::pack(s[0][2], s[0][3]),
-                          Mma::pack(s[1][0], s[1][1]), Mma::pack(s[1][2], s[1][3])};
+        unsigned pa[4];
+        sk_pack_a<T>(pa, s[0], s[1]);
 #pragma unroll
         for (int db = 0; db < DB; db += 2) {
             unsigned bf[4];
-            sk_frag_bt<D>(bf, vs, warp * 16, db * 8);
-            Mma::run(o[db], pa, bf[0], bf[1]);
-            Mma::run(o[db + 1], pa, bf[2], bf[3]);
+            sk_frag<SK_BT, D>(bf, vs, warp * 16, db * 8);
+            sk_mma_pair<T>(o[db], o[db + 1], pa, bf);
         }
     }
     sk_cp_async_wait<0>();

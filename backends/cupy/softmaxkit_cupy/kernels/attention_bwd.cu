@@ -93,7 +93,6 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
     constexpr int THREADS = WARPS * 32;
     constexpr int NB = BM / 8;   // n-blocks of S^T (query columns)
     constexpr int DB = D / 8;    // n-blocks of dK, dV
-    constexpr int DK = D / 16;   // k-slices of the head dimension
     // dQ's [BM x D] partial product: WM x WN warps, each 16 rows x D / WN columns, computed
     // in passes of at most 64 columns (32 accumulators)
     constexpr int WM = BM / 16;
@@ -182,30 +181,8 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
 #pragma unroll
             for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] = 0.0f;
         }
-#pragma unroll
-        for (int kk = 0; kk < DK; ++kk) {
-            unsigned af[4];
-            sk_frag_a<D>(af, sv, w0, kk * 16);
-#pragma unroll
-            for (int nb = 0; nb < NB; nb += 2) {
-                unsigned bf[4];
-                sk_frag_b<D>(bf, sgs, nb * 8, kk * 16);
-                Mma::run(dp[nb], af, bf[0], bf[1]);
-                Mma::run(dp[nb + 1], af, bf[2], bf[3]);
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < DK; ++kk) {
-            unsigned af[4];
-            sk_frag_a<D>(af, sk, w0, kk * 16);
-#pragma unroll
-            for (int nb = 0; nb < NB; nb += 2) {
-                unsigned bf[4];
-                sk_frag_b<D>(bf, sqs, nb * 8, kk * 16);
-                Mma::run(s[nb], af, bf[0], bf[1]);
-                Mma::run(s[nb + 1], af, bf[2], bf[3]);
-            }
-        }
+        sk_mma_abt<T, D, NB>(dp, sv, w0, sgs);
+        sk_mma_abt<T, D, NB>(s, sk, w0, sqs);
 
         // scores in log2 units (softcapped: softcap tanh(s / softcap)), exclusions as -inf
         const float* sls = sl + st * BM;
@@ -245,23 +222,15 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
             unsigned pa[4], da[4];
-            pa[0] = Mma::pack(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = Mma::pack(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = Mma::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = Mma::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            da[0] = Mma::pack(dp[2 * kk][0], dp[2 * kk][1]);
-            da[1] = Mma::pack(dp[2 * kk][2], dp[2 * kk][3]);
-            da[2] = Mma::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            da[3] = Mma::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            sk_pack_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
+            sk_pack_a<T>(da, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
             for (int db = 0; db < DB; db += 2) {
                 unsigned bf[4];
-                sk_frag_bt<D>(bf, sgs, kk * 16, db * 8);
-                Mma::run(dv_acc[db], pa, bf[0], bf[1]);
-                Mma::run(dv_acc[db + 1], pa, bf[2], bf[3]);
-                sk_frag_bt<D>(bf, sqs, kk * 16, db * 8);
-                Mma::run(dk_acc[db], da, bf[0], bf[1]);
-                Mma::run(dk_acc[db + 1], da, bf[2], bf[3]);
+                sk_frag<SK_BT, D>(bf, sgs, kk * 16, db * 8);
+                sk_mma_pair<T>(dv_acc[db], dv_acc[db + 1], pa, bf);
+                sk_frag<SK_BT, D>(bf, sqs, kk * 16, db * 8);
+                sk_mma_pair<T>(dk_acc[db], dk_acc[db + 1], da, bf);
             }
             // dS^T to shared memory ([key][query]) for dQ
             *reinterpret_cast<unsigned*>(sds + sk_swz<BM>(w0 + g, kk * 16 + 2 * t)) = da[0];
@@ -286,13 +255,12 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
 #pragma unroll
                 for (int kk = 0; kk < BN / 16; ++kk) {
                     unsigned af[4];
-                    sk_frag_at<BM>(af, sds, kk * 16, wm * 16);
+                    sk_frag<SK_AT, BM>(af, sds, kk * 16, wm * 16);
 #pragma unroll
                     for (int nb = 0; nb < PCOLS / 8; nb += 2) {
                         unsigned bf[4];
-                        sk_frag_bt<D>(bf, sk, kk * 16, c0 + nb * 8);
-                        Mma::run(acc[nb], af, bf[0], bf[1]);
-                        Mma::run(acc[nb + 1], af, bf[2], bf[3]);
+                        sk_frag<SK_BT, D>(bf, sk, kk * 16, c0 + nb * 8);
+                        sk_mma_pair<T>(acc[nb], acc[nb + 1], af, bf);
                     }
                 }
 #pragma unroll

@@ -89,41 +89,74 @@ __device__ __forceinline__ void sk_load_tile(T* smem, const T* g, long long ld, 
     }
 }
 
-// A fragment of rows r0..r0+15, columns k0..k0+15 of a swizzled tile.
-template <int D>
-__device__ __forceinline__ void sk_frag_a(unsigned (&a)[4], const void* tile, int r0, int k0) {
+// The fragments an m16n8k16 product takes from a swizzled tile of width W, each the 16 x 16
+// block at rows r0.., columns c0.. as ldmatrix's four 8 x 8 matrices:
+//   SK_A   A (rows m, columns k) of an [m x k] tile (e.g. queries);
+//   SK_B   B of two n-blocks, b[0], b[1] for rows r0..r0+7 and b[2], b[3] for rows
+//          r0+8..r0+15, of an [n x k] tile (e.g. keys);
+//   SK_AT  A (rows m0 = c0.., columns k0 = r0..) of a matrix stored transposed, as a [k x m]
+//          tile, through the transposing ldmatrix (e.g. dS from a tile of dS^T);
+//   SK_BT  B of two n-blocks (columns c0..c0+15) of a [k x n] tile (e.g. values), through the
+//          transposing ldmatrix.
+// A and BT take the four matrices down the columns first, B and AT along the rows.
+enum SkFrag { SK_A, SK_B, SK_AT, SK_BT };
+
+template <SkFrag F, int W>
+__device__ __forceinline__ void sk_frag(unsigned (&f)[4], const void* tile, int r0, int c0) {
+    constexpr bool down = F == SK_A || F == SK_BT;
     const int lane = threadIdx.x & 31;
-    const int r = r0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-    const int c = k0 + (lane >> 4) * 8;
-    sk_ldmatrix_x4(a, static_cast<const unsigned short*>(tile) + sk_swz<D>(r, c));
+    const int lo = (lane >> 3) & 1, hi = lane >> 4;  // the matrix this lane addresses a row of
+    const int r = r0 + (lane & 7) + (down ? lo : hi) * 8;
+    const int c = c0 + (down ? hi : lo) * 8;
+    const unsigned short* row = static_cast<const unsigned short*>(tile) + sk_swz<W>(r, c);
+    if (F == SK_AT || F == SK_BT) {
+        sk_ldmatrix_x4_trans(f, row);
+    } else {
+        sk_ldmatrix_x4(f, row);
+    }
 }
 
-// B fragments of two n-blocks (rows n0..n0+15 of a [n x k] tile, e.g. keys), k0..k0+15:
-// b[0], b[1] for rows n0..n0+7 and b[2], b[3] for rows n0+8..n0+15.
-template <int D>
-__device__ __forceinline__ void sk_frag_b(unsigned (&b)[4], const void* tile, int n0, int k0) {
-    const int lane = threadIdx.x & 31;
-    const int r = n0 + (lane & 7) + (lane >> 4) * 8;
-    const int c = k0 + ((lane >> 3) & 1) * 8;
-    sk_ldmatrix_x4(b, static_cast<const unsigned short*>(tile) + sk_swz<D>(r, c));
+// c0 += a b and c1 += a b' for the two n-blocks b = (b[0], b[1]), b' = (b[2], b[3]) of one
+// SK_B or SK_BT fragment.
+template <typename T>
+__device__ __forceinline__ void sk_mma_pair(float (&c0)[4], float (&c1)[4],
+                                            const unsigned (&a)[4], const unsigned (&b)[4]) {
+    SkMma<T>::run(c0, a, b[0], b[1]);
+    SkMma<T>::run(c1, a, b[2], b[3]);
 }
 
-// An A fragment (rows m0..m0+15, columns k0..k0+15) of a matrix stored transposed, as a
-// [k x m] tile, through the transposing ldmatrix (e.g. dS from a tile of dS^T).
-template <int W>
-__device__ __forceinline__ void sk_frag_at(unsigned (&a)[4], const void* tile, int k0, int m0) {
-    const int lane = threadIdx.x & 31;
-    const int r = k0 + (lane & 7) + (lane >> 4) * 8;
-    const int c = m0 + ((lane >> 3) & 1) * 8;
-    sk_ldmatrix_x4_trans(a, static_cast<const unsigned short*>(tile) + sk_swz<W>(r, c));
+// c[nb] += A B^T over a head dimension D: A the warp's 16 rows of tile a from row a0, B the
+// NB n-blocks of tile b ([n x D]).
+template <typename T, int D, int NB>
+__device__ __forceinline__ void sk_mma_abt(float (&c)[NB][4], const T* a, int a0, const T* b) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned af[4];
+        sk_frag<SK_A, D>(af, a, a0, kk * 16);
+#pragma unroll
+        for (int nb = 0; nb < NB; nb += 2) {
+            unsigned bf[4];
+            sk_frag<SK_B, D>(bf, b, nb * 8, kk * 16);
+            sk_mma_pair<T>(c[nb], c[nb + 1], af, bf);
+        }
+    }
 }
 
-// B fragments of two n-blocks (columns n0..n0+15) from a [k x n] tile (e.g. values, k = key),
-// rows k0..k0+15, through the transposing ldmatrix.
-template <int D>
-__device__ __forceinline__ void sk_frag_bt(unsigned (&b)[4], const void* tile, int k0, int n0) {
-    const int lane = threadIdx.x & 31;
-    const int r = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-    const int c = n0 + (lane >> 4) * 8;
-    sk_ldmatrix_x4_trans(b, static_cast<const unsigned short*>(tile) + sk_swz<D>(r, c));
+// A C accumulator's rows g and g + 8 scaled by f[0] and f[1] (an online softmax's rescale).
+__device__ __forceinline__ void sk_scale_rows(float (&c)[4], const float (&f)[2]) {
+    c[0] *= f[0];
+    c[1] *= f[0];
+    c[2] *= f[1];
+    c[3] *= f[1];
+}
+
+// The A fragment (16 x 16) of two adjacent C accumulators (16 x 8 each) rounded to T: a
+// product's result feeds the next product without leaving registers.
+template <typename T>
+__device__ __forceinline__ void sk_pack_a(unsigned (&a)[4], const float (&c0)[4],
+                                          const float (&c1)[4]) {
+    a[0] = SkMma<T>::pack(c0[0], c0[1]);
+    a[1] = SkMma<T>::pack(c0[2], c0[3]);
+    a[2] = SkMma<T>::pack(c1[0], c1[1]);
+    a[3] = SkMma<T>::pack(c1[2], c1[3]);
 }

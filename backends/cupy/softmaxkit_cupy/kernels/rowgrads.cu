@@ -146,13 +146,7 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_vjp(
             }
             o[e] = sk_from_float<T>(g);
         }
-        if (vec_ok && base < n) {
-            *reinterpret_cast<uint4*>(orow + base) = *reinterpret_cast<uint4*>(o);
-        } else {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                if (base + e < n) orow[base + e] = o[e];
-        }
+        sk_rows_store<T, VEC>(orow, base, n, vec_ok, o);
     }
 }
 
@@ -269,12 +263,6 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_xent(
             if (!valid) g = 0.0f;
             o[e] = sk_from_float<T>(g);
         }
-        if (vec_ok && base < n) {
-            *reinterpret_cast<uint4*>(grow + base) = *reinterpret_cast<uint4*>(o);
-        } else {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                if (base + e < n) grow[base + e] = o[e];
-        }
+        sk_rows_store<T, VEC>(grow, base, n, vec_ok, o);
     }
 }

@@ -347,6 +347,36 @@ __device__ __forceinline__ void sk_cp_async_wait_n(int n) {
     }
 }
 
+// This thread's PER pieces of copy group g from the stage (piece j of thread lane is at
+// j * THREADS + lane).
+template <int THREADS, int PER>
+__device__ __forceinline__ void sk_read_group(uint4 (&p)[PER], const uint4* stage, int g,
+                                              int lane) {
+#pragma unroll
+    for (int q = 0; q < PER; ++q) p[q] = sk_ld_shared16(&stage[(g * PER + q) * THREADS + lane]);
+}
+
+// Stage this thread's piece j of row r (its segment starting at seg0): one asynchronous copy
+// where the segment is whole or the piece is in range and copyable (aligned, no mask), else
+// loaded and masked.
+template <typename T, int THREADS>
+__device__ __forceinline__ void sk_stage_piece(uint4* stage, const T* x, long long ld_x,
+                                               const unsigned char* w, long long ld_w,
+                                               long long r, int seg0, int j, int lane, int n,
+                                               int vec_ok, bool whole, bool copyable) {
+    constexpr int VEC = 16 / sizeof(T);
+    const int base = seg0 + (j * THREADS + lane) * VEC;
+    uint4* dst = &stage[j * THREADS + lane];
+    if (whole || (copyable && base < n)) {
+        sk_cp_async16(dst, x + r * ld_x + base, true);
+    } else {
+        uint4 piece[1];
+        sk_rows_load<T, THREADS, 1>(piece, x, ld_x, w, ld_w, r, true, seg0 + j * THREADS * VEC,
+                                    lane, n, vec_ok);
+        *dst = piece[0];
+    }
+}
+
 // Fold a landed copy group's maximum into the thread's running (m, s): s is rescaled when m
 // rises (0 while m is -inf; the new m may be +inf).  A NaN in the group sets nan and leaves m
 // alone: the row is NaN anyway.
@@ -416,18 +446,9 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
         }
     } else {
 #pragma unroll 1
-        for (int j = 0; j < K; ++j) {
-            const int base = seg0 + (j * THREADS + lane) * VEC;
-            uint4* dst = &sk_stage[j * THREADS + lane];
-            if (fast && base < n) {
-                sk_cp_async16(dst, xr + base, true);
-            } else {
-                uint4 piece[1];
-                sk_rows_load<T, THREADS, 1>(piece, x, ld_x, w, ld_w, row, true,
-                                            seg0 + j * THREADS * VEC, lane, n, vec_ok);
-                *dst = piece[0];
-            }
-        }
+        for (int j = 0; j < K; ++j)
+            sk_stage_piece<T, THREADS>(sk_stage, x, ld_x, w, ld_w, row, seg0, j, lane, n, vec_ok,
+                                       false, fast);
         sk_cp_async_commit();
         sk_cp_async_wait<0>();  // landed: the group waits below return at once
     }
@@ -438,8 +459,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
     for (int g = 0; g < GROUPS; ++g) {
         sk_cp_async_wait_n(GROUPS - 1 - g);
         uint4 p[PER];
-#pragma unroll
-        for (int q = 0; q < PER; ++q) p[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
+        sk_read_group<THREADS, PER>(p, sk_stage, g, lane);
         sk_raise_max<T, PER>(p, m, s, nan);
         sk_add_exponentials<T, PER>(p, m, s);
     }
@@ -534,16 +554,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
 
     // stage piece j of row r (asynchronous where the row allows it)
     auto stage = [&](long long r, int j) {
-        const int base = seg0 + (j * THREADS + lane) * VEC;
-        uint4* dst = &sk_stage[j * THREADS + lane];
-        if (fast || (copyable && base < n)) {
-            sk_cp_async16(dst, x + r * ld_x + base, true);
-        } else {
-            uint4 piece[1];
-            sk_rows_load<T, THREADS, 1>(piece, x, ld_x, w, ld_w, r, true,
-                                        seg0 + j * THREADS * VEC, lane, n, vec_ok);
-            *dst = piece[0];
-        }
+        sk_stage_piece<T, THREADS>(sk_stage, x, ld_x, w, ld_w, r, seg0, j, lane, n, vec_ok, fast,
+                                   copyable);
     };
 
     long long row = blockIdx.x / CLUSTER;
@@ -565,9 +577,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
         for (int g = 0; g < GROUPS; ++g) {
             sk_cp_async_wait_n(GROUPS - 1 - g);
             uint4 p[PER];
-#pragma unroll
-            for (int q = 0; q < PER; ++q)
-                p[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
+            sk_read_group<THREADS, PER>(p, sk_stage, g, lane);
             sk_raise_max<T, PER>(p, m, s, nan);
             if (CACHE) {
                 // no branch: while m is -inf the group holds only -inf (exponentials 0, and
@@ -640,9 +650,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
                 // (CACHE) exp(m_g - M) / S: 0 for a group cached while m was -inf
                 const float scale = CACHE ? sk_ex2((mg[g] - m) * SK_LOG2E) * inv : 0.0f;
                 uint4 pg[PER];  // the group read back first, then written and refilled
-#pragma unroll
-                for (int q = 0; q < PER; ++q)
-                    pg[q] = sk_ld_shared16(&sk_stage[(g * PER + q) * THREADS + lane]);
+                sk_read_group<THREADS, PER>(pg, sk_stage, g, lane);
 #pragma unroll
                 for (int q = 0; q < PER; ++q) {
                     const int j = g * PER + q;
