@@ -329,22 +329,3 @@ def attention_scale(scale: Any, d: int) -> float:
     if not math.isfinite(value):
         raise ValueError(f"scale={scale!r} must be finite")
     return value
-
-
-def host_integers(a: Any) -> np.ndarray:
-    """The values of the integer array ``a`` as a numpy int64 array in host memory.
-
-    For metadata that must be read to be validated (the cumulative sequence lengths of
-    packed attention): free for host arrays, one device-to-host copy for device arrays, one
-    computation of the graph for Dask arrays.
-    """
-    if array_api_compat.is_torch_array(a):
-        return a.detach().cpu().numpy().astype(np.int64, copy=False)
-    if array_api_compat.is_cupy_array(a):
-        return a.get().astype(np.int64, copy=False)
-    if array_api_compat.is_dask_array(a):
-        return np.asarray(a.compute(), dtype=np.int64)
-    try:
-        return np.asarray(a, dtype=np.int64)
-    except (TypeError, ValueError, RuntimeError):  # libraries that export through DLPack only
-        return np.from_dlpack(a).astype(np.int64, copy=False)

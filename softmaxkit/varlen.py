@@ -18,13 +18,11 @@ import numpy as np
 
 from . import arguments as args
 from .dispatch import run
-from .dtypes import accumulator_dtype, dtype_name
+from .dtypes import accumulator_dtype
 from .frameworks import route
+from .metadata import host_integers, index_array
 
 LN2 = math.log(2.0)
-
-SEQLEN_DTYPES = ("int32", "int64")
-"""The integer dtypes accepted for ``cu_seqlens_q`` and ``cu_seqlens_k``."""
 
 
 class _Packed:
@@ -89,18 +87,13 @@ def cu_seqlens(
     ValueError
         Not one-dimensional, empty, not starting at 0, decreasing, or not ending at ``total``.
     """
-    a = args.as_array(xp, value, name, like=like)
-    kind = dtype_name(a.dtype)
-    if kind not in SEQLEN_DTYPES:
-        raise TypeError(
-            f"{name} has dtype {kind}: expected int32 or int64 cumulative sequence lengths"
-        )
+    a = index_array(xp, value, name, like, "cumulative sequence lengths")
     if a.ndim != 1 or a.shape[0] < 1:
         raise ValueError(
             f"{name} of shape {tuple(a.shape)} must be one-dimensional [B + 1] with at least "
             "one entry (the cumulative lengths, starting at 0)"
         )
-    host = args.host_integers(a)
+    host = host_integers(a, name, "varlen_attention validates cu_seqlens_q and cu_seqlens_k")
     if host[0] != 0:
         raise ValueError(f"{name} must start at 0; got {int(host[0])}")
     steps = np.diff(host)

@@ -34,13 +34,14 @@ def test_reference_passes_the_varlen_cases(case):
 def test_kit_detects_attention_across_sequence_boundaries(monkeypatch):
     """A kernel that lets every query see every packed key (no boundaries) fails the kit."""
     import softmaxkit.reference.varlen as reference
-    from softmaxkit.arguments import host_integers
+    from softmaxkit.metadata import sequence_spans
     from softmaxkit.testing import check_backend
 
     def one_sequence(cu_q, cu_k):
-        return [(0, int(host_integers(cu_q)[-1]), 0, int(host_integers(cu_k)[-1]))]
+        spans = sequence_spans(cu_q, cu_k)
+        return [(0, spans[-1][1], 0, spans[-1][3])]
 
-    monkeypatch.setattr(reference, "_sequences", one_sequence)
+    monkeypatch.setattr(reference, "sequence_spans", one_sequence)
     results = check_backend("reference", ops=["varlen_attention", "varlen_attention_vjp"],
                             dtypes=["float64"])
     assert results and all(r.status == "failed" for r in results)

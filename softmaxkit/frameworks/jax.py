@@ -317,6 +317,20 @@ def _attention_shapes(q, k, v, mask):
     return _spec(lead + (hq, lq, v.shape[-1]), dtype), _spec(lead + (hq, lq), acc)
 
 
+def _widen_for_lse(v: Any, out: Any, dout: Any, dlse: Any) -> tuple[Any, Any, Any]:
+    """``(v, out, dout)`` widened by one column so that the unchanged attention VJP also
+    carries the lse's cotangent ``dlse``.
+
+    The lse's gradient enters as ``D_i = <dout_i, out_i> - dlse_i``: a zero value column, an
+    output column of ``-dlse`` and an upstream column of ones give exactly that; the caller
+    drops the extra column of ``dv``.
+    """
+    v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+    out = jnp.concatenate([out, (-dlse).astype(out.dtype)[..., None]], axis=-1)
+    dout = jnp.concatenate([dout, jnp.ones(dout.shape[:-1] + (1,), dout.dtype)], -1)
+    return v, out, dout
+
+
 @functools.lru_cache(maxsize=256)
 def _attention_custom(options: tuple, lse_used: bool) -> Any:
     scale, causal, window, softcap, backend = options
@@ -337,11 +351,7 @@ def _attention_custom(options: tuple, lse_used: bool) -> Any:
         dout, dlse = cots
         dv_width = v.shape[-1]
         if lse_used:
-            # the lse's gradient enters as D_i = <dout_i, out_i> - dlse_i: widen v by a zero
-            # column, out by -dlse and dout by one, and run the unchanged VJP
-            v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), v.dtype)], axis=-1)
-            out = jnp.concatenate([out, (-dlse).astype(out.dtype)[..., None]], axis=-1)
-            dout = jnp.concatenate([dout, jnp.ones(dout.shape[:-1] + (1,), dout.dtype)], -1)
+            v, out, dout = _widen_for_lse(v, out, dout, dlse)
         spec = tuple(_spec(a.shape, a.dtype) for a in (q, k, v))
         dq, dk, dv = _host(
             lambda q, k, v, o, s, d, m: _attention_vjp_fn(q, k, v, o, s, d, mask=m, **kw),
@@ -514,10 +524,7 @@ def _varlen_custom(options: tuple, lse_used: bool) -> Any:
         dout, dlse = cots
         dv_width = v.shape[-1]
         if lse_used:
-            # as for attention: D_i = <dout_i, out_i> - dlse_i through one extra value column
-            v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), v.dtype)], axis=-1)
-            out = jnp.concatenate([out, (-dlse).astype(out.dtype)[..., None]], axis=-1)
-            dout = jnp.concatenate([dout, jnp.ones(dout.shape[:-1] + (1,), dout.dtype)], -1)
+            v, out, dout = _widen_for_lse(v, out, dout, dlse)
         spec = tuple(_spec(a.shape, a.dtype) for a in (q, k, v))
         dq, dk, dv = _host(
             lambda q, k, v, o, s, d, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, **kw),

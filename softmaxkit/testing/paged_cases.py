@@ -20,7 +20,7 @@ import numpy as np
 import softmaxkit as sk
 
 from . import materialized as ref
-from .attention_cases import ATTENTION_TOLERANCES, _pair, _square, check_forward
+from .attention_cases import _pair, _square, check_against_dense, check_forward
 from .kit import Target, case
 
 
@@ -58,25 +58,6 @@ def make_cache(
     return k_pages, v_pages, table, np.asarray(seqlens, dtype=np.int32)
 
 
-def _agree(
-    t: Target, dtype: str, got: tuple[Any, Any], dense: tuple[np.ndarray, np.ndarray], what: str
-) -> None:
-    """Paged and dense results in ``dtype`` agree within twice the bounds (each is within the
-    bounds of the float64 definition); rows with no key are (0, -inf) in both."""
-    out_tol, lse_tol, _ = ATTENTION_TOLERANCES[dtype]
-    out, lse = t.to_numpy(got[0]), t.to_numpy(got[1])
-    d_out, d_lse = dense
-    empty = d_lse == -np.inf
-    assert np.array_equal(lse == -np.inf, empty), f"{what}: empty rows differ from dense attention"
-    assert np.all(out[empty] == 0), f"{what}: out of a row with no key is not 0"
-    err = ref.rel_frobenius(out, d_out)
-    assert err <= 2 * out_tol, f"{what} [{dtype}]: out differs from dense attention by {err:.3g}"
-    if np.any(~empty):
-        lerr = float(np.max(np.abs(lse[~empty] - d_lse[~empty])))
-        assert lerr <= 2 * lse_tol, (
-            f"{what} [{dtype}]: lse differs from dense attention by {lerr:.3g}")
-
-
 def _check_paged(
     t: Target, dtype: str, backend: str, seed: int, *, seqlens: list[int], page_size: int,
     hq: int, hk: int, lq: int, d: int, dv: int, causal: bool = False, window: Any = None,
@@ -101,8 +82,8 @@ def _check_paged(
     e_out = np.stack([e[0] for e in expected])
     e_lse = np.stack([e[1] for e in expected])
     check_forward(t, dtype, got, (e_out, e_lse), what)
-    _agree(t, dtype, got, (np.stack([x[0] for x in dense]), np.stack([x[1] for x in dense])),
-           what)
+    check_against_dense(t, dtype, got, (np.stack([x[0] for x in dense]),
+                                        np.stack([x[1] for x in dense])), what)
 
 
 @case("paged_attention")

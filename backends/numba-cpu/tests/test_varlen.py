@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from softmaxkit_numba_cpu import attention_grad_kernels, attention_kernels
 
 import softmaxkit as sk
 from softmaxkit.testing import materialized as ref
 from softmaxkit.testing.varlen_cases import packed_reference
 
 NAME = "numba-cpu"
-
-
-@pytest.fixture
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "TILE_Q", 16)
-    monkeypatch.setattr(attention_kernels, "TILE_K", 32)
-    monkeypatch.setattr(attention_grad_kernels, "TILE_Q", 16)
-    monkeypatch.setattr(attention_grad_kernels, "TILE_K", 24)
 
 
 def _packed(seed, lens_q, lens_k, hq=4, hk=2, d=16, dv=8, dtype=np.float32):
