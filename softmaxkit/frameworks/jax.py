@@ -331,36 +331,61 @@ def _widen_for_lse(v: Any, out: Any, dout: Any, dlse: Any) -> tuple[Any, Any, An
     return v, out, dout
 
 
-@functools.lru_cache(maxsize=256)
-def _attention_custom(options: tuple, lse_used: bool) -> Any:
-    scale, causal, window, softcap, backend = options
-    kw = dict(scale=scale, causal=causal or False, window=window, softcap=softcap,
-              backend=backend)
+def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any:
+    """A ``jax.custom_vjp`` function ``(q, k, v, *metadata) -> (out, lse)`` whose backward
+    recomputes from the saved ``out`` and ``lse``.
+
+    Parameters
+    ----------
+    forward : callable
+        ``forward(q, k, v, *metadata) -> (out, lse)`` on host arrays.
+    vjp : callable
+        ``vjp(q, k, v, out, lse, dout, *metadata) -> (dq, dk, dv)`` on host arrays.
+    shapes : callable
+        ``shapes(q, k, v, *metadata)``: the ``jax.ShapeDtypeStruct`` of ``(out, lse)``.
+    lse_used : bool
+        Whether the lse is returned, so that its cotangent must reach the backward
+        (:func:`_widen_for_lse`); else it is left out, saving the wider backward.
+
+    Returns
+    -------
+    callable
+        Differentiable in ``q``, ``k``, ``v``; the metadata (a mask, cumulative lengths) gets
+        no cotangent.
+    """
 
     @jax.custom_vjp
-    def f(q, k, v, mask):
-        return _host(lambda q, k, v, m: _attention_fn(q, k, v, mask=m, return_lse=True, **kw),
-                     _attention_shapes(q, k, v, mask), q, k, v, mask)
+    def f(q, k, v, *metadata):
+        return _host(forward, shapes(q, k, v, *metadata), q, k, v, *metadata)
 
-    def fwd(q, k, v, mask):
-        out, lse = f(q, k, v, mask)
-        return (out, lse), (q, k, v, mask, out, lse)  # the backward recomputes from these
+    def fwd(q, k, v, *metadata):
+        out, lse = f(q, k, v, *metadata)
+        return (out, lse), (q, k, v, metadata, out, lse)  # the backward recomputes from these
 
     def bwd(res, cots):
-        q, k, v, mask, out, lse = res
+        q, k, v, metadata, out, lse = res
         dout, dlse = cots
         dv_width = v.shape[-1]
         if lse_used:
             v, out, dout = _widen_for_lse(v, out, dout, dlse)
         spec = tuple(_spec(a.shape, a.dtype) for a in (q, k, v))
-        dq, dk, dv = _host(
-            lambda q, k, v, o, s, d, m: _attention_vjp_fn(q, k, v, o, s, d, mask=m, **kw),
-            spec, q, k, v, out, lse, dout.astype(out.dtype), mask,
-        )
-        return dq, dk, dv[..., :dv_width], None
+        dq, dk, dv = _host(vjp, spec, q, k, v, out, lse, dout.astype(out.dtype), *metadata)
+        return (dq, dk, dv[..., :dv_width]) + (None,) * len(metadata)
 
     f.defvjp(fwd, bwd)
     return f
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_custom(options: tuple, lse_used: bool) -> Any:
+    scale, causal, window, softcap, backend = options
+    kw = dict(scale=scale, causal=causal or False, window=window, softcap=softcap,
+              backend=backend)
+    return _recomputing_vjp(
+        lambda q, k, v, m: _attention_fn(q, k, v, mask=m, return_lse=True, **kw),
+        lambda q, k, v, o, s, d, m: _attention_vjp_fn(q, k, v, o, s, d, mask=m, **kw),
+        _attention_shapes, lse_used,
+    )
 
 
 def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: Any = False,
@@ -509,31 +534,11 @@ def _varlen_custom(options: tuple, lse_used: bool) -> Any:
     scale, causal, window, softcap, backend = options
     kw = dict(scale=scale, causal=causal or False, window=window, softcap=softcap,
               backend=backend)
-
-    @jax.custom_vjp
-    def f(q, k, v, cu_q, cu_k):
-        return _host(lambda q, k, v, cq, ck: _varlen_fn(q, k, v, cq, ck, return_lse=True, **kw),
-                     _varlen_shapes(q, k, v), q, k, v, cu_q, cu_k)
-
-    def fwd(q, k, v, cu_q, cu_k):
-        out, lse = f(q, k, v, cu_q, cu_k)
-        return (out, lse), (q, k, v, cu_q, cu_k, out, lse)
-
-    def bwd(res, cots):
-        q, k, v, cu_q, cu_k, out, lse = res
-        dout, dlse = cots
-        dv_width = v.shape[-1]
-        if lse_used:
-            v, out, dout = _widen_for_lse(v, out, dout, dlse)
-        spec = tuple(_spec(a.shape, a.dtype) for a in (q, k, v))
-        dq, dk, dv = _host(
-            lambda q, k, v, o, s, d, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, **kw),
-            spec, q, k, v, out, lse, dout.astype(out.dtype), cu_q, cu_k,
-        )
-        return dq, dk, dv[..., :dv_width], None, None
-
-    f.defvjp(fwd, bwd)
-    return f
+    return _recomputing_vjp(
+        lambda q, k, v, cq, ck: _varlen_fn(q, k, v, cq, ck, return_lse=True, **kw),
+        lambda q, k, v, o, s, d, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, **kw),
+        lambda q, k, v, cq, ck: _varlen_shapes(q, k, v), lse_used,
+    )
 
 
 def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
