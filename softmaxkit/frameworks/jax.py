@@ -306,13 +306,34 @@ def cross_entropy(logits: Any, target: Any, axis: int = -1, *, reduction: str = 
 # attention
 
 
+def _result_dtypes(q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+    """The dtypes of attention's ``out`` (q, k, v promoted) and ``lse`` (its accumulator)."""
+    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+    return dtype, (jnp.float64 if dtype == jnp.float64 else jnp.float32)
+
+
+def _operands(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``q``, ``k``, ``v`` as floating arrays of their promoted dtype."""
+    q, k, v = _floating(q), _floating(k), _floating(v)
+    common = _result_dtypes(q, k, v)[0]
+    return q.astype(common), k.astype(common), v.astype(common)
+
+
+def _options(scale: Any, causal: Any, window: Any, softcap: Any, backend: Any,
+             d: int) -> tuple[tuple[str, Any], ...]:
+    """The keyword arguments of attention and varlen_attention, validated, as hashable pairs:
+    the key of their cached custom_vjp builders (``d`` is the head dimension)."""
+    return (("scale", None if scale is None else _args.attention_scale(scale, d)),
+            ("causal", _args.causal(causal) or False), ("window", _args.window(window)),
+            ("softcap", _args.softcap(softcap)), ("backend", backend))
+
+
 def _attention_shapes(q, k, v, mask):
     leads = [q.shape[:-3], k.shape[:-3], v.shape[:-3]]
     if mask is not None and mask.ndim > 3:
         leads.append(mask.shape[:-3])
     lead = tuple(np.broadcast_shapes(*leads))
-    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
-    acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    dtype, acc = _result_dtypes(q, k, v)
     hq, lq = q.shape[-3], q.shape[-2]
     return _spec(lead + (hq, lq, v.shape[-1]), dtype), _spec(lead + (hq, lq), acc)
 
@@ -378,9 +399,7 @@ def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any
 
 @functools.lru_cache(maxsize=256)
 def _attention_custom(options: tuple, lse_used: bool) -> Any:
-    scale, causal, window, softcap, backend = options
-    kw = dict(scale=scale, causal=causal or False, window=window, softcap=softcap,
-              backend=backend)
+    kw = dict(options)
     return _recomputing_vjp(
         lambda q, k, v, m: _attention_fn(q, k, v, mask=m, return_lse=True, **kw),
         lambda q, k, v, o, s, d, m: _attention_vjp_fn(q, k, v, o, s, d, mask=m, **kw),
@@ -397,17 +416,14 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: Any
     (:func:`softmaxkit.attention_vjp`), as FlashAttention does.
     """
     base = _args.lse_base(lse_base)
-    q, k, v = _floating(q), _floating(k), _floating(v)
-    common = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
-    q, k, v = q.astype(common), k.astype(common), v.astype(common)
+    q, k, v = _operands(q, k, v)
     if mask is not None:
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
             raise TypeError(f"mask must be a boolean array (True = attend); got {mask.dtype}")
         if mask.ndim < 3:
             mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)
-    options = (None if scale is None else _args.attention_scale(scale, q.shape[-1]),
-               _args.causal(causal), _args.window(window), _args.softcap(softcap), backend)
+    options = _options(scale, causal, window, softcap, backend, q.shape[-1])
     out, lse = _attention_custom(options, bool(return_lse))(q, k, v, mask)
     if not return_lse:
         return out
@@ -505,8 +521,7 @@ def merge_attention_vjp(outs: Any, lses: Any, dout: Any, dlse: Any = None, axis:
 
 
 def _varlen_shapes(q, k, v):
-    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
-    acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    dtype, acc = _result_dtypes(q, k, v)
     tq, hq = q.shape[0], q.shape[1]
     return _spec((tq, hq, v.shape[-1]), dtype), _spec((tq, hq), acc)
 
@@ -531,9 +546,7 @@ def _packed(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any) -> tuple[jax.Array, ja
 
 @functools.lru_cache(maxsize=256)
 def _varlen_custom(options: tuple, lse_used: bool) -> Any:
-    scale, causal, window, softcap, backend = options
-    kw = dict(scale=scale, causal=causal or False, window=window, softcap=softcap,
-              backend=backend)
+    kw = dict(options)
     return _recomputing_vjp(
         lambda q, k, v, cq, ck: _varlen_fn(q, k, v, cq, ck, return_lse=True, **kw),
         lambda q, k, v, o, s, d, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, **kw),
@@ -549,12 +562,9 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     lse), under ``jit`` (the cumulative lengths are validated in the host callback); not under
     ``vmap``."""
     base = _args.lse_base(lse_base)
-    q, k, v = _floating(q), _floating(k), _floating(v)
+    q, k, v = _operands(q, k, v)
     cu_seqlens_q, cu_seqlens_k = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    common = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
-    q, k, v = q.astype(common), k.astype(common), v.astype(common)
-    options = (None if scale is None else _args.attention_scale(scale, q.shape[-1]),
-               _args.causal(causal), _args.window(window), _args.softcap(softcap), backend)
+    options = _options(scale, causal, window, softcap, backend, q.shape[-1])
     out, lse = _varlen_custom(options, bool(return_lse))(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if not return_lse:
         return out
