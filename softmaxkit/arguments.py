@@ -318,6 +318,28 @@ def softcap(softcap: Any) -> float | None:
     return value or None  # 0 means no cap, as in FlashAttention
 
 
+def grouped_query_heads(hq: int, hk: int, keys_values: str = "k's and v's") -> None:
+    """Check that q's ``hq`` heads are a multiple of the keys' and values' ``hk`` heads.
+
+    Parameters
+    ----------
+    hq, hk : int
+        The query heads and the key (and value) heads.
+    keys_values : str
+        The keys and values, possessive, for the error (``"k_pages' and v_pages'"``).
+
+    Raises
+    ------
+    ValueError
+        ``hk`` is 0 or does not divide ``hq``.
+    """
+    if hk == 0 or hq % hk:
+        raise ValueError(
+            f"q's {hq} heads must be a multiple of {keys_values} {hk} heads "
+            "(grouped-query attention)"
+        )
+
+
 def attention_scale(scale: Any, d: int) -> float:
     """Validate the attention scale; ``None`` gives ``1 / sqrt(d)``."""
     if scale is None:

@@ -39,11 +39,7 @@ class _Layout:
                 f"{(self.hk, self.lk)} from k"
             )
         self.dv = v.shape[-1]
-        if self.hk == 0 or self.hq % self.hk:
-            raise ValueError(
-                f"q's {self.hq} heads must be a multiple of k's and v's {self.hk} heads "
-                "(grouped-query attention)"
-            )
+        args.grouped_query_heads(self.hq, self.hk)
         leads = [tuple(q.shape[:-3]), tuple(k.shape[:-3]), tuple(v.shape[:-3])]
         if mask is not None:
             leads.append(tuple(mask.shape[:-3]))

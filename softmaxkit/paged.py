@@ -48,11 +48,7 @@ def _check_shapes(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens:
             f"v_pages of shape {tuple(v_pages.shape)} must be [P, Hk, page_size, Dv] with "
             f"(P, Hk, page_size) = {(pages, hk, page_size)} from k_pages"
         )
-    if hk == 0 or hq % hk:
-        raise ValueError(
-            f"q's {hq} heads must be a multiple of k_pages' and v_pages' {hk} heads "
-            "(grouped-query attention)"
-        )
+    args.grouped_query_heads(hq, hk, "k_pages' and v_pages'")
     if block_table.ndim != 2 or block_table.shape[0] != b:
         raise ValueError(
             f"block_table of shape {tuple(block_table.shape)} must have shape "

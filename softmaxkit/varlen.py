@@ -46,11 +46,7 @@ class _Packed:
                 f"{(self.tk, self.hk)} from k"
             )
         self.dv = v.shape[2]
-        if self.hk == 0 or self.hq % self.hk:
-            raise ValueError(
-                f"q's {self.hq} heads must be a multiple of k's and v's {self.hk} heads "
-                "(grouped-query attention)"
-            )
+        args.grouped_query_heads(self.hq, self.hk)
 
 
 def cu_seqlens(
