@@ -159,6 +159,31 @@ def floating(xp: Any, x: Any, name: str) -> Any:
     )
 
 
+def attention_operands(
+    xp: Any, q: Any, k: Any, v: Any, names: tuple[str, str, str] = ("q", "k", "v")
+) -> tuple[Any, Any, Any]:
+    """``q``, ``k``, ``v`` as floating arrays of ``xp`` (:func:`floating`), ``k`` and ``v``
+    converted on ``q``'s device; ``names`` name them in the errors."""
+    q = floating(xp, as_array(xp, q, names[0]), names[0])
+    k = floating(xp, as_array(xp, k, names[1], like=q), names[1])
+    v = floating(xp, as_array(xp, v, names[2], like=q), names[2])
+    return q, k, v
+
+
+def shaped_floating(xp: Any, value: Any, name: str, shape: tuple[int, ...], like: Any) -> Any:
+    """``value`` as a floating array of ``xp`` on ``like``'s device, checked to have ``shape``.
+
+    Raises
+    ------
+    ValueError
+        Any other shape.
+    """
+    a = floating(xp, as_array(xp, value, name, like=like), name)
+    if tuple(a.shape) != shape:
+        raise ValueError(f"{name} of shape {tuple(a.shape)} must have shape {shape}")
+    return a
+
+
 def axes(axis: Any, ndim: int, name: str = "axis") -> tuple[int, ...]:
     """Normalize ``axis`` (None, an int or a tuple of ints) to a sorted tuple of axes."""
     if axis is None:

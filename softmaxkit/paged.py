@@ -189,9 +189,8 @@ def paged_attention(
     base = args.lse_base(lse_base)
     xp = args.namespace(q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table,
                         seqlens=seqlens)
-    q = args.floating(xp, args.as_array(xp, q, "q"), "q")
-    k_pages = args.floating(xp, args.as_array(xp, k_pages, "k_pages", like=q), "k_pages")
-    v_pages = args.floating(xp, args.as_array(xp, v_pages, "v_pages", like=q), "v_pages")
+    q, k_pages, v_pages = args.attention_operands(xp, q, k_pages, v_pages,
+                                                  ("q", "k_pages", "v_pages"))
     block_table = index_array(xp, block_table, "block_table", q)
     seqlens = index_array(xp, seqlens, "seqlens", q)
     _check_shapes(q, k_pages, v_pages, block_table, seqlens)

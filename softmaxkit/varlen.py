@@ -11,18 +11,16 @@ host, before any kernel runs.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from . import arguments as args
+from .attention import LN2
 from .dispatch import run
 from .dtypes import accumulator_dtype
 from .frameworks import route
 from .metadata import host_integers, index_array
-
-LN2 = math.log(2.0)
 
 
 class _Packed:
@@ -130,9 +128,7 @@ def _prepare(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, extra: dict[str, Any]
     arrays = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
               **(extra or {})}
     xp = args.namespace(**arrays)
-    q = args.floating(xp, args.as_array(xp, q, "q"), "q")
-    k = args.floating(xp, args.as_array(xp, k, "k", like=q), "k")
-    v = args.floating(xp, args.as_array(xp, v, "v", like=q), "v")
+    q, k, v = args.attention_operands(xp, q, k, v)
     dims = _Packed(q, k, v)
     cq, ck = check_seqlens(xp, cu_q, cu_k, dims.tq, dims.tk, q)
     common = xp.result_type(q.dtype, k.dtype, v.dtype)
@@ -313,10 +309,7 @@ def varlen_attention_vjp(
     checked = {}
     for name, a, shape in (("out", out, out_shape), ("dout", dout, out_shape),
                            ("lse", lse, out_shape[:-1])):
-        a = args.floating(xp, args.as_array(xp, a, name, like=qf), name)
-        if tuple(a.shape) != shape:
-            raise ValueError(f"{name} of shape {tuple(a.shape)} must have shape {shape}")
-        checked[name] = a
+        checked[name] = args.shaped_floating(xp, a, name, shape, qf)
     lse_f = xp.astype(checked["lse"], accumulator_dtype(xp, qf.dtype), copy=False)
     if base == "2":
         lse_f = lse_f * LN2
