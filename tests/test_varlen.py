@@ -15,7 +15,7 @@ import pytest
 import softmaxkit as sk
 from softmaxkit.testing import Unsupported, cases
 from softmaxkit.testing import materialized as ref
-from softmaxkit.testing.varlen_cases import packed_reference
+from softmaxkit.testing.varlen_cases import packed_arrays, packed_reference
 
 BACKENDS = ("reference", "numba-cpu")
 TARGETS = ("numpy", "array_api_strict", "torch-cpu")
@@ -48,13 +48,7 @@ def test_kit_detects_attention_across_sequence_boundaries(monkeypatch):
 
 
 def _packed(seed, lens_q, lens_k, hq=4, hk=2, d=8, dv=6, dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int64)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int64)
-    q = rng.normal(size=(cu_q[-1], hq, d)).astype(dtype)
-    k = rng.normal(size=(cu_k[-1], hk, d)).astype(dtype)
-    v = rng.normal(size=(cu_k[-1], hk, dv)).astype(dtype)
-    return q, k, v, cu_q, cu_k
+    return packed_arrays(seed, lens_q, lens_k, hq, hk, d, dv, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -58,6 +58,19 @@ def make_cache(
     return k_pages, v_pages, table, np.asarray(seqlens, dtype=np.int32)
 
 
+def paged_definition(
+    q: np.ndarray, k_pages: np.ndarray, v_pages: np.ndarray, table: np.ndarray,
+    seqlens: Any, causal: Any = None, **kw: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(out, lse)`` of the float64 materialized definition on each sequence's gathered keys
+    and values, stacked over the sequences; ``causal`` true (``True`` or ``"bottom_right"``)
+    aligns bottom-right, as paged attention does."""
+    parts = [ref.attention(q[b], gather(k_pages, table, b, n), gather(v_pages, table, b, n),
+                           causal="bottom_right" if causal else None, **kw)
+             for b, n in enumerate(seqlens)]
+    return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
+
+
 def _check_paged(
     t: Target, dtype: str, backend: str, seed: int, *, seqlens: list[int], page_size: int,
     hq: int, hk: int, lq: int, d: int, dv: int, causal: bool = False, window: Any = None,
@@ -71,17 +84,14 @@ def _check_paged(
     kw = {"window": window, "softcap": softcap, "scale": scale}
     got = sk.paged_attention(q, kp, vp, t.asarray(table, None), t.asarray(lens, None),
                              causal=causal, return_lse=True, backend=backend, **kw)
-    expected, dense = [], []
+    dense = []
     for i, n in enumerate(seqlens):
         kd, vd = gather(k64, table, i, n), gather(v64, table, i, n)
-        expected.append(ref.attention(q64[i], kd, vd, causal="bottom_right" if causal else None,
-                                      **kw))
         o, s = sk.attention(t.asarray(q64[i], dtype), t.asarray(kd, dtype),
                             t.asarray(vd, dtype), causal=causal, return_lse=True, **kw)
         dense.append((t.to_numpy(o), t.to_numpy(s)))
-    e_out = np.stack([e[0] for e in expected])
-    e_lse = np.stack([e[1] for e in expected])
-    check_forward(t, dtype, got, (e_out, e_lse), what)
+    check_forward(t, dtype, got, paged_definition(q64, k64, v64, table, lens, causal, **kw),
+                  what)
     check_against_dense(t, dtype, got, (np.stack([x[0] for x in dense]),
                                         np.stack([x[1] for x in dense])), what)
 
@@ -132,9 +142,6 @@ def case_paged_attention_lse_base_2(t: Target, dtype: str, backend: str) -> None
     q64, k64, v64 = (t.to_numpy(a) for a in (q, kp, vp))
     out, lse2 = sk.paged_attention(q, kp, vp, t.asarray(table, None), t.asarray(lens, None),
                                    causal=True, return_lse=True, lse_base=2, backend=backend)
-    expected = [ref.attention(q64[i], gather(k64, table, i, n), gather(v64, table, i, n),
-                              causal="bottom_right") for i, n in enumerate(lens)]
     lse_e = t.asarray(t.to_numpy(lse2) * math.log(2.0), None)
-    check_forward(t, dtype, (out, lse_e), (np.stack([e[0] for e in expected]),
-                                           np.stack([e[1] for e in expected])),
+    check_forward(t, dtype, (out, lse_e), paged_definition(q64, k64, v64, table, lens, True),
                   "paged_attention lse_base=2")

@@ -33,6 +33,20 @@ def _cu(lengths: tuple[int, ...]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)])
 
 
+def packed_arrays(
+    seed: int, lens_q: tuple[int, ...], lens_k: tuple[int, ...], hq: int, hk: int, d: int,
+    dv: int, dtype: Any = np.float64, index_dtype: Any = np.int64, scale: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Packed numpy ``(q, k, v, cu_seqlens_q, cu_seqlens_k)`` for sequences of ``lens_q``
+    queries and ``lens_k`` keys: normal values of standard deviation ``scale`` in ``dtype``,
+    cumulative lengths in ``index_dtype``."""
+    rng = np.random.default_rng(seed)
+    cu_q, cu_k = _cu(lens_q).astype(index_dtype), _cu(lens_k).astype(index_dtype)
+    shapes = ((cu_q[-1], hq, d), (cu_k[-1], hk, d), (cu_k[-1], hk, dv))
+    q, k, v = (rng.normal(scale=scale, size=s).astype(dtype) for s in shapes)
+    return q, k, v, cu_q, cu_k
+
+
 def _spans(cu_q: np.ndarray, cu_k: np.ndarray) -> list[tuple[int, int, int, int]]:
     return [(int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1]))
             for b in range(len(cu_q) - 1)]
@@ -45,10 +59,8 @@ def _heads_first(a: np.ndarray) -> np.ndarray:
 def _inputs(t: Target, dtype: str, seed: int, hq: int, hk: int, d: int, dv: int,
             scale: float = 1.0) -> tuple[list[Any], list[np.ndarray], np.ndarray, np.ndarray]:
     """Packed (q, k, v) on the target, their represented float64 values, and cu_seqlens."""
-    cu_q, cu_k = _cu(LENGTHS[0]), _cu(LENGTHS[1])
-    rng = np.random.default_rng(seed)
-    shapes = ((cu_q[-1], hq, d), (cu_k[-1], hk, d), (cu_k[-1], hk, dv))
-    on_target = [t.asarray(rng.normal(scale=scale, size=s), dtype) for s in shapes]
+    *arrays, cu_q, cu_k = packed_arrays(seed, *LENGTHS, hq, hk, d, dv, scale=scale)
+    on_target = [t.asarray(a, dtype) for a in arrays]
     return on_target, [t.to_numpy(a) for a in on_target], cu_q, cu_k
 
 
