@@ -159,6 +159,31 @@ def floating(xp: Any, x: Any, name: str) -> Any:
     )
 
 
+def attention_operands(
+    xp: Any, q: Any, k: Any, v: Any, names: tuple[str, str, str] = ("q", "k", "v")
+) -> tuple[Any, Any, Any]:
+    """``q``, ``k``, ``v`` as floating arrays of ``xp`` (:func:`floating`), ``k`` and ``v``
+    converted on ``q``'s device; ``names`` name them in the errors."""
+    q = floating(xp, as_array(xp, q, names[0]), names[0])
+    k = floating(xp, as_array(xp, k, names[1], like=q), names[1])
+    v = floating(xp, as_array(xp, v, names[2], like=q), names[2])
+    return q, k, v
+
+
+def shaped_floating(xp: Any, value: Any, name: str, shape: tuple[int, ...], like: Any) -> Any:
+    """``value`` as a floating array of ``xp`` on ``like``'s device, checked to have ``shape``.
+
+    Raises
+    ------
+    ValueError
+        Any other shape.
+    """
+    a = floating(xp, as_array(xp, value, name, like=like), name)
+    if tuple(a.shape) != shape:
+        raise ValueError(f"{name} of shape {tuple(a.shape)} must have shape {shape}")
+    return a
+
+
 def axes(axis: Any, ndim: int, name: str = "axis") -> tuple[int, ...]:
     """Normalize ``axis`` (None, an int or a tuple of ints) to a sorted tuple of axes."""
     if axis is None:
@@ -318,6 +343,28 @@ def softcap(softcap: Any) -> float | None:
     return value or None  # 0 means no cap, as in FlashAttention
 
 
+def grouped_query_heads(hq: int, hk: int, keys_values: str = "k's and v's") -> None:
+    """Check that q's ``hq`` heads are a multiple of the keys' and values' ``hk`` heads.
+
+    Parameters
+    ----------
+    hq, hk : int
+        The query heads and the key (and value) heads.
+    keys_values : str
+        The keys and values, possessive, for the error (``"k_pages' and v_pages'"``).
+
+    Raises
+    ------
+    ValueError
+        ``hk`` is 0 or does not divide ``hq``.
+    """
+    if hk == 0 or hq % hk:
+        raise ValueError(
+            f"q's {hq} heads must be a multiple of {keys_values} {hk} heads "
+            "(grouped-query attention)"
+        )
+
+
 def attention_scale(scale: Any, d: int) -> float:
     """Validate the attention scale; ``None`` gives ``1 / sqrt(d)``."""
     if scale is None:
@@ -329,22 +376,3 @@ def attention_scale(scale: Any, d: int) -> float:
     if not math.isfinite(value):
         raise ValueError(f"scale={scale!r} must be finite")
     return value
-
-
-def host_integers(a: Any) -> np.ndarray:
-    """The values of the integer array ``a`` as a numpy int64 array in host memory.
-
-    For metadata that must be read to be validated (the cumulative sequence lengths of
-    packed attention): free for host arrays, one device-to-host copy for device arrays, one
-    computation of the graph for Dask arrays.
-    """
-    if array_api_compat.is_torch_array(a):
-        return a.detach().cpu().numpy().astype(np.int64, copy=False)
-    if array_api_compat.is_cupy_array(a):
-        return a.get().astype(np.int64, copy=False)
-    if array_api_compat.is_dask_array(a):
-        return np.asarray(a.compute(), dtype=np.int64)
-    try:
-        return np.asarray(a, dtype=np.int64)
-    except (TypeError, ValueError, RuntimeError):  # libraries that export through DLPack only
-        return np.from_dlpack(a).astype(np.int64, copy=False)

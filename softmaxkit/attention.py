@@ -39,11 +39,7 @@ class _Layout:
                 f"{(self.hk, self.lk)} from k"
             )
         self.dv = v.shape[-1]
-        if self.hk == 0 or self.hq % self.hk:
-            raise ValueError(
-                f"q's {self.hq} heads must be a multiple of k's and v's {self.hk} heads "
-                "(grouped-query attention)"
-            )
+        args.grouped_query_heads(self.hq, self.hk)
         leads = [tuple(q.shape[:-3]), tuple(k.shape[:-3]), tuple(v.shape[:-3])]
         if mask is not None:
             leads.append(tuple(mask.shape[:-3]))
@@ -80,9 +76,7 @@ def _unbroadcast(xp: Any, g: Any, shape: tuple[int, ...]) -> Any:
 def _prepare(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any] | None = None):
     arrays = {"q": q, "k": k, "v": v, "mask": mask, **(extra or {})}
     xp = args.namespace(**arrays)
-    q = args.floating(xp, args.as_array(xp, q, "q"), "q")
-    k = args.floating(xp, args.as_array(xp, k, "k", like=q), "k")
-    v = args.floating(xp, args.as_array(xp, v, "v", like=q), "v")
+    q, k, v = args.attention_operands(xp, q, k, v)
     if mask is not None:
         mask = args.boolean(args.as_array(xp, mask, "mask", like=q), "mask", "True = attend")
         if mask.ndim < 3:
@@ -247,9 +241,7 @@ def attention_vjp(
              ("lse", lse, out_shape[:-1]))
     flat = {}
     for name, a, shape in pairs:
-        a = args.floating(xp, args.as_array(xp, a, name, like=qf), name)
-        if tuple(a.shape) != shape:
-            raise ValueError(f"{name} of shape {tuple(a.shape)} must have shape {shape}")
+        a = args.shaped_floating(xp, a, name, shape, qf)
         flat[name] = xp.reshape(a, (layout.b,) + shape[len(layout.lead):])
     acc = accumulator_dtype(xp, qf.dtype)
     lse_f = xp.astype(flat["lse"], acc, copy=False)
@@ -459,15 +451,11 @@ def merge_attention_vjp(
         outs, lses, axis, lse_base, empty_lse, extra
     )
     rows = math.prod(batch)
-    dout = args.floating(xp, args.as_array(xp, dout, "dout", like=orr), "dout")
-    if tuple(dout.shape) != batch + (dv,):
-        raise ValueError(f"dout of shape {tuple(dout.shape)} must have shape {batch + (dv,)}")
+    dout = args.shaped_floating(xp, dout, "dout", batch + (dv,), orr)
     dr = xp.reshape(dout, (rows, dv))
     dl = None
     if dlse is not None:
-        dlse = args.floating(xp, args.as_array(xp, dlse, "dlse", like=orr), "dlse")
-        if tuple(dlse.shape) != batch:
-            raise ValueError(f"dlse of shape {tuple(dlse.shape)} must have shape {batch}")
+        dlse = args.shaped_floating(xp, dlse, "dlse", batch, orr)
         dl = xp.reshape(xp.astype(dlse, lr.dtype), (rows,))
         if base == "2":
             dl = dl / LN2  # d/d lse_e of the base-2 lse

@@ -8,54 +8,15 @@ beyond a sequence's pages; then it hands the backend one call in the layout of
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-import array_api_compat
 import numpy as np
 
 from . import arguments as args
 from .attention import LN2
 from .dispatch import run
-from .dtypes import dtype_name
 from .frameworks import refuse_gradient
-
-INDEX_DTYPES = ("int32", "int64")
-"""The integer dtypes accepted for ``block_table`` and ``seqlens``."""
-
-
-def _host(a: Any, name: str) -> np.ndarray:
-    """A numpy copy (or view) of a metadata array, wherever it lives.
-
-    For an array on an accelerator this is a device-to-host copy and a synchronization: the
-    price of validating the metadata before any kernel runs (spec "Paged attention").
-    """
-    try:
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(a, torch.Tensor):
-            return a.detach().cpu().numpy()
-        if array_api_compat.is_cupy_array(a):
-            return a.get()
-        if array_api_compat.is_dask_array(a):
-            return np.asarray(a.compute())
-        try:
-            return np.from_dlpack(a)
-        except Exception:  # libraries without DLPack export on their device
-            return np.asarray(a)
-    except Exception as exc:  # a traced value (jax.jit) has nothing to read
-        raise TypeError(
-            f"{name} could not be read on the host ({type(exc).__name__}): paged_attention "
-            "validates block_table and seqlens before any kernel runs, so they must be "
-            "concrete arrays, not values traced by a compiler such as jax.jit"
-        ) from exc
-
-
-def _index_array(xp: Any, value: Any, name: str, like: Any) -> Any:
-    a = args.as_array(xp, value, name, like=like)
-    found = dtype_name(a.dtype)
-    if found not in INDEX_DTYPES:
-        raise TypeError(f"{name} has dtype {found}: expected int32 or int64")
-    return a
+from .metadata import host_integers, index_array
 
 
 def _causal(causal: Any) -> str | None:
@@ -87,11 +48,7 @@ def _check_shapes(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens:
             f"v_pages of shape {tuple(v_pages.shape)} must be [P, Hk, page_size, Dv] with "
             f"(P, Hk, page_size) = {(pages, hk, page_size)} from k_pages"
         )
-    if hk == 0 or hq % hk:
-        raise ValueError(
-            f"q's {hq} heads must be a multiple of k_pages' and v_pages' {hk} heads "
-            "(grouped-query attention)"
-        )
+    args.grouped_query_heads(hq, hk, "k_pages' and v_pages'")
     if block_table.ndim != 2 or block_table.shape[0] != b:
         raise ValueError(
             f"block_table of shape {tuple(block_table.shape)} must have shape "
@@ -104,9 +61,9 @@ def _check_shapes(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens:
 def _check_metadata(
     table: np.ndarray, lens: np.ndarray, pages: int, page_size: int
 ) -> None:
-    """Lengths within each sequence's pages, and every page a sequence uses in the pool."""
+    """Lengths within each sequence's pages, and every page a sequence uses in the pool
+    (``table`` and ``lens`` are the host int64 values)."""
     max_pages = table.shape[1]
-    lens = lens.astype(np.int64)
     bad = np.flatnonzero(lens < 0)
     if bad.size:
         b = int(bad[0])
@@ -232,19 +189,19 @@ def paged_attention(
     base = args.lse_base(lse_base)
     xp = args.namespace(q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table,
                         seqlens=seqlens)
-    q = args.floating(xp, args.as_array(xp, q, "q"), "q")
-    k_pages = args.floating(xp, args.as_array(xp, k_pages, "k_pages", like=q), "k_pages")
-    v_pages = args.floating(xp, args.as_array(xp, v_pages, "v_pages", like=q), "v_pages")
-    block_table = _index_array(xp, block_table, "block_table", q)
-    seqlens = _index_array(xp, seqlens, "seqlens", q)
+    q, k_pages, v_pages = args.attention_operands(xp, q, k_pages, v_pages,
+                                                  ("q", "k_pages", "v_pages"))
+    block_table = index_array(xp, block_table, "block_table", q)
+    seqlens = index_array(xp, seqlens, "seqlens", q)
     _check_shapes(q, k_pages, v_pages, block_table, seqlens)
     aligned = _causal(causal)
     win = args.window(window)
     cap = args.softcap(softcap)
     scale_f = args.attention_scale(scale, q.shape[-1])
     pages, _, page_size, _ = k_pages.shape
-    _check_metadata(_host(block_table, "block_table"), _host(seqlens, "seqlens"), pages,
-                    page_size)
+    reader = "paged_attention validates block_table and seqlens"
+    _check_metadata(host_integers(block_table, "block_table", reader),
+                    host_integers(seqlens, "seqlens", reader), pages, page_size)
     common = xp.result_type(q.dtype, k_pages.dtype, v_pages.dtype)
     qc, kc, vc = (xp.astype(a, common, copy=False) for a in (q, k_pages, v_pages))
     out, lse = run(

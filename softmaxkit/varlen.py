@@ -11,20 +11,16 @@ host, before any kernel runs.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from . import arguments as args
+from .attention import LN2
 from .dispatch import run
-from .dtypes import accumulator_dtype, dtype_name
+from .dtypes import accumulator_dtype
 from .frameworks import route
-
-LN2 = math.log(2.0)
-
-SEQLEN_DTYPES = ("int32", "int64")
-"""The integer dtypes accepted for ``cu_seqlens_q`` and ``cu_seqlens_k``."""
+from .metadata import host_integers, index_array
 
 
 class _Packed:
@@ -48,11 +44,7 @@ class _Packed:
                 f"{(self.tk, self.hk)} from k"
             )
         self.dv = v.shape[2]
-        if self.hk == 0 or self.hq % self.hk:
-            raise ValueError(
-                f"q's {self.hq} heads must be a multiple of k's and v's {self.hk} heads "
-                "(grouped-query attention)"
-            )
+        args.grouped_query_heads(self.hq, self.hk)
 
 
 def cu_seqlens(
@@ -89,18 +81,13 @@ def cu_seqlens(
     ValueError
         Not one-dimensional, empty, not starting at 0, decreasing, or not ending at ``total``.
     """
-    a = args.as_array(xp, value, name, like=like)
-    kind = dtype_name(a.dtype)
-    if kind not in SEQLEN_DTYPES:
-        raise TypeError(
-            f"{name} has dtype {kind}: expected int32 or int64 cumulative sequence lengths"
-        )
+    a = index_array(xp, value, name, like, "cumulative sequence lengths")
     if a.ndim != 1 or a.shape[0] < 1:
         raise ValueError(
             f"{name} of shape {tuple(a.shape)} must be one-dimensional [B + 1] with at least "
             "one entry (the cumulative lengths, starting at 0)"
         )
-    host = args.host_integers(a)
+    host = host_integers(a, name, "varlen_attention validates cu_seqlens_q and cu_seqlens_k")
     if host[0] != 0:
         raise ValueError(f"{name} must start at 0; got {int(host[0])}")
     steps = np.diff(host)
@@ -141,9 +128,7 @@ def _prepare(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, extra: dict[str, Any]
     arrays = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
               **(extra or {})}
     xp = args.namespace(**arrays)
-    q = args.floating(xp, args.as_array(xp, q, "q"), "q")
-    k = args.floating(xp, args.as_array(xp, k, "k", like=q), "k")
-    v = args.floating(xp, args.as_array(xp, v, "v", like=q), "v")
+    q, k, v = args.attention_operands(xp, q, k, v)
     dims = _Packed(q, k, v)
     cq, ck = check_seqlens(xp, cu_q, cu_k, dims.tq, dims.tk, q)
     common = xp.result_type(q.dtype, k.dtype, v.dtype)
@@ -324,10 +309,7 @@ def varlen_attention_vjp(
     checked = {}
     for name, a, shape in (("out", out, out_shape), ("dout", dout, out_shape),
                            ("lse", lse, out_shape[:-1])):
-        a = args.floating(xp, args.as_array(xp, a, name, like=qf), name)
-        if tuple(a.shape) != shape:
-            raise ValueError(f"{name} of shape {tuple(a.shape)} must have shape {shape}")
-        checked[name] = a
+        checked[name] = args.shaped_floating(xp, a, name, shape, qf)
     lse_f = xp.astype(checked["lse"], accumulator_dtype(xp, qf.dtype), copy=False)
     if base == "2":
         lse_f = lse_f * LN2

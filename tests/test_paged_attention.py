@@ -13,7 +13,7 @@ import pytest
 
 import softmaxkit as sk
 from softmaxkit.testing import materialized as ref
-from softmaxkit.testing.paged_cases import gather, make_cache
+from softmaxkit.testing.paged_cases import make_cache, paged_definition
 
 BACKENDS = ("reference", "numba-cpu")
 
@@ -25,13 +25,6 @@ def _cache(seqlens, page_size=4, hq=4, hk=2, lq=1, d=8, dv=6, seed=0):
     return q, k, v, table, lens
 
 
-def _expected(q, k, v, table, lens, causal=False, **kw):
-    parts = [ref.attention(q[b], gather(k, table, b, n), gather(v, table, b, n),
-                           causal="bottom_right" if causal else None, **kw)
-             for b, n in enumerate(lens)]
-    return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_length_sequence_and_short_sequences_follow_the_empty_row_rule(backend):
     # seqlens[1] = 0: no key; seqlens[2] = 2 < Lq = 4: with causal, the first two rows see
@@ -40,7 +33,7 @@ def test_zero_length_sequence_and_short_sequences_follow_the_empty_row_rule(back
     for causal in (True, False):
         out, lse = sk.paged_attention(q, k, v, table, lens, causal=causal, return_lse=True,
                                       backend=backend)
-        e_out, e_lse = _expected(q, k, v, table, lens, causal=causal)
+        e_out, e_lse = paged_definition(q, k, v, table, lens, causal=causal)
         assert np.all(out[1] == 0) and np.all(lse[1] == -np.inf)
         assert np.all((lse[2, :, :2] == -np.inf) == causal)
         assert np.all(out[2, :, :2] == 0) if causal else np.all(np.isfinite(lse[2]))
@@ -53,7 +46,7 @@ def test_zero_length_sequence_and_short_sequences_follow_the_empty_row_rule(back
 def test_causal_defaults_to_false_as_in_flashinfer_and_flash_attn():
     q, k, v, table, lens = _cache([9, 5], lq=3)
     got = sk.paged_attention(q, k, v, table, lens)
-    np.testing.assert_allclose(got, _expected(q, k, v, table, lens, causal=False)[0],
+    np.testing.assert_allclose(got, paged_definition(q, k, v, table, lens, causal=False)[0],
                                rtol=1e-12, atol=1e-13)
     # for decoding (Lq = 1) causal changes nothing: the query is the last position
     q1 = q[:, :, :1]
@@ -117,7 +110,7 @@ def test_unused_table_entries_may_hold_anything():
     q, k, v, table, lens = _cache([4, 1], page_size=4)
     table[:, 1:] = np.array([-7, 10**6, 2**31 - 1], dtype=np.int32)[: table.shape[1] - 1]
     out = sk.paged_attention(q, k, v, table, lens, backend="reference")
-    np.testing.assert_allclose(out, _expected(q, k, v, table, lens)[0], rtol=1e-12,
+    np.testing.assert_allclose(out, paged_definition(q, k, v, table, lens)[0], rtol=1e-12,
                                atol=1e-13)
 
 
@@ -146,8 +139,8 @@ def test_torch_inputs_requiring_grad_are_refused():
     with torch.no_grad():
         out = sk.paged_attention(tq, *args)
     assert isinstance(out, torch.Tensor) and not out.requires_grad
-    np.testing.assert_allclose(out.numpy(), _expected(q, k, v, table, lens)[0], rtol=1e-12,
-                               atol=1e-13)
+    np.testing.assert_allclose(out.numpy(), paged_definition(q, k, v, table, lens)[0],
+                               rtol=1e-12, atol=1e-13)
 
 
 def test_float_promotion_and_lse_dtype():
@@ -172,7 +165,7 @@ def test_empty_shapes(backend):
     for name, (qq, kk, vv, tt, ll) in cases.items():
         out, lse = sk.paged_attention(qq, kk, vv, tt, ll, causal=True, return_lse=True,
                                       backend=backend)
-        e_out, e_lse = _expected(qq, kk, vv, tt, ll, causal=True) if len(ll) else (
+        e_out, e_lse = paged_definition(qq, kk, vv, tt, ll, causal=True) if len(ll) else (
             np.zeros(out.shape), np.zeros(lse.shape))
         assert out.shape == e_out.shape and lse.shape == e_lse.shape, name
         np.testing.assert_array_equal(lse == -np.inf, e_lse == -np.inf, err_msg=name)
@@ -187,7 +180,7 @@ def test_jax_arrays_and_traced_metadata():
     q, k, v, table, lens = _cache([5, 0, 9], lq=2)
     f32 = [a.astype(np.float32) for a in (q, k, v)]
     got = sk.paged_attention(*(jnp.asarray(a) for a in (*f32, table, lens)), causal=True)
-    want = _expected(*(a.astype(np.float64) for a in f32), table, lens, causal=True)[0]
+    want = paged_definition(*(a.astype(np.float64) for a in f32), table, lens, causal=True)[0]
     assert ref.rel_frobenius(np.asarray(got, dtype=np.float64), want) <= 1e-5
     # under jit the metadata is traced: it cannot be validated, and the error says so
     jitted = jax.jit(lambda *a: sk.paged_attention(*a, causal=True))

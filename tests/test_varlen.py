@@ -15,7 +15,7 @@ import pytest
 import softmaxkit as sk
 from softmaxkit.testing import Unsupported, cases
 from softmaxkit.testing import materialized as ref
-from softmaxkit.testing.varlen_cases import packed_reference
+from softmaxkit.testing.varlen_cases import packed_arrays, packed_reference
 
 BACKENDS = ("reference", "numba-cpu")
 TARGETS = ("numpy", "array_api_strict", "torch-cpu")
@@ -34,26 +34,21 @@ def test_reference_passes_the_varlen_cases(case):
 def test_kit_detects_attention_across_sequence_boundaries(monkeypatch):
     """A kernel that lets every query see every packed key (no boundaries) fails the kit."""
     import softmaxkit.reference.varlen as reference
-    from softmaxkit.arguments import host_integers
+    from softmaxkit.metadata import sequence_spans
     from softmaxkit.testing import check_backend
 
     def one_sequence(cu_q, cu_k):
-        return [(0, int(host_integers(cu_q)[-1]), 0, int(host_integers(cu_k)[-1]))]
+        spans = sequence_spans(cu_q, cu_k)
+        return [(0, spans[-1][1], 0, spans[-1][3])]
 
-    monkeypatch.setattr(reference, "_sequences", one_sequence)
+    monkeypatch.setattr(reference, "sequence_spans", one_sequence)
     results = check_backend("reference", ops=["varlen_attention", "varlen_attention_vjp"],
                             dtypes=["float64"])
     assert results and all(r.status == "failed" for r in results)
 
 
 def _packed(seed, lens_q, lens_k, hq=4, hk=2, d=8, dv=6, dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int64)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int64)
-    q = rng.normal(size=(cu_q[-1], hq, d)).astype(dtype)
-    k = rng.normal(size=(cu_k[-1], hk, d)).astype(dtype)
-    v = rng.normal(size=(cu_k[-1], hk, dv)).astype(dtype)
-    return q, k, v, cu_q, cu_k
+    return packed_arrays(seed, lens_q, lens_k, hq, hk, d, dv, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

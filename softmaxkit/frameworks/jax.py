@@ -306,51 +306,105 @@ def cross_entropy(logits: Any, target: Any, axis: int = -1, *, reduction: str = 
 # attention
 
 
+def _result_dtypes(q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+    """The dtypes of attention's ``out`` (q, k, v promoted) and ``lse`` (its accumulator)."""
+    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+    return dtype, (jnp.float64 if dtype == jnp.float64 else jnp.float32)
+
+
+def _operands(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``q``, ``k``, ``v`` as floating arrays of their promoted dtype."""
+    q, k, v = _floating(q), _floating(k), _floating(v)
+    common = _result_dtypes(q, k, v)[0]
+    return q.astype(common), k.astype(common), v.astype(common)
+
+
+def _options(scale: Any, causal: Any, window: Any, softcap: Any, backend: Any,
+             d: int) -> tuple[tuple[str, Any], ...]:
+    """The keyword arguments of attention and varlen_attention, validated, as hashable pairs:
+    the key of their cached custom_vjp builders (``d`` is the head dimension)."""
+    return (("scale", None if scale is None else _args.attention_scale(scale, d)),
+            ("causal", _args.causal(causal) or False), ("window", _args.window(window)),
+            ("softcap", _args.softcap(softcap)), ("backend", backend))
+
+
 def _attention_shapes(q, k, v, mask):
     leads = [q.shape[:-3], k.shape[:-3], v.shape[:-3]]
     if mask is not None and mask.ndim > 3:
         leads.append(mask.shape[:-3])
     lead = tuple(np.broadcast_shapes(*leads))
-    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
-    acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    dtype, acc = _result_dtypes(q, k, v)
     hq, lq = q.shape[-3], q.shape[-2]
     return _spec(lead + (hq, lq, v.shape[-1]), dtype), _spec(lead + (hq, lq), acc)
 
 
-@functools.lru_cache(maxsize=256)
-def _attention_custom(options: tuple, lse_used: bool) -> Any:
-    scale, causal, window, softcap, backend = options
-    kw = dict(scale=scale, causal=causal or False, window=window, softcap=softcap,
-              backend=backend)
+def _widen_for_lse(v: Any, out: Any, dout: Any, dlse: Any) -> tuple[Any, Any, Any]:
+    """``(v, out, dout)`` widened by one column so that the unchanged attention VJP also
+    carries the lse's cotangent ``dlse``.
+
+    The lse's gradient enters as ``D_i = <dout_i, out_i> - dlse_i``: a zero value column, an
+    output column of ``-dlse`` and an upstream column of ones give exactly that; the caller
+    drops the extra column of ``dv``.
+    """
+    v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+    out = jnp.concatenate([out, (-dlse).astype(out.dtype)[..., None]], axis=-1)
+    dout = jnp.concatenate([dout, jnp.ones(dout.shape[:-1] + (1,), dout.dtype)], -1)
+    return v, out, dout
+
+
+def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any:
+    """A ``jax.custom_vjp`` function ``(q, k, v, *metadata) -> (out, lse)`` whose backward
+    recomputes from the saved ``out`` and ``lse``.
+
+    Parameters
+    ----------
+    forward : callable
+        ``forward(q, k, v, *metadata) -> (out, lse)`` on host arrays.
+    vjp : callable
+        ``vjp(q, k, v, out, lse, dout, *metadata) -> (dq, dk, dv)`` on host arrays.
+    shapes : callable
+        ``shapes(q, k, v, *metadata)``: the ``jax.ShapeDtypeStruct`` of ``(out, lse)``.
+    lse_used : bool
+        Whether the lse is returned, so that its cotangent must reach the backward
+        (:func:`_widen_for_lse`); else it is left out, saving the wider backward.
+
+    Returns
+    -------
+    callable
+        Differentiable in ``q``, ``k``, ``v``; the metadata (a mask, cumulative lengths) gets
+        no cotangent.
+    """
 
     @jax.custom_vjp
-    def f(q, k, v, mask):
-        return _host(lambda q, k, v, m: _attention_fn(q, k, v, mask=m, return_lse=True, **kw),
-                     _attention_shapes(q, k, v, mask), q, k, v, mask)
+    def f(q, k, v, *metadata):
+        return _host(forward, shapes(q, k, v, *metadata), q, k, v, *metadata)
 
-    def fwd(q, k, v, mask):
-        out, lse = f(q, k, v, mask)
-        return (out, lse), (q, k, v, mask, out, lse)  # the backward recomputes from these
+    def fwd(q, k, v, *metadata):
+        out, lse = f(q, k, v, *metadata)
+        return (out, lse), (q, k, v, metadata, out, lse)  # the backward recomputes from these
 
     def bwd(res, cots):
-        q, k, v, mask, out, lse = res
+        q, k, v, metadata, out, lse = res
         dout, dlse = cots
         dv_width = v.shape[-1]
         if lse_used:
-            # the lse's gradient enters as D_i = <dout_i, out_i> - dlse_i: widen v by a zero
-            # column, out by -dlse and dout by one, and run the unchanged VJP
-            v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), v.dtype)], axis=-1)
-            out = jnp.concatenate([out, (-dlse).astype(out.dtype)[..., None]], axis=-1)
-            dout = jnp.concatenate([dout, jnp.ones(dout.shape[:-1] + (1,), dout.dtype)], -1)
+            v, out, dout = _widen_for_lse(v, out, dout, dlse)
         spec = tuple(_spec(a.shape, a.dtype) for a in (q, k, v))
-        dq, dk, dv = _host(
-            lambda q, k, v, o, s, d, m: _attention_vjp_fn(q, k, v, o, s, d, mask=m, **kw),
-            spec, q, k, v, out, lse, dout.astype(out.dtype), mask,
-        )
-        return dq, dk, dv[..., :dv_width], None
+        dq, dk, dv = _host(vjp, spec, q, k, v, out, lse, dout.astype(out.dtype), *metadata)
+        return (dq, dk, dv[..., :dv_width]) + (None,) * len(metadata)
 
     f.defvjp(fwd, bwd)
     return f
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_custom(options: tuple, lse_used: bool) -> Any:
+    kw = dict(options)
+    return _recomputing_vjp(
+        lambda q, k, v, m: _attention_fn(q, k, v, mask=m, return_lse=True, **kw),
+        lambda q, k, v, o, s, d, m: _attention_vjp_fn(q, k, v, o, s, d, mask=m, **kw),
+        _attention_shapes, lse_used,
+    )
 
 
 def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: Any = False,
@@ -362,17 +416,14 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: Any
     (:func:`softmaxkit.attention_vjp`), as FlashAttention does.
     """
     base = _args.lse_base(lse_base)
-    q, k, v = _floating(q), _floating(k), _floating(v)
-    common = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
-    q, k, v = q.astype(common), k.astype(common), v.astype(common)
+    q, k, v = _operands(q, k, v)
     if mask is not None:
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
             raise TypeError(f"mask must be a boolean array (True = attend); got {mask.dtype}")
         if mask.ndim < 3:
             mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)
-    options = (None if scale is None else _args.attention_scale(scale, q.shape[-1]),
-               _args.causal(causal), _args.window(window), _args.softcap(softcap), backend)
+    options = _options(scale, causal, window, softcap, backend, q.shape[-1])
     out, lse = _attention_custom(options, bool(return_lse))(q, k, v, mask)
     if not return_lse:
         return out
@@ -470,8 +521,7 @@ def merge_attention_vjp(outs: Any, lses: Any, dout: Any, dlse: Any = None, axis:
 
 
 def _varlen_shapes(q, k, v):
-    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
-    acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    dtype, acc = _result_dtypes(q, k, v)
     tq, hq = q.shape[0], q.shape[1]
     return _spec((tq, hq, v.shape[-1]), dtype), _spec((tq, hq), acc)
 
@@ -496,37 +546,12 @@ def _packed(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any) -> tuple[jax.Array, ja
 
 @functools.lru_cache(maxsize=256)
 def _varlen_custom(options: tuple, lse_used: bool) -> Any:
-    scale, causal, window, softcap, backend = options
-    kw = dict(scale=scale, causal=causal or False, window=window, softcap=softcap,
-              backend=backend)
-
-    @jax.custom_vjp
-    def f(q, k, v, cu_q, cu_k):
-        return _host(lambda q, k, v, cq, ck: _varlen_fn(q, k, v, cq, ck, return_lse=True, **kw),
-                     _varlen_shapes(q, k, v), q, k, v, cu_q, cu_k)
-
-    def fwd(q, k, v, cu_q, cu_k):
-        out, lse = f(q, k, v, cu_q, cu_k)
-        return (out, lse), (q, k, v, cu_q, cu_k, out, lse)
-
-    def bwd(res, cots):
-        q, k, v, cu_q, cu_k, out, lse = res
-        dout, dlse = cots
-        dv_width = v.shape[-1]
-        if lse_used:
-            # as for attention: D_i = <dout_i, out_i> - dlse_i through one extra value column
-            v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), v.dtype)], axis=-1)
-            out = jnp.concatenate([out, (-dlse).astype(out.dtype)[..., None]], axis=-1)
-            dout = jnp.concatenate([dout, jnp.ones(dout.shape[:-1] + (1,), dout.dtype)], -1)
-        spec = tuple(_spec(a.shape, a.dtype) for a in (q, k, v))
-        dq, dk, dv = _host(
-            lambda q, k, v, o, s, d, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, **kw),
-            spec, q, k, v, out, lse, dout.astype(out.dtype), cu_q, cu_k,
-        )
-        return dq, dk, dv[..., :dv_width], None, None
-
-    f.defvjp(fwd, bwd)
-    return f
+    kw = dict(options)
+    return _recomputing_vjp(
+        lambda q, k, v, cq, ck: _varlen_fn(q, k, v, cq, ck, return_lse=True, **kw),
+        lambda q, k, v, o, s, d, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, **kw),
+        lambda q, k, v, cq, ck: _varlen_shapes(q, k, v), lse_used,
+    )
 
 
 def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
@@ -537,12 +562,9 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     lse), under ``jit`` (the cumulative lengths are validated in the host callback); not under
     ``vmap``."""
     base = _args.lse_base(lse_base)
-    q, k, v = _floating(q), _floating(k), _floating(v)
+    q, k, v = _operands(q, k, v)
     cu_seqlens_q, cu_seqlens_k = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    common = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
-    q, k, v = q.astype(common), k.astype(common), v.astype(common)
-    options = (None if scale is None else _args.attention_scale(scale, q.shape[-1]),
-               _args.causal(causal), _args.window(window), _args.softcap(softcap), backend)
+    options = _options(scale, causal, window, softcap, backend, q.shape[-1])
     out, lse = _varlen_custom(options, bool(return_lse))(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if not return_lse:
         return out

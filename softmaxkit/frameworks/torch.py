@@ -433,17 +433,29 @@ def _attention_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> No
     ctx.save_for_backward(q, k, v, mask, *output)  # out and lse: the backward recomputes
 
 
+def _widen_for_lse(
+    v: Tensor, out: Tensor, dout: Tensor, dlse: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(v, out, dout)`` widened by one column so that the unchanged attention VJP also
+    carries the lse's cotangent ``dlse``.
+
+    The lse's gradient enters as ``D_i = <dout_i, out_i> - dlse_i``: a zero value column, an
+    output column of ``-dlse`` and an upstream column of ones give exactly that; the caller
+    drops the extra column of ``dv``.
+    """
+    v = torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], dim=-1)
+    out = torch.cat([out, (-dlse).to(out.dtype).unsqueeze(-1)], dim=-1)
+    dout = torch.cat([dout, dout.new_ones(dout.shape[:-1] + (1,))], dim=-1)
+    return v, out, dout
+
+
 def _attention_backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple:
     q, k, v, mask, out, lse = ctx.saved_tensors
     dv_width = v.shape[-1]
     widen = ctx.lse_used and dlse is not None
     if widen:
-        # the lse's own gradient enters as D_i = <dout_i, out_i> - dlse_i; widening v by a zero
-        # column, out by -dlse and dout by one gives exactly that to the unchanged VJP
-        v = torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], dim=-1)
         assert dlse is not None  # widen says so; for the type checker
-        out = torch.cat([out, (-dlse).to(out.dtype).unsqueeze(-1)], dim=-1)
-        dout = torch.cat([dout, dout.new_ones(dout.shape[:-1] + (1,))], dim=-1)
+        v, out, dout = _widen_for_lse(v, out, dout, dlse)
     dq, dk, dv = attention_vjp_op(q, k, v, out, lse, dout, *ctx.args, mask, *ctx.tail)
     if widen:
         dv = dv[..., :dv_width]
@@ -669,11 +681,8 @@ def _varlen_backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple:
     dv_width = v.shape[-1]
     widen = ctx.lse_used and dlse is not None
     if widen:
-        # as for attention: D_i = <dout_i, out_i> - dlse_i through one extra value column
-        assert dlse is not None
-        v = torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], dim=-1)
-        out = torch.cat([out, (-dlse).to(out.dtype).unsqueeze(-1)], dim=-1)
-        dout = torch.cat([dout, dout.new_ones(dout.shape[:-1] + (1,))], dim=-1)
+        assert dlse is not None  # widen says so; for the type checker
+        v, out, dout = _widen_for_lse(v, out, dout, dlse)
     dq, dk, dv = varlen_attention_vjp_op(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args)
     if widen:
         dv = dv[..., :dv_width]

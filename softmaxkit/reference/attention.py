@@ -43,15 +43,28 @@ def _operands(xp: Any, q: Any, k: Any, v: Any) -> tuple[Any, Any, int, Any, Any]
     return acc, q5, g, ka, va
 
 
+def in_bands(ok: Any, diag: Any, j: Any, causal: Any, window: tuple[int, int]) -> Any:
+    """``ok`` where key ``j`` also lies in the causal and window bands of the query whose
+    diagonal key is ``diag``: causal keeps ``j <= diag``, the window ``(left, right)`` keeps
+    ``diag - left <= j <= diag + right`` (a negative bound is unbounded)."""
+    if causal is not None:
+        ok = ok & (j <= diag)
+    left, right = window
+    if left >= 0:
+        ok = ok & (j >= diag - left)
+    if right >= 0:
+        ok = ok & (j <= diag + right)
+    return ok
+
+
 def allowed_positions(
     xp: Any, lq: int, lk: int, start: int, stop: int, causal: Any, window: Any, device: Any
 ) -> Any:
     """The [Lq, stop - start] boolean of keys ``start:stop`` allowed by causal and window.
 
     Query ``i`` sits on the diagonal ``d = i + Lk - Lq`` (bottom-right alignment) or ``d = i``
-    (top-left, only when ``causal == "top_left"``); causal keeps keys ``j <= d`` and the window
-    ``(left, right)`` keeps ``d - left <= j <= d + right`` (a negative bound is unbounded).
-    Returns None when nothing is excluded.
+    (top-left, only when ``causal == "top_left"``), and its bands are those of
+    :func:`in_bands`.  Returns None when nothing is excluded.
     """
     left, right = window
     if causal is None and left < 0 and right < 0:
@@ -59,14 +72,8 @@ def allowed_positions(
     offset = 0 if causal == "top_left" else lk - lq
     i = xp.reshape(xp.arange(lq, device=device), (lq, 1)) + offset
     j = xp.reshape(xp.arange(start, stop, device=device), (1, stop - start))
-    ok = xp.ones((lq, stop - start), dtype=xp.bool, device=device)
-    if causal is not None:
-        ok = ok & (j <= i)
-    if left >= 0:
-        ok = ok & (j >= i - left)
-    if right >= 0:
-        ok = ok & (j <= i + right)
-    return ok
+    return in_bands(xp.ones((lq, stop - start), dtype=xp.bool, device=device), i, j, causal,
+                    window)
 
 
 def _tile_allowed(

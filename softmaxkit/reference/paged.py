@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .attention import BLOCK, _device
+from .attention import BLOCK, _device, in_bands
 from .attention import attention as dense_attention
 
 
@@ -35,24 +35,15 @@ def allowed_keys(
     """``[B, Lq, Lk]`` boolean: key ``j`` allowed for query ``i`` of sequence ``b``.
 
     Key ``j`` exists when ``j < seqlens[b]``; query ``i``'s diagonal is
-    ``d = seqlens[b] - Lq + i``; causal keeps ``j <= d``, the window ``d - left <= j <= d +
-    right`` (a negative bound is unbounded).
+    ``d = seqlens[b] - Lq + i``, and its bands are those of
+    :func:`~softmaxkit.reference.attention.in_bands`.
     """
     # integers of the library's default dtype and the lengths' own (int32 or int64) compare
     # without casts, which keeps JAX without x64 free of int64 requests
     n = xp.reshape(seqlens, (-1, 1, 1))
     i = xp.reshape(xp.arange(lq, device=device), (1, lq, 1))
     j = xp.reshape(xp.arange(lk, device=device), (1, 1, lk))
-    diag = n - lq + i
-    ok = j < n
-    if causal is not None:
-        ok = ok & (j <= diag)
-    left, right = window
-    if left >= 0:
-        ok = ok & (j >= diag - left)
-    if right >= 0:
-        ok = ok & (j <= diag + right)
-    return ok
+    return in_bands(j < n, n - lq + i, j, causal, window)
 
 
 def paged_attention(

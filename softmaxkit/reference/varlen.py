@@ -10,17 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..arguments import host_integers
 from ..dtypes import accumulator_dtype
+from ..metadata import sequence_spans
 from .attention import _device
 from .attention import attention as dense
 from .attention import attention_vjp as dense_vjp
-
-
-def _sequences(cu_q: Any, cu_k: Any) -> list[tuple[int, int, int, int]]:
-    """``(q0, q1, k0, k1)`` of each sequence, read once on the host."""
-    hq, hk = host_integers(cu_q).tolist(), host_integers(cu_k).tolist()
-    return [(hq[b], hq[b + 1], hk[b], hk[b + 1]) for b in range(len(hq) - 1)]
 
 
 def _heads_first(xp: Any, a: Any) -> Any:
@@ -60,7 +54,7 @@ def varlen_attention(
     acc = accumulator_dtype(xp, q.dtype)
     outs: list[Any] = []
     lses: list[Any] = []
-    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+    for q0, q1, k0, k1 in sequence_spans(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0:
             continue  # no query rows: nothing to compute
         out, lse = dense(
@@ -100,7 +94,7 @@ def varlen_attention_vjp(
     dqs: list[Any] = []
     dks: list[Any] = []
     dvs: list[Any] = []
-    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+    for q0, q1, k0, k1 in sequence_spans(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0:
             # no query reads these keys: their gradient is 0
             dks.append(xp.zeros((k1 - k0, hk, d), dtype=k.dtype, device=dev))

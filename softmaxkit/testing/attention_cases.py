@@ -65,6 +65,27 @@ def check_forward(
         assert lerr <= lse_tol, f"{what} [{dtype}]: lse error {lerr:.3g} > {lse_tol}"
 
 
+def check_against_dense(
+    t: Target, dtype: str, got: tuple[Any, Any], dense: tuple[np.ndarray, np.ndarray],
+    what: str,
+) -> None:
+    """Compare (out, lse) with ``softmaxkit.attention`` on the same sequences in ``dtype``:
+    the same rows with no allowed key, (0, -inf) in both, and the rest within twice the
+    bounds (each result is within the bounds of the float64 definition)."""
+    out_tol, lse_tol, _ = ATTENTION_TOLERANCES[dtype]
+    out, lse = t.to_numpy(got[0]), t.to_numpy(got[1])
+    d_out, d_lse = dense
+    empty = d_lse == -np.inf
+    assert np.array_equal(lse == -np.inf, empty), (
+        f"{what}: rows with no allowed key differ from dense attention's")
+    assert np.all(out[empty] == 0), f"{what}: out of a row with no allowed key is not 0"
+    err = ref.rel_frobenius(out, d_out)
+    assert err <= 2 * out_tol, f"{what} [{dtype}]: out differs from dense attention by {err:.3g}"
+    if np.any(~empty):
+        lerr = float(np.max(np.abs(lse[~empty] - d_lse[~empty])))
+        assert lerr <= 2 * lse_tol, (
+            f"{what} [{dtype}]: lse differs from dense attention by {lerr:.3g}")
+
 def _pair(t: Target) -> tuple[int, int]:
     """(D, Dv) for a case with a value dimension of its own: the target's first pair."""
     return t.head_dims[0]

@@ -20,7 +20,7 @@ import numpy as np
 import softmaxkit as sk
 
 from . import materialized as ref
-from .attention_cases import ATTENTION_TOLERANCES, _pair, _square, check_forward
+from .attention_cases import _pair, _square, check_against_dense, check_forward
 from .kit import Target, case
 
 
@@ -58,23 +58,17 @@ def make_cache(
     return k_pages, v_pages, table, np.asarray(seqlens, dtype=np.int32)
 
 
-def _agree(
-    t: Target, dtype: str, got: tuple[Any, Any], dense: tuple[np.ndarray, np.ndarray], what: str
-) -> None:
-    """Paged and dense results in ``dtype`` agree within twice the bounds (each is within the
-    bounds of the float64 definition); rows with no key are (0, -inf) in both."""
-    out_tol, lse_tol, _ = ATTENTION_TOLERANCES[dtype]
-    out, lse = t.to_numpy(got[0]), t.to_numpy(got[1])
-    d_out, d_lse = dense
-    empty = d_lse == -np.inf
-    assert np.array_equal(lse == -np.inf, empty), f"{what}: empty rows differ from dense attention"
-    assert np.all(out[empty] == 0), f"{what}: out of a row with no key is not 0"
-    err = ref.rel_frobenius(out, d_out)
-    assert err <= 2 * out_tol, f"{what} [{dtype}]: out differs from dense attention by {err:.3g}"
-    if np.any(~empty):
-        lerr = float(np.max(np.abs(lse[~empty] - d_lse[~empty])))
-        assert lerr <= 2 * lse_tol, (
-            f"{what} [{dtype}]: lse differs from dense attention by {lerr:.3g}")
+def paged_definition(
+    q: np.ndarray, k_pages: np.ndarray, v_pages: np.ndarray, table: np.ndarray,
+    seqlens: Any, causal: Any = None, **kw: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(out, lse)`` of the float64 materialized definition on each sequence's gathered keys
+    and values, stacked over the sequences; ``causal`` true (``True`` or ``"bottom_right"``)
+    aligns bottom-right, as paged attention does."""
+    parts = [ref.attention(q[b], gather(k_pages, table, b, n), gather(v_pages, table, b, n),
+                           causal="bottom_right" if causal else None, **kw)
+             for b, n in enumerate(seqlens)]
+    return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
 
 
 def _check_paged(
@@ -90,19 +84,16 @@ def _check_paged(
     kw = {"window": window, "softcap": softcap, "scale": scale}
     got = sk.paged_attention(q, kp, vp, t.asarray(table, None), t.asarray(lens, None),
                              causal=causal, return_lse=True, backend=backend, **kw)
-    expected, dense = [], []
+    dense = []
     for i, n in enumerate(seqlens):
         kd, vd = gather(k64, table, i, n), gather(v64, table, i, n)
-        expected.append(ref.attention(q64[i], kd, vd, causal="bottom_right" if causal else None,
-                                      **kw))
         o, s = sk.attention(t.asarray(q64[i], dtype), t.asarray(kd, dtype),
                             t.asarray(vd, dtype), causal=causal, return_lse=True, **kw)
         dense.append((t.to_numpy(o), t.to_numpy(s)))
-    e_out = np.stack([e[0] for e in expected])
-    e_lse = np.stack([e[1] for e in expected])
-    check_forward(t, dtype, got, (e_out, e_lse), what)
-    _agree(t, dtype, got, (np.stack([x[0] for x in dense]), np.stack([x[1] for x in dense])),
-           what)
+    check_forward(t, dtype, got, paged_definition(q64, k64, v64, table, lens, causal, **kw),
+                  what)
+    check_against_dense(t, dtype, got, (np.stack([x[0] for x in dense]),
+                                        np.stack([x[1] for x in dense])), what)
 
 
 @case("paged_attention")
@@ -151,9 +142,6 @@ def case_paged_attention_lse_base_2(t: Target, dtype: str, backend: str) -> None
     q64, k64, v64 = (t.to_numpy(a) for a in (q, kp, vp))
     out, lse2 = sk.paged_attention(q, kp, vp, t.asarray(table, None), t.asarray(lens, None),
                                    causal=True, return_lse=True, lse_base=2, backend=backend)
-    expected = [ref.attention(q64[i], gather(k64, table, i, n), gather(v64, table, i, n),
-                              causal="bottom_right") for i, n in enumerate(lens)]
     lse_e = t.asarray(t.to_numpy(lse2) * math.log(2.0), None)
-    check_forward(t, dtype, (out, lse_e), (np.stack([e[0] for e in expected]),
-                                           np.stack([e[1] for e in expected])),
+    check_forward(t, dtype, (out, lse_e), paged_definition(q64, k64, v64, table, lens, True),
                   "paged_attention lse_base=2")

@@ -20,7 +20,7 @@ import softmaxkit as sk
 
 from ..dtypes import accumulator_name
 from . import materialized as ref
-from .attention_cases import ATTENTION_TOLERANCES, check_forward, check_grads
+from .attention_cases import _causal_kw, check_against_dense, check_forward, check_grads
 from .kit import Target, case
 
 LENGTHS: tuple[tuple[int, ...], tuple[int, ...]] = ((3, 0, 6, 1, 4, 9), (5, 2, 3, 0, 4, 12))
@@ -33,6 +33,20 @@ def _cu(lengths: tuple[int, ...]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)])
 
 
+def packed_arrays(
+    seed: int, lens_q: tuple[int, ...], lens_k: tuple[int, ...], hq: int, hk: int, d: int,
+    dv: int, dtype: Any = np.float64, index_dtype: Any = np.int64, scale: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Packed numpy ``(q, k, v, cu_seqlens_q, cu_seqlens_k)`` for sequences of ``lens_q``
+    queries and ``lens_k`` keys: normal values of standard deviation ``scale`` in ``dtype``,
+    cumulative lengths in ``index_dtype``."""
+    rng = np.random.default_rng(seed)
+    cu_q, cu_k = _cu(lens_q).astype(index_dtype), _cu(lens_k).astype(index_dtype)
+    shapes = ((cu_q[-1], hq, d), (cu_k[-1], hk, d), (cu_k[-1], hk, dv))
+    q, k, v = (rng.normal(scale=scale, size=s).astype(dtype) for s in shapes)
+    return q, k, v, cu_q, cu_k
+
+
 def _spans(cu_q: np.ndarray, cu_k: np.ndarray) -> list[tuple[int, int, int, int]]:
     return [(int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1]))
             for b in range(len(cu_q) - 1)]
@@ -42,17 +56,11 @@ def _heads_first(a: np.ndarray) -> np.ndarray:
     return a.transpose(1, 0, 2)
 
 
-def _causal_kw(causal: Any) -> str | None:
-    return {False: None, True: "bottom_right"}.get(causal, causal)
-
-
 def _inputs(t: Target, dtype: str, seed: int, hq: int, hk: int, d: int, dv: int,
             scale: float = 1.0) -> tuple[list[Any], list[np.ndarray], np.ndarray, np.ndarray]:
     """Packed (q, k, v) on the target, their represented float64 values, and cu_seqlens."""
-    cu_q, cu_k = _cu(LENGTHS[0]), _cu(LENGTHS[1])
-    rng = np.random.default_rng(seed)
-    shapes = ((cu_q[-1], hq, d), (cu_k[-1], hk, d), (cu_k[-1], hk, dv))
-    on_target = [t.asarray(rng.normal(scale=scale, size=s), dtype) for s in shapes]
+    *arrays, cu_q, cu_k = packed_arrays(seed, *LENGTHS, hq, hk, d, dv, scale=scale)
+    on_target = [t.asarray(a, dtype) for a in arrays]
     return on_target, [t.to_numpy(a) for a in on_target], cu_q, cu_k
 
 
@@ -95,24 +103,6 @@ def _dense_on_target(
     return out, lse
 
 
-def _check_dense(dtype: str, got: tuple[Any, Any], dense: tuple[np.ndarray, np.ndarray],
-                 t: Target, what: str) -> None:
-    """The packed result agrees with dense attention per sequence: same empty rows, and within
-    twice the bounds (each is within the bounds of the float64 definition)."""
-    out, lse = t.to_numpy(got[0]), t.to_numpy(got[1])
-    d_out, d_lse = dense
-    empty = d_lse == -np.inf
-    assert np.array_equal(lse == -np.inf, empty), (
-        f"{what}: rows with no allowed key differ from dense attention's")
-    out_tol, lse_tol, _ = ATTENTION_TOLERANCES[dtype]
-    err = ref.rel_frobenius(out, d_out)
-    assert err <= 2 * out_tol, f"{what} [{dtype}]: out differs from dense attention by {err:.3g}"
-    if np.any(~empty):
-        lerr = float(np.max(np.abs(lse[~empty] - d_lse[~empty])))
-        assert lerr <= 2 * lse_tol, (
-            f"{what} [{dtype}]: lse differs from dense attention by {lerr:.3g}")
-
-
 def _forward(t: Target, dtype: str, backend: str, seed: int, heads: tuple[int, int],
              dims: tuple[int, int], what: str, kind: str = "int64", scale: Any = None,
              score_scale: float = 1.0, **kw: Any) -> None:
@@ -125,7 +115,7 @@ def _forward(t: Target, dtype: str, backend: str, seed: int, heads: tuple[int, i
     expected = packed_reference(q64, k64, v64, cu_q, cu_k, scale=scale, **rkw)
     check_forward(t, dtype, got, expected, what)
     dense = _dense_on_target(t, dtype, q, k, v, cu_q, cu_k, scale=scale, **kw)
-    _check_dense(dtype, got, dense, t, what + " vs dense attention")
+    check_against_dense(t, dtype, got, dense, what + " vs dense attention")
 
 
 @case("varlen_attention")

@@ -18,20 +18,17 @@ import array_api_compat.numpy as npx
 import numpy as np
 
 from softmaxkit.dtypes import accumulator_dtype
+from softmaxkit.metadata import Span, sequence_spans
 
 from .adapters import empty, numpy_view
 from .attention import attention, attention_vjp
-
-Span = tuple[int, int, int, int]
 
 
 def _groups(cu_q: Any, cu_k: Any) -> list[list[Span]]:
     """The spans ``(q0, q1, k0, k1)`` of the sequences with queries, grouped by their lengths
     ``(q1 - q0, k1 - k0)`` (the frontend has validated the cumulative lengths)."""
-    hq, hk = numpy_view(cu_q).tolist(), numpy_view(cu_k).tolist()
     groups: dict[tuple[int, int], list[Span]] = {}
-    for b in range(len(hq) - 1):
-        span = (hq[b], hq[b + 1], hk[b], hk[b + 1])
+    for span in sequence_spans(cu_q, cu_k):
         if span[1] > span[0]:  # a sequence without queries has nothing to compute
             groups.setdefault((span[1] - span[0], span[3] - span[2]), []).append(span)
     return list(groups.values())

@@ -13,7 +13,6 @@ import numba
 import numpy as np
 import pytest
 import softmaxkit_numba_cpu.attention
-from softmaxkit_numba_cpu import attention_grad_kernels, attention_kernels
 
 import softmaxkit as sk
 from softmaxkit.testing import materialized as ref
@@ -21,14 +20,6 @@ from softmaxkit.testing import materialized as ref
 NAME = "numba-cpu"
 BOUNDS = {"float32": (1e-5, 1e-5, 1e-4), "float64": (1e-12, 1e-12, 1e-10)}
 """dtype -> bounds on (out, lse, gradients): spec/semantics.md, "Attention tolerances"."""
-
-
-@pytest.fixture
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "TILE_Q", 16)
-    monkeypatch.setattr(attention_kernels, "TILE_K", 32)
-    monkeypatch.setattr(attention_grad_kernels, "TILE_Q", 16)
-    monkeypatch.setattr(attention_grad_kernels, "TILE_K", 24)
 
 
 def _causal(causal):

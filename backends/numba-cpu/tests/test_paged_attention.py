@@ -11,7 +11,7 @@ from softmaxkit_numba_cpu import paged
 
 import softmaxkit as sk
 from softmaxkit.testing import materialized as ref
-from softmaxkit.testing.paged_cases import gather, make_cache
+from softmaxkit.testing.paged_cases import make_cache, paged_definition
 
 BOUNDS = {"float32": (1e-5, 1e-5), "float64": (1e-12, 1e-12)}
 """dtype -> bounds on (out, lse): spec/semantics.md, "Attention tolerances"."""
@@ -23,12 +23,6 @@ def _call(q, k, v, table, lens, split_keys, group_keys=paged.GROUP_KEYS, **kw):
     return paged.paged_attention(npx, q=q, k_pages=k, v_pages=v, block_table=table,
                                  seqlens=lens, return_lse=True, split_keys=split_keys,
                                  group_keys=group_keys, **kw)
-
-
-def _expected(q, k, v, table, lens, causal, **kw):
-    parts = [ref.attention(q[b], gather(k, table, b, n), gather(v, table, b, n),
-                           causal=causal, **kw) for b, n in enumerate(lens)]
-    return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -44,8 +38,8 @@ def test_split_kv_equals_the_unsplit_result(dtype, settings):
     q64 = rng.normal(size=(len(seqlens), 4, 3, 16))
     q, k, v = (a.astype(dtype) for a in (q64, k64, v64))
     whole = _call(q, k, v, table, lens, 10**9, **settings)
-    e_out, e_lse = _expected(q.astype(np.float64), k.astype(np.float64),
-                             v.astype(np.float64), table, lens, **settings)
+    e_out, e_lse = paged_definition(q.astype(np.float64), k.astype(np.float64),
+                                    v.astype(np.float64), table, lens, **settings)
     out_tol, lse_tol = BOUNDS[dtype]
     fin = np.isfinite(e_lse)
     # split into chunks of 1, 2 and 5 pages (and a limit below one page: one page a chunk);
@@ -65,7 +59,7 @@ def test_pages_out_of_the_window_are_never_read():
     rng = np.random.default_rng(2)
     k, v, table, lens = make_cache(rng, [640], 16, 1, 8, 8)
     q = rng.normal(size=(1, 2, 1, 8))
-    e_out, e_lse = _expected(q, k, v, table, lens, None, window=(100, 0))
+    e_out, e_lse = paged_definition(q, k, v, table, lens, None, window=(100, 0))
     k[table[0, :32]] = np.nan  # keys 0..511, all out of the window's reach (539..639)
     v[table[0, :32]] = np.nan
     out, lse = _call(q, k, v, table, lens, 128, window=(100, 0))

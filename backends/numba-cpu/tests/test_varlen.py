@@ -10,30 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from softmaxkit_numba_cpu import attention_grad_kernels, attention_kernels
 
 import softmaxkit as sk
 from softmaxkit.testing import materialized as ref
-from softmaxkit.testing.varlen_cases import packed_reference
+from softmaxkit.testing.varlen_cases import packed_arrays, packed_reference
 
 NAME = "numba-cpu"
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "TILE_Q", 16)
-    monkeypatch.setattr(attention_kernels, "TILE_K", 32)
-    monkeypatch.setattr(attention_grad_kernels, "TILE_Q", 16)
-    monkeypatch.setattr(attention_grad_kernels, "TILE_K", 24)
-
-
 def _packed(seed, lens_q, lens_k, hq=4, hk=2, d=16, dv=8, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-    return (rng.normal(size=(cu_q[-1], hq, d)).astype(dtype),
-            rng.normal(size=(cu_k[-1], hk, d)).astype(dtype),
-            rng.normal(size=(cu_k[-1], hk, dv)).astype(dtype), cu_q, cu_k)
+    return packed_arrays(seed, lens_q, lens_k, hq, hk, d, dv, dtype, np.int32)
 
 
 def _heads_first(a):
