@@ -12,6 +12,7 @@ import numpy as np
 
 import softmaxkit as sk
 
+from ..backend import BackendWarning
 from ..dtypes import dtype_name
 from ..registry import BackendLoadError, NoBackendError
 from .kit import Target, Unsupported
@@ -25,10 +26,14 @@ def strict_fp() -> Iterator[None]:
     """Turn every warning, and numpy's divide / overflow / invalid flags, into exceptions.
 
     Underflow stays silent: a shifted exponential below the smallest normal number is a
-    probability below the format's resolution, and flushing it is the spec's behaviour.
+    probability below the format's resolution, and flushing it is the spec's behaviour.  A
+    backend's load warning (:class:`~softmaxkit.BackendWarning`, given once per backend) is
+    passed on as a warning: it is about the installation, not the arithmetic, and the call
+    it comes from fails on its own.
     """
     with warnings.catch_warnings(), np.errstate(divide="raise", over="raise", invalid="raise"):
         warnings.simplefilter("error")
+        warnings.simplefilter("always", BackendWarning)
         yield
 
 
