@@ -90,6 +90,8 @@ def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
     # numpy array's when only its type and dtype are asked for
     numpy_inline = arrays and not shapes
 
+    out_dtype = "out_dtype" in names
+
     def read(args: dict[str, Any]) -> tuple[Any, ...]:
         out = []
         for v in args.values():
@@ -103,10 +105,10 @@ def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
                 out.append((t, v.dtype))
             else:
                 out.append(describe(v, t, kind))
+        if out_dtype:  # the argument itself, where the operation has one
+            out.append(args.get("out_dtype"))
         return tuple(out)
 
     if not names:
         return lambda args: ()
-    if "out_dtype" in names:
-        return lambda args: (read(args), args.get("out_dtype"))
     return read
