@@ -73,8 +73,8 @@ class Threads:
 
     Between :data:`SPLIT_MIN_BATCHES` batches and :data:`PARALLEL_MIN_ELEMENTS` elements
     neither way always wins.  On an idle 2-core machine a ``prange`` launch costs a few
-    microseconds, so two threads take about half the time of one (a float32 64 x 1024
-    softmax: about 55 us on one core, 28 on two); on a machine whose cores are busy with
+    microseconds, so two threads take about 60% of the time of one (a float32 64 x 1024
+    softmax: about 46 us on one core, 28 on two); on a machine whose cores are busy with
     other work the launch and the join wait until the second thread gets a core, which can
     take milliseconds, and one thread is many times faster.  So the time per byte of each
     way is measured on the calls themselves, and the way whose median of its last
