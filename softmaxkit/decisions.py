@@ -86,9 +86,13 @@ def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
                 d = (d, getattr(v, "chunks", None))
         return d
 
-    # the commonest descriptions are made inline: a plain value's, another object's, and a
-    # numpy array's when only its type and dtype are asked for
+    # the commonest descriptions are made inline: a plain value's, another object's, a
+    # numpy array's when only its type and dtype are asked for, and a torch tensor's when
+    # its layout flags are asked for too (what describe() would give)
     numpy_inline = arrays and not shapes
+    torch_inline = arrays and layout and not (shapes or chunks)
+
+    out_dtype = "out_dtype" in names
 
     def read(args: dict[str, Any]) -> tuple[Any, ...]:
         out = []
@@ -101,12 +105,14 @@ def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
                 out.append(t if options else None)
             elif kind == _NUMPY_ARRAY and numpy_inline:
                 out.append((t, v.dtype))
+            elif kind == _TORCH_ARRAY and torch_inline:
+                out.append(((t, v.dtype), (v.layout, v.is_quantized, v.is_conj())))
             else:
                 out.append(describe(v, t, kind))
+        if out_dtype:  # the argument itself, where the operation has one
+            out.append(args.get("out_dtype"))
         return tuple(out)
 
     if not names:
         return lambda args: ()
-    if "out_dtype" in names:
-        return lambda args: (read(args), args.get("out_dtype"))
     return read

@@ -421,7 +421,10 @@ def kernel_for(
     if backend is None and opts.trace is None:
         plan = _plans.get((op, device, dtype, opts.prioritize, opts.disable))
         if plan is not None and plan.cut:
-            _, hit = _lookup((plan, xp, plan.read(args)))  # unhashable: choose() decides
+            try:
+                hit = _decisions.get((plan, xp, plan.read(args)))
+            except TypeError:  # an unhashable property: choose() decides
+                hit = None
             if hit is not None and not logger.isEnabledFor(logging.DEBUG):
                 return hit.kernel
     return choose(Call(op, xp, device, dtype, args), backend)[1]

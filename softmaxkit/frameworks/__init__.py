@@ -39,6 +39,11 @@ JAX or PyTorch cannot be seen before its framework is imported, and once importe
 framework makes no existing type its own."""
 
 
+_TENSORS: set[type] = set()
+"""Types seen to be torch tensors: a call on tensors that do not require grad goes to the
+operators only while ``torch.compile`` traces, which is asked without the checks below."""
+
+
 def route(*arrays: Any) -> ModuleType | None:
     """The framework module that must run a call on ``arrays``, or None for the plain path.
 
@@ -53,10 +58,18 @@ def route(*arrays: Any) -> ModuleType | None:
         :mod:`softmaxkit.frameworks.torch` when autograd or ``torch.compile`` could record the
         call, :mod:`softmaxkit.frameworks.jax` for JAX arrays, otherwise None.
     """
+    tensors = False
     for a in arrays:
-        if type(a) not in _PLAIN:
-            break
-    else:  # the common call on arrays of other libraries: one set lookup each
+        kind = type(a)
+        if kind in _PLAIN:
+            continue
+        if kind in _TENSORS and not a.requires_grad:
+            tensors = True
+            continue
+        break
+    else:  # the common call: one set lookup for each plain value or tensor
+        if tensors and sys.modules["torch"].compiler.is_compiling():
+            return _torch_module()
         return None
     modules = sys.modules
     torch = modules.get("torch")
@@ -71,6 +84,8 @@ def route(*arrays: Any) -> ModuleType | None:
             if isinstance(b, tensor):
                 seen = True
                 grad = grad or b.requires_grad
+                if b is a:
+                    _TENSORS.add(type(a))
             elif isinstance(b, array):
                 return _jax_module()
             elif b is a:  # not a list or tuple: its type never routes

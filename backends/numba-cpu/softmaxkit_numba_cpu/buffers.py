@@ -3,9 +3,11 @@
 Two things make writing a large result slower than copying into an existing array:
 
 * numpy's large arrays start 16 bytes past a cache line, so every row of a softmax would
-  begin and end in the middle of a line; the kernels stream whole lines and write shared
-  ones with ordinary stores, and on a line-aligned result rows whose length is a multiple of
-  a line share none.  Results of :data:`ALIGN_FROM` bytes or more start on a line.
+  begin and end in the middle of a line; the kernels stream whole lines of large results
+  and write shared ones with ordinary stores, and on a line-aligned result rows whose length
+  is a multiple of a line share none.  Results of :data:`ALIGN_FROM` bytes or more (those
+  the kernels stream) start on a line; smaller ones are stored plainly, and their alignment
+  would cost more (finding an array's address takes about a microsecond) than it saves.
 * Fresh memory costs the operating system a page fault and zeroing for every page touched:
   for a 64 MiB result that is about as long as the kernel's own work.  A result of at least
   :data:`REUSE_FROM` bytes is therefore carved from a buffer that this module takes back
@@ -27,8 +29,8 @@ import numpy as np
 
 from .settings import SETTINGS
 
-ALIGN_FROM = 1 << 16
-"""Results of at least this many bytes start on a 64-byte cache line."""
+ALIGN_FROM = 1 << 22
+"""Results of at least this many bytes start on a 64-byte cache line (and are streamed)."""
 REUSE_FROM = 1 << 22
 """Results of at least this many bytes use a reusable buffer (smaller ones come from the
 allocator's own free lists, whose memory is already mapped)."""

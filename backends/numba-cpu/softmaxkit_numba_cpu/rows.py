@@ -8,6 +8,7 @@ the caller's library.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Any
 
@@ -72,8 +73,8 @@ class Threads:
 
     Between :data:`SPLIT_MIN_BATCHES` batches and :data:`PARALLEL_MIN_ELEMENTS` elements
     neither way always wins.  On an idle 2-core machine a ``prange`` launch costs a few
-    microseconds, so two threads take about half the time of one (a float32 64 x 1024
-    softmax: about 55 us on one core, 28 on two); on a machine whose cores are busy with
+    microseconds, so two threads take about 60% of the time of one (a float32 64 x 1024
+    softmax: about 46 us on one core, 28 on two); on a machine whose cores are busy with
     other work the launch and the join wait until the second thread gets a core, which can
     take milliseconds, and one thread is many times faster.  So the time per byte of each
     way is measured on the calls themselves, and the way whose median of its last
@@ -88,29 +89,30 @@ class Threads:
     by the same code.
     """
 
-    __slots__ = ("times", "countdown", "interval", "trying")
+    __slots__ = ("times", "middles", "countdown", "interval", "trying")
 
     def __init__(self) -> None:
-        # seconds per byte of the recent calls: one thread, threads
+        # seconds per byte of the recent calls, and their medians: one thread, threads
         self.times: tuple[list[float], list[float]] = ([], [])
+        self.middles = [math.inf, math.inf]
         self.countdown = 0  # calls of the cheaper way before the other is tried again
         self.interval = EXPLORE_FIRST
         self.trying = 0  # calls left of a try of the slower way (the last one is timed)
 
     def _threads_cheaper(self) -> bool:
-        one, many = self.times
-        return _middle(many) < _middle(one)
+        one, many = self.middles
+        return many < one
 
     def choose(self) -> bool:
         """Whether the next call runs on the threads."""
+        if self.countdown > 0:  # the common call: both ways measured, no try under way
+            self.countdown -= 1
+            return self._threads_cheaper()
         one, many = self.times
         if not many or not one:  # each way is measured once first
             return not many
         if self.trying:
             return not self._threads_cheaper()
-        if self.countdown > 0:
-            self.countdown -= 1
-            return self._threads_cheaper()
         slower = not self._threads_cheaper()
         self.trying = 2 if slower else 1
         return slower  # the slower way, tried again
@@ -128,6 +130,7 @@ class Threads:
         kept = [] if self.trying else (many if threads else one)[1 - KEEP_TIMES:]
         kept.append(seconds / nbytes)
         self.times = (one, kept) if threads else (kept, many)
+        self.middles[threads] = _middle(kept)
         if self.trying:
             self.trying = 0
             lost_again = self._threads_cheaper() == before

@@ -1,14 +1,14 @@
 """Memory traffic of the row kernels: streaming stores, the store fence, a shared counter.
 
-A row result is written once and not read again by the kernel, so it is written with
-non-temporal stores (``!nontemporal`` vector stores, ``vmovntps`` on x86): they go to memory
-without first reading the destination's cache lines, which an ordinary store must do, and
-so move a third fewer bytes.  Each intrinsic here writes :data:`LANES` elements computed in
-float32 from a float32 or 16-bit source, converted to the destination's storage (float32,
-or float16 / bfloat16 bits, see :mod:`.bits`) in registers; the destination must be aligned
-to ``LANES`` elements (:func:`aligned_span` finds the whole cache lines of a range).  After
-the last streaming store a kernel calls :func:`fence`, so every result is visible before it
-returns.
+A row result is written once and not read again by the kernel, so a large one
+(:data:`~.row_kernels.STREAM_FROM`) is written with non-temporal stores (``!nontemporal``
+vector stores, ``vmovntps`` on x86): they go to memory without first reading the
+destination's cache lines, which an ordinary store must do, and so move a third fewer
+bytes. Each intrinsic here writes :data:`LANES` elements computed in float32 from a float32
+or 16-bit source, converted to the destination's storage (float32, or float16 / bfloat16
+bits, see :mod:`.bits`) in registers; the destination must be aligned to ``LANES`` elements
+(:func:`aligned_span` finds the whole cache lines of a range). After the last streaming
+store a kernel calls :func:`fence`, so every result is visible before it returns.
 
 :func:`fetch_add` hands out rows to the threads of a kernel.
 """

@@ -47,12 +47,20 @@ def _inputs(k):
 
 def test_large_results_start_on_a_cache_line(reuse):
     assert SHAPE[0] * SHAPE[1] * 4 >= buffers.REUSE_FROM
-    for shape in [(64, 257), SHAPE]:  # 64 KiB and up: aligned, with or without reuse
+    assert SHAPE[0] * SHAPE[1] * 4 >= buffers.ALIGN_FROM
+    for shape in [(1024, 1025), SHAPE]:  # ALIGN_FROM and up: aligned, with or without reuse
         a = buffers.result_array(shape, np.float32)
         assert a.shape == shape and a.dtype == np.float32 and a.flags.c_contiguous
         assert a.ctypes.data % 64 == 0 and a.flags.writeable
-    small = buffers.result_array((3, 5), np.float16)
-    assert small.shape == (3, 5) and small.dtype == np.float16
+    for shape in [(3, 5), (64, 257)]:
+        small = buffers.result_array(shape, np.float16)
+        assert small.shape == shape and small.dtype == np.float16
+
+
+def test_large_results_start_on_a_cache_line_without_reuse(monkeypatch):
+    monkeypatch.setattr(buffers, "REUSE", False)
+    a = buffers.result_array(SHAPE, np.float32)
+    assert a.shape == SHAPE and a.flags.c_contiguous and a.ctypes.data % 64 == 0
 
 
 def test_released_buffers_are_reused_and_live_ones_never(reuse):

@@ -1,10 +1,11 @@
 """The row kernels' blocks, streaming stores and thread shares, against float64 references.
 
 The kernels read a row in blocks (:data:`~softmaxkit_numba_cpu.lanes.BLOCK` elements), keep
-each block's maximum and lifted sum and combine them; results are written with aligned
-non-temporal stores between scalar heads and tails.  These tests put block boundaries,
-alignments, special values and thread shares where those mechanisms could go wrong, and
-check every result against float64 numpy within the spec's bounds.
+each block's maximum and lifted sum and combine them; large results are written with
+aligned non-temporal stores between scalar heads and tails, smaller ones plainly. These
+tests put block boundaries, alignments, special values and thread shares where those
+mechanisms could go wrong, and check every result against float64 numpy within the spec's
+bounds.
 """
 
 from __future__ import annotations
@@ -120,11 +121,15 @@ def test_mask_across_blocks():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("shift", [0, 1, 3, 5, 7])
-def test_streamed_rows_at_every_alignment(dtype, shift):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_streamed_rows_at_every_alignment(dtype, shift, streamed):
     # outputs that start 0..7 elements past an aligned address, rows not a multiple of 8:
-    # the scalar head and tail around the streamed part, and nothing outside is touched
+    # the scalar head and tail around the streamed part, and nothing outside is touched;
+    # outputs below STREAM_FROM bytes are stored plainly
     rng = np.random.default_rng(shift)
-    r, n = 5, 203
+    n = 203
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
+    r = k.STREAM_FROM // (n * itemsize) + 1 if streamed else 5
     x = rng.normal(scale=2.0, size=(r, n)).astype(DTYPES[dtype])
     x2 = storage(x)
     for threads in (0, 2):
