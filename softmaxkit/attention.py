@@ -20,6 +20,8 @@ from .dtypes import accumulator_dtype
 from .frameworks import route
 
 LN2 = math.log(2.0)
+
+
 class _Layout:
     """Shapes of q, k, v (and mask) checked, leading dims broadcast, flattened into B."""
 
