@@ -40,8 +40,7 @@ LARGE_FLOAT32_SUMS = 1 << 26
 """The same for float32 logsumexp, whose kernel here leads up to larger inputs."""
 LARGE_CROSS_ENTROPY = 1 << 26
 """Cross-entropy calls (any dtype) of at least this many logits are left to Numba CUDA: its
-fused kernel is the faster one there (bfloat16 4096x32768 with autograd's backward on the
-H200: 710 us a step against 857 us here)."""
+fused kernel is the faster one there (docs/benchmarks-eager.md)."""
 
 
 NAME = "cupy"
