@@ -9,7 +9,6 @@ What every result is, at every edge, is written in spec/semantics.md.
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import array_api_compat
@@ -18,7 +17,7 @@ from . import arguments as args
 from . import dtypes
 from .dispatch import run
 from .dtypes import accumulator_dtype, dtype_name, output_dtype, result_float
-from .frameworks import route
+from .frameworks import imported, route
 from .layout import RowLayout
 from .registry import device_type
 
@@ -290,7 +289,7 @@ def _labels_on_host(index: Any) -> bool:
     """
     if array_api_compat.is_dask_array(index) or device_type(index) != "cpu":
         return False
-    torch = sys.modules.get("torch")
+    torch = imported("torch")
     return not (
         torch is not None and isinstance(index, torch.Tensor) and torch.compiler.is_compiling()
     )

@@ -19,6 +19,21 @@ import sys
 from types import ModuleType
 from typing import Any
 
+_IMPORTED: dict[str, ModuleType] = {}
+"""The frameworks found imported, kept: code that ``torch.compile`` traces then reads this
+small dict instead of ``sys.modules``, which tracing would wrap whole (thousands of entries,
+and an import during the wrapping breaks it)."""
+
+
+def imported(name: str) -> ModuleType | None:
+    """The module ``name`` (``"torch"`` or ``"jax"``) if the caller has imported it."""
+    module = _IMPORTED.get(name)
+    if module is None:
+        module = sys.modules.get(name)
+        if module is not None:
+            _IMPORTED[name] = module
+    return module
+
 
 def _torch_module() -> ModuleType:
     from . import torch as module  # a plain import: torch.compile traces it
@@ -68,12 +83,11 @@ def route(*arrays: Any) -> ModuleType | None:
             continue
         break
     else:  # the common call: one set lookup for each plain value or tensor
-        if tensors and sys.modules["torch"].compiler.is_compiling():
+        if tensors and _IMPORTED["torch"].compiler.is_compiling():
             return _torch_module()
         return None
-    modules = sys.modules
-    torch = modules.get("torch")
-    jax = modules.get("jax")
+    torch = imported("torch")
+    jax = imported("jax")
     if torch is None and jax is None:
         return None
     tensor = torch.Tensor if torch is not None else ()
@@ -113,7 +127,7 @@ def refuse_gradient(op: str, *arrays: Any) -> None:
         Some torch tensor among ``arrays`` requires grad and grad mode is on: the result would
         otherwise come back without a gradient, silently.
     """
-    torch = sys.modules.get("torch")
+    torch = imported("torch")
     if torch is None or not torch.is_grad_enabled():
         return
     for a in arrays:
@@ -124,3 +138,7 @@ def refuse_gradient(op: str, *arrays: Any) -> None:
                     "the inputs or call it under torch.no_grad() (docs/training.md lists the "
                     "differentiable operations)"
                 )
+
+
+for _name in ("torch", "jax"):  # frameworks imported before softmaxkit
+    imported(_name)

@@ -1,0 +1,82 @@
+"""PyTorch custom operators for the differentiable operations, with the library's VJPs.
+
+Each operation is one ``torch.library.custom_op`` (namespace ``softmaxkit``) with a fake
+implementation for ``torch.compile`` and an autograd formula, so autograd, ``torch.compile``
+and CUDA graphs see one opaque operator.  An operator's implementation calls the public
+function's plain path (dispatch through the registry, unchanged); its backward calls the
+library's own VJP operators on the same backend:
+
+- softmax, log_softmax: ``softmax_vjp`` / ``log_softmax_vjp`` from the saved output;
+- logsumexp: the softmax of the input (with weights ``b``: ``b * exp(a - lse)``);
+- cross_entropy: the gradient the fused forward computed in the same pass, and nothing else
+  (on a GPU its implementation reads nothing back to the host: the mean's count stays on the
+  device and labels are not range-checked there, so it can be captured in a CUDA graph);
+- attention: ``attention_vjp`` recomputing from the saved ``out`` and ``lse``;
+- merge_attention_states: ``merge_attention_vjp``;
+- varlen_attention: ``varlen_attention_vjp`` recomputing from the saved ``out`` and ``lse``.
+
+Second derivatives are not implemented: differentiating a backward raises an error that names
+the operation.  Arguments that have no gradient formula (for example probabilities as
+cross-entropy targets that require grad) raise at the call, never drop the gradient.
+
+The functions below take the public signatures; the public functions hand a call here when
+:func:`softmaxkit.frameworks.route` says autograd or ``torch.compile`` could record it.
+"""
+
+from .attention import (
+    attention,
+    attention_op,
+    attention_vjp,
+    attention_vjp_op,
+    merge_attention_op,
+    merge_attention_states,
+    merge_attention_vjp,
+    merge_attention_vjp_op,
+    varlen_attention,
+    varlen_attention_op,
+    varlen_attention_vjp,
+    varlen_attention_vjp_op,
+)
+from .common import DoubleBackwardError
+from .rows import (
+    cross_entropy,
+    cross_entropy_op,
+    log_softmax,
+    log_softmax_op,
+    log_softmax_vjp,
+    log_softmax_vjp_op,
+    logsumexp,
+    logsumexp_op,
+    softmax,
+    softmax_op,
+    softmax_vjp,
+    softmax_vjp_op,
+)
+
+__all__ = [
+    "DoubleBackwardError",
+    "attention",
+    "attention_op",
+    "attention_vjp",
+    "attention_vjp_op",
+    "cross_entropy",
+    "cross_entropy_op",
+    "log_softmax",
+    "log_softmax_op",
+    "log_softmax_vjp",
+    "log_softmax_vjp_op",
+    "logsumexp",
+    "logsumexp_op",
+    "merge_attention_op",
+    "merge_attention_states",
+    "merge_attention_vjp",
+    "merge_attention_vjp_op",
+    "softmax",
+    "softmax_op",
+    "softmax_vjp",
+    "softmax_vjp_op",
+    "varlen_attention",
+    "varlen_attention_op",
+    "varlen_attention_vjp",
+    "varlen_attention_vjp_op",
+]

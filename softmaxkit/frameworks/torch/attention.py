@@ -1,0 +1,398 @@
+"""PyTorch operators of attention: dense attention, the merge of partial states, packed
+variable-length attention, and their VJPs."""
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ... import arguments as _args
+from ...attention import attention as _attention_fn
+from ...attention import attention_vjp as _attention_vjp_fn
+from ...attention import merge_attention_states as _merge_fn
+from ...attention import merge_attention_vjp as _merge_vjp_fn
+from ...varlen import varlen_attention as _varlen_fn
+from ...varlen import varlen_attention_vjp as _varlen_vjp_fn
+from .common import (
+    LN2,
+    acc_dtype,
+    no_double_backward,
+    no_setup,
+    result_like,
+    tensor_or_none,
+)
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+
+@torch.library.custom_op("softmaxkit::attention", mutates_args=())
+def attention_op(
+    q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: str | None,
+    window: list[int], mask: Tensor | None, softcap: float | None, backend: str | None,
+    lse_used: bool,
+) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        out, lse = _attention_fn(
+            q, k, v, scale=scale, causal=causal or False, window=(window[0], window[1]), mask=mask,
+            softcap=softcap, return_lse=True, backend=backend,
+        )
+    return out.contiguous(), lse.contiguous()
+
+
+def _attention_lead(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple:
+    leads = [q.shape[:-3], k.shape[:-3], v.shape[:-3]]
+    if mask is not None and mask.ndim > 3:
+        leads.append(mask.shape[:-3])
+    return tuple(torch.broadcast_shapes(*leads))
+
+
+@attention_op.register_fake
+def _(q, k, v, scale, causal, window, mask, softcap, backend, lse_used):
+    lead = _attention_lead(q, k, v, mask)
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    hq, lq = q.shape[-3], q.shape[-2]
+    out = result_like(q, lead + (hq, lq, v.shape[-1]), dtype)
+    return out, result_like(q, lead + (hq, lq), acc_dtype(dtype))
+
+
+@torch.library.custom_op("softmaxkit::attention_vjp", mutates_args=())
+def attention_vjp_op(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+    scale: float | None, causal: str | None, window: list[int], mask: Tensor | None,
+    softcap: float | None, backend: str | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    with torch.no_grad():
+        grads = _attention_vjp_fn(
+            q, k, v, out, lse, dout, scale=scale, causal=causal or False,
+            window=(window[0], window[1]), mask=mask, softcap=softcap, backend=backend,
+        )
+    return tuple(g.contiguous() for g in grads)
+
+
+@attention_vjp_op.register_fake
+def _(q, k, v, out, lse, dout, scale, causal, window, mask, softcap, backend):
+    return tuple(result_like(a, a.shape, a.dtype) for a in (q, k, v))
+
+
+attention_vjp_op.register_autograd(
+    no_double_backward("attention_vjp"), setup_context=no_setup
+)
+
+
+def _attention_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, scale, causal, window, mask, softcap, backend, lse_used = inputs
+    ctx.args = (scale, causal, window)
+    ctx.tail = (softcap, backend)
+    ctx.lse_used = lse_used  # else the lse's (zero) cotangent is not worth a wider backward
+    ctx.save_for_backward(q, k, v, mask, *output)  # out and lse: the backward recomputes
+
+
+def _widen_for_lse(
+    v: Tensor, out: Tensor, dout: Tensor, dlse: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(v, out, dout)`` widened by one column so that the unchanged attention VJP also
+    carries the lse's cotangent ``dlse``.
+
+    The lse's gradient enters as ``D_i = <dout_i, out_i> - dlse_i``: a zero value column, an
+    output column of ``-dlse`` and an upstream column of ones give exactly that; the caller
+    drops the extra column of ``dv``.
+    """
+    v = torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], dim=-1)
+    out = torch.cat([out, (-dlse).to(out.dtype).unsqueeze(-1)], dim=-1)
+    dout = torch.cat([dout, dout.new_ones(dout.shape[:-1] + (1,))], dim=-1)
+    return v, out, dout
+
+
+def _attention_backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple:
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    dv_width = v.shape[-1]
+    widen = ctx.lse_used and dlse is not None
+    if widen:
+        assert dlse is not None  # widen says so; for the type checker
+        v, out, dout = _widen_for_lse(v, out, dout, dlse)
+    dq, dk, dv = attention_vjp_op(q, k, v, out, lse, dout, *ctx.args, mask, *ctx.tail)
+    if widen:
+        dv = dv[..., :dv_width]
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, causal: Any = False,
+    window: Any = None, mask: Any = None, softcap: float | None = None,
+    return_lse: bool = False, lse_base: Any = "e", backend: str | None = None,
+) -> Any:
+    """:func:`softmaxkit.attention` as the differentiable operator ``softmaxkit::attention``.
+
+    The forward saves ``out`` and ``lse``; the backward recomputes the probabilities from them
+    (``attention_vjp``).  The returned ``lse`` is differentiable too.
+    """
+    base = _args.lse_base(lse_base)
+    out, lse = attention_op(
+        q, k, v, None if scale is None else _args.attention_scale(scale, q.shape[-1]),
+        _args.causal(causal), list(_args.window(window)),
+        tensor_or_none(mask, q, "mask"), _args.softcap(softcap), backend, bool(return_lse),
+    )
+    if not return_lse:
+        return out
+    return out, (lse / LN2 if base == "2" else lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# merge of partial attention states
+
+
+@torch.library.custom_op("softmaxkit::merge_attention", mutates_args=())
+def merge_attention_op(
+    outs: Tensor, lses: Tensor, axis: int, backend: str | None
+) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        out, lse = _merge_fn(outs, lses, axis, backend=backend)
+    return out.contiguous(), lse.contiguous()
+
+
+@merge_attention_op.register_fake
+def _(outs, lses, axis, backend):
+    shape = list(lses.shape)
+    del shape[axis]
+    return (result_like(outs, shape + [outs.shape[-1]], outs.dtype),
+            result_like(lses, shape, lses.dtype))
+
+
+@torch.library.custom_op("softmaxkit::merge_attention_vjp", mutates_args=())
+def merge_attention_vjp_op(
+    outs: Tensor, lses: Tensor, dout: Tensor, dlse: Tensor | None, axis: int,
+    backend: str | None,
+) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        douts, dlses = _merge_vjp_fn(outs, lses, dout, dlse, axis,
+                                                      backend=backend)
+    return douts.contiguous(), dlses.contiguous()
+
+
+@merge_attention_vjp_op.register_fake
+def _(outs, lses, dout, dlse, axis, backend):
+    return result_like(outs, outs.shape, outs.dtype), result_like(lses, lses.shape, lses.dtype)
+
+
+merge_attention_vjp_op.register_autograd(
+    no_double_backward("merge_attention_vjp"), setup_context=no_setup
+)
+
+
+def _merge_setup(ctx: Any, inputs: Any, output: Any) -> None:
+    outs, lses, axis, backend = inputs
+    ctx.axis, ctx.backend = axis, backend
+    ctx.save_for_backward(outs, lses)
+
+
+def _merge_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple:
+    outs, lses = ctx.saved_tensors
+    if dout is None:
+        dout = outs.new_zeros(outs.shape[:ctx.axis] + outs.shape[ctx.axis + 1:])
+    douts, dlses = merge_attention_vjp_op(outs, lses, dout, dlse, ctx.axis, ctx.backend)
+    return douts, dlses, None, None
+
+
+merge_attention_op.register_autograd(_merge_backward, setup_context=_merge_setup)
+
+
+def _states(outs: Any, lses: Any, axis: int, empty_lse: float) -> tuple[Tensor, Tensor, int]:
+    """Partial states stacked and checked, lses in the accumulator dtype with -inf for empty.
+
+    Torch operations, so gradients flow through the conversions.
+    """
+    empty = _args.empty_lse(empty_lse)
+    if isinstance(outs, (list, tuple)):
+        outs = torch.stack(list(outs), dim=axis)
+    if isinstance(lses, (list, tuple)):
+        lses = torch.stack(list(lses), dim=axis)
+    if lses.ndim < 1 or tuple(outs.shape[:-1]) != tuple(lses.shape):
+        raise ValueError(
+            f"outs of shape {tuple(outs.shape)} must be lses' shape {tuple(lses.shape)} plus a "
+            "trailing value dimension"
+        )
+    ax = int(axis) + lses.ndim if int(axis) < 0 else int(axis)
+    if not 0 <= ax < lses.ndim:
+        raise ValueError(f"axis={axis} is out of range for lses with {lses.ndim} dimension(s)")
+    lses = lses.to(acc_dtype(outs.dtype))
+    if empty == math.inf:
+        lses = torch.where(lses == math.inf, -math.inf, lses)
+    return outs, lses, ax
+
+
+def merge_attention_states(
+    outs: Any, lses: Any, axis: int = 0, *, lse_base: Any = "e", empty_lse: float = -math.inf,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`softmaxkit.merge_attention_states` as the operator ``softmaxkit::merge_attention``.
+
+    The conversions of ``lse_base`` and ``empty_lse`` are torch operations around the
+    operator, so gradients flow through them; the operator sees natural logs, ``-inf`` empty.
+    """
+    base = _args.lse_base(lse_base)
+    outs, lses, ax = _states(outs, lses, axis, empty_lse)
+    if base == "2":
+        lses = lses * LN2
+    out, lse = merge_attention_op(outs, lses, ax, backend)
+    return out, (lse / LN2 if base == "2" else lse)
+
+
+def attention_vjp(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
+    scale: float | None = None, causal: Any = False, window: Any = None, mask: Any = None,
+    softcap: float | None = None, lse_base: Any = "e", backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`softmaxkit.attention_vjp` as an operator (no second derivative)."""
+    if _args.lse_base(lse_base) == "2":
+        lse = lse * LN2
+    scale = None if scale is None else _args.attention_scale(scale, q.shape[-1])
+    return attention_vjp_op(
+        q, k, v, out, lse, dout, scale,
+        _args.causal(causal), list(_args.window(window)), tensor_or_none(mask, q, "mask"),
+        _args.softcap(softcap), backend,
+    )
+
+
+def merge_attention_vjp(
+    outs: Any, lses: Any, dout: Tensor, dlse: Any = None, axis: int = 0, *,
+    lse_base: Any = "e", empty_lse: float = -math.inf, backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`softmaxkit.merge_attention_vjp` as an operator (no second derivative)."""
+    base = _args.lse_base(lse_base)
+    outs, lses, ax = _states(outs, lses, axis, empty_lse)
+    if dlse is not None:
+        dlse = torch.as_tensor(tensor_or_none(dlse, outs, "dlse")).to(lses.dtype)
+        if base == "2":
+            dlse = dlse / LN2  # d/d lse_e of the base-2 lse
+    douts, dlses = merge_attention_vjp_op(
+        outs, lses * LN2 if base == "2" else lses, dout, dlse, ax, backend
+    )
+    return douts, (dlses * LN2 if base == "2" else dlses)
+
+
+# ---------------------------------------------------------------------------------------------
+# packed variable-length attention
+
+
+@torch.library.custom_op("softmaxkit::varlen_attention", mutates_args=())
+def varlen_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    scale: float | None, causal: str | None, window: list[int], softcap: float | None,
+    backend: str | None, lse_used: bool,
+) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        out, lse = _varlen_fn(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal or False,
+            window=(window[0], window[1]), softcap=softcap, return_lse=True, backend=backend,
+        )
+    return out.contiguous(), lse.contiguous()
+
+
+@varlen_attention_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, backend, lse_used):
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    tq, hq = q.shape[0], q.shape[1]
+    return (result_like(q, (tq, hq, v.shape[-1]), dtype),
+            result_like(q, (tq, hq), acc_dtype(dtype)))
+
+
+@torch.library.custom_op("softmaxkit::varlen_attention_vjp", mutates_args=())
+def varlen_attention_vjp_op(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float | None, causal: str | None,
+    window: list[int], softcap: float | None, backend: str | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    with torch.no_grad():
+        grads = _varlen_vjp_fn(
+            q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, scale=scale,
+            causal=causal or False, window=(window[0], window[1]), softcap=softcap,
+            backend=backend,
+        )
+    return tuple(g.contiguous() for g in grads)
+
+
+@varlen_attention_vjp_op.register_fake
+def _(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap,
+      backend):
+    return tuple(result_like(a, a.shape, a.dtype) for a in (q, k, v))
+
+
+varlen_attention_vjp_op.register_autograd(
+    no_double_backward("varlen_attention_vjp"), setup_context=no_setup
+)
+
+
+def _varlen_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, cu_q, cu_k, scale, causal, window, softcap, backend, lse_used = inputs
+    ctx.args = (scale, causal, window, softcap, backend)
+    ctx.lse_used = lse_used
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)  # out and lse: the backward recomputes
+
+
+def _varlen_backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple:
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+    dv_width = v.shape[-1]
+    widen = ctx.lse_used and dlse is not None
+    if widen:
+        assert dlse is not None  # widen says so; for the type checker
+        v, out, dout = _widen_for_lse(v, out, dout, dlse)
+    dq, dk, dv = varlen_attention_vjp_op(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args)
+    if widen:
+        dv = dv[..., :dv_width]
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+varlen_attention_op.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+def _seqlens(value: Any, like: Tensor, name: str) -> Tensor:
+    """Cumulative lengths as a tensor on ``like``'s device (the frontend validates them)."""
+    if isinstance(value, Tensor):
+        if value.requires_grad:
+            raise TypeError(f"{name} holds cumulative lengths and cannot require grad")
+        return value
+    return torch.as_tensor(value, device=like.device)
+
+
+def varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+    scale: float | None = None, causal: Any = False, window: Any = None,
+    softcap: float | None = None, return_lse: bool = False, lse_base: Any = "e",
+    backend: str | None = None,
+) -> Any:
+    """:func:`softmaxkit.varlen_attention` as the differentiable operator
+    ``softmaxkit::varlen_attention``; the backward recomputes from the saved ``out`` and
+    ``lse`` (``varlen_attention_vjp``), and the returned ``lse`` is differentiable too."""
+    base = _args.lse_base(lse_base)
+    out, lse = varlen_attention_op(
+        q, k, v, _seqlens(cu_seqlens_q, q, "cu_seqlens_q"),
+        _seqlens(cu_seqlens_k, q, "cu_seqlens_k"),
+        None if scale is None else _args.attention_scale(scale, q.shape[-1]),
+        _args.causal(causal), list(_args.window(window)), _args.softcap(softcap), backend,
+        bool(return_lse),
+    )
+    if not return_lse:
+        return out
+    return out, (lse / LN2 if base == "2" else lse)
+
+
+def varlen_attention_vjp(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+    cu_seqlens_q: Any, cu_seqlens_k: Any, *, scale: float | None = None, causal: Any = False,
+    window: Any = None, softcap: float | None = None, lse_base: Any = "e",
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`softmaxkit.varlen_attention_vjp` as an operator (no second derivative)."""
+    if _args.lse_base(lse_base) == "2":
+        lse = lse * LN2
+    return varlen_attention_vjp_op(
+        q, k, v, out, lse, dout, _seqlens(cu_seqlens_q, q, "cu_seqlens_q"),
+        _seqlens(cu_seqlens_k, q, "cu_seqlens_k"),
+        None if scale is None else _args.attention_scale(scale, q.shape[-1]),
+        _args.causal(causal), list(_args.window(window)), _args.softcap(softcap), backend,
+    )

@@ -1,0 +1,77 @@
+"""What the PyTorch operators share: their errors for second derivatives, dtype rules and
+the conversion of optional tensor arguments."""
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import array_api_compat
+import torch
+from torch import Tensor
+
+from ...dtypes import accumulator_dtype
+
+LN2 = math.log(2.0)
+
+class DoubleBackwardError(NotImplementedError):
+    """A second derivative through a softmaxkit operator was asked for."""
+
+
+def no_double_backward(name: str):
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise DoubleBackwardError(
+            f"softmaxkit.{name} has no second derivative: double backward through it "
+            "(create_graph=True, then differentiating the gradient) is not supported"
+        )
+    return backward
+
+
+def no_setup(ctx: Any, inputs: Any, output: Any) -> None:
+    pass
+
+
+def axis_list(axis: Any, ndim: int) -> list[int] | None:
+    """``axis`` (None, int or ints) as sorted non-negative ints; None means all axes."""
+    if axis is None:
+        return None
+    items = [axis] if not isinstance(axis, Sequence) else list(axis)
+    out = []
+    for a in items:
+        a = int(a)
+        out.append(a + ndim if a < 0 else a)
+    return sorted(out)
+
+
+def float_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype.is_floating_point else torch.get_default_dtype()
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulator dtype for inputs of ``dtype`` (the library's one rule)."""
+    return accumulator_dtype(torch, dtype)
+
+
+def result_like(like: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """An uninitialized result of ``shape`` and ``dtype`` on ``like``'s device."""
+    return torch.empty(tuple(shape), dtype=dtype, device=like.device)
+
+
+def tensor_or_none(value: Any, like: Tensor, name: str) -> Tensor | None:
+    """``value`` as a tensor on ``like``'s device; Python scalars and sequences convert."""
+    if value is None or isinstance(value, Tensor):
+        return value
+    if array_api_compat.is_array_api_obj(value):
+        raise TypeError(
+            f"{name} is a {type(value).__module__.split('.')[0]} array while the other "
+            "arguments are torch tensors; pass arrays of one library"
+        )
+    return torch.as_tensor(value, device=like.device)
+
+
+def expand_reduced(g: Tensor, axes: list[int] | None, ndim: int, keepdims: bool) -> Tensor:
+    """Reinsert the reduced axes of a reduction's cotangent as length-one axes."""
+    if keepdims:
+        return g
+    for a in range(ndim) if axes is None else axes:
+        g = g.unsqueeze(a)
+    return g
