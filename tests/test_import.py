@@ -31,3 +31,21 @@ def test_import_pulls_in_no_kernel_library_and_manifests_stay_cheap():
     assert {"reference", "loopback"} <= set(names)
     assert after_discovery == []  # every installed manifest, first-party ones included
     assert kernels == []  # kernels load on first use
+
+
+def test_every_package_of_the_source_tree_is_installed():
+    # pyproject.toml lists the packages: one left out installs as missing in a wheel, while an
+    # editable install (CI's) still finds it on disk
+    import pathlib
+
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+    root = pathlib.Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"])
+    on_disk = {
+        ".".join(p.parent.relative_to(root).parts)
+        for p in (root / "softmaxkit").rglob("__init__.py")
+    }
+    assert on_disk <= listed, sorted(on_disk - listed)
