@@ -14,12 +14,15 @@ Every contender's result is first compared with a float64 reference on fresh ran
 its output memory poisoned with NaN just before (a buffer of the result's size is filled and
 released, so the allocator hands the same memory to the result); a wrong result is reported
 and not timed.  A time is the median over several samples of the wall clock of a few hundred
-calls in a row, the samples of one case's contenders taken in turn; on CUDA each sample ends
-with a synchronize, so queued work is paid for.
+calls in a row; on CUDA each sample ends with a synchronize, so queued work is paid for.  The
+samples are taken in rounds over the whole run, one sample of every contender of every case
+a round: a host that slows for a moment (a shared machine does, for a second at a time) costs
+one sample of a few cases, not every sample of one case.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -197,7 +200,7 @@ def per_call(fns: Sequence[Callable[[], Any]], device: str = "cpu", calls: int |
              repeats: int = 7, sample_time: float = 0.02) -> list[float]:
     """Median seconds per call of each of ``fns``: each sample runs a function ``calls``
     times in a row (by default as many as fill ``sample_time``, 20 to 500) and then
-    synchronizes the device; the functions' samples alternate."""
+    synchronizes the device; a round takes one sample of each function, in turn."""
     sync = _sync(device)
     counts = []
     for fn in fns:
@@ -223,23 +226,30 @@ def per_call(fns: Sequence[Callable[[], Any]], device: str = "cpu", calls: int |
 def run(device: str = "cpu", ops: Sequence[str] = OPS, dtypes: Sequence[str] = DTYPES,
         shapes: Sequence[tuple[int, ...]] = SHAPES, repeats: int = 7, seed: int = 0,
         calls: int | None = None) -> list[Timing]:
-    """Check, then time every contender on every case; see the module docstring."""
+    """Check every contender on every case, then time them all in rounds; see the module
+    docstring."""
     if device == "cuda" and calls is None:
         calls = 300
     out: list[Timing] = []
+    timed: list[tuple[Timing, Callable[[], Any]]] = []
     for shape in shapes:
         x32, target = _inputs(tuple(shape), seed)
         for dtype in dtypes:
             for op in ops:
                 for library in _libraries(device):
-                    out.extend(_case(op, dtype, tuple(shape), library, device, x32, target,
-                                     repeats, calls))
+                    rows, ready = _case(op, dtype, tuple(shape), library, device, x32, target)
+                    out.extend(rows)
+                    timed.extend(ready)
+    seconds = per_call([f for _, f in timed], device, calls, repeats)
+    for (row, _), sec in zip(timed, seconds, strict=True):
+        row.us = sec * 1e6
     return out
 
 
 def _case(op: str, dtype: str, shape: tuple[int, ...], library: str, device: str,
-          x32: np.ndarray, target: np.ndarray, repeats: int,
-          calls: int | None) -> list[Timing]:
+          x32: np.ndarray, target: np.ndarray
+          ) -> tuple[list[Timing], list[tuple[Timing, Callable[[], Any]]]]:
+    """The rows of one case, and the checked contenders to time (a row and its call)."""
     from .registry import NoBackendError
 
     x = _native(x32, dtype, library, device)
@@ -258,7 +268,8 @@ def _case(op: str, dtype: str, shape: tuple[int, ...], library: str, device: str
         contenders.append(("torch", _torch_peer(op)))
     elif dtype == "float32":
         contenders.append(("scipy", _scipy_peer(op)))
-    rows, timed = [], []
+    rows: list[Timing] = []
+    timed: list[tuple[Timing, Callable[[], Any]]] = []
     nbytes = x32.size * 4  # the largest result: float32 at most, the input's shape
     for name, fn in contenders:
         row = Timing(op, dtype, shape, library, name)
@@ -283,11 +294,8 @@ def _case(op: str, dtype: str, shape: tuple[int, ...], library: str, device: str
             continue
         if name == "default":
             row.note = "on " + _ran_on(fn, x, t)
-        timed.append((row, lambda f=fn: f(x, t)))
-    seconds = per_call([f for _, f in timed], device, calls, repeats)
-    for (row, _), sec in zip(timed, seconds, strict=True):
-        row.us = sec * 1e6
-    return rows
+        timed.append((row, functools.partial(fn, x, t)))
+    return rows, timed
 
 
 def _ran_on(fn: Callable[[Any, Any], Any], x: Any, t: Any) -> str:
