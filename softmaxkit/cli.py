@@ -296,7 +296,8 @@ def _bench_calls(args: argparse.Namespace) -> int:
 
     timings = callcost.run(
         device=args.device, ops=args.ops or callcost.OPS, dtypes=args.dtype or callcost.DTYPES,
-        shapes=args.shapes or callcost.SHAPES, repeats=3 if args.quick else args.repeats,
+        shapes=args.shapes or callcost.SHAPES,
+        repeats=3 if args.quick else args.repeats or 7,
     )
     env = bench._environment(args.device, ["torch", "scipy"])
     full = callcost.table(timings)
@@ -332,7 +333,7 @@ def _bench(args: argparse.Namespace) -> int:
             dtypes=dtypes,
             shapes=shapes,
             device=args.device,
-            repeats=3 if args.quick else args.repeats,
+            repeats=3 if args.quick else args.repeats or 5,
             min_time=0.002 if args.quick else 0.02,
             progress=not args.no_progress,
             backends=args.backends or (),
@@ -391,7 +392,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", nargs="+", choices=FLOAT_DTYPES, help="default float32")
     b.add_argument("--shapes", nargs="+", type=_shape, help="ROWSxN, e.g. 4096x4096")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    b.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is kept)")
+    b.add_argument("--repeats", type=int,
+                   help="timed repeats, the median kept (default 5; --calls: 7 rounds)")
     b.add_argument("--backends", nargs="+", metavar="NAME",
                    help="also time these backends on their own, next to the default choice")
     b.add_argument("--plot", metavar="FILE.png", help="save a chart of GB/s")
