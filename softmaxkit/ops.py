@@ -36,6 +36,7 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     #   allowed NaN gives NaN fields, an allowed +inf gives (+inf, NaN, NaN)
     "summarize": ("x", "where", "values"),
     # merge(maxes [S, R], masses [S, R], numerators None | [S, R, Dv]), S >= 1, all in acc
+    #   (or all in a 16-bit dtype a caller built them in: merged in float32, returned in it)
     #   -> (max [R], mass [R], numerator None | [R, Dv]); empty parts are the identity
     #   (factor exactly 1 where a part's max equals the result's); NaN maxima propagate
     "merge": ("maxes", "masses", "numerators"),

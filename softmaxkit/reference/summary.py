@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..dtypes import accumulator_dtype
+from ..dtypes import accumulator_dtype, dtype_name
 
 NEG_INF = -math.inf
 
@@ -94,8 +94,18 @@ def merge(xp: Any, *, maxes: Any, masses: Any, numerators: Any) -> tuple[Any, An
     """Merge ``S`` summaries [S, R] (numerators [S, R, Dv]) into one, exactly.
 
     Every part is rescaled to the largest maximum by a factor in [0, 1] and the parts are
-    added; an empty part has mass 0 and numerator 0, so it adds nothing.
+    added; an empty part has mass 0 and numerator 0, so it adds nothing.  Summaries held in
+    a 16-bit dtype are merged in its accumulator (no sum is held in a 16-bit type) and
+    returned in their own dtype.
     """
+    dtype = maxes.dtype
+    if dtype_name(dtype) in ("float16", "bfloat16"):
+        acc = accumulator_dtype(xp, dtype)
+        m, mass, num = merge(
+            xp, maxes=xp.astype(maxes, acc), masses=xp.astype(masses, acc),
+            numerators=None if numerators is None else xp.astype(numerators, acc))
+        return (xp.astype(m, dtype), xp.astype(mass, dtype),
+                None if num is None else xp.astype(num, dtype))
     m = xp.max(maxes, axis=0)
     factor = rescale(xp, maxes, m[None, ...])
     mass = xp.sum(masses * factor, axis=0)

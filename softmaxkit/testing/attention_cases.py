@@ -377,3 +377,52 @@ def case_merge_attention_vjp(t: Target, dtype: str, backend: str) -> None:
     assert np.all(douts[1, 0] == 0) and dlses[1, 0] == 0, (
         "merge_attention_vjp: an empty part must have zero gradient"
     )
+
+
+@case("merge_attention_vjp")
+def case_merge_attention_vjp_special_values(t: Target, dtype: str, backend: str) -> None:
+    """Fresh parts wider than a block of threads, with a NaN part, an empty part holding
+    garbage, a row whose parts are all empty and a row dominated by one part; with and
+    without ``dlse``."""
+    rng = np.random.default_rng(34)
+    n_parts, n_rows, dv = 4, 6, 160
+    outs64 = rng.normal(size=(n_parts, n_rows, dv))
+    lses64 = rng.normal(scale=2.0, size=(n_parts, n_rows))
+    lses64[2, 1] = -np.inf
+    outs64[2, 1, ::2], outs64[2, 1, 1::2] = np.nan, np.inf  # never read: the part is empty
+    lses64[:, 2] = -np.inf
+    lses64[0, 3] = np.nan  # the row's gradients are NaN
+    lses64[1, 4] += 30.0  # the other parts' weights are tiny
+    outs64[:, 5] = outs64[0, 5] + 1e-2 * outs64[:, 5]  # parts close to the merged out
+    acc = accumulator_name(dtype)
+    outs, lses = t.asarray(outs64, dtype), t.asarray(lses64, acc)
+    dout = t.asarray(rng.normal(size=(n_rows, dv)), dtype)
+    dlse = t.asarray(rng.normal(size=(n_rows,)), acc)
+    outs64, lses64, dout64, dlse64 = map(t.to_numpy, (outs, lses, dout, dlse))
+    keep = [0, 1, 2, 4, 5]
+    out, lse = ref.merge_states(outs64[:, keep], lses64[:, keep])
+    empty = lses64[:, keep] == -np.inf
+    a = np.where(empty, 0.0, np.exp(np.where(empty, 0.0, lses64[:, keep] - np.where(
+        np.isfinite(lse), lse, 0.0))))
+    present = np.where(empty[..., None], 0.0, outs64[:, keep])
+    inner = np.where(empty, 0.0, np.sum(dout64[keep] * (present - out), axis=-1))
+    tol = ATTENTION_TOLERANCES[dtype][2]
+    for with_dlse in (True, False):
+        douts, dlses = sk.merge_attention_vjp(outs, lses, dout, dlse if with_dlse else None,
+                                              backend=backend)
+        douts, dlses = t.to_numpy(douts), t.to_numpy(dlses)
+        what = f"merge_attention_vjp [{dtype}] {'with' if with_dlse else 'without'} dlse"
+        e_dlses = a * (inner + (dlse64[keep] if with_dlse else 0.0))
+        for name, g, e in (("douts", douts[:, keep], a[..., None] * dout64[keep]),
+                           ("dlses", dlses[:, keep], e_dlses)):
+            err = ref.rel_frobenius(g, e)
+            assert err <= tol, f"{what}: {name} error {err:.3g} > {tol}"
+        # the nearly equal parts' lse gradients are small differences: held on their own
+        err = ref.rel_frobenius(dlses[:, 5], e_dlses[:, 4])
+        assert err <= tol, f"{what}: dlses of parts close to out, error {err:.3g} > {tol}"
+        assert np.all(np.isnan(douts[:, 3])) and np.all(np.isnan(dlses[:, 3])), (
+            f"{what}: a NaN lse must make its row's gradients NaN")
+        assert np.all(douts[:, 2] == 0) and np.all(dlses[:, 2] == 0), (
+            f"{what}: rows with every part empty must have zero gradient")
+        assert np.all(douts[2, 1] == 0) and dlses[2, 1] == 0, (
+            f"{what}: an empty part must have zero gradient, whatever its out holds")

@@ -207,6 +207,79 @@ def case_merge_empty_is_identity(t: Target, dtype: str, backend: str) -> None:
     assert np.all(t.to_numpy(both.numerator) == 0), "merging two empty summaries"
 
 
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+"""16-bit dtype -> its unit roundoff: the error of rounding a merged field once."""
+
+SUBNORMAL_ROUNDING = {"float16": 2.0**-25, "bfloat16": 2.0**-134}
+"""16-bit dtype -> half its smallest subnormal: the absolute error of rounding a tiny field."""
+
+
+@case("merge", dtypes=("float16", "bfloat16"))
+def case_merge_of_16bit_summaries(t: Target, dtype: str, backend: str) -> None:
+    """Summaries a caller holds in a 16-bit dtype: the merge is keyed by that dtype, returns
+    it, and accumulates in float32, so each merged field is rounded once."""
+    from ..reference import summary as ref_summary
+
+    rng = np.random.default_rng(44)
+    n_parts, n_rows, width, dv = 4, 6, 8, 3
+    maxes, masses, nums = [], [], []
+    for p in range(n_parts):
+        x64 = rng.normal(scale=5.0, size=(n_rows, width))
+        x64[5] += 12.0 * p  # far-apart maxima: the lower parts' factors underflow
+        v64 = rng.normal(size=(n_rows, width, dv))
+        e = np.exp(x64 - x64.max(axis=-1, keepdims=True))
+        maxes.append(x64.max(axis=-1))
+        masses.append(e.sum(axis=-1))
+        nums.append(np.einsum("rn,rnd->rd", e, v64))
+    m64, mass64, num64 = np.stack(maxes), np.stack(masses), np.stack(nums)
+    m64[1, 1], mass64[1, 1], num64[1, 1] = -np.inf, 0.0, 0.0  # an empty part
+    m64[:, 2], mass64[:, 2], num64[:, 2] = -np.inf, 0.0, 0.0  # every part empty
+    m64[2, 3], mass64[2, 3], num64[2, 3] = np.nan, np.nan, np.nan  # an allowed NaN
+    m64[0, 4], mass64[0, 4], num64[0, 4] = np.inf, np.nan, np.nan  # an allowed +inf
+    parts = [sk.Summary(t.asarray(m64[p], dtype), t.asarray(mass64[p], dtype),
+                        t.asarray(num64[p], dtype)) for p in range(n_parts)]
+    # the float64 merge of the fields as the dtype represents them, and of their magnitudes
+    xp64 = _numpy_namespace()
+    held = [np.stack([t.to_numpy(getattr(s, f)) for s in parts])
+            for f in ("max", "mass", "numerator")]
+    with np.errstate(invalid="ignore"):
+        e_m, e_mass, e_num = ref_summary.merge(xp64, maxes=held[0], masses=held[1],
+                                               numerators=held[2])
+        _, s_mass, s_num = ref_summary.merge(xp64, maxes=held[0], masses=np.abs(held[1]),
+                                             numerators=np.abs(held[2]))
+    got = sk.merge(*parts, backend=backend)
+    u, tiny = UNIT_ROUNDOFF[dtype], SUBNORMAL_ROUNDING[dtype]
+    for name, field, e, scale in (("max", got.max, e_m, None),
+                                  ("mass", got.mass, e_mass, s_mass),
+                                  ("numerator", got.numerator, e_num, s_num)):
+        field_dtype = str(getattr(field.dtype, "name", field.dtype)).rsplit(".", 1)[-1]
+        assert field_dtype == dtype, f"merge [{dtype}]: {name} has dtype {field_dtype}"
+        g = t.to_numpy(field)
+        assert g.shape == e.shape, f"merge [{dtype}]: {name} shape {g.shape} != {e.shape}"
+        assert np.array_equal(np.isnan(g), np.isnan(e)), (
+            f"merge [{dtype}]: {name} NaN at {np.argwhere(np.isnan(g) != np.isnan(e))}")
+        fin = np.isfinite(e)
+        assert np.array_equal(g[~fin & ~np.isnan(e)], e[~fin & ~np.isnan(e)]), (
+            f"merge [{dtype}]: {name} infinities differ")
+        if scale is None:
+            assert np.array_equal(g[fin], e[fin]), f"merge [{dtype}]: max is not exact"
+            continue
+        # one rounding to the dtype, after a float32 accumulation (5 parts)
+        bound = u * np.abs(e) + SUMMARY_RTOL["float32"] * scale + tiny
+        err = np.abs(g - e)
+        assert np.all(err[fin] <= bound[fin]), (
+            f"merge [{dtype}]: {name} error {np.max(err[fin] / bound[fin]):.3g} x the bound "
+            "(a 16-bit running sum rounds once per part)")
+    assert np.all(t.to_numpy(got.mass)[2] == 0) and np.all(t.to_numpy(got.numerator)[2] == 0)
+    empty = sk.Summary(t.asarray(np.full(n_rows, -np.inf), dtype),
+                       t.asarray(np.zeros(n_rows), dtype), t.asarray(np.zeros((n_rows, dv)), dtype))
+    alone = sk.merge(parts[0], empty, backend=backend)
+    for name in ("max", "mass", "numerator"):
+        assert np.array_equal(t.to_numpy(getattr(alone, name)),
+                              t.to_numpy(getattr(parts[0], name)), equal_nan=True), (
+            f"merge [{dtype}]: the empty summary changed {name}")
+
+
 # -- normalize: a row's softmax, chunk by chunk, from the row's summary ------------------------
 
 

@@ -12,6 +12,17 @@ finite otherwise; all parts empty gives ``(0, -inf)``; a NaN ``lse_s`` makes the
 and ``lse`` NaN (spec "Merging partial attention states").  One thread per output element:
 the ``S`` log-sum-exps of its row are read by every thread of the row (a broadcast within a
 warp), each ``out_s`` element once.
+
+The gradient (``merge_attention_vjp``), with ``a_s = w_s / sum w``:
+
+    d out_s = a_s * dout,   d lse_s = a_s * (<dout, out_s - out> + dlse)
+
+takes one block per row.  Its threads stride over the value dimension: each forms ``out``
+for its elements (kept in shared memory, one slot an element), writes every ``d out_s``,
+then the block sums ``<dout, out_s - out>`` part by part in a fixed tree (the differences are
+taken before the products, as the definition writes them, so parts close to ``out`` do not
+lose their gradient to cancellation).  Empty parts and rows whose parts are all empty get 0;
+a NaN part makes the row's gradients NaN.
 """
 
 from __future__ import annotations
@@ -19,7 +30,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .arrays import empty, kernel_view, library, run, stream_of
+from softmaxkit.dtypes import accumulator_name
+
+from .arrays import dummy, empty, kernel_view, library, run, stream_of
 from .primitives import (
     NAN,
     NEG_INF,
@@ -37,17 +50,17 @@ from .storage import loader, storer
 from .summaries import _contiguous
 
 THREADS = 256
+VJP_THREADS = 128
+VJP_REGISTERS = 96
 
 
 @functools.cache
-def _merge_kernel(kind: str):
-    """Kernel ``(outs [S, R, Dv], lses [S, R], out [R, Dv], lse [R], n_rows, dv)``."""
-    acc_name, acc = accumulator(kind)
-    load = loader(kind, acc_name)
-    store = storer(kind)
+def _weight(acc_name: str):
+    """Device function ``weight(lse_s, M)``: ``exp(lse_s - M)``, exactly 1 where they are
+    equal (two ``+inf`` never meet in a subtraction), 0 where ``M`` is ``+inf`` or NaN."""
+    _, acc = accumulator(acc_name)
     exp = exponential(acc_name)
-    log = log_f64 if acc_name == "float64" else log_f32
-    neg_inf, zero, one = acc(NEG_INF), acc(0.0), acc(1.0)
+    zero, one = acc(0.0), acc(1.0)
 
     def weight(old, new):
         if old == new:
@@ -56,7 +69,18 @@ def _merge_kernel(kind: str):
             return zero
         return exp(old - new)
 
-    weight = device_function(weight)
+    return device_function(weight)
+
+
+@functools.cache
+def _merge_kernel(kind: str):
+    """Kernel ``(outs [S, R, Dv], lses [S, R], out [R, Dv], lse [R], n_rows, dv)``."""
+    acc_name, acc = accumulator(kind)
+    load = loader(kind, acc_name)
+    store = storer(kind)
+    log = log_f64 if acc_name == "float64" else log_f32
+    weight = _weight(acc_name)
+    neg_inf, zero, one = acc(NEG_INF), acc(0.0), acc(1.0)
 
     @kernel(THREADS, 1, acc_name == "float64")
     def merge_kernel(outs, lses, out, lse, n_rows, dv):
@@ -117,3 +141,110 @@ def merge_attention(*, xp: Any, outs: Any, lses: Any) -> tuple[Any, Any]:
         kernel_view(_contiguous(outs, lib), lib), kernel_view(_contiguous(lses, lib), lib),
         kernel_view(out, lib), kernel_view(lse, lib), n_rows, dv)
     return out, lse
+
+
+def vjp_shared_bytes(kind: str, dv: int) -> int:
+    """Shared memory the gradient of a merge of ``outs`` of dtype ``kind`` needs for ``Dv``
+    (``can_run`` declines more than :data:`.manifest.VJP_SHARED_BYTES`, which launches take
+    without an opt-in)."""
+    return max(dv, 1) * (8 if accumulator_name(kind) == "float64" else 4)
+
+
+@functools.cache
+def _vjp_kernel(kind: str, dout_kind: str, has_dlse: bool):
+    """Kernel ``(outs [S, R, Dv], lses [S, R], dout [R, Dv], dlse [R], douts [S, R, Dv],
+    dlses [S, R], dv)``, one block of :data:`VJP_THREADS` a row, ``Dv`` accumulator slots of
+    dynamic shared memory."""
+    acc_name, acc = accumulator(kind)
+    load = loader(kind, acc_name)
+    load_dout = loader(dout_kind, acc_name)
+    store = storer(kind)
+    weight = _weight(acc_name)
+    nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
+
+    # the per-part loops keep the row's state live: under 96 registers (sm_90) nothing spills
+    @kernel(VJP_THREADS, 1, registers=VJP_REGISTERS)
+    def vjp_kernel(outs, lses, dout, dlse, douts, dlses, dv):
+        r = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        merged = cuda.shared.array(0, acc)
+        partial = cuda.shared.array(VJP_THREADS, acc)
+        parts = lses.shape[0]
+        m = neg_inf
+        for p in range(parts):
+            v = lses[p, r]
+            if v != v:
+                m = acc(NAN)
+            elif v > m and m == m:
+                m = v
+        total = zero
+        if m == m:
+            for p in range(parts):
+                v = lses[p, r]
+                if v != NEG_INF:
+                    total += weight(v, m)
+        if not total > zero:  # a NaN part: NaN gradients; every part empty: zero
+            fill = nan if m != m else zero
+            for d in range(tid, dv, VJP_THREADS):
+                for p in range(parts):
+                    store(douts[p, r], d, fill)
+            for p in range(tid, parts, VJP_THREADS):
+                dlses[p, r] = fill
+            return
+        inv = one / total
+        for d in range(tid, dv, VJP_THREADS):
+            o = zero
+            for p in range(parts):
+                v = lses[p, r]
+                if v != NEG_INF:
+                    o += weight(v, m) * inv * load(outs[p, r], d)
+            merged[d] = o  # read back by this thread only
+            g = load_dout(dout[r], d)
+            for p in range(parts):
+                v = lses[p, r]
+                store(douts[p, r], d, weight(v, m) * inv * g if v != NEG_INF else zero)
+        extra = dlse[r] if has_dlse else zero
+        for p in range(parts):
+            v = lses[p, r]
+            present = v != NEG_INF
+            s = zero
+            if present:
+                for d in range(tid, dv, VJP_THREADS):
+                    s += load_dout(dout[r], d) * (load(outs[p, r], d) - merged[d])
+            partial[tid] = s
+            cuda.syncthreads()
+            step = VJP_THREADS // 2
+            while step > 0:
+                if tid < step:
+                    partial[tid] += partial[tid + step]
+                cuda.syncthreads()
+                step //= 2
+            if tid == 0:
+                dlses[p, r] = weight(v, m) * inv * (partial[0] + extra) if present else zero
+            cuda.syncthreads()  # partial is refilled for the next part
+
+    return vjp_kernel
+
+
+def merge_attention_vjp(*, xp: Any, outs: Any, lses: Any, dout: Any,
+                        dlse: Any) -> tuple[Any, Any]:
+    """Gradient of :func:`merge_attention`: ``(douts [S, R, Dv]`` in ``outs``' dtype,
+    ``dlses [S, R]`` in the accumulator dtype)."""
+    lib = library(outs)
+    parts, n_rows, dv = (int(n) for n in outs.shape)
+    douts = empty(xp, outs, (parts, n_rows, dv), outs.dtype)
+    dlses = empty(xp, outs, (parts, n_rows), lses.dtype)
+    if parts * n_rows == 0:
+        return douts, dlses
+    kind = dtype_name(outs.dtype)
+    device = outs.device
+    if dlse is not None and dlse.dtype != lses.dtype:
+        dlse = xp.astype(dlse, lses.dtype)
+    dl = (kernel_view(_contiguous(dlse, lib), lib) if dlse is not None
+          else dummy(lib, device, dtype_name(lses.dtype), 1))
+    kernel_fn = _vjp_kernel(kind, dtype_name(dout.dtype), dlse is not None)
+    run(kernel_fn, n_rows, VJP_THREADS, stream_of(outs, lib),
+        kernel_view(_contiguous(outs, lib), lib), kernel_view(_contiguous(lses, lib), lib),
+        kernel_view(_contiguous(dout, lib), lib), dl, kernel_view(douts, lib),
+        kernel_view(dlses, lib), dv, shared=vjp_shared_bytes(kind, dv))
+    return douts, dlses

@@ -1,12 +1,16 @@
 """The backend's manifest and its ``can_run`` hook; importing this module imports no numba.
 
 Served: the row operations (softmax, log_softmax, logsumexp, cross_entropy with its fused
-gradient, softmax_vjp, log_softmax_vjp), online summaries (summarize, merge) and the merge of
-partial attention states (merge_attention, which ``merge_attention_states`` calls) on CUDA
+gradient, softmax_vjp, log_softmax_vjp), online summaries (summarize, merge, and normalize,
+the second pass of chunked softmax), the merge of partial attention states (merge_attention,
+which ``merge_attention_states`` calls) and its gradient (merge_attention_vjp) on CUDA
 devices, for float16, bfloat16, float32 and float64, with torch CUDA tensors and CuPy arrays.
-Declined, with the reason: rows longer than 2**31 - 1.  Not served, so the registry chooses
-another backend: attention forward and backward (numba-cuda has no access to the tensor-core
-instructions that make them fast) and merge_attention_vjp.  Under Numba's CUDA simulator
+merge is keyed by the summaries' dtype: the accumulator's for summaries from summarize,
+16-bit for summaries a caller built in it (merged in float32, returned in their dtype).
+Declined, with the reason: rows longer than 2**31 - 1; merge_attention_vjp with value
+dimensions beyond its shared memory (12288, float64: 6144).  Not served, so the registry
+chooses another backend: attention forward and backward (numba-cuda has no access to the
+tensor-core instructions that make them fast).  Under Numba's CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve numpy arrays on the CPU: that is how CI
 runs them without a GPU.
 """
@@ -15,16 +19,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from softmaxkit.dtypes import dtype_name
+
 from .settings import simulator_requested as _simulated
 
 NAME = "numba-cuda"
 ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
            "log_softmax_vjp")
-SUMMARY_OPS = ("summarize", "merge")
+SUMMARY_OPS = ("summarize", "merge", "normalize")
+ATTENTION_OPS = ("merge_attention", "merge_attention_vjp")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 _PRIMARY = {"softmax": "x", "log_softmax": "x", "logsumexp": "x", "cross_entropy": "logits",
             "softmax_vjp": "probs", "log_softmax_vjp": "logprobs", "summarize": "x",
-            "merge": "maxes", "merge_attention": "outs"}
+            "merge": "maxes", "normalize": "x", "merge_attention": "outs",
+            "merge_attention_vjp": "outs"}
+VJP_SHARED_BYTES = 48 * 1024
+"""Shared memory merge_attention_vjp keeps a row's merged ``out`` in (accumulator values)."""
 
 
 def manifest() -> dict[str, Any]:
@@ -32,20 +42,19 @@ def manifest() -> dict[str, Any]:
     devices = ["cuda", "cpu"] if _simulated() else ["cuda"]
     kernels = {op: f"softmaxkit_numba_cuda.rows:{op}" for op in ROW_OPS}
     kernels.update({op: f"softmaxkit_numba_cuda.summaries:{op}" for op in SUMMARY_OPS})
-    kernels["merge_attention"] = "softmaxkit_numba_cuda.attention:merge_attention"
+    kernels.update({op: f"softmaxkit_numba_cuda.attention:{op}" for op in ATTENTION_OPS})
     return {
         "name": NAME,
         "serves": [{"ops": list(ROW_OPS), "devices": devices, "dtypes": list(DTYPES)},
-                   {"ops": ["summarize"], "devices": devices, "dtypes": list(DTYPES)},
-                   # merge receives summaries in the accumulator dtype
-                   {"ops": ["merge"], "devices": devices, "dtypes": ["float32", "float64"]},
-                   {"ops": ["merge_attention"], "devices": devices, "dtypes": list(DTYPES)}],
+                   {"ops": list(SUMMARY_OPS), "devices": devices, "dtypes": list(DTYPES)},
+                   {"ops": list(ATTENTION_OPS), "devices": devices, "dtypes": list(DTYPES)}],
         "kernels": kernels,
         # below the CPU backends on simulated numpy arrays, above everything on CUDA
         "priority": 20 if not _simulated() else -50,
         "install_hint": "pip install softmaxkit-numba-cuda (needs numba-cuda and a CUDA GPU)",
         "can_run": "softmaxkit_numba_cuda.manifest:can_run",
-        # can_run reads the primary argument's library and row length
+        # can_run reads the primary argument's library, row length and (merge_attention_vjp)
+        # value dimension with the dtype, which is always part of the key
         "hook_keys": ["arrays", "shapes"],
     }
 
@@ -63,4 +72,9 @@ def can_run(call: Any) -> bool | str:
     shape = getattr(x, "shape", ())
     if shape and shape[-1] >= 2**31:
         return "rows of 2**31 or more positions are not supported"
+    if call.op == "merge_attention_vjp" and len(shape) == 3:
+        wide = dtype_name(x.dtype) == "float64"
+        if shape[-1] * (8 if wide else 4) > VJP_SHARED_BYTES:
+            return (f"merge_attention_vjp keeps a row in shared memory: value dimensions up "
+                    f"to {VJP_SHARED_BYTES // (8 if wide else 4)}")
     return True

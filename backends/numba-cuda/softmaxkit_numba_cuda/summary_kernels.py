@@ -1,6 +1,6 @@
-"""Online-softmax summaries on the GPU: the numerators of ``summarize`` and the exact
-``merge`` of summaries (the maxima and masses of ``summarize`` come from
-:func:`.row_kernels.reduce`).
+"""Online-softmax summaries on the GPU: the numerators of ``summarize``, the exact ``merge``
+of summaries and ``normalize``, a row's softmax against its summary (the maxima and masses of
+``summarize`` come from :func:`.row_kernels.reduce`).
 
 A summary of a row's allowed logits is ``(max, mass, numerator)`` with
 ``mass = sum(exp(x - max))`` and ``numerator = sum(exp(x - max) * values)`` in the accumulator
@@ -8,15 +8,26 @@ dtype.  The empty summary ``(-inf, 0, 0)`` is the identity of the merge, which r
 part by ``exp(old - new)`` (exactly 1 when the maxima are equal, so ``-inf - -inf`` and
 ``inf - inf`` are never formed).  An allowed NaN poisons the summary; an allowed ``+inf``
 gives ``max = +inf`` with NaN mass and numerator (spec/semantics.md, "Summaries").
+Summaries held in a 16-bit dtype are widened on load and rounded once on store.
 """
 
 from __future__ import annotations
 
 import functools
 
-from .primitives import NAN, NEG_INF, POS_INF, accumulator, cuda, device_function, kernel
+from .primitives import (
+    NAN,
+    NEG_INF,
+    POS_INF,
+    accumulator,
+    cuda,
+    device_function,
+    kernel,
+    log_f32,
+    log_f64,
+)
 from .reductions import exponential
-from .storage import loader
+from .storage import loader, storer
 
 
 @functools.cache
@@ -58,11 +69,13 @@ def numerators(kin: str):
 
 
 @functools.cache
-def merge(acc_name: str):
+def merge(kind: str):
     """Kernel ``(maxes, masses, nums, has_nums, m_out, mass_out, num_out, n_rows, dv)`` with
     one thread per (row, value index); ``maxes``, ``masses`` are ``[S, R]``, ``nums``
-    ``[S, R, Dv]``."""
-    _, acc = accumulator(acc_name)
+    ``[S, R, Dv]``, all of storage dtype ``kind`` (results too), merged in its accumulator."""
+    acc_name, acc = accumulator(kind)
+    load = loader(kind, acc_name)
+    store = storer(kind)
     exp = exponential(acc_name)
     nan, zero, one = acc(NAN), acc(0.0), acc(1.0)
 
@@ -75,7 +88,8 @@ def merge(acc_name: str):
 
     factor = device_function(factor)
 
-    @kernel(256, 1)
+    # the parts' loops over three fields: 64 registers keep them from spilling (sm_90)
+    @kernel(256, 1, registers=64)
     def merge_kernel(maxes, masses, nums, has_nums, m_out, mass_out, num_out, n_rows, dv):
         k = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         per_row = dv if has_nums and dv > 0 else 1
@@ -87,7 +101,7 @@ def merge(acc_name: str):
         m = acc(NEG_INF)
         poisoned = False
         for p in range(parts):
-            mp = maxes[p, r]
+            mp = load(maxes[p], r)
             if mp != mp:
                 poisoned = True
             elif mp > m:
@@ -95,13 +109,81 @@ def merge(acc_name: str):
         if d == 0:
             mass = zero
             for p in range(parts):
-                mass += masses[p, r] * factor(maxes[p, r], m)
-            m_out[r] = nan if poisoned else m
-            mass_out[r] = nan if poisoned else mass
+                mass += load(masses[p], r) * factor(load(maxes[p], r), m)
+            store(m_out, r, nan if poisoned else m)
+            store(mass_out, r, nan if poisoned else mass)
         if has_nums and dv > 0:
             total = zero
             for p in range(parts):
-                total += nums[p, r, d] * factor(maxes[p, r], m)
-            num_out[r, d] = nan if poisoned else total
+                total += load(nums[p, r], d) * factor(load(maxes[p], r), m)
+            store(num_out[r], d, nan if poisoned else total)
 
     return merge_kernel
+
+
+NORMALIZE_THREADS = 256
+NORMALIZE_ITEMS = 4
+"""``normalize`` takes a tile of ``THREADS * ITEMS`` positions of one row a block: each
+thread reads the row's summary once and handles ``ITEMS`` positions, ``THREADS`` apart (so
+a warp's loads are consecutive)."""
+
+
+@functools.cache
+def normalize(kin: str, kout: str, log: bool, masked_nan: bool, has_where: bool):
+    """Kernel ``(x, w, maxes, masses, out, uncovered, n, tiles)``: ``out [R, N]`` (storage
+    ``kout``) is the softmax, or with ``log`` the log_softmax, of ``x [R, N]`` (storage
+    ``kin``) against the summaries ``maxes [R]``, ``masses [R]`` (accumulator of ``kin``).
+
+    Block ``b`` takes tile ``b % tiles`` of row ``b // tiles``.  A position is allowed when
+    ``w`` allows it (``has_where``) and its logit is not ``-inf``; excluded positions give 0
+    (``-inf``) and are never compared with the maximum.  The maximum classifies the row as
+    the row operations do: NaN gives a NaN row, ``+inf`` a NaN softmax row and a log_softmax
+    row of ``-inf`` with NaN at the allowed ``+inf`` logits, ``-inf`` an empty row (0 or
+    ``-inf``, NaN with ``masked_nan``).  ``uncovered[0]`` is set to 1 where an allowed logit
+    is above the maximum or NaN under a maximum that is not NaN: the summary does not cover
+    the row (spec "Summaries").
+    """
+    acc_name, acc = accumulator(kin)
+    load = loader(kin, acc_name)
+    store = storer(kout)
+    exp = exponential(acc_name)
+    ln = log_f64 if acc_name == "float64" else log_f32
+    nan, zero, neg_inf = acc(NAN), acc(0.0), acc(NEG_INF)
+    tile = NORMALIZE_THREADS * NORMALIZE_ITEMS
+
+    @kernel(NORMALIZE_THREADS, NORMALIZE_ITEMS, acc_name == "float64")
+    def normalize_kernel(x, w, maxes, masses, out, uncovered, n, tiles):
+        b = cuda.blockIdx.x
+        r = b // tiles
+        start = (b - r * tiles) * tile + cuda.threadIdx.x
+        m = maxes[r]
+        is_nan = m != m
+        posinf = m == POS_INF
+        regular = not is_nan and not posinf and m != NEG_INF
+        # rows whose every position is NaN, whatever their logits
+        all_nan = is_nan or (posinf and not log) or (masked_nan and m == NEG_INF)
+        scale = zero  # log: log(mass); softmax: mass
+        if regular:
+            scale = ln(masses[r]) if log else masses[r]
+        xr = x[r]
+        orow = out[r]
+        for j in range(NORMALIZE_ITEMS):
+            i = start + j * NORMALIZE_THREADS
+            if i < n:
+                xi = load(xr, i)
+                allowed = xi != NEG_INF
+                if has_where:
+                    allowed = allowed and w[r, i]
+                if allowed and not is_nan and not xi <= m:
+                    uncovered[0] = 1
+                if all_nan:
+                    v = nan
+                elif allowed and regular:
+                    v = (xi - m) - scale if log else exp(xi - m) / scale
+                elif allowed and posinf:  # log only: NaN where the logit is +inf too
+                    v = nan if xi == POS_INF else neg_inf
+                else:
+                    v = neg_inf if log else zero
+                store(orow, i, v)
+
+    return normalize_kernel

@@ -23,7 +23,7 @@ import numpy as np
 
 ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
            "log_softmax_vjp")
-SUMMARY_OPS = ("summarize", "merge", "merge_attention")
+SUMMARY_OPS = ("summarize", "merge", "normalize", "merge_attention", "merge_attention_vjp")
 PLAN_OPS = ROW_OPS + ("cross_entropy_hard", "summarize")
 STAGED_OPS = ("softmax", "log_softmax", "cross_entropy", "cross_entropy_hard")
 PERSIST_OPS = ("softmax", "log_softmax")

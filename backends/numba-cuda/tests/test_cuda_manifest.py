@@ -33,17 +33,14 @@ def test_entry_point_names_the_manifest():
 def test_manifest_serves_cuda_row_operations(monkeypatch):
     monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
     m = manifest()
-    rows, summarize, merge, merge_attention = m["serves"]
     for entry in m["serves"]:
         assert entry["devices"] == ["cuda"]
-    assert set(rows["dtypes"]) == set(summarize["dtypes"]) == set(merge_attention["dtypes"]) \
-        == {"float16", "bfloat16", "float32", "float64"}
-    assert merge["dtypes"] == ["float32", "float64"]  # summaries are in the accumulator dtype
+        assert set(entry["dtypes"]) == {"float16", "bfloat16", "float32", "float64"}
     served = {op for entry in m["serves"] for op in entry["ops"]}
     assert set(m["kernels"]) == served
-    assert "merge_attention" in served
+    assert {"merge", "normalize", "merge_attention", "merge_attention_vjp"} <= served
     # declined, and said so in the manifest's docstring
-    for op in ("attention", "attention_vjp", "merge_attention_vjp"):
+    for op in ("attention", "attention_vjp"):
         assert op not in m["kernels"]
         assert op in importlib.import_module("softmaxkit_numba_cuda.manifest").__doc__
 
@@ -58,6 +55,18 @@ def test_can_run_declines_host_arrays_without_the_simulator(monkeypatch):
     assert isinstance(verdict, str) and "CUDA" in verdict
     monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
     assert can_run(_call("softmax", "cpu", x=np.zeros((2, 3)))) is True
+
+
+def test_can_run_declines_value_dimensions_beyond_the_vjp_shared_memory(monkeypatch):
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+
+    def verdict(dtype, dv):
+        outs = np.zeros((2, 3, dv), dtype=dtype)
+        return can_run(_call("merge_attention_vjp", "cpu", outs=outs))
+
+    assert verdict(np.float32, 12288) is True and verdict(np.float64, 6144) is True
+    assert isinstance(verdict(np.float32, 12289), str)
+    assert "6144" in verdict(np.float64, 6145)
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 31, 33, 128, 512, 513, 1024, 4096, 8192, 32768, 131072])

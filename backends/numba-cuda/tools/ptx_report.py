@@ -30,13 +30,16 @@ def kernels():
     """(name, kernel, signature, block, slots, kind) of the kernels the benchmarks run: the
     default plans of short, medium and long (split) rows of each dtype."""
     from softmaxkit_numba_cuda import (
+        attention,
         cross_entropy_kernels,
         persistent,
         row_kernels,
         staged,
         staging,
+        summary_kernels,
     )
     from softmaxkit_numba_cuda import rows as k
+    from softmaxkit_numba_cuda.primitives import register_cap
 
     out = []
     for kind in ("float32", "bfloat16", "float64"):
@@ -116,6 +119,26 @@ def kernels():
                        "int64, uint64[:, ::1], int64)")
                 out.append((f"{op}-{kind}-{threads}x{staged_slots}-lean-held{held}", fn, sig,
                             threads, 0, kind, cap))
+    # the summary kernels and the merge gradient hold elements, not words: their caps given
+    for kind in ("float32", "bfloat16", "float64"):
+        st = STORAGE[kind]
+        acc = "float64" if kind == "float64" else "float32"
+        wide = kind == "float64"
+        fn = summary_kernels.normalize(kind, kind, False, False, True)
+        sig = (f"({st}[:, ::1], boolean[:, ::1], {acc}[::1], {acc}[::1], {st}[:, ::1], "
+               "int32[::1], int64, int64)")
+        out.append((f"summary-normalize-{kind}", fn, sig, summary_kernels.NORMALIZE_THREADS, 0,
+                    kind, register_cap(summary_kernels.NORMALIZE_THREADS,
+                                       summary_kernels.NORMALIZE_ITEMS, wide)))
+        fn = summary_kernels.merge(kind)
+        sig = (f"({st}[:, ::1], {st}[:, ::1], {st}[:, :, ::1], boolean, {st}[::1], {st}[::1], "
+               f"{st}[:, ::1], int64, int64)")
+        out.append((f"summary-merge-{kind}", fn, sig, 256, 0, kind, 64))
+        fn = attention._vjp_kernel(kind, kind, True)
+        sig = (f"({st}[:, :, ::1], {acc}[:, ::1], {st}[:, ::1], {acc}[::1], {st}[:, :, ::1], "
+               f"{acc}[:, ::1], int64)")
+        out.append((f"merge_attention_vjp-{kind}", fn, sig, attention.VJP_THREADS, 0, kind,
+                    attention.VJP_REGISTERS))
     return out
 
 
