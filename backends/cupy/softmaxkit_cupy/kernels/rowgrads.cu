@@ -25,11 +25,7 @@ __device__ __forceinline__ unsigned sk_load_slot(uint4& raw, const T* row,
         bits = (1u << VEC) - 1u;
         if (wrow) {
             unsigned char keep[VEC];
-            if (VEC == 8) {
-                *reinterpret_cast<uint2*>(keep) = *reinterpret_cast<const uint2*>(wrow + base);
-            } else {
-                *reinterpret_cast<unsigned*>(keep) = *reinterpret_cast<const unsigned*>(wrow + base);
-            }
+            sk_load_keep<VEC>(keep, wrow + base);
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
                 if (!keep[e]) bits &= ~(1u << e);

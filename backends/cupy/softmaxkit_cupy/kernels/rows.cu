@@ -136,6 +136,17 @@ __device__ __forceinline__ void sk_rows_store(Tout* orow, int base, int n, int v
     }
 }
 
+// The VEC mask bytes of a 16-byte piece in one load (the piece's alignment covers them).
+template <int VEC>
+__device__ __forceinline__ void sk_load_keep(unsigned char (&keep)[VEC],
+                                             const unsigned char* wp) {
+    if (VEC == 8) {
+        *reinterpret_cast<uint2*>(keep) = *reinterpret_cast<const uint2*>(wp);
+    } else {
+        *reinterpret_cast<unsigned*>(keep) = *reinterpret_cast<const unsigned*>(wp);
+    }
+}
+
 // Load this thread's K 16-byte pieces of row segment [seg0, seg0 + G K VEC) of `row` into
 // raw, excluded and missing positions as -inf.
 template <typename Tin, int G, int K>
@@ -154,11 +165,7 @@ __device__ __forceinline__ void sk_rows_load(
             raw[j] = __ldg(reinterpret_cast<const uint4*>(xr + base));
             if (wr) {
                 unsigned char keep[VEC];
-                if (VEC == 8) {
-                    *reinterpret_cast<uint2*>(keep) = *reinterpret_cast<const uint2*>(wr + base);
-                } else {
-                    *reinterpret_cast<unsigned*>(keep) = *reinterpret_cast<const unsigned*>(wr + base);
-                }
+                sk_load_keep<VEC>(keep, wr + base);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e)
                     if (!keep[e]) v[e] = sk_from_float<Tin>(-SK_INF);
