@@ -38,6 +38,15 @@ __device__ __forceinline__ float2 sk_unpack2(__nv_bfloat162 v) { return __bfloat
 template <bool WIDE> struct SkWide { typedef float type; };
 template <> struct SkWide<true> { typedef double type; };
 
+// Groups of G threads, THREADS / G of them per block, one row each: this thread's lane in its
+// group, and its group's row.
+template <int THREADS, int G> __device__ __forceinline__ int sk_group_lane() {
+    return G < THREADS ? threadIdx.x % G : threadIdx.x;
+}
+template <int THREADS, int G> __device__ __forceinline__ long long sk_group_row() {
+    return static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+}
+
 // Merge two summaries: (m, s) with s the shifted sum, or with REST (logsumexp) (m, t) with
 // t = s - 1 (sk_merge_rest), whose empty value is -1 instead of 0.
 template <bool PRECISE, bool REST>
@@ -296,14 +305,14 @@ __device__ __forceinline__ void sk_rows_body(
     constexpr int CAP = G * K * (16 / sizeof(Tin));
     __shared__ float scratch[3 * (THREADS / 32 + 1)];
     __shared__ float summary[4];
-    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
+    const int lane = sk_group_lane<THREADS, G>();
     long long row;
     int seg0 = 0;
     if (CLUSTER > 1) {
         row = blockIdx.x / CLUSTER;
         seg0 = static_cast<int>(sk_cluster_rank()) * CAP;
     } else {
-        row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+        row = sk_group_row<THREADS, G>();
     }
     const bool active = row < rows;  // only the last block of packed rows has idle groups
     uint4 raw[K];

@@ -325,8 +325,8 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
     int masked_nan) {
     static_assert(sizeof(T) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
     __shared__ float scratch[2 * (THREADS / 32 + 1)];
-    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
-    const long long row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+    const int lane = sk_group_lane<THREADS, G>();
+    const long long row = sk_group_row<THREADS, G>();
     const bool active = row < rows;
     uint4 raw[K];
     sk_rows16_fetch<T, G, K, MODE>(raw, x, ld_x, w, ld_w, row, active, lane, n, vec_ok);
