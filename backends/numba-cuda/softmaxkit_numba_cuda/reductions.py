@@ -55,6 +55,27 @@ def exponential(acc_name: str):
 
 
 @functools.cache
+def word_terms(acc_name: str, width: int, count: bool):
+    """Device function ``add(buf, m, s, c, z) -> (s, c, z)``: the ``width`` values ``v`` of
+    ``buf`` added to a thread's sums, ``exp(v - m)`` to ``s`` and, with ``count``, for each
+    value above ``-inf``, one to ``c`` and ``v - m`` to ``z``."""
+    acc = float64 if acc_name == "float64" else float32
+    exp = exponential(acc_name)
+    neg_inf, one = acc(NEG_INF), acc(1.0)
+
+    def add(buf, m, s, c, z):
+        for v in range(width):
+            d = buf[v] - m
+            s += exp(d)
+            if count and buf[v] > neg_inf:
+                c += one
+                z += d
+        return s, c, z
+
+    return device_function(add, inline=True)
+
+
+@functools.cache
 def thread_max(acc_name: str):
     """Device function ``tmax(a, b)``: the maximum, NaN if either is NaN (``max.NaN.f32``)."""
     if acc_name == "float64":

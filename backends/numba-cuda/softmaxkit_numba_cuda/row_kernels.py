@@ -62,7 +62,14 @@ from .primitives import (
     u64_from_f64,
 )
 from .ptx import globaltimer, load_acquire, load_l2, nanosleep, store_release
-from .reductions import SCRATCH, exponential, group_reducers, summary_ops, thread_max
+from .reductions import (
+    SCRATCH,
+    exponential,
+    group_reducers,
+    summary_ops,
+    thread_max,
+    word_terms,
+)
 from .storage import storer, word_io
 
 SUMMARY = "summarize"
@@ -144,8 +151,8 @@ def _chunk_stream(kind: str, vector: bool, threads: int, slots: int, has_where: 
     acc_name, acc = accumulator(kind)
     width, load_word, _ = word_io(kind, vector)
     tmax = thread_max(acc_name)
-    exp = exponential(acc_name)
-    neg_inf, zero, one = acc(NEG_INF), acc(0.0), acc(1.0)
+    add_terms = word_terms(acc_name, width, count)
+    neg_inf, zero = acc(NEG_INF), acc(0.0)
 
     def load_one(xr, wr, nw, wi, buf):
         if wi < nw:
@@ -174,12 +181,7 @@ def _chunk_stream(kind: str, vector: bool, threads: int, slots: int, has_where: 
         if m > neg_inf and m < POS_INF:
             for j in range(n_slots):
                 load_one(xr, wr, nw, base + j * threads, buf)
-                for v in range(width):
-                    d = buf[v] - m
-                    s += exp(d)
-                    if count and buf[v] > neg_inf:
-                        c += one
-                        z += d
+                s, c, z = add_terms(buf, m, s, c, z)
         return m, s, c, z
 
     return device_function(stream_stats)

@@ -151,6 +151,30 @@ def _cluster_exchange(threads: int, fields: int):
 
 
 @functools.cache
+def _chunk_exchange(kind: str, threads: int, slots: int, has_where: bool, fields: int,
+                    cluster: bool):
+    """Device function ``combine(m, s, cnt, z, summary, scratch, flag, wsp, xr, wr, nw, r, c,
+    chunks) -> (M, S, count, zsum)``: the row's summary from this block's (chunk ``c`` of row
+    ``r``) and its other chunks' blocks: through distributed shared memory in a cluster
+    (:func:`_cluster_exchange`), else through the slots ``wsp`` in device memory
+    (:func:`.row_kernels._row_summary`); a row of one chunk keeps the block's."""
+    exchange = _cluster_exchange(threads, fields)
+    publish = _slots("float32", fields)[0]
+    collect = _row_summary(kind, True, threads, slots, has_where, fields, True)
+
+    def combine(m, s, cnt, z, summary, scratch, flag, wsp, xr, wr, nw, r, c, chunks):
+        if cluster:
+            return exchange(m, s, cnt, z, summary, scratch, chunks)
+        if chunks > 1:
+            if cuda.threadIdx.x == 0:
+                publish(wsp, r * chunks + c, m, s, cnt, z)
+            return collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
+        return m, s, cnt, z
+
+    return device_function(combine)
+
+
+@functools.cache
 def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool,
               cluster: bool = False):
     """Kernel ``(x, w, masked_nan, out, n_rows, nw, chunks, wsp)`` (the signature of
@@ -167,12 +191,10 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool,
     words = threads * slots
     issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False)
     locate = _locate(threads, slots, issue, cluster)
-    exchange = _cluster_exchange(threads, 2)
+    combine = _chunk_exchange(kind, threads, slots, has_where, 2, cluster)
     results = _word_results(op, kind)
     row_state = _row_state(op)
     pair_reduce = group_reducers(threads, "float32")[0]
-    publish = _slots("float32", 2)[0]
-    collect = _row_summary(kind, True, threads, slots, has_where, 2, True)
     zero = float32(0.0)
 
     @kernel(threads, _fit(threads, slots)[1])
@@ -193,12 +215,8 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool,
             base = c * words + lane
             m_t, s_t = land_fold(stage, off, wr, nw, base, lane)
             m, s = pair_reduce(m_t, s_t, scratch)
-            if cluster:  # the row's summary from the other blocks of the cluster
-                m, s, _, _ = exchange(m, s, zero, zero, summary, scratch, chunks)
-            elif chunks > 1:  # the row's summary from its other blocks
-                if lane == 0:
-                    publish(wsp, r * chunks + c, m, s, zero, zero)
-                m, s, _, _ = collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
+            m, s, _, _ = combine(m, s, zero, zero, summary, scratch, flag, wsp, xr, wr, nw, r,
+                                 c, chunks)
             nan_row, inf_row, empty, log_s, f, regular = row_state(m, s, m_t, masked_nan)
             for j in range(slots):
                 wi = base + j * threads
@@ -235,11 +253,9 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
     fields = 4 if smooth else 2
     issue, land, sums, _ = _stage(kind, threads, slots, has_where, smooth)
     locate = _locate(threads, slots, issue, cluster)
-    exchange = _cluster_exchange(threads, fields)
+    combine = _chunk_exchange(kind, threads, slots, has_where, fields, cluster)
     exp = exponential("float32")
     pair_reduce = group_reducers(threads, "float32")[0]
-    publish = _slots("float32", fields)[0]
-    collect = _row_summary(kind, True, threads, slots, has_where, fields, True)
     load_one = loader(kind, "float32")
     store = storer(kind)
     store_loss = storer("float32")
@@ -271,12 +287,8 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
             s_t, c_t, z_t = sums(stage, off, nw, base, lane, m_t)
             m, s = pair_reduce(m_t, s_t, scratch)
             cnt, zsum = smooth_sums(c_t, z_t, m_t, m, scratch)
-            if cluster:
-                m, s, cnt, zsum = exchange(m, s, cnt, zsum, summary, scratch, chunks)
-            elif chunks > 1:
-                if lane == 0:
-                    publish(wsp, r * chunks + c, m, s, cnt, zsum)
-                m, s, cnt, zsum = collect(wsp, xr, wr, nw, r, chunks, scratch, flag)
+            m, s, cnt, zsum = combine(m, s, cnt, zsum, summary, scratch, flag, wsp, xr, wr, nw,
+                                      r, c, chunks)
             target = index[r]
             valid = not has_ignore or target != ignore
             # a target outside [0, n) that is not ignored makes the row NaN (never read there)

@@ -28,7 +28,7 @@ from .ptx import (
     cp_async_commit,
     cp_async_pending,
 )
-from .reductions import exponential, thread_max
+from .reductions import exponential, thread_max, word_terms
 from .storage import word_codec
 
 GROUPS = 4
@@ -113,10 +113,11 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool):
     width, decode, encode = word_codec(kind)
     tmax = thread_max("float32")
     exp = exponential("float32")
+    add_terms = word_terms("float32", width, count)
     raise_max = _raise_max()
     n_groups = groups(slots)
     per = slots // n_groups
-    neg_inf, zero, one = float32(NEG_INF), float32(0.0), float32(1.0)
+    neg_inf, zero = float32(NEG_INF), float32(0.0)
     held = per * 4  # 32-bit words of a group of one thread
 
     def exclude(buf, wr, wi, m):
@@ -177,12 +178,7 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool):
                 if base + j * threads < nw:
                     q = off + (lane + j * threads) * 4
                     decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
-                    for v in range(width):
-                        d = buf[v] - m_t
-                        s += exp(d)
-                        if count and buf[v] > neg_inf:
-                            c += one
-                            z += d
+                    s, c, z = add_terms(buf, m_t, s, c, z)
         return s, c, z
 
     def land_fold(stage, off, wr, nw, base, lane):

@@ -25,11 +25,7 @@ __device__ __forceinline__ unsigned sk_load_slot(uint4& raw, const T* row,
         bits = (1u << VEC) - 1u;
         if (wrow) {
             unsigned char keep[VEC];
-            if (VEC == 8) {
-                *reinterpret_cast<uint2*>(keep) = *reinterpret_cast<const uint2*>(wrow + base);
-            } else {
-                *reinterpret_cast<unsigned*>(keep) = *reinterpret_cast<const unsigned*>(wrow + base);
-            }
+            sk_load_keep<VEC>(keep, wrow + base);
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
                 if (!keep[e]) bits &= ~(1u << e);
@@ -84,8 +80,8 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_vjp(
     constexpr int VEC = 16 / sizeof(T);
     constexpr bool PRECISE = sizeof(T) == 4;
     __shared__ float scratch[2 * (THREADS / 32 + 1)];
-    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
-    const long long row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+    const int lane = sk_group_lane<THREADS, G>();
+    const long long row = sk_group_row<THREADS, G>();
     const bool active = row < rows;
     const T* ar = a + row * ld_a;
     const T* cr = c + row * ld_c;
@@ -167,8 +163,8 @@ __global__ void __launch_bounds__(THREADS, SK_GRAD_MIN_BLOCKS(THREADS)) sk_xent(
     constexpr int VEC = 16 / sizeof(T);
     constexpr bool PRECISE = sizeof(T) == 4;
     __shared__ float scratch[3 * (THREADS / 32 + 1)];
-    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
-    const long long row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+    const int lane = sk_group_lane<THREADS, G>();
+    const long long row = sk_group_row<THREADS, G>();
     const bool active = row < rows;
     const T* xr = x + row * ld_x;
     const unsigned char* wr = w ? w + row * ld_w : nullptr;

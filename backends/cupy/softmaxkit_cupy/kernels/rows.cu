@@ -38,6 +38,15 @@ __device__ __forceinline__ float2 sk_unpack2(__nv_bfloat162 v) { return __bfloat
 template <bool WIDE> struct SkWide { typedef float type; };
 template <> struct SkWide<true> { typedef double type; };
 
+// Groups of G threads, THREADS / G of them per block, one row each: this thread's lane in its
+// group, and its group's row.
+template <int THREADS, int G> __device__ __forceinline__ int sk_group_lane() {
+    return G < THREADS ? threadIdx.x % G : threadIdx.x;
+}
+template <int THREADS, int G> __device__ __forceinline__ long long sk_group_row() {
+    return static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+}
+
 // Merge two summaries: (m, s) with s the shifted sum, or with REST (logsumexp) (m, t) with
 // t = s - 1 (sk_merge_rest), whose empty value is -1 instead of 0.
 template <bool PRECISE, bool REST>
@@ -136,6 +145,17 @@ __device__ __forceinline__ void sk_rows_store(Tout* orow, int base, int n, int v
     }
 }
 
+// The VEC mask bytes of a 16-byte piece in one load (the piece's alignment covers them).
+template <int VEC>
+__device__ __forceinline__ void sk_load_keep(unsigned char (&keep)[VEC],
+                                             const unsigned char* wp) {
+    if (VEC == 8) {
+        *reinterpret_cast<uint2*>(keep) = *reinterpret_cast<const uint2*>(wp);
+    } else {
+        *reinterpret_cast<unsigned*>(keep) = *reinterpret_cast<const unsigned*>(wp);
+    }
+}
+
 // Load this thread's K 16-byte pieces of row segment [seg0, seg0 + G K VEC) of `row` into
 // raw, excluded and missing positions as -inf.
 template <typename Tin, int G, int K>
@@ -154,11 +174,7 @@ __device__ __forceinline__ void sk_rows_load(
             raw[j] = __ldg(reinterpret_cast<const uint4*>(xr + base));
             if (wr) {
                 unsigned char keep[VEC];
-                if (VEC == 8) {
-                    *reinterpret_cast<uint2*>(keep) = *reinterpret_cast<const uint2*>(wr + base);
-                } else {
-                    *reinterpret_cast<unsigned*>(keep) = *reinterpret_cast<const unsigned*>(wr + base);
-                }
+                sk_load_keep<VEC>(keep, wr + base);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e)
                     if (!keep[e]) v[e] = sk_from_float<Tin>(-SK_INF);
@@ -289,14 +305,14 @@ __device__ __forceinline__ void sk_rows_body(
     constexpr int CAP = G * K * (16 / sizeof(Tin));
     __shared__ float scratch[3 * (THREADS / 32 + 1)];
     __shared__ float summary[4];
-    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
+    const int lane = sk_group_lane<THREADS, G>();
     long long row;
     int seg0 = 0;
     if (CLUSTER > 1) {
         row = blockIdx.x / CLUSTER;
         seg0 = static_cast<int>(sk_cluster_rank()) * CAP;
     } else {
-        row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+        row = sk_group_row<THREADS, G>();
     }
     const bool active = row < rows;  // only the last block of packed rows has idle groups
     uint4 raw[K];

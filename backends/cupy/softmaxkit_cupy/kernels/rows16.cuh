@@ -325,8 +325,8 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
     int masked_nan) {
     static_assert(sizeof(T) == 2 && OP != SK_LOGSUMEXP, "16-bit softmax / log_softmax");
     __shared__ float scratch[2 * (THREADS / 32 + 1)];
-    const int lane = G < THREADS ? threadIdx.x % G : threadIdx.x;
-    const long long row = static_cast<long long>(blockIdx.x) * (THREADS / G) + threadIdx.x / G;
+    const int lane = sk_group_lane<THREADS, G>();
+    const long long row = sk_group_row<THREADS, G>();
     const bool active = row < rows;
     uint4 raw[K];
     sk_rows16_fetch<T, G, K, MODE>(raw, x, ld_x, w, ld_w, row, active, lane, n, vec_ok);
@@ -409,6 +409,28 @@ __device__ __forceinline__ void sk_add_exponentials(const uint4 (&p)[PER], float
     }
 }
 
+// Wait for copy group g (of GROUPS), read this thread's pieces of it into p and fold its
+// maximum into the running (m, s) (sk_raise_max).
+template <typename T, int THREADS, int PER, int GROUPS>
+__device__ __forceinline__ void sk_land_group(uint4 (&p)[PER], const uint4* stage, int g,
+                                              int lane, float& m, float& s, int& nan) {
+    sk_cp_async_wait_n(GROUPS - 1 - g);
+    sk_read_group<THREADS, PER>(p, stage, g, lane);
+    sk_raise_max<T, PER>(p, m, s, nan);
+}
+
+// Write the results of this thread's staged piece j (its segment starting at seg0) on a
+// special row (is_nan, posinf, empty).
+template <typename T, int OP, int THREADS, int MODE>
+__device__ __forceinline__ void sk_put_special_staged(T* orow, const uint4* stage, int seg0,
+                                                      int j, int lane, int n, int vec_ok,
+                                                      bool is_nan, bool posinf, int masked_nan) {
+    const int base = seg0 + (j * THREADS + lane) * 8;
+    const uint4 p = sk_ld_shared16(&stage[j * THREADS + lane]);
+    sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n,
+                      sk_special_piece<T, OP>(p, is_nan, posinf, masked_nan));
+}
+
 // Long rows: a block (or, CLUSTER > 1, a cluster of blocks) per row, each thread's K pieces
 // staged in shared memory by cp.async in GROUPS commit groups; the thread folds each group
 // into its running (max, sum) as soon as it lands, while later groups are still in flight.
@@ -457,10 +479,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
     int nan = 0;
 #pragma unroll
     for (int g = 0; g < GROUPS; ++g) {
-        sk_cp_async_wait_n(GROUPS - 1 - g);
         uint4 p[PER];
-        sk_read_group<THREADS, PER>(p, sk_stage, g, lane);
-        sk_raise_max<T, PER>(p, m, s, nan);
+        sk_land_group<T, THREADS, PER, GROUPS>(p, sk_stage, g, lane, m, s, nan);
         sk_add_exponentials<T, PER>(p, m, s);
     }
     sk_rows_reduce<THREADS, THREADS, CLUSTER, false>(m, s, nan, scratch, summary);
@@ -481,12 +501,9 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
         }
     } else {
 #pragma unroll 1
-        for (int j = 0; j < K; ++j) {
-            const int base = seg0 + (j * THREADS + lane) * VEC;
-            const uint4 p = sk_ld_shared16(&sk_stage[j * THREADS + lane]);
-            sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n,
-                              sk_special_piece<T, OP>(p, is_nan, posinf, masked_nan));
-        }
+        for (int j = 0; j < K; ++j)
+            sk_put_special_staged<T, OP, THREADS, MODE>(orow, sk_stage, seg0, j, lane, n, vec_ok,
+                                                        is_nan, posinf, masked_nan);
     }
     if (CLUSTER > 1) sk_cluster_wait();
 }
@@ -575,10 +592,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
         float mg[GROUPS];  // (CACHE) the shift of each group's cached exponentials
 #pragma unroll
         for (int g = 0; g < GROUPS; ++g) {
-            sk_cp_async_wait_n(GROUPS - 1 - g);
             uint4 p[PER];
-            sk_read_group<THREADS, PER>(p, sk_stage, g, lane);
-            sk_raise_max<T, PER>(p, m, s, nan);
+            sk_land_group<T, THREADS, PER, GROUPS>(p, sk_stage, g, lane, m, s, nan);
             if (CACHE) {
                 // no branch: while m is -inf the group holds only -inf (exponentials 0, and
                 // its factor below is 0) or NaN; m = +inf makes the row special, and special
@@ -670,10 +685,9 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1)
 #pragma unroll 1
                 for (int q = 0; q < PER; ++q) {
                     const int j = g * PER + q;
-                    const int base = seg0 + (j * THREADS + lane) * VEC;
-                    const uint4 p = sk_ld_shared16(&sk_stage[j * THREADS + lane]);
-                    sk_put16<T, MODE>(orow, base, n, vec_ok, vec_ok && base < n,
-                                      sk_special_piece<T, OP>(p, is_nan, posinf, masked_nan));
+                    sk_put_special_staged<T, OP, THREADS, MODE>(orow, sk_stage, seg0, j, lane, n,
+                                                                vec_ok, is_nan, posinf,
+                                                                masked_nan);
                     if (more) stage(next, j);
                 }
                 sk_cp_async_commit();
