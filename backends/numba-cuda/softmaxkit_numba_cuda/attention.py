@@ -73,6 +73,26 @@ def _weight(acc_name: str):
 
 
 @functools.cache
+def _parts_max(acc_name: str):
+    """Device function ``parts_max(lses, r)``: the largest ``lses[s, r]`` over the parts,
+    ``-inf`` when every part is empty, NaN when any part is NaN."""
+    _, acc = accumulator(acc_name)
+    nan, neg_inf = acc(NAN), acc(NEG_INF)
+
+    def parts_max(lses, r):
+        m = neg_inf
+        for p in range(lses.shape[0]):
+            v = lses[p, r]
+            if v != v:
+                m = nan
+            elif v > m and m == m:
+                m = v
+        return m
+
+    return device_function(parts_max)
+
+
+@functools.cache
 def _merge_kernel(kind: str):
     """Kernel ``(outs [S, R, Dv], lses [S, R], out [R, Dv], lse [R], n_rows, dv)``."""
     acc_name, acc = accumulator(kind)
@@ -80,6 +100,7 @@ def _merge_kernel(kind: str):
     store = storer(kind)
     log = log_f64 if acc_name == "float64" else log_f32
     weight = _weight(acc_name)
+    parts_max = _parts_max(acc_name)
     neg_inf, zero, one = acc(NEG_INF), acc(0.0), acc(1.0)
 
     @kernel(THREADS, 1, acc_name == "float64")
@@ -91,13 +112,7 @@ def _merge_kernel(kind: str):
         r = k // per_row
         d = k - r * per_row
         parts = lses.shape[0]
-        m = neg_inf
-        for p in range(parts):
-            v = lses[p, r]
-            if v != v:
-                m = acc(NAN)
-            elif v > m and m == m:
-                m = v
+        m = parts_max(lses, r)
         if m != m:  # a NaN part: the merged row is NaN
             if d == 0:
                 lse[r] = m
@@ -160,7 +175,8 @@ def _vjp_kernel(kind: str, dout_kind: str, has_dlse: bool):
     load_dout = loader(dout_kind, acc_name)
     store = storer(kind)
     weight = _weight(acc_name)
-    nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
+    parts_max = _parts_max(acc_name)
+    nan, zero, one = acc(NAN), acc(0.0), acc(1.0)
 
     # the per-part loops keep the row's state live: under 96 registers (sm_90) nothing spills
     @kernel(VJP_THREADS, 1, registers=VJP_REGISTERS)
@@ -170,13 +186,7 @@ def _vjp_kernel(kind: str, dout_kind: str, has_dlse: bool):
         merged = cuda.shared.array(0, acc)
         partial = cuda.shared.array(VJP_THREADS, acc)
         parts = lses.shape[0]
-        m = neg_inf
-        for p in range(parts):
-            v = lses[p, r]
-            if v != v:
-                m = acc(NAN)
-            elif v > m and m == m:
-                m = v
+        m = parts_max(lses, r)
         total = zero
         if m == m:
             for p in range(parts):
