@@ -29,6 +29,13 @@ sequence 3 a query but no keys (out 0, lse -inf), sequence 2 more queries than k
 first rows see no key under bottom-right causal alignment)."""
 
 
+TILED_LENGTHS: tuple[tuple[int, ...], tuple[int, ...]] = (
+    (130, 0, 67, 1, 200, 33, 64), (150, 40, 67, 0, 129, 300, 64))
+"""Lengths spanning several tiles of a tiled kernel (16 to 128 rows or keys): a sequence with
+keys but no queries, one with a query but no keys, more queries than keys and far fewer, and
+lengths on both sides of the tile boundaries (64, 128) beside the ones on them."""
+
+
 def _cu(lengths: tuple[int, ...]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)])
 
@@ -57,9 +64,10 @@ def _heads_first(a: np.ndarray) -> np.ndarray:
 
 
 def _inputs(t: Target, dtype: str, seed: int, hq: int, hk: int, d: int, dv: int,
-            scale: float = 1.0) -> tuple[list[Any], list[np.ndarray], np.ndarray, np.ndarray]:
+            scale: float = 1.0, lengths: tuple[tuple[int, ...], tuple[int, ...]] = LENGTHS,
+            ) -> tuple[list[Any], list[np.ndarray], np.ndarray, np.ndarray]:
     """Packed (q, k, v) on the target, their represented float64 values, and cu_seqlens."""
-    *arrays, cu_q, cu_k = packed_arrays(seed, *LENGTHS, hq, hk, d, dv, scale=scale)
+    *arrays, cu_q, cu_k = packed_arrays(seed, *lengths, hq, hk, d, dv, scale=scale)
     on_target = [t.asarray(a, dtype) for a in arrays]
     return on_target, [t.to_numpy(a) for a in on_target], cu_q, cu_k
 
@@ -105,15 +113,25 @@ def _dense_on_target(
 
 def _forward(t: Target, dtype: str, backend: str, seed: int, heads: tuple[int, int],
              dims: tuple[int, int], what: str, kind: str = "int64", scale: Any = None,
-             score_scale: float = 1.0, **kw: Any) -> None:
+             score_scale: float = 1.0,
+             lengths: tuple[tuple[int, ...], tuple[int, ...]] = LENGTHS, **kw: Any) -> None:
     (q, k, v), (q64, k64, v64), cu_q, cu_k = _inputs(t, dtype, seed, *heads, *dims,
-                                                      scale=score_scale)
+                                                      scale=score_scale, lengths=lengths)
     mq, mk = _metadata(t, cu_q, cu_k, kind)
     got = sk.varlen_attention(q, k, v, mq, mk, return_lse=True, scale=scale, backend=backend,
                               **kw)
     rkw = dict(kw, causal=_causal_kw(kw.get("causal", False)))
     expected = packed_reference(q64, k64, v64, cu_q, cu_k, scale=scale, **rkw)
     check_forward(t, dtype, got, expected, what)
+    if lengths is not LENGTHS:
+        # each sequence on its own: an error confined to one short sequence is not hidden in
+        # the norm of the whole packed batch
+        out, lse = t.to_numpy(got[0]), t.to_numpy(got[1])
+        for b, (q0, q1, _, _) in enumerate(_spans(cu_q, cu_k)):
+            if q1 > q0:
+                check_forward(t, dtype, (t.asarray(out[q0:q1], None),
+                                         t.asarray(lse[q0:q1], None)),
+                              (expected[0][q0:q1], expected[1][q0:q1]), f"{what}, sequence {b}")
     dense = _dense_on_target(t, dtype, q, k, v, cu_q, cu_k, scale=scale, **kw)
     check_against_dense(t, dtype, got, dense, what + " vs dense attention")
 
@@ -148,6 +166,45 @@ def case_varlen_attention_window_softcap(t: Target, dtype: str, backend: str) ->
              softcap=5.0, scale=4.0 / math.sqrt(d), causal=True)
 
 
+def _square_pairs(t: Target) -> list[tuple[int, int]]:
+    """The target's (D, Dv) pairs with D == Dv (its first pair when none has)."""
+    return [(d, dv) for d, dv in t.head_dims if d == dv] or [t.head_dims[0]]
+
+
+TILED_SETTINGS: tuple[tuple[tuple[int, int], dict[str, Any]], ...] = (
+    ((4, 2), {}),
+    ((4, 2), {"causal": True}),
+    ((4, 2), {"causal": True}),
+    ((4, 4), {"causal": "top_left"}),
+    ((6, 2), {"causal": True, "window": (50, 0)}),
+    ((4, 1), {"window": (70, 20), "softcap": 5.0}),
+)
+"""(Hq, Hk) and options of the tiled-lengths cases: grouped-query heads, both causal
+alignments, a window, and a softcap on scores of standard deviation about 4."""
+
+
+def _tiled(t: Target) -> list[tuple[int, tuple[int, int], tuple[int, int], dict[str, Any]]]:
+    """(index, heads, (D, Dv), options) of the tiled-lengths cases: setting i at the i-th
+    square pair of the target, cyclically, so with two pairs each sees bottom-right causal
+    grouped-query heads (the settings' order sees to it) and the cost stays that of one sweep."""
+    pairs = _square_pairs(t)
+    runs = []
+    for i, (heads, kw) in enumerate(TILED_SETTINGS):
+        d, dv = pairs[i % len(pairs)]
+        if "softcap" in kw:
+            kw = dict(kw, scale=4.0 / math.sqrt(d))
+        runs.append((i, heads, (d, dv), kw))
+    return runs
+
+
+@case("varlen_attention")
+def case_varlen_attention_tiled_lengths(t: Target, dtype: str, backend: str) -> None:
+    for i, heads, dims, kw in _tiled(t):
+        _forward(t, dtype, backend, 70 + i, heads, dims,
+                 f"varlen_attention tiled lengths D={dims[0]} Hq, Hk={heads} {kw}",
+                 lengths=TILED_LENGTHS, **kw)
+
+
 @case("varlen_attention")
 def case_varlen_attention_lse_base_2(t: Target, dtype: str, backend: str) -> None:
     d, dv = t.head_dims[0]
@@ -163,6 +220,52 @@ def case_varlen_attention_lse_base_2(t: Target, dtype: str, backend: str) -> Non
         "varlen_attention: out differs between return_lse=False and True")
 
 
+def _vjp(t: Target, dtype: str, backend: str, seed: int, heads: tuple[int, int],
+         dims: tuple[int, int], name: str,
+         lengths: tuple[tuple[int, ...], tuple[int, ...]] = LENGTHS, **kw: Any) -> None:
+    """One gradient check: against the float64 definition on each sequence, the keys of the
+    sequence with no queries (the second) get zero gradients, empty rows a zero dq."""
+    hq, hk = heads
+    d, dv = dims
+    acc = accumulator_name(dtype)
+    (q, k, v), (q64, k64, v64), cu_q, cu_k = _inputs(t, dtype, seed, hq, hk, d, dv,
+                                                      lengths=lengths)
+    rng = np.random.default_rng(seed + 10)
+    dout = t.asarray(rng.normal(size=(int(cu_q[-1]), hq, dv)), dtype)
+    dout64 = t.to_numpy(dout)
+    rkw = dict(kw, causal=_causal_kw(kw.get("causal", False)))
+    # the forward's (out, lse) come from the float64 definition, so a backend that serves
+    # only the gradient is checked too
+    out64, lse64 = packed_reference(q64, k64, v64, cu_q, cu_k, **rkw)
+    mq, mk = _metadata(t, cu_q, cu_k, "int64")
+    got = sk.varlen_attention_vjp(q, k, v, t.asarray(out64, dtype), t.asarray(lse64, acc),
+                                  dout, mq, mk, backend=backend, **kw)
+    expected = [np.zeros_like(a) for a in (q64, k64, v64)]
+    for q0, q1, k0, k1 in _spans(cu_q, cu_k):
+        grads = ref.attention_vjp(_heads_first(q64[q0:q1]), _heads_first(k64[k0:k1]),
+                                  _heads_first(v64[k0:k1]), _heads_first(dout64[q0:q1]),
+                                  **rkw)
+        for e, g, (lo, hi) in zip(expected, grads, ((q0, q1), (k0, k1), (k0, k1)),
+                                  strict=True):
+            e[lo:hi] = _heads_first(g)
+    what = f"varlen_attention_vjp {name}"
+    check_grads(t, dtype, got, tuple(expected), what)
+    dq, dk, dvv = (t.to_numpy(g) for g in got)
+    if lengths is not LENGTHS:
+        # each sequence on its own (its queries' dq, its keys' dk and dv) where it has any
+        for b, (q0, q1, k0, k1) in enumerate(_spans(cu_q, cu_k)):
+            if q1 > q0 and k1 > k0:
+                check_grads(t, dtype, tuple(t.asarray(a, None) for a in
+                                            (dq[q0:q1], dk[k0:k1], dvv[k0:k1])),
+                            (expected[0][q0:q1], expected[1][k0:k1], expected[2][k0:k1]),
+                            f"{what}, sequence {b}")
+    k0, k1 = int(cu_k[1]), int(cu_k[2])  # the keys of the sequence with no queries
+    assert np.all(dk[k0:k1] == 0) and np.all(dvv[k0:k1] == 0), (
+        f"{what}: keys of a sequence with no queries have a gradient")
+    empty = lse64 == -np.inf
+    assert np.all(dq[empty] == 0), f"{what}: a row with no allowed key has nonzero dq"
+
+
 @case("varlen_attention_vjp")
 def case_varlen_attention_vjp(t: Target, dtype: str, backend: str) -> None:
     d, dv = t.head_dims[0]
@@ -172,32 +275,12 @@ def case_varlen_attention_vjp(t: Target, dtype: str, backend: str) -> None:
         ({"causal": "top_left", "window": (2, 1)}, "top_left window"),
         ({"softcap": 4.0, "scale": 4.0 / math.sqrt(d)}, "softcap"),
     )
-    acc = accumulator_name(dtype)
     for i, (kw, name) in enumerate(settings):
-        (q, k, v), (q64, k64, v64), cu_q, cu_k = _inputs(t, dtype, 50 + i, 4, 2, d, dv)
-        rng = np.random.default_rng(60 + i)
-        dout = t.asarray(rng.normal(size=(int(cu_q[-1]), 4, dv)), dtype)
-        dout64 = t.to_numpy(dout)
-        rkw = dict(kw, causal=_causal_kw(kw.get("causal", False)))
-        # the forward's (out, lse) come from the float64 definition, so a backend that serves
-        # only the gradient is checked too
-        out64, lse64 = packed_reference(q64, k64, v64, cu_q, cu_k, **rkw)
-        mq, mk = _metadata(t, cu_q, cu_k, "int64")
-        got = sk.varlen_attention_vjp(q, k, v, t.asarray(out64, dtype), t.asarray(lse64, acc),
-                                      dout, mq, mk, backend=backend, **kw)
-        expected = [np.zeros_like(a) for a in (q64, k64, v64)]
-        for q0, q1, k0, k1 in _spans(cu_q, cu_k):
-            grads = ref.attention_vjp(_heads_first(q64[q0:q1]), _heads_first(k64[k0:k1]),
-                                      _heads_first(v64[k0:k1]), _heads_first(dout64[q0:q1]),
-                                      **rkw)
-            for e, g, (lo, hi) in zip(expected, grads, ((q0, q1), (k0, k1), (k0, k1)),
-                                      strict=True):
-                e[lo:hi] = _heads_first(g)
-        check_grads(t, dtype, got, tuple(expected), f"varlen_attention_vjp {name}")
-        dq, dk, dvv = (t.to_numpy(g) for g in got)
-        k0, k1 = int(cu_k[1]), int(cu_k[2])  # the keys of the sequence with no queries
-        assert np.all(dk[k0:k1] == 0) and np.all(dvv[k0:k1] == 0), (
-            f"varlen_attention_vjp {name}: keys of a sequence with no queries have a gradient")
-        empty = lse64 == -np.inf
-        assert np.all(dq[empty] == 0), (
-            f"varlen_attention_vjp {name}: a row with no allowed key has nonzero dq")
+        _vjp(t, dtype, backend, 50 + i, (4, 2), (d, dv), name, **kw)
+
+
+@case("varlen_attention_vjp")
+def case_varlen_attention_vjp_tiled_lengths(t: Target, dtype: str, backend: str) -> None:
+    for i, heads, dims, kw in _tiled(t):
+        _vjp(t, dtype, backend, 80 + i, heads, dims,
+             f"tiled lengths D={dims[0]} Hq, Hk={heads} {kw}", lengths=TILED_LENGTHS, **kw)

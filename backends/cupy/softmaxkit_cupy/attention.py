@@ -31,6 +31,8 @@ from .configs import (
     decode_name,
     decode_shared_bytes,
     merge_name,
+    varlen_backward_names,
+    varlen_names,
 )
 
 _configured: set[str] = set()
@@ -52,7 +54,14 @@ def _rows_ready(xp: Any, a: Any) -> Any:
 
 
 def _kernel(name: str, shared: int) -> Any:
-    if name.startswith("sk_attn_bwd"):
+    if "_varlen<" in name:  # the packed variable-length kernels: modules of their own
+        if name.startswith("sk_attn_fwd"):
+            filename, names = "attention.cu", varlen_names()
+        else:
+            filename, names = "attention_bwd.cu", varlen_backward_names()
+        if name not in names:  # another configuration asked for explicitly: built alone
+            names = (name,)
+    elif name.startswith("sk_attn_bwd"):
         filename, names = "attention_bwd.cu", backward_names()
         if name not in names:  # an alternative backward configuration asked for explicitly
             names = backward_alternative_names()

@@ -240,6 +240,12 @@ class AttentionConfig:
         return (f"sk_attn_fwd<{CTYPES[dtype]}, {self.head_dim}, {self.warps}, {self.block_n}, "
                 f"{self.m_tiles}, {'true' if self.mask else 'false'}>")
 
+    def varlen_name(self, dtype: str) -> str:
+        """The C++ name expression of the packed variable-length forward for ``dtype`` (the
+        same tiles, never a boolean mask)."""
+        return (f"sk_attn_fwd_varlen<{CTYPES[dtype]}, {self.head_dim}, {self.warps}, "
+                f"{self.block_n}, {self.m_tiles}>")
+
 
 ATTENTION_CONFIGS = {
     64: AttentionConfig(64, warps=4, block_n=64, m_tiles=2),
@@ -343,6 +349,11 @@ class BackwardConfig:
         """The C++ name expression of the backward kernel for ``dtype``."""
         return f"sk_attn_bwd<{CTYPES[dtype]}, {self.head_dim}, {self.warps}, {self.block_m}>"
 
+    def varlen_name(self, dtype: str) -> str:
+        """The C++ name expression of the packed variable-length backward for ``dtype``."""
+        return (f"sk_attn_bwd_varlen<{CTYPES[dtype]}, {self.head_dim}, {self.warps}, "
+                f"{self.block_m}>")
+
 
 BACKWARD_CONFIGS = {
     64: BackwardConfig(64, warps=4, block_m=64),
@@ -387,6 +398,41 @@ def backward_alternative_names() -> tuple[str, ...]:
     return tuple(c.name(t) for c in BACKWARD_ALTERNATIVES for t in ATTENTION_DTYPES)
 
 
+def varlen_config(head_dim: int) -> AttentionConfig:
+    """The packed variable-length forward's configuration for ``head_dim``: the unmasked
+    dense one (varlen attention has no boolean mask)."""
+    return attention_config(head_dim, masked=False)
+
+
+def varlen_names() -> tuple[str, ...]:
+    """The name expressions of the packed variable-length forward (a module of
+    kernels/attention.cu of their own, so dense calls do not build them, nor these calls the
+    dense ones)."""
+    return tuple(varlen_config(d).varlen_name(t)
+                 for d in ATTENTION_HEAD_DIMS for t in ATTENTION_DTYPES)
+
+
+def backward_pre_varlen_name(dtype: str, head_dim: int) -> str:
+    """The name expression of the packed backward's row preprocessing."""
+    return f"sk_attn_bwd_pre_varlen<{CTYPES[dtype]}, {head_dim}>"
+
+
+def backward_dq_varlen_name(dtype: str, head_dim: int) -> str:
+    """The name expression of the packed backward's dQ conversion."""
+    return f"sk_attn_bwd_dq_varlen<{CTYPES[dtype]}, {head_dim}>"
+
+
+def varlen_backward_names() -> tuple[str, ...]:
+    """The name expressions of the packed variable-length backward (a module of
+    kernels/attention_bwd.cu of their own)."""
+    names = []
+    for d in ATTENTION_HEAD_DIMS:
+        for t in ATTENTION_DTYPES:
+            names += [backward_config(d).varlen_name(t), backward_pre_varlen_name(t, d),
+                      backward_dq_varlen_name(t, d)]
+    return tuple(names)
+
+
 GRAD_OPS = {"softmax_vjp": 3, "log_softmax_vjp": 4, "cross_entropy": None}
 """Row operations of kernels/rowgrads.cu (VJPs with the kernel's OP argument)."""
 
@@ -426,4 +472,6 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules += [("rowgrads.cu", names) for _, _, names in grad_modules()]
     modules.append(("attention.cu", list(attention_names())))
     modules.append(("attention_bwd.cu", list(backward_names())))
+    modules.append(("attention.cu", list(varlen_names())))
+    modules.append(("attention_bwd.cu", list(varlen_backward_names())))
     return modules

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from softmaxkit.dtypes import dtype_name
 
 from . import launches
@@ -132,6 +134,27 @@ def full(like: Any, shape: tuple[int, ...], value: float, dtype: str) -> Any:
 
     with cupy.cuda.Device(like.device.id):
         return cupy.full(shape, value, dtype=dtype)
+
+
+def to_host(a: Any) -> np.ndarray:
+    """``a`` copied to a numpy array (one device-to-host copy, synchronous)."""
+    if is_torch(a):
+        return a.cpu().numpy()
+    import cupy
+
+    return cupy.asnumpy(a)
+
+
+def from_host(like: Any, a: np.ndarray) -> Any:
+    """The numpy array ``a`` copied beside ``like``, in ``like``'s library."""
+    if is_torch(like):
+        import torch
+
+        return torch.as_tensor(a, device=like.device)
+    import cupy
+
+    with cupy.cuda.Device(like.device.id):
+        return cupy.asarray(a)
 
 
 def name(a: Any) -> str:

@@ -45,6 +45,8 @@ fused kernel is the faster one there (docs/benchmarks-eager.md)."""
 
 NAME = "cupy"
 
+VARLEN_OPS = ("varlen_attention", "varlen_attention_vjp")
+
 
 def manifest() -> dict[str, Any]:
     """The manifest of the ``cupy`` backend (see :mod:`softmaxkit.registry`)."""
@@ -52,6 +54,7 @@ def manifest() -> dict[str, Any]:
     kernels["attention"] = "softmaxkit_cupy.attention:attention"
     kernels["attention_vjp"] = "softmaxkit_cupy.attention:attention_vjp"
     kernels["merge_attention"] = "softmaxkit_cupy.attention:merge_attention"
+    kernels.update({op: f"softmaxkit_cupy.varlen:{op}" for op in VARLEN_OPS})
     return {
         "name": NAME,
         "serves": [
@@ -59,6 +62,7 @@ def manifest() -> dict[str, Any]:
             {"ops": ["attention", "attention_vjp"], "devices": ["cuda"],
              "dtypes": list(ATTENTION_DTYPES)},
             {"ops": ["merge_attention"], "devices": ["cuda"], "dtypes": list(MERGE_DTYPES)},
+            {"ops": list(VARLEN_OPS), "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
         ],
         "kernels": kernels,
         "priority": PRIORITY,
@@ -105,6 +109,8 @@ def can_run(call: Any) -> bool | str:
         return _can_run_attention_vjp(call)
     if call.op == "merge_attention":
         return _can_run_merge(call)
+    if call.op in VARLEN_OPS:
+        return _can_run_varlen(call)
     return f"no kernel for {call.op}"
 
 
@@ -148,6 +154,45 @@ def attention_vjp_reason(
     The forward's limits apply; calls with no query row or no key run without a launch.
     """
     return attention_reason(dtype, q_shape, k_shape, v_shape)
+
+
+def _can_run_varlen(call: Any) -> bool | str:
+    args = call.args
+    lib = _library(args["q"])
+    if lib is None:
+        return ("inputs must be CuPy arrays or PyTorch CUDA tensors, "
+                f"got {type(args['q']).__name__}")
+    names = ("k", "v", "cu_seqlens_q", "cu_seqlens_k", "out", "lse", "dout")
+    if any(args.get(n) is not None and _library(args[n]) != lib for n in names):
+        return "the arrays and the cumulative lengths must live in one library"
+    dtype = _name(args["q"].dtype)
+    grads = call.op == "varlen_attention_vjp"
+    if any(_name(args[n].dtype) != dtype
+           for n in ("k", "v", *(("out", "dout") if grads else ()))):
+        return "q, k, v, out and dout must share one dtype" if grads else (
+            "q, k and v must share one dtype")
+    if grads and _name(args["lse"].dtype) != "float32":
+        return "lse must be float32"
+    batches = int(args["cu_seqlens_q"].shape[0]) - 1
+    return varlen_reason(dtype, batches, tuple(args["q"].shape), tuple(args["k"].shape),
+                         tuple(args["v"].shape)) or True
+
+
+def varlen_reason(
+    dtype: str, batches: int, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+) -> str | None:
+    """Why the packed variable-length kernels cannot run these inputs, or None when they can.
+
+    The dense kernels' limits (:func:`attention_reason`) apply to a dense batch of ``batches``
+    sequences as long as the packed query rows padded to whole tiles (the backward's work
+    arrays) and the packed keys; calls with no query row or no key run without a launch.
+    """
+    tq, hq, d = q_shape
+    tk, hk, _ = k_shape
+    padded = tq + batches * 128  # at most one partial tile (of up to 128 rows) per sequence
+    return attention_reason(dtype, (batches, hq, padded if tq else 0, d),
+                            (batches, hk, tk, d), (batches, hk, tk, v_shape[-1]))
 
 
 def _can_run_merge(call: Any) -> bool | str:

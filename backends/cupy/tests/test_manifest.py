@@ -127,21 +127,24 @@ def test_attention_vjp_declines_mixed_dtypes_and_cpu_tensors() -> None:
 
 
 def test_kit_attention_cases_at_the_kernels_head_dims_are_accepted(monkeypatch) -> None:
-    """``can_run`` accepts every attention, attention_vjp and merge_attention case of the kit
-    in the kernels' dtypes at their head dimensions (D == Dv): CPU tensors stand in for CUDA
-    ones and the reference computes, so this checks the reasons, not the kernels."""
+    """``can_run`` accepts every attention, attention_vjp, merge_attention and packed
+    variable-length case of the kit in the kernels' dtypes at their head dimensions (D == Dv):
+    CPU tensors stand in for CUDA ones and the reference computes, so this checks the reasons,
+    not the kernels."""
     pytest.importorskip("torch")
     from softmaxkit_cupy.configs import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
 
     from softmaxkit import registry
     from softmaxkit.testing import check_backend
 
-    ops = ("attention", "attention_vjp", "merge_attention")
+    dense = ("attention", "attention_vjp", "merge_attention")
+    ops = (*dense, *mf.VARLEN_OPS)
     monkeypatch.setattr(mf, "_library", lambda a: "torch")
     registry.register({
         "name": "cupy-reasons",
         "serves": [{"ops": list(ops), "devices": ["cpu"]}],
-        "kernels": {op: f"softmaxkit.reference.attention:{op}" for op in ops},
+        "kernels": {op: f"softmaxkit.reference.{'attention' if op in dense else 'varlen'}:{op}"
+                    for op in ops},
         "can_run": "softmaxkit_cupy.manifest:can_run",
     })
     try:
@@ -152,10 +155,86 @@ def test_kit_attention_cases_at_the_kernels_head_dims_are_accepted(monkeypatch) 
         registry.unregister("cupy-reasons")
     names = {r.case for r in results}
     assert {"attention_broadcast_and_empty", "attention_vjp",
-            "merge_attention_states_split_kv"} <= names
+            "merge_attention_states_split_kv", "varlen_attention_tiled_lengths",
+            "varlen_attention_vjp_tiled_lengths"} <= names
     left = [f"{r.case}[{r.dtype}]: {r.status} {r.message}" for r in results
             if r.status != "passed"]
     assert not left, "\n".join(left)
+
+
+def test_varlen_ops_are_declared_for_cuda_in_the_attention_dtypes() -> None:
+    from softmaxkit_cupy.configs import ATTENTION_DTYPES
+
+    m = mf.manifest()
+    entry = next(e for e in m["serves"] if "varlen_attention" in e["ops"])
+    assert set(entry["ops"]) == {"varlen_attention", "varlen_attention_vjp"}
+    assert entry["devices"] == ["cuda"] and entry["dtypes"] == list(ATTENTION_DTYPES)
+    assert m["kernels"]["varlen_attention"] == "softmaxkit_cupy.varlen:varlen_attention"
+    assert m["kernels"]["varlen_attention_vjp"] == "softmaxkit_cupy.varlen:varlen_attention_vjp"
+
+
+def test_varlen_calls_on_cuda_try_cupy_before_the_reference() -> None:
+    from softmaxkit import registry
+
+    registry.reload()
+    try:
+        for op in mf.VARLEN_OPS:
+            for dtype in ("bfloat16", "float16"):
+                order, _ = registry.candidates(op, "cuda", dtype)
+                assert "cupy" in order and "reference" in order, (op, dtype, order)
+                assert order.index("cupy") < order.index("reference"), (op, dtype, order)
+            # float32 is not declared: the reference serves it
+            assert "cupy" not in registry.candidates(op, "cuda", "float32")[0]
+    finally:
+        registry.reload()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "batches", "q", "k", "v", "declined"),
+    [
+        ("bfloat16", 16, (20000, 16, 128), (20000, 4, 128), (20000, 4, 128), False),
+        ("float16", 3, (70, 8, 64), (90, 8, 64), (90, 8, 64), False),
+        ("float32", 3, (70, 8, 64), (90, 8, 64), (90, 8, 64), True),
+        ("bfloat16", 3, (70, 8, 96), (90, 8, 96), (90, 8, 96), True),
+        ("bfloat16", 3, (70, 8, 128), (90, 8, 128), (90, 8, 64), True),
+        # no query row or no key: no launch, so only the dtype and head dimension count
+        ("bfloat16", 0, (0, 8, 64), (0, 8, 64), (0, 8, 64), False),
+        ("bfloat16", 70000, (0, 8, 64), (9, 8, 64), (9, 8, 64), False),
+        ("float16", 2, (5, 4, 128), (0, 2, 128), (0, 2, 128), False),
+        ("float32", 2, (5, 4, 128), (0, 2, 128), (0, 2, 128), True),
+        # launch limits: sequences (grid z), heads (grid y), 32-bit row indices of the
+        # padded work arrays
+        ("bfloat16", 70000, (70000, 8, 64), (70000, 8, 64), (70000, 8, 64), True),
+        ("bfloat16", 2, (9, 70000, 64), (9, 1, 64), (9, 1, 64), True),
+        ("bfloat16", 2, (2**31 // 256, 1, 64), (9, 1, 64), (9, 1, 64), True),
+        ("bfloat16", 1000, (2**23 - 64000, 1, 64), (9, 1, 64), (9, 1, 64), True),
+        ("bfloat16", 1000, (2**23 - 129000, 1, 64), (9, 1, 64), (9, 1, 64), False),
+        ("bfloat16", 1, (9, 1, 64), (2**31 // 256, 1, 64), (2**31 // 256, 1, 64), True),
+    ],
+)
+def test_varlen_reasons(dtype, batches, q, k, v, declined) -> None:
+    reason = mf.varlen_reason(dtype, batches, q, k, v)
+    assert (reason is not None) == declined, reason
+
+
+def test_varlen_declines_cpu_tensors_and_mixed_dtypes(monkeypatch) -> None:
+    torch = pytest.importorskip("torch")
+    q = torch.zeros((5, 2, 64), dtype=torch.bfloat16)
+    cu = torch.tensor([0, 2, 5])
+    args = {"q": q, "k": q, "v": q, "cu_seqlens_q": cu, "cu_seqlens_k": cu}
+    call = Call("varlen_attention", None, "cpu", "bfloat16", args)
+    assert "CUDA tensors" in mf.can_run(call)
+    monkeypatch.setattr(mf, "_library", lambda a: "torch")  # as if on CUDA
+    assert mf.can_run(call) is True
+    mixed = Call("varlen_attention", None, "cuda", "bfloat16", dict(args, v=q.half()))
+    assert "one dtype" in mf.can_run(mixed)
+    lse = torch.zeros((5, 2), dtype=torch.float32)
+    grads = dict(args, out=q, lse=lse, dout=q)
+    assert mf.can_run(Call("varlen_attention_vjp", None, "cuda", "bfloat16", grads)) is True
+    assert "float32" in mf.can_run(Call("varlen_attention_vjp", None, "cuda", "bfloat16",
+                                        dict(grads, lse=lse.double())))
+    assert "one dtype" in mf.can_run(Call("varlen_attention_vjp", None, "cuda", "bfloat16",
+                                          dict(grads, dout=q.half())))
 
 
 def test_should_run_leaves_large_float32_calls_to_numba_cuda() -> None:

@@ -21,10 +21,20 @@ struct SkAttnArgs {
     long long m_sb, m_sh, m_sq, m_sk;
 };
 
-template <typename T, int D, int WARPS, int BN, int MT, bool MASK>
-__global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
+// The forward's body, for two layouts chosen at compile time.  Dense (VARLEN = false):
+// q [B, Hq, Lq, D] and k, v [B, Hk, Lk, D] by element strides, out [B, Hq, Lq, D] and lse [B, Hq, Lq]
+// contiguous.  Packed variable-length (VARLEN = true, spec "Packed variable-length
+// attention"): q [Tq, Hq, D], k, v [Tk, Hk, D] by token and head strides, out [Tq, Hq, D] and
+// lse [Tq, Hq] contiguous; block z is sequence b, whose queries are the tokens
+// cu_q[b] .. cu_q[b + 1] and keys cu_k[b] .. cu_k[b + 1]; lq, lk and the causal offset are
+// the sequence's own (``offset`` is then 1 for bottom-right alignment, 0 for top-left) and
+// the blocks past its last query tile return at once.  The dense code path is the one
+// sk_attn_fwd had before the packed variant, so the dense kernels compile to the same PTX.
+template <typename T, int D, int WARPS, int BN, int MT, bool MASK, bool VARLEN>
+__device__ __forceinline__ void sk_attn_fwd_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const unsigned char* __restrict__ mask, T* __restrict__ out, float* __restrict__ lse,
+    const long long* __restrict__ cu_q, const long long* __restrict__ cu_k,
     long long q_sb, long long q_sh, long long q_sl, long long k_sb, long long k_sh,
     long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
     long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
@@ -47,12 +57,30 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     // the last query blocks (the most keys under causal masks) start first
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    int m0 = VARLEN ? 0 : (gridDim.x - 1 - blockIdx.x) * BM;
     const int h = blockIdx.y, b = blockIdx.z;
     const int kh = h / (hq / hk);
-    const T* qb = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
-    const T* kb = k + b * k_sb + kh * k_sh;
-    const T* vb = v + b * v_sb + kh * v_sh;
+    const T *qb, *kb, *vb;
+    if constexpr (VARLEN) {
+        const long long q_tok = cu_q[b], k_tok = cu_k[b];
+        lq = static_cast<int>(cu_q[b + 1] - q_tok);
+        lk = static_cast<int>(cu_k[b + 1] - k_tok);
+        offset = offset ? lk - lq : 0;
+        // the grid covers the longest sequence; the last blocks of this one start first
+        const int blocks = (lq + BM - 1) / BM;
+        if (static_cast<int>(blockIdx.x) >= blocks) return;
+        m0 = (blocks - 1 - blockIdx.x) * BM;
+        qb = q + (q_tok + m0) * q_sl + h * q_sh;
+        kb = k + k_tok * k_sl + kh * k_sh;
+        vb = v + k_tok * v_sl + kh * v_sh;
+        // the sequence's rows of out [Tq, Hq, D] and lse [Tq, Hq]
+        out += q_tok * hq * D;
+        lse += q_tok * hq;
+    } else {
+        qb = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
+        kb = k + b * k_sb + kh * k_sh;
+        vb = v + b * v_sb + kh * v_sh;
+    }
     const unsigned char* mb = MASK && mask ? mask + b * m_sb + h * m_sh : nullptr;
 
     // keys any row of this block may see
@@ -207,7 +235,11 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
             const int i = m0 + w0 + 16 * mt + g + 8 * r;
             const float inv = l > 0.0f ? 1.0f / l : 0.0f;
             if (i < lq) {
-                T* orow = out + ((static_cast<long long>(b) * hq + h) * lq + i) * D;
+                // the output row and its lse slot: [B, Hq, Lq] rows, or [Tq, Hq] when packed
+                const long long row = VARLEN
+                                          ? static_cast<long long>(i) * hq + h
+                                          : (static_cast<long long>(b) * hq + h) * lq + i;
+                T* orow = out + row * D;
 #pragma unroll
                 for (int db = 0; db < DB; ++db) {
                     const unsigned packed =
@@ -215,12 +247,40 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
                     *reinterpret_cast<unsigned*>(orow + db * 8 + 2 * t) = packed;
                 }
                 if (lse && t == 0) {
-                    lse[(static_cast<long long>(b) * hq + h) * lq + i] =
-                        l > 0.0f ? (row_max[mt][r] + log2f(l)) * SK_LN2 : -SK_INF;
+                    lse[row] = l > 0.0f ? (row_max[mt][r] + log2f(l)) * SK_LN2 : -SK_INF;
                 }
             }
         }
     }
+}
+
+template <typename T, int D, int WARPS, int BN, int MT, bool MASK>
+__global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const unsigned char* __restrict__ mask, T* __restrict__ out, float* __restrict__ lse,
+    long long q_sb, long long q_sh, long long q_sl, long long k_sb, long long k_sh,
+    long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
+    long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
+    float scale, float softcap, int offset, int causal, int left, int right) {
+    sk_attn_fwd_body<T, D, WARPS, BN, MT, MASK, false>(
+        q, k, v, mask, out, lse, nullptr, nullptr, q_sb, q_sh, q_sl, k_sb, k_sh, k_sl, v_sb,
+        v_sh, v_sl, m_sb, m_sh, m_sq, m_sk, hq, hk, lq, lk, scale, softcap, offset, causal,
+        left, right);
+}
+
+// Packed variable-length forward: grid (query tiles of the longest sequence, Hq, B); q, k, v
+// by token and head strides (elements), cu_q, cu_k int64 [B + 1]; bottom_right 1 aligns the
+// causal diagonal and the window to each sequence's last key, 0 to its first.
+template <typename T, int D, int WARPS, int BN, int MT>
+__global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd_varlen(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const long long* __restrict__ cu_q, const long long* __restrict__ cu_k,
+    T* __restrict__ out, float* __restrict__ lse, long long q_st, long long q_sh,
+    long long k_st, long long k_sh, long long v_st, long long v_sh, int hq, int hk,
+    float scale, float softcap, int bottom_right, int causal, int left, int right) {
+    sk_attn_fwd_body<T, D, WARPS, BN, MT, false, true>(
+        q, k, v, nullptr, out, lse, cu_q, cu_k, 0, q_sh, q_st, 0, k_sh, k_st, 0, v_sh, v_st,
+        0, 0, 0, 0, hq, hk, 0, 0, scale, softcap, bottom_right, causal, left, right);
 }
 
 // The data path of the forward alone, for checking fragments on a new device: one block of

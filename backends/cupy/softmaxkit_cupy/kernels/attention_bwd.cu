@@ -12,6 +12,8 @@
 // registers (float32), so dK and dV are summed over the group without atomics.  dS goes
 // through shared memory once per tile to form dQ's partial product, added into a float32
 // buffer with vector reductions; sk_attn_bwd_dq scales it and rounds it to the input dtype.
+// The *_varlen kernels do the same for packed variable-length sequences (spec "Packed
+// variable-length attention"), each sequence's rows padded to whole query tiles.
 #include "mma.cuh"
 #include "exclusion.cuh"
 
@@ -76,15 +78,102 @@ __global__ void __launch_bounds__(256) sk_attn_bwd_dq(
     *reinterpret_cast<uint4*>(dq + e) = o;
 }
 
-// The main backward kernel: block (key tile, key head, batch), BN = 16 * WARPS keys, query
+// The sequence b whose span cu[b] <= x < cu[b + 1] holds x, for cumulative offsets cu [B + 1]
+// and 0 <= x < cu[B] (empty spans, cu[b] == cu[b + 1], never hold x).
+__device__ __forceinline__ int sk_sequence_of(const long long* __restrict__ cu, int batches,
+                                              long long x) {
+    int lo = 0, hi = batches;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (cu[mid] <= x) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+// sk_attn_bwd_pre for packed sequences: one group of D / 8 threads per row of [Hq, tpad], the
+// rows of sequence b starting at cu_pad[b] in each head's tpad rows; out, dout [Tq, Hq, D] by
+// token and head strides, lse [Tq, Hq] contiguous.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) sk_attn_bwd_pre_varlen(
+    const T* __restrict__ out, const T* __restrict__ dout, const float* __restrict__ lse,
+    float* __restrict__ lse2, float* __restrict__ delta, const long long* __restrict__ cu_q,
+    const long long* __restrict__ cu_pad, long long o_st, long long o_sh, long long g_st,
+    long long g_sh, int hq, int batches, int tpad, long long rows) {
+    constexpr int G = D / 8;
+    const long long r = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) / G;
+    const int c = threadIdx.x % G;
+    const bool live = r < rows;
+    const int h = live ? static_cast<int>(r / tpad) : 0;
+    const long long p = live ? r % tpad : 0;
+    const int b = sk_sequence_of(cu_pad, batches, p);
+    const long long tok = cu_q[b] + (p - cu_pad[b]);
+    const bool row = live && tok < cu_q[b + 1];
+    float l = SK_INF, acc = 0.0f;
+    if (row) l = lse[tok * hq + h];
+    if (row && l != -SK_INF) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(out + tok * o_st + h * o_sh + c * 8);
+        const uint4 gv = *reinterpret_cast<const uint4*>(dout + tok * g_st + h * g_sh + c * 8);
+        const T* op = reinterpret_cast<const T*>(&ov);
+        const T* gp = reinterpret_cast<const T*>(&gv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc += sk_to_float(op[e]) * sk_to_float(gp[e]);
+    }
+#pragma unroll
+    for (int off = G / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (live && c == 0) {
+        const bool empty = !row || l == -SK_INF;
+        lse2[r] = empty ? SK_INF : l * SK_LOG2E;
+        delta[r] = empty ? 0.0f : acc;
+    }
+}
+
+// dq [Tq, Hq, D] (contiguous) = scale * acc [Hq, tpad, D], token t of sequence b read from row
+// cu_pad[b] + t - cu_q[b] of its head; 8 elements per thread.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) sk_attn_bwd_dq_varlen(
+    const float* __restrict__ acc, T* __restrict__ dq, const long long* __restrict__ cu_q,
+    const long long* __restrict__ cu_pad, float scale, int hq, int batches, int tpad,
+    long long chunks) {
+    const long long c = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
+    if (c >= chunks) return;
+    const long long e = c * 8, row = e / D;
+    const long long tok = row / hq;
+    const int h = static_cast<int>(row % hq);
+    const int b = sk_sequence_of(cu_q, batches, tok);
+    const long long p = cu_pad[b] + (tok - cu_q[b]);
+    const float* src = acc + (static_cast<long long>(h) * tpad + p) * D + e % D;
+    const float4 a = *reinterpret_cast<const float4*>(src);
+    const float4 f = *reinterpret_cast<const float4*>(src + 4);
+    uint4 o;
+    o.x = SkMma<T>::pack(a.x * scale, a.y * scale);
+    o.y = SkMma<T>::pack(a.z * scale, a.w * scale);
+    o.z = SkMma<T>::pack(f.x * scale, f.y * scale);
+    o.w = SkMma<T>::pack(f.z * scale, f.w * scale);
+    *reinterpret_cast<uint4*>(dq + e) = o;
+}
+
+// The main backward body: block (key tile, key head, batch), BN = 16 * WARPS keys, query
 // tiles of BM rows.  Shared memory: K, V [BN x D]; Q, dO [2][BM x D]; dS^T [BN x BM];
 // lse2, delta [2][BM] (float).
-template <typename T, int D, int WARPS, int BM>
-__global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
+//
+// Dense (VARLEN = false): q, dO [B, Hq, Lq, D] and k, v [B, Hk, Lk, D] by element strides;
+// lse2, delta [B * Hq, lq_pad] and dq_acc [B * Hq, lq_pad, D]; dk, dv [B, Hk, Lk, D]
+// contiguous.  Packed (VARLEN = true): q, dO [Tq, Hq, D] and k, v [Tk, Hk, D] by token and
+// head strides; block z is sequence b (queries cu_q[b] .., keys cu_k[b] ..), whose rows of
+// lse2, delta and dq_acc start at its padded offset cu_pad[b] (a multiple of BM) within each
+// head's ``lq_pad`` (then the total padded length Tpad) rows: lse2, delta [Hq, Tpad] and
+// dq_acc [Hq, Tpad, D]; dk, dv [Tk, Hk, D] contiguous.  lq, lk and the causal offset are the
+// sequence's own (``offset`` 1 for bottom-right alignment, 0 for top-left), and the blocks
+// past its last key return at once.  The dense code path is the one sk_attn_bwd had before
+// the packed variant, so the dense kernels compile to the same PTX.
+template <typename T, int D, int WARPS, int BM, bool VARLEN>
+__device__ __forceinline__ void sk_attn_bwd_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const unsigned char* __restrict__ mask,
     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
-    T* __restrict__ dk, T* __restrict__ dv, long long q_sb, long long q_sh, long long q_sl,
+    T* __restrict__ dk, T* __restrict__ dv, const long long* __restrict__ cu_q,
+    const long long* __restrict__ cu_k, const long long* __restrict__ cu_pad,
+    long long q_sb, long long q_sh, long long q_sl,
     long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
     long long v_sl, long long g_sb, long long g_sh, long long g_sl, long long m_sb,
     long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
@@ -114,8 +203,29 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
     const int g = lane / 4, t = lane % 4;
     const int n0 = blockIdx.x * BN, kh = blockIdx.y, b = blockIdx.z;
     const int group = hq / hk;
-    const T* kb = k + b * k_sb + kh * k_sh + static_cast<long long>(n0) * k_sl;
-    const T* vb = v + b * v_sb + kh * v_sh + static_cast<long long>(n0) * v_sl;
+    const T *kb, *vb;
+    if constexpr (VARLEN) {
+        const long long q_tok = cu_q[b], k_tok = cu_k[b], p_row = cu_pad[b];
+        lq = static_cast<int>(cu_q[b + 1] - q_tok);
+        lk = static_cast<int>(cu_k[b + 1] - k_tok);
+        offset = offset ? lk - lq : 0;
+        // the grid covers the longest sequence's keys; a sequence without queries still
+        // writes its keys' zero gradients below
+        if (n0 >= lk) return;
+        // every array from the sequence's first token (first padded row for the work arrays)
+        q += q_tok * q_sl;
+        dout += q_tok * g_sl;
+        lse2 += p_row;
+        delta += p_row;
+        dq_acc += p_row * D;
+        dk += k_tok * hk * D;
+        dv += k_tok * hk * D;
+        kb = k + (k_tok + n0) * k_sl + kh * k_sh;
+        vb = v + (k_tok + n0) * v_sl + kh * v_sh;
+    } else {
+        kb = k + b * k_sb + kh * k_sh + static_cast<long long>(n0) * k_sl;
+        vb = v + b * v_sb + kh * v_sh + static_cast<long long>(n0) * v_sl;
+    }
 
     // query rows any key of this tile may be seen by
     int m_lo = 0, m_hi = lq;
@@ -132,11 +242,18 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
     auto load_stage = [&](int it, int st) {
         const int h = kh * group + it / tiles;
         const int m0 = (t_lo + it % tiles) * BM;
-        const long long qo = b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
-        const long long go = b * g_sb + h * g_sh + static_cast<long long>(m0) * g_sl;
+        long long qo, go, ro;
+        if constexpr (VARLEN) {
+            qo = static_cast<long long>(m0) * q_sl + h * q_sh;
+            go = static_cast<long long>(m0) * g_sl + h * g_sh;
+            ro = static_cast<long long>(h) * lq_pad + m0;
+        } else {
+            qo = b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
+            go = b * g_sb + h * g_sh + static_cast<long long>(m0) * g_sl;
+        }
         sk_load_tile<T, BM, D, THREADS>(sq + st * BM * D, q + qo, q_sl, lq - m0);
         sk_load_tile<T, BM, D, THREADS>(sg + st * BM * D, dout + go, g_sl, lq - m0);
-        const long long ro = (static_cast<long long>(b) * hq + h) * lq_pad + m0;
+        if constexpr (!VARLEN) ro = (static_cast<long long>(b) * hq + h) * lq_pad + m0;
         for (int c = threadIdx.x; c < BM / 2; c += THREADS) {  // BM / 4 chunks of each
             const bool is_l = c < BM / 4;
             const int cc = is_l ? c : c - BM / 4;
@@ -244,8 +361,10 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
         // dQ[BM x D] += dS K (unscaled), added into the float32 buffer
         {
             const int wm = warp % WM, wn = warp / WM;
-            float* qrow = dq_acc + ((static_cast<long long>(b) * hq + h) * lq_pad + m0 +
-                                    wm * 16 + g) * D;
+            float* qrow = VARLEN
+                ? dq_acc + (static_cast<long long>(h) * lq_pad + m0 + wm * 16 + g) * D
+                : dq_acc + ((static_cast<long long>(b) * hq + h) * lq_pad + m0 +
+                            wm * 16 + g) * D;
 #pragma unroll
             for (int pass = 0; pass < QCOLS / PCOLS; ++pass) {
                 const int c0 = wn * QCOLS + pass * PCOLS;
@@ -279,7 +398,9 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
     for (int r = 0; r < 2; ++r) {
         const int j = n0 + w0 + g + 8 * r;
         if (j < lk) {
-            const long long base = ((static_cast<long long>(b) * hk + kh) * lk + j) * D;
+            const long long base = VARLEN
+                                       ? (static_cast<long long>(j) * hk + kh) * D
+                                       : ((static_cast<long long>(b) * hk + kh) * lk + j) * D;
 #pragma unroll
             for (int db = 0; db < DB; ++db) {
                 const int col = db * 8 + 2 * t;
@@ -290,4 +411,40 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
             }
         }
     }
+}
+
+template <typename T, int D, int WARPS, int BM>
+__global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const unsigned char* __restrict__ mask,
+    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    T* __restrict__ dk, T* __restrict__ dv, long long q_sb, long long q_sh, long long q_sl,
+    long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
+    long long v_sl, long long g_sb, long long g_sh, long long g_sl, long long m_sb,
+    long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
+    int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
+    sk_attn_bwd_body<T, D, WARPS, BM, false>(
+        q, k, v, dout, mask, lse2, delta, dq_acc, dk, dv, nullptr, nullptr, nullptr, q_sb,
+        q_sh, q_sl, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, g_sb, g_sh, g_sl, m_sb, m_sh, m_sq,
+        m_sk, hq, hk, lq, lk, lq_pad, scale, softcap, offset, causal, left, right);
+}
+
+// Packed variable-length backward: grid (key tiles of the longest sequence, Hk, B); q, dO
+// [Tq, Hq, D], k, v [Tk, Hk, D] by token and head strides; cu_q, cu_k, cu_pad int64 [B + 1]
+// (cu_pad: the query lengths rounded up to BM, summed); lse2, delta [Hq, tpad] and dq_acc
+// [Hq, tpad, D] from sk_attn_bwd_pre_varlen; bottom_right as in sk_attn_fwd_varlen.
+template <typename T, int D, int WARPS, int BM>
+__global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd_varlen(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const long long* __restrict__ cu_q,
+    const long long* __restrict__ cu_k, const long long* __restrict__ cu_pad,
+    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    T* __restrict__ dk, T* __restrict__ dv, long long q_st, long long q_sh, long long k_st,
+    long long k_sh, long long v_st, long long v_sh, long long g_st, long long g_sh, int hq,
+    int hk, int tpad, float scale, float softcap, int bottom_right, int causal, int left,
+    int right) {
+    sk_attn_bwd_body<T, D, WARPS, BM, true>(
+        q, k, v, dout, nullptr, lse2, delta, dq_acc, dk, dv, cu_q, cu_k, cu_pad, 0, q_sh, q_st,
+        0, k_sh, k_st, 0, v_sh, v_st, 0, g_sh, g_st, 0, 0, 0, 0, hq, hk, 0, 0, tpad, scale,
+        softcap, bottom_right, causal, left, right);
 }

@@ -1,0 +1,180 @@
+"""Adapter from packed variable-length attention (softmaxkit/ops.py, ``varlen_attention`` and
+``varlen_attention_vjp``) to the packed variants of ``kernels/attention.cu`` and
+``kernels/attention_bwd.cu``.
+
+The frontend hands q [Tq, Hq, D], k [Tk, Hk, D], v [Tk, Hk, D] of one 16-bit dtype and the
+validated cumulative lengths as int64 [B + 1] arrays on their device;
+:func:`softmaxkit_cupy.manifest.can_run` has accepted the call.  Block z of every launch is one
+sequence, reading its bounds from the cumulative lengths on the device; the grid's x axis
+spans the longest sequence, whose length is read on the host (one device-to-host copy: the
+contract allows it).  Calls with no query row or no key have results fixed by the spec and
+are made without a launch.
+
+The backward's float32 work arrays (lse in log2 units, ``delta = rowsum(dout * out)`` and
+dq's sums) pad each sequence to whole query tiles, as the dense backward pads Lq: sequence b's
+rows start at its padded offset ``cu_pad[b]`` (the query lengths rounded up to the tile and
+summed, a multiple of the tile) within each query head's ``Tpad = cu_pad[B]`` rows, so
+lse2 and delta are [Hq, Tpad] and the dq sums [Hq, Tpad, D].  A tile then never reaches into
+the next sequence's rows, and its padding rows (lse2 = +inf) contribute exactly 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import interop
+from .attention import _kernel, _rows_ready
+from .configs import (
+    AttentionConfig,
+    BackwardConfig,
+    backward_config,
+    backward_dq_varlen_name,
+    backward_pre_varlen_name,
+    varlen_config,
+)
+
+
+def _int64(xp: Any, cu: Any) -> Any:
+    """The cumulative lengths as a contiguous int64 array (the frontend passes int64)."""
+    return interop.contiguous(xp.astype(cu, xp.int64, copy=False))
+
+
+def _on_host(xp: Any, *cus: Any) -> list[np.ndarray]:
+    """Host copies of the cumulative lengths ``cus``, in one device-to-host copy."""
+    joined = cus[0] if len(cus) == 1 else xp.concat(list(cus))
+    host = interop.to_host(joined).astype(np.int64)
+    bounds = np.cumsum([0] + [int(c.shape[0]) for c in cus])
+    return [host[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _options(scale: float, causal: Any, window: tuple[int, int],
+             softcap: Any) -> tuple[Any, ...]:
+    """(scale, softcap, bottom_right, causal, left, right) as the kernels take them."""
+    left, right = (int(w) for w in window)
+    return (np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
+            np.int32(causal != "top_left"), np.int32(causal is not None), np.int32(left),
+            np.int32(right))
+
+
+def _token_strides(a: Any) -> tuple[np.int64, np.int64]:
+    """(token stride, head stride) in elements of a packed [T, H, D] array."""
+    s = interop.element_strides(a)
+    return np.int64(s[0]), np.int64(s[1])
+
+
+def varlen_attention(
+    xp: Any, *, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, scale: float,
+    causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
+    config: AttentionConfig | None = None,
+) -> tuple[Any, Any]:
+    """Packed variable-length attention forward on tensor cores; (out, lse or None).
+
+    One launch over (query tiles of the longest sequence, Hq, B); the blocks past a shorter
+    sequence's last tile return at once.  ``config`` overrides the tile configuration (for
+    benchmarks).
+    """
+    tq, hq, d = (int(s) for s in q.shape)
+    tk, hk = int(k.shape[0]), int(k.shape[1])
+    dtype = interop.name(q)
+    if tq == 0:
+        return (interop.empty(q, (0, hq, d), dtype),
+                interop.empty(q, (0, hq), "float32") if return_lse else None)
+    if tk == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
+        return (interop.zeros(q, (tq, hq, d), dtype),
+                interop.full(q, (tq, hq), -math.inf, "float32") if return_lse else None)
+    cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
+    (host_q,) = _on_host(xp, cu_q)
+    batches = host_q.shape[0] - 1
+    longest = int(np.max(np.diff(host_q)))
+    q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
+    config = config or varlen_config(d)
+    out = interop.empty(q, (tq, hq, d), dtype)
+    lse = interop.empty(q, (tq, hq), "float32")
+    ptr = interop.pointer
+    with interop.launch_context(q):
+        shared = config.shared_bytes()
+        kernel = _kernel(config.varlen_name(dtype), shared)
+        grid = (-(-longest // config.block_m), hq, batches)
+        kernel(grid, (config.threads,), (
+            np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(cu_q)),
+            np.uint64(ptr(cu_k)), np.uint64(ptr(out)), np.uint64(ptr(lse)),
+            *_token_strides(q), *_token_strides(k), *_token_strides(v), np.int32(hq),
+            np.int32(hk), *_options(scale, causal, window, softcap),
+        ), shared_mem=shared)
+    return out, (lse if return_lse else None)
+
+
+def padded_offsets(cu_q: np.ndarray, block_m: int) -> np.ndarray:
+    """``cu_pad`` [B + 1]: each sequence's query length rounded up to ``block_m``, summed (the
+    rows of the backward's work arrays; see the module docstring)."""
+    lengths = np.diff(cu_q)
+    return np.concatenate([[0], np.cumsum(-(-lengths // block_m) * block_m)]).astype(np.int64)
+
+
+def varlen_attention_vjp(
+    xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, cu_seqlens_q: Any,
+    cu_seqlens_k: Any, scale: float, causal: Any, window: tuple[int, int], softcap: Any,
+    config: BackwardConfig | None = None,
+) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) of packed variable-length attention on tensor cores, recomputing P from
+    ``lse``.
+
+    Three launches, as for dense attention: the rows' lse2 and delta into the padded layout
+    (module docstring); the main kernel over (key tiles of the longest sequence, Hk, B), which
+    writes dk and dv (zero for the keys of a sequence without queries) and adds dq's partial
+    products into the float32 sums; and dq's conversion back to the packed layout.
+    ``config`` overrides the tile configuration (for benchmarks).
+    """
+    tq, hq, d = (int(s) for s in q.shape)
+    tk, hk = int(k.shape[0]), int(k.shape[1])
+    dtype = interop.name(q)
+    if tq == 0 or tk == 0:  # no query row reads a key: every gradient is 0
+        return (interop.zeros(q, (tq, hq, d), dtype), interop.zeros(q, (tk, hk, d), dtype),
+                interop.zeros(q, (tk, hk, d), dtype))
+    cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
+    host_q, host_k = _on_host(xp, cu_q, cu_k)
+    batches = host_q.shape[0] - 1
+    config = config or backward_config(d)
+    cu_pad_host = padded_offsets(host_q, config.block_m)
+    tpad = int(cu_pad_host[-1])
+    longest_k = int(np.max(np.diff(host_k)))
+    cu_pad = interop.from_host(cu_q, cu_pad_host)
+    q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
+    lse = interop.contiguous(lse)
+    rows = hq * tpad
+    lse2 = interop.empty(q, (rows,), "float32")
+    delta = interop.empty(q, (rows,), "float32")
+    dq_acc = interop.zeros(q, (rows * d,), "float32")
+    dq = interop.empty(q, (tq, hq, d), dtype)
+    # every key row belongs to a sequence whose blocks write it (zeros without queries)
+    dk = interop.empty(q, (tk, hk, d), dtype)
+    dv = interop.empty(q, (tk, hk, d), dtype)
+    ptr = interop.pointer
+    with interop.launch_context(q):
+        pre = _kernel(backward_pre_varlen_name(dtype, d), 0)
+        per_block = 256 // (d // 8)
+        pre((-(-rows // per_block),), (256,), (
+            np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
+            np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(cu_q)),
+            np.uint64(ptr(cu_pad)), *_token_strides(out), *_token_strides(dout),
+            np.int32(hq), np.int32(batches), np.int32(tpad), np.int64(rows)))
+        shared = config.shared_bytes()
+        main = _kernel(config.varlen_name(dtype), shared)
+        main((-(-longest_k // config.block_n), hk, batches), (config.threads,), (
+            np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(dout)),
+            np.uint64(ptr(cu_q)), np.uint64(ptr(cu_k)), np.uint64(ptr(cu_pad)),
+            np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(dq_acc)),
+            np.uint64(ptr(dk)), np.uint64(ptr(dv)), *_token_strides(q), *_token_strides(k),
+            *_token_strides(v), *_token_strides(dout), np.int32(hq), np.int32(hk),
+            np.int32(tpad), *_options(scale, causal, window, softcap),
+        ), shared_mem=shared)
+        chunks = tq * hq * d // 8
+        convert = _kernel(backward_dq_varlen_name(dtype, d), 0)
+        convert((-(-chunks // 256),), (256,), (
+            np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.uint64(ptr(cu_q)),
+            np.uint64(ptr(cu_pad)), np.float32(scale), np.int32(hq), np.int32(batches),
+            np.int32(tpad), np.int64(chunks)))
+    return dq, dk, dv
