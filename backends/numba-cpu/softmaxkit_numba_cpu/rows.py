@@ -83,10 +83,14 @@ class Threads:
 
     The other way is tried again after :data:`EXPLORE_FIRST` calls, twice as rarely each
     time it loses again (at most every :data:`EXPLORE_MAX` calls); its try replaces its
-    older, stale times.  A try of the threads makes two calls and keeps the second's time:
-    after a stretch on one thread the pool's threads have gone to sleep, and the first call
-    pays for waking them.  Both ways give bitwise the same result: every row is computed
-    by the same code.
+    older, stale times.  When the way in use itself gets slower than the other's estimate,
+    the choice switches and the way left is tried again within :data:`EXPLORE_FIRST` calls:
+    a long wait is earned by lost tries, and a few slow calls of the way that was winning
+    (the first ones after its threads went to sleep, or while another program's threads
+    held a core) are not a lost try.  A try of the threads makes two calls and keeps the
+    second's time: after a stretch on one thread the pool's threads have gone to sleep, and
+    the first call pays for waking them.  Both ways give bitwise the same result: every row
+    is computed by the same code.
     """
 
     __slots__ = ("times", "middles", "countdown", "interval", "trying")
@@ -138,6 +142,12 @@ class Threads:
             self.countdown = self.interval
         elif not measured and all(self.times):  # both ways now measured once
             self.countdown = self.interval
+        elif measured and self._threads_cheaper() != before:
+            # the way in use got slower than the other's estimate: switch, and try it again
+            # within EXPLORE_FIRST calls, not after the long wait that its rival's lost tries
+            # earned (a few slow calls, such as the first ones after the pool's threads went
+            # to sleep, would otherwise hand up to EXPLORE_MAX calls to the slower way)
+            self.countdown = min(self.countdown, EXPLORE_FIRST)
 
 
 _THREADS: dict[tuple[str, int], Threads] = {}
