@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numba
@@ -41,7 +42,29 @@ OpenMP layer, the time one core needs for a softmax over about 150 000 float32 e
 
 def parallel(r: int, n: int) -> bool:
     """Whether a call over ``r`` rows of ``n`` elements should use the threaded loop."""
-    return r > 1 and r * n >= PARALLEL_MIN_ELEMENTS and numba.get_num_threads() > 1
+    return r > 1 and r * n >= PARALLEL_MIN_ELEMENTS and num_threads() > 1
+
+
+_read_threads: Callable[[], int] | None = None
+
+
+def num_threads() -> int:
+    """``numba.get_num_threads()``: the threads this thread's parallel loops use.
+
+    Numba's function takes two locks on every call to check that its threading layer has
+    started (about 1 us, as much as the rest of a mid-size call's host work); once it has,
+    the reader that function then calls is used directly (a seventh of the time).
+    """
+    global _read_threads
+    if _read_threads is None:
+        threads = numba.get_num_threads()  # starts the threading layer
+        from numba.np.ufunc import parallel as layer
+
+        read = getattr(layer, "_get_num_threads", None)
+        # a Numba without that reader, or one that reads something else: the public function
+        _read_threads = (read if callable(read) and read() == threads
+                         else numba.get_num_threads)
+    return _read_threads()
 
 
 SPLIT_MIN_BATCHES = 2
@@ -161,7 +184,7 @@ def run_rows(name: str, ser: Any, par: Any, x2: np.ndarray, *args: Any) -> None:
     if x2.shape[0] < 2 or nbytes < SPLIT_BYTES:
         ser(x2, *args)
         return
-    threads = numba.get_num_threads()
+    threads = num_threads()
     if threads < 2:
         ser(x2, *args)
     elif x2.size >= PARALLEL_MIN_ELEMENTS:

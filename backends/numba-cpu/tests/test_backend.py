@@ -234,6 +234,16 @@ def test_a_few_slow_calls_of_the_winning_way_do_not_hand_over_the_long_wait():
     assert ways[-3:] == [True] * 3  # the threads were tried again and won, long before
     assert ways.count(False) <= EXPLORE_FIRST  # EXPLORE_MAX calls of one thread
 
+
+def test_num_threads_follows_numba_setting():
+    before = numba.get_num_threads()
+    try:
+        for n in {1, before}:
+            numba.set_num_threads(n)
+            assert rows.num_threads() == numba.get_num_threads() == n
+    finally:
+        numba.set_num_threads(before)
+
 def test_threads_and_one_thread_give_the_same_bits():
     x = np.random.default_rng(3).normal(scale=3, size=(64, 1024)).astype(np.float32)
     results = {}
