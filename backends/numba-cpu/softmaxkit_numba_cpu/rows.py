@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numba
@@ -41,7 +42,29 @@ OpenMP layer, the time one core needs for a softmax over about 150 000 float32 e
 
 def parallel(r: int, n: int) -> bool:
     """Whether a call over ``r`` rows of ``n`` elements should use the threaded loop."""
-    return r > 1 and r * n >= PARALLEL_MIN_ELEMENTS and numba.get_num_threads() > 1
+    return r > 1 and r * n >= PARALLEL_MIN_ELEMENTS and num_threads() > 1
+
+
+_read_threads: Callable[[], int] | None = None
+
+
+def num_threads() -> int:
+    """``numba.get_num_threads()``: the threads this thread's parallel loops use.
+
+    Numba's function takes two locks on every call to check that its threading layer has
+    started (about 1 us, as much as the rest of a mid-size call's host work); once it has,
+    the reader that function then calls is used directly (a seventh of the time).
+    """
+    global _read_threads
+    if _read_threads is None:
+        threads = numba.get_num_threads()  # starts the threading layer
+        from numba.np.ufunc import parallel as layer
+
+        read = getattr(layer, "_get_num_threads", None)
+        # a Numba without that reader, or one that reads something else: the public function
+        _read_threads = (read if callable(read) and read() == threads
+                         else numba.get_num_threads)
+    return _read_threads()
 
 
 SPLIT_MIN_BATCHES = 2
@@ -83,10 +106,14 @@ class Threads:
 
     The other way is tried again after :data:`EXPLORE_FIRST` calls, twice as rarely each
     time it loses again (at most every :data:`EXPLORE_MAX` calls); its try replaces its
-    older, stale times.  A try of the threads makes two calls and keeps the second's time:
-    after a stretch on one thread the pool's threads have gone to sleep, and the first call
-    pays for waking them.  Both ways give bitwise the same result: every row is computed
-    by the same code.
+    older, stale times.  When the way in use itself gets slower than the other's estimate,
+    the choice switches and the way left is tried again within :data:`EXPLORE_FIRST` calls:
+    a long wait is earned by lost tries, and a few slow calls of the way that was winning
+    (the first ones after its threads went to sleep, or while another program's threads
+    held a core) are not a lost try.  A try of the threads makes two calls and keeps the
+    second's time: after a stretch on one thread the pool's threads have gone to sleep, and
+    the first call pays for waking them.  Both ways give bitwise the same result: every row
+    is computed by the same code.
     """
 
     __slots__ = ("times", "middles", "countdown", "interval", "trying")
@@ -138,6 +165,12 @@ class Threads:
             self.countdown = self.interval
         elif not measured and all(self.times):  # both ways now measured once
             self.countdown = self.interval
+        elif measured and self._threads_cheaper() != before:
+            # the way in use got slower than the other's estimate: switch, and try it again
+            # within EXPLORE_FIRST calls, not after the long wait that its rival's lost tries
+            # earned (a few slow calls, such as the first ones after the pool's threads went
+            # to sleep, would otherwise hand up to EXPLORE_MAX calls to the slower way)
+            self.countdown = min(self.countdown, EXPLORE_FIRST)
 
 
 _THREADS: dict[tuple[str, int], Threads] = {}
@@ -151,7 +184,7 @@ def run_rows(name: str, ser: Any, par: Any, x2: np.ndarray, *args: Any) -> None:
     if x2.shape[0] < 2 or nbytes < SPLIT_BYTES:
         ser(x2, *args)
         return
-    threads = numba.get_num_threads()
+    threads = num_threads()
     if threads < 2:
         ser(x2, *args)
     elif x2.size >= PARALLEL_MIN_ELEMENTS:

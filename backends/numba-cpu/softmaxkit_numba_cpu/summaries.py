@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 
 from . import summary_kernels as k
@@ -23,7 +22,7 @@ from .adapters import (
     rows,
     storage,
 )
-from .rows import PARALLEL_MIN_ELEMENTS, parallel
+from .rows import PARALLEL_MIN_ELEMENTS, num_threads, parallel
 
 PIECE_MIN = 1 << 17
 """Shortest piece of a row that a thread summarizes on its own (about the cost of a launch)."""
@@ -38,7 +37,7 @@ def _contiguous(a: Any) -> np.ndarray:
 
 def _pieces(r: int, n: int) -> int:
     """Pieces per row so that every thread has work: 1 unless rows are fewer than threads."""
-    threads = numba.get_num_threads()
+    threads = num_threads()
     if r == 0 or r >= threads:  # no rows: nothing to split
         return 1
     return max(1, min(-(-threads // r), n // PIECE_MIN))
@@ -46,7 +45,7 @@ def _pieces(r: int, n: int) -> int:
 
 def _elementwise_parallel(r: int, n: int) -> bool:
     """Whether ``normalize`` should use threads: it splits rows too, so one row may do."""
-    return r * n >= PARALLEL_MIN_ELEMENTS and numba.get_num_threads() > 1
+    return r * n >= PARALLEL_MIN_ELEMENTS and num_threads() > 1
 
 
 def _from_numpy(a: np.ndarray, like: Any) -> Any:

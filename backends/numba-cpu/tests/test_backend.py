@@ -210,6 +210,40 @@ def test_mid_size_calls_take_the_way_measured_cheaper():
     assert ways[-EXPLORE_FIRST:] == [False] * EXPLORE_FIRST
 
 
+
+def test_a_few_slow_calls_of_the_winning_way_do_not_hand_over_the_long_wait():
+    chooser = rows.Threads()
+    EXPLORE_FIRST, EXPLORE_MAX = rows.EXPLORE_FIRST, rows.EXPLORE_MAX  # noqa: N806
+    cost = {False: 2.0, True: 1.0}
+
+    def step():
+        use = chooser.choose()
+        chooser.record(use, cost[use], 1)
+        return use
+
+    for _ in range(8 * EXPLORE_MAX):  # one thread loses try after try: the wait grows
+        step()
+    assert chooser.interval == EXPLORE_MAX
+    while chooser.countdown < EXPLORE_FIRST + 4:  # mid-wait, threads in use
+        step()
+    cost[True] = 10.0  # two slow calls of the threads (a wake-up, a busy core) ...
+    assert [step(), step()] == [True, True]
+    cost[True] = 1.0  # ... then the threads are as fast as before
+    ways = [step() for _ in range(EXPLORE_FIRST + 4)]
+    assert ways[0] is False  # the median of the last three switched the choice
+    assert ways[-3:] == [True] * 3  # the threads were tried again and won, long before
+    assert ways.count(False) <= EXPLORE_FIRST  # EXPLORE_MAX calls of one thread
+
+
+def test_num_threads_follows_numba_setting():
+    before = numba.get_num_threads()
+    try:
+        for n in {1, before}:
+            numba.set_num_threads(n)
+            assert rows.num_threads() == numba.get_num_threads() == n
+    finally:
+        numba.set_num_threads(before)
+
 def test_threads_and_one_thread_give_the_same_bits():
     x = np.random.default_rng(3).normal(scale=3, size=(64, 1024)).astype(np.float32)
     results = {}
