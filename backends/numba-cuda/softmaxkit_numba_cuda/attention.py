@@ -145,24 +145,33 @@ def _score_factors(scale: float, softcap: Any) -> tuple[float, float]:
     return float(scale) / float(softcap), float(softcap) * LOG2E
 
 
+def _view(a: Any, lib: str) -> Any:
+    """:func:`.arrays.kernel_view` of ``a``; a read-only numpy array (the frontend's broadcast
+    views) is copied first: Numba's simulator assigns to its host arguments after a launch."""
+    if lib == "numpy" and not a.flags.writeable:
+        a = a.copy()
+    return kernel_view(a, lib)
+
+
 def _mask_view(mask: Any, q: Any, lib: str) -> Any:
-    return kernel_view(mask, lib) if mask is not None else dummy(lib, q.device, "bool", 4)
+    return _view(mask, lib) if mask is not None else dummy(lib, q.device, "bool", 4)
 
 
 def attention(*, xp: Any, q: Any, k: Any, v: Any, scale: float, causal: Any,
               window: tuple[int, int], mask: Any, softcap: Any, return_lse: bool,
-              tiles: tuple[int, int] | None = None) -> tuple[Any, Any]:
+              tiles: tuple[int, int] | None = None, registers: int = 0) -> tuple[Any, Any]:
     """Exact attention forward in the accumulator dtype; ``(out, lse or None)``.
 
     ``tiles`` overrides the (rows, keys) micro-tile of a thread (BM = 16 rows, BN = 16 keys
-    a block; :data:`.attention_kernels.FORWARD_TILES` by default).
+    a block; :data:`.attention_kernels.FORWARD_TILES` by default), ``registers`` the register
+    cap (:data:`.attention_kernels.REGISTERS`): both for tuning on a GPU.
     """
     lib = library(q)
     kind = dtype_name(q.dtype)
     acc_name = accumulator_name(kind)
     acc = lookup(xp, acc_name)
     b, hq, lq, d = (int(s) for s in q.shape)
-    hk, lk, dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    lk, dv = int(k.shape[2]), int(v.shape[3])
     if b * hq * lq == 0 or lk == 0:  # no row, or no key: out 0, lse -inf (spec)
         out = xp.zeros((b, hq, lq, dv), dtype=q.dtype, device=q.device)
         lse = xp.full((b, hq, lq), -math.inf, dtype=acc, device=q.device)
@@ -170,26 +179,28 @@ def attention(*, xp: Any, q: Any, k: Any, v: Any, scale: float, causal: Any,
     out = empty(xp, q, (b, hq, lq, dv), q.dtype)
     lse = empty(xp, q, (b, hq, lq), acc)
     rm, cn = tiles or kernels.tiles(kernels.FORWARD_TILES, acc_name, d, dv)
-    fn = kernels.forward(kind, d, dv, rm, cn, mask is not None, softcap is not None)
+    fn = kernels.forward(kind, d, dv, rm, cn, mask is not None, softcap is not None, registers)
     offset, lo, hi = _band(q, k, causal, window)
     qk_mult, cap_mult = _score_factors(scale, softcap)
     q_tiles = -(-lq // (kernels.LANES * rm))
     run(fn, q_tiles * b * hq, kernels.THREADS, stream_of(q, lib),
-        kernel_view(q, lib), kernel_view(k, lib), kernel_view(v, lib), _mask_view(mask, q, lib),
-        kernel_view(out, lib), kernel_view(lse, lib), qk_mult, cap_mult, offset, lo, hi,
+        _view(q, lib), _view(k, lib), _view(v, lib), _mask_view(mask, q, lib),
+        _view(out, lib), _view(lse, lib), qk_mult, cap_mult, offset, lo, hi,
         q_tiles, shared=kernels.forward_shared(acc_name, d, dv, rm, cn))
     return out, (lse if return_lse else None)
 
 
 def attention_vjp(*, xp: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
                   scale: float, causal: Any, window: tuple[int, int], mask: Any, softcap: Any,
-                  tiles: tuple[int, int] | None = None) -> tuple[Any, Any, Any]:
+                  tiles: tuple[int, int] | None = None, registers: int = 0,
+                  ) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` of exact attention, recomputing P from ``lse``.
 
     Two launches: the rows' lse in log2 units and ``delta = rowsum(dout * out)``, then the
     kernel parallel over key tiles, which writes dk and dv and adds dq's partial products
     atomically into dq (zeroed here; float32 and float64 are their own accumulators).
-    ``tiles`` overrides the (keys, queries) micro-tile (:data:`.attention_kernels.BACKWARD_TILES`).
+    ``tiles`` overrides the (keys, queries) micro-tile (:data:`.attention_kernels.BACKWARD_TILES`),
+    ``registers`` the register cap.
     """
     lib = library(q)
     kind = dtype_name(q.dtype)
@@ -209,17 +220,18 @@ def attention_vjp(*, xp: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: 
     stream = stream_of(q, lib)
     per_block = kernels.THREADS // kernels.LANES
     run(kernels.backward_rows(kind, dv), -(-rows // per_block), kernels.THREADS, stream,
-        kernel_view(out, lib), kernel_view(dout, lib), kernel_view(lse, lib),
-        kernel_view(lse2, lib), kernel_view(delta, lib), rows)
+        _view(out, lib), _view(dout, lib), _view(lse, lib),
+        _view(lse2, lib), _view(delta, lib), rows)
     rn, cm = tiles or kernels.tiles(kernels.BACKWARD_TILES, acc_name, d, dv)
-    fn = kernels.backward(kind, d, dv, rn, cm, mask is not None, softcap is not None)
+    fn = kernels.backward(kind, d, dv, rn, cm, mask is not None, softcap is not None,
+                          registers)
     offset, lo, hi = _band(q, k, causal, window)
     qk_mult, cap_mult = _score_factors(scale, softcap)
     k_tiles = -(-lk // (kernels.LANES * rn))
     run(fn, k_tiles * b * hk, kernels.THREADS, stream,
-        kernel_view(q, lib), kernel_view(k, lib), kernel_view(v, lib), kernel_view(dout, lib),
-        _mask_view(mask, q, lib), kernel_view(lse2, lib), kernel_view(delta, lib),
-        kernel_view(dq, lib), kernel_view(dk, lib), kernel_view(dvv, lib), qk_mult, cap_mult,
+        _view(q, lib), _view(k, lib), _view(v, lib), _view(dout, lib),
+        _mask_view(mask, q, lib), _view(lse2, lib), _view(delta, lib),
+        _view(dq, lib), _view(dk, lib), _view(dvv, lib), qk_mult, cap_mult,
         float(scale), offset, lo, hi,
         shared=kernels.backward_shared(acc_name, d, dv, rn, cm))
     return dq, dk, dvv

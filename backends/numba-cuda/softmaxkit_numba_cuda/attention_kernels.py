@@ -31,6 +31,7 @@ import functools
 import math
 
 import numpy as np
+from numba import uint64 as u
 
 from .primitives import (
     LOG2E,
@@ -53,8 +54,6 @@ MAX_HEAD_DIM = 256
 """The largest key or value head dimension the kernels are built for."""
 UNBOUNDED = 1 << 40
 """A band limit no key offset reaches."""
-SHARED_PER_SM = 233472
-"""Bytes of shared memory a multiprocessor of compute capability 9.0 offers its blocks."""
 
 if SIMULATOR:
 
@@ -115,11 +114,11 @@ def backward_shared(acc_name: str, d: int, dv: int, rn: int, cm: int) -> int:
     return words * (8 if acc_name == "float64" else 4)
 
 
-def register_cap(shared: int) -> int:
-    """Registers a thread may use so that as many blocks fit a multiprocessor as its shared
-    memory allows (at most four)."""
-    blocks = max(1, min(4, SHARED_PER_SM // (shared + 1024)))
-    return min(255, 65536 // (THREADS * blocks)) // 8 * 8
+REGISTERS = {"float32": 128, "float64": 168}
+"""Registers a thread of the attention kernels may use: as many as every tile configuration
+of :data:`FORWARD_TILES` and :data:`BACKWARD_TILES` needs without spilling (``ptxas -v`` for
+sm_90), two blocks a multiprocessor in float32 (its shared memory would fit three, but not
+without spills at 80 registers), one in float64."""
 
 
 def band_limits(causal: object, window: tuple[int, int]) -> tuple[int, int]:
@@ -148,13 +147,24 @@ def _lane_sum(x):
     return x
 
 
-if not SIMULATOR:
+if SIMULATOR:
+    from .primitives import warp_butterfly
+
+    # the same butterflies, replayed by one thread (two barriers instead of eight)
+    def _lane_max(x):  # noqa: F811
+        return warp_butterfly(x, lambda a, b: b if b > a else a, (1, 2, 4, 8))
+
+    def _lane_sum(x):  # noqa: F811
+        return warp_butterfly(x, lambda a, b: a + b, (1, 2, 4, 8))
+
+else:
     _lane_max = cuda.jit(device=True, inline="always")(_lane_max)
     _lane_sum = cuda.jit(device=True, inline="always")(_lane_sum)
 
 
 @functools.cache
-def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: bool):
+def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: bool,
+            registers: int = 0):
     """Kernel ``(q, k, v, mask, out, lse, qk_mult, cap_mult, offset, lo, hi, q_tiles)``.
 
     q [B, Hq, Lq, d], k [B, Hk, Lk, d], v [B, Hk, Lk, dv], mask [B, Hq, Lq, Lk] (read only
@@ -175,7 +185,7 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
     p_off = v_off + dvp * ks
     zero, one, neg_inf = acc(0.0), acc(1.0), acc(NEG_INF)
     ln2 = acc(math.log(2.0))
-    regs = register_cap(forward_shared(acc_name, d, dv, rm, cn))
+    regs = registers or REGISTERS[acc_name]
 
     @kernel(THREADS, 0, registers=regs)
     def attention_forward(q, k, v, mask, out, lse, qk_mult, cap_mult, offset, lo, hi,
@@ -193,6 +203,8 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
         b = bh // hq
         h = bh - b * hq
         kh = h // (hq // hk)
+        qh, kb, vb, oh, lh = q[b, h], k[b, kh], v[b, kh], out[b, h], lse[b, h]
+        mh = mask[b, h] if masked else mask[0, 0]
         last = min(m0 + bm, lq) - 1
         n_lo = max(0, m0 + offset + lo)
         n_hi = min(lk, last + offset + hi + 1)
@@ -203,8 +215,8 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
             c = e - r * d
             x = zero
             if m0 + r < lq:
-                x = acc(q[b, h, m0 + r, c]) * qm
-            smem[c * qs + r] = x
+                x = acc(qh[u(m0 + r), u(c)]) * qm
+            smem[u(c * qs + r)] = x
 
         o = cuda.local.array((rm, oc), acc)
         row_max = cuda.local.array(rm, acc)
@@ -226,15 +238,15 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
                 c = e - r * d
                 x = zero
                 if n0 + r < lk:
-                    x = acc(k[b, kh, n0 + r, c])
-                smem[k_off + c * ks + r] = x
+                    x = acc(kb[u(n0 + r), u(c)])
+                smem[u(k_off + c * ks + r)] = x
             for e in range(tid, bn * dvp, THREADS):
                 r = e // dvp
                 c = e - r * dvp
                 x = zero
                 if n0 + r < lk and c < dv:
-                    x = acc(v[b, kh, n0 + r, c])
-                smem[v_off + c * ks + r] = x
+                    x = acc(vb[u(n0 + r), u(c)])
+                smem[u(v_off + c * ks + r)] = x
             cuda.syncthreads()
 
             for i in range(rm):
@@ -242,9 +254,9 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
                     s[i, j] = zero
             for c in range(d):
                 for i in range(rm):
-                    a_reg[i] = smem[c * qs + ty + LANES * i]
+                    a_reg[i] = smem[u(c * qs + ty + LANES * i)]
                 for j in range(cn):
-                    b_reg[j] = smem[k_off + c * ks + tx + LANES * j]
+                    b_reg[j] = smem[u(k_off + c * ks + tx + LANES * j)]
                 for i in range(rm):
                     for j in range(cn):
                         s[i, j] += a_reg[i] * b_reg[j]
@@ -263,7 +275,7 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
                         rel = key - row - offset
                         keep = key < lk and rel >= lo and rel <= hi
                         if masked and keep and row < lq:
-                            keep = mask[b, h, row, key]
+                            keep = mh[u(row), u(key)]
                         if not keep:
                             s[i, j] = neg_inf
 
@@ -280,7 +292,7 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
                 for j in range(cn):
                     p = exp2(s[i, j] - use)
                     total += p
-                    smem[p_off + (ty + LANES * i) * ks + tx + LANES * j] = p
+                    smem[u(p_off + (ty + LANES * i) * ks + tx + LANES * j)] = p
                 row_sum[i] = row_sum[i] * alpha + total
                 for c in range(oc):
                     o[i, c] *= alpha
@@ -288,9 +300,9 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
 
             for j in range(bn):
                 for i in range(rm):
-                    a_reg[i] = smem[p_off + (ty + LANES * i) * ks + j]
+                    a_reg[i] = smem[u(p_off + (ty + LANES * i) * ks + j)]
                 for c in range(oc):
-                    v_reg[c] = smem[v_off + (tx + LANES * c) * ks + j]
+                    v_reg[c] = smem[u(v_off + (tx + LANES * c) * ks + j)]
                 for i in range(rm):
                     for c in range(oc):
                         o[i, c] += a_reg[i] * v_reg[c]
@@ -303,9 +315,9 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
                 for c in range(oc):
                     col = tx + LANES * c
                     if col < dv:
-                        out[b, h, row, col] = o[i, c] * inv
+                        oh[u(row), u(col)] = o[i, c] * inv
                 if tx == 0:
-                    lse[b, h, row] = row_max[i] * ln2 + log(total) if total > zero else neg_inf
+                    lh[u(row)] = row_max[i] * ln2 + log(total) if total > zero else neg_inf
 
     return attention_forward
 
@@ -350,7 +362,8 @@ def backward_rows(kind: str, dv: int):
 
 
 @functools.cache
-def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped: bool):
+def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped: bool,
+             registers: int = 0):
     """Kernel ``(q, k, v, dout, mask, lse2, delta, dq, dk, dv, qk_mult, cap_mult, ds_mult,
     offset, lo, hi)``.
 
@@ -360,6 +373,7 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
     are ``(q . k) * qk_mult``, or with ``capped`` ``t * cap_mult`` with ``t = tanh((q . k) *
     qk_mult)``; ``dS = P (dP - delta) ds_mult`` (times ``1 - t^2``), ``ds_mult`` the scale.
     Grid: ``ceil(Lk / BN) * B * Hk`` blocks, the first key tiles of every head first.
+    ``registers`` overrides the register cap (:data:`REGISTERS`).
     """
     acc_name, acc = accumulator(kind)
     exp2 = exp2_f64 if acc_name == "float64" else ex2
@@ -375,7 +389,7 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
     l_off = s_off + bn * qs
     d_off = l_off + bm
     zero, one, pos_inf = acc(0.0), acc(1.0), acc(POS_INF)
-    regs = register_cap(backward_shared(acc_name, d, dv, rn, cm))
+    regs = registers or REGISTERS[acc_name]
 
     @kernel(THREADS, 0, registers=regs)
     def attention_backward(q, k, v, dout, mask, lse2, delta, dq, dk, dv_out, qk_mult,
@@ -393,6 +407,7 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
         n0 = (bid // heads) * bn
         b = bkh // hk
         kh = bkh - b * hk
+        kb, vb, dkh, dvh = k[b, kh], v[b, kh], dk[b, kh], dv_out[b, kh]
         qm = acc(qk_mult)
         capm = acc(cap_mult)
         dsm = acc(ds_mult)
@@ -401,15 +416,15 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
             c = e - r * dp
             x = zero
             if n0 + r < lk and c < d:
-                x = acc(k[b, kh, n0 + r, c])
-            smem[c * ks + r] = x
+                x = acc(kb[u(n0 + r), u(c)])
+            smem[u(c * ks + r)] = x
         for e in range(tid, bn * dvp, THREADS):
             r = e // dvp
             c = e - r * dvp
             x = zero
             if n0 + r < lk and c < dv:
-                x = acc(v[b, kh, n0 + r, c])
-            smem[v_off + c * ks + r] = x
+                x = acc(vb[u(n0 + r), u(c)])
+            smem[u(v_off + c * ks + r)] = x
 
         dka = cuda.local.array((rn, dc), acc)
         dva = cuda.local.array((rn, vc), acc)
@@ -430,6 +445,8 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
         for hh in range(group):
             h = kh * group + hh
             row_base = (b * hq + h) * lq
+            qh, gh, dqh = q[b, h], dout[b, h], dq[b, h]
+            mh = mask[b, h] if masked else mask[0, 0]
             for m0 in range(i_lo, i_hi, bm):
                 cuda.syncthreads()  # the last tile's operands are read (and K, V staged)
                 for e in range(tid, bm * dp, THREADS):
@@ -437,22 +454,22 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
                     c = e - r * dp
                     x = zero
                     if m0 + r < lq and c < d:
-                        x = acc(q[b, h, m0 + r, c])
-                    smem[q_off + c * qs + r] = x
+                        x = acc(qh[u(m0 + r), u(c)])
+                    smem[u(q_off + c * qs + r)] = x
                 for e in range(tid, bm * dvp, THREADS):
                     r = e // dvp
                     c = e - r * dvp
                     x = zero
                     if m0 + r < lq and c < dv:
-                        x = acc(dout[b, h, m0 + r, c])
-                    smem[g_off + c * qs + r] = x
+                        x = acc(gh[u(m0 + r), u(c)])
+                    smem[u(g_off + c * qs + r)] = x
                 for r in range(tid, bm, THREADS):
                     if m0 + r < lq:
-                        smem[l_off + r] = lse2[row_base + m0 + r]
-                        smem[d_off + r] = delta[row_base + m0 + r]
+                        smem[u(l_off + r)] = lse2[u(row_base + m0 + r)]
+                        smem[u(d_off + r)] = delta[u(row_base + m0 + r)]
                     else:  # past Lq: P = 0
-                        smem[l_off + r] = pos_inf
-                        smem[d_off + r] = zero
+                        smem[u(l_off + r)] = pos_inf
+                        smem[u(d_off + r)] = zero
                 cuda.syncthreads()
 
                 # S^T and dP^T for keys ty + 16 a, queries tx + 16 j
@@ -462,17 +479,17 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
                         dpt[a, j] = zero
                 for c in range(d):
                     for a in range(rn):
-                        a_reg[a] = smem[c * ks + ty + LANES * a]
+                        a_reg[a] = smem[u(c * ks + ty + LANES * a)]
                     for j in range(cm):
-                        b_reg[j] = smem[q_off + c * qs + tx + LANES * j]
+                        b_reg[j] = smem[u(q_off + c * qs + tx + LANES * j)]
                     for a in range(rn):
                         for j in range(cm):
                             st[a, j] += a_reg[a] * b_reg[j]
                 for c in range(dv):
                     for a in range(rn):
-                        a_reg[a] = smem[v_off + c * ks + ty + LANES * a]
+                        a_reg[a] = smem[u(v_off + c * ks + ty + LANES * a)]
                     for j in range(cm):
-                        b_reg[j] = smem[g_off + c * qs + tx + LANES * j]
+                        b_reg[j] = smem[u(g_off + c * qs + tx + LANES * j)]
                     for a in range(rn):
                         for j in range(cm):
                             dpt[a, j] += a_reg[a] * b_reg[j]
@@ -488,32 +505,32 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
                             rel = key - row - offset
                             keep = key < lk and rel >= lo and rel <= hi
                             if masked and keep and row < lq:
-                                keep = mask[b, h, row, key]
+                                keep = mh[u(row), u(key)]
                         p = zero
                         ds = zero
                         if keep:
                             if capped:
                                 t = math.tanh(st[a, j] * qm)
-                                p = exp2(t * capm - smem[l_off + qi])
-                                ds = p * (dpt[a, j] - smem[d_off + qi]) * (one - t * t) * dsm
+                                p = exp2(t * capm - smem[u(l_off + qi)])
+                                ds = p * (dpt[a, j] - smem[u(d_off + qi)]) * (one - t * t) * dsm
                             else:
-                                p = exp2(st[a, j] * qm - smem[l_off + qi])
-                                ds = p * (dpt[a, j] - smem[d_off + qi]) * dsm
-                        smem[p_off + (ty + LANES * a) * qs + qi] = p
-                        smem[s_off + (ty + LANES * a) * qs + qi] = ds
+                                p = exp2(st[a, j] * qm - smem[u(l_off + qi)])
+                                ds = p * (dpt[a, j] - smem[u(d_off + qi)]) * dsm
+                        smem[u(p_off + (ty + LANES * a) * qs + qi)] = p
+                        smem[u(s_off + (ty + LANES * a) * qs + qi)] = ds
                 cuda.syncthreads()
 
                 # dV += P dO and dK += dS Q for keys ty + 16 a, columns tx + 16 c
                 for i in range(bm):
                     for a in range(rn):
-                        a_reg[a] = smem[p_off + (ty + LANES * a) * qs + i]
-                        a2_reg[a] = smem[s_off + (ty + LANES * a) * qs + i]
+                        a_reg[a] = smem[u(p_off + (ty + LANES * a) * qs + i)]
+                        a2_reg[a] = smem[u(s_off + (ty + LANES * a) * qs + i)]
                     for c in range(vc):
-                        g = smem[g_off + (tx + LANES * c) * qs + i]
+                        g = smem[u(g_off + (tx + LANES * c) * qs + i)]
                         for a in range(rn):
                             dva[a, c] += a_reg[a] * g
                     for c in range(dc):
-                        x = smem[q_off + (tx + LANES * c) * qs + i]
+                        x = smem[u(q_off + (tx + LANES * c) * qs + i)]
                         for a in range(rn):
                             dka[a, c] += a2_reg[a] * x
                 # dQ += dS^T K for queries ty + 16 j, columns tx + 16 c
@@ -522,9 +539,9 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
                         dqa[j, c] = zero
                 for r in range(bn):
                     for j in range(cm):
-                        b_reg[j] = smem[s_off + r * qs + ty + LANES * j]
+                        b_reg[j] = smem[u(s_off + r * qs + ty + LANES * j)]
                     for c in range(dc):
-                        x = smem[(tx + LANES * c) * ks + r]
+                        x = smem[u((tx + LANES * c) * ks + r)]
                         for j in range(cm):
                             dqa[j, c] += b_reg[j] * x
                 for j in range(cm):
@@ -533,7 +550,7 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
                         for c in range(dc):
                             col = tx + LANES * c
                             if col < d:
-                                cuda.atomic.add(dq, (b, h, row, col), dqa[j, c])
+                                cuda.atomic.add(dqh, (u(row), u(col)), dqa[j, c])
 
         for a in range(rn):
             key = n0 + ty + LANES * a
@@ -541,10 +558,10 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
                 for c in range(dc):
                     col = tx + LANES * c
                     if col < d:
-                        dk[b, kh, key, col] = dka[a, c]
+                        dkh[u(key), u(col)] = dka[a, c]
                 for c in range(vc):
                     col = tx + LANES * c
                     if col < dv:
-                        dv_out[b, kh, key, col] = dva[a, c]
+                        dvh[u(key), u(col)] = dva[a, c]
 
     return attention_backward
