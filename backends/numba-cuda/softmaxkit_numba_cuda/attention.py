@@ -162,9 +162,9 @@ def attention(*, xp: Any, q: Any, k: Any, v: Any, scale: float, causal: Any,
               tiles: tuple[int, int] | None = None, registers: int = 0) -> tuple[Any, Any]:
     """Exact attention forward in the accumulator dtype; ``(out, lse or None)``.
 
-    ``tiles`` overrides the (rows, keys) micro-tile of a thread (BM = 16 rows, BN = 16 keys
-    a block; :data:`.attention_kernels.FORWARD_TILES` by default), ``registers`` the register
-    cap (:data:`.attention_kernels.REGISTERS`): both for tuning on a GPU.
+    ``tiles`` overrides the (rows, keys) micro-tile of a thread (a block takes 16 * rows query
+    rows and key tiles of 16 * keys; :data:`.attention_kernels.FORWARD_TILES` by default),
+    ``registers`` the register cap (:data:`.attention_kernels.REGISTERS`): both for tuning.
     """
     lib = library(q)
     kind = dtype_name(q.dtype)
