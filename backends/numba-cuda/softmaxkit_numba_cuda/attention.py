@@ -1,5 +1,9 @@
-"""Merging partial attention states on the device (``merge_attention``; contract in
-softmaxkit.ops, oracle ``softmaxkit.reference.attention.merge_attention``).
+"""Attention on the device: exact float32 / float64 attention and its gradient
+(``attention``, ``attention_vjp``; kernels in :mod:`.attention_kernels`) and the merge of
+partial attention states (``merge_attention``).  Contracts in softmaxkit.ops, oracles in
+``softmaxkit.reference.attention``.
+
+Merging partial attention states:
 
 Each part ``(out_s, lse_s)`` is the summary ``(max = lse_s, mass = 1, numerator = out_s)``:
 
@@ -28,12 +32,15 @@ a NaN part makes the row's gradients NaN.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
-from softmaxkit.dtypes import accumulator_name
+from softmaxkit.dtypes import accumulator_name, lookup
 
+from . import attention_kernels as kernels
 from .arrays import dummy, empty, kernel_view, library, run, stream_of
 from .primitives import (
+    LOG2E,
     NAN,
     NEG_INF,
     POS_INF,
@@ -258,3 +265,112 @@ def merge_attention_vjp(*, xp: Any, outs: Any, lses: Any, dout: Any,
         kernel_view(_contiguous(dout, lib), lib), dl, kernel_view(douts, lib),
         kernel_view(dlses, lib), dv, shared=vjp_shared_bytes(kind, dv))
     return douts, dlses
+
+
+def _band(q: Any, k: Any, causal: Any, window: tuple[int, int]) -> tuple[int, int, int]:
+    """``(offset, lo, hi)``: query ``i`` sits on the diagonal key ``i + offset`` and key ``j``
+    is in its band when ``lo <= j - (i + offset) <= hi``."""
+    lq, lk = int(q.shape[2]), int(k.shape[2])
+    offset = 0 if causal == "top_left" else lk - lq
+    lo, hi = kernels.band_limits(causal, (int(window[0]), int(window[1])))
+    return offset, lo, hi
+
+
+def _score_factors(scale: float, softcap: Any) -> tuple[float, float]:
+    """``(qk_mult, cap_mult)``: scores in log2 units are ``(q . k) * qk_mult``, or under a
+    softcap ``tanh((q . k) * qk_mult) * cap_mult``."""
+    if softcap is None:
+        return float(scale) * LOG2E, 0.0
+    return float(scale) / float(softcap), float(softcap) * LOG2E
+
+
+def _view(a: Any, lib: str) -> Any:
+    """:func:`.arrays.kernel_view` of ``a``; a read-only numpy array (the frontend's broadcast
+    views) is copied first: Numba's simulator assigns to its host arguments after a launch."""
+    if lib == "numpy" and not a.flags.writeable:
+        a = a.copy()
+    return kernel_view(a, lib)
+
+
+def _mask_view(mask: Any, q: Any, lib: str) -> Any:
+    return _view(mask, lib) if mask is not None else dummy(lib, q.device, "bool", 4)
+
+
+def attention(*, xp: Any, q: Any, k: Any, v: Any, scale: float, causal: Any,
+              window: tuple[int, int], mask: Any, softcap: Any, return_lse: bool,
+              tiles: tuple[int, int] | None = None, registers: int = 0) -> tuple[Any, Any]:
+    """Exact attention forward in the accumulator dtype; ``(out, lse or None)``.
+
+    ``tiles`` overrides the (rows, keys) micro-tile of a thread (a block takes 16 * rows query
+    rows and key tiles of 16 * keys; :data:`.attention_kernels.FORWARD_TILES` by default),
+    ``registers`` the register cap (:data:`.attention_kernels.REGISTERS`): both for tuning.
+    """
+    lib = library(q)
+    kind = dtype_name(q.dtype)
+    acc_name = accumulator_name(kind)
+    acc = lookup(xp, acc_name)
+    b, hq, lq, d = (int(s) for s in q.shape)
+    lk, dv = int(k.shape[2]), int(v.shape[3])
+    if b * hq * lq == 0 or lk == 0:  # no row, or no key: out 0, lse -inf (spec)
+        out = xp.zeros((b, hq, lq, dv), dtype=q.dtype, device=q.device)
+        lse = xp.full((b, hq, lq), -math.inf, dtype=acc, device=q.device)
+        return out, (lse if return_lse else None)
+    out = empty(xp, q, (b, hq, lq, dv), q.dtype)
+    lse = empty(xp, q, (b, hq, lq), acc)
+    rm, cn = tiles or kernels.tiles(kernels.FORWARD_TILES, acc_name, d, dv)
+    fn = kernels.forward(kind, d, dv, rm, cn, mask is not None, softcap is not None, registers)
+    offset, lo, hi = _band(q, k, causal, window)
+    qk_mult, cap_mult = _score_factors(scale, softcap)
+    q_tiles = -(-lq // (kernels.LANES * rm))
+    run(fn, q_tiles * b * hq, kernels.THREADS, stream_of(q, lib),
+        _view(q, lib), _view(k, lib), _view(v, lib), _mask_view(mask, q, lib),
+        _view(out, lib), _view(lse, lib), qk_mult, cap_mult, offset, lo, hi,
+        q_tiles, shared=kernels.forward_shared(acc_name, d, dv, rm, cn))
+    return out, (lse if return_lse else None)
+
+
+def attention_vjp(*, xp: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
+                  scale: float, causal: Any, window: tuple[int, int], mask: Any, softcap: Any,
+                  tiles: tuple[int, int] | None = None, registers: int = 0,
+                  ) -> tuple[Any, Any, Any]:
+    """``(dq, dk, dv)`` of exact attention, recomputing P from ``lse``.
+
+    Two launches: the rows' lse in log2 units and ``delta = rowsum(dout * out)``, then the
+    kernel parallel over key tiles, which writes dk and dv and adds dq's partial products
+    atomically into dq (zeroed here; float32 and float64 are their own accumulators).
+    ``tiles`` overrides the (keys, queries) micro-tile (:data:`.attention_kernels.BACKWARD_TILES`),
+    ``registers`` the register cap.
+    """
+    lib = library(q)
+    kind = dtype_name(q.dtype)
+    acc_name = accumulator_name(kind)
+    acc = lookup(xp, acc_name)
+    b, hq, lq, d = (int(s) for s in q.shape)
+    hk, lk, dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    dq = xp.zeros((b, hq, lq, d), dtype=q.dtype, device=q.device)
+    if b * hq * lq == 0 or lk == 0:  # no key gets a contribution, no row has a gradient
+        return (dq, xp.zeros((b, hk, lk, d), dtype=k.dtype, device=q.device),
+                xp.zeros((b, hk, lk, dv), dtype=v.dtype, device=q.device))
+    dk = empty(xp, q, (b, hk, lk, d), k.dtype)
+    dvv = empty(xp, q, (b, hk, lk, dv), v.dtype)
+    rows = b * hq * lq
+    lse2 = empty(xp, q, (rows,), acc)
+    delta = empty(xp, q, (rows,), acc)
+    stream = stream_of(q, lib)
+    per_block = kernels.THREADS // kernels.LANES
+    run(kernels.backward_rows(kind, dv), -(-rows // per_block), kernels.THREADS, stream,
+        _view(out, lib), _view(dout, lib), _view(lse, lib),
+        _view(lse2, lib), _view(delta, lib), rows)
+    rn, cm = tiles or kernels.tiles(kernels.BACKWARD_TILES, acc_name, d, dv)
+    fn = kernels.backward(kind, d, dv, rn, cm, mask is not None, softcap is not None,
+                          registers)
+    offset, lo, hi = _band(q, k, causal, window)
+    qk_mult, cap_mult = _score_factors(scale, softcap)
+    k_tiles = -(-lk // (kernels.LANES * rn))
+    run(fn, k_tiles * b * hk, kernels.THREADS, stream,
+        _view(q, lib), _view(k, lib), _view(v, lib), _view(dout, lib),
+        _mask_view(mask, q, lib), _view(lse2, lib), _view(delta, lib),
+        _view(dq, lib), _view(dk, lib), _view(dvv, lib), qk_mult, cap_mult,
+        float(scale), offset, lo, hi,
+        shared=kernels.backward_shared(acc_name, d, dv, rn, cm))
+    return dq, dk, dvv

@@ -4,15 +4,17 @@ Served: the row operations (softmax, log_softmax, logsumexp, cross_entropy with 
 gradient, softmax_vjp, log_softmax_vjp), online summaries (summarize, merge, and normalize,
 the second pass of chunked softmax), the merge of partial attention states (merge_attention,
 which ``merge_attention_states`` calls) and its gradient (merge_attention_vjp) on CUDA
-devices, for float16, bfloat16, float32 and float64, with torch CUDA tensors and CuPy arrays.
-merge is keyed by the summaries' dtype: the accumulator's for summaries from summarize,
-16-bit for summaries a caller built in it (merged in float32, returned in their dtype).
-Declined, with the reason: rows longer than 2**31 - 1; merge_attention_vjp with value
-dimensions beyond its shared memory (12288, float64: 6144).  Not served, so the registry
-chooses another backend: attention forward and backward (numba-cuda has no access to the
-tensor-core instructions that make them fast).  Under Numba's CUDA simulator
-(``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve numpy arrays on the CPU: that is how CI
-runs them without a GPU.
+devices, for float16, bfloat16, float32 and float64, with torch CUDA tensors and CuPy arrays;
+attention and attention_vjp for float32 and float64 only (exact, on CUDA cores: float32
+products and sums, float64 for float64).  merge is keyed by the summaries' dtype: the
+accumulator's for summaries from summarize, 16-bit for summaries a caller built in it (merged
+in float32, returned in their dtype).  Declined, with the reason: rows longer than
+2**31 - 1; merge_attention_vjp with value dimensions beyond its shared memory (12288,
+float64: 6144); attention with a key or value head dimension above 256.  Not served, so the
+registry chooses another backend: 16-bit attention forward and backward (numba-cuda has no
+access to the tensor-core instructions that make them fast; the cupy backend serves them).
+Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve numpy arrays
+on the CPU: that is how CI runs them without a GPU.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ NAME = "numba-cuda"
 ROW_OPS = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "softmax_vjp",
            "log_softmax_vjp")
 SUMMARY_OPS = ("summarize", "merge", "normalize")
-ATTENTION_OPS = ("merge_attention", "merge_attention_vjp")
+MERGE_ATTENTION_OPS = ("merge_attention", "merge_attention_vjp")
+ATTENTION_OPS = ("attention", "attention_vjp")
+ATTENTION_DTYPES = ("float32", "float64")
+MAX_HEAD_DIM = 256  # softmaxkit_numba_cuda.attention_kernels.MAX_HEAD_DIM, without numba
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 _PRIMARY = {"softmax": "x", "log_softmax": "x", "logsumexp": "x", "cross_entropy": "logits",
             "softmax_vjp": "probs", "log_softmax_vjp": "logprobs", "summarize": "x",
             "merge": "maxes", "normalize": "x", "merge_attention": "outs",
-            "merge_attention_vjp": "outs"}
+            "merge_attention_vjp": "outs", "attention": "q", "attention_vjp": "q"}
 VJP_SHARED_BYTES = 48 * 1024
 """Shared memory merge_attention_vjp keeps a row's merged ``out`` in (accumulator values)."""
 
@@ -42,12 +47,17 @@ def manifest() -> dict[str, Any]:
     devices = ["cuda", "cpu"] if _simulated() else ["cuda"]
     kernels = {op: f"softmaxkit_numba_cuda.rows:{op}" for op in ROW_OPS}
     kernels.update({op: f"softmaxkit_numba_cuda.summaries:{op}" for op in SUMMARY_OPS})
-    kernels.update({op: f"softmaxkit_numba_cuda.attention:{op}" for op in ATTENTION_OPS})
+    kernels.update({op: f"softmaxkit_numba_cuda.attention:{op}"
+                    for op in (*MERGE_ATTENTION_OPS, *ATTENTION_OPS)})
     return {
         "name": NAME,
         "serves": [{"ops": list(ROW_OPS), "devices": devices, "dtypes": list(DTYPES)},
                    {"ops": list(SUMMARY_OPS), "devices": devices, "dtypes": list(DTYPES)},
-                   {"ops": list(ATTENTION_OPS), "devices": devices, "dtypes": list(DTYPES)}],
+                   {"ops": list(MERGE_ATTENTION_OPS), "devices": devices,
+                    "dtypes": list(DTYPES)},
+                   # 16-bit attention stays with the tensor-core kernels of the cupy backend
+                   {"ops": list(ATTENTION_OPS), "devices": devices,
+                    "dtypes": list(ATTENTION_DTYPES)}],
         "kernels": kernels,
         # below the CPU backends on simulated numpy arrays, above everything on CUDA
         "priority": 20 if not _simulated() else -50,
@@ -69,6 +79,8 @@ def can_run(call: Any) -> bool | str:
             return "runs on CUDA devices (numpy arrays only under NUMBA_ENABLE_CUDASIM=1)"
     elif module not in ("torch", "cupy"):
         return f"takes torch CUDA tensors and CuPy arrays, not {type(x).__name__}"
+    if call.op in ATTENTION_OPS:
+        return _attention_verdict(x, args.get("v"))
     shape = getattr(x, "shape", ())
     if shape and shape[-1] >= 2**31:
         return "rows of 2**31 or more positions are not supported"
@@ -77,4 +89,14 @@ def can_run(call: Any) -> bool | str:
         if shape[-1] * (8 if wide else 4) > VJP_SHARED_BYTES:
             return (f"merge_attention_vjp keeps a row in shared memory: value dimensions up "
                     f"to {VJP_SHARED_BYTES // (8 if wide else 4)}")
+    return True
+
+
+def _attention_verdict(q: Any, v: Any) -> bool | str:
+    """Whether the attention kernels are built for ``q``'s and ``v``'s head dimensions."""
+    d = int(q.shape[-1])
+    dv = int(v.shape[-1]) if v is not None else d
+    if max(d, dv) > MAX_HEAD_DIM:
+        return (f"attention kernels serve head dimensions up to {MAX_HEAD_DIM} "
+                f"(got D={d}, Dv={dv})")
     return True

@@ -6,10 +6,17 @@ pytest process that has already imported numba)::
 
     NUMBA_ENABLE_CUDASIM=1 python simulated.py kit float32,float64
     NUMBA_ENABLE_CUDASIM=1 python simulated.py plans
+    NUMBA_ENABLE_CUDASIM=1 python simulated.py attention float32
+    NUMBA_ENABLE_CUDASIM=1 python simulated.py attention-tiles
 
 ``kit`` runs the conformance kit on the numpy target; ``plans`` forces each row strategy
 (warp per row, block per row, several tiles per row) through the adapters' ``settings`` on
 random rows with special values and compares every operation with the reference backend.
+``attention`` runs the kit's attention and attention_vjp cases of :data:`ATTENTION_CASES` at
+the head dimensions of :data:`ATTENTION_HEAD_DIMS`; ``attention-tiles`` forces the smallest
+tiles (16 query rows, 16 keys a block) on :data:`TILE_CASES`, so blocks walk several query
+and key tiles, skip tiles outside causal and window bands and meet tails, and compares with
+the float64 reference.
 """
 
 from __future__ import annotations
@@ -59,6 +66,34 @@ five rows over two clusters, the second (one row fewer) starting late.  Every in
 ascending row (its maximum rises in every copy group) and a row whose first quarter is -inf
 (copy groups that land while the maximum is -inf).
 (Short rows, a group of threads each, are the simulator's default plan in the kit.)"""
+
+
+ATTENTION_OPS = ("attention", "attention_vjp")
+ATTENTION_HEAD_DIMS = ((16, 8), (16, 16), (24, 40))
+"""(D, Dv) of the simulated attention cases: the kit takes a value dimension of its own from
+the first pair and square heads from the second; (24, 40) has partial lane columns."""
+ATTENTION_CASES = {
+    "float32": ("attention_causal_alignments", "attention_grouped_query", "attention_masks",
+                "attention_softcap", "attention_broadcast_and_empty", "attention_vjp"),
+    "float64": ("attention_grouped_query", "attention_masks", "attention_vjp"),
+}
+"""The kit's attention cases the simulator runs in each dtype (its windows, random shapes,
+long rows and head dimensions take too long there; the forced-tile cases below and the GPU
+run of ``softmaxkit verify`` cover them): causal in both alignments with Lq above and below
+Lk, GQA with Dv != D, masks with empty rows and a window, softcap, broadcast leading
+dimensions with Lq or Lk of 0, and the gradient with all of these."""
+TILE_CASES: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "plain": ({}, ("float32", "float64")),
+    "causal-top-left": ({"causal": "top_left"}, ("float32",)),
+    "causal-window-gqa": ({"causal": "bottom_right", "window": (12, -1), "hq": 2, "hk": 1},
+                          ("float32",)),
+    "window": ({"window": (5, 3)}, ("float32",)),
+    "mask-empty-row": ({"mask": True, "causal": "top_left"}, ("float32", "float64")),
+    "softcap-dv": ({"softcap": 3.0, "dv": 24, "scale": 0.6}, ("float32",)),
+    "lq-longer": ({"causal": "bottom_right", "lq": 24, "lk": 15}, ("float32",)),
+}
+"""Forced-tile attention cases: options over B=1, Hq=Hk=1, Lq=20, Lk=35, D=Dv=16 (mask: a
+random one with query 5 fully excluded), and the dtypes each runs in."""
 
 
 def settings_of(forced: str):
@@ -212,6 +247,72 @@ def plans() -> None:
                     emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
 
 
+def attention_kit(dtypes: list[str]) -> None:
+    from softmaxkit.testing import cases
+
+    for c in cases(target="numpy", ops=ATTENTION_OPS, dtypes=dtypes,
+                   head_dims=ATTENTION_HEAD_DIMS):
+        if c.name not in ATTENTION_CASES[c.dtype]:
+            continue
+        rid = f"{c.name}[{c.dtype}]"
+        try:
+            checks = c.run("numba-cuda")
+            emit(id=rid, status="passed" if checks else "ran nothing", message="")
+        except Exception:
+            emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
+
+
+def _tile_case(name: str, opts: dict, dtype: str) -> None:
+    import array_api_compat.numpy as xp
+    from softmaxkit_numba_cuda import attention as adapters
+
+    from softmaxkit.reference import attention as reference
+
+    rng = np.random.default_rng(len(name))
+    b, hq, hk = 1, opts.get("hq", 1), opts.get("hk", 1)
+    lq, lk, d = opts.get("lq", 20), opts.get("lk", 35), 16
+    dv = opts.get("dv", d)
+    q, k, v = (rng.normal(size=s) for s in ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv)))
+    dout = rng.normal(size=(b, hq, lq, dv))
+    mask = None
+    if opts.get("mask"):
+        mask = rng.random((b, hq, lq, lk)) < 0.6
+        mask[:, :, 5] = False
+    kw = {"scale": opts.get("scale", d ** -0.5), "causal": opts.get("causal"),
+          "window": opts.get("window", (-1, -1)), "mask": mask, "softcap": opts.get("softcap")}
+    e_out, e_lse = reference.attention(xp, q=q, k=k, v=v, return_lse=True, **kw)
+    e_grads = reference.attention_vjp(xp, q=q, k=k, v=v, out=e_out, lse=e_lse, dout=dout,
+                                      **kw)
+    cast = [a.astype(dtype) for a in (q, k, v)]
+    out, lse = adapters.attention(xp=xp, q=cast[0], k=cast[1], v=cast[2], return_lse=True,
+                                  tiles=(1, 1), **kw)
+    grads = adapters.attention_vjp(xp=xp, q=cast[0], k=cast[1], v=cast[2],
+                                   out=e_out.astype(dtype), lse=e_lse.astype(dtype),
+                                   dout=dout.astype(dtype), tiles=(1, 1), **kw)
+    bound = {"float32": 1e-5, "float64": 1e-12}[dtype]
+    empty = e_lse == -np.inf
+    assert np.array_equal(lse == -np.inf, empty), "rows with no allowed key differ"
+    assert np.all(out[empty] == 0), "a row with no allowed key has nonzero out"
+    if mask is not None:
+        assert empty.any() and np.all(grads[0][empty] == 0), "an empty row has nonzero dq"
+    np.testing.assert_allclose(lse[~empty], e_lse[~empty], rtol=0, atol=10 * bound)
+    for what, got, want in (("out", out, e_out), *zip(("dq", "dk", "dv"), grads, e_grads,
+                                                      strict=True)):
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err <= bound, f"{what}: relative Frobenius error {err:.3g} > {bound}"
+
+
+def attention_tiles() -> None:
+    for name, (opts, dtypes) in TILE_CASES.items():
+        for dtype in dtypes:
+            rid = f"attention-tiles[{name}][{dtype}]"
+            try:
+                _tile_case(name, opts, dtype)
+                emit(id=rid, status="passed", message="")
+            except Exception:
+                emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
+
+
 def main() -> None:
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         sys.exit("run with NUMBA_ENABLE_CUDASIM=1")
@@ -220,6 +321,10 @@ def main() -> None:
     sys.setswitchinterval(0.0005)
     if sys.argv[1] == "kit":
         kit(sys.argv[2].split(","))
+    elif sys.argv[1] == "attention":
+        attention_kit(sys.argv[2].split(","))
+    elif sys.argv[1] == "attention-tiles":
+        attention_tiles()
     else:
         plans()
 

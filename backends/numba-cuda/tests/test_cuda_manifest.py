@@ -33,20 +33,40 @@ def test_entry_point_names_the_manifest():
 def test_manifest_serves_cuda_row_operations(monkeypatch):
     monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
     m = manifest()
-    for entry in m["serves"]:
+    rows, summaries, merges, attention = m["serves"]
+    for entry in (rows, summaries, merges):
         assert entry["devices"] == ["cuda"]
         assert set(entry["dtypes"]) == {"float16", "bfloat16", "float32", "float64"}
     served = {op for entry in m["serves"] for op in entry["ops"]}
     assert set(m["kernels"]) == served
     assert {"merge", "normalize", "merge_attention", "merge_attention_vjp"} <= served
-    # declined, and said so in the manifest's docstring
-    for op in ("attention", "attention_vjp"):
-        assert op not in m["kernels"]
-        assert op in importlib.import_module("softmaxkit_numba_cuda.manifest").__doc__
+    # exact attention on CUDA cores in float32 and float64; 16-bit stays with cupy
+    assert attention["devices"] == ["cuda"]
+    assert attention["ops"] == ["attention", "attention_vjp"]
+    assert attention["dtypes"] == ["float32", "float64"]
+    assert "16-bit attention" in importlib.import_module("softmaxkit_numba_cuda.manifest").__doc__
+
+
+def test_attention_kernels_are_importable_by_name():
+    m = manifest()
+    for op in ("attention", "attention_vjp", "merge_attention", "merge_attention_vjp"):
+        module, name = m["kernels"][op].split(":")
+        assert callable(getattr(importlib.import_module(module), name))
 
 
 def _call(op, device, **args):
     return SimpleNamespace(op=op, device=device, args=args)
+
+
+@pytest.mark.parametrize("op", ["attention", "attention_vjp"])
+def test_can_run_declines_attention_head_dims_above_256(monkeypatch, op):
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+    q, v = np.zeros((1, 1, 2, 256)), np.zeros((1, 1, 3, 256))
+    assert can_run(_call(op, "cpu", q=q, k=q, v=v)) is True
+    verdict = can_run(_call(op, "cpu", q=q, k=q, v=np.zeros((1, 1, 3, 264))))
+    assert isinstance(verdict, str) and "256" in verdict
+    verdict = can_run(_call(op, "cpu", q=np.zeros((1, 1, 2, 320)), k=q, v=v))
+    assert isinstance(verdict, str) and "D=320" in verdict
 
 
 def test_can_run_declines_host_arrays_without_the_simulator(monkeypatch):

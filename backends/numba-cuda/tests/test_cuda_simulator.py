@@ -1,4 +1,5 @@
-"""The kernels under Numba's CUDA simulator: the conformance kit and every row strategy.
+"""The kernels under Numba's CUDA simulator: the conformance kit, every row strategy and the
+float32 / float64 attention kernels (the kit's attention cases, and forced small tiles).
 
 numba reads NUMBA_ENABLE_CUDASIM once, at its first import, and other backends' tests import
 numba in this process, so the simulated runs happen in subprocesses (``simulated.py``), two
@@ -19,12 +20,26 @@ from softmaxkit.testing import cases
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from simulated import PLANS, ROW_OPS, SUMMARY_OPS  # noqa: E402
+from simulated import (  # noqa: E402
+    ATTENTION_CASES,
+    ATTENTION_HEAD_DIMS,
+    ATTENTION_OPS,
+    PLANS,
+    ROW_OPS,
+    SUMMARY_OPS,
+    TILE_CASES,
+)
 
 sys.path.remove(str(HERE))
 
-JOBS = (("kit", "float32,float64"), ("kit", "float16,bfloat16"), ("plans",))
+JOBS = (("kit", "float32,float64"), ("kit", "float16,bfloat16"), ("plans",),
+        ("attention", "float32"), ("attention", "float64"), ("attention-tiles",))
 KIT_IDS = [f"{c.name}[{c.dtype}]" for c in cases(target="numpy", ops=ROW_OPS + SUMMARY_OPS)]
+ATTENTION_IDS = [f"{c.name}[{c.dtype}]" for c in cases(
+    target="numpy", ops=ATTENTION_OPS, dtypes=("float32", "float64"),
+    head_dims=ATTENTION_HEAD_DIMS) if c.name in ATTENTION_CASES[c.dtype]]
+TILE_IDS = [f"attention-tiles[{name}][{d}]" for name, (_, dtypes) in TILE_CASES.items()
+            for d in dtypes]
 PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p, (_, dtypes, ops) in PLANS.items() for d in dtypes
             for op in ops]
 
@@ -38,7 +53,7 @@ def simulated() -> dict[str, dict]:
              for job in JOBS]
     results: dict[str, dict] = {}
     for proc in procs:
-        out, _ = proc.communicate(timeout=900)
+        out, _ = proc.communicate(timeout=1800)
         assert proc.returncode == 0, out[-4000:]
         for line in out.splitlines():
             if line.startswith("RESULT "):
@@ -56,6 +71,18 @@ def _check(results: dict[str, dict], rid: str) -> None:
 @pytest.mark.parametrize("rid", KIT_IDS)
 def test_conformance_kit_under_simulator(simulated, rid):
     _check(simulated, rid)
+
+
+@pytest.mark.parametrize("rid", ATTENTION_IDS)
+def test_attention_kit_under_simulator(simulated, rid):
+    _check(simulated, rid)
+    assert simulated[rid]["status"] == "passed", simulated[rid]["message"]
+
+
+@pytest.mark.parametrize("rid", TILE_IDS)
+def test_attention_tiles_under_simulator(simulated, rid):
+    _check(simulated, rid)
+    assert simulated[rid]["status"] == "passed"
 
 
 @pytest.mark.parametrize("rid", PLAN_IDS)

@@ -139,7 +139,32 @@ def kernels():
                f"{acc}[:, ::1], int64)")
         out.append((f"merge_attention_vjp-{kind}", fn, sig, attention.VJP_THREADS, 0, kind,
                     attention.VJP_REGISTERS))
-    return out
+    return out + attention_kernels()
+
+
+def attention_kernels():
+    """The float32 / float64 attention kernels (forward and backward, without mask and
+    softcap) at the head dimensions of the benchmarks and the tile limits, each under its
+    register cap (the seventh field)."""
+    from softmaxkit_numba_cuda import attention_kernels as ak
+
+    out = []
+    for kind in ("float32", "float64"):
+        for d, dv in ((32, 32), (64, 64), (128, 128), (192, 128), (256, 256)):
+            tag = f"{kind}-{d}x{dv}"
+            a4 = f"{kind}[:, :, :, ::1]"
+            rm, cn = ak.tiles(ak.FORWARD_TILES, kind, d, dv)
+            fn = ak.forward(kind, d, dv, rm, cn, False, False)
+            sig = (f"({a4}, {a4}, {a4}, boolean[:, :, :, :], {a4}, {kind}[:, :, ::1], float64, "
+                   "float64, int64, int64, int64, int64)")
+            out.append((f"attention-{tag}-{rm}x{cn}", fn, sig, ak.THREADS, 0, kind,
+                        ak.REGISTERS[kind]))
+            rn, cm = ak.tiles(ak.BACKWARD_TILES, kind, d, dv)
+            fn = ak.backward(kind, d, dv, rn, cm, False, False)
+            sig = (f"({a4}, {a4}, {a4}, {a4}, boolean[:, :, :, :], {kind}[::1], {kind}[::1], "
+                   f"{a4}, {a4}, {a4}, float64, float64, float64, int64, int64, int64)")
+            out.append((f"attention_vjp-{tag}-{rn}x{cm}", fn, sig, ak.THREADS, 0, kind,
+                        ak.REGISTERS[kind]))
 
 
 def main() -> None:
