@@ -163,6 +163,28 @@ else:
 
 
 @functools.cache
+def _stager(acc_name: str):
+    """Device function ``stage(smem, off, stride, src, row0, rows, width, limit, cols, mult)``:
+    rows ``row0 .. row0 + rows`` of ``src`` [L, cols] times ``mult``, transposed into shared
+    memory (column ``c`` of row ``r`` at ``off + c * stride + r``) over ``width`` padded
+    columns; rows at or past ``limit`` and columns at or past ``cols`` are staged as 0.  Every
+    thread of the block calls it."""
+    _, acc = accumulator(acc_name)
+    zero = acc(0.0)
+
+    def stage(smem, off, stride, src, row0, rows, width, limit, cols, mult):
+        for e in range(cuda.threadIdx.x, rows * width, THREADS):
+            r = e // width
+            c = e - r * width
+            x = zero
+            if row0 + r < limit and c < cols:
+                x = acc(src[u(row0 + r), u(c)]) * mult
+            smem[u(off + c * stride + r)] = x
+
+    return stage if SIMULATOR else cuda.jit(device=True, inline="always")(stage)
+
+
+@functools.cache
 def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: bool,
             registers: int = 0):
     """Kernel ``(q, k, v, mask, out, lse, qk_mult, cap_mult, offset, lo, hi, q_tiles)``.
@@ -184,6 +206,7 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
     v_off = k_off + d * ks
     p_off = v_off + dvp * ks
     zero, one, neg_inf = acc(0.0), acc(1.0), acc(NEG_INF)
+    stage = _stager(acc_name)
     ln2 = acc(math.log(2.0))
     regs = registers or REGISTERS[acc_name]
 
@@ -210,6 +233,8 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
         n_hi = min(lk, last + offset + hi + 1)
         qm = acc(qk_mult)
         cm = acc(cap_mult)
+        # Q (scaled) and each K tile fill exactly d columns: staged without the column test of
+        # stage(), which the compiler does not remove and which changes the kernel's code
         for e in range(tid, bm * d, THREADS):
             r = e // d
             c = e - r * d
@@ -240,13 +265,7 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
                 if n0 + r < lk:
                     x = acc(kb[u(n0 + r), u(c)])
                 smem[u(k_off + c * ks + r)] = x
-            for e in range(tid, bn * dvp, THREADS):
-                r = e // dvp
-                c = e - r * dvp
-                x = zero
-                if n0 + r < lk and c < dv:
-                    x = acc(vb[u(n0 + r), u(c)])
-                smem[u(v_off + c * ks + r)] = x
+            stage(smem, v_off, ks, vb, n0, bn, dvp, lk, dv, one)
             cuda.syncthreads()
 
             for i in range(rm):
@@ -389,6 +408,7 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
     l_off = s_off + bn * qs
     d_off = l_off + bm
     zero, one, pos_inf = acc(0.0), acc(1.0), acc(POS_INF)
+    stage = _stager(acc_name)
     regs = registers or REGISTERS[acc_name]
 
     @kernel(THREADS, 0, registers=regs)
@@ -411,20 +431,8 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
         qm = acc(qk_mult)
         capm = acc(cap_mult)
         dsm = acc(ds_mult)
-        for e in range(tid, bn * dp, THREADS):
-            r = e // dp
-            c = e - r * dp
-            x = zero
-            if n0 + r < lk and c < d:
-                x = acc(kb[u(n0 + r), u(c)])
-            smem[u(c * ks + r)] = x
-        for e in range(tid, bn * dvp, THREADS):
-            r = e // dvp
-            c = e - r * dvp
-            x = zero
-            if n0 + r < lk and c < dv:
-                x = acc(vb[u(n0 + r), u(c)])
-            smem[u(v_off + c * ks + r)] = x
+        stage(smem, 0, ks, kb, n0, bn, dp, lk, d, one)
+        stage(smem, v_off, ks, vb, n0, bn, dvp, lk, dv, one)
 
         dka = cuda.local.array((rn, dc), acc)
         dva = cuda.local.array((rn, vc), acc)
@@ -449,20 +457,8 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
             mh = mask[b, h] if masked else mask[0, 0]
             for m0 in range(i_lo, i_hi, bm):
                 cuda.syncthreads()  # the last tile's operands are read (and K, V staged)
-                for e in range(tid, bm * dp, THREADS):
-                    r = e // dp
-                    c = e - r * dp
-                    x = zero
-                    if m0 + r < lq and c < d:
-                        x = acc(qh[u(m0 + r), u(c)])
-                    smem[u(q_off + c * qs + r)] = x
-                for e in range(tid, bm * dvp, THREADS):
-                    r = e // dvp
-                    c = e - r * dvp
-                    x = zero
-                    if m0 + r < lq and c < dv:
-                        x = acc(gh[u(m0 + r), u(c)])
-                    smem[u(g_off + c * qs + r)] = x
+                stage(smem, q_off, qs, qh, m0, bm, dp, lq, d, one)
+                stage(smem, g_off, qs, gh, m0, bm, dvp, lq, dv, one)
                 for r in range(tid, bm, THREADS):
                     if m0 + r < lq:
                         smem[u(l_off + r)] = lse2[u(row_base + m0 + r)]

@@ -165,6 +165,7 @@ def attention_kernels():
                    f"{a4}, {a4}, {a4}, float64, float64, float64, int64, int64, int64)")
             out.append((f"attention_vjp-{tag}-{rn}x{cm}", fn, sig, ak.THREADS, 0, kind,
                         ak.REGISTERS[kind]))
+    return out
 
 
 def main() -> None:
