@@ -127,20 +127,33 @@ def _can_run_attention(call: Any) -> bool | str:
     ) or True
 
 
-def _can_run_attention_vjp(call: Any) -> bool | str:
-    args = call.args
+def _operands_reason(args: dict[str, Any], together: tuple[str, ...], library_note: str,
+                     grads: bool) -> str | None:
+    """Why the arrays of an attention call cannot reach one kernel, or None: ``q`` and the
+    arrays named in ``together`` (those given) in one library, q, k, v (and out, dout for a
+    gradient) in one dtype, and a gradient's lse in float32."""
     lib = _library(args["q"])
     if lib is None:
         return ("inputs must be CuPy arrays or PyTorch CUDA tensors, "
                 f"got {type(args['q']).__name__}")
-    names = ("k", "v", "out", "lse", "dout", "mask")
-    if any(args.get(n) is not None and _library(args[n]) != lib for n in names):
-        return "q, k, v, out, lse, dout and mask must live in one library"
+    if any(args.get(n) is not None and _library(args[n]) != lib for n in together):
+        return library_note
     dtype = _name(args["q"].dtype)
-    if any(_name(args[n].dtype) != dtype for n in ("k", "v", "out", "dout")):
-        return "q, k, v, out and dout must share one dtype"
-    if _name(args["lse"].dtype) != "float32":
+    if any(_name(args[n].dtype) != dtype for n in ("k", "v", *(("out", "dout") if grads else ()))):
+        return ("q, k, v, out and dout must share one dtype" if grads
+                else "q, k and v must share one dtype")
+    if grads and _name(args["lse"].dtype) != "float32":
         return "lse must be float32"
+    return None
+
+
+def _can_run_attention_vjp(call: Any) -> bool | str:
+    args = call.args
+    reason = _operands_reason(args, ("k", "v", "out", "lse", "dout", "mask"),
+                              "q, k, v, out, lse, dout and mask must live in one library", True)
+    if reason:
+        return reason
+    dtype = _name(args["q"].dtype)
     return attention_vjp_reason(
         dtype, tuple(args["q"].shape), tuple(args["k"].shape), tuple(args["v"].shape)
     ) or True
@@ -158,21 +171,13 @@ def attention_vjp_reason(
 
 def _can_run_varlen(call: Any) -> bool | str:
     args = call.args
-    lib = _library(args["q"])
-    if lib is None:
-        return ("inputs must be CuPy arrays or PyTorch CUDA tensors, "
-                f"got {type(args['q']).__name__}")
-    names = ("k", "v", "cu_seqlens_q", "cu_seqlens_k", "out", "lse", "dout")
-    if any(args.get(n) is not None and _library(args[n]) != lib for n in names):
-        return "the arrays and the cumulative lengths must live in one library"
+    reason = _operands_reason(
+        args, ("k", "v", "cu_seqlens_q", "cu_seqlens_k", "out", "lse", "dout"),
+        "the arrays and the cumulative lengths must live in one library",
+        call.op == "varlen_attention_vjp")
+    if reason:
+        return reason
     dtype = _name(args["q"].dtype)
-    grads = call.op == "varlen_attention_vjp"
-    if any(_name(args[n].dtype) != dtype
-           for n in ("k", "v", *(("out", "dout") if grads else ()))):
-        return "q, k, v, out and dout must share one dtype" if grads else (
-            "q, k and v must share one dtype")
-    if grads and _name(args["lse"].dtype) != "float32":
-        return "lse must be float32"
     batches = int(args["cu_seqlens_q"].shape[0]) - 1
     return varlen_reason(dtype, batches, tuple(args["q"].shape), tuple(args["k"].shape),
                          tuple(args["v"].shape)) or True
