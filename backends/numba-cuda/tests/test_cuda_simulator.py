@@ -58,8 +58,7 @@ def simulated() -> dict[str, dict]:
         assert proc.returncode == 0, proc.stdout[-4000:]
         return proc.stdout
 
-    # two at a time: the simulator runs a block's threads as Python threads, and more
-    # processes than cores starve them (seen as kernels failing in threads of a block)
+    # two at a time: CI has two cores
     with ThreadPoolExecutor(max_workers=2) as pool:
         outputs = list(pool.map(run, JOBS))
     results: dict[str, dict] = {}
