@@ -2,8 +2,8 @@
 float32 / float64 attention kernels (the kit's attention cases, and forced small tiles).
 
 numba reads NUMBA_ENABLE_CUDASIM once, at its first import, and other backends' tests import
-numba in this process, so the simulated runs happen in subprocesses (``simulated.py``), two
-at a time, each printing one JSON line per result.
+numba in this process, so the simulated runs happen in subprocesses (``simulated.py``), each
+printing one JSON line per result, in the background while the rest of the suite runs.
 """
 
 from __future__ import annotations
@@ -46,28 +46,64 @@ PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p, (_, dtypes, ops) in PLANS.items() for 
             for op in ops]
 
 
+class SimulatedRuns:
+    """The simulated runs of :data:`JOBS`, two at a time (CI has two cores) in the background.
+
+    ``conftest.py`` starts them when this module's tests are collected and moves the tests to
+    the end of the session, so the runs overlap the rest of the suite; :meth:`results` waits.
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list = []
+        self._procs: list[subprocess.Popen] = []
+        self._stopped = False
+
+    def start(self) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2)
+            self._futures = [self._pool.submit(self._run, job) for job in JOBS]
+
+    def _run(self, job: tuple[str, ...]) -> str:
+        if self._stopped:
+            return ""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("SOFTMAXKIT_NUMBA_CUDA_")}
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+        proc = subprocess.Popen([sys.executable, str(HERE / "simulated.py"), *job], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._procs.append(proc)
+        out, _ = proc.communicate(timeout=1800)
+        assert proc.returncode == 0, f"{job}: exit {proc.returncode}\n{out[-4000:]}"
+        return out
+
+    def results(self) -> dict[str, dict]:
+        """Every run's results by id, once all have finished."""
+        self.start()
+        results: dict[str, dict] = {}
+        for future in self._futures:
+            for line in future.result().splitlines():
+                if line.startswith("RESULT "):
+                    record = json.loads(line[len("RESULT "):])
+                    results[record["id"]] = record
+        return results
+
+    def stop(self) -> None:
+        """End the runs still going (a session that stops early)."""
+        self._stopped = True
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+RUNS = SimulatedRuns()
+
+
 @pytest.fixture(scope="module")
 def simulated() -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SOFTMAXKIT_NUMBA_CUDA_")}
-    env["NUMBA_ENABLE_CUDASIM"] = "1"
-
-    def run(job: tuple[str, ...]) -> str:
-        proc = subprocess.run([sys.executable, str(HERE / "simulated.py"), *job], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=1800)
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        return proc.stdout
-
-    # two at a time: CI has two cores
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        outputs = list(pool.map(run, JOBS))
-    results: dict[str, dict] = {}
-    for out in outputs:
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                record = json.loads(line[len("RESULT "):])
-                results[record["id"]] = record
-    return results
+    return RUNS.results()
 
 
 def _check(results: dict[str, dict], rid: str) -> None:
