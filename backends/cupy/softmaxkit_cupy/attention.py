@@ -31,6 +31,7 @@ from .configs import (
     decode_name,
     decode_shared_bytes,
     merge_name,
+    paged_names,
     varlen_backward_names,
     varlen_names,
 )
@@ -61,6 +62,8 @@ def _kernel(name: str, shared: int) -> Any:
             filename, names = "attention_bwd.cu", varlen_backward_names()
         if name not in names:  # another configuration asked for explicitly: built alone
             names = (name,)
+    elif name.startswith("sk_attn_decode_paged"):  # paged decoding: a module of its own
+        filename, names = "attention.cu", paged_names()
     elif name.startswith("sk_attn_bwd"):
         filename, names = "attention_bwd.cu", backward_names()
         if name not in names:  # an alternative backward configuration asked for explicitly
