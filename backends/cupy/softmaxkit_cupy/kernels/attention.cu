@@ -373,19 +373,29 @@ struct SkPagedRows {
     template <int ROWS, int THREADS>
     __device__ __forceinline__ void load(T* smem, const T* base, long long sp, long long sl,
                                          int n, int valid) const {
-        constexpr int CHUNKS = D / 8;
+        constexpr int CHUNKS = D / 8, STEPS = ROWS * CHUNKS / THREADS;
+        static_assert(ROWS * CHUNKS % THREADS == 0, "whole steps of the tile's chunks");
+        // every page index of the thread's rows first, then the copies: the loads are
+        // independent, so their latencies overlap (cp.async's memory clobber would
+        // otherwise order each one after the previous copy)
+        int page[STEPS], slot[STEPS];
 #pragma unroll
-        for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
-            const int r = c / CHUNKS, ch = c % CHUNKS;
-            const bool ok = r < valid;
-            const int p = n + (ok ? r : 0);
-            const int page = static_cast<int>(
+        for (int i = 0; i < STEPS; ++i) {
+            const int r = (threadIdx.x + i * THREADS) / CHUNKS;
+            const int p = n + (r < valid ? r : 0);
+            const int at = static_cast<int>(
                 (static_cast<unsigned long long>(static_cast<unsigned>(p)) * page_mul) >>
                 page_shift);
-            const int slot = p - page * page_size;
-            const T* src = base + static_cast<long long>(__ldg(pages + page)) * sp +
-                           static_cast<long long>(slot) * sl + ch * 8;
-            sk_cp_async16(smem + sk_swz<D>(r, ch * 8), src, ok);
+            slot[i] = p - at * page_size;
+            page[i] = __ldg(pages + at);
+        }
+#pragma unroll
+        for (int i = 0; i < STEPS; ++i) {
+            const int c = threadIdx.x + i * THREADS;
+            const int r = c / CHUNKS, ch = c % CHUNKS;
+            const T* src = base + static_cast<long long>(page[i]) * sp +
+                           static_cast<long long>(slot[i]) * sl + ch * 8;
+            sk_cp_async16(smem + sk_swz<D>(r, ch * 8), src, r < valid);
         }
     }
     template <int ROWS, int THREADS>
