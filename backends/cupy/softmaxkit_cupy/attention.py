@@ -9,6 +9,7 @@ their results are fixed by the spec ("Attention") and made here without a launch
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -79,10 +80,19 @@ def _kernel(name: str, shared: int) -> Any:
     return kernel
 
 
-def _multiprocessors() -> int:
+@functools.cache
+def _multiprocessors_of(device: int) -> int:
     import cupy
 
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    # Device.attributes queries every attribute of the device: once per device
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def _multiprocessors() -> int:
+    """The multiprocessors of the current device (the one a launch context selected)."""
+    import cupy
+
+    return _multiprocessors_of(cupy.cuda.runtime.getDevice())
 
 
 def splits_for(batch_heads: int, lk: int, multiprocessors: int) -> tuple[int, int]:
