@@ -206,3 +206,76 @@ def test_calls_without_work_match_the_reference(shape, dtype) -> None:
                                           causal=None, window=(-1, -1), softcap=None,
                                           return_lse=False)
     assert none is None and plain.shape == out.shape
+
+
+_C_TO_NUMPY = {"long long": np.int64, "int": np.int32, "unsigned": np.uint32,
+               "float": np.float32}
+
+
+def _kernel_parameters(name: str) -> list[type]:
+    """The numpy scalar type each parameter of ``__global__ ... name(...)`` in
+    kernels/attention.cu takes (pointers as uint64), read from the source."""
+    import re
+
+    from softmaxkit_cupy.compiler import KERNELS
+
+    text = (KERNELS / "attention.cu").read_text()
+    head = re.search(rf"__global__ void __launch_bounds__\([^)]*\) {name}\(([^)]*)\)", text)
+    assert head is not None, name
+    types = []
+    for param in head.group(1).split(","):
+        words = param.replace("__restrict__", "").replace("const", "").split()
+        if "*" in param:
+            types.append(np.uint64)
+        else:
+            types.append(_C_TO_NUMPY[" ".join(words[:-1])])
+    return types
+
+
+@pytest.mark.parametrize("table_dtype", ["int32", "int64"])
+def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_dtype) -> None:
+    """The adapter's launch against the kernel's parameter list (count and scalar type of
+    each), and the values that place the pools, the table and the splits; CPU tensors stand
+    in for CUDA ones and the launch is recorded, not run."""
+    torch = pytest.importorskip("torch")
+    import contextlib
+
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import interop
+    from softmaxkit_cupy import paged as adapter
+
+    launches = []
+
+    class Kernel:
+        def __call__(self, grid, block, args, shared_mem=0):
+            launches.append((grid, block, args, shared_mem))
+
+    names = []
+    monkeypatch.setattr(adapter, "_kernel", lambda name, shared: names.append(name) or Kernel())
+    monkeypatch.setattr(adapter, "_multiprocessors", lambda: 132)
+    monkeypatch.setattr(adapter, "_merge", lambda outs, lses, dtype: (
+        torch.zeros(outs.shape[1:]), torch.zeros(lses.shape[1:])))
+    monkeypatch.setattr(interop, "launch_context", lambda a: contextlib.nullcontext())
+    b, hq, hk, lq, d, size, max_pages = 3, 8, 2, 2, 128, 16, 70
+    q = torch.zeros((b, hq, lq, d), dtype=torch.bfloat16)
+    pools = torch.zeros((2, 400, hk, size, d), dtype=torch.bfloat16)  # k and v in one cache
+    itype = getattr(torch, table_dtype)
+    table = torch.zeros((b, max_pages), dtype=itype)
+    lens = torch.tensor([5, 1000, 0], dtype=itype)
+    adapter.paged_attention(xp, q=q, k_pages=pools[0], v_pages=pools[1], block_table=table,
+                            seqlens=lens, scale=0.1, causal="bottom_right", window=(7, -1),
+                            softcap=None, return_lse=True)
+    (grid, block, args, shared), = launches
+    assert names == [decode_paged_name("bfloat16", d)]
+    expected = _kernel_parameters("sk_attn_decode_paged")
+    assert [type(a) for a in args] == expected
+    splits, chunk = adapter.splits_for(b * hk, max_pages * size, 132)
+    assert grid == (splits, hk, b) and splits * chunk >= max_pages * size
+    assert block == (128,) and shared == adapter.decode_shared_bytes(d)
+    page = hk * size * d
+    assert [int(a) for a in args[7:17]] == [hq * lq * d, lq * d, d, page, size * d, d, page,
+                                            size * d, d, max_pages]
+    assert int(args[1]) == pools[0].data_ptr() and int(args[2]) == pools[1].data_ptr()
+    mul, shift = page_divisor(size)
+    assert [int(a) for a in args[17:24]] == [size, mul, shift, hq, hk, lq, chunk]
+    assert [float(a) for a in args[25:]] == [0.0, 1.0, 7.0, -1.0]
