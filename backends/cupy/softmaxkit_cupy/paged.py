@@ -12,6 +12,9 @@ and walks keys ``[split * chunk, (split + 1) * chunk)`` of it, and the splits' p
 are merged by the merge kernel.  The grid spans the table's capacity (``max_pages * S``
 keys), read from shapes alone, so the adapter never synchronizes with the device; a split
 past a sequence's end writes an empty partial state (lse -inf), which the merge leaves out.
+With a left window bound the kernel starts each sequence at the first query's window, so the
+grid spans at most ``left + Lq`` keys and a sliding window over a long cache reads only the
+window's pages.
 Calls with no query row, or whose table holds no page (every sequence empty), have results
 fixed by the spec and are made without a launch.
 """
@@ -51,6 +54,34 @@ def page_divisor(page_size: int) -> tuple[int, int]:
         raise ValueError(f"page_size must lie in [1, 2**31); got {page_size}")
     shift = 31 + (page_size - 1).bit_length()
     return -(-(1 << shift) // page_size), shift
+
+
+def window_span(window: tuple[int, int], lq: int, capacity: int) -> tuple[int, int, int]:
+    """``(left, right, span)``: the window bounds the kernel takes and the keys its grid spans.
+
+    A bound past ``capacity + lq`` excludes no key of a sequence of at most ``capacity``
+    keys, so it is clamped there (and fits the kernel's int32).  With a left bound the kernel
+    starts each sequence at the first query's window, ``max(0, seqlens[b] - lq - left)``,
+    so the grid spans at most ``left + lq`` keys; else the table's capacity.
+
+    Parameters
+    ----------
+    window : (int, int)
+        ``(left, right)``, -1 unbounded.
+    lq : int
+        Queries per sequence.
+    capacity : int
+        ``max_pages * page_size``: the most keys a sequence has.
+
+    Returns
+    -------
+    left, right : int
+        The bounds passed to the kernel.
+    span : int
+        The most keys of a sequence the kernel walks.
+    """
+    left, right = (min(int(w), capacity + lq) for w in window)
+    return left, right, capacity if left < 0 else min(capacity, left + lq)
 
 
 def _int32(xp: Any, a: Any) -> Any:
@@ -110,11 +141,11 @@ def paged_attention(
     q, k_pages, v_pages = (_rows_ready(xp, a) for a in (q, k_pages, v_pages))
     table, lens = _int32(xp, block_table), _int32(xp, seqlens)
     mul, shift = page_divisor(page_size)
-    left, right = (int(w) for w in window)
+    left, right, span = window_span(window, lq, capacity)
     ptr = interop.pointer
     qs, ks, vs = (interop.element_strides(a) for a in (q, k_pages, v_pages))
     with interop.launch_context(q):
-        splits, chunk = splits_for(b * hk, capacity, _multiprocessors())
+        splits, chunk = splits_for(b * hk, span, _multiprocessors())
         rows = b * hq * lq
         part_out = interop.empty(q, (splits, rows, d), "float32")
         part_lse = interop.empty(q, (splits, rows), "float32")

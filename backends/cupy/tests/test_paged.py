@@ -232,8 +232,19 @@ def _kernel_parameters(name: str) -> list[type]:
     return types
 
 
+# (window, keys the grid spans, (left, right) passed) with max_pages * S = 1120, Lq = 2
+WINDOWS = [
+    ((7, -1), 9, (7, -1)),           # a sliding window: the grid spans left + Lq keys
+    ((-1, -1), 1120, (-1, -1)),      # no window: the table's capacity
+    ((-1, 4), 1120, (-1, 4)),        # a right bound alone leaves every key reachable
+    ((1500, 2**40), 1120, (1122, 1122)),  # bounds past capacity + Lq exclude nothing
+]
+
+
 @pytest.mark.parametrize("table_dtype", ["int32", "int64"])
-def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_dtype) -> None:
+@pytest.mark.parametrize(("window", "span", "sent"), WINDOWS)
+def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_dtype, window,
+                                                             span, sent) -> None:
     """The adapter's launch against the kernel's parameter list (count and scalar type of
     each), and the values that place the pools, the table and the splits; CPU tensors stand
     in for CUDA ones and the launch is recorded, not run."""
@@ -263,14 +274,14 @@ def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_
     table = torch.zeros((b, max_pages), dtype=itype)
     lens = torch.tensor([5, 1000, 0], dtype=itype)
     adapter.paged_attention(xp, q=q, k_pages=pools[0], v_pages=pools[1], block_table=table,
-                            seqlens=lens, scale=0.1, causal="bottom_right", window=(7, -1),
+                            seqlens=lens, scale=0.1, causal="bottom_right", window=window,
                             softcap=None, return_lse=True)
     (grid, block, args, shared), = launches
     assert names == [decode_paged_name("bfloat16", d)]
     expected = _kernel_parameters("sk_attn_decode_paged")
     assert [type(a) for a in args] == expected
-    splits, chunk = adapter.splits_for(b * hk, max_pages * size, 132)
-    assert grid == (splits, hk, b) and splits * chunk >= max_pages * size
+    splits, chunk = adapter.splits_for(b * hk, span, 132)
+    assert grid == (splits, hk, b) and splits * chunk >= span
     assert block == (128,) and shared == adapter.decode_shared_bytes(d)
     page = hk * size * d
     assert [int(a) for a in args[7:17]] == [hq * lq * d, lq * d, d, page, size * d, d, page,
@@ -278,4 +289,39 @@ def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_
     assert int(args[1]) == pools[0].data_ptr() and int(args[2]) == pools[1].data_ptr()
     mul, shift = page_divisor(size)
     assert [int(a) for a in args[17:24]] == [size, mul, shift, hq, hk, lq, chunk]
-    assert [float(a) for a in args[25:]] == [0.0, 1.0, 7.0, -1.0]
+    assert [float(a) for a in args[25:]] == [0.0, 1.0, *sent]
+
+
+def _allowed(lk, lq, causal, left, right, shift=0):
+    """Per query, the keys the spec allows (``shift`` moves the diagonal down by that many
+    keys and the key indices up, as the kernel's ``first`` does)."""
+    rows = []
+    for i in range(lq):
+        d = i + lk - lq
+        rows.append({j + shift for j in range(lk - shift)
+                     if (not causal or j <= d - shift) and (left < 0 or j >= d - shift - left)
+                     and (right < 0 or j <= d - shift + right)})
+    return rows
+
+
+def test_window_span_and_first_key_leave_out_only_keys_no_query_sees() -> None:
+    """The kernel walks keys ``[first, seqlens[b])`` with ``first = max(0, seqlens[b] - lq -
+    left)`` (left >= 0), its diagonal shifted by ``first``, over splits spanning
+    ``window_span``'s keys: the keys allowed are the spec's, on random sequences."""
+    from softmaxkit_cupy.attention import splits_for
+    from softmaxkit_cupy.paged import window_span
+
+    rng = np.random.default_rng(5)
+    for _ in range(1500):
+        capacity = int(rng.choice([1, 4, 16, 64, 300, 1000]))
+        lk, lq = int(rng.integers(0, capacity + 1)), int(rng.integers(1, 17))
+        causal = bool(rng.random() < 0.5)
+        window = (int(rng.choice([-1, 0, 1, 3, 50, 700, 2**40])),
+                  int(rng.choice([-1, 0, 2, 40, 2**40])))
+        left, right, span = window_span(window, lq, capacity)
+        assert max(left, right) < 2**31
+        first = max(0, lk - lq - left) if left >= 0 else 0
+        splits, chunk = splits_for(4, span, 132)
+        assert lk - first <= splits * chunk  # every key the kernel must see has a split
+        got = _allowed(lk, lq, causal, left, right, shift=first)
+        assert got == _allowed(lk, lq, causal, *window), (lk, lq, causal, window, capacity)

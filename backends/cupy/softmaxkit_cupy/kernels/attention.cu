@@ -359,7 +359,7 @@ struct SkDenseKeys {
 
 // Paged (spec "Paged attention"): key position p of sequence b is row p % S of page
 // pages[p / S], pages being row b of the block table; k and v point at the key head's rows
-// of page 0.  p / S is one multiply-high by a host-computed magic (mul, shift), S being a
+// of page 0, and the body's key n is the sequence's key first + n.  p / S is one multiply-high by a host-computed magic (mul, shift), S being a
 // runtime value.  A row at or past `valid` reads neither the block table nor the pool (its
 // address is the tile's first row's, and cp.async copies 0 bytes from it).
 template <typename T, int D>
@@ -370,6 +370,7 @@ struct SkPagedRows {
     long long k_sp, k_sl, v_sp, v_sl;
     unsigned page_mul;
     int page_shift, page_size;
+    int first;  // the sequence's key position of the body's key 0
     template <int ROWS, int THREADS>
     __device__ __forceinline__ void load(T* smem, const T* base, long long sp, long long sl,
                                          int n, int valid) const {
@@ -382,7 +383,7 @@ struct SkPagedRows {
 #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
             const int r = (threadIdx.x + i * THREADS) / CHUNKS;
-            const int p = n + (r < valid ? r : 0);
+            const int p = first + n + (r < valid ? r : 0);
             const int at = static_cast<int>(
                 (static_cast<unsigned long long>(static_cast<unsigned>(p)) * page_mul) >>
                 page_shift);
@@ -414,10 +415,10 @@ struct SkPagedKeys {
     const int* block_table;
     long long k_sp, k_sh, k_sl, v_sp, v_sh, v_sl, t_sb;
     unsigned page_mul;
-    int page_shift, page_size;
+    int page_shift, page_size, first;
     __device__ __forceinline__ SkPagedRows<T, D> at(int b, int kh) const {
         return {k_pages + kh * k_sh, v_pages + kh * v_sh, block_table + b * t_sb, k_sp, k_sl,
-                v_sp, v_sl, page_mul, page_shift, page_size};
+                v_sp, v_sl, page_mul, page_shift, page_size, first};
     }
 };
 
@@ -624,8 +625,12 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
 // as for sk_attn_decode, with split s taking keys [s * chunk, (s + 1) * chunk) of the
 // sequence; k_pages [P, Hk, S, D] and v_pages [P, Hk, S, D] by page, head and row strides
 // (elements), block_table int32 [B, max_pages] with row stride t_sb, seqlens int32 [B].
-// Sequence b has lk = seqlens[b] keys and its queries sit on the last Lq positions
+// Sequence b has seqlens[b] keys and its queries sit on the last Lq positions
 // (bottom-right); a split past its end writes an empty partial state (out 0, lse -inf).
+// With a left window bound the keys before the first query's window, which no query sees,
+// are left out: the body walks keys [first, seqlens[b]) as its keys 0.., its causal
+// diagonal and window shifted by first (the same exclusions), so a sliding window over a
+// long cache reads only the window and the grid need span no more than left + Lq keys.
 template <typename T, int D, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode_paged(
     const T* __restrict__ q, const T* __restrict__ k_pages, const T* __restrict__ v_pages,
@@ -635,12 +640,14 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode_paged(
     long long v_sp, long long v_sh, long long v_sl, long long t_sb, int page_size,
     unsigned page_mul, int page_shift, int hq, int hk, int lq, int chunk, float scale,
     float softcap, int causal, int left, int right) {
-    const int lk = __ldg(seqlens + blockIdx.z);
+    const int len = __ldg(seqlens + blockIdx.z);
+    const int first =
+        left >= 0 ? static_cast<int>(max(0LL, static_cast<long long>(len) - lq - left)) : 0;
     const SkPagedKeys<T, D> keys{k_pages, v_pages, block_table, k_sp, k_sh, k_sl, v_sp, v_sh,
-                                 v_sl, t_sb, page_mul, page_shift, page_size};
+                                 v_sl, t_sb, page_mul, page_shift, page_size, first};
     sk_attn_decode_body<T, D, WARPS>(q, keys, nullptr, part_out, part_lse, q_sb, q_sh, q_sl,
-                                     0, 0, 0, 0, hq, hk, lq, lk, chunk, scale, softcap,
-                                     lk - lq, causal, left, right);
+                                     0, 0, 0, 0, hq, hk, lq, len - first, chunk, scale,
+                                     softcap, len - lq - first, causal, left, right);
 }
 
 // Merge partial attention states (softmaxkit.ops "merge_attention"): one warp per row r of
