@@ -641,8 +641,8 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode_paged(
     unsigned page_mul, int page_shift, int hq, int hk, int lq, int chunk, float scale,
     float softcap, int causal, int left, int right) {
     const int len = __ldg(seqlens + blockIdx.z);
-    const int first =
-        left >= 0 ? static_cast<int>(max(0LL, static_cast<long long>(len) - lq - left)) : 0;
+    const long long lo = static_cast<long long>(len) - lq - left;  // no int overflow
+    const int first = left >= 0 && lo > 0 ? static_cast<int>(lo) : 0;
     const SkPagedKeys<T, D> keys{k_pages, v_pages, block_table, k_sp, k_sh, k_sl, v_sp, v_sh,
                                  v_sl, t_sb, page_mul, page_shift, page_size, first};
     sk_attn_decode_body<T, D, WARPS>(q, keys, nullptr, part_out, part_lse, q_sb, q_sh, q_sl,
