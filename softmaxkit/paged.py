@@ -78,11 +78,16 @@ def _check_metadata(
         )
     if not table.size:
         return
-    # pages a sequence uses: the first ceil(seqlens[b] / page_size) entries of its row
-    used = np.arange(max_pages)[None, :] * page_size < lens[:, None]
-    outside = used & ((table < 0) | (table >= pages))
-    if outside.any():
-        b, j = (int(i) for i in np.argwhere(outside)[0])
+    # entries outside [0, pages) in one pass (a negative int64 viewed as uint64 is >= 2**63);
+    # a row is wrong when its first such entry lies among the pages it uses, the first
+    # ceil(seqlens[b] / page_size) entries of the row
+    outside = table.view(np.uint64) >= pages
+    first = outside.argmax(axis=1)
+    rows = np.arange(table.shape[0])
+    wrong = outside[rows, first] & (first * page_size < lens)
+    if wrong.any():
+        b = int(np.flatnonzero(wrong)[0])
+        j = int(first[b])
         raise ValueError(
             f"block_table[{b}, {j}] = {int(table[b, j])} is outside the page pool [0, {pages}) "
             f"(sequence {b} of length {int(lens[b])} uses its first "

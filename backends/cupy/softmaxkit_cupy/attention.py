@@ -9,6 +9,7 @@ their results are fixed by the spec ("Attention") and made here without a launch
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -31,6 +32,7 @@ from .configs import (
     decode_name,
     decode_shared_bytes,
     merge_name,
+    paged_names,
     varlen_backward_names,
     varlen_names,
 )
@@ -61,6 +63,8 @@ def _kernel(name: str, shared: int) -> Any:
             filename, names = "attention_bwd.cu", varlen_backward_names()
         if name not in names:  # another configuration asked for explicitly: built alone
             names = (name,)
+    elif name.startswith("sk_attn_decode_paged"):  # paged decoding: a module of its own
+        filename, names = "attention.cu", paged_names()
     elif name.startswith("sk_attn_bwd"):
         filename, names = "attention_bwd.cu", backward_names()
         if name not in names:  # an alternative backward configuration asked for explicitly
@@ -76,10 +80,19 @@ def _kernel(name: str, shared: int) -> Any:
     return kernel
 
 
-def _multiprocessors() -> int:
+@functools.cache
+def _multiprocessors_of(device: int) -> int:
     import cupy
 
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    # Device.attributes queries every attribute of the device: once per device
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def _multiprocessors() -> int:
+    """The multiprocessors of the current device (the one a launch context selected)."""
+    import cupy
+
+    return _multiprocessors_of(cupy.cuda.runtime.getDevice())
 
 
 def splits_for(batch_heads: int, lk: int, multiprocessors: int) -> tuple[int, int]:

@@ -305,6 +305,17 @@ def decode_shared_bytes(head_dim: int) -> int:
     return max(tiles, reduction)
 
 
+def decode_paged_name(dtype: str, head_dim: int) -> str:
+    """The name expression of the split-KV decode kernel over a paged KV cache."""
+    return f"sk_attn_decode_paged<{CTYPES[dtype]}, {head_dim}, {DECODE_WARPS}>"
+
+
+def paged_names() -> tuple[str, ...]:
+    """The name expressions of the paged decode kernels (a module of kernels/attention.cu of
+    their own, so dense calls do not build them, nor paged calls the dense tiles)."""
+    return tuple(decode_paged_name(t, d) for d in ATTENTION_HEAD_DIMS for t in ATTENTION_DTYPES)
+
+
 def merge_name(din: str, dout: str) -> str:
     """The name expression of the merge of partial attention states."""
     return f"sk_merge_attn<{CTYPES[din]}, {CTYPES[dout]}>"
@@ -474,4 +485,5 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention_bwd.cu", list(backward_names())))
     modules.append(("attention.cu", list(varlen_names())))
     modules.append(("attention_bwd.cu", list(varlen_backward_names())))
+    modules.append(("attention.cu", list(paged_names())))
     return modules

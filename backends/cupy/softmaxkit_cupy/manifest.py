@@ -15,6 +15,7 @@ from typing import Any
 from .configs import (
     ATTENTION_DTYPES,
     ATTENTION_HEAD_DIMS,
+    DECODE_ROWS,
     GRAD_CONFIGS,
     GRAD_OPS,
     ITEMSIZE,
@@ -55,6 +56,7 @@ def manifest() -> dict[str, Any]:
     kernels["attention_vjp"] = "softmaxkit_cupy.attention:attention_vjp"
     kernels["merge_attention"] = "softmaxkit_cupy.attention:merge_attention"
     kernels.update({op: f"softmaxkit_cupy.varlen:{op}" for op in VARLEN_OPS})
+    kernels["paged_attention"] = "softmaxkit_cupy.paged:paged_attention"
     return {
         "name": NAME,
         "serves": [
@@ -63,6 +65,7 @@ def manifest() -> dict[str, Any]:
              "dtypes": list(ATTENTION_DTYPES)},
             {"ops": ["merge_attention"], "devices": ["cuda"], "dtypes": list(MERGE_DTYPES)},
             {"ops": list(VARLEN_OPS), "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
+            {"ops": ["paged_attention"], "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
         ],
         "kernels": kernels,
         "priority": PRIORITY,
@@ -111,6 +114,8 @@ def can_run(call: Any) -> bool | str:
         return _can_run_merge(call)
     if call.op in VARLEN_OPS:
         return _can_run_varlen(call)
+    if call.op == "paged_attention":
+        return _can_run_paged(call)
     return f"no kernel for {call.op}"
 
 
@@ -198,6 +203,57 @@ def varlen_reason(
     padded = tq + batches * 128  # at most one partial tile (of up to 128 rows) per sequence
     return attention_reason(dtype, (batches, hq, padded if tq else 0, d),
                             (batches, hk, tk, d), (batches, hk, tk, v_shape[-1]))
+
+
+def _can_run_paged(call: Any) -> bool | str:
+    args = call.args
+    q, k_pages, v_pages = args["q"], args["k_pages"], args["v_pages"]
+    lib = _library(q)
+    if lib is None:
+        return f"inputs must be CuPy arrays or PyTorch CUDA tensors, got {type(q).__name__}"
+    if any(_library(args[n]) != lib for n in ("k_pages", "v_pages", "block_table", "seqlens")):
+        return "q, k_pages, v_pages, block_table and seqlens must live in one library"
+    dtype = _name(q.dtype)
+    if _name(k_pages.dtype) != dtype or _name(v_pages.dtype) != dtype:
+        return "q, k_pages and v_pages must share one dtype"
+    return paged_reason(dtype, tuple(q.shape), tuple(k_pages.shape), tuple(v_pages.shape),
+                        tuple(args["block_table"].shape)) or True
+
+
+def paged_reason(
+    dtype: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...],
+    table_shape: tuple[int, ...],
+) -> str | None:
+    """Why the paged decode kernel cannot run these inputs, or None when it can.
+
+    ``q_shape`` is ``[B, Hq, Lq, D]``, ``k_shape`` and ``v_shape`` the pools'
+    ``[P, Hk, S, D]``, ``table_shape`` the block table's ``[B, max_pages]``.  The kernel
+    holds at most ``DECODE_ROWS`` query rows (``Hq / Hk`` heads times ``Lq`` queries) per key
+    head: longer chunked prefills are left to the other backends.  Calls with no query row
+    or no page in the table run without a launch, at the dtypes and head dimensions the
+    kernel takes.
+    """
+    if dtype not in ATTENTION_DTYPES:
+        return f"the paged attention kernel takes {ATTENTION_DTYPES}, not {dtype}"
+    b, hq, lq, d = q_shape
+    pages, hk, page_size, _ = k_shape
+    if d not in ATTENTION_HEAD_DIMS:
+        return f"head dimension {d} is not one of {ATTENTION_HEAD_DIMS}"
+    if v_shape[-1] != d:
+        return f"value head dimension {v_shape[-1]} differs from the key head dimension {d}"
+    capacity = table_shape[1] * page_size
+    if b * hq * lq == 0 or capacity == 0:
+        return None  # no launch, so no launch limit applies
+    rows = hq // hk * lq
+    if rows > DECODE_ROWS:
+        return (f"{rows} query rows per key head ((Hq / Hk) * Lq = {hq // hk} * {lq}) exceed "
+                f"the {DECODE_ROWS} of the split-KV decode kernel (a chunked prefill this "
+                "long is left to the other backends)")
+    if b > 65535 or hk > 65535:
+        return "more than 65535 sequences or key heads per launch"
+    if capacity >= 2**31 // 256 or pages >= 2**31:
+        return "block table or page pool too large for 32-bit key positions and page indices"
+    return None
 
 
 def _can_run_merge(call: Any) -> bool | str:

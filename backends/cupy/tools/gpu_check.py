@@ -183,7 +183,7 @@ def probe() -> None:
             FAILURES.append(f"probe {ctype}")
 
 
-KIT_ATTENTION_OPS = {"attention", "attention_vjp", "merge_attention"}
+KIT_ATTENTION_OPS = {"attention", "attention_vjp", "merge_attention", "paged_attention"}
 """The kit's operations the attention kernels serve in bfloat16 and float16: a case of these
 left unsupported in those dtypes is a failure."""
 

@@ -328,20 +328,115 @@ __global__ void __launch_bounds__(128) sk_mma_probe(const T* q, const T* k, cons
             o_out[(r + (e / 2) * 8) * D + db * 8 + 2 * t + (e & 1)] = o[db][e];
 }
 
+// Where the key and value rows of the split-KV decode body's (batch, key head) live: at(b, kh)
+// gives the rows of one, whose load_k / load_v copy ROWS rows from key position n into a
+// swizzled shared tile, zero-filling rows at or past `valid` (n is widened at the call, as
+// the dense row offset always was, so the dense kernel's code is unchanged).  Dense: k, v
+// [B, Hk, Lk, D] by element strides, rows at a fixed stride.
+template <typename T, int D>
+struct SkDenseRows {
+    const T* kb;
+    const T* vb;
+    long long k_sl, v_sl;
+    template <int ROWS, int THREADS>
+    __device__ __forceinline__ void load_k(T* smem, long long n, int valid) const {
+        sk_load_tile<T, ROWS, D, THREADS>(smem, kb + n * k_sl, k_sl, valid);
+    }
+    template <int ROWS, int THREADS>
+    __device__ __forceinline__ void load_v(T* smem, long long n, int valid) const {
+        sk_load_tile<T, ROWS, D, THREADS>(smem, vb + n * v_sl, v_sl, valid);
+    }
+};
+template <typename T, int D>
+struct SkDenseKeys {
+    const T* k;
+    const T* v;
+    long long k_sb, k_sh, k_sl, v_sb, v_sh, v_sl;
+    __device__ __forceinline__ SkDenseRows<T, D> at(int b, int kh) const {
+        return {k + b * k_sb + kh * k_sh, v + b * v_sb + kh * v_sh, k_sl, v_sl};
+    }
+};
+
+// Paged (spec "Paged attention"): key position p of sequence b is row p % S of page
+// pages[p / S], pages being row b of the block table; k and v point at the key head's rows
+// of page 0, and the body's key n is the sequence's key first + n.  p / S is one multiply-high by a host-computed magic (mul, shift), S being a
+// runtime value.  A row at or past `valid` reads neither the block table nor the pool (its
+// address is the tile's first row's, and cp.async copies 0 bytes from it).
+template <typename T, int D>
+struct SkPagedRows {
+    const T* k;
+    const T* v;
+    const int* pages;
+    long long k_sp, k_sl, v_sp, v_sl;
+    unsigned page_mul;
+    int page_shift, page_size;
+    int first;  // the sequence's key position of the body's key 0
+    template <int ROWS, int THREADS>
+    __device__ __forceinline__ void load(T* smem, const T* base, long long sp, long long sl,
+                                         int n, int valid) const {
+        constexpr int CHUNKS = D / 8, STEPS = ROWS * CHUNKS / THREADS;
+        static_assert(ROWS * CHUNKS % THREADS == 0, "whole steps of the tile's chunks");
+        // every page index of the thread's rows first, then the copies: the loads are
+        // independent, so their latencies overlap (cp.async's memory clobber would
+        // otherwise order each one after the previous copy)
+        int page[STEPS], slot[STEPS];
+#pragma unroll
+        for (int i = 0; i < STEPS; ++i) {
+            const int r = (threadIdx.x + i * THREADS) / CHUNKS;
+            const int p = first + n + (r < valid ? r : 0);
+            const int at = static_cast<int>(
+                (static_cast<unsigned long long>(static_cast<unsigned>(p)) * page_mul) >>
+                page_shift);
+            slot[i] = p - at * page_size;
+            page[i] = __ldg(pages + at);
+        }
+#pragma unroll
+        for (int i = 0; i < STEPS; ++i) {
+            const int c = threadIdx.x + i * THREADS;
+            const int r = c / CHUNKS, ch = c % CHUNKS;
+            const T* src = base + static_cast<long long>(page[i]) * sp +
+                           static_cast<long long>(slot[i]) * sl + ch * 8;
+            sk_cp_async16(smem + sk_swz<D>(r, ch * 8), src, r < valid);
+        }
+    }
+    template <int ROWS, int THREADS>
+    __device__ __forceinline__ void load_k(T* smem, long long n, int valid) const {
+        load<ROWS, THREADS>(smem, k, k_sp, k_sl, static_cast<int>(n), valid);
+    }
+    template <int ROWS, int THREADS>
+    __device__ __forceinline__ void load_v(T* smem, long long n, int valid) const {
+        load<ROWS, THREADS>(smem, v, v_sp, v_sl, static_cast<int>(n), valid);
+    }
+};
+template <typename T, int D>
+struct SkPagedKeys {
+    const T* k_pages;
+    const T* v_pages;
+    const int* block_table;
+    long long k_sp, k_sh, k_sl, v_sp, v_sh, v_sl, t_sb;
+    unsigned page_mul;
+    int page_shift, page_size, first;
+    __device__ __forceinline__ SkPagedRows<T, D> at(int b, int kh) const {
+        return {k_pages + kh * k_sh, v_pages + kh * v_sh, block_table + b * t_sb, k_sp, k_sl,
+                v_sp, v_sl, page_mul, page_shift, page_size, first};
+    }
+};
+
 // Split-KV decoding: few query rows (G query heads sharing one key head, times Lq, at most
 // 16 rows: one m16 tile), many keys.  Block (split, key head, batch) walks its share of the
 // keys in tiles of 16 * WARPS; warp w takes keys [16 w, 16 w + 16) of each tile and keeps its
 // own running summary (max, sum, numerator); the warps merge in shared memory and the block
-// writes a partial (out, lse) in float32, merged over the splits by sk_merge_attn.
-template <typename T, int D, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const unsigned char* __restrict__ mask, float* __restrict__ part_out,
-    float* __restrict__ part_lse, long long q_sb, long long q_sh, long long q_sl,
-    long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
-    long long v_sl, long long m_sb, long long m_sh, long long m_sq, long long m_sk, int hq,
-    int hk, int lq, int lk, int chunk, float scale, float softcap, int offset, int causal,
-    int left, int right) {
+// writes a partial (out, lse) in float32, merged over the splits by sk_merge_attn.  Keys
+// says where the rows of the block's (batch, key head) live (SkDenseKeys, SkPagedKeys); lk
+// and offset (the causal diagonal of query 0) are the sequence's.  The dense kernel's code
+// path is the one sk_attn_decode had before the paged variant: it compiles to the same PTX.
+template <typename T, int D, int WARPS, typename Keys>
+__device__ __forceinline__ void sk_attn_decode_body(
+    const T* __restrict__ q, const Keys& keys, const unsigned char* __restrict__ mask,
+    float* __restrict__ part_out, float* __restrict__ part_lse, long long q_sb,
+    long long q_sh, long long q_sl, long long m_sb, long long m_sh, long long m_sq,
+    long long m_sk, int hq, int hk, int lq, int lk, int chunk, float scale, float softcap,
+    int offset, int causal, int left, int right) {
     constexpr int BN = 16 * WARPS;
     constexpr int THREADS = WARPS * 32;
     constexpr int DB = D / 8, DK = D / 16;
@@ -355,8 +450,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
     const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
     const int group = hq / hk;
     const int rows = group * lq;  // <= 16
-    const T* kb = k + b * k_sb + kh * k_sh;
-    const T* vb = v + b * v_sb + kh * v_sh;
+    const auto kv = keys.at(b, kh);
 
     // Q rows: row r is query head kh * group + r / lq, query r % lq
     for (int c = threadIdx.x; c < 16 * (D / 8); c += THREADS) {
@@ -368,11 +462,11 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
     const int n_begin = split * chunk, n_end = min(lk, n_begin + chunk);
     const int tiles = n_end > n_begin ? (n_end - n_begin + BN - 1) / BN : 0;
     if (tiles > 0) {
-        sk_load_tile<T, BN, D, THREADS>(sk, kb + n_begin * k_sl, k_sl, n_end - n_begin);
+        kv.template load_k<BN, THREADS>(sk, n_begin, n_end - n_begin);
     }
     sk_cp_async_commit();
     if (tiles > 0) {
-        sk_load_tile<T, BN, D, THREADS>(sv, vb + n_begin * v_sl, v_sl, n_end - n_begin);
+        kv.template load_v<BN, THREADS>(sv, n_begin, n_end - n_begin);
     }
     sk_cp_async_commit();
 
@@ -396,8 +490,8 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
             __syncthreads();
         }
         if (tile + 1 < tiles) {
-            sk_load_tile<T, BN, D, THREADS>(sk + (stage ^ 1) * BN * D, kb + (n0 + BN) * k_sl,
-                                            k_sl, n_end - n0 - BN);
+            kv.template load_k<BN, THREADS>(sk + (stage ^ 1) * BN * D, n0 + BN,
+                                              n_end - n0 - BN);
         }
         sk_cp_async_commit();
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -448,8 +542,8 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
         sk_cp_async_wait<1>();
         __syncthreads();
         if (tile + 1 < tiles) {
-            sk_load_tile<T, BN, D, THREADS>(sv + (stage ^ 1) * BN * D, vb + (n0 + BN) * v_sl,
-                                            v_sl, n_end - n0 - BN);
+            kv.template load_v<BN, THREADS>(sv + (stage ^ 1) * BN * D, n0 + BN,
+                                              n_end - n0 - BN);
         }
         sk_cp_async_commit();
         const T* vs = sv + stage * BN * D;
@@ -510,6 +604,50 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
         }
     }
     (void)splits;
+}
+
+template <typename T, int D, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const unsigned char* __restrict__ mask, float* __restrict__ part_out,
+    float* __restrict__ part_lse, long long q_sb, long long q_sh, long long q_sl,
+    long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
+    long long v_sl, long long m_sb, long long m_sh, long long m_sq, long long m_sk, int hq,
+    int hk, int lq, int lk, int chunk, float scale, float softcap, int offset, int causal,
+    int left, int right) {
+    const SkDenseKeys<T, D> keys{k, v, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl};
+    sk_attn_decode_body<T, D, WARPS>(q, keys, mask, part_out, part_lse, q_sb, q_sh, q_sl,
+                                     m_sb, m_sh, m_sq, m_sk, hq, hk, lq, lk, chunk, scale,
+                                     softcap, offset, causal, left, right);
+}
+
+// Split-KV decoding against a paged KV cache (spec "Paged attention"): grid (splits, Hk, B)
+// as for sk_attn_decode, with split s taking keys [s * chunk, (s + 1) * chunk) of the
+// sequence; k_pages [P, Hk, S, D] and v_pages [P, Hk, S, D] by page, head and row strides
+// (elements), block_table int32 [B, max_pages] with row stride t_sb, seqlens int32 [B].
+// Sequence b has seqlens[b] keys and its queries sit on the last Lq positions
+// (bottom-right); a split past its end writes an empty partial state (out 0, lse -inf).
+// With a left window bound the keys before the first query's window, which no query sees,
+// are left out: the body walks keys [first, seqlens[b]) as its keys 0.., its causal
+// diagonal and window shifted by first (the same exclusions), so a sliding window over a
+// long cache reads only the window and the grid need span no more than left + Lq keys.
+template <typename T, int D, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) sk_attn_decode_paged(
+    const T* __restrict__ q, const T* __restrict__ k_pages, const T* __restrict__ v_pages,
+    const int* __restrict__ block_table, const int* __restrict__ seqlens,
+    float* __restrict__ part_out, float* __restrict__ part_lse, long long q_sb,
+    long long q_sh, long long q_sl, long long k_sp, long long k_sh, long long k_sl,
+    long long v_sp, long long v_sh, long long v_sl, long long t_sb, int page_size,
+    unsigned page_mul, int page_shift, int hq, int hk, int lq, int chunk, float scale,
+    float softcap, int causal, int left, int right) {
+    const int len = __ldg(seqlens + blockIdx.z);
+    const long long lo = static_cast<long long>(len) - lq - left;  // no int overflow
+    const int first = left >= 0 && lo > 0 ? static_cast<int>(lo) : 0;
+    const SkPagedKeys<T, D> keys{k_pages, v_pages, block_table, k_sp, k_sh, k_sl, v_sp, v_sh,
+                                 v_sl, t_sb, page_mul, page_shift, page_size, first};
+    sk_attn_decode_body<T, D, WARPS>(q, keys, nullptr, part_out, part_lse, q_sb, q_sh, q_sl,
+                                     0, 0, 0, 0, hq, hk, lq, len - first, chunk, scale,
+                                     softcap, len - lq - first, causal, left, right);
 }
 
 // Merge partial attention states (softmaxkit.ops "merge_attention"): one warp per row r of

@@ -1,0 +1,166 @@
+"""Adapter from paged attention (softmaxkit/ops.py, ``paged_attention``) to the paged split-KV
+decode kernel of ``kernels/attention.cu``.
+
+The frontend hands q [B, Hq, Lq, D] and the page pools k_pages, v_pages [P, Hk, S, D] of one
+16-bit dtype, and the block table [B, max_pages] and sequence lengths [B] (int32 or int64,
+validated on the host); :func:`softmaxkit_cupy.manifest.can_run` has accepted the call
+(library, dtype, head dimension, at most ``DECODE_ROWS`` query rows per key head).
+
+The kernel is the dense split-KV decode kernel with the address of each key row looked up in
+the block table: block (split, key head, sequence) reads the sequence's length on the device
+and walks keys ``[split * chunk, (split + 1) * chunk)`` of it, and the splits' partial states
+are merged by the merge kernel.  The grid spans the table's capacity (``max_pages * S``
+keys), read from shapes alone, so the adapter never synchronizes with the device; a split
+past a sequence's end writes an empty partial state (lse -inf), which the merge leaves out.
+With a left window bound the kernel starts each sequence at the first query's window, so the
+grid spans at most ``left + Lq`` keys and a sliding window over a long cache reads only the
+window's pages.
+Calls with no query row, or whose table holds no page (every sequence empty), have results
+fixed by the spec and are made without a launch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import interop
+from .attention import _kernel, _merge, _multiprocessors, _rows_ready, splits_for
+from .configs import DECODE_WARPS, decode_paged_name, decode_shared_bytes
+
+
+def page_divisor(page_size: int) -> tuple[int, int]:
+    """``(mul, shift)`` with ``p // page_size == (p * mul) >> shift`` for ``0 <= p < 2**31``.
+
+    The kernel divides key positions by the page size, a runtime value, with one
+    multiply-high: ``shift = 31 + ceil(log2(page_size))`` and ``mul = ceil(2**shift /
+    page_size)``, which fits in 32 bits (round-up division by invariant integers).
+
+    Parameters
+    ----------
+    page_size : int
+        The divisor, ``1 <= page_size < 2**31``.
+
+    Returns
+    -------
+    mul : int
+        The multiplier, ``0 < mul < 2**32``.
+    shift : int
+        The right shift of the 64-bit product.
+    """
+    if not 1 <= page_size < 2**31:
+        raise ValueError(f"page_size must lie in [1, 2**31); got {page_size}")
+    shift = 31 + (page_size - 1).bit_length()
+    return -(-(1 << shift) // page_size), shift
+
+
+def window_span(window: tuple[int, int], lq: int, capacity: int) -> tuple[int, int, int]:
+    """``(left, right, span)``: the window bounds the kernel takes and the keys its grid spans.
+
+    A bound past ``capacity + lq`` excludes no key of a sequence of at most ``capacity``
+    keys, so it is clamped there (and fits the kernel's int32).  With a left bound the kernel
+    starts each sequence at the first query's window, ``max(0, seqlens[b] - lq - left)``,
+    so the grid spans at most ``left + lq`` keys; else the table's capacity.
+
+    Parameters
+    ----------
+    window : (int, int)
+        ``(left, right)``, -1 unbounded.
+    lq : int
+        Queries per sequence.
+    capacity : int
+        ``max_pages * page_size``: the most keys a sequence has.
+
+    Returns
+    -------
+    left, right : int
+        The bounds passed to the kernel.
+    span : int
+        The most keys of a sequence the kernel walks.
+    """
+    left, right = (min(int(w), capacity + lq) for w in window)
+    return left, right, capacity if left < 0 else min(capacity, left + lq)
+
+
+def _int32(xp: Any, a: Any) -> Any:
+    """``a`` as a contiguous int32 array: the kernel reads int32 metadata.  int64 values the
+    frontend validated (lengths, the pages in use) are below the pool size and convert
+    exactly; entries the kernel never reads may wrap."""
+    return interop.contiguous(xp.astype(a, xp.int32, copy=False))
+
+
+def paged_attention(
+    xp: Any, *, q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any,
+    scale: float, causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
+) -> tuple[Any, Any]:
+    """Attention of ``q`` against a paged KV cache on tensor cores; ``(out, lse or None)``.
+
+    Parameters
+    ----------
+    xp : namespace
+        The caller's array namespace.
+    q : array
+        ``[B, Hq, Lq, D]``, bfloat16 or float16, ``(Hq / Hk) * Lq <= DECODE_ROWS``.
+    k_pages, v_pages : array
+        ``[P, Hk, S, D]`` in q's dtype.
+    block_table : array
+        int32 or int64 ``[B, max_pages]``: the pages of each sequence.
+    seqlens : array
+        int32 or int64 ``[B]``: the keys of each sequence, its ``Lq`` queries' included.
+    scale : float
+        Score scale.
+    causal : None or "bottom_right"
+        Query ``i`` of sequence ``b`` sees keys ``j <= seqlens[b] - Lq + i``.
+    window : (int, int)
+        ``(left, right)`` around the same diagonal, -1 unbounded.
+    softcap : float or None
+        Cap of the scaled scores (None: no cap).
+    return_lse : bool
+        Also return the natural-log log-sum-exp.
+
+    Returns
+    -------
+    out : array
+        ``[B, Hq, Lq, D]`` in q's dtype; 0 for a row with no allowed key.
+    lse : array or None
+        ``[B, Hq, Lq]`` float32, ``-inf`` for a row with no allowed key; None unless
+        ``return_lse``.
+    """
+    b, hq, lq, d = (int(s) for s in q.shape)
+    hk, page_size = int(k_pages.shape[1]), int(k_pages.shape[2])
+    capacity = int(block_table.shape[1]) * page_size
+    dtype = interop.name(q)
+    if b * hq * lq == 0:
+        return (interop.empty(q, (b, hq, lq, d), dtype),
+                interop.empty(q, (b, hq, lq), "float32") if return_lse else None)
+    if capacity == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
+        return (interop.zeros(q, (b, hq, lq, d), dtype),
+                interop.full(q, (b, hq, lq), -math.inf, "float32") if return_lse else None)
+    q, k_pages, v_pages = (_rows_ready(xp, a) for a in (q, k_pages, v_pages))
+    table, lens = _int32(xp, block_table), _int32(xp, seqlens)
+    mul, shift = page_divisor(page_size)
+    left, right, span = window_span(window, lq, capacity)
+    ptr = interop.pointer
+    qs, ks, vs = (interop.element_strides(a) for a in (q, k_pages, v_pages))
+    with interop.launch_context(q):
+        splits, chunk = splits_for(b * hk, span, _multiprocessors())
+        rows = b * hq * lq
+        part_out = interop.empty(q, (splits, rows, d), "float32")
+        part_lse = interop.empty(q, (splits, rows), "float32")
+        shared = decode_shared_bytes(d)
+        kernel = _kernel(decode_paged_name(dtype, d), shared)
+        kernel((splits, hk, b), (32 * DECODE_WARPS,), (
+            np.uint64(ptr(q)), np.uint64(ptr(k_pages)), np.uint64(ptr(v_pages)),
+            np.uint64(ptr(table)), np.uint64(ptr(lens)), np.uint64(ptr(part_out)),
+            np.uint64(ptr(part_lse)), *(np.int64(s) for s in qs[:3]),
+            *(np.int64(s) for s in ks[:3]), *(np.int64(s) for s in vs[:3]),
+            np.int64(interop.element_strides(table)[0]), np.int32(page_size), np.uint32(mul),
+            np.int32(shift), np.int32(hq), np.int32(hk), np.int32(lq), np.int32(chunk),
+            np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
+            np.int32(causal is not None), np.int32(left), np.int32(right),
+        ), shared_mem=shared)
+        out, lse = _merge(part_out, part_lse, dtype)
+    return xp.reshape(out, (b, hq, lq, d)), (xp.reshape(lse, (b, hq, lq)) if return_lse
+                                              else None)
