@@ -432,6 +432,9 @@ def cross_entropy_row(x, w, has_where, target, probs, has_index, eps, valid, sca
     """
     n = x.shape[0]
     kind, m, s = row_stats(x, w, has_where)
+    if (kind == NORMAL and has_index and not has_where and valid and 0 <= target < n
+            and widen(x[target]) != -np.inf):
+        return _index_row(x, target, m, s, eps, scale, want_grad, grad)
     zero = like(m, 0.0)
     one = like(m, 1.0)
     ninf = like(m, -np.inf)
@@ -472,6 +475,57 @@ def cross_entropy_row(x, w, has_where, target, probs, has_index, eps, valid, sca
                 p = exp_nonpos(widen(x[j]) - m) * inv if included else zero
                 put(grad, j, (p - y) * scale if included else zero)
     return out
+
+
+@njit(fastmath={"contract", "reassoc"}, cache=True)
+def _included(x, m):
+    """The count of the classes above -inf and their ``sum (x - m)`` in float64 (summed in
+    any order: the terms are all <= 0, and the loop vectorizes)."""
+    count = 0
+    below = 0.0
+    for j in range(x.shape[0]):
+        v = widen(x[j])
+        keep = v != -np.inf
+        count += 1 if keep else 0
+        below += np.float64(v - m) if keep else 0.0
+    return count, below
+
+
+@njit(fastmath={"contract"}, cache=True)
+def _index_row(x, target, m, s, eps, scale, want_grad, grad):
+    """:func:`cross_entropy_row` of the common row: a class index whose logit is above -inf,
+    no mask, a finite maximum ``m`` (``s = sum exp(x - m)``).  The loss needs the target's
+    log-probability and, with smoothing, the included classes' count and ``sum (x - m)``; the
+    gradient is one loop without branches, ``(p - share) * scale``, corrected at the target
+    (loops that vectorize, where the general row branches on every element)."""
+    n = x.shape[0]
+    zero = like(m, 0.0)
+    one = like(m, 1.0)
+    ls = like(m, math.log(s))
+    logp_t = (widen(x[target]) - m) - ls
+    share = zero
+    keep = one
+    if eps == 0:
+        loss = -np.float64(logp_t)
+    else:
+        count, below = _included(x, m)
+        share = eps / like(m, count)
+        keep = one - eps
+        loss = -keep * np.float64(logp_t) + share * (count * np.float64(ls) - below)
+    if want_grad:
+        inv = one / s
+        f = inv * scale
+        g = share * scale
+        c = uint64(0)
+        for j in range(c, uint64(n)):
+            put(grad, j, exp_nonpos(widen(x[j]) - m) * f - g)
+        if eps != 0:  # excluded classes (-inf logits) have gradient 0, not -share * scale
+            for j in range(n):
+                if widen(x[j]) == -np.inf:
+                    put(grad, j, zero)
+        p_t = exp_nonpos(widen(x[target]) - m) * inv
+        put(grad, target, (p_t - (keep + share)) * scale)
+    return like(m, loss)
 
 
 @njit(cache=True)

@@ -17,7 +17,7 @@ import softmaxkit_numba_cpu.row_kernels as k
 from softmaxkit_numba_cpu.adapters import storage
 from softmaxkit_numba_cpu.lanes import BLOCK
 
-from softmaxkit.testing.tolerance import assert_within, log_bound, softmax_bound
+from softmaxkit.testing.tolerance import TOLERANCES, assert_within, log_bound, softmax_bound
 
 NO_MASK = np.ones((1, 1), dtype=bool)
 DTYPES = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16,
@@ -177,3 +177,39 @@ def test_every_row_kernel_can_be_cached():
             compiled += 1
             assert not cres.library.has_dynamic_globals, name
     assert compiled >= 6
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_cross_entropy_with_class_indices(dtype, eps):
+    """The class-index rows without a mask (the common training call, vectorized loops) and
+    the rows the general loop keeps (a target whose logit is -inf, an ignored row, a NaN
+    row), against the reference on the same values in float64."""
+    import softmaxkit as sk
+
+    rng = np.random.default_rng(7)
+    n = 3 * BLOCK + 5
+    x = (rng.standard_normal((7, n)) * 4).astype(DTYPES[dtype])
+    x[1, ::5] = -np.inf           # excluded classes: gradient 0, not counted in smoothing
+    x[2, 11] = -np.inf            # ... the target among them: infinite loss
+    x[4, 3] = np.nan
+    target = rng.integers(0, n, 7)
+    target[1] = 1
+    target[2] = 11
+    target[5] = -100              # ignored: loss 0, gradient 0
+    x64 = x.astype(np.float64)
+    got = sk.cross_entropy(x, target, label_smoothing=eps, reduction="none",
+                           ignore_index=-100, return_grad=True, backend="numba-cpu")
+    want = sk.cross_entropy(x64, target, label_smoothing=eps, reduction="none",
+                            ignore_index=-100, return_grad=True, backend="reference")
+    # the loss is returned in the input's dtype: its bound includes that rounding
+    loss, lref = np.asarray(got[0], np.float64), want[0]
+    assert_within(loss, lref, log_bound(np.abs(lref), n, dtype), f"loss {dtype} eps={eps}")
+    # gradient p - y (scale 1): the softmax's bound, and y's rounding to the dtype
+    finite = np.where(np.isnan(x64), -np.inf, x64)
+    e = np.exp(finite - finite.max(axis=-1, keepdims=True))
+    p = e / e.sum(axis=-1, keepdims=True)
+    bound = softmax_bound(p, finite, n, dtype) + TOLERANCES[dtype][0] * np.abs(want[1] - p)
+    assert_within(np.asarray(got[1], np.float64), want[1], np.nan_to_num(bound),
+                  f"gradient {dtype} eps={eps}")
+    assert np.all(np.asarray(got[1], np.float64)[1, ::5] == 0)
