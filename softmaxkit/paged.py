@@ -1,15 +1,18 @@
 """Attention against a paged KV cache: decoding and chunked prefill (``paged_attention``).
 
-The frontend validates the cache's metadata (block table and sequence lengths) on the host
-before any backend runs, so a kernel never meets a page index outside the pool or a length
-beyond a sequence's pages; then it hands the backend one call in the layout of
-:data:`softmaxkit.ops.OPERATIONS`.  spec/semantics.md, "Paged attention", is the contract.
+The frontend validates the cache's metadata (block table and sequence lengths) before any
+backend runs, so a kernel never meets a page index outside the pool or a length beyond a
+sequence's pages; then it hands the backend one call in the layout of
+:data:`softmaxkit.ops.OPERATIONS`.  Host arrays are checked on the host; the metadata of an
+accelerator is checked where it lives, with one boolean read back, and copied to the host only
+to name the fault of wrong metadata.  spec/semantics.md, "Paged attention", is the contract.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import array_api_compat
 import numpy as np
 
 from . import arguments as args
@@ -95,6 +98,33 @@ def _check_metadata(
         )
 
 
+def _valid_on_device(xp: Any, table: Any, lens: Any, pages: int, page_size: int) -> bool:
+    """True when the metadata is not host memory and passes :func:`_check_metadata` where it
+    lives; False sends the caller to the host check (host and Dask arrays, values a compiler
+    traces, and wrong metadata, whose first fault the host check names).
+
+    A decode step's block table is large (``B * max_pages`` entries) and lives on the
+    accelerator: reducing it there and reading back one boolean costs a few small kernels and
+    one synchronization, where copying it to the host costs its transfer and a host pass
+    while the device idles.
+    """
+    if isinstance(table, np.ndarray) and isinstance(lens, np.ndarray):
+        return False
+    if array_api_compat.is_dask_array(table) or array_api_compat.is_dask_array(lens):
+        return False  # the host check computes each graph once
+    capacity = table.shape[1] * page_size
+    try:
+        index = xp.int64 if capacity >= 2**31 else lens.dtype  # JAX has no int64 by default
+        starts = xp.arange(0, capacity, page_size, dtype=index,
+                           device=array_api_compat.device(table))
+        used = starts[None, :] < xp.astype(lens, index, copy=False)[:, None]  # ceil(len/S) pages
+        outside = (table < 0) | (table >= pages)
+        bad = xp.any((lens < 0) | (lens > capacity)) | xp.any(outside & used)
+        return not bool(bad)
+    except Exception:  # a traced value has no boolean: the host read names the argument
+        return False
+
+
 def paged_attention(
     q: Any,
     k_pages: Any,
@@ -171,8 +201,8 @@ def paged_attention(
     ValueError
         Shapes that do not fit together; a negative length, or one beyond the sequence's
         ``max_pages * page_size`` slots; a page a sequence uses outside ``[0, P)``.  The
-        metadata is read on the host (a device-to-host copy for arrays on an accelerator) and
-        checked before any kernel runs.
+        metadata is checked before any kernel runs: on the host for host arrays, on the
+        device for arrays on an accelerator (one boolean read back: a synchronization).
     NotImplementedError
         A torch tensor requires grad under grad mode: this operation has no gradient.
 
@@ -204,9 +234,10 @@ def paged_attention(
     cap = args.softcap(softcap)
     scale_f = args.attention_scale(scale, q.shape[-1])
     pages, _, page_size, _ = k_pages.shape
-    reader = "paged_attention validates block_table and seqlens"
-    _check_metadata(host_integers(block_table, "block_table", reader),
-                    host_integers(seqlens, "seqlens", reader), pages, page_size)
+    if not _valid_on_device(xp, block_table, seqlens, pages, page_size):
+        reader = "paged_attention validates block_table and seqlens"
+        _check_metadata(host_integers(block_table, "block_table", reader),
+                        host_integers(seqlens, "seqlens", reader), pages, page_size)
     common = xp.result_type(q.dtype, k_pages.dtype, v_pages.dtype)
     qc, kc, vc = (xp.astype(a, common, copy=False) for a in (q, k_pages, v_pages))
     out, lse = run(

@@ -186,3 +186,39 @@ def test_jax_arrays_and_traced_metadata():
     jitted = jax.jit(lambda *a: sk.paged_attention(*a, causal=True))
     with pytest.raises(TypeError, match="block_table could not be read on the host"):
         jitted(*(jnp.asarray(a) for a in (*f32, table, lens)))
+
+
+@pytest.mark.parametrize("inputs, error, match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_metadata_of_torch_tensors_is_the_same_named_error(inputs, error, match):
+    # arrays off the host are checked where they live: the fault is still named exactly
+    torch = pytest.importorskip("torch")
+    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]
+    with sk.backend_opts(trace=True) as trace, pytest.raises(error, match=match):
+        sk.paged_attention(*tensors, causal=True)
+    assert trace == []
+
+
+def test_the_check_where_the_metadata_lives_agrees_with_the_host_check():
+    torch = pytest.importorskip("torch")
+    from array_api_compat import torch as xp
+
+    from softmaxkit.paged import _check_metadata, _valid_on_device
+
+    rng = np.random.default_rng(3)
+    verdicts = set()
+    for _ in range(300):
+        b, max_pages, page_size = rng.integers(1, 4), rng.integers(0, 5), rng.integers(1, 5)
+        pages = int(rng.integers(1, 7))
+        table = rng.integers(-2, pages + 2, size=(b, max_pages)).astype(
+            rng.choice([np.int32, np.int64]))
+        lens = rng.integers(-1, max_pages * page_size + 3, size=b).astype(np.int32)
+        try:
+            _check_metadata(table.astype(np.int64), lens.astype(np.int64), pages, page_size)
+            valid = True
+        except ValueError:
+            valid = False
+        on_device = _valid_on_device(xp, torch.from_numpy(table), torch.from_numpy(lens),
+                                     pages, int(page_size))
+        assert on_device == valid, (table, lens, pages, page_size)
+        verdicts.add(valid)
+    assert verdicts == {True, False}

@@ -24,7 +24,6 @@ from .configs import (
     ROW_OPS,
     max_row_length,
 )
-from .settings import SETTINGS
 
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -214,9 +213,6 @@ def _can_run_paged(call: Any) -> bool | str:
         return f"inputs must be CuPy arrays or PyTorch CUDA tensors, got {type(q).__name__}"
     if any(_library(args[n]) != lib for n in ("k_pages", "v_pages", "block_table", "seqlens")):
         return "q, k_pages, v_pages, block_table and seqlens must live in one library"
-    if not SETTINGS.paged:
-        return ("the paged decode kernel is off until it has passed its check on a GPU "
-                "(SOFTMAXKIT_CUPY_PAGED=1 turns it on)")
     dtype = _name(q.dtype)
     if _name(k_pages.dtype) != dtype or _name(v_pages.dtype) != dtype:
         return "q, k_pages and v_pages must share one dtype"

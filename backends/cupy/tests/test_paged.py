@@ -18,7 +18,6 @@ from softmaxkit_cupy.configs import (
     decode_paged_name,
 )
 from softmaxkit_cupy.paged import page_divisor
-from softmaxkit_cupy.settings import Settings
 
 import softmaxkit as sk
 from softmaxkit.ops import Call
@@ -97,28 +96,7 @@ def _paged_args(torch, dtype="bfloat16", d=64, lq=1, table_dtype=None):
             "return_lse": True}
 
 
-@pytest.fixture
-def paged_on(monkeypatch):
-    """The paged kernel turned on, as ``SOFTMAXKIT_CUPY_PAGED=1`` does."""
-    monkeypatch.setattr(mf, "SETTINGS", Settings(paged=True))
-
-
-def test_paged_kernel_is_off_by_default(monkeypatch) -> None:
-    """Until it has run on a GPU the kernel serves nothing: the hook says why and how to turn
-    it on, and only ``SOFTMAXKIT_CUPY_PAGED`` set to 0 or 1 is taken."""
-    torch = pytest.importorskip("torch")
-    assert Settings.from_environ({}) == Settings(paged=False)
-    assert Settings.from_environ({"SOFTMAXKIT_CUPY_PAGED": "1"}) == Settings(paged=True)
-    with pytest.raises(ValueError, match="SOFTMAXKIT_CUPY_PAGED='yes'"):
-        Settings.from_environ({"SOFTMAXKIT_CUPY_PAGED": "yes"})
-    monkeypatch.setattr(mf, "SETTINGS", Settings())
-    monkeypatch.setattr(mf, "_library", lambda a: "torch")
-    reason = mf.can_run(Call("paged_attention", None, "cuda", "bfloat16", _paged_args(torch)))
-    assert "SOFTMAXKIT_CUPY_PAGED=1" in reason
-
-
-def test_can_run_paged_declines_host_arrays_mixed_libraries_and_dtypes(
-        monkeypatch, paged_on) -> None:
+def test_can_run_paged_declines_host_arrays_mixed_libraries_and_dtypes( monkeypatch) -> None:
     torch = pytest.importorskip("torch")
     args = _paged_args(torch)
     call = Call("paged_attention", None, "cpu", "bfloat16", args)
@@ -161,7 +139,7 @@ def test_paged_attention_is_declared_for_cuda_and_tried_before_the_reference() -
         registry.reload()
 
 
-def test_kit_paged_cases_at_the_kernels_head_dims_are_accepted(monkeypatch, paged_on) -> None:
+def test_kit_paged_cases_at_the_kernels_head_dims_are_accepted(monkeypatch) -> None:
     """``can_run`` accepts every paged case of the kit in the kernel's dtypes at its head
     dimensions: CPU tensors stand in for CUDA ones and the reference computes, so this checks
     the reasons (the cases' decode and chunked-prefill shapes fit the kernel), not the

@@ -2,27 +2,21 @@
 decode benchmark.  Run on a CUDA GPU with softmaxkit and softmaxkit-cupy installed:
 ``python backends/cupy/tools/paged_check.py``.  Prints a summary and exits non-zero on any
 failure.
-
-The paged kernel is off by default until this check has passed on a GPU; the script turns it
-on for its own process (``SOFTMAXKIT_CUPY_PAGED=1``, read when the backend is imported).
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing
-import os
 import sys
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
 
-os.environ["SOFTMAXKIT_CUPY_PAGED"] = "1"  # before the backend is imported (its settings)
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-import softmaxkit as sk  # noqa: E402
+import softmaxkit as sk
 
 FAILURES: list[str] = []
 SUMMARY: list[str] = []
