@@ -234,12 +234,14 @@ def paged_attention(
     cap = args.softcap(softcap)
     scale_f = args.attention_scale(scale, q.shape[-1])
     pages, _, page_size, _ = k_pages.shape
+    common = xp.result_type(q.dtype, k_pages.dtype, v_pages.dtype)
+    qc, kc, vc = (xp.astype(a, common, copy=False) for a in (q, k_pages, v_pages))
+    # last before the backend: on an accelerator the check's read waits for the device, which
+    # then idles until the kernel is launched
     if not _valid_on_device(xp, block_table, seqlens, pages, page_size):
         reader = "paged_attention validates block_table and seqlens"
         _check_metadata(host_integers(block_table, "block_table", reader),
                         host_integers(seqlens, "seqlens", reader), pages, page_size)
-    common = xp.result_type(q.dtype, k_pages.dtype, v_pages.dtype)
-    qc, kc, vc = (xp.astype(a, common, copy=False) for a in (q, k_pages, v_pages))
     out, lse = run(
         "paged_attention", xp, qc, backend,
         q=qc, k_pages=kc, v_pages=vc, block_table=block_table, seqlens=seqlens,

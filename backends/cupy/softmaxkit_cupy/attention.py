@@ -95,6 +95,7 @@ def _multiprocessors() -> int:
     return _multiprocessors_of(cupy.cuda.runtime.getDevice())
 
 
+@functools.lru_cache(maxsize=1024)
 def splits_for(batch_heads: int, lk: int, multiprocessors: int) -> tuple[int, int]:
     """(splits, keys per split) for decoding.
 
@@ -210,16 +211,20 @@ def attention(
     return out, (lse if return_lse else None)
 
 
+_MERGE_PARAMS = "QQQQiqi"
+"""The merge kernel's parameters: outs, lses, out, lse, parts, rows, dv."""
+
+
 def _merge(outs: Any, lses: Any, out_dtype: str) -> tuple[Any, Any]:
-    """Launch the merge of ``outs`` [S, R, Dv] (contiguous) and ``lses`` [S, R] (float32)."""
+    """Launch the merge of ``outs`` [S, R, Dv] (contiguous) and ``lses`` [S, R] (float32) on
+    their device and the caller's current stream."""
     parts, rows, dv = (int(s) for s in outs.shape)
     out = interop.empty(outs, (rows, dv), out_dtype)
     lse = interop.empty(outs, (rows,), "float32")
     kernel = _kernel(merge_name(interop.name(outs), out_dtype), 0)
-    args = (np.uint64(interop.pointer(outs)), np.uint64(interop.pointer(lses)),
-            np.uint64(interop.pointer(out)), np.uint64(interop.pointer(lse)),
-            np.int32(parts), np.int64(rows), np.int32(dv))
-    kernel((-(-rows // 8),), (256,), args)
+    ptr = interop.pointer
+    interop.launch(kernel, outs, -(-rows // 8), 256, _MERGE_PARAMS,
+                   (ptr(outs), ptr(lses), ptr(out), ptr(lse), parts, rows, dv))
     return out, lse
 
 

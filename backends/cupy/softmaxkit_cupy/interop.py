@@ -198,8 +198,13 @@ def _torch_stream(index: int) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def launch(kernel: Any, like: Any, grid: int, block: int, codes: str, args: tuple[Any, ...],
-           shared: int = 0) -> None:
+def device_index(a: Any) -> int:
+    """The index of the CUDA device ``a`` lives on."""
+    return a.get_device() if is_torch(a) else a.device.id
+
+
+def launch(kernel: Any, like: Any, grid: int | tuple[int, int, int], block: int, codes: str,
+           args: tuple[Any, ...], shared: int = 0) -> None:
     """Launch ``kernel`` (a ``cupy.RawKernel``) on ``like``'s device and current stream, its
     ``args`` packed by :mod:`.launches` as its parameter list ``codes`` says.
 
@@ -210,7 +215,7 @@ def launch(kernel: Any, like: Any, grid: int, block: int, codes: str, args: tupl
     import cupy
 
     torch_array = is_torch(like)
-    index = like.get_device() if torch_array else like.device.id
+    index = device_index(like)
     if index == cupy.cuda.runtime.getDevice():
         stream = _torch_stream(index) if torch_array else cupy.cuda.get_current_stream().ptr
         launches.launch(kernel, index, stream, grid, block, codes, args, shared)

@@ -27,12 +27,14 @@ def function(kernel: Any, device: int) -> int:
     return found[1]
 
 
-def launch(kernel: Any, device: int, stream: int, grid: int, block: int, codes: str,
-           args: tuple[Any, ...], shared: int = 0) -> None:
-    """Queue ``kernel`` on ``grid`` blocks of ``block`` threads on ``stream`` (a raw handle)
-    of the current device ``device``, with ``args`` packed as the parameter list ``codes``."""
+def launch(kernel: Any, device: int, stream: int, grid: int | tuple[int, int, int],
+           block: int, codes: str, args: tuple[Any, ...], shared: int = 0) -> None:
+    """Queue ``kernel`` on ``grid`` blocks (a count, or x, y, z) of ``block`` threads on
+    ``stream`` (a raw handle) of the current device ``device``, with ``args`` packed as the
+    parameter list ``codes``."""
     from cupy.cuda import driver
 
+    gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
     params = param_buffer(codes).pack(args)
-    driver.launchKernel(function(kernel, device), grid, 1, 1, block, 1, 1, shared, stream,
+    driver.launchKernel(function(kernel, device), gx, gy, gz, block, 1, 1, shared, stream,
                         params, 0)

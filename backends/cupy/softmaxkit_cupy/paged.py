@@ -24,11 +24,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from . import interop
-from .attention import _kernel, _merge, _multiprocessors, _rows_ready, splits_for
+from .attention import _kernel, _merge, _multiprocessors_of, _rows_ready, splits_for
 from .configs import DECODE_WARPS, decode_paged_name, decode_shared_bytes
+
+_PAGED_PARAMS = "QQQQQQQ" + "qqq" * 3 + "q" + "iIiiiiiff" + "iii"
+"""The paged decode kernel's parameters: the addresses of q, k_pages, v_pages, block_table,
+seqlens, the partial out and lse; the strides of q, k_pages, v_pages (three each) and the
+table's row stride; page_size, the divisor's mul and shift, hq, hk, lq, chunk; scale,
+softcap; causal, left, right."""
 
 
 def page_divisor(page_size: int) -> tuple[int, int]:
@@ -144,23 +148,21 @@ def paged_attention(
     left, right, span = window_span(window, lq, capacity)
     ptr = interop.pointer
     qs, ks, vs = (interop.element_strides(a) for a in (q, k_pages, v_pages))
-    with interop.launch_context(q):
-        splits, chunk = splits_for(b * hk, span, _multiprocessors())
-        rows = b * hq * lq
-        part_out = interop.empty(q, (splits, rows, d), "float32")
-        part_lse = interop.empty(q, (splits, rows), "float32")
-        shared = decode_shared_bytes(d)
-        kernel = _kernel(decode_paged_name(dtype, d), shared)
-        kernel((splits, hk, b), (32 * DECODE_WARPS,), (
-            np.uint64(ptr(q)), np.uint64(ptr(k_pages)), np.uint64(ptr(v_pages)),
-            np.uint64(ptr(table)), np.uint64(ptr(lens)), np.uint64(ptr(part_out)),
-            np.uint64(ptr(part_lse)), *(np.int64(s) for s in qs[:3]),
-            *(np.int64(s) for s in ks[:3]), *(np.int64(s) for s in vs[:3]),
-            np.int64(interop.element_strides(table)[0]), np.int32(page_size), np.uint32(mul),
-            np.int32(shift), np.int32(hq), np.int32(hk), np.int32(lq), np.int32(chunk),
-            np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
-            np.int32(causal is not None), np.int32(left), np.int32(right),
-        ), shared_mem=shared)
-        out, lse = _merge(part_out, part_lse, dtype)
+    splits, chunk = splits_for(b * hk, span, _multiprocessors_of(interop.device_index(q)))
+    rows = b * hq * lq
+    part_out = interop.empty(q, (splits, rows, d), "float32")
+    part_lse = interop.empty(q, (splits, rows), "float32")
+    shared = decode_shared_bytes(d)
+    # launched through the driver on q's device and the caller's stream: no CuPy stream or
+    # device context per call (the frontend's metadata check has just synchronized, so the
+    # host time up to this launch is time the device idles)
+    interop.launch(_kernel(decode_paged_name(dtype, d), shared), q, (splits, hk, b),
+                   32 * DECODE_WARPS, _PAGED_PARAMS, (
+                       ptr(q), ptr(k_pages), ptr(v_pages), ptr(table), ptr(lens),
+                       ptr(part_out), ptr(part_lse), *qs[:3], *ks[:3], *vs[:3],
+                       interop.element_strides(table)[0], page_size, mul, shift, hq, hk, lq,
+                       chunk, scale, softcap if softcap is not None else 0.0,
+                       int(causal is not None), left, right), shared)
+    out, lse = _merge(part_out, part_lse, dtype)
     return xp.reshape(out, (b, hq, lq, d)), (xp.reshape(lse, (b, hq, lq)) if return_lse
                                               else None)

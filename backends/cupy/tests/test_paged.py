@@ -8,6 +8,8 @@ reference backend is the oracle.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from softmaxkit_cupy import manifest as mf
@@ -232,6 +234,18 @@ def _kernel_parameters(name: str) -> list[type]:
     return types
 
 
+def _struct_codes(kernel: str) -> str:
+    """The :mod:`struct` codes of ``kernel``'s parameters, as a launch packs them."""
+    code = {np.uint64: "Q", np.int64: "q", np.int32: "i", np.uint32: "I", np.float32: "f"}
+    return "".join(code[t] for t in _kernel_parameters(kernel))
+
+
+def test_merge_launch_packs_the_kernels_parameter_list() -> None:
+    from softmaxkit_cupy.attention import _MERGE_PARAMS
+
+    assert _MERGE_PARAMS == _struct_codes("sk_merge_attn")
+
+
 # (window, keys the grid spans, (left, right) passed) with max_pages * S = 1120, Lq = 2
 WINDOWS = [
     ((7, -1), 9, (7, -1)),           # a sliding window: the grid spans left + Lq keys
@@ -249,24 +263,17 @@ def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_
     each), and the values that place the pools, the table and the splits; CPU tensors stand
     in for CUDA ones and the launch is recorded, not run."""
     torch = pytest.importorskip("torch")
-    import contextlib
-
     import array_api_compat.torch as xp
     from softmaxkit_cupy import interop
     from softmaxkit_cupy import paged as adapter
 
     launches = []
-
-    class Kernel:
-        def __call__(self, grid, block, args, shared_mem=0):
-            launches.append((grid, block, args, shared_mem))
-
     names = []
-    monkeypatch.setattr(adapter, "_kernel", lambda name, shared: names.append(name) or Kernel())
-    monkeypatch.setattr(adapter, "_multiprocessors", lambda: 132)
+    monkeypatch.setattr(adapter, "_kernel", lambda name, shared: names.append(name) or name)
+    monkeypatch.setattr(adapter, "_multiprocessors_of", lambda device: 132)
     monkeypatch.setattr(adapter, "_merge", lambda outs, lses, dtype: (
         torch.zeros(outs.shape[1:]), torch.zeros(lses.shape[1:])))
-    monkeypatch.setattr(interop, "launch_context", lambda a: contextlib.nullcontext())
+    monkeypatch.setattr(interop, "launch", lambda *a: launches.append(a))
     b, hq, hk, lq, d, size, max_pages = 3, 8, 2, 2, 128, 16, 70
     q = torch.zeros((b, hq, lq, d), dtype=torch.bfloat16)
     pools = torch.zeros((2, 400, hk, size, d), dtype=torch.bfloat16)  # k and v in one cache
@@ -276,13 +283,14 @@ def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_
     adapter.paged_attention(xp, q=q, k_pages=pools[0], v_pages=pools[1], block_table=table,
                             seqlens=lens, scale=0.1, causal="bottom_right", window=window,
                             softcap=None, return_lse=True)
-    (grid, block, args, shared), = launches
-    assert names == [decode_paged_name("bfloat16", d)]
-    expected = _kernel_parameters("sk_attn_decode_paged")
-    assert [type(a) for a in args] == expected
+    (kernel, like, grid, block, codes, args, shared), = launches
+    assert names == [decode_paged_name("bfloat16", d)] and kernel == names[0] and like is q
+    assert codes == _struct_codes("sk_attn_decode_paged")  # the kernel's parameter list
+    assert len(args) == len(codes)
+    struct.Struct("@" + codes).pack(*args)  # every value fits its parameter's type
     splits, chunk = adapter.splits_for(b * hk, span, 132)
     assert grid == (splits, hk, b) and splits * chunk >= span
-    assert block == (128,) and shared == adapter.decode_shared_bytes(d)
+    assert block == 128 and shared == adapter.decode_shared_bytes(d)
     page = hk * size * d
     assert [int(a) for a in args[7:17]] == [hq * lq * d, lq * d, d, page, size * d, d, page,
                                             size * d, d, max_pages]
