@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from . import interop
-from .attention import _kernel, _merge, _multiprocessors, _rows_ready, splits_for
-from .configs import DECODE_WARPS, decode_paged_name, decode_shared_bytes
+from .attention import _rows_ready, split_decode
+from .configs import decode_paged_name
 
 
 def page_divisor(page_size: int) -> tuple[int, int]:
@@ -144,23 +144,22 @@ def paged_attention(
     left, right, span = window_span(window, lq, capacity)
     ptr = interop.pointer
     qs, ks, vs = (interop.element_strides(a) for a in (q, k_pages, v_pages))
-    with interop.launch_context(q):
-        splits, chunk = splits_for(b * hk, span, _multiprocessors())
-        rows = b * hq * lq
-        part_out = interop.empty(q, (splits, rows, d), "float32")
-        part_lse = interop.empty(q, (splits, rows), "float32")
-        shared = decode_shared_bytes(d)
-        kernel = _kernel(decode_paged_name(dtype, d), shared)
-        kernel((splits, hk, b), (32 * DECODE_WARPS,), (
+
+    def launch_args(parts: Any, part_lses: Any, chunk: Any) -> tuple[Any, ...]:
+        return (
             np.uint64(ptr(q)), np.uint64(ptr(k_pages)), np.uint64(ptr(v_pages)),
-            np.uint64(ptr(table)), np.uint64(ptr(lens)), np.uint64(ptr(part_out)),
-            np.uint64(ptr(part_lse)), *(np.int64(s) for s in qs[:3]),
-            *(np.int64(s) for s in ks[:3]), *(np.int64(s) for s in vs[:3]),
-            np.int64(interop.element_strides(table)[0]), np.int32(page_size), np.uint32(mul),
-            np.int32(shift), np.int32(hq), np.int32(hk), np.int32(lq), np.int32(chunk),
-            np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
+            np.uint64(ptr(table)), np.uint64(ptr(lens)), parts, part_lses,
+            *(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),
+            *(np.int64(s) for s in vs[:3]), np.int64(interop.element_strides(table)[0]),
+            np.int32(page_size), np.uint32(mul), np.int32(shift), np.int32(hq), np.int32(hk),
+            np.int32(lq), chunk, np.float32(scale),
+            np.float32(softcap if softcap is not None else 0.0),
             np.int32(causal is not None), np.int32(left), np.int32(right),
-        ), shared_mem=shared)
-        out, lse = _merge(part_out, part_lse, dtype)
+        )
+
+    with interop.launch_context(q):
+        # the grid spans the keys a query can reach (span), not the table's capacity
+        out, lse = split_decode(q, decode_paged_name(dtype, d), (b, hq, hk, lq, d), span,
+                                launch_args)
     return xp.reshape(out, (b, hq, lq, d)), (xp.reshape(lse, (b, hq, lq)) if return_lse
                                               else None)

@@ -274,6 +274,7 @@ def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_
     import contextlib
 
     import array_api_compat.torch as xp
+    from softmaxkit_cupy import attention as launcher
     from softmaxkit_cupy import interop
     from softmaxkit_cupy import paged as adapter
 
@@ -284,9 +285,10 @@ def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_
             launches.append((grid, block, args, shared_mem))
 
     names = []
-    monkeypatch.setattr(adapter, "_kernel", lambda name, shared: names.append(name) or Kernel())
-    monkeypatch.setattr(adapter, "_multiprocessors", lambda: 132)
-    monkeypatch.setattr(adapter, "_merge", lambda outs, lses, dtype: (
+    # the paged adapter launches through attention.split_decode
+    monkeypatch.setattr(launcher, "_kernel", lambda name, shared: names.append(name) or Kernel())
+    monkeypatch.setattr(launcher, "_multiprocessors", lambda: 132)
+    monkeypatch.setattr(launcher, "_merge", lambda outs, lses, dtype: (
         torch.zeros(outs.shape[1:]), torch.zeros(lses.shape[1:])))
     monkeypatch.setattr(interop, "launch_context", lambda a: contextlib.nullcontext())
     b, hq, hk, lq, d, size, max_pages = 3, 8, 2, 2, 128, 16, 70
@@ -302,9 +304,9 @@ def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_
     assert names == [decode_paged_name("bfloat16", d)]
     expected = _kernel_parameters("sk_attn_decode_paged")
     assert [type(a) for a in args] == expected
-    splits, chunk = adapter.splits_for(b * hk, span, 132)
+    splits, chunk = launcher.splits_for(b * hk, span, 132)
     assert grid == (splits, hk, b) and splits * chunk >= span
-    assert block == (128,) and shared == adapter.decode_shared_bytes(d)
+    assert block == (128,) and shared == launcher.decode_shared_bytes(d)
     page = hk * size * d
     assert [int(a) for a in args[7:17]] == [hq * lq * d, lq * d, d, page, size * d, d, page,
                                             size * d, d, max_pages]
