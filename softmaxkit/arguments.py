@@ -231,19 +231,17 @@ def mask(xp: Any, where: Any, shape: tuple[int, ...], like: Any, name: str = "wh
         return None
     where = boolean(as_array(xp, where, name, like=like), name,
                     "True keeps a position, False excludes it")
-    if tuple(where.shape) == tuple(shape):
-        return where
-    try:
-        return xp.broadcast_to(where, shape)
-    except Exception:
-        raise ValueError(
-            f"{name} of shape {tuple(where.shape)} does not broadcast to shape {tuple(shape)}"
-        ) from None
+    return _broadcast(xp, where, shape, name)
 
 
 def broadcast_operand(xp: Any, value: Any, shape: tuple[int, ...], like: Any, name: str) -> Any:
     """Broadcast a real operand (``b``, a cotangent) to ``shape``, naming it on failure."""
     value = floating(xp, as_array(xp, value, name, like=like), name)
+    return _broadcast(xp, value, shape, name)
+
+
+def _broadcast(xp: Any, value: Any, shape: tuple[int, ...], name: str) -> Any:
+    """``value`` broadcast to ``shape`` (``value`` itself when it has that shape already)."""
     if tuple(value.shape) == tuple(shape):
         return value
     try:
@@ -341,6 +339,15 @@ def softcap(softcap: Any) -> float | None:
         return None
     value = finite_scalar(softcap, "softcap", 0.0, math.inf)
     return value or None  # 0 means no cap, as in FlashAttention
+
+
+def attention_options(
+    causal_value: Any, window_value: Any, softcap_value: Any
+) -> dict[str, Any]:
+    """Validate attention's ``causal``, ``window`` and ``softcap`` together
+    (:func:`causal`, :func:`window`, :func:`softcap`), as keyword arguments of a backend call."""
+    return {"causal": causal(causal_value), "window": window(window_value),
+            "softcap": softcap(softcap_value)}
 
 
 def grouped_query_heads(hq: int, hk: int, keys_values: str = "k's and v's") -> None:

@@ -22,6 +22,31 @@ from .frameworks import route
 LN2 = math.log(2.0)
 
 
+def lse_in_base(lse: Any, base: str) -> Any:
+    """A natural-log ``lse`` in ``base``, ``"e"`` or ``"2"`` (:func:`.arguments.lse_base`)."""
+    return lse / LN2 if base == "2" else lse
+
+
+def natural_lse(lse: Any, base: str) -> Any:
+    """An ``lse`` given in ``base`` as a natural log: the inverse of :func:`lse_in_base`."""
+    return lse * LN2 if base == "2" else lse
+
+
+def vjp_operands(
+    xp: Any, out: Any, lse: Any, dout: Any, out_shape: tuple[int, ...], like: Any, base: str
+) -> tuple[Any, Any, Any]:
+    """The forward results an attention gradient takes, checked: ``out`` and ``dout`` of
+    ``out_shape`` in ``like``'s dtype, ``lse`` of ``out_shape[:-1]`` as a natural log in the
+    accumulator dtype (the kernels' convention)."""
+    checked = {}
+    for name, a, shape in (("out", out, out_shape), ("dout", dout, out_shape),
+                           ("lse", lse, out_shape[:-1])):
+        checked[name] = args.shaped_floating(xp, a, name, shape, like)
+    lse_f = xp.astype(checked["lse"], accumulator_dtype(xp, like.dtype), copy=False)
+    return (xp.astype(checked["out"], like.dtype, copy=False), natural_lse(lse_f, base),
+            xp.astype(checked["dout"], like.dtype, copy=False))
+
+
 class _Layout:
     """Shapes of q, k, v (and mask) checked, leading dims broadcast, flattened into B."""
 
@@ -173,17 +198,15 @@ def attention(
         )
     base = args.lse_base(lse_base)
     xp, layout, _, (qf, kf, vf, mf) = _prepare(q, k, v, mask)
+    scale_f = args.attention_scale(scale, layout.d)
     out, lse = run(
-        "attention", xp, qf, backend,
-        q=qf, k=kf, v=vf, scale=args.attention_scale(scale, layout.d),
-        causal=args.causal(causal), window=args.window(window), mask=mf,
-        softcap=args.softcap(softcap), return_lse=bool(return_lse),
+        "attention", xp, qf, backend, q=qf, k=kf, v=vf, scale=scale_f, mask=mf,
+        **args.attention_options(causal, window, softcap), return_lse=bool(return_lse),
     )
     out = layout.unflat(xp, out)
     if not return_lse:
         return out
-    lse = layout.unflat(xp, lse)
-    return out, (lse / LN2 if base == "2" else lse)
+    return out, lse_in_base(layout.unflat(xp, lse), base)
 
 
 def attention_vjp(
@@ -239,22 +262,15 @@ def attention_vjp(
         q, k, v, mask, {"out": out, "lse": lse, "dout": dout}
     )
     out_shape = layout.lead + (layout.hq, layout.lq, layout.dv)
-    pairs = (("out", out, out_shape), ("dout", dout, out_shape),
-             ("lse", lse, out_shape[:-1]))
-    flat = {}
-    for name, a, shape in pairs:
-        a = args.shaped_floating(xp, a, name, shape, qf)
-        flat[name] = xp.reshape(a, (layout.b,) + shape[len(layout.lead):])
-    acc = accumulator_dtype(xp, qf.dtype)
-    lse_f = xp.astype(flat["lse"], acc, copy=False)
-    if base == "2":
-        lse_f = lse_f * LN2
+    # the leading dimensions flattened into B, as the operands are
+    out_f, lse_f, dout_f = (
+        xp.reshape(a, (layout.b,) + tuple(a.shape[len(layout.lead):]))
+        for a in vjp_operands(xp, out, lse, dout, out_shape, qf, base)
+    )
+    scale_f = args.attention_scale(scale, layout.d)
     dq, dk, dv = run(
-        "attention_vjp", xp, qf, backend,
-        q=qf, k=kf, v=vf, out=xp.astype(flat["out"], qf.dtype, copy=False), lse=lse_f,
-        dout=xp.astype(flat["dout"], qf.dtype, copy=False),
-        scale=args.attention_scale(scale, layout.d), causal=args.causal(causal),
-        window=args.window(window), mask=mf, softcap=args.softcap(softcap),
+        "attention_vjp", xp, qf, backend, q=qf, k=kf, v=vf, out=out_f, lse=lse_f, dout=dout_f,
+        scale=scale_f, mask=mf, **args.attention_options(causal, window, softcap),
     )
     grads = []
     for g, a in ((dq, q0), (dk, k0), (dv, v0)):
@@ -287,8 +303,7 @@ def _states(
     lses = xp.astype(lses, acc)
     if empty == math.inf:
         lses = xp.where(lses == math.inf, -math.inf, lses)
-    if base == "2":
-        lses = lses * LN2
+    lses = natural_lse(lses, base)
     batch = tuple(n for i, n in enumerate(lses.shape) if i != ax)
     s, rows, dv = lses.shape[ax], math.prod(batch), outs.shape[-1]
     lr = xp.reshape(xp.moveaxis(lses, ax, 0), (s, rows))
@@ -355,7 +370,7 @@ def merge_attention_states(
     )
     out, lse = run("merge_attention", xp, orr, backend, outs=orr, lses=lr)
     lse = xp.reshape(lse, batch)
-    return xp.reshape(out, batch + (dv,)), (lse / LN2 if base == "2" else lse)
+    return xp.reshape(out, batch + (dv,)), lse_in_base(lse, base)
 
 
 def merge_attention(

@@ -16,7 +16,7 @@ import array_api_compat
 import numpy as np
 
 from . import arguments as args
-from .attention import LN2
+from .attention import lse_in_base
 from .dispatch import run
 from .frameworks import refuse_gradient
 from .metadata import host_integers, index_array
@@ -249,4 +249,4 @@ def paged_attention(
     )
     if not return_lse:
         return out
-    return out, (lse / LN2 if base == "2" else lse)
+    return out, lse_in_base(lse, base)

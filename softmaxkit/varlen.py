@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 
 from . import arguments as args
-from .attention import LN2
+from .attention import lse_in_base, vjp_operands
 from .dispatch import run
-from .dtypes import accumulator_dtype
 from .frameworks import route
 from .metadata import host_integers, index_array
 
@@ -228,8 +227,7 @@ def varlen_attention(
         )
     # the options are checked before the metadata is read
     base = args.lse_base(lse_base)
-    options = dict(causal=args.causal(causal), window=args.window(window),
-                   softcap=args.softcap(softcap))
+    options = args.attention_options(causal, window, softcap)
     xp, dims, _, (qf, kf, vf), (cq, ck) = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k)
     out, lse = run(
         "varlen_attention", xp, qf, backend, q=qf, k=kf, v=vf, cu_seqlens_q=cq,
@@ -238,7 +236,7 @@ def varlen_attention(
     )
     if not return_lse:
         return out
-    return out, (lse / LN2 if base == "2" else lse)
+    return out, lse_in_base(lse, base)
 
 
 def varlen_attention_vjp(
@@ -300,23 +298,16 @@ def varlen_attention_vjp(
         )
     # the options are checked before the metadata is read
     base = args.lse_base(lse_base)
-    options = dict(causal=args.causal(causal), window=args.window(window),
-                   softcap=args.softcap(softcap))
+    options = args.attention_options(causal, window, softcap)
     xp, dims, (q0, k0, v0), (qf, kf, vf), (cq, ck) = _prepare(
         q, k, v, cu_seqlens_q, cu_seqlens_k, {"out": out, "lse": lse, "dout": dout}
     )
-    out_shape = (dims.tq, dims.hq, dims.dv)
-    checked = {}
-    for name, a, shape in (("out", out, out_shape), ("dout", dout, out_shape),
-                           ("lse", lse, out_shape[:-1])):
-        checked[name] = args.shaped_floating(xp, a, name, shape, qf)
-    lse_f = xp.astype(checked["lse"], accumulator_dtype(xp, qf.dtype), copy=False)
-    if base == "2":
-        lse_f = lse_f * LN2
+    out_f, lse_f, dout_f = vjp_operands(
+        xp, out, lse, dout, (dims.tq, dims.hq, dims.dv), qf, base
+    )
     dq, dk, dv = run(
-        "varlen_attention_vjp", xp, qf, backend,
-        q=qf, k=kf, v=vf, out=xp.astype(checked["out"], qf.dtype, copy=False), lse=lse_f,
-        dout=xp.astype(checked["dout"], qf.dtype, copy=False), cu_seqlens_q=cq,
-        cu_seqlens_k=ck, scale=args.attention_scale(scale, dims.d), **options,
+        "varlen_attention_vjp", xp, qf, backend, q=qf, k=kf, v=vf, out=out_f, lse=lse_f,
+        dout=dout_f, cu_seqlens_q=cq, cu_seqlens_k=ck,
+        scale=args.attention_scale(scale, dims.d), **options,
     )
     return tuple(xp.astype(g, a.dtype, copy=False) for g, a in ((dq, q0), (dk, k0), (dv, v0)))

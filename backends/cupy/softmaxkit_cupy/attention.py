@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -86,13 +87,6 @@ def _multiprocessors_of(device: int) -> int:
 
     # Device.attributes queries every attribute of the device: once per device
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
-
-
-def _multiprocessors() -> int:
-    """The multiprocessors of the current device (the one a launch context selected)."""
-    import cupy
-
-    return _multiprocessors_of(cupy.cuda.runtime.getDevice())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -183,17 +177,13 @@ def attention(
                 np.uint64(interop.pointer(v)), np.uint64(m_ptr))
     with interop.launch_context(q):
         if uses_decode(hq, hk, lq, lk):
-            splits, chunk = splits_for(b * hk, lk, _multiprocessors())
-            rows = b * hq * lq
-            part_out = interop.empty(q, (splits, rows, d), "float32")
-            part_lse = interop.empty(q, (splits, rows), "float32")
-            shared = decode_shared_bytes(d)
-            kernel = _kernel(decode_name(dtype, d), shared)
-            args = (*pointers, np.uint64(interop.pointer(part_out)),
-                    np.uint64(interop.pointer(part_lse)), *strides, np.int32(hq),
-                    np.int32(hk), np.int32(lq), np.int32(lk), np.int32(chunk), *options)
-            kernel((splits, hk, b), (32 * DECODE_WARPS,), args, shared_mem=shared)
-            out, lse = _merge(part_out, part_lse, dtype)
+
+            def decode_args(parts: Any, part_lses: Any, chunk: Any) -> tuple[Any, ...]:
+                return (*pointers, parts, part_lses, *strides, np.int32(hq), np.int32(hk),
+                        np.int32(lq), np.int32(lk), chunk, *options)
+
+            out, lse = split_decode(q, decode_name(dtype, d), DECODE_PARAMS,
+                                    (b, hq, hk, lq, d), lk, decode_args)
             out = xp.reshape(out, (b, hq, lq, d))
             lse = xp.reshape(lse, (b, hq, lq))
         else:
@@ -213,6 +203,36 @@ def attention(
 
 _MERGE_PARAMS = "QQQQiqi"
 """The merge kernel's parameters: outs, lses, out, lse, parts, rows, dv."""
+
+DECODE_PARAMS = "Q" * 6 + "q" * 13 + "iiiii" + "ff" + "iiii"
+"""The dense decode kernel's parameters: the addresses of q, k, v, mask, the partial out and
+lse; the strides of q, k, v (three each) and of the mask (four); hq, hk, lq, lk, chunk;
+scale, softcap; offset, causal, left, right."""
+
+
+def split_decode(
+    q: Any, name: str, codes: str, sizes: tuple[int, int, int, int, int], keys: int,
+    launch_args: Callable[[int, int, int], tuple[Any, ...]],
+) -> tuple[Any, Any]:
+    """Split-KV decoding: the decode kernel ``name`` on a (splits, Hk, B) grid, each block a
+    chunk of the ``keys`` keys of one key head, then :func:`_merge` of its float32 partials.
+
+    ``sizes`` is ``(B, Hq, Hk, Lq, D)``; ``launch_args(part_out, part_lse, chunk)`` gives the
+    kernel's arguments (packed as the parameter list ``codes``) around the partials'
+    addresses and the keys per split.  The kernels launch through the driver on q's device
+    and the caller's current stream.  Returns out ``[B * Hq * Lq, D]`` in q's dtype and lse
+    ``[B * Hq * Lq]`` (float32).
+    """
+    b, hq, hk, lq, d = sizes
+    splits, chunk = splits_for(b * hk, keys, _multiprocessors_of(interop.device_index(q)))
+    rows = b * hq * lq
+    part_out = interop.empty(q, (splits, rows, d), "float32")
+    part_lse = interop.empty(q, (splits, rows), "float32")
+    shared = decode_shared_bytes(d)
+    args = launch_args(interop.pointer(part_out), interop.pointer(part_lse), chunk)
+    interop.launch(_kernel(name, shared), q, (splits, hk, b), 32 * DECODE_WARPS, codes, args,
+                   shared)
+    return _merge(part_out, part_lse, interop.name(q))
 
 
 def _merge(outs: Any, lses: Any, out_dtype: str) -> tuple[Any, Any]:
@@ -235,6 +255,21 @@ def merge_attention(xp: Any, *, outs: Any, lses: Any) -> tuple[Any, Any]:
     with interop.launch_context(outs):
         return _merge(outs, lses, interop.name(outs))
 
+
+
+def backward_buffers(q: Any, rows: int, d: int) -> tuple[Any, Any, Any]:
+    """The float32 buffers the backward's launches share, for ``rows`` (padded) query rows:
+    each row's lse in log2 units and ``delta = rowsum(dout * out)``, and dQ's sums (zeroed,
+    since the main kernel adds into them)."""
+    return (interop.empty(q, (rows,), "float32"), interop.empty(q, (rows,), "float32"),
+            interop.zeros(q, (rows * d,), "float32"))
+
+
+def launch_backward_pre(kernel: Any, rows: int, d: int, args: tuple[Any, ...]) -> None:
+    """Launch the backward's first kernel (lse2 and delta) over ``rows`` rows: ``d / 8``
+    threads a row, 256 a block."""
+    per_block = 256 // (d // 8)
+    kernel((-(-rows // per_block),), (256,), args)
 
 
 def attention_vjp(
@@ -260,9 +295,7 @@ def attention_vjp(
     config = config or backward_config(d)
     lq_pad = -(-lq // config.block_m) * config.block_m
     rows = b * hq * lq_pad
-    lse2 = interop.empty(q, (rows,), "float32")
-    delta = interop.empty(q, (rows,), "float32")
-    dq_acc = interop.zeros(q, (rows * d,), "float32")
+    lse2, delta, dq_acc = backward_buffers(q, rows, d)
     dq = interop.empty(q, (b, hq, lq, d), dtype)
     dk = interop.empty(q, (b, hk, lk, d), dtype)
     dv = interop.empty(q, (b, hk, lk, d), dtype)
@@ -274,9 +307,7 @@ def attention_vjp(
     qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))
     ptr = interop.pointer
     with interop.launch_context(q):
-        pre = _kernel(backward_pre_name(dtype, d), 0)
-        per_block = 256 // (d // 8)
-        pre((-(-rows // per_block),), (256,), (
+        launch_backward_pre(_kernel(backward_pre_name(dtype, d), 0), rows, d, (
             np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
             np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
             *(np.int64(s) for s in os_[:3]), *(np.int64(s) for s in gs[:3]),

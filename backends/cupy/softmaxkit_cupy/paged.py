@@ -25,8 +25,8 @@ import math
 from typing import Any
 
 from . import interop
-from .attention import _kernel, _merge, _multiprocessors_of, _rows_ready, splits_for
-from .configs import DECODE_WARPS, decode_paged_name, decode_shared_bytes
+from .attention import _rows_ready, split_decode
+from .configs import decode_paged_name
 
 _PAGED_PARAMS = "QQQQQQQ" + "qqq" * 3 + "q" + "iIiiiiiff" + "iii"
 """The paged decode kernel's parameters: the addresses of q, k_pages, v_pages, block_table,
@@ -148,21 +148,15 @@ def paged_attention(
     left, right, span = window_span(window, lq, capacity)
     ptr = interop.pointer
     qs, ks, vs = (interop.element_strides(a) for a in (q, k_pages, v_pages))
-    splits, chunk = splits_for(b * hk, span, _multiprocessors_of(interop.device_index(q)))
-    rows = b * hq * lq
-    part_out = interop.empty(q, (splits, rows, d), "float32")
-    part_lse = interop.empty(q, (splits, rows), "float32")
-    shared = decode_shared_bytes(d)
-    # launched through the driver on q's device and the caller's stream: no CuPy stream or
-    # device context per call (the frontend's metadata check has just synchronized, so the
-    # host time up to this launch is time the device idles)
-    interop.launch(_kernel(decode_paged_name(dtype, d), shared), q, (splits, hk, b),
-                   32 * DECODE_WARPS, _PAGED_PARAMS, (
-                       ptr(q), ptr(k_pages), ptr(v_pages), ptr(table), ptr(lens),
-                       ptr(part_out), ptr(part_lse), *qs[:3], *ks[:3], *vs[:3],
-                       interop.element_strides(table)[0], page_size, mul, shift, hq, hk, lq,
-                       chunk, scale, softcap if softcap is not None else 0.0,
-                       int(causal is not None), left, right), shared)
-    out, lse = _merge(part_out, part_lse, dtype)
+
+    def launch_args(parts: int, part_lses: int, chunk: int) -> tuple[Any, ...]:
+        return (ptr(q), ptr(k_pages), ptr(v_pages), ptr(table), ptr(lens), parts, part_lses,
+                *qs[:3], *ks[:3], *vs[:3], interop.element_strides(table)[0], page_size, mul,
+                shift, hq, hk, lq, chunk, scale, softcap if softcap is not None else 0.0,
+                int(causal is not None), left, right)
+
+    # the grid spans the keys a query can reach (span), not the table's capacity
+    out, lse = split_decode(q, decode_paged_name(dtype, d), _PAGED_PARAMS, (b, hq, hk, lq, d),
+                            span, launch_args)
     return xp.reshape(out, (b, hq, lq, d)), (xp.reshape(lse, (b, hq, lq)) if return_lse
                                               else None)

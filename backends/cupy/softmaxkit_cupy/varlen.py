@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import interop
-from .attention import _kernel, _rows_ready
+from .attention import _kernel, _rows_ready, backward_buffers, launch_backward_pre
 from .configs import (
     AttentionConfig,
     BackwardConfig,
@@ -145,18 +145,14 @@ def varlen_attention_vjp(
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
     lse = interop.contiguous(lse)
     rows = hq * tpad
-    lse2 = interop.empty(q, (rows,), "float32")
-    delta = interop.empty(q, (rows,), "float32")
-    dq_acc = interop.zeros(q, (rows * d,), "float32")
+    lse2, delta, dq_acc = backward_buffers(q, rows, d)
     dq = interop.empty(q, (tq, hq, d), dtype)
     # every key row belongs to a sequence whose blocks write it (zeros without queries)
     dk = interop.empty(q, (tk, hk, d), dtype)
     dv = interop.empty(q, (tk, hk, d), dtype)
     ptr = interop.pointer
     with interop.launch_context(q):
-        pre = _kernel(backward_pre_varlen_name(dtype, d), 0)
-        per_block = 256 // (d // 8)
-        pre((-(-rows // per_block),), (256,), (
+        launch_backward_pre(_kernel(backward_pre_varlen_name(dtype, d), 0), rows, d, (
             np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
             np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(cu_q)),
             np.uint64(ptr(cu_pad)), *_token_strides(out), *_token_strides(dout),

@@ -264,14 +264,16 @@ def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_
     in for CUDA ones and the launch is recorded, not run."""
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as xp
+    from softmaxkit_cupy import attention as launcher
     from softmaxkit_cupy import interop
     from softmaxkit_cupy import paged as adapter
 
     launches = []
     names = []
-    monkeypatch.setattr(adapter, "_kernel", lambda name, shared: names.append(name) or name)
-    monkeypatch.setattr(adapter, "_multiprocessors_of", lambda device: 132)
-    monkeypatch.setattr(adapter, "_merge", lambda outs, lses, dtype: (
+    # the paged adapter launches through attention.split_decode
+    monkeypatch.setattr(launcher, "_kernel", lambda name, shared: names.append(name) or name)
+    monkeypatch.setattr(launcher, "_multiprocessors_of", lambda device: 132)
+    monkeypatch.setattr(launcher, "_merge", lambda outs, lses, dtype: (
         torch.zeros(outs.shape[1:]), torch.zeros(lses.shape[1:])))
     monkeypatch.setattr(interop, "launch", lambda *a: launches.append(a))
     b, hq, hk, lq, d, size, max_pages = 3, 8, 2, 2, 128, 16, 70
@@ -288,9 +290,9 @@ def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_
     assert codes == _struct_codes("sk_attn_decode_paged")  # the kernel's parameter list
     assert len(args) == len(codes)
     struct.Struct("@" + codes).pack(*args)  # every value fits its parameter's type
-    splits, chunk = adapter.splits_for(b * hk, span, 132)
+    splits, chunk = launcher.splits_for(b * hk, span, 132)
     assert grid == (splits, hk, b) and splits * chunk >= span
-    assert block == 128 and shared == adapter.decode_shared_bytes(d)
+    assert block == 128 and shared == launcher.decode_shared_bytes(d)
     page = hk * size * d
     assert [int(a) for a in args[7:17]] == [hq * lq * d, lq * d, d, page, size * d, d, page,
                                             size * d, d, max_pages]
@@ -333,3 +335,9 @@ def test_window_span_and_first_key_leave_out_only_keys_no_query_sees() -> None:
         assert lk - first <= splits * chunk  # every key the kernel must see has a split
         got = _allowed(lk, lq, causal, left, right, shift=first)
         assert got == _allowed(lk, lq, causal, *window), (lk, lq, causal, window, capacity)
+
+
+def test_dense_decode_launch_packs_the_kernels_parameter_list() -> None:
+    from softmaxkit_cupy.attention import DECODE_PARAMS
+
+    assert DECODE_PARAMS == _struct_codes("sk_attn_decode")

@@ -64,13 +64,21 @@ _ROUND_64 = 6755399441055744.0  # 1.5 * 2**52
 _UNLIFT_64 = 2.0**-LIFT64
 
 
+@njit(inline="always")
+def _reduce(z, log2e, rounding, ln2_hi, ln2_lo):
+    """``(t, r)``: ``t = z * log2(e) + rounding`` holds ``n`` in its low bits, and
+    ``r = z - n * ln 2`` (Cody and Waite).  Inlined, so it is compiled with its caller's
+    flags, in its caller's float type."""
+    t = z * log2e + rounding
+    nf = t - rounding
+    r = z - nf * ln2_hi
+    return t, r - nf * ln2_lo
+
+
 @njit(fastmath={"contract"}, cache=True)
 def _core_f32(z):
     # z in [-104, 0] (or NaN); contract only: the rounding constant must not be reassociated
-    t = z * _LOG2E_32 + _ROUND_32
-    nf = t - _ROUND_32
-    r = z - nf * _LN2_HI_32
-    r = r - nf * _LN2_LO_32
+    t, r = _reduce(z, _LOG2E_32, _ROUND_32, _LN2_HI_32, _LN2_LO_32)
     q = _Q32[4]
     q = q * r + _Q32[3]
     q = q * r + _Q32[2]
@@ -82,10 +90,7 @@ def _core_f32(z):
 
 @njit(fastmath={"contract"}, cache=True)
 def _core_f64(z):
-    t = z * _LOG2E_64 + _ROUND_64
-    nf = t - _ROUND_64
-    r = z - nf * _LN2_HI_64
-    r = r - nf * _LN2_LO_64
+    t, r = _reduce(z, _LOG2E_64, _ROUND_64, _LN2_HI_64, _LN2_LO_64)
     p = 1.0 / 6227020800.0
     p = p * r + 1.0 / 479001600.0
     p = p * r + 1.0 / 39916800.0

@@ -250,6 +250,13 @@ def merge_ser(maxes, masses, nums, has_num, om, oms, onum):
 # -- normalize -------------------------------------------------------------------------------
 
 
+@njit(inline="always")
+def _cover(z, counted, above, chk, zero):
+    """:func:`_normalize_regular`'s two sums after one more position ``z = x - m``: inlined
+    into each of its loops, which stay apart so that each vectorizes."""
+    return above + (z if z > zero else zero), chk + (z if counted else zero)
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def _normalize_regular(x, w, has_where, m, mass, log, out):
     """``exp(x - m) / mass`` or ``(x - m) - log(mass)`` into ``out``; False if not covered.
@@ -268,14 +275,12 @@ def _normalize_regular(x, w, has_where, m, mass, log, out):
             for j in range(x.shape[0]):
                 allowed = w[j]
                 z = widen(x[j]) - m if allowed else ninf
-                above += z if z > zero else zero
-                chk += z if allowed else zero
+                above, chk = _cover(z, allowed, above, chk, zero)
                 put(out, j, z - ls)
         else:
             for j in range(x.shape[0]):
                 z = widen(x[j]) - m
-                above += z if z > zero else zero
-                chk += z
+                above, chk = _cover(z, True, above, chk, zero)
                 put(out, j, z - ls)
     else:
         inv = like(m, 1.0) / like(m, mass)
@@ -283,14 +288,12 @@ def _normalize_regular(x, w, has_where, m, mass, log, out):
             for j in range(x.shape[0]):
                 allowed = w[j]
                 z = widen(x[j]) - m if allowed else ninf
-                above += z if z > zero else zero
-                chk += z if allowed else zero
+                above, chk = _cover(z, allowed, above, chk, zero)
                 put(out, j, exp_nonpos(z) * inv)
         else:
             for j in range(x.shape[0]):
                 z = widen(x[j]) - m
-                above += z if z > zero else zero
-                chk += z
+                above, chk = _cover(z, True, above, chk, zero)
                 put(out, j, exp_nonpos(z) * inv)
     return above == 0 and chk == chk
 
