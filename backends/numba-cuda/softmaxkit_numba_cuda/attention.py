@@ -48,8 +48,7 @@ from .primitives import (
     cuda,
     device_function,
     kernel,
-    log_f32,
-    log_f64,
+    logarithm,
 )
 from .reductions import exponential
 from .rows import dtype_name
@@ -105,7 +104,7 @@ def _merge_kernel(kind: str):
     acc_name, acc = accumulator(kind)
     load = loader(kind, acc_name)
     store = storer(kind)
-    log = log_f64 if acc_name == "float64" else log_f32
+    log = logarithm(acc_name)
     weight = _weight(acc_name)
     parts_max = _parts_max(acc_name)
     neg_inf, zero, one = acc(NEG_INF), acc(0.0), acc(1.0)

@@ -40,9 +40,9 @@ from .primitives import (
     SIMULATOR,
     accumulator,
     cuda,
+    device_function,
     kernel,
-    log_f32,
-    log_f64,
+    logarithm,
     shfl_xor,
 )
 from .ptx import ex2
@@ -185,6 +185,60 @@ def _stager(acc_name: str):
 
 
 @functools.cache
+def _outer_products(rows: int, cols: int):
+    """Device function ``product(out, smem, a_off, a_stride, b_off, b_stride, depth, a_reg,
+    b_reg, ty, tx)``: ``out [rows, cols] += A B^T`` over ``depth`` columns of two transposed
+    operands in shared memory, the thread's micro-tile of rows ``ty + 16 i`` of A (column ``c``
+    of row ``r`` at ``a_off + c * a_stride + r``) and rows ``tx + 16 j`` of B; ``a_reg`` and
+    ``b_reg`` hold one column of each (``rows`` and ``cols`` values)."""
+
+    def product(out, smem, a_off, a_stride, b_off, b_stride, depth, a_reg, b_reg, ty, tx):
+        for c in range(depth):
+            for i in range(rows):
+                a_reg[i] = smem[u(a_off + c * a_stride + ty + LANES * i)]
+            for j in range(cols):
+                b_reg[j] = smem[u(b_off + c * b_stride + tx + LANES * j)]
+            for i in range(rows):
+                for j in range(cols):
+                    out[i, j] += a_reg[i] * b_reg[j]
+
+    return device_function(product, inline=True)
+
+
+@functools.cache
+def _exclusion(bm: int, bn: int, masked: bool):
+    """Device functions ``edge(m0, n0, offset, lo, hi, lk)``: whether the tile of ``bm``
+    queries from ``m0`` and ``bn`` keys from ``n0`` needs a test per score (a tile inside every
+    row's band and inside Lk needs none), and ``allowed(row, key, offset, lo, hi, lk, lq, mh)``:
+    whether query ``row`` sees ``key`` (inside Lk and the band, and, with ``masked``, where
+    the head's mask ``mh`` allows it)."""
+
+    def edge(m0, n0, offset, lo, hi, lk):
+        return (masked or n0 + bn > lk or n0 + bn - 1 - (m0 + offset) > hi
+                or n0 - (m0 + bm - 1 + offset) < lo)
+
+    def allowed(row, key, offset, lo, hi, lk, lq, mh):
+        rel = key - row - offset
+        keep = key < lk and rel >= lo and rel <= hi
+        if masked and keep and row < lq:
+            keep = mh[u(row), u(key)]
+        return keep
+
+    return device_function(edge, inline=True), device_function(allowed, inline=True)
+
+
+def _micro_tile():
+    """``(tid, ty, tx)``: the thread's index in the block, its row group and its lane."""
+    tid = cuda.threadIdx.x
+    ty = tid // LANES
+    return tid, ty, tid - ty * LANES
+
+
+if not SIMULATOR:  # in the simulator it stays Python, as the stager does
+    _micro_tile = cuda.jit(device=True, inline="always")(_micro_tile)
+
+
+@functools.cache
 def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: bool,
             registers: int = 0):
     """Kernel ``(q, k, v, mask, out, lse, qk_mult, cap_mult, offset, lo, hi, q_tiles)``.
@@ -197,7 +251,7 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
     """
     acc_name, acc = accumulator(kind)
     exp2 = exp2_f64 if acc_name == "float64" else ex2
-    log = log_f64 if acc_name == "float64" else log_f32
+    log = logarithm(acc_name)
     bm, bn = LANES * rm, LANES * cn
     oc = _columns(dv)
     dvp = LANES * oc
@@ -207,6 +261,8 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
     p_off = v_off + dvp * ks
     zero, one, neg_inf = acc(0.0), acc(1.0), acc(NEG_INF)
     stage = _stager(acc_name)
+    product = _outer_products(rm, cn)
+    edge, allowed = _exclusion(bm, bn, masked)
     ln2 = acc(math.log(2.0))
     regs = registers or REGISTERS[acc_name]
 
@@ -214,9 +270,7 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
     def attention_forward(q, k, v, mask, out, lse, qk_mult, cap_mult, offset, lo, hi,
                           q_tiles):
         smem = cuda.shared.array(0, acc)
-        tid = cuda.threadIdx.x
-        ty = tid // LANES
-        tx = tid - ty * LANES
+        tid, ty, tx = _micro_tile()
         hq, lq = q.shape[1], q.shape[2]
         hk, lk = k.shape[1], k.shape[2]
         heads = q.shape[0] * hq
@@ -271,31 +325,16 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
             for i in range(rm):
                 for j in range(cn):
                     s[i, j] = zero
-            for c in range(d):
-                for i in range(rm):
-                    a_reg[i] = smem[u(c * qs + ty + LANES * i)]
-                for j in range(cn):
-                    b_reg[j] = smem[u(k_off + c * ks + tx + LANES * j)]
-                for i in range(rm):
-                    for j in range(cn):
-                        s[i, j] += a_reg[i] * b_reg[j]
+            product(s, smem, 0, qs, k_off, ks, d, a_reg, b_reg, ty, tx)
             if capped:
                 for i in range(rm):
                     for j in range(cn):
                         s[i, j] = math.tanh(s[i, j]) * cm
-            # a tile inside every row's band and inside Lk needs no per-score test
-            edge = (masked or n0 + bn > lk or n0 + bn - 1 - (m0 + offset) > hi
-                    or n0 - (m0 + bm - 1 + offset) < lo)
-            if edge:
+            if edge(m0, n0, offset, lo, hi, lk):
                 for i in range(rm):
                     row = m0 + ty + LANES * i
                     for j in range(cn):
-                        key = n0 + tx + LANES * j
-                        rel = key - row - offset
-                        keep = key < lk and rel >= lo and rel <= hi
-                        if masked and keep and row < lq:
-                            keep = mh[u(row), u(key)]
-                        if not keep:
+                        if not allowed(row, n0 + tx + LANES * j, offset, lo, hi, lk, lq, mh):
                             s[i, j] = neg_inf
 
             for i in range(rm):
@@ -409,15 +448,15 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
     d_off = l_off + bm
     zero, one, pos_inf = acc(0.0), acc(1.0), acc(POS_INF)
     stage = _stager(acc_name)
+    product = _outer_products(rn, cm)
+    edge, allowed = _exclusion(bm, bn, masked)
     regs = registers or REGISTERS[acc_name]
 
     @kernel(THREADS, 0, registers=regs)
     def attention_backward(q, k, v, dout, mask, lse2, delta, dq, dk, dv_out, qk_mult,
                            cap_mult, ds_mult, offset, lo, hi):
         smem = cuda.shared.array(0, acc)
-        tid = cuda.threadIdx.x
-        ty = tid // LANES
-        tx = tid - ty * LANES
+        tid, ty, tx = _micro_tile()
         hq, lq = q.shape[1], q.shape[2]
         hk, lk = k.shape[1], k.shape[2]
         group = hq // hk
@@ -473,35 +512,17 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
                     for j in range(cm):
                         st[a, j] = zero
                         dpt[a, j] = zero
-                for c in range(d):
-                    for a in range(rn):
-                        a_reg[a] = smem[u(c * ks + ty + LANES * a)]
-                    for j in range(cm):
-                        b_reg[j] = smem[u(q_off + c * qs + tx + LANES * j)]
-                    for a in range(rn):
-                        for j in range(cm):
-                            st[a, j] += a_reg[a] * b_reg[j]
-                for c in range(dv):
-                    for a in range(rn):
-                        a_reg[a] = smem[u(v_off + c * ks + ty + LANES * a)]
-                    for j in range(cm):
-                        b_reg[j] = smem[u(g_off + c * qs + tx + LANES * j)]
-                    for a in range(rn):
-                        for j in range(cm):
-                            dpt[a, j] += a_reg[a] * b_reg[j]
-                edge = (masked or n0 + bn > lk or n0 + bn - 1 - (m0 + offset) > hi
-                        or n0 - (m0 + bm - 1 + offset) < lo)
+                product(st, smem, 0, ks, q_off, qs, d, a_reg, b_reg, ty, tx)
+                product(dpt, smem, v_off, ks, g_off, qs, dv, a_reg, b_reg, ty, tx)
+                tested = edge(m0, n0, offset, lo, hi, lk)
                 for a in range(rn):
                     key = n0 + ty + LANES * a
                     for j in range(cm):
                         qi = tx + LANES * j
                         row = m0 + qi
                         keep = True
-                        if edge:
-                            rel = key - row - offset
-                            keep = key < lk and rel >= lo and rel <= hi
-                            if masked and keep and row < lq:
-                                keep = mh[u(row), u(key)]
+                        if tested:
+                            keep = allowed(row, key, offset, lo, hi, lk, lq, mh)
                         p = zero
                         ds = zero
                         if keep:

@@ -19,8 +19,7 @@ from .primitives import (
     cuda,
     device_function,
     kernel,
-    log_f32,
-    log_f64,
+    logarithm,
 )
 from .reductions import SCRATCH, exponential, group_reducers
 from .row_kernels import (
@@ -82,6 +81,67 @@ def smoothing_sums(threads: int, acc_name: str, smooth: bool):
 
 
 @functools.cache
+def row_terms(acc_name: str):
+    """Device function ``terms(m, s, cnt, eps, valid, target, n) -> (special, normal, log_s,
+    inv, share)``: the case of a row of summary ``(m, s)`` and ``n`` positions and what its
+    outputs are formed from.  ``special``: an allowed NaN or ``+inf``, or a target outside
+    ``[0, n)`` that is not ignored (``valid``): the row is NaN; ``normal``: neither special
+    nor empty; ``log s`` and ``1 / s`` (0 unless ``normal``); ``share = eps / cnt``, the
+    smoothing of each allowed position.  The register and the staged kernels share it."""
+    acc = accumulator(acc_name)[1]
+    log = logarithm(acc_name)
+    neg_inf, zero, one = acc(NEG_INF), acc(0.0), acc(1.0)
+
+    def terms(m, s, cnt, eps, valid, target, n):
+        special = m != m or m == POS_INF or (valid and (target < 0 or target >= n))
+        normal = not special and m > neg_inf
+        log_s = log(s) if normal else zero
+        inv = one / s if normal else zero
+        share = eps / cnt if cnt > zero else eps
+        return special, normal, log_s, inv, share
+
+    return device_function(terms, inline=True)
+
+
+@functools.cache
+def target_logit(kind: str, acc_name: str, has_where: bool):
+    """Device function ``logit(xr, wr, target) -> x_t``: the target's logit in the
+    accumulator, ``-inf`` where ``where`` excludes it.  The register and the staged kernels
+    share it."""
+    load = loader(kind, acc_name)
+    neg_inf = accumulator(acc_name)[1](NEG_INF)
+
+    def logit(xr, wr, target):
+        x_t = load(xr, target)
+        if has_where:
+            if not wr[target]:
+                x_t = neg_inf
+        return x_t
+
+    return device_function(logit, inline=True)
+
+
+@functools.cache
+def target_gradient(kind: str, acc_name: str, smooth: bool):
+    """Device function ``rewrite(grow, target, x_t, m, inv, eps, share, g_scale)``: the
+    target's element of the gradient row ``grow``, ``scale * (softmax - y)``, stored over the
+    one written with ``y`` the smoothing share only.  The register and the staged kernels
+    share it."""
+    acc = accumulator(acc_name)[1]
+    store = storer(kind)
+    exp = exponential(acc_name)
+    one = acc(1.0)
+
+    def rewrite(grow, target, x_t, m, inv, eps, share, g_scale):
+        g = exp(x_t - m) * inv - (one - eps)
+        if smooth:
+            g -= share
+        store(grow, target, g * g_scale)
+
+    return device_function(rewrite, inline=True)
+
+
+@functools.cache
 def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                   rows_per_block: int, split: bool, has_where: bool, has_grad: bool,
                   smooth: bool):
@@ -107,14 +167,14 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     publish_slot = _slots(acc_name, fields)[0]
     collect = _row_summary(kin, vector, threads, slots, has_where, fields)
     place = _placement(threads, rows_per_block, split)
-    load = loader(kin, acc_name)
-    store = storer(kout)
+    logit = target_logit(kin, acc_name, has_where)
+    rewrite = target_gradient(kout, acc_name, smooth)
     store_loss = storer(acc_name)
     exp = exponential(acc_name)
     loss_of = row_loss(acc_name, smooth)
     smooth_sums = smoothing_sums(threads, acc_name, smooth)
-    log = log_f64 if acc_name == "float64" else log_f32
-    nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
+    terms = row_terms(acc_name)
+    nan, neg_inf, zero = acc(NAN), acc(NEG_INF), acc(0.0)
 
     @kernel(threads * rows_per_block, values, acc_name == "float64")
     def row_kernel(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
@@ -148,11 +208,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
         target = index[r] if live else -1
         valid = live and (not has_ignore or target != ignore)
         # a target outside [0, n) that is not ignored makes the row NaN (never read there)
-        special = m != m or m == POS_INF or (valid and (target < 0 or target >= n))
-        normal = not special and m > neg_inf
-        log_s = log(s) if normal else zero
-        inv = one / s if normal else zero
-        share = eps / cnt if cnt > zero else eps
+        special, normal, log_s, inv, share = terms(m, s, cnt, eps, valid, target, n)
         g_scale = scale[0]
         in_row = valid and target >= 0 and target < n
         # the thread whose word holds the target (it rewrites that gradient element)
@@ -160,10 +216,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
         owns = in_row and tw >= 0 and tw < threads * slots and tw % threads == lane
         x_t = nan
         if in_row and (owns or (writes_loss and lane == 0)):
-            x_t = load(xr, target)
-            if has_where:
-                if not wr[target]:
-                    x_t = neg_inf
+            x_t = logit(xr, wr, target)
         if has_grad:
             if not valid:
                 for k in range(values):
@@ -184,10 +237,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
                     vals[k] = vals[k] * f
             store_chunk(grad[r], live, nw, base, vals)
             if owns and normal and x_t > neg_inf:
-                g = exp(x_t - m) * inv - (one - eps)
-                if smooth:
-                    g -= share
-                store(grad[r], target, g * g_scale)
+                rewrite(grad[r], target, x_t, m, inv, eps, share, g_scale)
         if writes_loss and live and lane == 0:
             res = loss_of(valid, special, normal, x_t, m, log_s, eps, cnt, share, zsum)
             store_loss(loss[r], 0, res)

@@ -72,7 +72,7 @@ from .staging import (
     _raise_max,
     _row_state,
     _stage,
-    _word_results,
+    _word_output,
     blocks_per_sm,
     groups,
 )
@@ -289,7 +289,7 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
     issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False)
     lean = whole and not has_where
     fold = _whole_fold(kind, threads, slots) if lean else None
-    results = _word_results(op, kind)
+    output = _word_output(op, kind)
     row_state = _row_state(op)
     exp = exponential("float32")
     merge = summary_ops("float32")[1]
@@ -436,11 +436,8 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
             else:
                 for k in range(n_held):
                     wi = base + (slots + k) * threads
-                    decode(kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3], buf, 0)
-                    results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
-                            masked_nan)
-                    a, b, c, d = encode(buf, 0)
-                    store16(orow, wi * width, a, b, c, d)
+                    output(orow, wi, kw[4 * k], kw[4 * k + 1], kw[4 * k + 2], kw[4 * k + 3],
+                           buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty, masked_nan)
                     if more:
                         reload(kw, k, xn, wi * width)
                 for g in range(n_groups):
@@ -449,11 +446,8 @@ def persistent(op: str, kind: str, threads: int, slots: int, has_where: bool,
                         if wi < nw:
                             q = (lane + j * threads) * 4
                             a, b, c, d = stage[q], stage[q + 1], stage[q + 2], stage[q + 3]
-                            decode(a, b, c, d, buf, 0)
-                            results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
-                                    masked_nan)
-                            a, b, c, d = encode(buf, 0)
-                            store16(orow, wi * width, a, b, c, d)
+                            output(orow, wi, a, b, c, d, buf, regular, m, m_t, f,
+                                   log_s, nan_row, inf_row, empty, masked_nan)
                             if more:
                                 cp_async16(stage, q, xn, wi * width)
                     cp_async_commit()

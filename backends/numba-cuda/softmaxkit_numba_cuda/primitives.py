@@ -192,6 +192,12 @@ def f32_to_bf16(value):
 NUMBA_FLOATS = {"float32": float32, "float64": float64}
 
 
+def logarithm(acc_name: str):
+    """The device function of the natural logarithm in accumulator ``acc_name``
+    (:func:`log_f64` for float64, else :func:`log_f32`)."""
+    return log_f64 if acc_name == "float64" else log_f32
+
+
 def accumulator(kind: str) -> tuple[str, object]:
     """The accumulator of inputs of dtype ``kind`` (:func:`softmaxkit.dtypes.accumulator_name`)
     and its numba type."""

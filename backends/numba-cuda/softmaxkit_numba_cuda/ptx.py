@@ -207,20 +207,31 @@ else:
         arr = context.make_array(aryty)(context, builder, value=ary)
         return cgutils.get_item_pointer(context, builder, aryty, arr, [idx], wraparound=False)
 
-    @intrinsic
-    def load16(typingctx, row, i):
-        sig = types.UniTuple(types.uint32, 4)(row, i)
+    def _tuple_call(context, builder, sig, asm, args):
+        """Call ``asm``, whose outputs are a struct, and return them as ``sig``'s tuple."""
+        res = builder.call(asm, args)
+        fields = [builder.extract_value(res, k) for k in range(len(sig.return_type))]
+        return context.make_tuple(builder, sig.return_type, fields)
 
-        def codegen(context, builder, sig, args):
-            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
-            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ptr.type])
-            asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
-                               "=r,=r,=r,=r,l")
-            res = builder.call(asm, [ptr])
-            words = [builder.extract_value(res, k) for k in range(4)]
-            return context.make_tuple(builder, sig.return_type, words)
+    def _load_words(text, constraint, side_effect=False):
+        """An intrinsic ``(a, i) -> four uint32``: one asm statement that loads the 16 bytes
+        at the address of element ``i`` of ``a`` (its operand ``$4``) into four words."""
 
-        return sig, codegen
+        @intrinsic
+        def impl(typingctx, a, i):
+            sig = types.UniTuple(types.uint32, 4)(a, i)
+
+            def codegen(context, builder, sig, args):
+                ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
+                fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ptr.type])
+                asm = ir.InlineAsm(fnty, text, constraint, side_effect=side_effect)
+                return _tuple_call(context, builder, sig, asm, [ptr])
+
+            return sig, codegen
+
+        return impl
+
+    load16 = _load_words("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
 
     @intrinsic
     def store16(typingctx, row, i, a, b, c, d):
@@ -278,24 +289,11 @@ else:
     max_bf16x2 = _binary("max.NaN.bf16x2 $0, $1, $2;", types.uint32)
     max_f16x2 = _binary("max.NaN.f16x2 $0, $1, $2;", types.uint32)
 
-    @intrinsic
-    def load_shared16(typingctx, stage, j):
-        sig = types.UniTuple(types.uint32, 4)(stage, j)
-
-        def codegen(context, builder, sig, args):
-            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
-            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [ptr.type])
-            # ordered after the cp.async waits that precede it
-            asm = ir.InlineAsm(
-                fnty,
-                "{ .reg .u64 sa; .reg .u32 s32; cvta.to.shared.u64 sa, $4; cvt.u32.u64 s32, sa; "
-                "ld.shared.v4.u32 {$0, $1, $2, $3}, [s32]; }",
-                "=r,=r,=r,=r,l,~{memory}", side_effect=True)
-            res = builder.call(asm, [ptr])
-            words = [builder.extract_value(res, k) for k in range(4)]
-            return context.make_tuple(builder, sig.return_type, words)
-
-        return sig, codegen
+    # ordered after the cp.async waits that precede it
+    load_shared16 = _load_words(
+        "{ .reg .u64 sa; .reg .u32 s32; cvta.to.shared.u64 sa, $4; cvt.u32.u64 s32, sa; "
+        "ld.shared.v4.u32 {$0, $1, $2, $3}, [s32]; }",
+        "=r,=r,=r,=r,l,~{memory}", side_effect=True)
 
     def _pack(kind):
         @intrinsic
@@ -329,9 +327,7 @@ else:
                 "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; "
                 "cvt.f32.f16 $1, hi; }",
                 "=f,=f,r")
-            res = builder.call(asm, [word])
-            halves = [builder.extract_value(res, k) for k in range(2)]
-            return context.make_tuple(builder, sig.return_type, halves)
+            return _tuple_call(context, builder, sig, asm, [word])
 
         return sig, codegen
 
@@ -361,22 +357,35 @@ else:
     load_acquire = _coherent_load("acquire")
     load_l2 = _coherent_load("relaxed")
 
-    @intrinsic
-    def store_release(typingctx, a, i, v):
-        if a.dtype != types.uint64:
-            return None
-        sig = types.void(a, i, v)
+    def _element_asm(dtype, result, operand, text, constraint):
+        """An intrinsic ``(a, i, v) -> result`` (``result`` void or float32) for arrays ``a``
+        of ``dtype``: one asm statement whose operands are the address of element ``i`` and
+        ``v`` cast to ``operand`` (after the result, where there is one), with side effects
+        and a memory clobber, so that it stays where it is written."""
+        void = result == types.void
 
-        def codegen(context, builder, sig, args):
-            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
-            word = context.cast(builder, args[2], sig.args[2], types.uint64)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type, ir.IntType(64)]),
-                               "st.release.gpu.global.b64 [$0], $1;", "l,l,~{memory}",
-                               side_effect=True)
-            builder.call(asm, [ptr, word])
-            return context.get_dummy_value()
+        @intrinsic
+        def impl(typingctx, a, i, v):
+            if a.dtype != dtype:
+                return None
+            sig = result(a, i, v)
 
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
+                value = context.cast(builder, args[2], sig.args[2], operand)
+                out = ir.VoidType() if void else context.get_value_type(result)
+                asm = ir.InlineAsm(
+                    ir.FunctionType(out, [ptr.type, context.get_value_type(operand)]), text,
+                    constraint, side_effect=True)
+                res = builder.call(asm, [ptr, value])
+                return context.get_dummy_value() if void else res
+
+            return sig, codegen
+
+        return impl
+
+    store_release = _element_asm(types.uint64, types.void, types.uint64,
+                                 "st.release.gpu.global.b64 [$0], $1;", "l,l,~{memory}")
 
     @intrinsic
     def cp_async16(typingctx, stage, j, row, i):
@@ -477,25 +486,13 @@ else:
     cluster_arrive = _asm_statement("barrier.cluster.arrive.release.aligned;")
     cluster_wait = _asm_statement("barrier.cluster.wait.acquire.aligned;")
 
-    @intrinsic
-    def cluster_load(typingctx, a, i, rank):
-        if a.dtype != types.float32:
-            return None
-        sig = types.float32(a, i, rank)
-
-        def codegen(context, builder, sig, args):
-            ptr = _pointer(context, builder, sig.args[0], args[0], args[1])
-            r = context.cast(builder, args[2], sig.args[2], types.uint32)
-            # the local shared address, mapped to the same variable in block `rank`
-            asm = ir.InlineAsm(
-                ir.FunctionType(_F32, [ptr.type, _I32]),
-                "{ .reg .u64 sa; .reg .u32 s32, d32; cvta.to.shared.u64 sa, $1; "
-                "cvt.u32.u64 s32, sa; mapa.shared::cluster.u32 d32, s32, $2; "
-                "ld.shared::cluster.f32 $0, [d32]; }",
-                "=f,l,r,~{memory}", side_effect=True)
-            return builder.call(asm, [ptr, r])
-
-        return sig, codegen
+    # the local shared address, mapped to the same variable in block `rank` (the operand)
+    cluster_load = _element_asm(
+        types.float32, types.float32, types.uint32,
+        "{ .reg .u64 sa; .reg .u32 s32, d32; cvta.to.shared.u64 sa, $1; "
+        "cvt.u32.u64 s32, sa; mapa.shared::cluster.u32 d32, s32, $2; "
+        "ld.shared::cluster.f32 $0, [d32]; }",
+        "=f,l,r,~{memory}")
 
     globaltimer = _read_register("mov.u64 $0, %globaltimer;", types.uint64, ir.IntType(64),
                                  "=l", side_effect=True)

@@ -57,8 +57,7 @@ from .primitives import (
     f64_from_u64,
     group_coordinates,
     kernel,
-    log_f32,
-    log_f64,
+    logarithm,
     u64_from_f64,
 )
 from .ptx import globaltimer, load_acquire, load_l2, nanosleep, store_release
@@ -478,7 +477,7 @@ def normalize(op: str, kin: str, kout: str, vector: bool, threads: int, slots: i
     collect = _row_summary(kin, vector, threads, slots, has_where, 2)
     place = _placement(threads, rows_per_block, split)
     exp = exponential(acc_name)
-    log = log_f64 if acc_name == "float64" else log_f32
+    log = logarithm(acc_name)
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
     @kernel(threads * rows_per_block, values, acc_name == "float64")

@@ -45,7 +45,13 @@ import functools
 
 from numba import float32, int32, uint32
 
-from .cross_entropy_kernels import row_loss, smoothing_sums
+from .cross_entropy_kernels import (
+    row_loss,
+    row_terms,
+    smoothing_sums,
+    target_gradient,
+    target_logit,
+)
 from .primitives import (
     NAN,
     NEG_INF,
@@ -53,7 +59,6 @@ from .primitives import (
     cuda,
     device_function,
     kernel,
-    log_f32,
 )
 from .ptx import (
     cluster_arrive,
@@ -65,8 +70,8 @@ from .ptx import (
 )
 from .reductions import SCRATCH, exponential, group_reducers
 from .row_kernels import _row_summary, _slots
-from .staging import _fit, _row_state, _stage, _word_results
-from .storage import loader, storer, word_codec
+from .staging import _fit, _row_state, _stage, _word_output
+from .storage import storer, word_codec
 
 
 @functools.cache
@@ -192,7 +197,7 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool,
     issue, _, _, land_fold = _stage(kind, threads, slots, has_where, False)
     locate = _locate(threads, slots, issue, cluster)
     combine = _chunk_exchange(kind, threads, slots, has_where, 2, cluster)
-    results = _word_results(op, kind)
+    output = _word_output(op, kind)
     row_state = _row_state(op)
     pair_reduce = group_reducers(threads, "float32")[0]
     zero = float32(0.0)
@@ -222,11 +227,8 @@ def normalize(op: str, kind: str, threads: int, slots: int, has_where: bool,
                 wi = base + j * threads
                 if wi < nw:
                     q = off + (lane + j * threads) * 4
-                    decode(stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf, 0)
-                    results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
-                            masked_nan)
-                    a, b, c2, d = encode(buf, 0)
-                    store16(orow, wi * width, a, b, c2, d)
+                    output(orow, wi, stage[q], stage[q + 1], stage[q + 2], stage[q + 3], buf,
+                           regular, m, m_t, f, log_s, nan_row, inf_row, empty, masked_nan)
             break  # one chunk per block
         if cluster:  # leave once every peer has read this block's summary
             cluster_wait()
@@ -256,12 +258,13 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
     combine = _chunk_exchange(kind, threads, slots, has_where, fields, cluster)
     exp = exponential("float32")
     pair_reduce = group_reducers(threads, "float32")[0]
-    load_one = loader(kind, "float32")
-    store = storer(kind)
+    logit = target_logit(kind, "float32", has_where)
+    rewrite = target_gradient(kind, "float32", smooth)
+    terms = row_terms("float32")
     store_loss = storer("float32")
     loss_of = row_loss("float32", smooth)
     smooth_sums = smoothing_sums(threads, "float32", smooth)
-    nan, neg_inf, zero, one = float32(NAN), float32(NEG_INF), float32(0.0), float32(1.0)
+    nan, neg_inf, zero = float32(NAN), float32(NEG_INF), float32(0.0)
 
     @kernel(threads, _fit(threads, slots)[1])
     def row_kernel(x, w, index, scale, loss, grad, n_rows, nw, chunks, ws, sync, wsp,
@@ -292,11 +295,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
             target = index[r]
             valid = not has_ignore or target != ignore
             # a target outside [0, n) that is not ignored makes the row NaN (never read there)
-            special = m != m or m == POS_INF or (valid and (target < 0 or target >= n))
-            normal = not special and m > neg_inf
-            log_s = log_f32(s) if normal else zero
-            inv = one / s if normal else zero
-            share = eps / cnt if cnt > zero else eps
+            special, normal, log_s, inv, share = terms(m, s, cnt, eps, valid, target, n)
             in_row = valid and target >= 0 and target < n
             # the thread whose word holds the target (it rewrites that gradient element)
             tw = target // width - c * words
@@ -304,10 +303,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
             writes_loss = c == 0
             x_t = nan
             if in_row and (owns or (writes_loss and lane == 0)):
-                x_t = load_one(xr, target)
-                if has_where:
-                    if not wr[target]:
-                        x_t = neg_inf
+                x_t = logit(xr, wr, target)
             f = zero  # the plain gradient: exp(x - m_t) * f
             if valid and normal and not smooth and m_t > neg_inf:
                 f = exp(m_t - m) * inv * g_scale
@@ -335,10 +331,7 @@ def cross_entropy(kind: str, threads: int, slots: int, has_where: bool, smooth: 
                     a, b, c2, d = encode(buf, 0)
                     store16(grow, wi * width, a, b, c2, d)
             if owns and normal and x_t > neg_inf:
-                g = exp(x_t - m) * inv - (one - eps)
-                if smooth:
-                    g -= share
-                store(grow, target, g * g_scale)
+                rewrite(grow, target, x_t, m, inv, eps, share, g_scale)
             if writes_loss and lane == 0:
                 res = loss_of(valid, special, normal, x_t, m, log_s, eps, cnt, share, zsum)
                 store_loss(loss[r], 0, res)

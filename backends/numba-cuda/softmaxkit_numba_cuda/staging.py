@@ -27,6 +27,7 @@ from .ptx import (
     cp_async16,
     cp_async_commit,
     cp_async_pending,
+    store16,
 )
 from .reductions import exponential, thread_max, word_terms
 from .storage import word_codec
@@ -139,8 +140,19 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool):
         stage[q + 3] = d
         return a, b, c, d
 
+    def await_group(g):
+        """Wait for the thread's copy group ``g``: with ``where``, for every group before
+        the first is read; else group by group, the later ones landing while the earlier
+        are read."""
+        if has_where:
+            if g == 0:
+                cp_async_pending(0)
+        else:
+            cp_async_pending(n_groups - 1 - g)
+
     exclude = device_function(exclude, inline=True)
     restage = device_function(restage, inline=True)
+    await_group = device_function(await_group, inline=True)
 
     def issue(stage, off, xr, nw, base, lane):
         for g in range(n_groups):
@@ -153,11 +165,8 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool):
     def land(stage, off, wr, nw, base, lane):
         buf = cuda.local.array(width, float32)
         m = neg_inf
-        if has_where:
-            cp_async_pending(0)
         for g in range(n_groups):
-            if not has_where:
-                cp_async_pending(n_groups - 1 - g)
+            await_group(g)
             for j in range(g * per, (g + 1) * per):
                 wi = base + j * threads
                 if wi < nw:
@@ -186,11 +195,8 @@ def _stage(kind: str, threads: int, slots: int, has_where: bool, count: bool):
         words = cuda.local.array(held, uint32)
         m = neg_inf
         s = zero
-        if has_where:
-            cp_async_pending(0)
         for g in range(n_groups):
-            if not has_where:
-                cp_async_pending(n_groups - 1 - g)
+            await_group(g)
             gm = neg_inf
             for i in range(per):
                 j = g * per + i
@@ -289,3 +295,21 @@ def _word_results(op: str, kind: str):
             buf[v] = o
 
     return device_function(results)
+
+
+@functools.cache
+def _word_output(op: str, kind: str):
+    """Device function ``output(orow, wi, a, b, c, d, buf, regular, m, m_t, f, log_s,
+    nan_row, inf_row, empty, masked_nan)``: the outputs of the staged word ``a, b, c, d`` by
+    :func:`_word_results` (decoded into ``buf``), stored as word ``wi`` of ``orow``."""
+    width, decode, encode = word_codec(kind)
+    results = _word_results(op, kind)
+
+    def output(orow, wi, a, b, c, d, buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty,
+               masked_nan):
+        decode(a, b, c, d, buf, 0)
+        results(buf, regular, m, m_t, f, log_s, nan_row, inf_row, empty, masked_nan)
+        a, b, c, d = encode(buf, 0)
+        store16(orow, wi * width, a, b, c, d)
+
+    return device_function(output, inline=True)

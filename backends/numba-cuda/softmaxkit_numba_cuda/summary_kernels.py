@@ -23,8 +23,7 @@ from .primitives import (
     cuda,
     device_function,
     kernel,
-    log_f32,
-    log_f64,
+    logarithm,
 )
 from .reductions import exponential
 from .storage import loader, storer
@@ -147,7 +146,7 @@ def normalize(kin: str, kout: str, log: bool, masked_nan: bool, has_where: bool)
     load = loader(kin, acc_name)
     store = storer(kout)
     exp = exponential(acc_name)
-    ln = log_f64 if acc_name == "float64" else log_f32
+    ln = logarithm(acc_name)
     nan, zero, neg_inf = acc(NAN), acc(0.0), acc(NEG_INF)
     tile = NORMALIZE_THREADS * NORMALIZE_ITEMS
 

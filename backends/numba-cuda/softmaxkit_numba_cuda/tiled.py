@@ -30,8 +30,7 @@ from .primitives import (
     device_function,
     group_coordinates,
     kernel,
-    log_f32,
-    log_f64,
+    logarithm,
 )
 from .reductions import SCRATCH, exponential, group_reducers, summary_ops
 from .storage import loader, word_io
@@ -134,7 +133,7 @@ def cross_entropy(kin: str, kout: str, vector: bool, threads: int, slots: int,
     values = slots * width
     sum_reduce = group_reducers(threads, acc_name)[1]
     exp = exponential(acc_name)
-    log = log_f64 if acc_name == "float64" else log_f32
+    log = logarithm(acc_name)
     coordinates = group_coordinates(threads, rows_per_block)
     nan, neg_inf, zero, one = acc(NAN), acc(NEG_INF), acc(0.0), acc(1.0)
 
@@ -322,7 +321,7 @@ def logsumexp_weighted(kin: str, kb: str, kout: str, threads: int, slots: int,
     _, _, store = word_io(kout, False)
     _, sum_reduce, max_reduce = group_reducers(threads, acc_name)
     exp = exponential(acc_name)
-    log = log_f64 if acc_name == "float64" else log_f32
+    log = logarithm(acc_name)
     coordinates = group_coordinates(threads, rows_per_block)
     nan, neg_inf, pos_inf, zero, one = (acc(v) for v in (NAN, NEG_INF, POS_INF, 0.0, 1.0))
 
