@@ -122,14 +122,16 @@ def empty(xp: Any, like: Any, shape: tuple[int, ...], dtype: Any) -> Any:
 
 def dummy(lib: str, device: Any, dtype: str = "bool", ndim: int = 2) -> Any:
     """A tiny array (``ndim`` axes of length 1) standing for an absent argument of ``dtype``."""
-    key = (lib, device, dtype, ndim)
+    host = lib == "numpy" or SIMULATOR
+    index = 0 if host else device_index(device, lib)  # CuPy's Device objects are unhashable
+    key = (lib, index, dtype, ndim)
     d = _dummies.get(key)
     if d is None:
         np_dtype = np.int16 if dtype == "bfloat16" else np.dtype(dtype)
-        if lib == "numpy" or SIMULATOR:
+        if host:
             d = np.ones((1,) * ndim, dtype=np_dtype)
         else:
-            with _on_device(device_index(device, lib)):
+            with _on_device(index):
                 d = kernel_view(cuda.device_array((1,) * ndim, dtype=np_dtype), "numba")
         _dummies[key] = d
     return d

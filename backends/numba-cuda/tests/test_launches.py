@@ -162,3 +162,29 @@ def test_cluster_launch_runs_every_block_on_the_gpu():
             cluster=cluster)
         cuda.synchronize()
         np.testing.assert_array_equal(out.copy_to_host(), np.arange(1, 17))
+
+
+def test_stand_in_arrays_are_kept_per_device_ordinal(monkeypatch):
+    """An absent argument's stand-in is made once per (library, device, dtype, rank), keyed
+    by the device's ordinal: CuPy's Device objects cannot be hashed."""
+    import contextlib
+
+    from softmaxkit_numba_cuda import arrays
+
+    class Device:  # as cupy.cuda.Device: its ordinal in .id, no hash
+        __hash__ = None
+
+        def __init__(self, id: int) -> None:
+            self.id = id
+
+    made = []
+    monkeypatch.setattr(arrays, "SIMULATOR", False)
+    monkeypatch.setattr(arrays, "_dummies", {})
+    monkeypatch.setattr(arrays, "_on_device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(arrays, "kernel_view", lambda a, lib: a)
+    monkeypatch.setattr(arrays.cuda, "device_array",
+                        lambda shape, dtype: made.append(shape) or np.ones(shape, dtype))
+    first = arrays.dummy("cupy", Device(0), "float32", 1)
+    assert arrays.dummy("cupy", Device(0), "float32", 1) is first
+    assert arrays.dummy("cupy", Device(1), "float32", 1) is not first
+    assert made == [(1,), (1,)]
