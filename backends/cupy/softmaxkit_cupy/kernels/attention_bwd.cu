@@ -23,6 +23,33 @@ __device__ __forceinline__ void sk_red_add2(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 
+// A row of sk_attn_bwd_pre, its G threads each holding 8 elements; `lse()`, `o()`, `g()` say
+// where the row's lse and this thread's elements of O and dO are, asked only for a live row
+// (`row`) and, for O and dO, one with an allowed key: delta = sum(dO * O) reduced over the
+// group, lse2 = lse * log2 e, written at r by the group's first thread (c == 0) of a row in
+// the grid (`live`); a padding row or one with no allowed key (lse -inf) gets +inf and 0.
+template <typename T, int G, typename L, typename O, typename Gr>
+__device__ __forceinline__ void sk_bwd_pre_row(L lse, O o, Gr g, bool row, bool live, int c,
+                                               long long r, float* lse2, float* delta) {
+    float l = SK_INF, acc = 0.0f;
+    if (row) l = *lse();
+    if (row && l != -SK_INF) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(o());
+        const uint4 gv = *reinterpret_cast<const uint4*>(g());
+        const T* op = reinterpret_cast<const T*>(&ov);
+        const T* gp = reinterpret_cast<const T*>(&gv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc += sk_to_float(op[e]) * sk_to_float(gp[e]);
+    }
+#pragma unroll
+    for (int off = G / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (live && c == 0) {
+        const bool empty = !row || l == -SK_INF;
+        lse2[r] = empty ? SK_INF : l * SK_LOG2E;
+        delta[r] = empty ? 0.0f : acc;
+    }
+}
+
 // One group of D / 8 threads per row of [B * Hq, lq_pad]: lse2 = lse * log2 e (+inf where lse
 // is -inf or the row is padding), delta = sum(dO * O) (0 there).
 template <typename T, int D>
@@ -39,23 +66,10 @@ __global__ void __launch_bounds__(256) sk_attn_bwd_pre(
     const int i = live ? static_cast<int>(r % lq_pad) : 0;
     const int b = static_cast<int>(bh / hq), h = static_cast<int>(bh % hq);
     const bool row = live && i < lq;
-    float l = SK_INF, acc = 0.0f;
-    if (row) l = lse[bh * lq + i];
-    if (row && l != -SK_INF) {
-        const uint4 ov = *reinterpret_cast<const uint4*>(out + b * o_sb + h * o_sh + i * o_sl + c * 8);
-        const uint4 gv = *reinterpret_cast<const uint4*>(dout + b * g_sb + h * g_sh + i * g_sl + c * 8);
-        const T* op = reinterpret_cast<const T*>(&ov);
-        const T* gp = reinterpret_cast<const T*>(&gv);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc += sk_to_float(op[e]) * sk_to_float(gp[e]);
-    }
-#pragma unroll
-    for (int off = G / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (live && c == 0) {
-        const bool empty = !row || l == -SK_INF;
-        lse2[r] = empty ? SK_INF : l * SK_LOG2E;
-        delta[r] = empty ? 0.0f : acc;
-    }
+    sk_bwd_pre_row<T, G>([&] { return lse + bh * lq + i; },
+                         [&] { return out + b * o_sb + h * o_sh + i * o_sl + c * 8; },
+                         [&] { return dout + b * g_sb + h * g_sh + i * g_sl + c * 8; }, row,
+                         live, c, r, lse2, delta);
 }
 
 // dq [B, Hq, Lq, D] (contiguous) = scale * acc [B, Hq, lq_pad, D]; 8 elements per thread.
@@ -108,23 +122,10 @@ __global__ void __launch_bounds__(256) sk_attn_bwd_pre_varlen(
     const int b = sk_sequence_of(cu_pad, batches, p);
     const long long tok = cu_q[b] + (p - cu_pad[b]);
     const bool row = live && tok < cu_q[b + 1];
-    float l = SK_INF, acc = 0.0f;
-    if (row) l = lse[tok * hq + h];
-    if (row && l != -SK_INF) {
-        const uint4 ov = *reinterpret_cast<const uint4*>(out + tok * o_st + h * o_sh + c * 8);
-        const uint4 gv = *reinterpret_cast<const uint4*>(dout + tok * g_st + h * g_sh + c * 8);
-        const T* op = reinterpret_cast<const T*>(&ov);
-        const T* gp = reinterpret_cast<const T*>(&gv);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc += sk_to_float(op[e]) * sk_to_float(gp[e]);
-    }
-#pragma unroll
-    for (int off = G / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (live && c == 0) {
-        const bool empty = !row || l == -SK_INF;
-        lse2[r] = empty ? SK_INF : l * SK_LOG2E;
-        delta[r] = empty ? 0.0f : acc;
-    }
+    sk_bwd_pre_row<T, G>([&] { return lse + tok * hq + h; },
+                         [&] { return out + tok * o_st + h * o_sh + c * 8; },
+                         [&] { return dout + tok * g_st + h * g_sh + c * 8; }, row,
+                         live, c, r, lse2, delta);
 }
 
 // dq [Tq, Hq, D] (contiguous) = scale * acc [Hq, tpad, D], token t of sequence b read from row
