@@ -28,6 +28,7 @@ from .configs import (
     backward_config,
     backward_dq_name,
     backward_names,
+    backward_pre_group,
     backward_pre_name,
     decode_name,
     decode_shared_bytes,
@@ -275,7 +276,7 @@ def attention_vjp(
     ptr = interop.pointer
     with interop.launch_context(q):
         pre = _kernel(backward_pre_name(dtype, d), 0)
-        per_block = 256 // (d // 8)
+        per_block = 256 // backward_pre_group(d)
         pre((-(-rows // per_block),), (256,), (
             np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
             np.uint64(ptr(lse2)), np.uint64(ptr(delta)),

@@ -32,6 +32,7 @@ from .configs import (
     BackwardConfig,
     backward_config,
     backward_dq_varlen_name,
+    backward_pre_group,
     backward_pre_varlen_name,
     varlen_config,
 )
@@ -155,7 +156,7 @@ def varlen_attention_vjp(
     ptr = interop.pointer
     with interop.launch_context(q):
         pre = _kernel(backward_pre_varlen_name(dtype, d), 0)
-        per_block = 256 // (d // 8)
+        per_block = 256 // backward_pre_group(d)
         pre((-(-rows // per_block),), (256,), (
             np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
             np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(cu_q)),

@@ -3,7 +3,8 @@
 Runs, in order: a parallel build of every kernel module into CuPy's cache; the tensor-core
 data-path probe; row kernels on the benchmark shapes (and ragged, masked ones) against float64
 with poisoned outputs; cross-entropy and the VJPs against float64; attention forward against a
-float64 materialized reference and the backward against float64 autograd of it; the
+float64 materialized reference and the backward against float64 autograd of it (small
+cases at every served head dimension besides 64 and 128 too); the
 conformance kit against ``backend="cupy"`` with its attention cases at the kernels' head
 dimensions (torch-cuda target for bfloat16, float16 and float32; cupy target for float16 and
 float32); then the benchmarks (device-to-device copy; row
@@ -391,6 +392,28 @@ COMMON_CASES = [
 ]
 """Attention cases that both the forward and the backward check run."""
 
+HEAD_DIM_CASES = [
+    case
+    for d in (32, 80, 96, 160, 192, 256)
+    for case in (
+        dict(b=1, hq=4, hk=2, lq=150, lk=201, d=d, causal="bottom_right"),
+        dict(b=1, hq=2, hk=2, lq=70, lk=130, d=d, mask=True, softcap=3.0),
+        dict(b=1, hq=2, hk=1, lq=100, lk=300, d=d, causal="top_left", window=(40, 10)),
+    )
+]
+"""Small cases at the head dimensions other than 64 and 128, for both checks: causal with
+grouped heads and ragged tiles, a boolean mask with softcap, a window."""
+
+DECODE_HEAD_DIM_CASES = [
+    case
+    for d in (32, 80, 96, 160, 192, 256)
+    for case in (
+        dict(b=2, hq=8, hk=2, lq=1, lk=700, d=d),
+        dict(b=1, hq=4, hk=1, lq=3, lk=500, d=d, mask=True, causal="bottom_right"),
+    )
+]
+"""Split-KV decoding ((Hq / Hk) * Lq <= 16, Lk >= 256) at those head dimensions."""
+
 
 def _scores(qd, kd, scale, softcap):
     """Float64 scores of queries ``qd`` against keys ``kd`` (repeated over each group of
@@ -478,6 +501,8 @@ def attention_check() -> None:
         dict(b=1, hq=4, hk=1, lq=4, lk=1000, d=64, causal="bottom_right"),
         dict(b=1, hq=8, hk=2, lq=3, lk=700, d=128, mask=True),
         dict(b=1, hq=4, hk=4, lq=2, lk=5000, d=128, window=(300, 0), softcap=3.0),
+        *HEAD_DIM_CASES,
+        *DECODE_HEAD_DIM_CASES,
     ]
     for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 4e-3)):
         for c in cases:
@@ -534,6 +559,7 @@ BACKWARD_CASES = [
     dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right", alt=0),
     dict(b=1, hq=2, hk=2, lq=130, lk=190, d=64, mask=True, softcap=3.0, alt=0),
     dict(b=1, hq=4, hk=2, lq=257, lk=700, d=128, window=(100, 20), alt=1),
+    *HEAD_DIM_CASES,
 ]
 
 
