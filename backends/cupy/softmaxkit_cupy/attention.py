@@ -29,6 +29,7 @@ from .configs import (
     backward_config,
     backward_dq_name,
     backward_names,
+    backward_pre_group,
     backward_pre_name,
     decode_name,
     decode_shared_bytes,
@@ -267,8 +268,8 @@ def backward_buffers(q: Any, rows: int, d: int) -> tuple[Any, Any, Any]:
 
 def launch_backward_pre(kernel: Any, rows: int, d: int, args: tuple[Any, ...]) -> None:
     """Launch the backward's first kernel (lse2 and delta) over ``rows`` rows: ``d / 8``
-    threads a row, 256 a block."""
-    per_block = 256 // (d // 8)
+    threads a row rounded up to a power of two (:func:`backward_pre_group`), 256 a block."""
+    per_block = 256 // backward_pre_group(d)
     kernel((-(-rows // per_block),), (256,), args)
 
 

@@ -207,7 +207,9 @@ def row_alternative_names(op: str, din: str, dout: str) -> tuple[str, ...]:
 
 
 ATTENTION_DTYPES = ("float16", "bfloat16")
-ATTENTION_HEAD_DIMS = (64, 128)
+ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256)
+"""Head dimensions (D = Dv) the attention kernels serve: multiples of 16 whose rows of 16-byte
+chunks the shared-memory swizzle of kernels/mma.cuh permutes without bank conflicts."""
 
 
 @dataclass(frozen=True)
@@ -248,20 +250,32 @@ class AttentionConfig:
 
 
 ATTENTION_CONFIGS = {
+    32: AttentionConfig(32, warps=4, block_n=64, m_tiles=2),
     64: AttentionConfig(64, warps=4, block_n=64, m_tiles=2),
+    80: AttentionConfig(80, warps=4, block_n=64, m_tiles=2),
+    96: AttentionConfig(96, warps=4, block_n=32, m_tiles=2),
     128: AttentionConfig(128, warps=4, block_n=32, m_tiles=2),
+    160: AttentionConfig(160, warps=8, block_n=64, m_tiles=1),
+    192: AttentionConfig(192, warps=8, block_n=64, m_tiles=1),
+    256: AttentionConfig(256, warps=8, block_n=32, m_tiles=1),
 }
-"""The forward configuration for each head dimension, with boolean-mask support."""
+"""The forward configuration for each head dimension, with boolean-mask support.  Above 128
+each warp owns one tile of 16 query rows (its output accumulator, D / 2 floats a thread, leaves
+no room for a second).  Masked calls at 96 and 256 take 32-key tiles (see
+:data:`UNMASKED_CONFIGS`)."""
 
 UNMASKED_CONFIGS = {
+    96: AttentionConfig(96, warps=4, block_n=64, m_tiles=2, mask=False),
     128: AttentionConfig(128, warps=4, block_n=64, m_tiles=2, mask=False),
+    256: AttentionConfig(256, warps=8, block_n=64, m_tiles=1, mask=False),
 }
 """Forward configurations for calls without a boolean mask, where they differ: at head
 dimension 128 the mask's code would spill registers with 64-key tiles, so masked calls keep
-32-key tiles and unmasked ones take the faster 64-key tiles (docs/benchmarks-cupy.md)."""
+32-key tiles and unmasked ones take the faster 64-key tiles (docs/benchmarks-cupy.md); the
+same holds at 96 and 256 (ptxas reports spills for their masked 64-key tiles)."""
 
 ATTENTION_ALTERNATIVES = (
-    *(AttentionConfig(d, warps=8, block_n=64, m_tiles=1) for d in ATTENTION_HEAD_DIMS),
+    *(AttentionConfig(d, warps=8, block_n=64, m_tiles=1) for d in (64, 128)),
     AttentionConfig(128, warps=4, block_n=32, m_tiles=2),
     AttentionConfig(64, warps=4, block_n=64, m_tiles=2, mask=False),
 )
@@ -333,17 +347,23 @@ def attention_names() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """One backward tile shape: ``warps`` warps of 16 keys each (``block_n`` keys per block),
-    query tiles of ``block_m`` rows."""
+    """One backward tile shape: ``warps`` warps, ``split`` of them on each 16 keys (``block_n``
+    keys per block), query tiles of ``block_m`` rows."""
 
     head_dim: int
     warps: int = 8
     block_m: int = 64
 
     @property
+    def split(self) -> int:
+        """Warps sharing 16 keys, each with its share of the head dimension's dK and dV
+        columns: 2 above D = 128 (the kernel derives it from D the same way)."""
+        return 2 if self.head_dim > 128 else 1
+
+    @property
     def block_n(self) -> int:
-        """Keys per block (each warp owns 16)."""
-        return 16 * self.warps
+        """Keys per block (each ``split`` warps own 16)."""
+        return 16 * self.warps // self.split
 
     @property
     def threads(self) -> int:
@@ -367,10 +387,18 @@ class BackwardConfig:
 
 
 BACKWARD_CONFIGS = {
+    32: BackwardConfig(32, warps=4, block_m=64),
     64: BackwardConfig(64, warps=4, block_m=64),
+    80: BackwardConfig(80, warps=4, block_m=64),
+    96: BackwardConfig(96, warps=8, block_m=64),
     128: BackwardConfig(128, warps=8, block_m=64),
+    160: BackwardConfig(160, warps=8, block_m=64),
+    192: BackwardConfig(192, warps=8, block_m=32),
+    256: BackwardConfig(256, warps=8, block_m=32),
 }
-"""The backward configuration used for each head dimension."""
+"""The backward configuration used for each head dimension.  Above 128 two warps share each
+16 keys (:attr:`BackwardConfig.split`), 64 keys per block; 192 and 256 take 32-row query tiles
+(their 64-row tiles spill registers)."""
 
 BACKWARD_ALTERNATIVES = (
     BackwardConfig(64, warps=8, block_m=64),
@@ -383,6 +411,15 @@ BACKWARD_ALTERNATIVES = (
 def backward_config(head_dim: int) -> BackwardConfig:
     """The backward configuration for ``head_dim`` (a key of :data:`BACKWARD_CONFIGS`)."""
     return BACKWARD_CONFIGS[head_dim]
+
+
+def backward_pre_group(head_dim: int) -> int:
+    """Threads per row of the backward's row preprocessing: one per 16-byte chunk, rounded up
+    to a power of two (``sk_pre_group`` in kernels/attention_bwd.cu)."""
+    group = 1
+    while group < head_dim // 8:
+        group *= 2
+    return group
 
 
 def backward_pre_name(dtype: str, head_dim: int) -> str:

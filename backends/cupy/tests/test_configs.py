@@ -98,3 +98,49 @@ def test_source_inlines_local_includes_once() -> None:
     text = source("attention.cu")
     assert '#include "' not in text
     assert text.count("void sk_merge(") == 1
+
+
+def test_attention_configurations_cover_every_head_dim_within_the_h200s_limits() -> None:
+    from softmaxkit_cupy.configs import (
+        ATTENTION_ALTERNATIVES,
+        ATTENTION_CONFIGS,
+        ATTENTION_HEAD_DIMS,
+        BACKWARD_ALTERNATIVES,
+        BACKWARD_CONFIGS,
+        UNMASKED_CONFIGS,
+        attention_config,
+        backward_config,
+        backward_pre_group,
+        decode_shared_bytes,
+    )
+
+    assert {32, 64, 80, 96, 128, 160, 192, 256} <= set(ATTENTION_HEAD_DIMS)
+    assert set(ATTENTION_CONFIGS) == set(BACKWARD_CONFIGS) == set(ATTENTION_HEAD_DIMS)
+    limit = 227 * 1024  # dynamic shared memory per block on the H200
+    for d in ATTENTION_HEAD_DIMS:
+        # 16-byte rows of the swizzle (mma.cuh): 1, 2 or 4 chunks, or 8 k + 0, 2 or 4
+        chunks = d // 8
+        assert d % 16 == 0 and (chunks in (2, 4) or chunks % 8 in (0, 2, 4))
+        for masked in (True, False):
+            c = attention_config(d, masked)
+            assert c.head_dim == d and (c.mask or not masked)
+            assert c.shared_bytes() <= limit and c.threads <= 1024 and c.block_n % 16 == 0
+        b = backward_config(d)
+        assert b.head_dim == d and b.shared_bytes() <= limit and b.block_n % 16 == 0
+        assert b.warps % b.split == 0 and (d // 8 // b.split) % 2 == 0
+        # the dQ product's warp layout (kernels/attention_bwd.cu): whole m16 rows, columns
+        # in 16-wide passes
+        wm = b.block_m // 16
+        assert b.warps % wm == 0 and (d // (b.warps // wm)) % 16 == 0
+        assert decode_shared_bytes(d) <= limit
+        group = backward_pre_group(d)
+        assert group & (group - 1) == 0 and d // 8 <= group <= 32
+    # the head dimensions 64 and 128 keep their tiles (their kernels' code is unchanged)
+    assert ATTENTION_CONFIGS[64].name("bfloat16") == "sk_attn_fwd<sk_bf16, 64, 4, 64, 2, true>"
+    assert ATTENTION_CONFIGS[128].name("float16") == "sk_attn_fwd<__half, 128, 4, 32, 2, true>"
+    assert UNMASKED_CONFIGS[128].block_n == 64
+    assert BACKWARD_CONFIGS[64].block_n == 64 and BACKWARD_CONFIGS[128].block_n == 128
+    # the widest rows: one m16 tile per warp, dK and dV split over two warps per 16 keys
+    assert attention_config(256).m_tiles == 1 and backward_config(256).split == 2
+    for c in (*ATTENTION_ALTERNATIVES, *BACKWARD_ALTERNATIVES):
+        assert c.head_dim in (64, 128) and c.shared_bytes() <= limit

@@ -1,12 +1,15 @@
 """The conformance kit against ``backend="cupy"`` on a CUDA device (skipped without one).
 
 The kit's attention cases, packed variable-length attention's among them, run at the head
-dimensions the kernels take (64 and 128).
+dimensions the kernels take (:data:`~softmaxkit_cupy.configs.ATTENTION_HEAD_DIMS`): the whole
+kit with 64 first (the kit runs most cases at the first head dimension given), then the
+attention operations' cases at each other one on its own.
 """
 
 from __future__ import annotations
 
 import pytest
+from softmaxkit_cupy.configs import ATTENTION_HEAD_DIMS
 
 
 def _has_gpu() -> bool:
@@ -28,13 +31,21 @@ pytestmark = pytest.mark.skipif(not _has_gpu(), reason="no CUDA device")
 def test_conformance_kit(target: str, dtypes: list[str]) -> None:
     if target == "torch-cuda":
         pytest.importorskip("torch")
-    from softmaxkit_cupy.configs import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
-
     from softmaxkit.testing import check_backend
 
-    # the attention cases at the head dimensions the kernels take (D == Dv)
-    head_dims = tuple((d, d) for d in ATTENTION_HEAD_DIMS)
-    results = check_backend("cupy", target=target, dtypes=dtypes, head_dims=head_dims)
+    # the attention cases at the head dimensions the kernels take (D == Dv); the kit runs
+    # most of them at the first pair given: 64
+    head_dims = tuple((d, d) for d in sorted(ATTENTION_HEAD_DIMS, key=lambda d: d != 64))
+    _check_kit(check_backend("cupy", target=target, dtypes=dtypes, head_dims=head_dims))
+
+
+_KIT_ATTENTION_OPS = ("attention", "attention_vjp", "merge_attention", "varlen_attention",
+                      "varlen_attention_vjp")
+
+
+def _check_kit(results) -> None:
+    from softmaxkit_cupy.configs import ATTENTION_DTYPES
+
     failed = [f"{r.case}[{r.dtype}]: {r.message}" for r in results if r.status == "failed"]
     assert not failed, "\n".join(failed)
     assert any(r.status == "passed" for r in results)
@@ -42,6 +53,17 @@ def test_conformance_kit(target: str, dtypes: list[str]) -> None:
     # none is left to another backend
     declined = [f"{r.case}[{r.dtype}]: {r.message}" for r in results
                 if r.status == "unsupported" and r.dtype in ATTENTION_DTYPES
-                and set(r.ops) & {"attention", "attention_vjp", "merge_attention",
-                                  "varlen_attention", "varlen_attention_vjp"}]
+                and set(r.ops) & set(_KIT_ATTENTION_OPS)]
     assert not declined, "\n".join(declined)
+
+
+@pytest.mark.parametrize("d", [d for d in ATTENTION_HEAD_DIMS if d != 64])
+def test_conformance_kit_attention_at_head_dim(d: int) -> None:
+    """The kit's attention cases at each other head dimension the kernels take, on its own."""
+    pytest.importorskip("torch")
+    from softmaxkit_cupy.configs import ATTENTION_DTYPES
+
+    from softmaxkit.testing import check_backend
+
+    _check_kit(check_backend("cupy", target="torch-cuda", ops=_KIT_ATTENTION_OPS,
+                             dtypes=list(ATTENTION_DTYPES), head_dims=[(d, d)]))

@@ -3,12 +3,15 @@
 Runs, in order: a parallel build of every kernel module into CuPy's cache; the tensor-core
 data-path probe; row kernels on the benchmark shapes (and ragged, masked ones) against float64
 with poisoned outputs; cross-entropy and the VJPs against float64; attention forward against a
-float64 materialized reference and the backward against float64 autograd of it; the
-conformance kit against ``backend="cupy"`` with its attention cases at the kernels' head
-dimensions (torch-cuda target for bfloat16, float16 and float32; cupy target for float16 and
-float32); then the benchmarks (device-to-device copy; row
-kernels against torch, device time from CUDA graph replays and eager calls; attention forward
-and backward against torch SDPA's flash and cuDNN backends; split-KV decoding; cross-entropy).
+float64 materialized reference and the backward against float64 autograd of it (small cases
+at every served head dimension besides 64 and 128 too); the conformance kit against
+``backend="cupy"`` with its attention cases at the kernels' head dimensions (torch-cuda
+target for bfloat16, float16 and float32; cupy target for float16 and float32; most cases run
+at 64, so the attention and varlen operations' cases then run at each other served head
+dimension on its own, torch-cuda target, bfloat16 and float16); then the benchmarks
+(device-to-device copy; row kernels against torch, device time from CUDA graph replays and
+eager calls; attention forward and backward against torch SDPA's flash and cuDNN backends;
+split-KV decoding; cross-entropy).
 
 Usage: ``python backends/cupy/tools/gpu_check.py [--out DIR] [--skip-bench] [--only STEPS]``; with
 ``--out`` the table is also written to ``DIR/benchmarks-cupy.md``.  ``--only sweep`` times
@@ -188,25 +191,39 @@ KIT_ATTENTION_OPS = {"attention", "attention_vjp", "merge_attention", "paged_att
 left unsupported in those dtypes is a failure."""
 
 
+KIT_VARLEN_OPS = {"varlen_attention", "varlen_attention_vjp"}
+"""The kit's packed variable-length operations, run with the attention ones at each head
+dimension."""
+
+
 @guarded
 def conformance() -> None:
     from softmaxkit_cupy.configs import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
 
     from softmaxkit.testing import check_backend
 
-    # the attention cases at the head dimensions the kernels take (D == Dv)
-    head_dims = tuple((d, d) for d in ATTENTION_HEAD_DIMS)
-    for target, dtypes in (("torch-cuda", ["bfloat16", "float16", "float32"]),
-                           ("cupy", ["float16", "float32"])):
-        section(f"conformance kit, backend=cupy, target={target}, head dims {head_dims}")
+    # the attention cases at the head dimensions the kernels take (D == Dv); the kit runs most
+    # of them at the first pair given, so 64 leads (as before) and every other head dimension
+    # then runs the attention operations' cases on its own
+    dims = sorted(ATTENTION_HEAD_DIMS, key=lambda d: d != 64)
+    head_dims = tuple((d, d) for d in dims)
+    runs = [(target, dtypes, head_dims, None)
+            for target, dtypes in (("torch-cuda", ["bfloat16", "float16", "float32"]),
+                                   ("cupy", ["float16", "float32"]))]
+    runs += [("torch-cuda", list(ATTENTION_DTYPES), ((d, d),), KIT_ATTENTION_OPS | KIT_VARLEN_OPS)
+             for d in dims[1:]]
+    for target, dtypes, pairs, ops in runs:
+        what = f"{target}, head dims {pairs}" + (", attention operations" if ops else "")
+        section(f"conformance kit, backend=cupy, target={what}")
         t0 = time.perf_counter()
-        results = check_backend("cupy", target=target, dtypes=dtypes, head_dims=head_dims)
+        results = check_backend("cupy", target=target, ops=ops, dtypes=dtypes, head_dims=pairs)
+        label = target if ops is None else f"{target} D={pairs[0][0]}"
         counts: dict[str, int] = {}
         for r in results:
             counts[r.status] = counts.get(r.status, 0) + 1
             if r.status == "failed":
                 print(f"FAILED {r.case}[{r.dtype}] {r.ops}: {r.message[:400]}")
-                FAILURES.append(f"{target} {r.case}[{r.dtype}]")
+                FAILURES.append(f"{label} {r.case}[{r.dtype}]")
         ran = sorted({f"{r.case}[{r.dtype}]" for r in results if r.status == "passed"})
         print(f"passed: {', '.join(ran)}")
         unsupported = [r for r in results if r.status == "unsupported"]
@@ -214,9 +231,9 @@ def conformance() -> None:
         for r in unsupported:
             print(f"  {r.case}[{r.dtype}]: {' '.join(r.message.split())[:300]}")
             if r.dtype in ATTENTION_DTYPES and KIT_ATTENTION_OPS & set(r.ops):
-                FAILURES.append(f"{target} {r.case}[{r.dtype}] unsupported")
-        print(f"{target}: {counts} in {time.perf_counter() - t0:.1f} s")
-        TABLE.append((f"conformance {target}", str(counts), ",".join(dtypes)))
+                FAILURES.append(f"{label} {r.case}[{r.dtype}] unsupported")
+        print(f"{label}: {counts} in {time.perf_counter() - t0:.1f} s")
+        TABLE.append((f"conformance {label}", str(counts), ",".join(dtypes)))
 
 
 ROW_SHAPES = [(32768, 4096), (4096, 32768), (262144, 128), (256, 524288)]
@@ -391,6 +408,28 @@ COMMON_CASES = [
 ]
 """Attention cases that both the forward and the backward check run."""
 
+HEAD_DIM_CASES = [
+    case
+    for d in (32, 80, 96, 160, 192, 256)
+    for case in (
+        dict(b=1, hq=4, hk=2, lq=150, lk=201, d=d, causal="bottom_right"),
+        dict(b=1, hq=2, hk=2, lq=70, lk=130, d=d, mask=True, softcap=3.0),
+        dict(b=1, hq=2, hk=1, lq=100, lk=300, d=d, causal="top_left", window=(40, 10)),
+    )
+]
+"""Small cases at the head dimensions other than 64 and 128, for both checks: causal with
+grouped heads and ragged tiles, a boolean mask with softcap, a window."""
+
+DECODE_HEAD_DIM_CASES = [
+    case
+    for d in (32, 80, 96, 160, 192, 256)
+    for case in (
+        dict(b=2, hq=8, hk=2, lq=1, lk=700, d=d),
+        dict(b=1, hq=4, hk=1, lq=3, lk=500, d=d, mask=True, causal="bottom_right"),
+    )
+]
+"""Split-KV decoding ((Hq / Hk) * Lq <= 16, Lk >= 256) at those head dimensions."""
+
 
 def _scores(qd, kd, scale, softcap):
     """Float64 scores of queries ``qd`` against keys ``kd`` (repeated over each group of
@@ -478,6 +517,8 @@ def attention_check() -> None:
         dict(b=1, hq=4, hk=1, lq=4, lk=1000, d=64, causal="bottom_right"),
         dict(b=1, hq=8, hk=2, lq=3, lk=700, d=128, mask=True),
         dict(b=1, hq=4, hk=4, lq=2, lk=5000, d=128, window=(300, 0), softcap=3.0),
+        *HEAD_DIM_CASES,
+        *DECODE_HEAD_DIM_CASES,
     ]
     for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 4e-3)):
         for c in cases:
@@ -534,6 +575,7 @@ BACKWARD_CASES = [
     dict(b=1, hq=8, hk=2, lq=300, lk=517, d=128, causal="bottom_right", alt=0),
     dict(b=1, hq=2, hk=2, lq=130, lk=190, d=64, mask=True, softcap=3.0, alt=0),
     dict(b=1, hq=4, hk=2, lq=257, lk=700, d=128, window=(100, 20), alt=1),
+    *HEAD_DIM_CASES,
 ]
 
 

@@ -476,11 +476,16 @@ __device__ __forceinline__ void sk_attn_decode_body(
     for (int i = 0; i < DB; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float row_max[2] = {-SK_INF, -SK_INF};
     float row_sum[2] = {0.0f, 0.0f};
-    unsigned qf[DK][4];
+    // Q's fragments stay in registers up to D = 128; wider rows re-read them from shared
+    // memory each tile (D / 4 more registers would spill the output accumulators)
+    constexpr bool HOLD_Q = D <= 128;
+    unsigned qf[HOLD_Q ? DK : 1][4];
     sk_cp_async_wait<1>();
     __syncthreads();
+    if constexpr (HOLD_Q) {
 #pragma unroll
-    for (int kk = 0; kk < DK; ++kk) sk_frag<SK_A, D>(qf[kk], sq, 0, kk * 16);
+        for (int kk = 0; kk < DK; ++kk) sk_frag<SK_A, D>(qf[kk], sq, 0, kk * 16);
+    }
 
     for (int tile = 0; tile < tiles; ++tile) {
         const int stage = tile & 1;
@@ -500,7 +505,12 @@ __device__ __forceinline__ void sk_attn_decode_body(
         for (int kk = 0; kk < DK; ++kk) {
             unsigned bf[4];
             sk_frag<SK_B, D>(bf, ks, warp * 16, kk * 16);
-            sk_mma_pair<T>(s[0], s[1], qf[kk], bf);
+            if constexpr (HOLD_Q) {
+                sk_mma_pair<T>(s[0], s[1], qf[kk], bf);
+            } else {
+                sk_frag<SK_A, D>(qf[0], sq, 0, kk * 16);
+                sk_mma_pair<T>(s[0], s[1], qf[0], bf);
+            }
         }
 #pragma unroll
         for (int nb = 0; nb < 2; ++nb) {

@@ -23,17 +23,26 @@ __device__ __forceinline__ void sk_red_add2(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 
+// The threads per row of the row preprocessing: D / 8 (one 16-byte chunk each) rounded up to
+// a power of two (the extra threads of a row load nothing).
+__host__ __device__ constexpr int sk_pre_group(int d) {
+    int g = 1;
+    while (g < d / 8) g *= 2;
+    return g;
+}
+
 // A row of sk_attn_bwd_pre, its G threads each holding 8 elements; `lse()`, `o()`, `g()` say
 // where the row's lse and this thread's elements of O and dO are, asked only for a live row
-// (`row`) and, for O and dO, one with an allowed key: delta = sum(dO * O) reduced over the
-// group, lse2 = lse * log2 e, written at r by the group's first thread (c == 0) of a row in
-// the grid (`live`); a padding row or one with no allowed key (lse -inf) gets +inf and 0.
+// (`row`) and, for O and dO, one with an allowed key and a thread with a chunk (`chunk`):
+// delta = sum(dO * O) reduced over the group, lse2 = lse * log2 e, written at r by the
+// group's first thread (c == 0) of a row in the grid (`live`); a padding row or one with no
+// allowed key (lse -inf) gets +inf and 0.
 template <typename T, int G, typename L, typename O, typename Gr>
-__device__ __forceinline__ void sk_bwd_pre_row(L lse, O o, Gr g, bool row, bool live, int c,
-                                               long long r, float* lse2, float* delta) {
+__device__ __forceinline__ void sk_bwd_pre_row(L lse, O o, Gr g, bool row, bool chunk, bool live,
+                                               int c, long long r, float* lse2, float* delta) {
     float l = SK_INF, acc = 0.0f;
     if (row) l = *lse();
-    if (row && l != -SK_INF) {
+    if (row && l != -SK_INF && chunk) {
         const uint4 ov = *reinterpret_cast<const uint4*>(o());
         const uint4 gv = *reinterpret_cast<const uint4*>(g());
         const T* op = reinterpret_cast<const T*>(&ov);
@@ -50,7 +59,7 @@ __device__ __forceinline__ void sk_bwd_pre_row(L lse, O o, Gr g, bool row, bool 
     }
 }
 
-// One group of D / 8 threads per row of [B * Hq, lq_pad]: lse2 = lse * log2 e (+inf where lse
+// One group of sk_pre_group(D) threads per row of [B * Hq, lq_pad]: lse2 = lse * log2 e (+inf where lse
 // is -inf or the row is padding), delta = sum(dO * O) (0 there).
 template <typename T, int D>
 __global__ void __launch_bounds__(256) sk_attn_bwd_pre(
@@ -58,9 +67,10 @@ __global__ void __launch_bounds__(256) sk_attn_bwd_pre(
     float* __restrict__ lse2, float* __restrict__ delta, long long o_sb, long long o_sh,
     long long o_sl, long long g_sb, long long g_sh, long long g_sl, int hq, int lq,
     int lq_pad, long long rows) {
-    constexpr int G = D / 8;
+    constexpr int G = sk_pre_group(D);
     const long long r = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) / G;
     const int c = threadIdx.x % G;
+    const bool chunk = G == D / 8 || c < D / 8;  // a thread with a chunk of the row
     const bool live = r < rows;
     const long long bh = live ? r / lq_pad : 0;
     const int i = live ? static_cast<int>(r % lq_pad) : 0;
@@ -69,7 +79,7 @@ __global__ void __launch_bounds__(256) sk_attn_bwd_pre(
     sk_bwd_pre_row<T, G>([&] { return lse + bh * lq + i; },
                          [&] { return out + b * o_sb + h * o_sh + i * o_sl + c * 8; },
                          [&] { return dout + b * g_sb + h * g_sh + i * g_sl + c * 8; }, row,
-                         live, c, r, lse2, delta);
+                         chunk, live, c, r, lse2, delta);
 }
 
 // dq [B, Hq, Lq, D] (contiguous) = scale * acc [B, Hq, lq_pad, D]; 8 elements per thread.
@@ -104,7 +114,7 @@ __device__ __forceinline__ int sk_sequence_of(const long long* __restrict__ cu, 
     return lo;
 }
 
-// sk_attn_bwd_pre for packed sequences: one group of D / 8 threads per row of [Hq, tpad], the
+// sk_attn_bwd_pre for packed sequences: one group of sk_pre_group(D) threads per row of [Hq, tpad], the
 // rows of sequence b starting at cu_pad[b] in each head's tpad rows; out, dout [Tq, Hq, D] by
 // token and head strides, lse [Tq, Hq] contiguous.
 template <typename T, int D>
@@ -113,9 +123,10 @@ __global__ void __launch_bounds__(256) sk_attn_bwd_pre_varlen(
     float* __restrict__ lse2, float* __restrict__ delta, const long long* __restrict__ cu_q,
     const long long* __restrict__ cu_pad, long long o_st, long long o_sh, long long g_st,
     long long g_sh, int hq, int batches, int tpad, long long rows) {
-    constexpr int G = D / 8;
+    constexpr int G = sk_pre_group(D);
     const long long r = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) / G;
     const int c = threadIdx.x % G;
+    const bool chunk = G == D / 8 || c < D / 8;  // a thread with a chunk of the row
     const bool live = r < rows;
     const int h = live ? static_cast<int>(r / tpad) : 0;
     const long long p = live ? r % tpad : 0;
@@ -125,7 +136,7 @@ __global__ void __launch_bounds__(256) sk_attn_bwd_pre_varlen(
     sk_bwd_pre_row<T, G>([&] { return lse + tok * hq + h; },
                          [&] { return out + tok * o_st + h * o_sh + c * 8; },
                          [&] { return dout + tok * g_st + h * g_sh + c * 8; }, row,
-                         live, c, r, lse2, delta);
+                         chunk, live, c, r, lse2, delta);
 }
 
 // dq [Tq, Hq, D] (contiguous) = scale * acc [Hq, tpad, D], token t of sequence b read from row
@@ -153,9 +164,12 @@ __global__ void __launch_bounds__(256) sk_attn_bwd_dq_varlen(
     *reinterpret_cast<uint4*>(dq + e) = o;
 }
 
-// The main backward body: block (key tile, key head, batch), BN = 16 * WARPS keys, query
-// tiles of BM rows.  Shared memory: K, V [BN x D]; Q, dO [2][BM x D]; dS^T [BN x BM];
-// lse2, delta [2][BM] (float).
+// The main backward body: block (key tile, key head, batch), BN = 16 * WARPS / SPLIT keys,
+// query tiles of BM rows.  Warp w owns keys [16 (w / SPLIT), + 16); above D = 128 two warps
+// (SPLIT = 2) share them, each computing their S^T and dP^T in full and accumulating dK and
+// dV for its half of the head dimension (w % SPLIT), so the accumulators fit in registers.
+// Shared memory: K, V [BN x D]; Q, dO [2][BM x D]; dS^T [BN x BM]; lse2, delta [2][BM]
+// (float).
 //
 // Dense (VARLEN = false): q, dO [B, Hq, Lq, D] and k, v [B, Hk, Lk, D] by element strides;
 // lse2, delta [B * Hq, lq_pad] and dq_acc [B * Hq, lq_pad, D]; dk, dv [B, Hk, Lk, D]
@@ -179,17 +193,23 @@ __device__ __forceinline__ void sk_attn_bwd_body(
     long long v_sl, long long g_sb, long long g_sh, long long g_sl, long long m_sb,
     long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
     int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
-    constexpr int BN = 16 * WARPS;
+    constexpr int SPLIT = D > 128 ? 2 : 1;
+    constexpr int BN = 16 * WARPS / SPLIT;
     constexpr int THREADS = WARPS * 32;
-    constexpr int NB = BM / 8;   // n-blocks of S^T (query columns)
-    constexpr int DB = D / 8;    // n-blocks of dK, dV
+    constexpr int NB = BM / 8;            // n-blocks of S^T (query columns)
+    constexpr int DB = D / 8 / SPLIT;     // n-blocks of the warp's dK, dV columns
     // dQ's [BM x D] partial product: WM x WN warps, each 16 rows x D / WN columns, computed
-    // in passes of at most 64 columns (32 accumulators)
+    // in passes of at most 64 columns (32 accumulators; 48 or 80 where 64 does not divide)
     constexpr int WM = BM / 16;
     constexpr int WN = WARPS / WM;
     constexpr int QCOLS = D / WN;
-    constexpr int PCOLS = QCOLS < 64 ? QCOLS : 64;
+    constexpr int PCOLS = QCOLS <= 64        ? QCOLS
+                          : QCOLS % 64 == 0 ? 64
+                          : QCOLS % 48 == 0 ? 48
+                          : QCOLS % 80 == 0 ? 80
+                                            : QCOLS;
     static_assert(WARPS % WM == 0 && QCOLS % PCOLS == 0 && PCOLS % 16 == 0, "dQ warp layout");
+    static_assert(WARPS % SPLIT == 0 && DB % 2 == 0, "dK, dV warp layout");
     typedef SkMma<T> Mma;
     extern __shared__ __align__(16) unsigned char sk_smem[];
     T* sk = reinterpret_cast<T*>(sk_smem);
@@ -272,7 +292,8 @@ __device__ __forceinline__ void sk_attn_bwd_body(
     const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
     int rel_lo, rel_hi;
     sk_relative_limits(causal, left, right, rel_lo, rel_hi);
-    const int w0 = warp * 16;  // this warp's first key in the tile
+    const int w0 = warp / SPLIT * 16;        // this warp's first key in the tile
+    const int dc0 = warp % SPLIT * (D / SPLIT);  // its first column of dK and dV
 
     if (total > 0) {
         sk_load_tile<T, BN, D, THREADS>(sk, kb, k_sl, lk - n0);
@@ -345,12 +366,13 @@ __device__ __forceinline__ void sk_attn_bwd_body(
 #pragma unroll
             for (int db = 0; db < DB; db += 2) {
                 unsigned bf[4];
-                sk_frag<SK_BT, D>(bf, sgs, kk * 16, db * 8);
+                sk_frag<SK_BT, D>(bf, sgs, kk * 16, dc0 + db * 8);
                 sk_mma_pair<T>(dv_acc[db], dv_acc[db + 1], pa, bf);
-                sk_frag<SK_BT, D>(bf, sqs, kk * 16, db * 8);
+                sk_frag<SK_BT, D>(bf, sqs, kk * 16, dc0 + db * 8);
                 sk_mma_pair<T>(dk_acc[db], dk_acc[db + 1], da, bf);
             }
-            // dS^T to shared memory ([key][query]) for dQ
+            // dS^T to shared memory ([key][query]) for dQ (by one warp of the keys)
+            if (SPLIT > 1 && dc0 != 0) continue;
             *reinterpret_cast<unsigned*>(sds + sk_swz<BM>(w0 + g, kk * 16 + 2 * t)) = da[0];
             *reinterpret_cast<unsigned*>(sds + sk_swz<BM>(w0 + g + 8, kk * 16 + 2 * t)) = da[1];
             *reinterpret_cast<unsigned*>(sds + sk_swz<BM>(w0 + g, kk * 16 + 8 + 2 * t)) = da[2];
@@ -404,7 +426,7 @@ __device__ __forceinline__ void sk_attn_bwd_body(
                                        : ((static_cast<long long>(b) * hk + kh) * lk + j) * D;
 #pragma unroll
             for (int db = 0; db < DB; ++db) {
-                const int col = db * 8 + 2 * t;
+                const int col = dc0 + db * 8 + 2 * t;
                 *reinterpret_cast<unsigned*>(dk + base + col) =
                     Mma::pack(dk_acc[db][2 * r] * scale, dk_acc[db][2 * r + 1] * scale);
                 *reinterpret_cast<unsigned*>(dv + base + col) =

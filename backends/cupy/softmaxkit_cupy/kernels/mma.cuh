@@ -68,9 +68,19 @@ template <> struct SkMma<__half> {
 // A [rows x D] tile of 16-bit values in shared memory, row-major with the 16-byte chunks of
 // row r permuted by c ^ (r % 8), so the eight rows one ldmatrix reads hit distinct banks.
 // Rows of fewer than eight chunks (D < 64) share a 128-byte line with their neighbours, so
-// the permutation follows the line index instead.
+// the permutation follows the line index instead.  Rows of 8 k + 2 or 8 k + 4 chunks (D = 80,
+// 96, 160) permute their aligned groups of eight chunks by c ^ (r % 8) and their tail group
+// of 2 or 4 as a row of D < 64 would: each row stays in place and the eight rows of a column
+// still hit distinct banks (rows start 2 or 4 chunks past a 128-byte line in turn).
 template <int D> __device__ __forceinline__ int sk_swz(int r, int col) {
     constexpr int CH = D / 8;
+    constexpr int FULL = CH & ~7, TAIL = CH & 7;
+    static_assert(TAIL == 0 || TAIL == 2 || TAIL == 4 || (FULL == 0 && (CH & (CH - 1)) == 0),
+                  "rows of 8 k, 8 k + 2, 8 k + 4 or 1, 2, 4 16-byte chunks");
+    if constexpr (FULL > 0 && TAIL > 0) {
+        const int perm = (col >> 3) < FULL ? (r & 7) : ((r / (8 / TAIL)) & (TAIL - 1));
+        return r * D + ((((col >> 3) ^ perm)) << 3) + (col & 7);
+    }
     const int perm = CH >= 8 ? (r & 7) : ((r / (8 / CH)) & (CH - 1));
     return r * D + ((((col >> 3) ^ perm)) << 3) + (col & 7);
 }
