@@ -42,14 +42,15 @@ def test_manifest_serves_cuda_row_operations(monkeypatch):
     assert {"merge", "normalize", "merge_attention", "merge_attention_vjp"} <= served
     # exact attention on CUDA cores in float32 and float64; 16-bit stays with cupy
     assert attention["devices"] == ["cuda"]
-    assert attention["ops"] == ["attention", "attention_vjp"]
+    assert attention["ops"] == ["attention", "attention_vjp", "paged_attention"]
     assert attention["dtypes"] == ["float32", "float64"]
     assert "16-bit attention" in importlib.import_module("softmaxkit_numba_cuda.manifest").__doc__
 
 
 def test_attention_kernels_are_importable_by_name():
     m = manifest()
-    for op in ("attention", "attention_vjp", "merge_attention", "merge_attention_vjp"):
+    for op in ("attention", "attention_vjp", "merge_attention", "merge_attention_vjp",
+               "paged_attention"):
         module, name = m["kernels"][op].split(":")
         assert callable(getattr(importlib.import_module(module), name))
 
@@ -67,6 +68,42 @@ def test_can_run_declines_attention_head_dims_above_256(monkeypatch, op):
     assert isinstance(verdict, str) and "256" in verdict
     verdict = can_run(_call(op, "cpu", q=np.zeros((1, 1, 2, 320)), k=q, v=v))
     assert isinstance(verdict, str) and "D=320" in verdict
+
+
+def test_can_run_declines_paged_head_dims_above_256(monkeypatch):
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+    q, pages = np.zeros((1, 1, 1, 256)), np.zeros((2, 1, 4, 256))
+    assert can_run(_call("paged_attention", "cpu", q=q, k_pages=pages, v_pages=pages)) is True
+    verdict = can_run(_call("paged_attention", "cpu", q=q, k_pages=pages,
+                            v_pages=np.zeros((2, 1, 4, 264))))
+    assert isinstance(verdict, str) and "256" in verdict
+
+
+@pytest.mark.parametrize(("causal", "window", "lq"), [
+    (True, (-1, -1), 1), (False, (-1, -1), 2), (True, (3, -1), 3), (True, (-1, 1), 2),
+    (True, (-1, -1), 7),  # more queries than a sequence's keys: rows with no allowed key
+])
+def test_paged_adapter_gathers_and_masks_as_the_spec_says(monkeypatch, causal, window, lq):
+    """The adapter's gathered cache and mask, with the dense attention of the reference in
+    place of the kernel (which the kit checks on a GPU), against the float64 definition on
+    NaN-poisoned pages: an empty sequence, padding entries -1 and past the pool."""
+    import array_api_compat.numpy as xp
+    from softmaxkit_numba_cuda import paged
+
+    from softmaxkit.reference.attention import attention as dense
+    from softmaxkit.testing.paged_cases import make_cache, paged_definition
+
+    monkeypatch.setattr(paged, "attention", lambda **kw: dense(**kw))
+    rng = np.random.default_rng(lq)
+    k, v, table, lens = make_cache(rng, [5, 0, 9], 4, 2, 8, 6)
+    q = rng.normal(size=(3, 4, lq, 8))
+    out, lse = paged.paged_attention(
+        xp=xp, q=q, k_pages=k, v_pages=v, block_table=table, seqlens=lens, scale=8 ** -0.5,
+        causal="bottom_right" if causal else None, window=window, softcap=None,
+        return_lse=True)
+    want, want_lse = paged_definition(q, k, v, table, lens, causal=causal, window=window)[:2]
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-13)
 
 
 def test_can_run_declines_host_arrays_without_the_simulator(monkeypatch):
