@@ -516,8 +516,7 @@ def _index_row(x, target, m, s, eps, scale, want_grad, grad):
         inv = one / s
         f = inv * scale
         g = share * scale
-        c = uint64(0)
-        for j in range(c, uint64(n)):
+        for j in range(uint64(0), uint64(n)):
             put(grad, j, exp_nonpos(widen(x[j]) - m) * f - g)
         if eps != 0:  # excluded classes (-inf logits) have gradient 0, not -share * scale
             for j in range(n):
