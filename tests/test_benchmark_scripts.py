@@ -1,0 +1,57 @@
+"""The benchmark scripts run, and the references they check results against are right (small
+CPU configurations; the timings themselves are never asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def grid():
+    module = _load("attention_grid")
+    module.DEVICE[0] = "cpu"
+    return module
+
+
+@pytest.mark.parametrize("feature", ["plain", "causal", "gqa", "window", "mask", "softcap"])
+@pytest.mark.parametrize("dims", [(16, 16), (24, 8)])
+def test_attention_grid_reference_is_the_definition(grid, feature, dims):
+    """The grid's float64 reference against the reference backend's attention."""
+    import softmaxkit as sk
+
+    case = grid.Case(dims[0], dims[1], "float32", feature)
+    t = grid.inputs(case, 2, 8, 300, seed=3)
+    q, k, v = (t[n].double() for n in ("q", "k", "v"))
+    want = sk.attention(q.numpy(), k.numpy(), v.numpy(), backend="reference",
+                        **{n: (a.numpy() if n == "mask" else a)
+                           for n, a in grid.sk_kwargs(case, t).items()})
+    got = grid.reference(case, q, k, v, t["mask"])
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_grid_runs_and_checks(grid, capsys):
+    status = grid.main(["--device", "cpu", "--dims", "16", "24/8", "--dtypes", "float32",
+                        "--features", "plain", "window", "--feature-dims", "16",
+                        "--length", "256", "--batch", "1", "--heads", "4"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "float32" in line]
+    assert len(rows) == 3  # 16 and 24/8 plain, 16 window
+    assert all(float(r.split("|")[5]) < grid.BOUNDS["float32"] for r in rows)
