@@ -326,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         if row["error"] > BOUNDS[case.dtype]:
             failed.append(case)
         rows.append(row)
+        if opts.out:  # after every row: a run stopped early keeps what it measured
+            with open(opts.out, "w") as f:
+                f.write("\n".join(render(rows)) + "\n")
         fwd, both = row["sk"]
         peers = " ".join(f"{n} {'-' if row[n] is None else f'{row[n][0]:.3f}/{row[n][1]:.3f}'}"
                          for n in ("flash", "efficient", "cudnn"))
@@ -334,11 +337,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         if opts.device == "cuda":
             torch.cuda.empty_cache()
-    table = render(rows)
-    print("\n".join(table))
-    if opts.out:
-        with open(opts.out, "w") as f:
-            f.write("\n".join(table) + "\n")
+    print("\n".join(render(rows)))
     if failed:
         print("FAILED: " + ", ".join(c.label.strip() for c in failed))
     return 1 if failed else 0
