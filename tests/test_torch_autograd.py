@@ -164,6 +164,44 @@ def test_split_kv_attention_trains_like_full_attention():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("used", ["out", "lse", "both"])
+@pytest.mark.parametrize("op", ["attention", "varlen_attention"])
+def test_a_returned_lse_widens_the_backward_only_when_the_loss_uses_it(monkeypatch, op, used):
+    """An lse that is returned but unused gives no cotangent (None, not zeros), so the
+    backward keeps the value width; the gradients equal the float64 definition's."""
+    import importlib
+
+    module = importlib.import_module("softmaxkit.frameworks.torch.attention")
+    widened = []
+    real = module._widen_for_lse
+    monkeypatch.setattr(module, "_widen_for_lse", lambda *a: widened.append(1) or real(*a))
+    q, k, v = _qkv(2, 1, 5, 7)  # [H, L, D]
+    if op == "attention":
+        out, lse = sk.attention(q, k, v, causal=True, return_lse=True)
+    else:  # one packed sequence: [T, H, D]
+        cu_q, cu_k = torch.tensor([0, 5]), torch.tensor([0, 7])
+        out, lse = sk.varlen_attention(*(a.transpose(0, 1) for a in (q, k, v)), cu_q, cu_k,
+                                       causal=True, return_lse=True)
+        out, lse = out.transpose(0, 1), lse.transpose(0, 1)
+
+    def loss(out, lse):
+        return {"out": out.square().sum(), "lse": lse.sum(),
+                "both": out.square().sum() + lse.sum()}[used]
+
+    grads = torch.autograd.grad(loss(out, lse), (q, k, v), allow_unused=True)
+    assert len(widened) == (0 if used == "out" else 1)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # the key head broadcasts
+    s = s.masked_fill(torch.ones(5, 7, dtype=torch.bool).tril(2).logical_not(), -math.inf)
+    want_out = torch.softmax(s, dim=-1) @ v
+    wants = torch.autograd.grad(loss(want_out, torch.logsumexp(s, dim=-1)), (q, k, v),
+                                allow_unused=True)
+    for got, want in zip(grads, wants, strict=True):
+        if want is None:  # v does not reach the lse
+            assert got is None or not got.abs().max()
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # float32 / bfloat16 against torch's own autograd
 

@@ -86,7 +86,25 @@ def _attention_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> No
     ctx.args = (scale, causal, window)
     ctx.tail = (softcap, backend)
     ctx.lse_used = lse_used  # else the lse's (zero) cotangent is not worth a wider backward
+    ctx.set_materialize_grads(False)  # an output the loss does not use: None, not zeros
     ctx.save_for_backward(q, k, v, mask, *output)  # out and lse: the backward recomputes
+
+
+def _cotangents(
+    v: Tensor, out: Tensor, dout: Tensor | None, dlse: Tensor | None, lse_used: bool
+) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """``(v, out, dout, widened)`` for the attention VJP, from the cotangents autograd gives.
+
+    Cotangents are not materialized: an output the loss does not use comes as None, so a
+    returned but unused lse costs no wider backward (whose value dimension, one more than
+    ``Dv``, the kernels may serve only padded, or not at all), and an unused ``out`` a zero
+    ``dout``.
+    """
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if not lse_used or dlse is None:
+        return v, out, dout, False
+    return (*_widen_for_lse(v, out, dout, dlse), True)
 
 
 def _widen_for_lse(
@@ -105,13 +123,10 @@ def _widen_for_lse(
     return v, out, dout
 
 
-def _attention_backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple:
+def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple:
     q, k, v, mask, out, lse = ctx.saved_tensors
     dv_width = v.shape[-1]
-    widen = ctx.lse_used and dlse is not None
-    if widen:
-        assert dlse is not None  # widen says so; for the type checker
-        v, out, dout = _widen_for_lse(v, out, dout, dlse)
+    v, out, dout, widen = _cotangents(v, out, dout, dlse, ctx.lse_used)
     dq, dk, dv = attention_vjp_op(q, k, v, out, lse, dout, *ctx.args, mask, *ctx.tail)
     if widen:
         dv = dv[..., :dv_width]
@@ -331,16 +346,14 @@ def _varlen_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
     q, k, v, cu_q, cu_k, scale, causal, window, softcap, backend, lse_used = inputs
     ctx.args = (scale, causal, window, softcap, backend)
     ctx.lse_used = lse_used
+    ctx.set_materialize_grads(False)  # as for attention: unused outputs give None
     ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)  # out and lse: the backward recomputes
 
 
-def _varlen_backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple:
+def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple:
     q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
     dv_width = v.shape[-1]
-    widen = ctx.lse_used and dlse is not None
-    if widen:
-        assert dlse is not None  # widen says so; for the type checker
-        v, out, dout = _widen_for_lse(v, out, dout, dlse)
+    v, out, dout, widen = _cotangents(v, out, dout, dlse, ctx.lse_used)
     dq, dk, dv = varlen_attention_vjp_op(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args)
     if widen:
         dv = dv[..., :dv_width]
