@@ -95,6 +95,7 @@ __device__ __forceinline__ void sk_attn_fwd_body(
     const int tile_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : tile_lo;
 
     const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
+    const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
     int rel_lo, rel_hi;
     sk_relative_limits(causal, left, right, rel_lo, rel_hi);
     float o[MT][DB][4];
@@ -157,7 +158,7 @@ __device__ __forceinline__ void sk_attn_fwd_body(
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float x = s[mt][nb][e] * qk_scale;
-                    if (softcap > 0.0f) x = softcap * tanhf(x / softcap) * SK_LOG2E;
+                    if (softcap > 0.0f) x = sk_softcap_log2(x, softcap, inv_cap);
                     s[mt][nb][e] = x;
                 }
             }
@@ -471,6 +472,7 @@ __device__ __forceinline__ void sk_attn_decode_body(
     sk_cp_async_commit();
 
     const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
+    const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
     float o[DB][4];
 #pragma unroll
     for (int i = 0; i < DB; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
@@ -517,7 +519,7 @@ __device__ __forceinline__ void sk_attn_decode_body(
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float x = s[nb][e] * qk_scale;
-                if (softcap > 0.0f) x = softcap * tanhf(x / softcap) * SK_LOG2E;
+                if (softcap > 0.0f) x = sk_softcap_log2(x, softcap, inv_cap);
                 const int r = g + (e >= 2 ? 8 : 0);
                 const int h = kh * group + (r < rows ? r / lq : 0), i = r < rows ? r % lq : 0;
                 const int j = n0 + warp * 16 + nb * 8 + 2 * t + (e & 1);

@@ -290,6 +290,7 @@ __device__ __forceinline__ void sk_attn_bwd_body(
         for (int e = 0; e < 4; ++e) dk_acc[i][e] = dv_acc[i][e] = 0.0f;
     }
     const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
+    const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
     int rel_lo, rel_hi;
     sk_relative_limits(causal, left, right, rel_lo, rel_hi);
     const int w0 = warp / SPLIT * 16;        // this warp's first key in the tile
@@ -331,7 +332,7 @@ __device__ __forceinline__ void sk_attn_bwd_body(
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float x = s[nb][e] * qk_scale;
-                if (softcap > 0.0f) x = softcap * tanhf(x / softcap) * SK_LOG2E;
+                if (softcap > 0.0f) x = sk_softcap_log2(x, softcap, inv_cap);
                 s[nb][e] = x;
             }
         }

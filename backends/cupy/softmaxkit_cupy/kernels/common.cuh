@@ -34,6 +34,19 @@ __device__ __forceinline__ float sk_ex2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+// A capped score in log2 units, softcap tanh(x / softcap) log2(e), from the scaled score x and
+// inv_cap = 1 / softcap: tanh(y) = 1 - 2 / (2^(2 y log2 e) + 1), one ex2 and one fast division
+// where tanhf's branches and an IEEE division cost several times more in the score loop.  |y|
+// is clamped to 10 (tanh(10) rounds to 1 in float32) with comparisons, so NaN passes through.
+// The absolute error of tanh is a few float32 ulps of 1 (the cancellation near 0), far below
+// the 16-bit rounding of the results; forward and backward recompute the same values.
+__device__ __forceinline__ float sk_softcap_log2(float x, float softcap, float inv_cap) {
+    float y = x * inv_cap;
+    y = y > 10.0f ? 10.0f : (y < -10.0f ? -10.0f : y);
+    const float t = 1.0f - __fdividef(2.0f, sk_ex2(y * (2.0f * 1.4426950408889634f)) + 1.0f);
+    return softcap * t * 1.4426950408889634f;
+}
+
 template <bool PRECISE> __device__ __forceinline__ float sk_log(float v) {
     if (PRECISE) return logf(v);
     return __logf(v);
