@@ -4,7 +4,10 @@ The frontend hands q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, Dv] of one 
 and the mask, if any, as a (possibly stride-0) boolean view of [B, Hq, Lq, Lk].
 :func:`softmaxkit_cupy.manifest.can_run` has accepted the call (library, dtype, head
 dimensions, sizes), so every call here has a kernel, except calls with no query row or no key:
-their results are fixed by the spec ("Attention") and made here without a launch.
+their results are fixed by the spec ("Attention") and made here without a launch.  A call at
+head dimensions the kernels are not built for (D != Dv, or D outside ``ATTENTION_HEAD_DIMS``;
+both at most 256) runs on zero-padded copies of its arrays and its results are sliced back
+(:mod:`.head_dims`); a call at a built head dimension with D = Dv runs on its arrays as given.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import compiler, interop
+from . import compiler, head_dims, interop
 from .configs import (
     DECODE_ROWS,
     DECODE_WARPS,
@@ -154,12 +157,32 @@ def attention(
 ) -> tuple[Any, Any]:
     """Exact attention forward on tensor cores; (out, lse or None).
 
-    ``config`` overrides the forward tile configuration (one of ``attention_names()``'s);
-    split-KV decoding is used instead for few query rows per key head.
+    ``config`` overrides the forward tile configuration (one of ``attention_names()``'s, at
+    the head dimension the call runs at); split-KV decoding is used instead for few query
+    rows per key head.  A call whose head dimensions the kernels are not built for (D != Dv,
+    or D not in ``ATTENTION_HEAD_DIMS``) runs on copies of q, k, v zero-padded to the next
+    built one, and its output is the padded output's first Dv columns (:mod:`.head_dims`).
     """
     fixed = _forward_without_work(q, k, v)
     if fixed is not None:
         return fixed[0], (fixed[1] if return_lse else None)
+    dv = int(v.shape[3])
+    width = head_dims.pad_width(int(q.shape[3]), dv)
+    if width is None:
+        return _attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
+                          mask=mask, softcap=softcap, return_lse=return_lse, config=config)
+    with interop.on_device(q):
+        q, k, v = (head_dims.pad(xp, a, width) for a in (q, k, v))
+    out, lse = _attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
+                          mask=mask, softcap=softcap, return_lse=return_lse, config=config)
+    return head_dims.narrow(out, dv), lse
+
+
+def _attention(
+    xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
+    mask: Any, softcap: Any, return_lse: bool, config: AttentionConfig | None,
+) -> tuple[Any, Any]:
+    """:func:`attention` of a call with work, at a built head dimension (D = Dv)."""
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, lk = int(k.shape[1]), int(k.shape[2])
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
@@ -283,11 +306,35 @@ def attention_vjp(
     Three launches: the rows' lse (log2 units) and ``delta = rowsum(dout * out)``; the main
     kernel, parallel over key tiles, which writes dk and dv and adds dq's partial products
     into a float32 buffer; and dq's conversion to the input dtype.  ``config`` overrides the
-    tile configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks).
+    tile configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks).  Head dimensions
+    the kernels are not built for run as in :func:`attention`, on copies of q, k, v, out and
+    dout zero-padded to the next built one; dq and dk are the first D columns of the padded
+    results, dv the first Dv.
     """
     fixed = _backward_without_work(q, k, v)
     if fixed is not None:
         return fixed
+    dims = (int(q.shape[3]), int(k.shape[3]), int(v.shape[3]))
+    width = head_dims.pad_width(dims[0], dims[2])
+    if width is None:
+        return _attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
+                              causal=causal, window=window, mask=mask, softcap=softcap,
+                              config=config)
+    with interop.on_device(q):
+        q, k, v, out, dout = (head_dims.pad(xp, a, width) for a in (q, k, v, out, dout))
+    grads = _attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
+                           causal=causal, window=window, mask=mask, softcap=softcap,
+                           config=config)
+    dq, dk, dv = (head_dims.narrow(g, n) for g, n in zip(grads, dims, strict=True))
+    return dq, dk, dv
+
+
+def _attention_vjp(
+    xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
+    causal: Any, window: tuple[int, int], mask: Any, softcap: Any,
+    config: BackwardConfig | None,
+) -> tuple[Any, Any, Any]:
+    """:func:`attention_vjp` of a call with work, at a built head dimension (D = Dv)."""
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, lk = int(k.shape[1]), int(k.shape[2])
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))

@@ -208,8 +208,10 @@ def row_alternative_names(op: str, din: str, dout: str) -> tuple[str, ...]:
 
 ATTENTION_DTYPES = ("float16", "bfloat16")
 ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256)
-"""Head dimensions (D = Dv) the attention kernels serve: multiples of 16 whose rows of 16-byte
-chunks the shared-memory swizzle of kernels/mma.cuh permutes without bank conflicts."""
+"""Head dimensions the attention kernels are built for, each with D = Dv: multiples of 16
+whose rows of 16-byte chunks the shared-memory swizzle of kernels/mma.cuh permutes without
+bank conflicts.  Calls at other D and Dv up to the largest (D != Dv included) run at the next
+of them on zero-padded copies of their arrays (head_dims.py)."""
 
 
 @dataclass(frozen=True)

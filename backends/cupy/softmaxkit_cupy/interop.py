@@ -226,6 +226,20 @@ def launch(kernel: Any, like: Any, grid: int | tuple[int, int, int], block: int,
 
 
 @contextlib.contextmanager
+def on_device(a: Any) -> Iterator[None]:
+    """Make a CuPy array's device current for array-API calls beside it (CuPy allocates on
+    the current device whatever ``device=`` says); nothing for PyTorch, whose ``device=``
+    places allocations."""
+    if is_torch(a):
+        yield
+        return
+    import cupy
+
+    with cupy.cuda.Device(a.device.id):
+        yield
+
+
+@contextlib.contextmanager
 def launch_context(a: Any) -> Iterator[None]:
     """Make ``a``'s device current and, for PyTorch, PyTorch's current stream CuPy's."""
     import cupy

@@ -14,7 +14,6 @@ from typing import Any
 
 from .configs import (
     ATTENTION_DTYPES,
-    ATTENTION_HEAD_DIMS,
     DECODE_ROWS,
     GRAD_CONFIGS,
     GRAD_OPS,
@@ -24,6 +23,7 @@ from .configs import (
     ROW_OPS,
     max_row_length,
 )
+from .head_dims import head_dim_reason
 
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -227,20 +227,21 @@ def paged_reason(
     """Why the paged decode kernel cannot run these inputs, or None when it can.
 
     ``q_shape`` is ``[B, Hq, Lq, D]``, ``k_shape`` and ``v_shape`` the pools'
-    ``[P, Hk, S, D]``, ``table_shape`` the block table's ``[B, max_pages]``.  The kernel
-    holds at most ``DECODE_ROWS`` query rows (``Hq / Hk`` heads times ``Lq`` queries) per key
-    head: longer chunked prefills are left to the other backends.  Calls with no query row
-    or no page in the table run without a launch, at the dtypes and head dimensions the
-    kernel takes.
+    ``[P, Hk, S, D]`` and ``[P, Hk, S, Dv]``, ``table_shape`` the block table's
+    ``[B, max_pages]``.  Every D and Dv from 1 to 256 is served, those the kernel is not built
+    for on zero-padded copies of q and the pools (:mod:`.head_dims`).  The kernel holds at
+    most ``DECODE_ROWS`` query rows (``Hq / Hk`` heads times ``Lq`` queries) per key head:
+    longer chunked prefills are left to the other backends.  Calls with no query row or no
+    page in the table run without a launch, at the dtypes and head dimensions the kernel
+    serves.
     """
     if dtype not in ATTENTION_DTYPES:
         return f"the paged attention kernel takes {ATTENTION_DTYPES}, not {dtype}"
     b, hq, lq, d = q_shape
     pages, hk, page_size, _ = k_shape
-    if d not in ATTENTION_HEAD_DIMS:
-        return f"head dimension {d} is not one of {ATTENTION_HEAD_DIMS}"
-    if v_shape[-1] != d:
-        return f"value head dimension {v_shape[-1]} differs from the key head dimension {d}"
+    reason = head_dim_reason(d, v_shape[-1])
+    if reason:
+        return reason
     capacity = table_shape[1] * page_size
     if b * hq * lq == 0 or capacity == 0:
         return None  # no launch, so no launch limit applies
@@ -279,16 +280,17 @@ def attention_reason(
 ) -> str | None:
     """Why the forward kernel cannot run these inputs, or None when it can.
 
-    Calls with no query row or no key are served at the head dimensions the kernels take:
-    their results are fixed by the spec and made without a launch.
+    Every key dimension D and value dimension Dv from 1 to 256 is served: those the kernels
+    are not built for (D != Dv, or D outside ``ATTENTION_HEAD_DIMS``) on zero-padded copies
+    of the arrays (:mod:`.head_dims`).  Calls with no query row or no key are served at the
+    same head dimensions: their results are fixed by the spec and made without a launch.
     """
     if dtype not in ATTENTION_DTYPES:
         return f"the attention kernels take {ATTENTION_DTYPES}, not {dtype}"
     b, hq, lq, d = q_shape
-    if d not in ATTENTION_HEAD_DIMS:
-        return f"head dimension {d} is not one of {ATTENTION_HEAD_DIMS}"
-    if v_shape[-1] != d:
-        return f"value head dimension {v_shape[-1]} differs from the key head dimension {d}"
+    reason = head_dim_reason(d, v_shape[-1])
+    if reason:
+        return reason
     if b * hq * lq == 0 or k_shape[2] == 0:
         return None  # no launch, so no launch limit applies
     if b > 65535 or hq > 65535:

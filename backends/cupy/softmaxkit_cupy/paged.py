@@ -1,10 +1,11 @@
 """Adapter from paged attention (softmaxkit/ops.py, ``paged_attention``) to the paged split-KV
 decode kernel of ``kernels/attention.cu``.
 
-The frontend hands q [B, Hq, Lq, D] and the page pools k_pages, v_pages [P, Hk, S, D] of one
-16-bit dtype, and the block table [B, max_pages] and sequence lengths [B] (int32 or int64,
-validated on the host); :func:`softmaxkit_cupy.manifest.can_run` has accepted the call
-(library, dtype, head dimension, at most ``DECODE_ROWS`` query rows per key head).
+The frontend hands q [B, Hq, Lq, D], the page pools k_pages [P, Hk, S, D] and v_pages
+[P, Hk, S, Dv] of one 16-bit dtype, and the block table [B, max_pages] and sequence lengths
+[B] (int32 or int64, validated on the host); :func:`softmaxkit_cupy.manifest.can_run` has
+accepted the call (library, dtype, head dimensions, at most ``DECODE_ROWS`` query rows per key
+head).
 
 The kernel is the dense split-KV decode kernel with the address of each key row looked up in
 the block table: block (split, key head, sequence) reads the sequence's length on the device
@@ -17,6 +18,12 @@ grid spans at most ``left + Lq`` keys and a sliding window over a long cache rea
 window's pages.
 Calls with no query row, or whose table holds no page (every sequence empty), have results
 fixed by the spec and are made without a launch.
+
+Head dimensions the kernel is not built for (D != Dv, or D outside ``ATTENTION_HEAD_DIMS``;
+both at most 256) run at the next built one P on zero-padded copies (:mod:`.head_dims`) of q
+and of each page pool narrower than P, whole: such a pool is copied on every call, all its
+pages, used or not (memory traffic in proportion to the pool's size, not to the pages in
+use); the kernel on the copies still runs far faster than the reference backend.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import interop
+from . import head_dims, interop
 from .attention import _rows_ready, split_decode
 from .configs import decode_paged_name
 
@@ -108,7 +115,10 @@ def paged_attention(
     q : array
         ``[B, Hq, Lq, D]``, bfloat16 or float16, ``(Hq / Hk) * Lq <= DECODE_ROWS``.
     k_pages, v_pages : array
-        ``[P, Hk, S, D]`` in q's dtype.
+        ``[P, Hk, S, D]`` and ``[P, Hk, S, Dv]`` in q's dtype, ``D, Dv <= 256``.  At head
+        dimensions the kernel is not built for (:mod:`.head_dims`) a pool narrower than the
+        head dimension the call runs at is copied, zero-padded, on every call: a cost
+        proportional to the pool's size, not to the pages in use.
     block_table : array
         int32 or int64 ``[B, max_pages]``: the pages of each sequence.
     seqlens : array
@@ -127,21 +137,45 @@ def paged_attention(
     Returns
     -------
     out : array
-        ``[B, Hq, Lq, D]`` in q's dtype; 0 for a row with no allowed key.
+        ``[B, Hq, Lq, Dv]`` in q's dtype; 0 for a row with no allowed key.
     lse : array or None
         ``[B, Hq, Lq]`` float32, ``-inf`` for a row with no allowed key; None unless
         ``return_lse``.
     """
     b, hq, lq, d = (int(s) for s in q.shape)
+    dv = int(v_pages.shape[3])
+    capacity = int(block_table.shape[1]) * int(k_pages.shape[2])
+    dtype = interop.name(q)
+    if b * hq * lq == 0:
+        return (interop.empty(q, (b, hq, lq, dv), dtype),
+                interop.empty(q, (b, hq, lq), "float32") if return_lse else None)
+    if capacity == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
+        return (interop.zeros(q, (b, hq, lq, dv), dtype),
+                interop.full(q, (b, hq, lq), -math.inf, "float32") if return_lse else None)
+    width = head_dims.pad_width(d, dv)
+    if width is None:
+        return _paged_attention(xp, q=q, k_pages=k_pages, v_pages=v_pages,
+                                block_table=block_table, seqlens=seqlens, scale=scale,
+                                causal=causal, window=window, softcap=softcap,
+                                return_lse=return_lse)
+    with interop.on_device(q):
+        q, k_pages, v_pages = (head_dims.pad(xp, a, width) for a in (q, k_pages, v_pages))
+    out, lse = _paged_attention(xp, q=q, k_pages=k_pages, v_pages=v_pages,
+                                block_table=block_table, seqlens=seqlens, scale=scale,
+                                causal=causal, window=window, softcap=softcap,
+                                return_lse=return_lse)
+    return head_dims.narrow(out, dv), lse
+
+
+def _paged_attention(
+    xp: Any, *, q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any,
+    scale: float, causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
+) -> tuple[Any, Any]:
+    """:func:`paged_attention` of a call with work, at a built head dimension (D = Dv)."""
+    b, hq, lq, d = (int(s) for s in q.shape)
     hk, page_size = int(k_pages.shape[1]), int(k_pages.shape[2])
     capacity = int(block_table.shape[1]) * page_size
     dtype = interop.name(q)
-    if b * hq * lq == 0:
-        return (interop.empty(q, (b, hq, lq, d), dtype),
-                interop.empty(q, (b, hq, lq), "float32") if return_lse else None)
-    if capacity == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
-        return (interop.zeros(q, (b, hq, lq, d), dtype),
-                interop.full(q, (b, hq, lq), -math.inf, "float32") if return_lse else None)
     q, k_pages, v_pages = (_rows_ready(xp, a) for a in (q, k_pages, v_pages))
     table, lens = _int32(xp, block_table), _int32(xp, seqlens)
     mul, shift = page_divisor(page_size)

@@ -2,13 +2,15 @@
 ``varlen_attention_vjp``) to the packed variants of ``kernels/attention.cu`` and
 ``kernels/attention_bwd.cu``.
 
-The frontend hands q [Tq, Hq, D], k [Tk, Hk, D], v [Tk, Hk, D] of one 16-bit dtype and the
+The frontend hands q [Tq, Hq, D], k [Tk, Hk, D], v [Tk, Hk, Dv] of one 16-bit dtype and the
 validated cumulative lengths as int64 [B + 1] arrays on their device;
 :func:`softmaxkit_cupy.manifest.can_run` has accepted the call.  Block z of every launch is one
 sequence, reading its bounds from the cumulative lengths on the device; the grid's x axis
 spans the longest sequence, whose length is read on the host (one device-to-host copy: the
 contract allows it).  Calls with no query row or no key have results fixed by the spec and
-are made without a launch.
+are made without a launch.  Head dimensions the kernels are not built for (D != Dv, or D
+outside ``ATTENTION_HEAD_DIMS``; both at most 256) run on zero-padded copies of the arrays,
+as dense attention's do (:mod:`.head_dims`).
 
 The backward's float32 work arrays (lse in log2 units, ``delta = rowsum(dout * out)`` and
 dq's sums) pad each sequence to whole query tiles, as the dense backward pads Lq: sequence b's
@@ -25,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import interop
+from . import head_dims, interop
 from .attention import _kernel, _rows_ready, backward_buffers, launch_backward_pre
 from .configs import (
     AttentionConfig,
@@ -74,17 +76,42 @@ def varlen_attention(
 
     One launch over (query tiles of the longest sequence, Hq, B); the blocks past a shorter
     sequence's last tile return at once.  ``config`` overrides the tile configuration (for
-    benchmarks).
+    benchmarks).  Head dimensions the kernels are not built for run on copies of q, k, v
+    zero-padded to the next built one, the output sliced back to Dv (:mod:`.head_dims`).
     """
     tq, hq, d = (int(s) for s in q.shape)
-    tk, hk = int(k.shape[0]), int(k.shape[1])
+    tk, dv = int(k.shape[0]), int(v.shape[2])
     dtype = interop.name(q)
     if tq == 0:
-        return (interop.empty(q, (0, hq, d), dtype),
+        return (interop.empty(q, (0, hq, dv), dtype),
                 interop.empty(q, (0, hq), "float32") if return_lse else None)
     if tk == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
-        return (interop.zeros(q, (tq, hq, d), dtype),
+        return (interop.zeros(q, (tq, hq, dv), dtype),
                 interop.full(q, (tq, hq), -math.inf, "float32") if return_lse else None)
+    width = head_dims.pad_width(d, dv)
+    if width is None:
+        return _varlen_attention(xp, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal,
+                                 window=window, softcap=softcap, return_lse=return_lse,
+                                 config=config)
+    with interop.on_device(q):
+        q, k, v = (head_dims.pad(xp, a, width) for a in (q, k, v))
+    out, lse = _varlen_attention(xp, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal,
+                                 window=window, softcap=softcap, return_lse=return_lse,
+                                 config=config)
+    return head_dims.narrow(out, dv), lse
+
+
+def _varlen_attention(
+    xp: Any, *, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, scale: float,
+    causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
+    config: AttentionConfig | None,
+) -> tuple[Any, Any]:
+    """:func:`varlen_attention` of a call with work, at a built head dimension (D = Dv)."""
+    tq, hq, d = (int(s) for s in q.shape)
+    hk = int(k.shape[1])
+    dtype = interop.name(q)
     cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
     (host_q,) = _on_host(xp, cu_q)
     batches = host_q.shape[0] - 1
@@ -126,14 +153,41 @@ def varlen_attention_vjp(
     (module docstring); the main kernel over (key tiles of the longest sequence, Hk, B), which
     writes dk and dv (zero for the keys of a sequence without queries) and adds dq's partial
     products into the float32 sums; and dq's conversion back to the packed layout.
-    ``config`` overrides the tile configuration (for benchmarks).
+    ``config`` overrides the tile configuration (for benchmarks).  Head dimensions the kernels
+    are not built for run on copies of q, k, v, out and dout zero-padded to the next built
+    one; dq and dk are sliced back to D, dv to Dv (:mod:`.head_dims`).
     """
     tq, hq, d = (int(s) for s in q.shape)
-    tk, hk = int(k.shape[0]), int(k.shape[1])
+    tk, hk, dv = (int(s) for s in v.shape)
     dtype = interop.name(q)
     if tq == 0 or tk == 0:  # no query row reads a key: every gradient is 0
         return (interop.zeros(q, (tq, hq, d), dtype), interop.zeros(q, (tk, hk, d), dtype),
-                interop.zeros(q, (tk, hk, d), dtype))
+                interop.zeros(q, (tk, hk, dv), dtype))
+    width = head_dims.pad_width(d, dv)
+    if width is None:
+        return _varlen_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
+                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                     scale=scale, causal=causal, window=window,
+                                     softcap=softcap, config=config)
+    with interop.on_device(q):
+        q, k, v, out, dout = (head_dims.pad(xp, a, width) for a in (q, k, v, out, dout))
+    grads = _varlen_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
+                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                  scale=scale, causal=causal, window=window, softcap=softcap,
+                                  config=config)
+    dq, dk, dv_ = (head_dims.narrow(g, n) for g, n in zip(grads, (d, d, dv), strict=True))
+    return dq, dk, dv_
+
+
+def _varlen_attention_vjp(
+    xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, cu_seqlens_q: Any,
+    cu_seqlens_k: Any, scale: float, causal: Any, window: tuple[int, int], softcap: Any,
+    config: BackwardConfig | None,
+) -> tuple[Any, Any, Any]:
+    """:func:`varlen_attention_vjp` of a call with work, at a built head dimension (D = Dv)."""
+    tq, hq, d = (int(s) for s in q.shape)
+    tk, hk = int(k.shape[0]), int(k.shape[1])
+    dtype = interop.name(q)
     cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
     host_q, host_k = _on_host(xp, cu_q, cu_k)
     batches = host_q.shape[0] - 1

@@ -3,7 +3,8 @@
 The kit's attention cases, packed variable-length attention's among them, run at the head
 dimensions the kernels take (:data:`~softmaxkit_cupy.configs.ATTENTION_HEAD_DIMS`): the whole
 kit with 64 first (the kit runs most cases at the first head dimension given), then the
-attention operations' cases at each other one on its own.
+attention operations' cases at each other one on its own, and at head dimensions served on
+zero-padded copies (D != Dv, and D between the built ones).
 """
 
 from __future__ import annotations
@@ -67,3 +68,22 @@ def test_conformance_kit_attention_at_head_dim(d: int) -> None:
 
     _check_kit(check_backend("cupy", target="torch-cuda", ops=_KIT_ATTENTION_OPS,
                              dtypes=list(ATTENTION_DTYPES), head_dims=[(d, d)]))
+
+
+@pytest.mark.parametrize("pair", [(192, 128), (128, 192), (40, 40)], ids=str)
+def test_conformance_kit_attention_at_padded_head_dims(pair: tuple[int, int]) -> None:
+    """The kit's attention cases at head dimensions the kernels serve on zero-padded copies
+    (softmaxkit_cupy/head_dims.py), each pair on its own: every case runs at it."""
+    pytest.importorskip("torch")
+    from softmaxkit_cupy.configs import ATTENTION_DTYPES
+
+    from softmaxkit.testing import check_backend
+
+    results = check_backend("cupy", target="torch-cuda",
+                            ops=(*_KIT_ATTENTION_OPS, "paged_attention"),
+                            dtypes=list(ATTENTION_DTYPES), head_dims=[pair])
+    _check_kit(results)
+    assert any(r.status == "passed" and "paged_attention" in r.ops for r in results)
+    declined = [f"{r.case}[{r.dtype}]: {r.message}" for r in results
+                if r.status == "unsupported" and r.dtype in ATTENTION_DTYPES]
+    assert not declined, "\n".join(declined)

@@ -62,17 +62,22 @@ def test_every_paged_kernel_is_in_a_module_the_ci_compiles() -> None:
         ("bfloat16", (3, 2, 9, 64), (9, 1, 4, 64), 64, (3, 5), True),      # 18 rows per head
         ("float16", (2, 32, 1, 128), (9, 1, 4, 128), 128, (2, 5), True),   # 32 heads per group
         ("float32", (2, 4, 1, 64), (9, 2, 4, 64), 64, (2, 5), True),
-        ("bfloat16", (2, 4, 1, 112), (9, 2, 4, 112), 112, (2, 5), True),
         *(("bfloat16", (2, 4, 1, d), (9, 2, 4, d), d, (2, 5), False)
           for d in (32, 80, 96, 160, 192, 256)),
-        ("bfloat16", (2, 4, 1, 128), (9, 2, 4, 128), 64, (2, 5), True),
+        # head dimensions the kernel is not built for, and D != Dv: served zero-padded
+        ("bfloat16", (2, 4, 1, 112), (9, 2, 4, 112), 112, (2, 5), False),
+        ("bfloat16", (2, 4, 1, 128), (9, 2, 4, 128), 64, (2, 5), False),
+        ("bfloat16", (2, 4, 1, 192), (9, 2, 4, 192), 128, (2, 5), False),
+        ("bfloat16", (2, 4, 1, 264), (9, 2, 4, 264), 264, (2, 5), True),
+        ("bfloat16", (2, 4, 1, 128), (9, 2, 4, 128), 300, (2, 5), True),
         # no query row, or no page in the table: served without a launch, at the kernel's
         # dtypes and head dimensions only
         ("bfloat16", (2, 4, 0, 64), (9, 2, 4, 64), 64, (2, 5), False),
         ("float16", (2, 64, 40, 128), (0, 2, 4, 128), 128, (2, 0), False),
         ("float16", (0, 4, 1, 64), (9, 2, 4, 64), 64, (0, 5), False),
         ("float32", (2, 4, 0, 64), (9, 2, 4, 64), 64, (2, 5), True),
-        ("bfloat16", (2, 4, 1, 48), (0, 2, 4, 48), 48, (2, 0), True),
+        ("bfloat16", (2, 4, 1, 48), (0, 2, 4, 48), 48, (2, 0), False),
+        ("bfloat16", (2, 4, 1, 264), (0, 2, 4, 264), 264, (2, 0), True),
         # launch limits: sequences on grid z, key heads on grid y, 32-bit key positions
         ("bfloat16", (70000, 2, 1, 64), (9, 2, 4, 64), 64, (70000, 5), True),
         ("bfloat16", (2, 70000, 1, 64), (9, 70000, 4, 64), 64, (2, 5), True),

@@ -8,14 +8,17 @@ at every served head dimension besides 64 and 128 too); the conformance kit agai
 ``backend="cupy"`` with its attention cases at the kernels' head dimensions (torch-cuda
 target for bfloat16, float16 and float32; cupy target for float16 and float32; most cases run
 at 64, so the attention and varlen operations' cases then run at each other served head
-dimension on its own, torch-cuda target, bfloat16 and float16); then the benchmarks
+dimension on its own, torch-cuda target, bfloat16 and float16, and at head dimensions the
+kernels serve zero-padded: (D, Dv) = (192, 128), (128, 192) and (40, 40)); then the benchmarks
 (device-to-device copy; row kernels against torch, device time from CUDA graph replays and
 eager calls; attention forward and backward against torch SDPA's flash and cuDNN backends;
 split-KV decoding; cross-entropy).
 
 Usage: ``python backends/cupy/tools/gpu_check.py [--out DIR] [--skip-bench] [--only STEPS]``; with
 ``--out`` the table is also written to ``DIR/benchmarks-cupy.md``.  ``--only sweep`` times
-every alternative row configuration instead (not part of the default run).
+every alternative row configuration instead (not part of the default run);
+``--only attention,backward,conformance-padded --skip-bench`` checks the zero-padded head
+dimensions (with the rest of the attention checks) without the whole kit.
 """
 
 from __future__ import annotations
@@ -195,9 +198,17 @@ KIT_VARLEN_OPS = {"varlen_attention", "varlen_attention_vjp"}
 """The kit's packed variable-length operations, run with the attention ones at each head
 dimension."""
 
+PADDED_HEAD_DIMS = ((192, 128), (128, 192), (40, 40))
+"""(D, Dv) pairs the kernels are not built for, served on zero-padded copies
+(softmaxkit_cupy/head_dims.py): multi-head latent attention's value dimension both ways, and
+a head dimension between built ones.  The kit's attention operations run at each on its own
+(every case at that pair)."""
+
 
 @guarded
-def conformance() -> None:
+def conformance(padded_only: bool = False) -> None:
+    """The kit at the built head dimensions, then at :data:`PADDED_HEAD_DIMS` (only those with
+    ``padded_only``)."""
     from softmaxkit_cupy.configs import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
 
     from softmaxkit.testing import check_backend
@@ -207,17 +218,21 @@ def conformance() -> None:
     # then runs the attention operations' cases on its own
     dims = sorted(ATTENTION_HEAD_DIMS, key=lambda d: d != 64)
     head_dims = tuple((d, d) for d in dims)
+    attention_ops = KIT_ATTENTION_OPS | KIT_VARLEN_OPS
     runs = [(target, dtypes, head_dims, None)
             for target, dtypes in (("torch-cuda", ["bfloat16", "float16", "float32"]),
                                    ("cupy", ["float16", "float32"]))]
-    runs += [("torch-cuda", list(ATTENTION_DTYPES), ((d, d),), KIT_ATTENTION_OPS | KIT_VARLEN_OPS)
+    runs += [("torch-cuda", list(ATTENTION_DTYPES), ((d, d),), attention_ops)
              for d in dims[1:]]
-    for target, dtypes, pairs, ops in runs:
+    padded = [("torch-cuda", list(ATTENTION_DTYPES), (pair,), attention_ops)
+              for pair in PADDED_HEAD_DIMS]
+    for target, dtypes, pairs, ops in padded if padded_only else runs + padded:
         what = f"{target}, head dims {pairs}" + (", attention operations" if ops else "")
         section(f"conformance kit, backend=cupy, target={what}")
         t0 = time.perf_counter()
         results = check_backend("cupy", target=target, ops=ops, dtypes=dtypes, head_dims=pairs)
-        label = target if ops is None else f"{target} D={pairs[0][0]}"
+        d, dv = pairs[0]
+        label = target if ops is None else f"{target} D={d}" + (f" Dv={dv}" if dv != d else "")
         counts: dict[str, int] = {}
         for r in results:
             counts[r.status] = counts.get(r.status, 0) + 1
@@ -432,6 +447,18 @@ DECODE_HEAD_DIM_CASES = [
 ]
 """Split-KV decoding ((Hq / Hk) * Lq <= 16, Lk >= 256) at those head dimensions."""
 
+PADDED_CASES = [
+    case
+    for d, dv in ((192, 128), (128, 192), (40, 40), (112, 112))
+    for case in (
+        dict(b=1, hq=4, hk=2, lq=150, lk=201, d=d, dv=dv, causal="bottom_right"),
+        dict(b=1, hq=2, hk=2, lq=70, lk=130, d=d, dv=dv, mask=True, softcap=3.0),
+        dict(b=2, hq=8, hk=2, lq=1, lk=700, d=d, dv=dv),
+    )
+]
+"""Head dimensions the kernels serve on zero-padded copies (``dv`` the value dimension):
+tiles with grouped heads, a mask with softcap, and split-KV decoding, for both checks."""
+
 
 def _scores(qd, kd, scale, softcap):
     """Float64 scores of queries ``qd`` against keys ``kd`` (repeated over each group of
@@ -471,10 +498,11 @@ def _case_inputs(c, dtype, seed, with_dout=False):
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
+    dv = c.get("dv", c["d"])
     shapes = [(c["b"], c["hq"], c["lq"], c["d"]), (c["b"], c["hk"], c["lk"], c["d"]),
-              (c["b"], c["hk"], c["lk"], c["d"])]
+              (c["b"], c["hk"], c["lk"], dv)]
     if with_dout:
-        shapes.append(shapes[0])
+        shapes.append((c["b"], c["hq"], c["lq"], dv))
     arrays = [torch.randn(*shape, device="cuda", generator=gen).to(dtype) for shape in shapes]
     mask = None
     if c.get("mask"):
@@ -521,6 +549,7 @@ def attention_check() -> None:
         dict(b=1, hq=4, hk=4, lq=2, lk=5000, d=128, window=(300, 0), softcap=3.0),
         *HEAD_DIM_CASES,
         *DECODE_HEAD_DIM_CASES,
+        *PADDED_CASES,
     ]
     for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 4e-3)):
         for c in cases:
@@ -578,6 +607,7 @@ BACKWARD_CASES = [
     dict(b=1, hq=2, hk=2, lq=130, lk=190, d=64, mask=True, softcap=3.0, alt=0),
     dict(b=1, hq=4, hk=2, lq=257, lk=700, d=128, window=(100, 20), alt=1),
     *HEAD_DIM_CASES,
+    *PADDED_CASES,
 ]
 
 
@@ -588,6 +618,7 @@ def attention_vjp_check() -> None:
     import torch
     from softmaxkit_cupy.attention import attention, attention_vjp
     from softmaxkit_cupy.configs import BACKWARD_ALTERNATIVES
+    from softmaxkit_cupy.head_dims import served_head_dim
 
     for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 4e-3)):
         for c in BACKWARD_CASES:
@@ -599,8 +630,9 @@ def attention_vjp_check() -> None:
                 config = [a for a in BACKWARD_ALTERNATIVES if a.head_dim == c["d"]][c["alt"]]
             out, lse = attention(xpt, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
                                  mask=mask, softcap=softcap, return_lse=True)
+            width = served_head_dim(c["d"], c.get("dv", c["d"]))  # zero-padded to it
             _poison((q.shape, dtype), (k.shape, dtype), (v.shape, dtype),
-                    ((c["b"] * c["hq"] * (c["lq"] + 128) * c["d"],), torch.float32))
+                    ((c["b"] * c["hq"] * (c["lq"] + 128) * width,), torch.float32))
             got = attention_vjp(xpt, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
                                 causal=causal, window=window, mask=mask, softcap=softcap,
                                 config=config)
@@ -879,7 +911,8 @@ def main() -> int:
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--only", default="",
                         help="comma-separated steps to run (default: all), e.g. "
-                             "attention,backward,bench-attention,bench-backward,sweep")
+                             "attention,backward,conformance,conformance-padded,"
+                             "bench-attention,bench-backward,sweep")
     opts = parser.parse_args()
     steps = set(filter(None, opts.only.split(",")))
 
@@ -906,6 +939,8 @@ def main() -> int:
         attention_vjp_check()
     if want("conformance"):
         conformance()
+    elif want("conformance-padded"):  # on request: the kit at the zero-padded head dims only
+        conformance(padded_only=True)
     print(f"checks took {time.perf_counter() - t0:.0f} s")
     if not opts.skip_bench:
         copy_bw = bench_copy() or 0.0

@@ -1,0 +1,198 @@
+"""The attention kernels at head dimensions they are not built for, on a CUDA device (skipped
+without one).
+
+``backend="cupy"`` runs these calls on zero-padded copies (``softmaxkit_cupy/head_dims.py``):
+value dimensions other than the key dimension (multi-head latent attention's D = 192, Dv = 128
+and the reverse) and head dimensions between the built ones (40 at 64, 112 at 128).  Dense,
+packed variable-length and paged attention, forward and backward where there is one, are
+checked in bfloat16 on random data against the float64 definition on the represented inputs,
+under the kit's attention tolerances (spec "Attention tolerances").  The caching allocator's
+next blocks are filled with NaN first (the API takes no output arrays), so a result or work
+array a kernel fails to write shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+
+def _has_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _has_gpu(), reason="no CUDA device")
+
+PAIRS = [(192, 128), (128, 192), (40, 40), (112, 112)]
+"""(D, Dv): run at P = 192, 192, 64 and 128."""
+
+DTYPE = "bfloat16"
+
+
+@pytest.fixture(scope="module")
+def t():
+    pytest.importorskip("torch")
+    from softmaxkit.testing.kit import target
+
+    return target("torch-cuda")
+
+
+def _poison(*shapes: tuple[tuple[int, ...], str]) -> None:
+    """Fill the caching allocator's next blocks of these shapes and dtypes with NaN."""
+    import torch
+
+    junk = [torch.full(shape, math.nan, dtype=getattr(torch, dtype), device="cuda")
+            for shape, dtype in shapes]
+    del junk
+
+
+def _poison_like(rows: int, d: int, dv: int) -> None:
+    """NaN in blocks the size of a call's padded results and work arrays: ``rows`` query rows,
+    the output at D, Dv and the width they run at, float32 rows and dq sums."""
+    from softmaxkit_cupy.head_dims import served_head_dim
+
+    width = served_head_dim(d, dv)
+    _poison(*(((rows, n), DTYPE) for n in (d, dv, width)),
+            ((rows,), "float32"), ((rows + 8 * 128, width), "float32"))
+
+
+def _causal(kw: dict) -> dict:
+    """The options in the float64 definition's spelling."""
+    return dict(kw, causal={False: None, True: "bottom_right"}.get(kw.get("causal", False),
+                                                                   kw.get("causal")))
+
+
+DENSE = [
+    # (B, Hq, Hk, Lq, Lk, options): tiles with grouped heads and ragged edges, a boolean mask
+    # with softcap, a window, and split-KV decoding ((Hq / Hk) * Lq <= 16, Lk >= 256)
+    (1, 4, 2, 150, 201, {"causal": True}),
+    (1, 2, 2, 70, 130, {"mask": True, "softcap": 3.0}),
+    (1, 2, 1, 100, 300, {"causal": "top_left", "window": (40, 10)}),
+    (2, 8, 2, 1, 700, {}),
+    (1, 4, 1, 3, 500, {"causal": True, "mask": True}),
+]
+
+
+def _mask(b: int, hq: int, lq: int, lk: int) -> np.ndarray:
+    mask = np.random.default_rng(7).random((b, hq, lq, lk)) < 0.5
+    mask[:, :, min(3, lq - 1)] = False  # a query row with no allowed key
+    return mask
+
+
+@pytest.mark.parametrize(("d", "dv"), PAIRS)
+@pytest.mark.parametrize("case", DENSE, ids=str)
+def test_dense_forward_and_backward(t, d, dv, case) -> None:
+    import softmaxkit as sk
+    from softmaxkit.dtypes import accumulator_name
+    from softmaxkit.testing import materialized as ref
+    from softmaxkit.testing.attention_cases import check_forward, check_grads
+
+    b, hq, hk, lq, lk, kw = case
+    rng = np.random.default_rng(d * 1000 + dv + lq)
+    shapes = ((b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, dv), (b, hq, lq, dv))
+    q, k, v, dout = (t.asarray(rng.normal(size=s), DTYPE) for s in shapes)
+    q64, k64, v64, dout64 = (t.to_numpy(a) for a in (q, k, v, dout))
+    mask = _mask(b, hq, lq, lk) if kw.get("mask") else None
+    opts = dict(kw, mask=None if mask is None else t.asarray(mask, None))
+    rkw = dict(_causal(kw), mask=mask)
+    what = f"attention D={d} Dv={dv} {case}"
+
+    _poison_like(b * hq * lq, d, dv)
+    got = sk.attention(q, k, v, return_lse=True, backend="cupy", **opts)
+    assert tuple(got[0].shape) == (b, hq, lq, dv)
+    expected = ref.attention(q64, k64, v64, **rkw)
+    check_forward(t, DTYPE, got, expected, what)
+
+    # the backward from the float64 definition's (out, lse), as the kit does
+    out, lse = t.asarray(expected[0], DTYPE), t.asarray(expected[1], accumulator_name(DTYPE))
+    _poison_like(b * hq * lq, d, dv)
+    grads = sk.attention_vjp(q, k, v, out, lse, dout, backend="cupy", **opts)
+    check_grads(t, DTYPE, grads, ref.attention_vjp(q64, k64, v64, dout64, **rkw),
+                f"{what} backward")
+    if mask is not None:  # the row with no allowed key
+        assert np.all(t.to_numpy(grads[0])[:, :, min(3, lq - 1)] == 0), what
+
+
+LENGTHS = ((70, 0, 130, 1, 64), (130, 9, 64, 0, 200))
+"""Query and key lengths of the packed batch: ragged tiles, a sequence without queries and
+one without keys."""
+
+
+@pytest.mark.parametrize(("d", "dv"), PAIRS)
+@pytest.mark.parametrize("kw", [{"causal": True}, {"window": (30, 5), "softcap": 4.0}],
+                         ids=str)
+def test_varlen_forward_and_backward(t, d, dv, kw) -> None:
+    import softmaxkit as sk
+    from softmaxkit.dtypes import accumulator_name
+    from softmaxkit.testing import materialized as ref
+    from softmaxkit.testing.attention_cases import check_forward, check_grads
+    from softmaxkit.testing.varlen_cases import packed_arrays, packed_reference
+
+    hq, hk = 4, 2
+    arrays = packed_arrays(d + dv, *LENGTHS, hq, hk, d, dv)
+    q, k, v = (t.asarray(a, DTYPE) for a in arrays[:3])
+    q64, k64, v64 = (t.to_numpy(a) for a in (q, k, v))
+    cu_q, cu_k = arrays[3:]
+    mq, mk = t.asarray(cu_q, None), t.asarray(cu_k, None)
+    rkw = _causal(kw)
+    what = f"varlen_attention D={d} Dv={dv} {kw}"
+
+    _poison_like(q.shape[0] * hq, d, dv)
+    got = sk.varlen_attention(q, k, v, mq, mk, return_lse=True, backend="cupy", **kw)
+    assert tuple(got[0].shape) == (q.shape[0], hq, dv)
+    expected = packed_reference(q64, k64, v64, cu_q, cu_k, **rkw)
+    check_forward(t, DTYPE, got, expected, what)
+
+    dout = t.asarray(np.random.default_rng(3).normal(size=(q.shape[0], hq, dv)), DTYPE)
+    dout64 = t.to_numpy(dout)
+    out, lse = t.asarray(expected[0], DTYPE), t.asarray(expected[1], accumulator_name(DTYPE))
+    _poison_like(q.shape[0] * hq, d, dv)
+    grads = sk.varlen_attention_vjp(q, k, v, out, lse, dout, mq, mk, backend="cupy", **kw)
+    want = [np.zeros_like(a) for a in (q64, k64, v64)]
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        per = ref.attention_vjp(*(np.swapaxes(a, 0, 1) for a in (
+            q64[q0:q1], k64[k0:k1], v64[k0:k1], dout64[q0:q1])), **rkw)
+        for w, g, (lo, hi) in zip(want, per, ((q0, q1), (k0, k1), (k0, k1)), strict=True):
+            w[lo:hi] = np.swapaxes(g, 0, 1)
+    check_grads(t, DTYPE, grads, tuple(want), f"{what} backward")
+    k0, k1 = int(cu_k[1]), int(cu_k[2])  # the keys of the sequence without queries
+    assert np.all(t.to_numpy(grads[1])[k0:k1] == 0) and np.all(t.to_numpy(grads[2])[k0:k1] == 0)
+
+
+PAGED = [
+    # (seqlens, page size, Hq, Hk, Lq, options): decoding, a chunked prefill of 16 rows per
+    # key head, a sliding window over a long cache; an empty sequence in each
+    ([700, 0, 33], 16, 8, 2, 1, {}),
+    ([300, 5, 0], 16, 8, 2, 4, {"causal": True}),
+    ([1500, 0, 260], 64, 4, 1, 2, {"causal": True, "window": (200, -1), "softcap": 5.0}),
+]
+
+
+@pytest.mark.parametrize(("d", "dv"), PAIRS)
+@pytest.mark.parametrize("case", PAGED, ids=str)
+def test_paged_attention(t, d, dv, case) -> None:
+    import softmaxkit as sk
+    from softmaxkit.testing.attention_cases import check_forward
+    from softmaxkit.testing.paged_cases import make_cache, paged_definition
+
+    seqlens, page_size, hq, hk, lq, kw = case
+    rng = np.random.default_rng(d + 3 * dv + lq)
+    # NaN in every slot no sequence uses: the kernel must not read them
+    k64, v64, table, lens = make_cache(rng, seqlens, page_size, hk, d, dv)
+    b = len(seqlens)
+    q, kp, vp = (t.asarray(a, DTYPE) for a in (rng.normal(size=(b, hq, lq, d)), k64, v64))
+    q64, k64, v64 = (t.to_numpy(a) for a in (q, kp, vp))
+    what = f"paged_attention D={d} Dv={dv} {case}"
+    _poison_like(b * hq * lq, d, dv)
+    got = sk.paged_attention(q, kp, vp, t.asarray(table, None), t.asarray(lens, None),
+                             return_lse=True, backend="cupy", **kw)
+    assert tuple(got[0].shape) == (b, hq, lq, dv)
+    check_forward(t, DTYPE, got, paged_definition(q64, k64, v64, table, lens, **kw), what)
