@@ -8,15 +8,15 @@ devices, for float16, bfloat16, float32 and float64, with torch CUDA tensors and
 attention and attention_vjp for float32 and float64 only (exact, on CUDA cores: float32
 products and sums, float64 for float64), and in those dtypes paged_attention (the pages in
 use gathered into a dense cache for the attention kernel) and varlen_attention with its
-gradient varlen_attention_vjp (the packed sequences padded into a dense batch, their lengths
-and alignment as a mask).  merge is keyed by the summaries' dtype: the accumulator's for
-summaries from summarize, 16-bit for summaries a caller built in it (merged in float32,
-returned in their dtype).  Declined, with the reason: rows longer than 2**31 - 1;
-merge_attention_vjp with value dimensions beyond its shared memory (12288, float64: 6144);
-attention (dense, paged or packed) with a key or value head dimension above 256.  Not served,
-so the registry chooses another backend: 16-bit attention forward and backward (numba-cuda
-has no access to the tensor-core instructions that make them fast; the cupy backend serves
-them).
+gradient varlen_attention_vjp (the packed sequences padded into dense batches of similar
+lengths, their lengths and alignment as a mask).  merge is keyed by the summaries' dtype:
+the accumulator's for summaries from summarize, 16-bit for summaries a caller built in it
+(merged in float32, returned in their dtype).  Declined, with the reason: rows longer than
+2**31 - 1; merge_attention_vjp with value dimensions beyond its shared memory (12288,
+float64: 6144); attention (dense, paged or packed) with a key or value head dimension above
+256.  Not served, so the registry chooses another backend: 16-bit attention forward and
+backward (numba-cuda has no access to the tensor-core instructions that make them fast; the
+cupy backend serves them).
 Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve numpy arrays
 on the CPU: that is how CI runs them without a GPU.
 """

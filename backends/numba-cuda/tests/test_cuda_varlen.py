@@ -1,6 +1,6 @@
 """Packed variable-length attention on numba-cuda (``softmaxkit_numba_cuda/varlen.py``): the
-unpacking into a padded batch, the mask and the packing back, on the host; the whole path on a
-CUDA device (skipped without one).
+unpacking into padded batches, their masks and the packing back, on the host; the whole path
+on a CUDA device (skipped without one).
 
 The host tests put the reference backend's dense attention in place of the kernels, which
 cannot run here (the simulator runs them in ``test_cuda_simulator.py``; the kit's varlen
@@ -95,7 +95,8 @@ def _check_padding(call: dict) -> None:
     assert mask.shape[:2] == (len(lq), call["q"].shape[1])
     assert not mask.transpose(0, 2, 1, 3)[rows].any()
     assert not mask.transpose(0, 3, 1, 2)[keys].any()
-    assert call["causal"] is None and call["window"] == (-1, -1)
+    if call["causal"] != "top_left":  # Lk - Lq differs between the sequences: mask only
+        assert call["causal"] is None and call["window"] == (-1, -1)
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
@@ -123,9 +124,57 @@ def test_adapter_matches_the_reference_varlen(dense_calls, name):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13, err_msg=what)
     assert np.all(grads[0][:tq0] == 0)  # rows without keys
     assert np.all(grads[1][tk1] == 0) and np.all(grads[2][tk1] == 0)  # keys without rows
-    assert len(dense_calls) == 3  # two forwards, one gradient
+    assert len(dense_calls) == 3  # two forwards, one gradient: one batch
     for call in dense_calls:
         _check_padding(call)
+
+
+BATCHINGS = {
+    # (lengths, dense calls, whether each call has a mask and the band passed to the kernel)
+    "ranges": (((70, 0, 5, 130, 64, 3), (65, 4, 0, 140, 64, 9)),
+               [(True, False), (False, True), (False, True)]),
+    "self-attention": (((40, 7, 64, 0, 100, 90), (40, 7, 64, 0, 100, 90)),
+                       [(True, True), (True, True)]),
+    "shifted": (((5, 20, 33), (8, 23, 36)), [(True, True)]),
+    "equal": (((16, 16, 0, 16), (20, 20, 3, 20)), [(False, True)]),
+    "equal-queries": (((8, 8, 8), (3, 10, 6)), [(True, False)]),
+    "equal-keys": (((3, 10, 6), (8, 8, 8)), [(True, False)]),
+}
+"""Lengths that put the sequences in several batches (the ranges up to 64, 65 to 128 and 129
+to 256: one with Lk - Lq of 0 and 6, two of one sequence), share one Lk - Lq in every batch
+(0 in self-attention, or 3), are all equal, or equal on one side only; and how the adapter
+then calls the kernel."""
+
+
+@pytest.mark.parametrize("kw", [{"causal": "bottom_right"}, {"causal": "top_left"},
+                                {"window": (3, 2)}, {"causal": "bottom_right", "window": (9, 0),
+                                                     "softcap": 3.0}],
+                         ids=["causal", "top-left", "window", "causal-window-softcap"])
+@pytest.mark.parametrize("name", sorted(BATCHINGS))
+def test_batches_by_length_and_shared_bands(dense_calls, name, kw):
+    """The sequences are batched by the range of their lengths; a batch whose sequences
+    share their band passes it to the kernel, one of equal lengths needs no mask; forward and
+    gradient still equal the reference's varlen."""
+    (lens_q, lens_k), expected = BATCHINGS[name]
+    q, k, v, cu_q, cu_k = packed_arrays(7, lens_q, lens_k, 4, 2, 8, 6)
+    dout = np.random.default_rng(8).normal(size=(q.shape[0], 4, 6))
+    args = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "scale": 0.4,
+            "causal": None, "window": (-1, -1), "softcap": None} | kw
+    out, lse = varlen.varlen_attention(xp=xp, return_lse=True, **args)
+    want_out, want_lse = reference.varlen_attention(xp, return_lse=True, **args)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-13)
+    grads = varlen.varlen_attention_vjp(xp=xp, out=want_out, lse=want_lse, dout=dout, **args)
+    wants = reference.varlen_attention_vjp(xp, out=want_out, lse=want_lse, dout=dout, **args)
+    for what, got, want in zip(("dq", "dk", "dv"), grads, wants, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13, err_msg=what)
+    calls = dense_calls[:len(expected)]
+    assert len(dense_calls) == 2 * len(expected)  # the forward's calls, then the gradient's
+    shared = [(c["mask"] is not None, c["causal"] == args["causal"]
+               and c["window"] == args["window"]) for c in calls]
+    if args["causal"] == "top_left":  # every top-left band is shared
+        expected = [(masked, True) for masked, _ in expected]
+    assert shared == expected
 
 
 def test_int32_and_int64_lengths_give_the_same_result(dense_calls):
