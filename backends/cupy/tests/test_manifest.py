@@ -200,7 +200,7 @@ def test_varlen_calls_on_cuda_try_cupy_before_the_reference() -> None:
                 order, _ = registry.candidates(op, "cuda", dtype)
                 assert "cupy" in order and "reference" in order, (op, dtype, order)
                 assert order.index("cupy") < order.index("reference"), (op, dtype, order)
-            # float32 is not declared: the reference serves it
+            # float32 is not declared: numba-cuda serves it
             assert "cupy" not in registry.candidates(op, "cuda", "float32")[0]
     finally:
         registry.reload()

@@ -6,14 +6,17 @@ the second pass of chunked softmax), the merge of partial attention states (merg
 which ``merge_attention_states`` calls) and its gradient (merge_attention_vjp) on CUDA
 devices, for float16, bfloat16, float32 and float64, with torch CUDA tensors and CuPy arrays;
 attention and attention_vjp for float32 and float64 only (exact, on CUDA cores: float32
-products and sums, float64 for float64), and paged_attention in those dtypes (the pages in
-use gathered into a dense cache for the attention kernel).  merge is keyed by the summaries'
-dtype: the accumulator's for summaries from summarize, 16-bit for summaries a caller built in
-it (merged in float32, returned in their dtype).  Declined, with the reason: rows longer than
+products and sums, float64 for float64), and in those dtypes paged_attention (the pages in
+use gathered into a dense cache for the attention kernel) and varlen_attention with its
+gradient varlen_attention_vjp (the packed sequences padded into dense batches of similar
+lengths, their lengths and alignment as a mask).  merge is keyed by the summaries' dtype:
+the accumulator's for summaries from summarize, 16-bit for summaries a caller built in it
+(merged in float32, returned in their dtype).  Declined, with the reason: rows longer than
 2**31 - 1; merge_attention_vjp with value dimensions beyond its shared memory (12288,
-float64: 6144); attention with a key or value head dimension above 256.  Not served, so the
-registry chooses another backend: 16-bit attention forward and backward (numba-cuda has no
-access to the tensor-core instructions that make them fast; the cupy backend serves them).
+float64: 6144); attention (dense, paged or packed) with a key or value head dimension above
+256.  Not served, so the registry chooses another backend: 16-bit attention forward and
+backward (numba-cuda has no access to the tensor-core instructions that make them fast; the
+cupy backend serves them).
 Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the kernels also serve numpy arrays
 on the CPU: that is how CI runs them without a GPU.
 """
@@ -33,6 +36,7 @@ SUMMARY_OPS = ("summarize", "merge", "normalize")
 MERGE_ATTENTION_OPS = ("merge_attention", "merge_attention_vjp")
 ATTENTION_OPS = ("attention", "attention_vjp")
 PAGED_OPS = ("paged_attention",)
+VARLEN_OPS = ("varlen_attention", "varlen_attention_vjp")
 ATTENTION_DTYPES = ("float32", "float64")
 MAX_HEAD_DIM = 256  # softmaxkit_numba_cuda.attention_kernels.MAX_HEAD_DIM, without numba
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -40,7 +44,7 @@ _PRIMARY = {"softmax": "x", "log_softmax": "x", "logsumexp": "x", "cross_entropy
             "softmax_vjp": "probs", "log_softmax_vjp": "logprobs", "summarize": "x",
             "merge": "maxes", "normalize": "x", "merge_attention": "outs",
             "merge_attention_vjp": "outs", "attention": "q", "attention_vjp": "q",
-            "paged_attention": "q"}
+            "paged_attention": "q", "varlen_attention": "q", "varlen_attention_vjp": "q"}
 VJP_SHARED_BYTES = 48 * 1024
 """Shared memory merge_attention_vjp keeps a row's merged ``out`` in (accumulator values)."""
 
@@ -53,6 +57,7 @@ def manifest() -> dict[str, Any]:
     kernels.update({op: f"softmaxkit_numba_cuda.attention:{op}"
                     for op in (*MERGE_ATTENTION_OPS, *ATTENTION_OPS)})
     kernels.update({op: f"softmaxkit_numba_cuda.paged:{op}" for op in PAGED_OPS})
+    kernels.update({op: f"softmaxkit_numba_cuda.varlen:{op}" for op in VARLEN_OPS})
     return {
         "name": NAME,
         "serves": [{"ops": list(ROW_OPS), "devices": devices, "dtypes": list(DTYPES)},
@@ -60,7 +65,7 @@ def manifest() -> dict[str, Any]:
                    {"ops": list(MERGE_ATTENTION_OPS), "devices": devices,
                     "dtypes": list(DTYPES)},
                    # 16-bit attention stays with the tensor-core kernels of the cupy backend
-                   {"ops": [*ATTENTION_OPS, *PAGED_OPS], "devices": devices,
+                   {"ops": [*ATTENTION_OPS, *PAGED_OPS, *VARLEN_OPS], "devices": devices,
                     "dtypes": list(ATTENTION_DTYPES)}],
         "kernels": kernels,
         # below the CPU backends on simulated numpy arrays, above everything on CUDA
@@ -83,7 +88,7 @@ def can_run(call: Any) -> bool | str:
             return "runs on CUDA devices (numpy arrays only under NUMBA_ENABLE_CUDASIM=1)"
     elif module not in ("torch", "cupy"):
         return f"takes torch CUDA tensors and CuPy arrays, not {type(x).__name__}"
-    if call.op in ATTENTION_OPS:
+    if call.op in ATTENTION_OPS or call.op in VARLEN_OPS:
         return _attention_verdict(x, args.get("v"))
     if call.op in PAGED_OPS:
         return _attention_verdict(x, args.get("v_pages"))

@@ -8,6 +8,7 @@ pytest process that has already imported numba)::
     NUMBA_ENABLE_CUDASIM=1 python simulated.py plans
     NUMBA_ENABLE_CUDASIM=1 python simulated.py attention float32
     NUMBA_ENABLE_CUDASIM=1 python simulated.py attention-tiles
+    NUMBA_ENABLE_CUDASIM=1 python simulated.py varlen
 
 ``kit`` runs the conformance kit on the numpy target; ``plans`` forces each row strategy
 (warp per row, block per row, several tiles per row) through the adapters' ``settings`` on
@@ -16,7 +17,10 @@ random rows with special values and compares every operation with the reference 
 the head dimensions of :data:`ATTENTION_HEAD_DIMS`; ``attention-tiles`` forces the smallest
 tiles (16 query rows, 16 keys a block) on :data:`TILE_CASES`, so blocks walk several query
 and key tiles, skip tiles outside causal and window bands and meet tails, and compares with
-the float64 reference.
+the float64 reference.  ``varlen`` runs packed variable-length attention and its gradient
+through the frontend on :data:`VARLEN_CASES` (the padded batch and mask of ``varlen.py`` on
+the attention kernels), poisoned with NaN where no result may read; the kit's varlen cases
+take too long there (the GPU run of ``softmaxkit verify`` runs them).
 """
 
 from __future__ import annotations
@@ -94,6 +98,19 @@ TILE_CASES: dict[str, tuple[dict, tuple[str, ...]]] = {
 }
 """Forced-tile attention cases: options over B=1, Hq=Hk=1, Lq=20, Lk=35, D=Dv=16 (mask: a
 random one with query 5 fully excluded), and the dtypes each runs in."""
+
+
+VARLEN_LENGTHS = ((2, 0, 4, 1, 3, 5), (0, 3, 6, 5, 2, 5))
+"""Query and key lengths of the simulated varlen cases: a sequence with queries and no keys
+(its queries and dout NaN), one with keys and no queries (its keys and values NaN; the
+padding slots of the batch read token 0, which is theirs), then sequences whose queries sit
+on their keys ``Lk - Lq`` = 2, 4, -1 and 0, none equal to the padded lengths' difference."""
+VARLEN_CASES: dict[str, tuple[dict, tuple[int, int], str]] = {
+    "causal-window-gqa": ({"causal": True, "window": (2, -1)}, (4, 2), "float64"),
+    "top-left-softcap": ({"causal": "top_left", "softcap": 2.0, "scale": 1.0}, (3, 1),
+                         "float32"),
+}
+"""Options, (Hq, Hk) and dtype of the simulated varlen cases (D = 16, Dv = 8)."""
 
 
 def settings_of(forced: str):
@@ -313,6 +330,49 @@ def attention_tiles() -> None:
                 emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
 
 
+def _varlen_case(opts: dict, heads: tuple[int, int], dtype: str) -> None:
+    import softmaxkit as sk
+    from softmaxkit.testing.varlen_cases import packed_arrays
+
+    q, k, v, cu_q, cu_k = packed_arrays(9, *VARLEN_LENGTHS, *heads, 16, 8, index_dtype="int32")
+    dout = np.random.default_rng(10).normal(size=(q.shape[0], heads[0], 8))
+    q[:cu_q[1]] = dout[:cu_q[1]] = np.nan
+    k[cu_k[1]:cu_k[2]] = v[cu_k[1]:cu_k[2]] = np.nan
+    e_out, e_lse = sk.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True,
+                                       backend="reference", **opts)
+    e_grads = sk.varlen_attention_vjp(q, k, v, e_out, e_lse, dout, cu_q, cu_k,
+                                      backend="reference", **opts)
+    cast = [a.astype(dtype) for a in (q, k, v, e_out, e_lse, dout)]
+    out, lse = sk.varlen_attention(*cast[:3], cu_q, cu_k, return_lse=True,
+                                   backend="numba-cuda", **opts)
+    grads = sk.varlen_attention_vjp(*cast, cu_q, cu_k, backend="numba-cuda", **opts)
+    # spec "Attention", Tolerances: out and lse, then each gradient
+    bound, grad_bound = {"float32": (1e-5, 1e-4), "float64": (1e-12, 1e-10)}[dtype]
+    empty = e_lse == -np.inf
+    assert np.array_equal(lse == -np.inf, empty), "rows with no allowed key differ"
+    np.testing.assert_allclose(lse[~empty], e_lse[~empty], rtol=0, atol=bound)
+    checks = [("out", out, e_out, bound)]
+    checks += [(what, got, want, grad_bound) for what, got, want in
+               zip(("dq", "dk", "dv"), grads, e_grads, strict=True)]
+    for what, got, want, tol in checks:
+        assert np.isfinite(got).all(), f"{what}: NaN of a poisoned sequence leaked"
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err <= tol, f"{what}: relative Frobenius error {err:.3g} > {tol}"
+    # the sequence without keys and the keys without queries: exactly 0
+    assert not out[:cu_q[1]].any() and not grads[0][:cu_q[1]].any()
+    assert not grads[1][cu_k[1]:cu_k[2]].any() and not grads[2][cu_k[1]:cu_k[2]].any()
+
+
+def varlen() -> None:
+    for name, (opts, heads, dtype) in VARLEN_CASES.items():
+        rid = f"varlen[{name}][{dtype}]"
+        try:
+            _varlen_case(opts, heads, dtype)
+            emit(id=rid, status="passed", message="")
+        except Exception:
+            emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
+
+
 def main() -> None:
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         sys.exit("run with NUMBA_ENABLE_CUDASIM=1")
@@ -325,6 +385,8 @@ def main() -> None:
         attention_kit(sys.argv[2].split(","))
     elif sys.argv[1] == "attention-tiles":
         attention_tiles()
+    elif sys.argv[1] == "varlen":
+        varlen()
     else:
         plans()
 

@@ -42,7 +42,8 @@ def test_manifest_serves_cuda_row_operations(monkeypatch):
     assert {"merge", "normalize", "merge_attention", "merge_attention_vjp"} <= served
     # exact attention on CUDA cores in float32 and float64; 16-bit stays with cupy
     assert attention["devices"] == ["cuda"]
-    assert attention["ops"] == ["attention", "attention_vjp", "paged_attention"]
+    assert attention["ops"] == ["attention", "attention_vjp", "paged_attention",
+                                "varlen_attention", "varlen_attention_vjp"]
     assert attention["dtypes"] == ["float32", "float64"]
     assert "16-bit attention" in importlib.import_module("softmaxkit_numba_cuda.manifest").__doc__
 
@@ -50,7 +51,7 @@ def test_manifest_serves_cuda_row_operations(monkeypatch):
 def test_attention_kernels_are_importable_by_name():
     m = manifest()
     for op in ("attention", "attention_vjp", "merge_attention", "merge_attention_vjp",
-               "paged_attention"):
+               "paged_attention", "varlen_attention", "varlen_attention_vjp"):
         module, name = m["kernels"][op].split(":")
         assert callable(getattr(importlib.import_module(module), name))
 
@@ -77,6 +78,34 @@ def test_can_run_declines_paged_head_dims_above_256(monkeypatch):
     verdict = can_run(_call("paged_attention", "cpu", q=q, k_pages=pages,
                             v_pages=np.zeros((2, 1, 4, 264))))
     assert isinstance(verdict, str) and "256" in verdict
+
+
+@pytest.mark.parametrize("op", ["varlen_attention", "varlen_attention_vjp"])
+def test_can_run_declines_varlen_head_dims_above_256(monkeypatch, op):
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+    q, v = np.zeros((5, 2, 256)), np.zeros((7, 2, 256))
+    assert can_run(_call(op, "cpu", q=q, k=v, v=v)) is True
+    verdict = can_run(_call(op, "cpu", q=q, k=v, v=np.zeros((7, 2, 264))))
+    assert isinstance(verdict, str) and "Dv=264" in verdict
+    verdict = can_run(_call(op, "cpu", q=np.zeros((5, 2, 320)), k=v, v=v))
+    assert isinstance(verdict, str) and "D=320" in verdict
+
+
+def test_float32_and_float64_varlen_calls_on_cuda_go_to_numba_cuda(monkeypatch):
+    """Not to the reference, which would otherwise serve them on a GPU (cupy's packed kernels
+    are 16-bit only)."""
+    from softmaxkit import registry
+
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    registry.reload()
+    try:
+        for op in ("varlen_attention", "varlen_attention_vjp"):
+            for dtype in ("float32", "float64"):
+                order, _ = registry.candidates(op, "cuda", dtype)
+                assert order[0] == "numba-cuda" and "reference" in order, (op, dtype, order)
+            assert "numba-cuda" not in registry.candidates(op, "cuda", "bfloat16")[0]
+    finally:
+        registry.reload()
 
 
 @pytest.mark.parametrize(("causal", "window", "lq"), [

@@ -1,5 +1,6 @@
 """The kernels under Numba's CUDA simulator: the conformance kit, every row strategy and the
-float32 / float64 attention kernels (the kit's attention cases, and forced small tiles).
+float32 / float64 attention kernels (the kit's attention cases, forced small tiles, and packed
+variable-length attention through its padded batch).
 
 numba reads NUMBA_ENABLE_CUDASIM once, at its first import, and other backends' tests import
 numba in this process, so the simulated runs happen in subprocesses (``simulated.py``), each
@@ -29,19 +30,21 @@ from simulated import (  # noqa: E402
     ROW_OPS,
     SUMMARY_OPS,
     TILE_CASES,
+    VARLEN_CASES,
 )
 
 sys.path.remove(str(HERE))
 
 # the longest first, so that the two running at a time finish together
 JOBS = (("attention", "float32"), ("kit", "float32,float64"), ("attention", "float64"),
-        ("kit", "float16,bfloat16"), ("plans",), ("attention-tiles",))
+        ("kit", "float16,bfloat16"), ("plans",), ("attention-tiles",), ("varlen",))
 KIT_IDS = [f"{c.name}[{c.dtype}]" for c in cases(target="numpy", ops=ROW_OPS + SUMMARY_OPS)]
 ATTENTION_IDS = [f"{c.name}[{c.dtype}]" for c in cases(
     target="numpy", ops=ATTENTION_OPS, dtypes=("float32", "float64"),
     head_dims=ATTENTION_HEAD_DIMS) if c.name in ATTENTION_CASES[c.dtype]]
 TILE_IDS = [f"attention-tiles[{name}][{d}]" for name, (_, dtypes) in TILE_CASES.items()
             for d in dtypes]
+VARLEN_IDS = [f"varlen[{name}][{dtype}]" for name, (_, _, dtype) in VARLEN_CASES.items()]
 PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p, (_, dtypes, ops) in PLANS.items() for d in dtypes
             for op in ops]
 
@@ -125,6 +128,12 @@ def test_attention_kit_under_simulator(simulated, rid):
 
 @pytest.mark.parametrize("rid", TILE_IDS)
 def test_attention_tiles_under_simulator(simulated, rid):
+    _check(simulated, rid)
+    assert simulated[rid]["status"] == "passed"
+
+
+@pytest.mark.parametrize("rid", VARLEN_IDS)
+def test_varlen_attention_under_simulator(simulated, rid):
     _check(simulated, rid)
     assert simulated[rid]["status"] == "passed"
 
