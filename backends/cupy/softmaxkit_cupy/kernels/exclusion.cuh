@@ -36,11 +36,6 @@ __device__ __forceinline__ void sk_exclude(float (&s)[MT][NB][4], int j0, int lk
         }
     }
     if (mb == nullptr) return;
-    // A lane's two keys of an n-block are adjacent (j0 is even): where the mask's rows are
-    // contiguous and 2-byte aligned, one 16-bit load reads both flags, halving the loads (each
-    // touches a different row's sector across the warp) and their 64-bit address arithmetic.
-    const bool pairs =
-        m_sk == 1 && ((reinterpret_cast<unsigned long long>(mb) | (unsigned long long)m_sq) & 1) == 0;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -50,18 +45,11 @@ __device__ __forceinline__ void sk_exclude(float (&s)[MT][NB][4], int j0, int lk
             const unsigned char* row = mb + i * m_sq;
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
-                const int j = j0 + nb * 8;
-                bool keep0, keep1;
-                if (pairs && j + 1 < lk) {
-                    const unsigned two = __ldg(reinterpret_cast<const unsigned short*>(row + j));
-                    keep0 = (two & 0xffu) != 0;  // little-endian: key j in the low byte
-                    keep1 = (two >> 8) != 0;
-                } else {
-                    keep0 = j < lk && row[j * m_sk];
-                    keep1 = j + 1 < lk && row[(j + 1) * m_sk];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = j0 + nb * 8 + e;
+                    if (j < lk && !row[j * m_sk]) s[mt][nb][2 * r + e] = -SK_INF;
                 }
-                if (!keep0) s[mt][nb][2 * r] = -SK_INF;
-                if (!keep1) s[mt][nb][2 * r + 1] = -SK_INF;
             }
         }
     }
