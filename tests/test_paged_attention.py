@@ -222,3 +222,31 @@ def test_the_check_where_the_metadata_lives_agrees_with_the_host_check():
         assert on_device == valid, (table, lens, pages, page_size)
         verdicts.add(valid)
     assert verdicts == {True, False}
+
+
+@pytest.mark.parametrize(("causal", "window", "lq"), [
+    (None, (-1, -1), 1), ("bottom_right", (-1, -1), 3), ("bottom_right", (4, -1), 6),
+    (None, (2, 1), 2), ("bottom_right", (-1, -1), 12),  # more queries than some sequences' keys
+])
+def test_dense_operands_give_the_paged_definition(causal, window, lq):
+    """softmaxkit.paged_cache's gathered cache and mask under the reference's dense attention
+    equal the float64 definition, on pages poisoned with NaN wherever no sequence reads."""
+    import array_api_compat.numpy as xp
+
+    from softmaxkit.paged_cache import dense_operands
+    from softmaxkit.reference.attention import attention as dense
+    from softmaxkit.testing.paged_cases import make_cache, paged_definition
+
+    rng = np.random.default_rng(lq)
+    k_pages, v_pages, table, lens = make_cache(rng, [7, 0, 10, 3], 4, 2, 8, 5)
+    q = rng.normal(size=(4, 6, lq, 8))
+    k, v, mask = dense_operands(xp, q=q, k_pages=k_pages, v_pages=v_pages, block_table=table,
+                                seqlens=lens, causal=causal, window=window)
+    assert k.shape == (4, 2, table.shape[1] * 4, 8) and v.shape[-1] == 5
+    assert mask.shape == (4, 6, lq, table.shape[1] * 4)
+    out, lse = dense(xp, q=q, k=k, v=v, scale=8 ** -0.5, causal=None, window=(-1, -1),
+                     mask=mask, softcap=None, return_lse=True)
+    want, want_lse = paged_definition(q, k_pages, v_pages, table, lens,
+                                      causal=causal is not None, window=window)[:2]
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-13)

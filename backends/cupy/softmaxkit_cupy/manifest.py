@@ -229,11 +229,11 @@ def paged_reason(
     ``q_shape`` is ``[B, Hq, Lq, D]``, ``k_shape`` and ``v_shape`` the pools'
     ``[P, Hk, S, D]`` and ``[P, Hk, S, Dv]``, ``table_shape`` the block table's
     ``[B, max_pages]``.  Every D and Dv from 1 to 256 is served, those the kernel is not built
-    for on zero-padded copies of q and the pools (:mod:`.head_dims`).  The kernel holds at
-    most ``DECODE_ROWS`` query rows (``Hq / Hk`` heads times ``Lq`` queries) per key head:
-    longer chunked prefills are left to the other backends.  Calls with no query row or no
-    page in the table run without a launch, at the dtypes and head dimensions the kernel
-    serves.
+    for on zero-padded copies of q and the pools (:mod:`.head_dims`).  The decode kernel
+    holds at most ``DECODE_ROWS`` query rows (``Hq / Hk`` heads times ``Lq`` queries) per key
+    head; a longer chunked prefill runs on the dense attention kernels over the gathered pages
+    (:mod:`.paged`), whose limits then apply.  Calls with no query row or no page in the table
+    run without a launch, at the dtypes and head dimensions the kernel serves.
     """
     if dtype not in ATTENTION_DTYPES:
         return f"the paged attention kernel takes {ATTENTION_DTYPES}, not {dtype}"
@@ -245,11 +245,9 @@ def paged_reason(
     capacity = table_shape[1] * page_size
     if b * hq * lq == 0 or capacity == 0:
         return None  # no launch, so no launch limit applies
-    rows = hq // hk * lq
-    if rows > DECODE_ROWS:
-        return (f"{rows} query rows per key head ((Hq / Hk) * Lq = {hq // hk} * {lq}) exceed "
-                f"the {DECODE_ROWS} of the split-KV decode kernel (a chunked prefill this "
-                "long is left to the other backends)")
+    if hq // hk * lq > DECODE_ROWS:  # a long chunked prefill: the dense kernels' limits
+        return attention_reason(dtype, (b, hq, lq, d), (b, hk, capacity, d),
+                                (b, hk, capacity, v_shape[-1]))
     if b > 65535 or hk > 65535:
         return "more than 65535 sequences or key heads per launch"
     if capacity >= 2**31 // 256 or pages >= 2**31:

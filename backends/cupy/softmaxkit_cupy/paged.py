@@ -4,8 +4,7 @@ decode kernel of ``kernels/attention.cu``.
 The frontend hands q [B, Hq, Lq, D], the page pools k_pages [P, Hk, S, D] and v_pages
 [P, Hk, S, Dv] of one 16-bit dtype, and the block table [B, max_pages] and sequence lengths
 [B] (int32 or int64, validated on the host); :func:`softmaxkit_cupy.manifest.can_run` has
-accepted the call (library, dtype, head dimensions, at most ``DECODE_ROWS`` query rows per key
-head).
+accepted the call (library, dtype, head dimensions, launch limits).
 
 The kernel is the dense split-KV decode kernel with the address of each key row looked up in
 the block table: block (split, key head, sequence) reads the sequence's length on the device
@@ -24,6 +23,12 @@ both at most 256) run at the next built one P on zero-padded copies (:mod:`.head
 and of each page pool narrower than P, whole: such a pool is copied on every call, all its
 pages, used or not (memory traffic in proportion to the pool's size, not to the pages in
 use); the kernel on the copies still runs far faster than the reference backend.
+
+The decode kernel holds at most ``DECODE_ROWS`` query rows (``Hq / Hk`` heads times ``Lq``
+queries) per key head.  A longer chunked prefill runs on the dense attention kernels instead:
+the pages in use gathered into a dense cache, each sequence's length and bottom-right
+alignment as a boolean mask (:mod:`softmaxkit.paged_cache`), at the cost of a copy of those
+pages and a ``[B, Lq, max_pages * S]`` mask.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from softmaxkit.paged_cache import dense_operands
+
 from . import head_dims, interop
-from .attention import _rows_ready, split_decode
-from .configs import decode_paged_name
+from .attention import _rows_ready, attention, split_decode
+from .configs import DECODE_ROWS, decode_paged_name
 
 _PAGED_PARAMS = "QQQQQQQ" + "qqq" * 3 + "q" + "iIiiiiiff" + "iii"
 """The paged decode kernel's parameters: the addresses of q, k_pages, v_pages, block_table,
@@ -152,6 +159,10 @@ def paged_attention(
     if capacity == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
         return (interop.zeros(q, (b, hq, lq, dv), dtype),
                 interop.full(q, (b, hq, lq), -math.inf, "float32") if return_lse else None)
+    if int(hq // k_pages.shape[1]) * lq > DECODE_ROWS:
+        return _prefill(xp, q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table,
+                        seqlens=seqlens, scale=scale, causal=causal, window=window,
+                        softcap=softcap, return_lse=return_lse)
     width = head_dims.pad_width(d, dv)
     if width is None:
         return _paged_attention(xp, q=q, k_pages=k_pages, v_pages=v_pages,
@@ -165,6 +176,22 @@ def paged_attention(
                                 causal=causal, window=window, softcap=softcap,
                                 return_lse=return_lse)
     return head_dims.narrow(out, dv), lse
+
+
+def _prefill(
+    xp: Any, *, q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any,
+    scale: float, causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
+) -> tuple[Any, Any]:
+    """A call with more query rows per key head than the decode kernel holds (a long chunked
+    prefill): the dense attention kernels on the pages in use, gathered, with each sequence's
+    length and bottom-right alignment as a mask (:mod:`softmaxkit.paged_cache`; head
+    dimensions as :func:`.attention.attention` serves them, padded there if need be)."""
+    with interop.on_device(q):
+        k, v, mask = dense_operands(xp, q=q, k_pages=k_pages, v_pages=v_pages,
+                                    block_table=block_table, seqlens=seqlens, causal=causal,
+                                    window=window)
+    return attention(xp, q=q, k=k, v=v, scale=scale, causal=None, window=(-1, -1), mask=mask,
+                     softcap=softcap, return_lse=return_lse)
 
 
 def _paged_attention(

@@ -169,9 +169,11 @@ def test_varlen_forward_and_backward(t, d, dv, kw) -> None:
 
 PAGED = [
     # (seqlens, page size, Hq, Hk, Lq, options): decoding, a chunked prefill of 16 rows per
-    # key head, a sliding window over a long cache; an empty sequence in each
+    # key head, one of 36 (beyond the decode kernel: the dense kernels on the gathered pages),
+    # a sliding window over a long cache; an empty sequence in each
     ([700, 0, 33], 16, 8, 2, 1, {}),
     ([300, 5, 0], 16, 8, 2, 4, {"causal": True}),
+    ([300, 5, 0], 16, 8, 2, 9, {"causal": True}),
     ([1500, 0, 260], 64, 4, 1, 2, {"causal": True, "window": (200, -1), "softcap": 5.0}),
 ]
 

@@ -59,8 +59,11 @@ def test_every_paged_kernel_is_in_a_module_the_ci_compiles() -> None:
         ("bfloat16", (64, 32, 1, 128), (4096, 8, 16, 128), 128, (64, 2048), False),
         ("float16", (5, 4, 1, 64), (20, 2, 1, 64), 64, (5, 14), False),
         ("bfloat16", (3, 2, 8, 64), (9, 1, 4, 64), 64, (3, 5), False),     # 16 rows per head
-        ("bfloat16", (3, 2, 9, 64), (9, 1, 4, 64), 64, (3, 5), True),      # 18 rows per head
-        ("float16", (2, 32, 1, 128), (9, 1, 4, 128), 128, (2, 5), True),   # 32 heads per group
+        # more rows per key head than the decode kernel holds: the dense kernels' limits
+        ("bfloat16", (3, 2, 9, 64), (9, 1, 4, 64), 64, (3, 5), False),     # 18 rows per head
+        ("float16", (2, 32, 1, 128), (9, 1, 4, 128), 128, (2, 5), False),  # 32 heads per group
+        ("bfloat16", (3, 2, 9, 264), (9, 1, 4, 264), 264, (3, 5), True),
+        ("bfloat16", (70000, 2, 9, 64), (9, 1, 4, 64), 64, (70000, 5), True),
         ("float32", (2, 4, 1, 64), (9, 2, 4, 64), 64, (2, 5), True),
         *(("bfloat16", (2, 4, 1, d), (9, 2, 4, d), d, (2, 5), False)
           for d in (32, 80, 96, 160, 192, 256)),
@@ -90,9 +93,14 @@ def test_paged_reasons(dtype, q, pool, dv, table, declined) -> None:
     assert (reason is not None) == declined, reason
 
 
-def test_paged_reason_names_the_rows_per_key_head() -> None:
-    reason = mf.paged_reason("bfloat16", (1, 8, 4, 64), (3, 1, 16, 64), (3, 1, 16, 64), (1, 3))
-    assert reason is not None and "32 query rows per key head" in reason
+def test_a_long_chunked_prefill_takes_the_dense_kernels_limits() -> None:
+    """32 query rows per key head: beyond the decode kernel, served by the dense kernels,
+    whose limits (not the decode kernel's) apply."""
+    assert mf.paged_reason("bfloat16", (1, 8, 4, 64), (3, 1, 16, 64), (3, 1, 16, 64),
+                           (1, 3)) is None
+    reason = mf.paged_reason("bfloat16", (1, 70000, 4, 64), (3, 1, 16, 64), (3, 1, 16, 64),
+                             (1, 3))
+    assert reason is not None and "65535" in reason
 
 
 def _paged_args(torch, dtype="bfloat16", d=64, lq=1, table_dtype=None):
@@ -126,9 +134,8 @@ def test_can_run_paged_declines_host_arrays_mixed_libraries_and_dtypes( monkeypa
                                             host_table))
     long = _paged_args(torch, lq=5)  # 2 heads per group x 5 queries: 10 rows, served
     assert mf.can_run(Call("paged_attention", None, "cuda", "bfloat16", long)) is True
-    longer = _paged_args(torch, lq=9)  # 18 rows
-    assert "exceed the 16" in mf.can_run(Call("paged_attention", None, "cuda", "bfloat16",
-                                              longer))
+    longer = _paged_args(torch, lq=9)  # 18 rows: the dense kernels on the gathered pages
+    assert mf.can_run(Call("paged_attention", None, "cuda", "bfloat16", longer)) is True
 
 
 def test_paged_attention_is_declared_for_cuda_and_tried_before_the_reference() -> None:
@@ -350,3 +357,46 @@ def test_dense_decode_launch_packs_the_kernels_parameter_list() -> None:
     from softmaxkit_cupy.attention import DECODE_PARAMS
 
     assert DECODE_PARAMS == _struct_codes("sk_attn_decode")
+
+
+@pytest.mark.parametrize(("causal", "window", "lq", "dims"), [
+    (True, (-1, -1), 9, (64, 64)), (False, (-1, -1), 9, (64, 64)),
+    (True, (5, -1), 12, (64, 64)), (True, (-1, 2), 9, (192, 128)),
+    (True, (-1, -1), 20, (40, 40)),  # more queries than a sequence's keys: empty rows
+])
+def test_a_long_chunked_prefill_runs_the_dense_kernels_on_the_gathered_pages(
+        monkeypatch, causal, window, lq, dims) -> None:
+    """Calls with more query rows per key head than the decode kernel holds go to the dense
+    attention adapter (the reference's dense attention stands in for its kernels here) with
+    the pages in use gathered and each sequence's length and alignment as a mask; the result
+    is the float64 definition on NaN-poisoned pages."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as txp
+    from softmaxkit_cupy import paged as adapter
+
+    from softmaxkit.reference.attention import attention as dense
+    from softmaxkit.testing.paged_cases import make_cache, paged_definition
+
+    seen: list = []
+
+    def stand_in(xp, **kw):
+        seen.append(kw)
+        return dense(xp, **kw)
+
+    monkeypatch.setattr(adapter, "attention", stand_in)
+    monkeypatch.setattr(adapter, "_paged_attention", None)  # the decode kernel must not run
+    d, dv = dims
+    rng = np.random.default_rng(lq)
+    k, v, table, lens = make_cache(rng, [5, 0, 19], 4, 2, d, dv)
+    q = rng.normal(size=(3, 4, lq, d))
+    out, lse = adapter.paged_attention(
+        txp, q=torch.from_numpy(q), k_pages=torch.from_numpy(k), v_pages=torch.from_numpy(v),
+        block_table=torch.from_numpy(table), seqlens=torch.from_numpy(lens), scale=d ** -0.5,
+        causal="bottom_right" if causal else None, window=window, softcap=None,
+        return_lse=True)
+    want, want_lse = paged_definition(q, k, v, table, lens, causal=causal, window=window)[:2]
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-12, atol=1e-13)
+    (call,) = seen
+    assert call["causal"] is None and call["window"] == (-1, -1)
+    assert tuple(call["mask"].shape) == (3, 4, lq, int(table.shape[1]) * 4)
