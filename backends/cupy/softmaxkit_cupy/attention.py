@@ -161,12 +161,19 @@ def attention(
     the head dimension the call runs at); split-KV decoding is used instead for few query
     rows per key head.  A call whose head dimensions the kernels are not built for (D != Dv,
     or D not in ``ATTENTION_HEAD_DIMS``) runs on copies of q, k, v zero-padded to the next
-    built one, and its output is the padded output's first Dv columns (:mod:`.head_dims`).
+    built one, and its output is the padded output's first Dv columns; a value dimension above
+    256 runs in blocks of columns, a call each (:mod:`.head_dims`).
     """
     fixed = _forward_without_work(q, k, v)
     if fixed is not None:
         return fixed[0], (fixed[1] if return_lse else None)
     dv = int(v.shape[3])
+    blocks = head_dims.value_blocks(int(q.shape[3]), dv)
+    if blocks:  # Dv above the largest built head dimension: a call per block of columns
+        with interop.on_device(q):
+            return head_dims.forward_in_blocks(xp, blocks, lambda vb: attention(
+                xp, q=q, k=k, v=vb, scale=scale, causal=causal, window=window, mask=mask,
+                softcap=softcap, return_lse=return_lse, config=config), v)
     width = head_dims.pad_width(int(q.shape[3]), dv)
     if width is None:
         return _attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
@@ -309,12 +316,19 @@ def attention_vjp(
     tile configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks).  Head dimensions
     the kernels are not built for run as in :func:`attention`, on copies of q, k, v, out and
     dout zero-padded to the next built one; dq and dk are the first D columns of the padded
-    results, dv the first Dv.
+    results, dv the first Dv.  A value dimension above 256 runs in blocks of columns, dq and dk
+    summed over them (:mod:`.head_dims`).
     """
     fixed = _backward_without_work(q, k, v)
     if fixed is not None:
         return fixed
     dims = (int(q.shape[3]), int(k.shape[3]), int(v.shape[3]))
+    blocks = head_dims.value_blocks(dims[0], dims[2])
+    if blocks:  # Dv above the largest built head dimension: a call per block of columns
+        with interop.on_device(q):
+            return head_dims.gradients_in_blocks(xp, blocks, lambda vb, ob, db: attention_vjp(
+                xp, q=q, k=k, v=vb, out=ob, lse=lse, dout=db, scale=scale, causal=causal,
+                window=window, mask=mask, softcap=softcap, config=config), v, out, dout)
     width = head_dims.pad_width(dims[0], dims[2])
     if width is None:
         return _attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,

@@ -58,13 +58,33 @@ def served_head_dim(d: int, dv: int) -> int | None:
     return next((p for p in sorted(ATTENTION_HEAD_DIMS) if p >= max(d, dv)), None)
 
 
-def head_dim_reason(d: int, dv: int) -> str | None:
+def head_dim_reason(d: int, dv: int, split: bool = False) -> str | None:
     """Why the kernels cannot serve key dim ``d`` with value dim ``dv``, or None when they can
-    (at :func:`served_head_dim`, padded if need be)."""
-    if served_head_dim(d, dv) is not None:
+    (at :func:`served_head_dim`, padded if need be; with ``split``, a value dimension above
+    :data:`LARGEST` in :func:`value_blocks`, a call each)."""
+    if served_head_dim(d, dv) is not None or (split and value_blocks(d, dv)):
         return None
+    more = " (Dv above it in blocks of value columns)" if split else ""
     return (f"head dimensions D={d}, Dv={dv}: the attention kernels serve D and Dv from 1 to "
-            f"{LARGEST} (zero-padded to the next of {ATTENTION_HEAD_DIMS})")
+            f"{LARGEST}{more} (zero-padded to the next of {ATTENTION_HEAD_DIMS})")
+
+
+def value_blocks(d: int, dv: int) -> list[tuple[int, int]] | None:
+    """The column ranges ``[start, stop)`` of v that a call of value dimension ``dv`` above
+    :data:`LARGEST` runs in, one kernel call each, or None when one call serves it.
+
+    The output is column-separable (``out[:, a:b] = P v[:, a:b]``) and so is the gradient:
+    with ``dP = sum over blocks of dout_blk v_blk^T`` and the row term ``D = sum of
+    rowsum(dout_blk * out_blk)``, the score gradient ``P (dP - D)`` is the sum of the blocks'
+    ``P (dP_blk - D_blk)``, so dq and dk are the sums of the blocks' and dv their
+    concatenation.  Each block recomputes the scores: the cost is one call per block.  The
+    blocks are as equal as they can be (fewer padded columns): 257 columns run as 129 + 128.
+    """
+    if not 1 <= d <= LARGEST or dv <= LARGEST:
+        return None
+    count = -(-dv // LARGEST)
+    size = -(-dv // count)
+    return [(a, min(a + size, dv)) for a in range(0, dv, size)]
 
 
 def pad_width(d: int, dv: int) -> int | None:
@@ -117,3 +137,31 @@ def narrow(a: Any, width: int) -> Any:
     """``a``'s first ``width`` columns along its last axis: a view (``a`` itself when it has
     ``width``), undoing :func:`pad` on a result."""
     return a if int(a.shape[-1]) == width else a[..., :width]
+
+
+def forward_in_blocks(xp: Any, blocks: list[tuple[int, int]], run: Any, v: Any) -> Any:
+    """``(out, lse)`` of a forward whose value columns run in ``blocks``
+    (:func:`value_blocks`): ``run(v_block) -> (out_block, lse)`` on each; the outputs are
+    concatenated, the lse (the same for every block) is the first block's."""
+    parts = [run(v[..., a:b]) for a, b in blocks]
+    return xp.concat([out for out, _ in parts], axis=-1), parts[0][1]
+
+
+def gradients_in_blocks(
+    xp: Any, blocks: list[tuple[int, int]], run: Any, v: Any, out: Any, dout: Any,
+) -> tuple[Any, Any, Any]:
+    """``(dq, dk, dv)`` of a gradient whose value columns run in ``blocks``
+    (:func:`value_blocks`): ``run(v_block, out_block, dout_block) -> (dq, dk, dv_block)`` on
+    each; dq and dk are the blocks' sums, added in float32 (float64 for float64) and rounded
+    once to their dtype, dv the concatenation of the blocks'."""
+    parts = [run(v[..., a:b], out[..., a:b], dout[..., a:b]) for a, b in blocks]
+
+    def summed(i: int) -> Any:
+        dtype = parts[0][i].dtype
+        wide = xp.float64 if dtype == xp.float64 else xp.float32
+        total = xp.astype(parts[0][i], wide)
+        for part in parts[1:]:
+            total = total + xp.astype(part[i], wide)
+        return xp.astype(total, dtype)
+
+    return summed(0), summed(1), xp.concat([part[2] for part in parts], axis=-1)

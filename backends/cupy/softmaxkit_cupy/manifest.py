@@ -278,15 +278,16 @@ def attention_reason(
 ) -> str | None:
     """Why the forward kernel cannot run these inputs, or None when it can.
 
-    Every key dimension D and value dimension Dv from 1 to 256 is served: those the kernels
-    are not built for (D != Dv, or D outside ``ATTENTION_HEAD_DIMS``) on zero-padded copies
-    of the arrays (:mod:`.head_dims`).  Calls with no query row or no key are served at the
-    same head dimensions: their results are fixed by the spec and made without a launch.
+    Every key dimension D from 1 to 256 is served, with any value dimension Dv: those the
+    kernels are not built for (D != Dv, or D outside ``ATTENTION_HEAD_DIMS``) on zero-padded
+    copies of the arrays, a Dv above 256 in blocks of value columns, a call each
+    (:mod:`.head_dims`).  Calls with no query row or no key are served at the same head
+    dimensions: their results are fixed by the spec and made without a launch.
     """
     if dtype not in ATTENTION_DTYPES:
         return f"the attention kernels take {ATTENTION_DTYPES}, not {dtype}"
     b, hq, lq, d = q_shape
-    reason = head_dim_reason(d, v_shape[-1])
+    reason = head_dim_reason(d, v_shape[-1], split=True)
     if reason:
         return reason
     if b * hq * lq == 0 or k_shape[2] == 0:

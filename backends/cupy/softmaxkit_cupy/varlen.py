@@ -77,7 +77,8 @@ def varlen_attention(
     One launch over (query tiles of the longest sequence, Hq, B); the blocks past a shorter
     sequence's last tile return at once.  ``config`` overrides the tile configuration (for
     benchmarks).  Head dimensions the kernels are not built for run on copies of q, k, v
-    zero-padded to the next built one, the output sliced back to Dv (:mod:`.head_dims`).
+    zero-padded to the next built one, the output sliced back to Dv; a value dimension above
+    256 runs in blocks of columns, a call each (:mod:`.head_dims`).
     """
     tq, hq, d = (int(s) for s in q.shape)
     tk, dv = int(k.shape[0]), int(v.shape[2])
@@ -88,6 +89,13 @@ def varlen_attention(
     if tk == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
         return (interop.zeros(q, (tq, hq, dv), dtype),
                 interop.full(q, (tq, hq), -math.inf, "float32") if return_lse else None)
+    blocks = head_dims.value_blocks(d, dv)
+    if blocks:  # Dv above the largest built head dimension: a call per block of columns
+        with interop.on_device(q):
+            return head_dims.forward_in_blocks(xp, blocks, lambda vb: varlen_attention(
+                xp, q=q, k=k, v=vb, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                scale=scale, causal=causal, window=window, softcap=softcap,
+                return_lse=return_lse, config=config), v)
     width = head_dims.pad_width(d, dv)
     if width is None:
         return _varlen_attention(xp, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
@@ -155,7 +163,8 @@ def varlen_attention_vjp(
     products into the float32 sums; and dq's conversion back to the packed layout.
     ``config`` overrides the tile configuration (for benchmarks).  Head dimensions the kernels
     are not built for run on copies of q, k, v, out and dout zero-padded to the next built
-    one; dq and dk are sliced back to D, dv to Dv (:mod:`.head_dims`).
+    one; dq and dk are sliced back to D, dv to Dv; a value dimension above 256 runs in
+    blocks of columns, dq and dk summed over them (:mod:`.head_dims`).
     """
     tq, hq, d = (int(s) for s in q.shape)
     tk, hk, dv = (int(s) for s in v.shape)
@@ -163,6 +172,14 @@ def varlen_attention_vjp(
     if tq == 0 or tk == 0:  # no query row reads a key: every gradient is 0
         return (interop.zeros(q, (tq, hq, d), dtype), interop.zeros(q, (tk, hk, d), dtype),
                 interop.zeros(q, (tk, hk, dv), dtype))
+    blocks = head_dims.value_blocks(d, dv)
+    if blocks:  # Dv above the largest built head dimension: a call per block of columns
+        with interop.on_device(q):
+            return head_dims.gradients_in_blocks(
+                xp, blocks, lambda vb, ob, db: varlen_attention_vjp(
+                    xp, q=q, k=k, v=vb, out=ob, lse=lse, dout=db, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal, window=window,
+                    softcap=softcap, config=config), v, out, dout)
     width = head_dims.pad_width(d, dv)
     if width is None:
         return _varlen_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,

@@ -474,12 +474,86 @@ def test_can_run_accepts_every_head_dim_up_to_256(monkeypatch, d, dv) -> None:
 
 @pytest.mark.parametrize(("d", "dv"), [(264, 264), (128, 300), (257, 64)])
 def test_can_run_declines_head_dims_above_256_naming_them(monkeypatch, d, dv) -> None:
+    """D above 256 is declined everywhere; Dv above 256 only by paged attention (the dense and
+    packed operations run it in blocks of value columns)."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(mf, "_library", lambda a: "torch")
     for op, call in _calls(torch, d, dv).items():
         verdict = mf.can_run(call)
+        if d <= 256 and op != "paged_attention":
+            assert verdict is True, (op, verdict)
+            continue
         assert isinstance(verdict, str) and f"D={d}" in verdict and f"Dv={dv}" in verdict, (
             op, verdict)
+
+
+@pytest.mark.parametrize(("d", "dv", "blocks"), [
+    (64, 256, None), (64, 257, [(0, 129), (129, 257)]), (256, 512, [(0, 256), (256, 512)]),
+    (8, 600, [(0, 200), (200, 400), (400, 600)]), (257, 300, None), (0, 300, None),
+])
+def test_value_blocks(d, dv, blocks) -> None:
+    assert head_dims.value_blocks(d, dv) == blocks
+
+
+@pytest.mark.parametrize(("d", "dv"), [(64, 300), (256, 257), (40, 520)])
+def test_dense_adapter_runs_value_dims_above_256_in_blocks(monkeypatch, torch_xp, d, dv) -> None:
+    """Forward and gradient at Dv > 256: a kernel call per block of value columns (the
+    reference standing in for the kernels), each at a built head dimension, results equal
+    the reference's on the whole call (float64)."""
+    import torch
+    from softmaxkit_cupy import attention as adapter
+
+    seen: list = []
+    _stand_in(monkeypatch, adapter, "_attention", dense_ref.attention, seen)
+    _stand_in(monkeypatch, adapter, "_attention_vjp", dense_ref.attention_vjp, seen)
+    rng = np.random.default_rng(dv)
+    q, k, v = (rng.normal(size=s) for s in ((1, 4, 9, d), (1, 2, 11, d), (1, 2, 11, dv)))
+    opts = {"scale": 0.3, "causal": "bottom_right", "window": (-1, -1), "mask": None,
+            "softcap": 7.0}
+    out, lse = dense_ref.attention(xp, q=q, k=k, v=v, return_lse=True, **opts)
+    dout = rng.normal(size=out.shape)
+    grads = dense_ref.attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, **opts)
+    tq, tk, tv, tout, tlse, tdout = _torch(q, k, v, out, lse, dout)
+    got_out, got_lse = adapter.attention(torch_xp, q=tq, k=tk, v=tv, return_lse=True, **opts)
+    np.testing.assert_allclose(got_out.numpy(), out, **CLOSE)
+    np.testing.assert_allclose(got_lse.numpy(), lse, **CLOSE)
+    got = adapter.attention_vjp(torch_xp, q=tq, k=tk, v=tv, out=tout, lse=tlse, dout=tdout,
+                                **opts)
+    for g, w in zip(got, grads, strict=True):
+        assert g.dtype == torch.float64 and tuple(g.shape) == w.shape
+        np.testing.assert_allclose(g.numpy(), w, **CLOSE)
+    blocks = head_dims.value_blocks(d, dv)
+    assert len(seen) == 2 * len(blocks)
+    assert all(call["v"].shape[-1] in ATTENTION_HEAD_DIMS for call in seen)
+
+
+def test_varlen_adapter_runs_value_dims_above_256_in_blocks(monkeypatch, torch_xp) -> None:
+    from softmaxkit_cupy import varlen as adapter
+
+    seen: list = []
+    _stand_in(monkeypatch, adapter, "_varlen_attention", varlen_ref.varlen_attention, seen)
+    _stand_in(monkeypatch, adapter, "_varlen_attention_vjp", varlen_ref.varlen_attention_vjp,
+              seen)
+    rng = np.random.default_rng(5)
+    cu_q, cu_k = np.array([0, 3, 3, 10]), np.array([0, 4, 9, 9])
+    q, k, v = (rng.normal(size=s) for s in ((10, 4, 64), (9, 2, 64), (9, 2, 300)))
+    opts = {"scale": 0.4, "causal": "bottom_right", "window": (-1, -1), "softcap": None}
+    meta = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    out, lse = varlen_ref.varlen_attention(xp, q=q, k=k, v=v, return_lse=True, **meta, **opts)
+    dout = rng.normal(size=out.shape)
+    grads = varlen_ref.varlen_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
+                                            **meta, **opts)
+    tq, tk, tv, tout, tlse, tdout, tcq, tck = _torch(q, k, v, out, lse, dout, cu_q, cu_k)
+    tmeta = {"cu_seqlens_q": tcq, "cu_seqlens_k": tck}
+    got_out, got_lse = adapter.varlen_attention(torch_xp, q=tq, k=tk, v=tv, return_lse=True,
+                                                **tmeta, **opts)
+    np.testing.assert_allclose(got_out.numpy(), out, **CLOSE)
+    np.testing.assert_allclose(got_lse.numpy(), lse, **CLOSE)
+    got = adapter.varlen_attention_vjp(torch_xp, q=tq, k=tk, v=tv, out=tout, lse=tlse,
+                                       dout=tdout, **tmeta, **opts)
+    for g, w in zip(got, grads, strict=True):
+        np.testing.assert_allclose(g.numpy(), w, **CLOSE)
+    assert len(seen) == 4  # two blocks, forward and gradient
 
 
 def test_kit_attention_cases_at_padded_head_dims_are_accepted(monkeypatch) -> None:

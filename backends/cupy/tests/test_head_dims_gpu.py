@@ -86,7 +86,12 @@ def _mask(b: int, hq: int, lq: int, lk: int) -> np.ndarray:
     return mask
 
 
-@pytest.mark.parametrize(("d", "dv"), PAIRS)
+WIDE_VALUES = [(64, 320), (256, 257)]
+"""(D, Dv) with Dv above 256: blocks of value columns, a call each (257: an lse cotangent's
+widened value column at Dv = 256)."""
+
+
+@pytest.mark.parametrize(("d", "dv"), PAIRS + WIDE_VALUES)
 @pytest.mark.parametrize("case", DENSE, ids=str)
 def test_dense_forward_and_backward(t, d, dv, case) -> None:
     import softmaxkit as sk
@@ -125,7 +130,7 @@ LENGTHS = ((70, 0, 130, 1, 64), (130, 9, 64, 0, 200))
 one without keys."""
 
 
-@pytest.mark.parametrize(("d", "dv"), PAIRS)
+@pytest.mark.parametrize(("d", "dv"), PAIRS + WIDE_VALUES)
 @pytest.mark.parametrize("kw", [{"causal": True}, {"window": (30, 5), "softcap": 4.0}],
                          ids=str)
 def test_varlen_forward_and_backward(t, d, dv, kw) -> None:
