@@ -184,3 +184,37 @@ def test_numba_kernels_run_under_jit():
     want = jax.grad(lambda x: -jnp.mean(jax.nn.log_softmax(x)[jnp.arange(4), jnp.arange(4)]))(x)
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)
     assert math.isfinite(float(jnp.sum(g)))
+
+
+@pytest.mark.parametrize("used", ["out", "lse", "both"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_returned_lse_widens_the_backward_only_when_the_loss_uses_it(monkeypatch, used, jit):
+    """An lse that is returned but unused reaches the backward as a symbolic zero, so the
+    backward keeps the value width; gradients equal the float64 definition's."""
+    import importlib
+
+    module = importlib.import_module("softmaxkit.frameworks.jax")
+    widened = []
+    real = module._widen_for_lse
+    monkeypatch.setattr(module, "_widen_for_lse", lambda *a: widened.append(1) or real(*a))
+    module._attention_custom.cache_clear()  # rules built before the patch hold the real one
+    q, k, v = _rand(2, 5, 4, seed=6), _rand(1, 7, 4, seed=7), _rand(1, 7, 3, seed=8)
+
+    def loss(q, k, v):
+        out, lse = sk.attention(q, k, v, causal=True, return_lse=True)
+        return {"out": jnp.sum(out ** 2), "lse": jnp.sum(lse),
+                "both": jnp.sum(out ** 2) + jnp.sum(lse)}[used]
+
+    def definition(q, k, v):
+        s = q @ jnp.swapaxes(k, -1, -2) / math.sqrt(4)
+        s = jnp.where(jnp.tril(jnp.ones((5, 7), bool), 2), s, -jnp.inf)
+        out, lse = jax.nn.softmax(s, -1) @ v, jax.nn.logsumexp(s, -1)
+        return {"out": jnp.sum(out ** 2), "lse": jnp.sum(lse),
+                "both": jnp.sum(out ** 2) + jnp.sum(lse)}[used]
+
+    grad = jax.grad(loss, (0, 1, 2))
+    got = (jax.jit(grad) if jit else grad)(q, k, v)
+    assert len(widened) == (0 if used == "out" else 1)
+    for a, b in zip(got, jax.grad(definition, (0, 1, 2))(q, k, v), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+    module._attention_custom.cache_clear()

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from .. import arguments as _args
 from .. import rows as _rows
@@ -352,6 +353,10 @@ def _widen_for_lse(v: Any, out: Any, dout: Any, dlse: Any) -> tuple[Any, Any, An
     return v, out, dout
 
 
+def _is_primal(x: Any) -> bool:
+    return isinstance(x, CustomVJPPrimal)
+
+
 def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any:
     """A ``jax.custom_vjp`` function ``(q, k, v, *metadata) -> (out, lse)`` whose backward
     recomputes from the saved ``out`` and ``lse``.
@@ -366,7 +371,9 @@ def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any
         ``shapes(q, k, v, *metadata)``: the ``jax.ShapeDtypeStruct`` of ``(out, lse)``.
     lse_used : bool
         Whether the lse is returned, so that its cotangent must reach the backward
-        (:func:`_widen_for_lse`); else it is left out, saving the wider backward.
+        (:func:`_widen_for_lse`); else it is left out, saving the wider backward.  Cotangents
+        are symbolic zeros where an output does not reach the loss: a returned but unused lse
+        costs no wider backward either.
 
     Returns
     -------
@@ -379,7 +386,9 @@ def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any
     def f(q, k, v, *metadata):
         return _host(forward, shapes(q, k, v, *metadata), q, k, v, *metadata)
 
-    def fwd(q, k, v, *metadata):
+    def fwd(*primals):
+        # symbolic zeros: each argument comes as (value, perturbed); only the values are used
+        q, k, v, *metadata = jax.tree.map(lambda p: p.value, primals, is_leaf=_is_primal)
         out, lse = f(q, k, v, *metadata)
         return (out, lse), (q, k, v, metadata, out, lse)  # the backward recomputes from these
 
@@ -387,13 +396,15 @@ def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any
         q, k, v, metadata, out, lse = res
         dout, dlse = cots
         dv_width = v.shape[-1]
-        if lse_used:
+        if isinstance(dout, SymbolicZero):  # only the lse reaches the loss
+            dout = jnp.zeros(out.shape, out.dtype)
+        if lse_used and not isinstance(dlse, SymbolicZero):  # an unused lse: no wider call
             v, out, dout = _widen_for_lse(v, out, dout, dlse)
         spec = tuple(_spec(a.shape, a.dtype) for a in (q, k, v))
         dq, dk, dv = _host(vjp, spec, q, k, v, out, lse, dout.astype(out.dtype), *metadata)
         return (dq, dk, dv[..., :dv_width]) + (None,) * len(metadata)
 
-    f.defvjp(fwd, bwd)
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
     return f
 
 
