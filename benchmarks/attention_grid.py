@@ -125,6 +125,17 @@ def torch_kwargs(case: Case, t: dict) -> dict | None:
     return kw
 
 
+def allowed_pairs(case: Case, length: int, mask: Any) -> Any:
+    """The (query, key) pairs ``case`` allows at Lq = Lk = ``length``: booleans [L, L], or
+    ``mask``'s shape where there is one."""
+    import torch
+
+    allowed = torch.ones(length, length, dtype=torch.bool, device=DEVICE[0])
+    if case.feature == "causal":
+        allowed = torch.tril(allowed)
+    return allowed if mask is None else allowed & mask
+
+
 def reference(case: Case, q: Any, k: Any, v: Any, mask: Any) -> Any:
     """Attention of float64 ``q``, ``k``, ``v`` under ``case``'s feature, by its definition."""
     import torch
@@ -134,13 +145,7 @@ def reference(case: Case, q: Any, k: Any, v: Any, mask: Any) -> Any:
     s = (q @ k.transpose(-1, -2)) * case.d ** -0.5
     if case.feature == "softcap":
         s = SOFTCAP * torch.tanh(s / SOFTCAP)
-    length = q.shape[2]
-    allowed = torch.ones(length, length, dtype=torch.bool, device=q.device)
-    if case.feature == "causal":
-        allowed = torch.tril(allowed)
-    if mask is not None:
-        allowed = allowed & mask
-    s = s.masked_fill(~allowed, -math.inf)
+    s = s.masked_fill(~allowed_pairs(case, q.shape[2], mask), -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no allowed key gives 0
     return p @ v
 
@@ -196,7 +201,8 @@ def run_case(case: Case, sk: Any, b: int, h: int, length: int) -> dict:
     t = inputs(case, b, h, length, seed=0, grad=True)
     leaves = (t["q"], t["k"], t["v"])
     kw = sk_kwargs(case, t)
-    row["flops"] = 2.0 * (case.d + case.dv) * b * h * float(reference_allowed(case, t).sum())
+    allowed = allowed_pairs(case, length, t["mask"]).expand(b, 1, length, length)
+    row["flops"] = 2.0 * (case.d + case.dv) * h * float(allowed.sum())
 
     def ours_fwd() -> Any:
         with torch.no_grad():
@@ -234,19 +240,6 @@ def run_case(case: Case, sk: Any, b: int, h: int, length: int) -> dict:
             continue
         row[name] = (timed(peer_fwd), timed(peer_both))
     return row
-
-
-def reference_allowed(case: Case, t: dict) -> Any:
-    """The allowed (query, key) pairs of ``case`` at ``t``'s size, [.., L, L] booleans."""
-    import torch
-
-    length = t["q"].shape[2]
-    allowed = torch.ones(length, length, dtype=torch.bool, device=DEVICE[0])
-    if case.feature == "causal":
-        allowed = torch.tril(allowed)
-    if t["mask"] is not None:
-        allowed = allowed & t["mask"][0, 0]
-    return allowed
 
 
 def verdict(row: dict, which: int) -> tuple[str, str]:

@@ -21,7 +21,6 @@ import numpy as np
 
 from . import compiler, head_dims, interop
 from .configs import (
-    DECODE_ROWS,
     DECODE_WARPS,
     AttentionConfig,
     BackwardConfig,
@@ -34,6 +33,7 @@ from .configs import (
     backward_names,
     backward_pre_group,
     backward_pre_name,
+    decode_holds,
     decode_name,
     decode_shared_bytes,
     merge_name,
@@ -117,7 +117,7 @@ def splits_for(batch_heads: int, lk: int, multiprocessors: int) -> tuple[int, in
 
 def uses_decode(hq: int, hk: int, lq: int, lk: int) -> bool:
     """Whether split-KV decoding serves these sizes (few query rows per key head)."""
-    return (hq // hk) * lq <= DECODE_ROWS and lk >= 256
+    return decode_holds(hq, hk, lq) and lk >= 256
 
 
 def _forward_without_work(q: Any, k: Any, v: Any) -> tuple[Any, Any] | None:

@@ -305,6 +305,12 @@ DECODE_WARPS = 4
 DECODE_ROWS = 16
 """Split-KV decoding serves calls with (Hq / Hk) * Lq <= 16 query rows per key head."""
 
+
+def decode_holds(hq: int, hk: int, lq: int) -> bool:
+    """Whether the split-KV decode kernels hold a call's ``(Hq / Hk) * Lq`` query rows per key
+    head (at most :data:`DECODE_ROWS`)."""
+    return (hq // hk) * lq <= DECODE_ROWS
+
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
 
 

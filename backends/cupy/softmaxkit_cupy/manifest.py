@@ -14,13 +14,13 @@ from typing import Any
 
 from .configs import (
     ATTENTION_DTYPES,
-    DECODE_ROWS,
     GRAD_CONFIGS,
     GRAD_OPS,
     ITEMSIZE,
     MERGE_DTYPES,
     ROW_DTYPE_PAIRS,
     ROW_OPS,
+    decode_holds,
     max_row_length,
 )
 from .head_dims import head_dim_reason
@@ -245,7 +245,7 @@ def paged_reason(
     capacity = table_shape[1] * page_size
     if b * hq * lq == 0 or capacity == 0:
         return None  # no launch, so no launch limit applies
-    if hq // hk * lq > DECODE_ROWS:  # a long chunked prefill: the dense kernels' limits
+    if not decode_holds(hq, hk, lq):  # a long chunked prefill: the dense kernels' limits
         return attention_reason(dtype, (b, hq, lq, d), (b, hk, capacity, d),
                                 (b, hk, capacity, v_shape[-1]))
     if b > 65535 or hk > 65535:

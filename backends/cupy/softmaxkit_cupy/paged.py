@@ -40,7 +40,7 @@ from softmaxkit.paged_cache import dense_operands
 
 from . import head_dims, interop
 from .attention import _rows_ready, attention, split_decode
-from .configs import DECODE_ROWS, decode_paged_name
+from .configs import decode_holds, decode_paged_name
 
 _PAGED_PARAMS = "QQQQQQQ" + "qqq" * 3 + "q" + "iIiiiiiff" + "iii"
 """The paged decode kernel's parameters: the addresses of q, k_pages, v_pages, block_table,
@@ -120,7 +120,7 @@ def paged_attention(
     xp : namespace
         The caller's array namespace.
     q : array
-        ``[B, Hq, Lq, D]``, bfloat16 or float16, ``(Hq / Hk) * Lq <= DECODE_ROWS``.
+        ``[B, Hq, Lq, D]``, bfloat16 or float16.
     k_pages, v_pages : array
         ``[P, Hk, S, D]`` and ``[P, Hk, S, Dv]`` in q's dtype, ``D, Dv <= 256``.  At head
         dimensions the kernel is not built for (:mod:`.head_dims`) a pool narrower than the
@@ -159,7 +159,7 @@ def paged_attention(
     if capacity == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
         return (interop.zeros(q, (b, hq, lq, dv), dtype),
                 interop.full(q, (b, hq, lq), -math.inf, "float32") if return_lse else None)
-    if int(hq // k_pages.shape[1]) * lq > DECODE_ROWS:
+    if not decode_holds(hq, int(k_pages.shape[1]), lq):
         return _prefill(xp, q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table,
                         seqlens=seqlens, scale=scale, causal=causal, window=window,
                         softcap=softcap, return_lse=return_lse)

@@ -12,17 +12,7 @@ from __future__ import annotations
 import pytest
 from softmaxkit_cupy.configs import ATTENTION_HEAD_DIMS
 
-
-def _has_gpu() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _has_gpu(), reason="no CUDA device")
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device (conftest.py)
 
 
 @pytest.mark.parametrize(

@@ -148,24 +148,35 @@ def _mask(lq: int = 6, lk: int = 11, hq: int = 4) -> np.ndarray:
                                                       "mask")])
 def test_padded_attention_and_gradient_equal_the_unpadded(d, dv, kw, name) -> None:
     q, k, v = _dense(d + dv, d, dv)
-    width = head_dims.served_head_dim(d, dv)
     opts = dict(_settings(kw), scale=d ** -0.5, mask=_mask() if kw.get("mask") else None)
-    out, lse = dense_ref.attention(xp, q=q, k=k, v=v, return_lse=True, **opts)
-    pq, pk, pv = _pad_all(width, q, k, v)
-    p_out, p_lse = dense_ref.attention(xp, q=pq, k=pk, v=pv, return_lse=True, **opts)
-    assert p_out.shape[-1] == width and np.all(p_out[..., dv:] == 0)
-    np.testing.assert_allclose(head_dims.narrow(p_out, dv), out, **CLOSE)
-    np.testing.assert_allclose(p_lse, lse, **CLOSE)
+    out, lse = _padded_equals_unpadded(dense_ref.attention, dense_ref.attention_vjp,
+                                       (q, k, v), opts, seed=1)
     if kw.get("mask"):
         assert lse[1, 2, 3] == -np.inf and np.all(out[1, 2, 3] == 0)
 
-    dout = np.random.default_rng(1).normal(size=out.shape)
-    grads = dense_ref.attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, **opts)
-    p_grads = dense_ref.attention_vjp(xp, q=pq, k=pk, v=pv, out=head_dims.pad(xp, out, width),
-                                      lse=lse, dout=head_dims.pad(xp, dout, width), **opts)
+
+def _padded_equals_unpadded(forward, vjp, qkv, opts, seed):
+    """``forward`` and ``vjp`` (reference kernels) on q, k, v and, for the gradient, out and
+    dout zero-padded to the served head dimension, sliced, equal them on the arrays as given;
+    the padded columns of every result are 0.  Returns the unpadded ``(out, lse)``."""
+    q, k, v = qkv
+    d, dv = q.shape[-1], v.shape[-1]
+    width = head_dims.served_head_dim(d, dv)
+    out, lse = forward(xp, q=q, k=k, v=v, return_lse=True, **opts)
+    pq, pk, pv = _pad_all(width, q, k, v)
+    p_out, p_lse = forward(xp, q=pq, k=pk, v=pv, return_lse=True, **opts)
+    assert p_out.shape[-1] == width and np.all(p_out[..., dv:] == 0)
+    np.testing.assert_allclose(head_dims.narrow(p_out, dv), out, **CLOSE)
+    np.testing.assert_allclose(p_lse, lse, **CLOSE)
+
+    dout = np.random.default_rng(seed).normal(size=out.shape)
+    grads = vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, **opts)
+    p_grads = vjp(xp, q=pq, k=pk, v=pv, out=head_dims.pad(xp, out, width), lse=lse,
+                  dout=head_dims.pad(xp, dout, width), **opts)
     for gname, g, pg, n in zip(("dq", "dk", "dv"), grads, p_grads, (d, d, dv), strict=True):
         assert pg.shape[-1] == width and np.all(pg[..., n:] == 0), gname
         np.testing.assert_allclose(head_dims.narrow(pg, n), g, err_msg=gname, **CLOSE)
+    return out, lse
 
 
 def _packed(seed: int, d: int, dv: int, hq: int = 4, hk: int = 2):
@@ -180,24 +191,9 @@ def _packed(seed: int, d: int, dv: int, hq: int = 4, hk: int = 2):
 @pytest.mark.parametrize(("kw", "name"), OPTIONS)
 def test_padded_varlen_attention_and_gradient_equal_the_unpadded(d, dv, kw, name) -> None:
     q, k, v, cu_q, cu_k = _packed(d * 3 + dv, d, dv)
-    width = head_dims.served_head_dim(d, dv)
     opts = dict(_settings(kw), scale=d ** -0.5, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    out, lse = varlen_ref.varlen_attention(xp, q=q, k=k, v=v, return_lse=True, **opts)
-    pq, pk, pv = _pad_all(width, q, k, v)
-    p_out, p_lse = varlen_ref.varlen_attention(xp, q=pq, k=pk, v=pv, return_lse=True, **opts)
-    assert p_out.shape[-1] == width and np.all(p_out[..., dv:] == 0)
-    np.testing.assert_allclose(head_dims.narrow(p_out, dv), out, **CLOSE)
-    np.testing.assert_allclose(p_lse, lse, **CLOSE)
-
-    dout = np.random.default_rng(2).normal(size=out.shape)
-    grads = varlen_ref.varlen_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
-                                            **opts)
-    p_grads = varlen_ref.varlen_attention_vjp(
-        xp, q=pq, k=pk, v=pv, out=head_dims.pad(xp, out, width), lse=lse,
-        dout=head_dims.pad(xp, dout, width), **opts)
-    for gname, g, pg, n in zip(("dq", "dk", "dv"), grads, p_grads, (d, d, dv), strict=True):
-        assert pg.shape[-1] == width and np.all(pg[..., n:] == 0), gname
-        np.testing.assert_allclose(head_dims.narrow(pg, n), g, err_msg=gname, **CLOSE)
+    _padded_equals_unpadded(varlen_ref.varlen_attention, varlen_ref.varlen_attention_vjp,
+                            (q, k, v), opts, seed=2)
 
 
 def _paged(seed: int, d: int, dv: int, lq: int):

@@ -18,17 +18,7 @@ import math
 import numpy as np
 import pytest
 
-
-def _has_gpu() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _has_gpu(), reason="no CUDA device")
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device (conftest.py)
 
 PAIRS = [(192, 128), (128, 192), (40, 40), (112, 112)]
 """(D, Dv): run at P = 192, 192, 64 and 128."""

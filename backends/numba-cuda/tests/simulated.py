@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 
 import numpy as np
 
@@ -126,6 +127,18 @@ def settings_of(forced: str):
 
 def emit(**record: object) -> None:
     print("RESULT " + json.dumps(record), flush=True)
+
+
+def checked(rid: str, run: Callable[[], object]) -> None:
+    """Run one check and emit its result: failed with the end of the traceback if it raises,
+    "ran nothing" if it returns a count of 0 (a kit case that checked nothing), else passed."""
+    try:
+        result = run()
+    except Exception:
+        emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
+        return
+    emit(id=rid, status="ran nothing" if result is not None and not result else "passed",
+         message="")
 
 
 def kit(dtypes: list[str]) -> None:
@@ -253,15 +266,18 @@ def plans() -> None:
             target[len(target) - 1] = -3
             cot = rng.normal(size=x.shape).astype(x.dtype)
             for op in ops:
-                rid = f"plan[{forced}]-{op}[{dtype}]"
-                try:
-                    outs = {b: _outputs(op, b, x, where, target, cot, settings)
-                            for b in ("numba-cuda", "reference")}
-                    for got, expected in zip(outs["numba-cuda"], outs["reference"], strict=True):
-                        _compare(got, expected, dtype)
-                    emit(id=rid, status="passed", message="")
-                except Exception:
-                    emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
+                checked(f"plan[{forced}]-{op}[{dtype}]",
+                        lambda op=op, dtype=dtype, x=x, where=where, target=target, cot=cot,
+                        settings=settings: _agree(op, dtype, x, where, target, cot, settings))
+
+
+def _agree(op: str, dtype: str, x: np.ndarray, where: np.ndarray, target: np.ndarray,
+           cot: np.ndarray, settings: object) -> None:
+    """numba-cuda's outputs of ``op`` against the reference's."""
+    outs = {b: _outputs(op, b, x, where, target, cot, settings)
+            for b in ("numba-cuda", "reference")}
+    for got, expected in zip(outs["numba-cuda"], outs["reference"], strict=True):
+        _compare(got, expected, dtype)
 
 
 def attention_kit(dtypes: list[str]) -> None:
@@ -271,12 +287,7 @@ def attention_kit(dtypes: list[str]) -> None:
                    head_dims=ATTENTION_HEAD_DIMS):
         if c.name not in ATTENTION_CASES[c.dtype]:
             continue
-        rid = f"{c.name}[{c.dtype}]"
-        try:
-            checks = c.run("numba-cuda")
-            emit(id=rid, status="passed" if checks else "ran nothing", message="")
-        except Exception:
-            emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
+        checked(f"{c.name}[{c.dtype}]", lambda c=c: c.run("numba-cuda"))
 
 
 def _tile_case(name: str, opts: dict, dtype: str) -> None:
@@ -322,12 +333,8 @@ def _tile_case(name: str, opts: dict, dtype: str) -> None:
 def attention_tiles() -> None:
     for name, (opts, dtypes) in TILE_CASES.items():
         for dtype in dtypes:
-            rid = f"attention-tiles[{name}][{dtype}]"
-            try:
-                _tile_case(name, opts, dtype)
-                emit(id=rid, status="passed", message="")
-            except Exception:
-                emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
+            checked(f"attention-tiles[{name}][{dtype}]",
+                    lambda name=name, opts=opts, dtype=dtype: _tile_case(name, opts, dtype))
 
 
 def _varlen_case(opts: dict, heads: tuple[int, int], dtype: str) -> None:
@@ -365,12 +372,8 @@ def _varlen_case(opts: dict, heads: tuple[int, int], dtype: str) -> None:
 
 def varlen() -> None:
     for name, (opts, heads, dtype) in VARLEN_CASES.items():
-        rid = f"varlen[{name}][{dtype}]"
-        try:
-            _varlen_case(opts, heads, dtype)
-            emit(id=rid, status="passed", message="")
-        except Exception:
-            emit(id=rid, status="failed", message=traceback.format_exc()[-1520:])
+        checked(f"varlen[{name}][{dtype}]",
+                lambda opts=opts, heads=heads, dtype=dtype: _varlen_case(opts, heads, dtype))
 
 
 def main() -> None:
