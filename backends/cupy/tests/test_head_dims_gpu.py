@@ -46,9 +46,11 @@ def _poison(*shapes: tuple[tuple[int, ...], str]) -> None:
 def _poison_like(rows: int, d: int, dv: int) -> None:
     """NaN in blocks the size of a call's padded results and work arrays: ``rows`` query rows,
     the output at D, Dv and the width they run at, float32 rows and dq sums."""
-    from softmaxkit_cupy.head_dims import served_head_dim
+    from softmaxkit_cupy.head_dims import served_head_dim, value_blocks
 
-    width = served_head_dim(d, dv)
+    # a value dim above 256 runs in blocks, each at the width its block is served at
+    blocks = value_blocks(d, dv) or [(0, dv)]
+    width = max(served_head_dim(d, stop - start) for start, stop in blocks)
     _poison(*(((rows, n), DTYPE) for n in (d, dv, width)),
             ((rows,), "float32"), ((rows + 8 * 128, width), "float32"))
 

@@ -207,20 +207,22 @@ def _outer_products(rows: int, cols: int):
 
 @functools.cache
 def _exclusion(bm: int, bn: int, masked: bool):
-    """Device functions ``edge(m0, n0, offset, lo, hi, lk)``: whether the tile of ``bm``
-    queries from ``m0`` and ``bn`` keys from ``n0`` needs a test per score (a tile inside every
-    row's band and inside Lk needs none), and ``allowed(row, key, offset, lo, hi, lk, lq, mh)``:
-    whether query ``row`` sees ``key`` (inside Lk and the band, and, with ``masked``, where
-    the head's mask ``mh`` allows it)."""
+    """Device functions ``edge(m0, n0, offset, lo, hi, lk, lq)``: whether the tile of ``bm``
+    queries from ``m0`` and ``bn`` keys from ``n0`` needs a test per score (a tile inside Lq,
+    Lk and every row's band needs none), and ``allowed(row, key, offset, lo, hi, lk, lq, mh)``:
+    whether query ``row`` sees ``key`` (inside Lq, Lk and the band, and, with ``masked``, where
+    the head's mask ``mh`` allows it).  The padding rows past Lq see no key: their zero q
+    times a non-finite k at a key the caller excluded would otherwise put NaN into that key's
+    dk and dv."""
 
-    def edge(m0, n0, offset, lo, hi, lk):
-        return (masked or n0 + bn > lk or n0 + bn - 1 - (m0 + offset) > hi
+    def edge(m0, n0, offset, lo, hi, lk, lq):
+        return (masked or n0 + bn > lk or m0 + bm > lq or n0 + bn - 1 - (m0 + offset) > hi
                 or n0 - (m0 + bm - 1 + offset) < lo)
 
     def allowed(row, key, offset, lo, hi, lk, lq, mh):
         rel = key - row - offset
-        keep = key < lk and rel >= lo and rel <= hi
-        if masked and keep and row < lq:
+        keep = key < lk and row < lq and rel >= lo and rel <= hi
+        if masked and keep:
             keep = mh[u(row), u(key)]
         return keep
 
@@ -330,7 +332,7 @@ def forward(kind: str, d: int, dv: int, rm: int, cn: int, masked: bool, capped: 
                 for i in range(rm):
                     for j in range(cn):
                         s[i, j] = math.tanh(s[i, j]) * cm
-            if edge(m0, n0, offset, lo, hi, lk):
+            if edge(m0, n0, offset, lo, hi, lk, lq):
                 for i in range(rm):
                     row = m0 + ty + LANES * i
                     for j in range(cn):
@@ -514,7 +516,7 @@ def backward(kind: str, d: int, dv: int, rn: int, cm: int, masked: bool, capped:
                         dpt[a, j] = zero
                 product(st, smem, 0, ks, q_off, qs, d, a_reg, b_reg, ty, tx)
                 product(dpt, smem, v_off, ks, g_off, qs, dv, a_reg, b_reg, ty, tx)
-                tested = edge(m0, n0, offset, lo, hi, lk)
+                tested = edge(m0, n0, offset, lo, hi, lk, lq)
                 for a in range(rn):
                     key = n0 + ty + LANES * a
                     for j in range(cm):

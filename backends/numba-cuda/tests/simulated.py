@@ -93,12 +93,15 @@ TILE_CASES: dict[str, tuple[dict, tuple[str, ...]]] = {
     "causal-window-gqa": ({"causal": "bottom_right", "window": (12, -1), "hq": 2, "hk": 1},
                           ("float32",)),
     "window": ({"window": (5, 3)}, ("float32",)),
-    "mask-empty-row": ({"mask": True, "causal": "top_left"}, ("float32", "float64")),
+    "mask-empty-row": ({"mask": True, "causal": "top_left", "nan_value_key": 7},
+                       ("float32", "float64")),
     "softcap-dv": ({"softcap": 3.0, "dv": 24, "scale": 0.6}, ("float32",)),
     "lq-longer": ({"causal": "bottom_right", "lq": 24, "lk": 15}, ("float32",)),
 }
 """Forced-tile attention cases: options over B=1, Hq=Hk=1, Lq=20, Lk=35, D=Dv=16 (mask: a
-random one with query 5 fully excluded), and the dtypes each runs in."""
+random one with query 5 fully excluded; ``nan_value_key``: a key every query excludes, its v
+NaN in the backward: the kernel never reads an excluded pair, so the tile's padding rows past
+Lq must not carry it into that key's dk either), and the dtypes each runs in."""
 
 
 VARLEN_LENGTHS = ((2, 0, 4, 1, 3, 5), (0, 3, 6, 5, 2, 5))
@@ -306,6 +309,8 @@ def _tile_case(name: str, opts: dict, dtype: str) -> None:
     if opts.get("mask"):
         mask = rng.random((b, hq, lq, lk)) < 0.6
         mask[:, :, 5] = False
+        if "nan_value_key" in opts:
+            mask[..., opts["nan_value_key"]] = False
     kw = {"scale": opts.get("scale", d ** -0.5), "causal": opts.get("causal"),
           "window": opts.get("window", (-1, -1)), "mask": mask, "softcap": opts.get("softcap")}
     e_out, e_lse = reference.attention(xp, q=q, k=k, v=v, return_lse=True, **kw)
@@ -314,6 +319,8 @@ def _tile_case(name: str, opts: dict, dtype: str) -> None:
     cast = [a.astype(dtype) for a in (q, k, v)]
     out, lse = adapters.attention(xp=xp, q=cast[0], k=cast[1], v=cast[2], return_lse=True,
                                   tiles=(1, 1), **kw)
+    if "nan_value_key" in opts:
+        cast[2][:, :, opts["nan_value_key"]] = np.nan
     grads = adapters.attention_vjp(xp=xp, q=cast[0], k=cast[1], v=cast[2],
                                    out=e_out.astype(dtype), lse=e_lse.astype(dtype),
                                    dout=dout.astype(dtype), tiles=(1, 1), **kw)
