@@ -41,6 +41,7 @@ from .configs import (
     varlen_backward_names,
     varlen_names,
 )
+from .mask_bits import mask_bits
 
 _configured: set[str] = set()
 
@@ -194,9 +195,10 @@ def _attention(
     hk, lk = int(k.shape[1]), int(k.shape[2])
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
     dtype = interop.name(q)
-    m_ptr, m_strides = 0, (0, 0, 0, 0)
+    m_ptr, m_strides = 0, (0, 0, 0)
     if mask is not None:
-        m_ptr, m_strides = interop.pointer(mask), interop.element_strides(mask)
+        bits, m_strides = mask_bits(mask)
+        m_ptr = interop.pointer(bits)
     offset = 0 if causal == "top_left" else lk - lq
     left, right = (int(w) for w in window)
     qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
@@ -235,9 +237,10 @@ def _attention(
 _MERGE_PARAMS = "QQQQiqi"
 """The merge kernel's parameters: outs, lses, out, lse, parts, rows, dv."""
 
-DECODE_PARAMS = "Q" * 6 + "q" * 13 + "iiiii" + "ff" + "iiii"
-"""The dense decode kernel's parameters: the addresses of q, k, v, mask, the partial out and
-lse; the strides of q, k, v (three each) and of the mask (four); hq, hk, lq, lk, chunk;
+DECODE_PARAMS = "Q" * 6 + "q" * 12 + "iiiii" + "ff" + "iiii"
+"""The dense decode kernel's parameters: the addresses of q, k, v, the mask's bits, the
+partial out and lse; the strides of q, k, v and of the mask's bits (three each); hq, hk, lq,
+lk, chunk;
 scale, softcap; offset, causal, left, right."""
 
 
@@ -361,9 +364,10 @@ def _attention_vjp(
     dq = interop.empty(q, (b, hq, lq, d), dtype)
     dk = interop.empty(q, (b, hk, lk, d), dtype)
     dv = interop.empty(q, (b, hk, lk, d), dtype)
-    m_ptr, m_strides = 0, (0, 0, 0, 0)
+    m_ptr, m_strides = 0, (0, 0, 0)
     if mask is not None:
-        m_ptr, m_strides = interop.pointer(mask), interop.element_strides(mask)
+        bits, m_strides = mask_bits(mask)
+        m_ptr = interop.pointer(bits)
     offset = 0 if causal == "top_left" else lk - lq
     left, right = (int(w) for w in window)
     qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))

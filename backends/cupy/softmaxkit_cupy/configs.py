@@ -338,6 +338,10 @@ def paged_names() -> tuple[str, ...]:
     return tuple(decode_paged_name(t, d) for d in ATTENTION_HEAD_DIMS for t in ATTENTION_DTYPES)
 
 
+MASK_BITS_NAME = "sk_mask_bits<unsigned char>"
+"""The name expression of the packing of boolean attention masks to bits."""
+
+
 def merge_name(din: str, dout: str) -> str:
     """The name expression of the merge of partial attention states."""
     return f"sk_merge_attn<{CTYPES[din]}, {CTYPES[dout]}>"
@@ -531,4 +535,5 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention.cu", list(varlen_names())))
     modules.append(("attention_bwd.cu", list(varlen_backward_names())))
     modules.append(("attention.cu", list(paged_names())))
+    modules.append(("mask_bits.cu", [MASK_BITS_NAME]))
     return modules

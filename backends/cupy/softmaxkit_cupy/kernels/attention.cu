@@ -14,13 +14,6 @@
 #define SK_LN2 0.6931471805599453f
 #define SK_LOG2E 1.4426950408889634f
 
-struct SkAttnArgs {
-    long long q_sb, q_sh, q_sl;
-    long long k_sb, k_sh, k_sl;
-    long long v_sb, v_sh, v_sl;
-    long long m_sb, m_sh, m_sq, m_sk;
-};
-
 // The forward's body, for two layouts chosen at compile time.  Dense (VARLEN = false):
 // q [B, Hq, Lq, D] and k, v [B, Hk, Lk, D] by element strides, out [B, Hq, Lq, D] and lse [B, Hq, Lq]
 // contiguous.  Packed variable-length (VARLEN = true, spec "Packed variable-length
@@ -33,11 +26,11 @@ struct SkAttnArgs {
 template <typename T, int D, int WARPS, int BN, int MT, bool MASK, bool VARLEN>
 __device__ __forceinline__ void sk_attn_fwd_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const unsigned char* __restrict__ mask, T* __restrict__ out, float* __restrict__ lse,
+    const unsigned* __restrict__ mask, T* __restrict__ out, float* __restrict__ lse,
     const long long* __restrict__ cu_q, const long long* __restrict__ cu_k,
     long long q_sb, long long q_sh, long long q_sl, long long k_sb, long long k_sh,
     long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
-    long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
+    long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
     float scale, float softcap, int offset, int causal, int left, int right) {
     // each warp owns MT m16 tiles (16 MT rows), so every K / V fragment read from shared
     // memory feeds MT tensor-core products; Q fragments are re-read per tile (registers go
@@ -81,7 +74,7 @@ __device__ __forceinline__ void sk_attn_fwd_body(
         kb = k + b * k_sb + kh * k_sh;
         vb = v + b * v_sb + kh * v_sh;
     }
-    const unsigned char* mb = MASK && mask ? mask + b * m_sb + h * m_sh : nullptr;
+    const unsigned* mb = MASK && mask ? mask + b * m_sb + h * m_sh : nullptr;
 
     // keys any row of this block may see
     int n_lo = 0, n_hi = lk;
@@ -166,7 +159,7 @@ __device__ __forceinline__ void sk_attn_fwd_body(
         const bool edge = n0 + BN > lk || n0 + BN - 1 > m0 + offset + rel_hi ||
                           n0 < m0 + BM - 1 + offset + rel_lo || mb != nullptr;
         if (edge) sk_exclude<MT, NB>(s, n0 + 2 * t, lk, n0 + 2 * t - (m0 + w0 + g) - offset,
-                                     rel_lo, rel_hi, mb, m0 + w0 + g, lq, m_sq, m_sk);
+                                     rel_lo, rel_hi, mb, m0 + w0 + g, lq, m_sq);
 
         // online softmax: new maxima (over the quad that shares each row), rescale, exponentiate
 #pragma unroll
@@ -258,14 +251,14 @@ __device__ __forceinline__ void sk_attn_fwd_body(
 template <typename T, int D, int WARPS, int BN, int MT, bool MASK>
 __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const unsigned char* __restrict__ mask, T* __restrict__ out, float* __restrict__ lse,
+    const unsigned* __restrict__ mask, T* __restrict__ out, float* __restrict__ lse,
     long long q_sb, long long q_sh, long long q_sl, long long k_sb, long long k_sh,
     long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
-    long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
+    long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
     float scale, float softcap, int offset, int causal, int left, int right) {
     sk_attn_fwd_body<T, D, WARPS, BN, MT, MASK, false>(
         q, k, v, mask, out, lse, nullptr, nullptr, q_sb, q_sh, q_sl, k_sb, k_sh, k_sl, v_sb,
-        v_sh, v_sl, m_sb, m_sh, m_sq, m_sk, hq, hk, lq, lk, scale, softcap, offset, causal,
+        v_sh, v_sl, m_sb, m_sh, m_sq, hq, hk, lq, lk, scale, softcap, offset, causal,
         left, right);
 }
 
@@ -281,7 +274,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd_varlen(
     float scale, float softcap, int bottom_right, int causal, int left, int right) {
     sk_attn_fwd_body<T, D, WARPS, BN, MT, false, true>(
         q, k, v, nullptr, out, lse, cu_q, cu_k, 0, q_sh, q_st, 0, k_sh, k_st, 0, v_sh, v_st,
-        0, 0, 0, 0, hq, hk, 0, 0, scale, softcap, bottom_right, causal, left, right);
+        0, 0, 0, hq, hk, 0, 0, scale, softcap, bottom_right, causal, left, right);
 }
 
 // The data path of the forward alone, for checking fragments on a new device: one block of
@@ -433,10 +426,10 @@ struct SkPagedKeys {
 // path is the one sk_attn_decode had before the paged variant: it compiles to the same PTX.
 template <typename T, int D, int WARPS, typename Keys>
 __device__ __forceinline__ void sk_attn_decode_body(
-    const T* __restrict__ q, const Keys& keys, const unsigned char* __restrict__ mask,
+    const T* __restrict__ q, const Keys& keys, const unsigned* __restrict__ mask,
     float* __restrict__ part_out, float* __restrict__ part_lse, long long q_sb,
     long long q_sh, long long q_sl, long long m_sb, long long m_sh, long long m_sq,
-    long long m_sk, int hq, int hk, int lq, int lk, int chunk, float scale, float softcap,
+    int hq, int hk, int lq, int lk, int chunk, float scale, float softcap,
     int offset, int causal, int left, int right) {
     constexpr int BN = 16 * WARPS;
     constexpr int THREADS = WARPS * 32;
@@ -526,7 +519,7 @@ __device__ __forceinline__ void sk_attn_decode_body(
                 const int d = i + offset;
                 bool ok = r < rows && j < n_end && (!causal || j <= d) &&
                           (left < 0 || j >= d - left) && (right < 0 || j <= d + right);
-                if (ok && mask) ok = mask[b * m_sb + h * m_sh + i * m_sq + j * m_sk] != 0;
+                if (ok && mask) ok = (mask[b * m_sb + h * m_sh + i * m_sq + (j >> 5)] >> (j & 31)) & 1u;
                 s[nb][e] = ok ? x : -SK_INF;
             }
         }
@@ -621,15 +614,15 @@ __device__ __forceinline__ void sk_attn_decode_body(
 template <typename T, int D, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const unsigned char* __restrict__ mask, float* __restrict__ part_out,
+    const unsigned* __restrict__ mask, float* __restrict__ part_out,
     float* __restrict__ part_lse, long long q_sb, long long q_sh, long long q_sl,
     long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
-    long long v_sl, long long m_sb, long long m_sh, long long m_sq, long long m_sk, int hq,
+    long long v_sl, long long m_sb, long long m_sh, long long m_sq, int hq,
     int hk, int lq, int lk, int chunk, float scale, float softcap, int offset, int causal,
     int left, int right) {
     const SkDenseKeys<T, D> keys{k, v, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl};
     sk_attn_decode_body<T, D, WARPS>(q, keys, mask, part_out, part_lse, q_sb, q_sh, q_sl,
-                                     m_sb, m_sh, m_sq, m_sk, hq, hk, lq, lk, chunk, scale,
+                                     m_sb, m_sh, m_sq, hq, hk, lq, lk, chunk, scale,
                                      softcap, offset, causal, left, right);
 }
 
@@ -658,7 +651,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode_paged(
     const SkPagedKeys<T, D> keys{k_pages, v_pages, block_table, k_sp, k_sh, k_sl, v_sp, v_sh,
                                  v_sl, t_sb, page_mul, page_shift, page_size, first};
     sk_attn_decode_body<T, D, WARPS>(q, keys, nullptr, part_out, part_lse, q_sb, q_sh, q_sl,
-                                     0, 0, 0, 0, hq, hk, lq, len - first, chunk, scale,
+                                     0, 0, 0, hq, hk, lq, len - first, chunk, scale,
                                      softcap, len - lq - first, causal, left, right);
 }
 

@@ -184,14 +184,14 @@ __global__ void __launch_bounds__(256) sk_attn_bwd_dq_varlen(
 template <typename T, int D, int WARPS, int BM, bool VARLEN>
 __device__ __forceinline__ void sk_attn_bwd_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const unsigned char* __restrict__ mask,
+    const T* __restrict__ dout, const unsigned* __restrict__ mask,
     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
     T* __restrict__ dk, T* __restrict__ dv, const long long* __restrict__ cu_q,
     const long long* __restrict__ cu_k, const long long* __restrict__ cu_pad,
     long long q_sb, long long q_sh, long long q_sl,
     long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
     long long v_sl, long long g_sb, long long g_sh, long long g_sl, long long m_sb,
-    long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
+    long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
     int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
     constexpr int SPLIT = D > 128 ? 2 : 1;
     constexpr int BN = 16 * WARPS / SPLIT;
@@ -339,9 +339,9 @@ __device__ __forceinline__ void sk_attn_bwd_body(
         const bool edge = n0 + BN > lk || n0 + BN - 1 > m0 + offset + rel_hi ||
                           n0 < m0 + BM - 1 + offset + rel_lo || mask != nullptr;
         if (edge) {
-            const unsigned char* mh = mask ? mask + b * m_sb + h * m_sh : nullptr;
+            const unsigned* mh = mask ? mask + b * m_sb + h * m_sh : nullptr;
             const int j0 = n0 + w0 + g, i0 = m0 + 2 * t;
-            sk_exclude_t<NB>(s, j0, lk, j0 - i0 - offset, rel_lo, rel_hi, mh, i0, lq, m_sq, m_sk);
+            sk_exclude_t<NB>(s, j0, lk, j0 - i0 - offset, rel_lo, rel_hi, mh, i0, lq, m_sq);
         }
         // P^T = exp2(S^T - lse2) and dS^T = P^T (dP^T - delta), times 1 - tanh^2 under
         // softcap (tanh clamped so excluded scores, -inf, give 0, not 0 * inf)
@@ -440,17 +440,17 @@ __device__ __forceinline__ void sk_attn_bwd_body(
 template <typename T, int D, int WARPS, int BM>
 __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dout, const unsigned char* __restrict__ mask,
+    const T* __restrict__ dout, const unsigned* __restrict__ mask,
     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
     T* __restrict__ dk, T* __restrict__ dv, long long q_sb, long long q_sh, long long q_sl,
     long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
     long long v_sl, long long g_sb, long long g_sh, long long g_sl, long long m_sb,
-    long long m_sh, long long m_sq, long long m_sk, int hq, int hk, int lq, int lk,
+    long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
     int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
     sk_attn_bwd_body<T, D, WARPS, BM, false>(
         q, k, v, dout, mask, lse2, delta, dq_acc, dk, dv, nullptr, nullptr, nullptr, q_sb,
         q_sh, q_sl, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, g_sb, g_sh, g_sl, m_sb, m_sh, m_sq,
-        m_sk, hq, hk, lq, lk, lq_pad, scale, softcap, offset, causal, left, right);
+        hq, hk, lq, lk, lq_pad, scale, softcap, offset, causal, left, right);
 }
 
 // Packed variable-length backward: grid (key tiles of the longest sequence, Hk, B); q, dO
@@ -469,6 +469,6 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_bwd_varlen(
     int right) {
     sk_attn_bwd_body<T, D, WARPS, BM, true>(
         q, k, v, dout, nullptr, lse2, delta, dq_acc, dk, dv, cu_q, cu_k, cu_pad, 0, q_sh, q_st,
-        0, k_sh, k_st, 0, v_sh, v_st, 0, g_sh, g_st, 0, 0, 0, 0, hq, hk, 0, 0, tpad, scale,
+        0, k_sh, k_st, 0, v_sh, v_st, 0, g_sh, g_st, 0, 0, 0, hq, hk, 0, 0, tpad, scale,
         softcap, bottom_right, causal, left, right);
 }

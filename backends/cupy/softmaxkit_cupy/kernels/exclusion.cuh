@@ -12,17 +12,22 @@ __device__ __forceinline__ void sk_relative_limits(int causal, int left, int rig
     lo = left >= 0 ? -left : -0x3fffffff;
 }
 
+// Boolean masks reach the kernels packed to bits (kernels/mask_bits.cu): bit j % 32 of word
+// j / 32 of a query's row says whether the query may attend to key j; bits past lk are 0.
+// A key tile starts at a multiple of 32 keys, so a lane's keys in it fall in known words.
+
 // Forward: set the excluded scores of a warp's [16 MT x 8 NB] tile (rows = queries, columns
 // = keys, C fragment layout) to -inf: keys past lk, keys outside the causal / window limits,
 // and keys the boolean mask excludes.
-// j0 is the lane's first key, rel0 its first key minus (its first query + offset), i0 its first
-// query; element (mt, nb, e) adds nb * 8 + (e & 1) to the key and 16 mt + 8 (e >= 2) to the
-// query.  Everything is relative to values that change per tile, so nothing is kept live
-// across the key loop.
+// j0 is the lane's first key (the tile's first plus 2 t), rel0 its first key minus (its first
+// query + offset), i0 its first query; element (mt, nb, e) adds nb * 8 + (e & 1) to the key
+// and 16 mt + 8 (e >= 2) to the query.  Everything is relative to values that change per
+// tile, so nothing is kept live across the key loop.
 template <int MT, int NB>
 __device__ __forceinline__ void sk_exclude(float (&s)[MT][NB][4], int j0, int lk, int rel0,
-                                           int lo, int hi, const unsigned char* mb, int i0,
-                                           int lq, long long m_sq, long long m_sk) {
+                                           int lo, int hi, const unsigned* mb, int i0,
+                                           int lq, long long m_sq) {
+    static_assert(NB % 4 == 0, "a key tile covers whole 32-key mask words");
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -36,19 +41,25 @@ __device__ __forceinline__ void sk_exclude(float (&s)[MT][NB][4], int j0, int lk
         }
     }
     if (mb == nullptr) return;
+    // key j0 + 8 nb + e is bit (j0 % 32) + 8 (nb % 4) + e of word j0 / 32 + nb / 4
+    const int word0 = j0 >> 5, bit0 = j0 & 31;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int i = i0 + 16 * mt + 8 * r;
             if (i >= lq) continue;  // a row past lq is never stored
-            const unsigned char* row = mb + i * m_sq;
+            const unsigned* row = mb + i * m_sq;
 #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
+            for (int w = 0; w < NB / 4; ++w) {
+                const unsigned word = (word0 + w) * 32 < lk ? row[word0 + w] : 0u;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int j = j0 + nb * 8 + e;
-                    if (j < lk && !row[j * m_sk]) s[mt][nb][2 * r + e] = -SK_INF;
+                for (int nb = 0; nb < 4; ++nb) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        if (!((word >> (bit0 + 8 * nb + e)) & 1u))
+                            s[mt][4 * w + nb][2 * r + e] = -SK_INF;
+                    }
                 }
             }
         }
@@ -61,8 +72,8 @@ __device__ __forceinline__ void sk_exclude(float (&s)[MT][NB][4], int j0, int lk
 // lq are left alone (their P is 0 through lse).
 template <int NB>
 __device__ __forceinline__ void sk_exclude_t(float (&s)[NB][4], int j0, int lk, int rel0,
-                                             int lo, int hi, const unsigned char* mb, int i0,
-                                             int lq, long long m_sq, long long m_sk) {
+                                             int lo, int hi, const unsigned* mb, int i0,
+                                             int lq, long long m_sq) {
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
@@ -73,17 +84,17 @@ __device__ __forceinline__ void sk_exclude_t(float (&s)[NB][4], int j0, int lk, 
         }
     }
     if (mb == nullptr) return;
-    // one query column (two lanes' worth of keys) at a time, as in sk_exclude
+    // keys j0 and j0 + 8 share a mask word: j0 is the tile's first key (a multiple of 32)
+    // plus the warp's 16-key offset plus g < 8
+    const int word = j0 >> 5, bit = j0 & 31;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
             const int i = i0 + nb * 8 + c;
-            const unsigned char* row = mb + min(i, lq - 1) * m_sq;
-            const bool k0 = j0 < lk && row[j0 * m_sk];
-            const bool k1 = j0 + 8 < lk && row[(j0 + 8) * m_sk];
-            if (!k0) s[nb][c] = -SK_INF;
-            if (!k1) s[nb][2 + c] = -SK_INF;
+            const unsigned w = j0 < lk ? mb[min(i, lq - 1) * m_sq + word] : 0u;
+            if (!((w >> bit) & 1u)) s[nb][c] = -SK_INF;
+            if (!((w >> (bit + 8)) & 1u)) s[nb][2 + c] = -SK_INF;
         }
     }
 }
