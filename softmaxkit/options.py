@@ -39,6 +39,9 @@ class TraceRecord:
         The name of the backend that ran it.
     declined
         ``{name: reason}`` for every other registered backend that was not chosen.
+    kernel
+        The backend's kernel that ran the call, where the backend names it
+        (:func:`note_kernel`; the CuPy backend names its attention forward's), else None.
     """
 
     op: str
@@ -46,6 +49,7 @@ class TraceRecord:
     dtype: str
     backend: str
     declined: dict[str, str]
+    kernel: str | None = None
 
 
 _options: contextvars.ContextVar[_Options] = contextvars.ContextVar(
@@ -59,6 +63,22 @@ def _names(value: str | Iterable[str] | None) -> tuple[str, ...]:
     if isinstance(value, str):
         value = value.split(",")
     return tuple(dict.fromkeys(v.strip() for v in value if v.strip()))
+
+
+def note_kernel(name: str) -> None:
+    """Name the kernel that runs the call being traced, in its :class:`TraceRecord`.
+
+    A backend calls this from its kernel, where it chooses among kernels of its own (by device
+    or shape); outside ``backend_opts(trace=True)`` it does nothing.
+
+    Parameters
+    ----------
+    name
+        The kernel's name, as the backend spells it.
+    """
+    records = _options.get().trace
+    if records:
+        records[-1].kernel = name
 
 
 class backend_opts:  # noqa: N801 - used as a function, like contextlib's managers

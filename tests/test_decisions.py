@@ -205,3 +205,18 @@ def test_hook_keys_must_name_known_properties():
         registry.Backend.from_manifest(_backend("bad", hook_keys=["shape_of_x"]))
     with pytest.raises(ValueError, match="hook_keys"):
         registry.Backend.from_manifest(_backend("bad", hook_keys="shapes"))
+
+
+def test_a_backend_names_its_kernel_in_the_call_s_trace_record(fresh):
+    from softmaxkit.options import note_kernel
+
+    note_kernel("outside a trace")  # nothing to record into: nothing happens
+    x = np.ones(8, np.float32)
+    with sk.backend_opts(trace=True) as trace:
+        note_kernel("before any call")
+        assert trace == []
+        sk.softmax(x)
+        assert trace[-1].kernel is None  # its backend named no kernel
+        note_kernel("sk_example<1>")  # what a backend's kernel does while the call runs
+        sk.softmax(x)
+    assert [r.kernel for r in trace] == ["sk_example<1>", None]

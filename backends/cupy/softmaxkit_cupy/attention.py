@@ -8,6 +8,11 @@ their results are fixed by the spec ("Attention") and made here without a launch
 head dimensions the kernels are not built for (D != Dv, or D outside ``ATTENTION_HEAD_DIMS``;
 both at most 256) runs on zero-padded copies of its arrays and its results are sliced back
 (:mod:`.head_dims`); a call at a built head dimension with D = Dv runs on its arrays as given.
+
+On a device of compute capability 9.0 the forward of a call at a head dimension
+kernels/attention_sm90.cu is built for (warpgroup matrix products, sm_90a) runs there; every
+other call, and every call on another device, runs on kernels/attention.cu.  The kernel that
+ran is named in ``backend_opts(trace=True)``'s record (``TraceRecord.kernel``).
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from softmaxkit.options import note_kernel
+
 from . import compiler, head_dims, interop
 from .configs import (
     DECODE_WARPS,
+    SM90_CAPABILITY,
     AttentionConfig,
     BackwardConfig,
+    Sm90Config,
     alternative_names,
     attention_config,
     attention_names,
@@ -38,6 +47,8 @@ from .configs import (
     decode_shared_bytes,
     merge_name,
     paged_names,
+    sm90_config,
+    sm90_names,
     varlen_backward_names,
     varlen_names,
 )
@@ -71,6 +82,10 @@ def _kernel(name: str, shared: int) -> Any:
             names = (name,)
     elif name.startswith("sk_attn_decode_paged"):  # paged decoding: a module of its own
         filename, names = "attention.cu", paged_names()
+    elif name.startswith("sk_attn_fwd_sm90<"):  # the Hopper forward: sm_90a, its own source
+        filename, names = "attention_sm90.cu", sm90_names()
+        if name not in names:  # another configuration asked for explicitly: built alone
+            names = (name,)
     elif name.startswith("sk_attn_bwd"):
         filename, names = "attention_bwd.cu", backward_names()
         if name not in names:  # an alternative backward configuration asked for explicitly
@@ -92,6 +107,26 @@ def _multiprocessors_of(device: int) -> int:
 
     # Device.attributes queries every attribute of the device: once per device
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+@functools.cache
+def _capability_of(device: int) -> str:
+    import cupy
+
+    return str(cupy.cuda.Device(device).compute_capability)
+
+
+def forward_config(capability: str, head_dim: int,
+                   masked: bool) -> AttentionConfig | Sm90Config:
+    """The forward configuration for a call at ``head_dim`` (a built head dimension) on a device
+    of compute capability ``capability`` (CuPy's spelling, "90" for 9.0), with a boolean mask
+    or without one: the Hopper kernel where it is built for the head dimension and the device
+    is 9.0, the mma.sync kernel otherwise."""
+    if capability == SM90_CAPABILITY:
+        found = sm90_config(head_dim, masked)
+        if found is not None:
+            return found
+    return attention_config(head_dim, masked=masked)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -154,16 +189,18 @@ def _backward_without_work(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | Non
 
 def attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
-    mask: Any, softcap: Any, return_lse: bool, config: AttentionConfig | None = None,
+    mask: Any, softcap: Any, return_lse: bool,
+    config: AttentionConfig | Sm90Config | None = None,
 ) -> tuple[Any, Any]:
     """Exact attention forward on tensor cores; (out, lse or None).
 
-    ``config`` overrides the forward tile configuration (one of ``attention_names()``'s, at
-    the head dimension the call runs at); split-KV decoding is used instead for few query
-    rows per key head.  A call whose head dimensions the kernels are not built for (D != Dv,
-    or D not in ``ATTENTION_HEAD_DIMS``) runs on copies of q, k, v zero-padded to the next
-    built one, and its output is the padded output's first Dv columns; a value dimension above
-    256 runs in blocks of columns, a call each (:mod:`.head_dims`).
+    ``config`` overrides the forward tile configuration (an :class:`AttentionConfig` or, on a
+    device of compute capability 9.0, a :class:`Sm90Config`, at the head dimension the call
+    runs at; by default :func:`forward_config` picks one); split-KV decoding is used instead
+    for few query rows per key head.  A call whose head dimensions the kernels are not built
+    for (D != Dv, or D not in ``ATTENTION_HEAD_DIMS``) runs on copies of q, k, v zero-padded
+    to the next built one, and its output is the padded output's first Dv columns; a value
+    dimension above 256 runs in blocks of columns, a call each (:mod:`.head_dims`).
     """
     fixed = _forward_without_work(q, k, v)
     if fixed is not None:
@@ -188,7 +225,7 @@ def attention(
 
 def _attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
-    mask: Any, softcap: Any, return_lse: bool, config: AttentionConfig | None,
+    mask: Any, softcap: Any, return_lse: bool, config: AttentionConfig | Sm90Config | None,
 ) -> tuple[Any, Any]:
     """:func:`attention` of a call with work, at a built head dimension (D = Dv)."""
     b, hq, lq, d = (int(s) for s in q.shape)
@@ -215,18 +252,22 @@ def _attention(
                 return (*pointers, parts, part_lses, *strides, np.int32(hq), np.int32(hk),
                         np.int32(lq), np.int32(lk), chunk, *options)
 
+            note_kernel(decode_name(dtype, d))
             out, lse = split_decode(q, decode_name(dtype, d), DECODE_PARAMS,
                                     (b, hq, hk, lq, d), lk, decode_args)
             out = xp.reshape(out, (b, hq, lq, d))
             lse = xp.reshape(lse, (b, hq, lq))
         else:
-            config = config or attention_config(d, masked=mask is not None)
+            config = config or forward_config(_capability_of(interop.device_index(q)), d,
+                                              mask is not None)
             if mask is not None and not config.mask:
                 raise ValueError(f"{config} is built without boolean-mask support")
             out = interop.empty(q, (b, hq, lq, d), dtype)
             lse = interop.empty(q, (b, hq, lq), "float32")
             shared = config.shared_bytes()
-            kernel = _kernel(config.name(dtype), shared)
+            name = config.name(dtype)
+            note_kernel(name)
+            kernel = _kernel(name, shared)
             args = (*pointers, np.uint64(interop.pointer(out)), np.uint64(interop.pointer(lse)),
                     *strides, np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), *options)
             grid = (-(-lq // config.block_m), hq, b)

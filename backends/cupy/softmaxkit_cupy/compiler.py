@@ -13,8 +13,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from .configs import SM90_SOURCES
+
 KERNELS = Path(__file__).parent / "kernels"
 OPTIONS = ("-std=c++17",)
+SM90_OPTIONS = ("-arch=sm_90a",)
+"""Added for the sources of ``configs.SM90_SOURCES``: NVRTC builds for sm_90a when given this
+beside the ``-arch=sm_<device>`` CuPy appends (checked with NVRTC 13.0, in either order)."""
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 _lock = threading.Lock()
@@ -47,8 +52,9 @@ def module(filename: str, names: tuple[str, ...]) -> Any:
     with _lock:
         found = _modules.get(key)
         if found is None:
+            options = OPTIONS + (SM90_OPTIONS if filename in SM90_SOURCES else ())
             found = cupy.RawModule(
-                code=source(filename), options=OPTIONS, name_expressions=list(names)
+                code=source(filename), options=options, name_expressions=list(names)
             )
             found.compile()
             _modules[key] = found

@@ -301,6 +301,75 @@ def attention_config(head_dim: int, masked: bool = True) -> AttentionConfig:
     return ATTENTION_CONFIGS[head_dim]
 
 
+SM90_SOURCES = frozenset({"attention_sm90.cu"})
+"""Kernel sources that use sm_90a instructions (wgmma): built for that target alone and run on
+devices of compute capability 9.0 only (arch-specific code runs on no other)."""
+
+SM90_CAPABILITY = "90"
+"""The compute capability (as CuPy spells it) of the devices the sm_90a kernels run on."""
+
+
+@dataclass(frozen=True)
+class Sm90Config:
+    """One Hopper forward tile shape (kernels/attention_sm90.cu): ``warpgroups`` warpgroups of
+    64 query rows each, ``block_n`` keys per tile; ``mask=False`` builds it without the boolean
+    mask's code."""
+
+    head_dim: int
+    block_n: int = 128
+    warpgroups: int = 2
+    mask: bool = False
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per block (64 per warpgroup)."""
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 128 * self.warpgroups
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: the Q tile, two stages of K and V tiles (16-bit), and 1 KB
+        the kernel aligns the tiles to 1024 bytes with (the 128-byte swizzle needs it)."""
+        return (self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024
+
+    def name(self, dtype: str) -> str:
+        """The C++ name expression of the forward kernel for ``dtype``."""
+        return (f"sk_attn_fwd_sm90<{CTYPES[dtype]}, {self.head_dim}, {self.block_n}, "
+                f"{self.warpgroups}, {'true' if self.mask else 'false'}>")
+
+
+SM90_CONFIGS = {
+    64: Sm90Config(64, block_n=128),
+    128: Sm90Config(128, block_n=128),
+    256: Sm90Config(256, block_n=64),
+}
+"""The Hopper forward for each head dimension it is built for, without a boolean mask: two
+warpgroups (128 query rows), 128-key tiles (64 at 256, where the output accumulator takes half
+the registers).  128-key tiles beat 64-key ones at 128 on the H200 (docs/benchmarks-cupy.md)."""
+
+SM90_MASKED_CONFIGS = {
+    64: Sm90Config(64, block_n=128, mask=True),
+    128: Sm90Config(128, block_n=128, mask=True),
+}
+"""The Hopper forward for calls with a boolean mask; at 256 the mask's code spills registers,
+so masked calls there keep the mma.sync kernel."""
+
+
+def sm90_config(head_dim: int, masked: bool) -> Sm90Config | None:
+    """The Hopper forward configuration for ``head_dim``, for a call with a boolean mask or
+    without one, or None where none is built."""
+    return (SM90_MASKED_CONFIGS if masked else SM90_CONFIGS).get(head_dim)
+
+
+def sm90_names() -> tuple[str, ...]:
+    """The name expressions of kernels/attention_sm90.cu (one module holds them all)."""
+    declared = (*SM90_CONFIGS.values(), *SM90_MASKED_CONFIGS.values())
+    return tuple(c.name(t) for c in declared for t in ATTENTION_DTYPES)
+
+
 DECODE_WARPS = 4
 DECODE_ROWS = 16
 """Split-KV decoding serves calls with (Hq / Hk) * Lq <= 16 query rows per key head."""
@@ -536,4 +605,5 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention_bwd.cu", list(varlen_backward_names())))
     modules.append(("attention.cu", list(paged_names())))
     modules.append(("mask_bits.cu", [MASK_BITS_NAME]))
+    modules.append(("attention_sm90.cu", list(sm90_names())))
     return modules

@@ -144,3 +144,38 @@ def test_attention_configurations_cover_every_head_dim_within_the_h200s_limits()
     assert attention_config(256).m_tiles == 1 and backward_config(256).split == 2
     for c in (*ATTENTION_ALTERNATIVES, *BACKWARD_ALTERNATIVES):
         assert c.head_dim in (64, 128) and c.shared_bytes() <= limit
+
+
+def test_hopper_forward_serves_capability_9_0_only_within_the_h200s_limits() -> None:
+    from softmaxkit_cupy.attention import forward_config
+    from softmaxkit_cupy.configs import (
+        ATTENTION_HEAD_DIMS,
+        SM90_CONFIGS,
+        SM90_MASKED_CONFIGS,
+        SM90_SOURCES,
+        AttentionConfig,
+        Sm90Config,
+        attention_config,
+        sm90_names,
+    )
+
+    assert set(SM90_CONFIGS) == {64, 128, 256} and set(SM90_MASKED_CONFIGS) <= set(SM90_CONFIGS)
+    assert set(SM90_CONFIGS) <= set(ATTENTION_HEAD_DIMS)
+    for configs, masked in ((SM90_CONFIGS, False), (SM90_MASKED_CONFIGS, True)):
+        for d, c in configs.items():
+            # whole 64-column panels of the 128-byte swizzle, wgmma's n of 64, 128 or 256
+            assert c.head_dim == d and c.mask == masked and d % 64 == 0
+            assert c.block_n % 64 == 0 and c.block_n in (64, 128, 256)
+            assert c.shared_bytes() <= 227 * 1024 and c.threads == 128 * c.warpgroups
+            assert c.name("bfloat16") in sm90_names()
+    assert SM90_CONFIGS[128].name("bfloat16") == "sk_attn_fwd_sm90<sk_bf16, 128, 128, 2, false>"
+    assert {filename for filename, _ in all_modules()} >= SM90_SOURCES
+    for d in ATTENTION_HEAD_DIMS:
+        for masked in (False, True):
+            hopper = forward_config("90", d, masked)
+            built = (SM90_MASKED_CONFIGS if masked else SM90_CONFIGS).get(d)
+            assert hopper == (built or attention_config(d, masked))
+            assert isinstance(hopper, Sm90Config) == (built is not None)
+            for other in ("80", "86", "89", "100", "120"):
+                assert forward_config(other, d, masked) == attention_config(d, masked)
+                assert isinstance(forward_config(other, d, masked), AttentionConfig)

@@ -1,4 +1,5 @@
-"""Every kernel instantiation the backend can build compiles with nvcc for sm_90.
+"""Every kernel instantiation the backend can build compiles with nvcc for sm_90 (sm_90a for
+the sources that use its instructions, ``configs.SM90_SOURCES``).
 
 The name expressions are the ones the backend hands NVRTC on the device (configs.py) and the
 source is the text NVRTC compiles (local includes inlined), so a template error, an
@@ -13,6 +14,7 @@ Skipped only where nvcc is absent.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from softmaxkit_cupy.compiler import source
-from softmaxkit_cupy.configs import all_modules
+from softmaxkit_cupy.configs import SM90_SOURCES, all_modules
 
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists()
                                 else None)
@@ -54,7 +56,9 @@ def _compile(tmp: Path, index: int, filename: str, mode: str,
     lines = [source(filename)]
     lines += [f"void* sk_instance_{i} = (void*)&{name};" for i, name in enumerate(names)]
     unit.write_text("\n".join(lines) + "\n")
-    cmd = [NVCC, "-std=c++17", "-arch=sm_90", mode, str(unit), "-o", str(tmp / f"unit{index}.o")]
+    arch = ("-gencode=arch=compute_90a,code=sm_90a" if filename in SM90_SOURCES
+            else "-arch=sm_90")
+    cmd = [NVCC, "-std=c++17", arch, mode, str(unit), "-o", str(tmp / f"unit{index}.o")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     return f"{filename} ({mode}, {len(names)} kernels)", done.returncode, done.stderr
 
@@ -69,3 +73,26 @@ def test_every_instantiation_compiles_for_sm90(tmp_path: Path) -> None:
         results = list(pool.map(lambda iu: _compile(tmp_path, iu[0], *iu[1]), enumerate(units)))
     failures = [(what, err) for what, rc, err in results if rc != 0]
     assert not failures, "\n".join(f"{what}:\n{err[-3000:]}" for what, err in failures)
+
+
+def test_sm90_attention_keeps_its_registers_and_its_wgmma_pipeline(tmp_path: Path) -> None:
+    """The Hopper forward's instantiations spill no registers, and ptxas keeps their warpgroup
+    products asynchronous: it serializes them (and says so) when ordinary code touches an
+    accumulator between a product's issue and its wait, which would undo the overlap of the
+    softmax with the tensor cores."""
+    from softmaxkit_cupy.configs import sm90_names
+
+    # with the data-path probe, which no module declares (a device check launches it)
+    names = [*sm90_names(), "sk_wgmma_probe<sk_bf16>", "sk_wgmma_probe<__half>"]
+    unit = tmp_path / "sm90.cu"
+    unit.write_text(source("attention_sm90.cu") + "\n" + "\n".join(
+        f"void* sk_instance_{i} = (void*)&{name};" for i, name in enumerate(names)) + "\n")
+    cmd = [NVCC, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
+           "-Xptxas", "-v", str(unit), "-o", str(tmp_path / "sm90.cubin")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = done.stderr
+    assert report.count("Compiling entry function") == len(names)
+    assert "serialized" not in report, report[-3000:]
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    assert len(spills) == len(names) and set(spills) == {"0"}, report[-3000:]
