@@ -49,6 +49,7 @@ from .configs import (
     paged_names,
     sm90_config,
     sm90_names,
+    sm90_width,
     varlen_backward_names,
     varlen_names,
 )
@@ -212,7 +213,8 @@ def attention(
             return head_dims.forward_in_blocks(xp, blocks, lambda vb: attention(
                 xp, q=q, k=k, v=vb, scale=scale, causal=causal, window=window, mask=mask,
                 softcap=softcap, return_lse=return_lse, config=config), v)
-    width = head_dims.pad_width(int(q.shape[3]), dv)
+    width = _forward_width(q, k, dv, mask is not None) if config is None else (
+        head_dims.pad_width(int(q.shape[3]), dv))
     if width is None:
         return _attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
                           mask=mask, softcap=softcap, return_lse=return_lse, config=config)
@@ -221,6 +223,25 @@ def attention(
     out, lse = _attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
                           mask=mask, softcap=softcap, return_lse=return_lse, config=config)
     return head_dims.narrow(out, dv), lse
+
+
+def _forward_width(q: Any, k: Any, dv: int, masked: bool) -> int | None:
+    """The head dimension the forward runs a call at, or None for the call's own.
+
+    On a device of compute capability 9.0 a call the Hopper forward is built for when padded
+    (every D, Dv up to 256 without a mask, up to 128 with one) runs there, at the next of its
+    head dimensions: its zero columns cost less than the mma.sync kernel at the call's own
+    width (docs/benchmarks-attention.md).
+    Split-KV decoding and other devices keep :func:`head_dims.pad_width`'s choice."""
+    d = int(q.shape[3])
+    width = head_dims.pad_width(d, dv)
+    hq, lq, hk, lk = int(q.shape[1]), int(q.shape[2]), int(k.shape[1]), int(k.shape[2])
+    if uses_decode(hq, hk, lq, lk) or _capability_of(interop.device_index(q)) != SM90_CAPABILITY:
+        return width
+    hopper = sm90_width(d, dv, masked)
+    if hopper is None:
+        return width
+    return None if hopper == d == dv else hopper
 
 
 def _attention(

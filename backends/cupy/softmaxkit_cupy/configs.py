@@ -364,6 +364,14 @@ def sm90_config(head_dim: int, masked: bool) -> Sm90Config | None:
     return (SM90_MASKED_CONFIGS if masked else SM90_CONFIGS).get(head_dim)
 
 
+def sm90_width(d: int, dv: int, masked: bool) -> int | None:
+    """The head dimension the Hopper forward runs a call of key dim ``d`` and value dim ``dv``
+    at (zero-padded, :mod:`.head_dims`): the smallest it is built for at least ``max(d, dv)``,
+    with a boolean mask or without one, or None where it is built for none."""
+    built = SM90_MASKED_CONFIGS if masked else SM90_CONFIGS
+    return next((p for p in sorted(built) if p >= max(d, dv)), None)
+
+
 def sm90_names() -> tuple[str, ...]:
     """The name expressions of kernels/attention_sm90.cu (one module holds them all)."""
     declared = (*SM90_CONFIGS.values(), *SM90_MASKED_CONFIGS.values())

@@ -256,10 +256,18 @@ def _assert_padded(seen: dict, names: tuple[str, ...], width: int) -> None:
         assert (a.stride(-2) * a.element_size()) % 16 == 0, name
 
 
-@pytest.mark.parametrize(("d", "dv"), [*PAIRS, (64, 64)])
-def test_dense_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv) -> None:
-    from softmaxkit_cupy import attention as adapter
+CAPABILITIES = ["80", "90"]
+"""Compute capabilities the dense adapter is run as on (its device query stood in for): the
+mma.sync kernels alone, and beside them the Hopper forward, which takes its own widths."""
 
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+@pytest.mark.parametrize(("d", "dv"), [*PAIRS, (64, 64), (96, 96)])
+def test_dense_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv, capability) -> None:
+    from softmaxkit_cupy import attention as adapter
+    from softmaxkit_cupy.configs import sm90_width
+
+    monkeypatch.setattr(adapter, "_capability_of", lambda device: capability)
     seen: list = []
     _stand_in(monkeypatch, adapter, "_attention", dense_ref.attention, seen)
     _stand_in(monkeypatch, adapter, "_attention_vjp", dense_ref.attention_vjp, seen)
@@ -284,11 +292,15 @@ def test_dense_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv) -> None:
     forward, backward = seen
     assert forward["scale"] == backward["scale"] == scale
     width = head_dims.served_head_dim(d, dv)
-    if d == dv == width:  # built: the caller's arrays, no copy
+    # the forward on Hopper: at the Hopper kernel's next width (a mask: up to 128) if any
+    forward_width = (capability == "90" and sm90_width(d, dv, masked=True)) or width
+    if d == dv == forward_width:  # built: the caller's arrays, no copy
         assert forward["q"] is tq and forward["k"] is tk and forward["v"] is tv
+    else:
+        _assert_padded(forward, ("q", "k", "v"), forward_width)
+    if d == dv == width:
         assert backward["q"] is tq and backward["dout"] is tdout
     else:
-        _assert_padded(forward, ("q", "k", "v"), width)
         _assert_padded(backward, ("q", "k", "v", "out", "dout"), width)
 
 
@@ -492,13 +504,16 @@ def test_value_blocks(d, dv, blocks) -> None:
 
 
 @pytest.mark.parametrize(("d", "dv"), [(64, 300), (256, 257), (40, 520)])
-def test_dense_adapter_runs_value_dims_above_256_in_blocks(monkeypatch, torch_xp, d, dv) -> None:
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_dense_adapter_runs_value_dims_above_256_in_blocks(monkeypatch, torch_xp, d, dv,
+                                                           capability) -> None:
     """Forward and gradient at Dv > 256: a kernel call per block of value columns (the
     reference standing in for the kernels), each at a built head dimension, results equal
     the reference's on the whole call (float64)."""
     import torch
     from softmaxkit_cupy import attention as adapter
 
+    monkeypatch.setattr(adapter, "_capability_of", lambda device: capability)
     seen: list = []
     _stand_in(monkeypatch, adapter, "_attention", dense_ref.attention, seen)
     _stand_in(monkeypatch, adapter, "_attention_vjp", dense_ref.attention_vjp, seen)
