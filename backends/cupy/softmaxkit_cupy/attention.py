@@ -228,10 +228,9 @@ def attention(
 def _forward_width(q: Any, k: Any, dv: int, masked: bool) -> int | None:
     """The head dimension the forward runs a call at, or None for the call's own.
 
-    On a device of compute capability 9.0 a call the Hopper forward is built for when padded
-    (every D, Dv up to 256 without a mask, up to 128 with one) runs there, at the next of its
-    head dimensions: its zero columns cost less than the mma.sync kernel at the call's own
-    width (docs/benchmarks-attention.md).
+    On a device of compute capability 9.0 a call runs on the Hopper forward at
+    :func:`~.configs.sm90_width` where that gives one (the head dims it is built for, and
+    those the mma.sync kernels serve slower than its zero-padded next one).
     Split-KV decoding and other devices keep :func:`head_dims.pad_width`'s choice."""
     d = int(q.shape[3])
     width = head_dims.pad_width(d, dv)
