@@ -47,6 +47,21 @@ def vjp_operands(
             xp.astype(checked["dout"], like.dtype, copy=False))
 
 
+def lse_cotangent(
+    xp: Any, dlse: Any, lse: Any, shape: tuple[int, ...], like: Any, base: str
+) -> Any:
+    """The lse's cotangent ``dlse`` (of ``shape``, given in ``base``) checked, in the
+    accumulator dtype, for the natural-log ``lse`` the kernels take: ``d lse_2 = d lse_e /
+    ln 2`` turns a base-2 cotangent into ``dlse / ln 2``; rows whose ``lse`` is -inf (no
+    allowed key, so no score for it to reach) get 0, so a non-finite value there reads as
+    nothing."""
+    dlse = args.shaped_floating(xp, dlse, "dlse", shape, like)
+    dlse = xp.astype(dlse, lse.dtype, copy=False)
+    if base == "2":
+        dlse = dlse / LN2
+    return xp.where(lse == -math.inf, xp.zeros_like(dlse), dlse)
+
+
 class _Layout:
     """Shapes of q, k, v (and mask) checked, leading dims broadcast, flattened into B."""
 
@@ -217,6 +232,7 @@ def attention_vjp(
     lse: Any,
     dout: Any,
     *,
+    dlse: Any = None,
     scale: float | None = None,
     causal: bool | str = False,
     window: tuple[int, int] | None = None,
@@ -225,7 +241,8 @@ def attention_vjp(
     lse_base: str | int = "e",
     backend: str | None = None,
 ) -> tuple[Any, Any, Any]:
-    """Gradient of :func:`attention`: ``(dq, dk, dv)`` for the upstream gradient ``dout``.
+    """Gradient of :func:`attention`: ``(dq, dk, dv)`` for the upstream gradients ``dout``
+    and, where the loss uses the log-sum-exp too, ``dlse``.
 
     Computed by recomputation from ``lse``, as FlashAttention's backward does: no probability
     matrix is stored, and a query row with no allowed key (``lse = -inf``) has zero gradient.
@@ -238,10 +255,15 @@ def attention_vjp(
         The forward's output and log-sum-exp (``attention(..., return_lse=True)``).
     dout : array
         Upstream gradient, the shape of ``out``.
+    dlse : array, optional
+        Upstream gradient of the returned ``lse`` (its shape, in ``lse_base``), for a loss
+        that uses it (as merging partial results does). It costs the backward nothing beyond
+        one term per row (``rowsum(dout * out) - dlse``, in the accumulator dtype); a row with
+        no allowed key ignores it.
     scale, causal, window, mask, softcap
         The forward's arguments, unchanged.
     lse_base : {"e", 2}, optional
-        The base ``lse`` is given in.
+        The base ``lse`` (and ``dlse``) is given in.
     backend : str, optional
         Run on this backend only (strict).
 
@@ -251,26 +273,27 @@ def attention_vjp(
         Shaped and typed like ``q``, ``k``, ``v`` (broadcast leading dimensions summed back;
         ``dk``, ``dv`` summed over each group of query heads).
     """
-    framework = route(q, k, v, out, lse, dout, mask)
+    framework = route(q, k, v, out, lse, dout, mask, dlse)
     if framework is not None:
         return framework.attention_vjp(
-            q, k, v, out, lse, dout, scale=scale, causal=causal, window=window, mask=mask,
-            softcap=softcap, lse_base=lse_base, backend=backend,
+            q, k, v, out, lse, dout, dlse=dlse, scale=scale, causal=causal, window=window,
+            mask=mask, softcap=softcap, lse_base=lse_base, backend=backend,
         )
     base = args.lse_base(lse_base)
-    xp, layout, (q0, k0, v0), (qf, kf, vf, mf) = _prepare(
-        q, k, v, mask, {"out": out, "lse": lse, "dout": dout}
-    )
+    extra = {"out": out, "lse": lse, "dout": dout} | ({} if dlse is None else {"dlse": dlse})
+    xp, layout, (q0, k0, v0), (qf, kf, vf, mf) = _prepare(q, k, v, mask, extra)
     out_shape = layout.lead + (layout.hq, layout.lq, layout.dv)
+    out_v, lse_v, dout_v = vjp_operands(xp, out, lse, dout, out_shape, qf, base)
+    dlse_v = None if dlse is None else lse_cotangent(xp, dlse, lse_v, out_shape[:-1], qf, base)
     # the leading dimensions flattened into B, as the operands are
-    out_f, lse_f, dout_f = (
-        xp.reshape(a, (layout.b,) + tuple(a.shape[len(layout.lead):]))
-        for a in vjp_operands(xp, out, lse, dout, out_shape, qf, base)
+    out_f, lse_f, dout_f, dlse_f = (
+        None if a is None else xp.reshape(a, (layout.b,) + tuple(a.shape[len(layout.lead):]))
+        for a in (out_v, lse_v, dout_v, dlse_v)
     )
     scale_f = args.attention_scale(scale, layout.d)
     dq, dk, dv = run(
         "attention_vjp", xp, qf, backend, q=qf, k=kf, v=vf, out=out_f, lse=lse_f, dout=dout_f,
-        scale=scale_f, mask=mf, **args.attention_options(causal, window, softcap),
+        dlse=dlse_f, scale=scale_f, mask=mf, **args.attention_options(causal, window, softcap),
     )
     grads = []
     for g, a in ((dq, q0), (dk, k0), (dv, v0)):

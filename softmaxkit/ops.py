@@ -59,10 +59,13 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     "attention": (
         "q", "k", "v", "scale", "causal", "window", "mask", "softcap", "return_lse",
     ),
-    # out, dout [B, Hq, Lq, Dv] (q's dtype), lse [B, Hq, Lq] in acc, natural log, -inf = empty
+    # out, dout [B, Hq, Lq, Dv] (q's dtype), lse [B, Hq, Lq] in acc, natural log, -inf = empty;
+    #   dlse None | [B, Hq, Lq] in acc: the lse's own cotangent (natural log; 0 on the rows
+    #   whose lse is -inf), entering as D = rowsum(dout * out) - dlse
     # -> (dq, dk, dv) shaped and typed like q, k, v (dk, dv summed over each GQA group)
     "attention_vjp": (
-        "q", "k", "v", "out", "lse", "dout", "scale", "causal", "window", "mask", "softcap",
+        "q", "k", "v", "out", "lse", "dout", "dlse", "scale", "causal", "window", "mask",
+        "softcap",
     ),
     # outs [S, R, Dv], lses [S, R] in acc, natural log, -inf = empty part (never +inf)
     # -> (out [R, Dv] in outs' dtype, lse [R] in acc); all parts empty: (0, -inf)

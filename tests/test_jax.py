@@ -188,15 +188,23 @@ def test_numba_kernels_run_under_jit():
 
 @pytest.mark.parametrize("used", ["out", "lse", "both"])
 @pytest.mark.parametrize("jit", [False, True])
-def test_a_returned_lse_widens_the_backward_only_when_the_loss_uses_it(monkeypatch, used, jit):
-    """An lse that is returned but unused reaches the backward as a symbolic zero, so the
-    backward keeps the value width; gradients equal the float64 definition's."""
+def test_a_returned_lse_reaches_the_backward_only_when_the_loss_uses_it(monkeypatch, used,
+                                                                         jit):
+    """An lse that is returned but unused reaches the backward as a symbolic zero and the VJP
+    gets no ``dlse``; a used one's cotangent reaches it as ``dlse``, never by a wider call;
+    gradients equal the float64 definition's."""
     import importlib
 
     module = importlib.import_module("softmaxkit.frameworks.jax")
-    widened = []
-    real = module._widen_for_lse
-    monkeypatch.setattr(module, "_widen_for_lse", lambda *a: widened.append(1) or real(*a))
+    seen = []
+    widen, vjp = module._widen_for_lse, module._attention_vjp_fn
+    monkeypatch.setattr(module, "_widen_for_lse", lambda *a: seen.append("widened") or widen(*a))
+
+    def recorded(*a, dlse=None, **kw):
+        seen.append("" if dlse is None else "dlse")
+        return vjp(*a, dlse=dlse, **kw)
+
+    monkeypatch.setattr(module, "_attention_vjp_fn", recorded)
     module._attention_custom.cache_clear()  # rules built before the patch hold the real one
     q, k, v = _rand(2, 5, 4, seed=6), _rand(1, 7, 4, seed=7), _rand(1, 7, 3, seed=8)
 
@@ -214,7 +222,7 @@ def test_a_returned_lse_widens_the_backward_only_when_the_loss_uses_it(monkeypat
 
     grad = jax.grad(loss, (0, 1, 2))
     got = (jax.jit(grad) if jit else grad)(q, k, v)
-    assert len(widened) == (0 if used == "out" else 1)
+    assert seen == ["" if used == "out" else "dlse"]
     for a, b in zip(got, jax.grad(definition, (0, 1, 2))(q, k, v), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
     module._attention_custom.cache_clear()

@@ -166,15 +166,18 @@ def test_split_kv_attention_trains_like_full_attention():
 
 @pytest.mark.parametrize("used", ["out", "lse", "both"])
 @pytest.mark.parametrize("op", ["attention", "varlen_attention"])
-def test_a_returned_lse_widens_the_backward_only_when_the_loss_uses_it(monkeypatch, op, used):
-    """An lse that is returned but unused gives no cotangent (None, not zeros), so the
-    backward keeps the value width; the gradients equal the float64 definition's."""
+def test_a_returned_lse_reaches_the_backward_only_when_the_loss_uses_it(monkeypatch, op, used):
+    """An lse that is returned but unused gives no cotangent (None, not zeros); a used one
+    reaches attention's VJP as ``dlse`` (varlen's as one more value column); the gradients
+    equal the float64 definition's."""
     import importlib
 
     module = importlib.import_module("softmaxkit.frameworks.torch.attention")
-    widened = []
-    real = module._widen_for_lse
-    monkeypatch.setattr(module, "_widen_for_lse", lambda *a: widened.append(1) or real(*a))
+    seen = []
+    widen, vjp = module._widen_for_lse, module.attention_vjp_op
+    monkeypatch.setattr(module, "_widen_for_lse", lambda *a: seen.append("widened") or widen(*a))
+    monkeypatch.setattr(module, "attention_vjp_op",  # its 7th argument is dlse
+                        lambda *a: seen.append("dlse" if a[6] is not None else "") or vjp(*a))
     q, k, v = _qkv(2, 1, 5, 7)  # [H, L, D]
     if op == "attention":
         out, lse = sk.attention(q, k, v, causal=True, return_lse=True)
@@ -189,7 +192,10 @@ def test_a_returned_lse_widens_the_backward_only_when_the_loss_uses_it(monkeypat
                 "both": out.square().sum() + lse.sum()}[used]
 
     grads = torch.autograd.grad(loss(out, lse), (q, k, v), allow_unused=True)
-    assert len(widened) == (0 if used == "out" else 1)
+    if op == "attention":
+        assert seen == ["" if used == "out" else "dlse"]
+    else:
+        assert seen == ([] if used == "out" else ["widened"])
     s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # the key head broadcasts
     s = s.masked_fill(torch.ones(5, 7, dtype=torch.bool).tril(2).logical_not(), -math.inf)
     want_out = torch.softmax(s, dim=-1) @ v

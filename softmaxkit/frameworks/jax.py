@@ -357,7 +357,8 @@ def _is_primal(x: Any) -> bool:
     return isinstance(x, CustomVJPPrimal)
 
 
-def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any:
+def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool,
+                     takes_dlse: bool = False) -> Any:
     """A ``jax.custom_vjp`` function ``(q, k, v, *metadata) -> (out, lse)`` whose backward
     recomputes from the saved ``out`` and ``lse``.
 
@@ -366,14 +367,16 @@ def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any
     forward : callable
         ``forward(q, k, v, *metadata) -> (out, lse)`` on host arrays.
     vjp : callable
-        ``vjp(q, k, v, out, lse, dout, *metadata) -> (dq, dk, dv)`` on host arrays.
+        ``vjp(q, k, v, out, lse, dout, [dlse,] *metadata) -> (dq, dk, dv)`` on host arrays.
     shapes : callable
         ``shapes(q, k, v, *metadata)``: the ``jax.ShapeDtypeStruct`` of ``(out, lse)``.
     lse_used : bool
-        Whether the lse is returned, so that its cotangent must reach the backward
-        (:func:`_widen_for_lse`); else it is left out, saving the wider backward.  Cotangents
-        are symbolic zeros where an output does not reach the loss: a returned but unused lse
-        costs no wider backward either.
+        Whether the lse is returned, so that its cotangent must reach the backward; else it is
+        left out.  Cotangents are symbolic zeros where an output does not reach the loss: a
+        returned but unused lse is left out too.
+    takes_dlse : bool
+        Whether ``vjp`` takes the lse's cotangent (None where there is none); else a used
+        lse's cotangent reaches it through :func:`_widen_for_lse`.
 
     Returns
     -------
@@ -398,10 +401,15 @@ def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any
         dv_width = v.shape[-1]
         if isinstance(dout, SymbolicZero):  # only the lse reaches the loss
             dout = jnp.zeros(out.shape, out.dtype)
-        if lse_used and not isinstance(dlse, SymbolicZero):  # an unused lse: no wider call
+        used = lse_used and not isinstance(dlse, SymbolicZero)  # an unused lse: left out
+        extra = ()
+        if takes_dlse:
+            extra = (dlse.astype(lse.dtype) if used else None,)
+        elif used:
             v, out, dout = _widen_for_lse(v, out, dout, dlse)
         spec = tuple(_spec(a.shape, a.dtype) for a in (q, k, v))
-        dq, dk, dv = _host(vjp, spec, q, k, v, out, lse, dout.astype(out.dtype), *metadata)
+        dq, dk, dv = _host(vjp, spec, q, k, v, out, lse, dout.astype(out.dtype), *extra,
+                           *metadata)
         return (dq, dk, dv[..., :dv_width]) + (None,) * len(metadata)
 
     f.defvjp(fwd, bwd, symbolic_zeros=True)
@@ -413,8 +421,9 @@ def _attention_custom(options: tuple, lse_used: bool) -> Any:
     kw = dict(options)
     return _recomputing_vjp(
         lambda q, k, v, m: _attention_fn(q, k, v, mask=m, return_lse=True, **kw),
-        lambda q, k, v, o, s, d, m: _attention_vjp_fn(q, k, v, o, s, d, mask=m, **kw),
-        _attention_shapes, lse_used,
+        lambda q, k, v, o, s, d, dl, m: _attention_vjp_fn(q, k, v, o, s, d, dlse=dl, mask=m,
+                                                          **kw),
+        _attention_shapes, lse_used, takes_dlse=True,
     )
 
 
@@ -442,16 +451,20 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: Any
 
 
 def attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, *,
-                  scale: float | None = None, causal: Any = False, window: Any = None,
-                  mask: Any = None, softcap: float | None = None, lse_base: Any = "e",
+                  dlse: Any = None, scale: float | None = None, causal: Any = False,
+                  window: Any = None, mask: Any = None, softcap: float | None = None,
+                  lse_base: Any = "e",
                   backend: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`softmaxkit.attention_vjp` for JAX arrays (under jit and vmap)."""
     arrays = [jnp.asarray(a) for a in (q, k, v, out, lse, dout)]
     spec = tuple(_spec(a.shape, a.dtype) for a in arrays[:3])
     kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lse_base=lse_base,
               backend=backend)
-    return _host(lambda q, k, v, o, s, d, m: _attention_vjp_fn(q, k, v, o, s, d, mask=m, **kw),
-                 spec, *arrays, None if mask is None else jnp.asarray(mask))
+    return _host(
+        lambda q, k, v, o, s, d, dl, m: _attention_vjp_fn(q, k, v, o, s, d, dlse=dl, mask=m,
+                                                          **kw),
+        spec, *arrays, None if dlse is None else jnp.asarray(dlse),
+        None if mask is None else jnp.asarray(mask))
 
 
 # ---------------------------------------------------------------------------------------------

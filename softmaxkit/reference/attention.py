@@ -162,13 +162,16 @@ def attention_vjp(
     window: tuple[int, int],
     mask: Any,
     softcap: Any,
+    dlse: Any = None,
     block: int = BLOCK,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) by recomputing each tile's probabilities from ``lse``.
 
-    With ``P = exp(S - lse)`` and ``D = rowsum(dout * out)``: ``dV = P^T dout``,
+    With ``P = exp(S - lse)`` and ``D = rowsum(dout * out) - dlse``: ``dV = P^T dout``,
     ``dS = P * (dout V^T - D)`` (times ``1 - tanh^2`` under softcap), ``dQ = scale dS K`` and
-    ``dK = scale dS^T Q``.  Rows with ``lse = -inf`` have ``P = 0`` and so zero gradient.
+    ``dK = scale dS^T Q``; ``dlse``, the lse's own cotangent (None: 0), enters through ``D``
+    alone since ``d lse / d S = P``.  Rows with ``lse = -inf`` have ``P = 0`` and so zero
+    gradient.
     """
     dev = _device(q)
     b, hq, lq, d = q.shape
@@ -180,6 +183,9 @@ def attention_vjp(
     row_ok = lse5 != NEG_INF
     lse_safe = xp.where(row_ok, lse5, 0.0)[..., None]
     delta = xp.sum(xp.where(row_ok[..., None], do5 * o5, 0.0), axis=-1)[..., None]
+    if dlse is not None:
+        dl5 = xp.reshape(xp.astype(dlse, acc, copy=False), (b, hk, g, lq))
+        delta = delta - xp.where(row_ok, dl5, 0.0)[..., None]
     shape5 = (b, hk, g, lq)
     dq = xp.zeros(shape5 + (d,), dtype=acc, device=dev)
     dk_tiles, dv_tiles = [], []

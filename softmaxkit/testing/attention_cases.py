@@ -271,6 +271,20 @@ def case_attention_vjp(t: Target, dtype: str, backend: str) -> None:
         if "mask" in kw:
             dq = t.to_numpy(got[0])
             assert np.all(dq[:, :, 1] == 0), "attention_vjp: a row with no key has nonzero dq"
+        if name in ("plain", "mask + causal (empty rows)"):
+            # a loss that uses the lse too: its cotangent, in base e and in base 2
+            dlse64 = rng.normal(size=(2, 4, 6))
+            if "mask" in kw:
+                dlse64[:, :, 1] = np.nan  # a row with no key: its dlse is never read
+            for base, factor in (("e", 1.0), (2, math.log(2.0))):
+                dlse = t.asarray(dlse64 * factor, accumulator_name(dtype))
+                lse_b = lse if base == "e" else t.asarray(lse64 / math.log(2.0),
+                                                          accumulator_name(dtype))
+                got = sk.attention_vjp(q, k, v, out, lse_b, dout, dlse=dlse, lse_base=base,
+                                       backend=backend, **tkw)
+                expected = ref.attention_vjp(q64, k64, v64, dout64,
+                                             dlse=np.nan_to_num(dlse64), **rkw)
+                check_grads(t, dtype, got, expected, f"attention_vjp {name} with dlse {base}")
 
 
 @case("merge_attention")

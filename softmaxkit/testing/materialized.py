@@ -87,13 +87,15 @@ def attention_vjp(
     v: np.ndarray,
     dout: np.ndarray,
     *,
+    dlse: np.ndarray | None = None,
     scale: float | None = None,
     causal: str | None = None,
     window: tuple[int, int] | None = None,
     mask: np.ndarray | None = None,
     softcap: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dq, dk, dv) in float64 by the chain rule through the materialized probabilities."""
+    """(dq, dk, dv) in float64 by the chain rule through the materialized probabilities;
+    ``dlse`` (natural log) is the lse's cotangent, whose score gradient is ``dlse * p``."""
     q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     ke, ve, g = _expand(q, k, v)
@@ -105,6 +107,8 @@ def attention_vjp(
     dv = np.swapaxes(p, -1, -2) @ dout
     dp = dout @ np.swapaxes(ve, -1, -2)
     ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    if dlse is not None:
+        ds = ds + p * np.asarray(dlse, dtype=np.float64)[..., None]
     if softcap:
         ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
     ds = ds * scale

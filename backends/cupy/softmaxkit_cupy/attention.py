@@ -369,12 +369,13 @@ def launch_backward_pre(kernel: Any, rows: int, d: int, args: tuple[Any, ...]) -
 
 def attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
-    causal: Any, window: tuple[int, int], mask: Any, softcap: Any,
+    causal: Any, window: tuple[int, int], mask: Any, softcap: Any, dlse: Any = None,
     config: BackwardConfig | None = None,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) of exact attention on tensor cores, recomputing P from ``lse``.
 
-    Three launches: the rows' lse (log2 units) and ``delta = rowsum(dout * out)``; the main
+    Three launches: the rows' lse (log2 units) and ``delta = rowsum(dout * out)`` (less the
+    lse's cotangent ``dlse``, where given, by one elementwise operation); the main
     kernel, parallel over key tiles, which writes dk and dv and adds dq's partial products
     into a float32 buffer; and dq's conversion to the input dtype.  ``config`` overrides the
     tile configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks).  Head dimensions
@@ -390,26 +391,28 @@ def attention_vjp(
     blocks = head_dims.value_blocks(dims[0], dims[2])
     if blocks:  # Dv above the largest built head dimension: a call per block of columns
         with interop.on_device(q):
-            return head_dims.gradients_in_blocks(xp, blocks, lambda vb, ob, db: attention_vjp(
-                xp, q=q, k=k, v=vb, out=ob, lse=lse, dout=db, scale=scale, causal=causal,
-                window=window, mask=mask, softcap=softcap, config=config), v, out, dout)
+            return head_dims.gradients_in_blocks(
+                xp, blocks, lambda vb, ob, db, first: attention_vjp(
+                    xp, q=q, k=k, v=vb, out=ob, lse=lse, dout=db, scale=scale, causal=causal,
+                    window=window, mask=mask, softcap=softcap,
+                    dlse=dlse if first else None, config=config), v, out, dout)
     width = head_dims.pad_width(dims[0], dims[2])
     if width is None:
         return _attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
                               causal=causal, window=window, mask=mask, softcap=softcap,
-                              config=config)
+                              dlse=dlse, config=config)
     with interop.on_device(q):
         q, k, v, out, dout = (head_dims.pad(xp, a, width) for a in (q, k, v, out, dout))
     grads = _attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
                            causal=causal, window=window, mask=mask, softcap=softcap,
-                           config=config)
+                           dlse=dlse, config=config)
     dq, dk, dv = (head_dims.narrow(g, n) for g, n in zip(grads, dims, strict=True))
     return dq, dk, dv
 
 
 def _attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
-    causal: Any, window: tuple[int, int], mask: Any, softcap: Any,
+    causal: Any, window: tuple[int, int], mask: Any, softcap: Any, dlse: Any,
     config: BackwardConfig | None,
 ) -> tuple[Any, Any, Any]:
     """:func:`attention_vjp` of a call with work, at a built head dimension (D = Dv)."""
@@ -439,6 +442,9 @@ def _attention_vjp(
             np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
             *(np.int64(s) for s in os_[:3]), *(np.int64(s) for s in gs[:3]),
             np.int32(hq), np.int32(lq), np.int32(lq_pad), np.int64(rows)))
+        if dlse is not None:  # D = rowsum(dout * out) - dlse, on the rows before the padding
+            rowwise = xp.reshape(delta, (b * hq, lq_pad))
+            rowwise[:, :lq] -= xp.reshape(dlse, (b * hq, lq))
         shared = config.shared_bytes()
         main = _kernel(config.name(dtype), shared)
         strides = (*(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),

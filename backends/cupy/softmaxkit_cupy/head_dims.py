@@ -151,10 +151,13 @@ def gradients_in_blocks(
     xp: Any, blocks: list[tuple[int, int]], run: Any, v: Any, out: Any, dout: Any,
 ) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` of a gradient whose value columns run in ``blocks``
-    (:func:`value_blocks`): ``run(v_block, out_block, dout_block) -> (dq, dk, dv_block)`` on
-    each; dq and dk are the blocks' sums, added in float32 (float64 for float64) and rounded
-    once to their dtype, dv the concatenation of the blocks'."""
-    parts = [run(v[..., a:b], out[..., a:b], dout[..., a:b]) for a, b in blocks]
+    (:func:`value_blocks`): ``run(v_block, out_block, dout_block, first) -> (dq, dk,
+    dv_block)`` on each, ``first`` true for the first block alone (a term the whole call adds
+    to each row once, as the lse's cotangent, goes with it); dq and dk are the blocks' sums,
+    added in float32 (float64 for float64) and rounded once to their dtype, dv the
+    concatenation of the blocks'."""
+    parts = [run(v[..., a:b], out[..., a:b], dout[..., a:b], i == 0)
+             for i, (a, b) in enumerate(blocks)]
 
     def summed(i: int) -> Any:
         dtype = parts[0][i].dtype

@@ -176,7 +176,7 @@ def varlen_attention_vjp(
     if blocks:  # Dv above the largest built head dimension: a call per block of columns
         with interop.on_device(q):
             return head_dims.gradients_in_blocks(
-                xp, blocks, lambda vb, ob, db: varlen_attention_vjp(
+                xp, blocks, lambda vb, ob, db, first: varlen_attention_vjp(
                     xp, q=q, k=k, v=vb, out=ob, lse=lse, dout=db, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal, window=window,
                     softcap=softcap, config=config), v, out, dout)

@@ -176,8 +176,10 @@ def attention_vjp(
     window: tuple[int, int],
     mask: Any,
     softcap: Any,
+    dlse: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """``(dq, dk, dv)`` of attention by recomputation from ``lse`` (natural log)."""
+    """``(dq, dk, dv)`` of attention by recomputation from ``lse`` (natural log); the lse's
+    cotangent ``dlse``, where given, enters as ``D = rowsum(dout * out) - dlse``."""
     from . import attention_grad_kernels as kernels
 
     qn, kn, vn, on, don = compute_arrays(q, k, v, out, dout)
@@ -186,6 +188,8 @@ def attention_vjp(
     hk, lk = kn.shape[1], kn.shape[2]
     # D_i = <dout_i, out_i>; 0 on rows with no key (their gradient is 0 whatever out holds)
     delta = np.einsum("bhid,bhid->bhi", don, on)
+    if dlse is not None:
+        delta -= numpy_view(dlse).astype(delta.dtype, copy=False)
     delta[lse_n == -np.inf] = 0
     grads = [Output(a.shape, x.dtype, q, qn.dtype) for a, x in ((qn, q), (kn, k), (vn, v))]
     flat, strides = mask_view(mask)

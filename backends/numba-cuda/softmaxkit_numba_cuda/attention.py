@@ -330,11 +330,12 @@ def attention(*, xp: Any, q: Any, k: Any, v: Any, scale: float, causal: Any,
 
 def attention_vjp(*, xp: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
                   scale: float, causal: Any, window: tuple[int, int], mask: Any, softcap: Any,
-                  tiles: tuple[int, int] | None = None, registers: int = 0,
+                  dlse: Any = None, tiles: tuple[int, int] | None = None, registers: int = 0,
                   ) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` of exact attention, recomputing P from ``lse``.
 
-    Two launches: the rows' lse in log2 units and ``delta = rowsum(dout * out)``, then the
+    Two launches: the rows' lse in log2 units and ``delta = rowsum(dout * out)`` (less the
+    lse's cotangent ``dlse`` where given, one elementwise operation), then the
     kernel parallel over key tiles, which writes dk and dv and adds dq's partial products
     atomically into dq (zeroed here; float32 and float64 are their own accumulators).
     ``tiles`` overrides the (keys, queries) micro-tile (:data:`.attention_kernels.BACKWARD_TILES`),
@@ -360,6 +361,8 @@ def attention_vjp(*, xp: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: 
     run(kernels.backward_rows(kind, dv), -(-rows // per_block), kernels.THREADS, stream,
         _view(out, lib), _view(dout, lib), _view(lse, lib),
         _view(lse2, lib), _view(delta, lib), rows)
+    if dlse is not None:
+        delta = delta - xp.reshape(xp.astype(dlse, acc, copy=False), (rows,))
     rn, cm = tiles or kernels.tiles(kernels.BACKWARD_TILES, acc_name, d, dv)
     fn = kernels.backward(kind, d, dv, rn, cm, mask is not None, softcap is not None,
                           registers)

@@ -60,19 +60,19 @@ def _(q, k, v, scale, causal, window, mask, softcap, backend, lse_used):
 @torch.library.custom_op("softmaxkit::attention_vjp", mutates_args=())
 def attention_vjp_op(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-    scale: float | None, causal: str | None, window: list[int], mask: Tensor | None,
-    softcap: float | None, backend: str | None,
+    dlse: Tensor | None, scale: float | None, causal: str | None, window: list[int],
+    mask: Tensor | None, softcap: float | None, backend: str | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     with torch.no_grad():
         grads = _attention_vjp_fn(
-            q, k, v, out, lse, dout, scale=scale, causal=causal or False,
+            q, k, v, out, lse, dout, dlse=dlse, scale=scale, causal=causal or False,
             window=(window[0], window[1]), mask=mask, softcap=softcap, backend=backend,
         )
     return tuple(g.contiguous() for g in grads)
 
 
 @attention_vjp_op.register_fake
-def _(q, k, v, out, lse, dout, scale, causal, window, mask, softcap, backend):
+def _(q, k, v, out, lse, dout, dlse, scale, causal, window, mask, softcap, backend):
     return tuple(result_like(a, a.shape, a.dtype) for a in (q, k, v))
 
 
@@ -85,51 +85,20 @@ def _attention_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> No
     q, k, v, scale, causal, window, mask, softcap, backend, lse_used = inputs
     ctx.args = (scale, causal, window)
     ctx.tail = (softcap, backend)
-    ctx.lse_used = lse_used  # else the lse's (zero) cotangent is not worth a wider backward
+    ctx.lse_used = lse_used  # else the lse's cotangent, zeros, is not passed on
     ctx.set_materialize_grads(False)  # an output the loss does not use: None, not zeros
     ctx.save_for_backward(q, k, v, mask, *output)  # out and lse: the backward recomputes
 
 
-def _cotangents(
-    v: Tensor, out: Tensor, dout: Tensor | None, dlse: Tensor | None, lse_used: bool
-) -> tuple[Tensor, Tensor, Tensor, bool]:
-    """``(v, out, dout, widened)`` for the attention VJP, from the cotangents autograd gives.
-
-    Cotangents are not materialized: an output the loss does not use comes as None, so a
-    returned but unused lse costs no wider backward (whose value dimension, one more than
-    ``Dv``, the kernels may serve only padded, or not at all), and an unused ``out`` a zero
-    ``dout``.
-    """
+def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple:
+    """The VJP from the cotangents autograd gives, not materialized: an unused ``out`` comes
+    as None (a zero ``dout``), an unused ``lse`` as None (no ``dlse`` term); a used lse's
+    cotangent enters the one row term ``rowsum(dout * out) - dlse`` in float32."""
+    q, k, v, mask, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    if not lse_used or dlse is None:
-        return v, out, dout, False
-    return (*_widen_for_lse(v, out, dout, dlse), True)
-
-
-def _widen_for_lse(
-    v: Tensor, out: Tensor, dout: Tensor, dlse: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(v, out, dout)`` widened by one column so that the unchanged attention VJP also
-    carries the lse's cotangent ``dlse``.
-
-    The lse's gradient enters as ``D_i = <dout_i, out_i> - dlse_i``: a zero value column, an
-    output column of ``-dlse`` and an upstream column of ones give exactly that; the caller
-    drops the extra column of ``dv``.
-    """
-    v = torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], dim=-1)
-    out = torch.cat([out, (-dlse).to(out.dtype).unsqueeze(-1)], dim=-1)
-    dout = torch.cat([dout, dout.new_ones(dout.shape[:-1] + (1,))], dim=-1)
-    return v, out, dout
-
-
-def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple:
-    q, k, v, mask, out, lse = ctx.saved_tensors
-    dv_width = v.shape[-1]
-    v, out, dout, widen = _cotangents(v, out, dout, dlse, ctx.lse_used)
-    dq, dk, dv = attention_vjp_op(q, k, v, out, lse, dout, *ctx.args, mask, *ctx.tail)
-    if widen:
-        dv = dv[..., :dv_width]
+    dlse = dlse if ctx.lse_used else None
+    dq, dk, dv = attention_vjp_op(q, k, v, out, lse, dout, dlse, *ctx.args, mask, *ctx.tail)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -259,15 +228,18 @@ def merge_attention_states(
 
 def attention_vjp(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
-    scale: float | None = None, causal: Any = False, window: Any = None, mask: Any = None,
-    softcap: float | None = None, lse_base: Any = "e", backend: str | None = None,
+    dlse: Any = None, scale: float | None = None, causal: Any = False, window: Any = None,
+    mask: Any = None, softcap: float | None = None, lse_base: Any = "e",
+    backend: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`softmaxkit.attention_vjp` as an operator (no second derivative)."""
+    dlse = tensor_or_none(dlse, q, "dlse")
     if _args.lse_base(lse_base) == "2":
         lse = lse * LN2
+        dlse = None if dlse is None else dlse / LN2
     scale = None if scale is None else _args.attention_scale(scale, q.shape[-1])
     return attention_vjp_op(
-        q, k, v, out, lse, dout, scale,
+        q, k, v, out, lse, dout, dlse, scale,
         _args.causal(causal), list(_args.window(window)), tensor_or_none(mask, q, "mask"),
         _args.softcap(softcap), backend,
     )
@@ -348,6 +320,40 @@ def _varlen_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
     ctx.lse_used = lse_used
     ctx.set_materialize_grads(False)  # as for attention: unused outputs give None
     ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)  # out and lse: the backward recomputes
+
+
+def _cotangents(
+    v: Tensor, out: Tensor, dout: Tensor | None, dlse: Tensor | None, lse_used: bool
+) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """``(v, out, dout, widened)`` for the varlen attention VJP, from the cotangents autograd
+    gives (whose contract has no ``dlse`` yet).
+
+    Cotangents are not materialized: an output the loss does not use comes as None, so a
+    returned but unused lse costs no wider backward (whose value dimension, one more than
+    ``Dv``, the kernels may serve only padded, or not at all), and an unused ``out`` a zero
+    ``dout``.
+    """
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if not lse_used or dlse is None:
+        return v, out, dout, False
+    return (*_widen_for_lse(v, out, dout, dlse), True)
+
+
+def _widen_for_lse(
+    v: Tensor, out: Tensor, dout: Tensor, dlse: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(v, out, dout)`` widened by one column so that the unchanged VJP also carries the
+    lse's cotangent ``dlse``.
+
+    The lse's gradient enters as ``D_i = <dout_i, out_i> - dlse_i``: a zero value column, an
+    output column of ``-dlse`` and an upstream column of ones give exactly that; the caller
+    drops the extra column of ``dv``.
+    """
+    v = torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], dim=-1)
+    out = torch.cat([out, (-dlse).to(out.dtype).unsqueeze(-1)], dim=-1)
+    dout = torch.cat([dout, dout.new_ones(dout.shape[:-1] + (1,))], dim=-1)
+    return v, out, dout
 
 
 def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple:
