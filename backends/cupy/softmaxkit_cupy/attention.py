@@ -10,9 +10,11 @@ both at most 256) runs on zero-padded copies of its arrays and its results are s
 (:mod:`.head_dims`); a call at a built head dimension with D = Dv runs on its arrays as given.
 
 On a device of compute capability 9.0 the forward of a call at a head dimension
-kernels/attention_sm90.cu is built for (warpgroup matrix products, sm_90a) runs there; every
-other call, and every call on another device, runs on kernels/attention.cu.  The kernel that
-ran is named in ``backend_opts(trace=True)``'s record (``TraceRecord.kernel``).
+kernels/attention_sm90.cu is built for (warpgroup matrix products, sm_90a) runs there, and the
+backward's main kernel likewise on kernels/attention_bwd_sm90.cu; every other call, and every
+call on another device, runs on kernels/attention.cu and kernels/attention_bwd.cu.  The kernel
+that ran is named in ``backend_opts(trace=True)``'s record (``TraceRecord.kernel``; for the
+backward, its main kernel).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .configs import (
     SM90_CAPABILITY,
     AttentionConfig,
     BackwardConfig,
+    Sm90BackwardConfig,
     Sm90Config,
     alternative_names,
     attention_config,
@@ -47,6 +50,8 @@ from .configs import (
     decode_shared_bytes,
     merge_name,
     paged_names,
+    sm90_backward_config,
+    sm90_backward_names,
     sm90_config,
     sm90_names,
     sm90_width,
@@ -85,6 +90,10 @@ def _kernel(name: str, shared: int) -> Any:
         filename, names = "attention.cu", paged_names()
     elif name.startswith("sk_attn_fwd_sm90<"):  # the Hopper forward: sm_90a, its own source
         filename, names = "attention_sm90.cu", sm90_names()
+        if name not in names:  # another configuration asked for explicitly: built alone
+            names = (name,)
+    elif name.startswith("sk_attn_bwd_sm90<"):  # the Hopper backward: sm_90a, its own source
+        filename, names = "attention_bwd_sm90.cu", sm90_backward_names()
         if name not in names:  # another configuration asked for explicitly: built alone
             names = (name,)
     elif name.startswith("sk_attn_bwd"):
@@ -128,6 +137,19 @@ def forward_config(capability: str, head_dim: int,
         if found is not None:
             return found
     return attention_config(head_dim, masked=masked)
+
+
+def backward_config_for(capability: str, head_dim: int,
+                        masked: bool) -> BackwardConfig | Sm90BackwardConfig:
+    """The backward configuration for a call at ``head_dim`` (a built head dimension) on a
+    device of compute capability ``capability``, with a boolean mask or without one: the Hopper
+    kernel where it is built for the head dimension and the device is 9.0, the mma.sync kernel
+    otherwise (both take the same arguments and buffers)."""
+    if capability == SM90_CAPABILITY:
+        found = sm90_backward_config(head_dim, masked)
+        if found is not None:
+            return found
+    return backward_config(head_dim)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -370,15 +392,17 @@ def launch_backward_pre(kernel: Any, rows: int, d: int, args: tuple[Any, ...]) -
 def attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
     causal: Any, window: tuple[int, int], mask: Any, softcap: Any, dlse: Any = None,
-    config: BackwardConfig | None = None,
+    config: BackwardConfig | Sm90BackwardConfig | None = None,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) of exact attention on tensor cores, recomputing P from ``lse``.
 
     Three launches: the rows' lse (log2 units) and ``delta = rowsum(dout * out)`` (less the
     lse's cotangent ``dlse``, where given, by one elementwise operation); the main
     kernel, parallel over key tiles, which writes dk and dv and adds dq's partial products
-    into a float32 buffer; and dq's conversion to the input dtype.  ``config`` overrides the
-    tile configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks).  Head dimensions
+    into a float32 buffer; and dq's conversion to the input dtype.  The main kernel is the
+    Hopper one (:func:`backward_config_for`) on a device of compute capability 9.0 at a head
+    dimension it is built for, the mma.sync one otherwise.  ``config`` overrides the tile
+    configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks).  Head dimensions
     the kernels are not built for run as in :func:`attention`, on copies of q, k, v, out and
     dout zero-padded to the next built one; dq and dk are the first D columns of the padded
     results, dv the first Dv.  A value dimension above 256 runs in blocks of columns, dq and dk
@@ -413,7 +437,7 @@ def attention_vjp(
 def _attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
     causal: Any, window: tuple[int, int], mask: Any, softcap: Any, dlse: Any,
-    config: BackwardConfig | None,
+    config: BackwardConfig | Sm90BackwardConfig | None,
 ) -> tuple[Any, Any, Any]:
     """:func:`attention_vjp` of a call with work, at a built head dimension (D = Dv)."""
     b, hq, lq, d = (int(s) for s in q.shape)
@@ -421,7 +445,8 @@ def _attention_vjp(
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
     lse = interop.contiguous(lse)
     dtype = interop.name(q)
-    config = config or backward_config(d)
+    config = config or backward_config_for(_capability_of(interop.device_index(q)), d,
+                                           mask is not None)
     lq_pad = -(-lq // config.block_m) * config.block_m
     rows = b * hq * lq_pad
     lse2, delta, dq_acc = backward_buffers(q, rows, d)
@@ -446,7 +471,9 @@ def _attention_vjp(
             rowwise = xp.reshape(delta, (b * hq, lq_pad))
             rowwise[:, :lq] -= xp.reshape(dlse, (b * hq, lq))
         shared = config.shared_bytes()
-        main = _kernel(config.name(dtype), shared)
+        name = config.name(dtype)
+        note_kernel(name)
+        main = _kernel(name, shared)
         strides = (*(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),
                    *(np.int64(s) for s in vs[:3]), *(np.int64(s) for s in gs[:3]),
                    *(np.int64(s) for s in m_strides))

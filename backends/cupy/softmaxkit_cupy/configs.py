@@ -301,7 +301,7 @@ def attention_config(head_dim: int, masked: bool = True) -> AttentionConfig:
     return ATTENTION_CONFIGS[head_dim]
 
 
-SM90_SOURCES = frozenset({"attention_sm90.cu"})
+SM90_SOURCES = frozenset({"attention_sm90.cu", "attention_bwd_sm90.cu"})
 """Kernel sources that use sm_90a instructions (wgmma): built for that target alone and run on
 devices of compute capability 9.0 only (arch-specific code runs on no other)."""
 
@@ -392,6 +392,65 @@ def sm90_width(d: int, dv: int, masked: bool) -> int | None:
 def sm90_names() -> tuple[str, ...]:
     """The name expressions of kernels/attention_sm90.cu (one module holds them all)."""
     declared = (*SM90_CONFIGS.values(), *SM90_MASKED_CONFIGS.values())
+    return tuple(c.name(t) for c in declared for t in ATTENTION_DTYPES)
+
+
+@dataclass(frozen=True)
+class Sm90BackwardConfig:
+    """The Hopper backward's tile shape (kernels/attention_bwd_sm90.cu): ``warpgroups``
+    warpgroups of 64 keys each, query tiles of 64 rows; ``mask=False`` builds it without the
+    boolean mask's code.  Its launch, buffers and other two kernels are sk_attn_bwd's."""
+
+    head_dim: int
+    warpgroups: int = 2
+    mask: bool = False
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per tile (the padding of the lse, delta and dQ buffers)."""
+        return 64
+
+    @property
+    def block_n(self) -> int:
+        """Keys per block (64 per warpgroup)."""
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 128 * self.warpgroups
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: K and V, two stages of Q and dO, dS^T (16-bit), two stages
+        of the rows' lse and delta (float32), and 1 KB to align the tiles to 1024 bytes (the
+        128-byte swizzle needs it)."""
+        d, n, m = self.head_dim, self.block_n, self.block_m
+        return (2 * n * d + 4 * m * d + n * m) * 2 + 4 * m * 4 + 1024
+
+    def name(self, dtype: str) -> str:
+        """The C++ name expression of the backward kernel for ``dtype``."""
+        return (f"sk_attn_bwd_sm90<{CTYPES[dtype]}, {self.head_dim}, {self.warpgroups}, "
+                f"{'true' if self.mask else 'false'}>")
+
+
+SM90_BACKWARD_CONFIGS = {d: Sm90BackwardConfig(d) for d in (64, 128)}
+"""The Hopper backward for each head dimension it is built for, without a boolean mask: two
+warpgroups (128 keys a block), whose dK and dV accumulators (D floats a thread) leave no room
+for a wider head dimension."""
+
+SM90_BACKWARD_MASKED_CONFIGS = {d: Sm90BackwardConfig(d, mask=True) for d in (64, 128)}
+"""The Hopper backward for calls with a boolean mask."""
+
+
+def sm90_backward_config(head_dim: int, masked: bool) -> Sm90BackwardConfig | None:
+    """The Hopper backward configuration for ``head_dim``, for a call with a boolean mask or
+    without one, or None where none is built."""
+    return (SM90_BACKWARD_MASKED_CONFIGS if masked else SM90_BACKWARD_CONFIGS).get(head_dim)
+
+
+def sm90_backward_names() -> tuple[str, ...]:
+    """The name expressions of kernels/attention_bwd_sm90.cu (one module holds them all)."""
+    declared = (*SM90_BACKWARD_CONFIGS.values(), *SM90_BACKWARD_MASKED_CONFIGS.values())
     return tuple(c.name(t) for c in declared for t in ATTENTION_DTYPES)
 
 
@@ -631,4 +690,5 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention.cu", list(paged_names())))
     modules.append(("mask_bits.cu", [MASK_BITS_NAME]))
     modules.append(("attention_sm90.cu", list(sm90_names())))
+    modules.append(("attention_bwd_sm90.cu", list(sm90_backward_names())))
     return modules

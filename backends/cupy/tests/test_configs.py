@@ -196,3 +196,41 @@ def test_sm90_width_pads_where_the_hopper_forward_is_faster(d, dv, plain, masked
 
     assert sm90_width(d, dv, masked=False) == plain
     assert sm90_width(d, dv, masked=True) == masked
+
+
+def test_hopper_backward_serves_capability_9_0_only_within_the_h200s_limits() -> None:
+    from softmaxkit_cupy.attention import backward_config_for
+    from softmaxkit_cupy.configs import (
+        ATTENTION_HEAD_DIMS,
+        SM90_BACKWARD_CONFIGS,
+        SM90_BACKWARD_MASKED_CONFIGS,
+        SM90_SOURCES,
+        BackwardConfig,
+        Sm90BackwardConfig,
+        backward_config,
+        sm90_backward_names,
+    )
+
+    assert set(SM90_BACKWARD_CONFIGS) == set(SM90_BACKWARD_MASKED_CONFIGS) == {64, 128}
+    assert "attention_bwd_sm90.cu" in SM90_SOURCES
+    assert ("attention_bwd_sm90.cu", list(sm90_backward_names())) in all_modules()
+    for configs, masked in ((SM90_BACKWARD_CONFIGS, False), (SM90_BACKWARD_MASKED_CONFIGS, True)):
+        for d, c in configs.items():
+            # the kernel's dQ split: a 64-column panel per warpgroup, or all 64 columns each
+            assert c.head_dim == d and c.mask == masked and d in (64, 64 * c.warpgroups)
+            assert c.block_m == 64 and c.block_n == 64 * c.warpgroups
+            assert c.shared_bytes() <= 227 * 1024 and c.threads == 128 * c.warpgroups
+            assert c.name("bfloat16") in sm90_backward_names()
+    assert (SM90_BACKWARD_CONFIGS[128].name("bfloat16")
+            == "sk_attn_bwd_sm90<sk_bf16, 128, 2, false>")
+    assert (SM90_BACKWARD_MASKED_CONFIGS[64].name("float16")
+            == "sk_attn_bwd_sm90<__half, 64, 2, true>")
+    for d in ATTENTION_HEAD_DIMS:
+        for masked in (False, True):
+            hopper = backward_config_for("90", d, masked)
+            built = (SM90_BACKWARD_MASKED_CONFIGS if masked else SM90_BACKWARD_CONFIGS).get(d)
+            assert hopper == (built or backward_config(d))
+            assert isinstance(hopper, Sm90BackwardConfig) == (built is not None)
+            for other in ("80", "86", "89", "100", "120"):
+                assert backward_config_for(other, d, masked) == backward_config(d)
+                assert isinstance(backward_config_for(other, d, masked), BackwardConfig)

@@ -75,17 +75,25 @@ def test_every_instantiation_compiles_for_sm90(tmp_path: Path) -> None:
     assert not failures, "\n".join(f"{what}:\n{err[-3000:]}" for what, err in failures)
 
 
-def test_sm90_attention_keeps_its_registers_and_its_wgmma_pipeline(tmp_path: Path) -> None:
-    """The Hopper forward's instantiations spill no registers, and ptxas keeps their warpgroup
-    products asynchronous: it serializes them (and says so) when ordinary code touches an
-    accumulator between a product's issue and its wait, which would undo the overlap of the
-    softmax with the tensor cores."""
-    from softmaxkit_cupy.configs import sm90_names
+def _sm90_units() -> list[tuple[str, list[str]]]:
+    from softmaxkit_cupy.configs import sm90_backward_names, sm90_names
 
-    # with the data-path probe, which no module declares (a device check launches it)
-    names = [*sm90_names(), "sk_wgmma_probe<sk_bf16>", "sk_wgmma_probe<__half>"]
+    # the forward with its data-path probe, which no module declares (a device check
+    # launches it)
+    return [("attention_sm90.cu",
+             [*sm90_names(), "sk_wgmma_probe<sk_bf16>", "sk_wgmma_probe<__half>"]),
+            ("attention_bwd_sm90.cu", list(sm90_backward_names()))]
+
+
+@pytest.mark.parametrize("filename,names", _sm90_units(), ids=["forward", "backward"])
+def test_sm90_attention_keeps_its_registers_and_its_wgmma_pipeline(
+        tmp_path: Path, filename: str, names: list[str]) -> None:
+    """The Hopper forward's and backward's instantiations spill no registers, and ptxas keeps
+    their warpgroup products asynchronous: it serializes them (and says so) when ordinary code
+    touches an accumulator between a product's issue and its wait, which would undo the
+    overlap of the other work with the tensor cores."""
     unit = tmp_path / "sm90.cu"
-    unit.write_text(source("attention_sm90.cu") + "\n" + "\n".join(
+    unit.write_text(source(filename) + "\n" + "\n".join(
         f"void* sk_instance_{i} = (void*)&{name};" for i, name in enumerate(names)) + "\n")
     cmd = [NVCC, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
            "-Xptxas", "-v", str(unit), "-o", str(tmp_path / "sm90.cubin")]

@@ -21,23 +21,6 @@
 #define SK_LOG2E 1.4426950408889634f
 #endif
 
-// Copy rows [0, ROWS) of a [rows x D] tile (row stride ld elements) into the 128-byte-swizzled
-// panels of wgmma.cuh; rows at or past `valid` are zero-filled.  All THREADS threads take part.
-template <typename T, int ROWS, int D, int THREADS>
-__device__ __forceinline__ void sk_load_panels(T* smem, const T* g, long long ld, int valid) {
-    constexpr int CHUNKS = D / 8;
-    static_assert(ROWS * CHUNKS % THREADS == 0, "whole steps of the tile's chunks");
-#pragma unroll
-    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
-        const int c = threadIdx.x + i * THREADS;
-        const int r = c / CHUNKS, ch = c % CHUNKS;
-        const bool ok = r < valid;
-        const T* src = g + static_cast<long long>(ok ? r : 0) * ld + ch * 8;
-        T* dst = smem + (ch / 8) * ROWS * 64 + r * 64 + (((ch % 8) ^ (r & 7)) * 8);
-        sk_cp_async16(dst, src, ok);
-    }
-}
-
 template <typename T, int D, int BN, int WG, bool MASK>
 __global__ void __launch_bounds__(128 * WG, 1) sk_attn_fwd_sm90(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,

@@ -15,6 +15,7 @@
 // A fragment (sk_pack_a in mma.cuh).
 #pragma once
 #include "common.cuh"
+#include "mma.cuh"
 
 // The descriptor of a 128-byte-swizzled operand starting at shared address `addr` (bytes):
 // lbo and sbo in bytes.  K-major: sbo = 1024 (the next 8 rows), lbo unused (1).  MN-major:
@@ -106,6 +107,29 @@ template <> struct SkWgmma<64> {
             "%24, %25, %26, %27, %28, %29, %30, %31}, "
             "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
             : SK_F32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+    }
+    // A and B both MN-major (A stored as K rows of M columns, B as K rows of N columns).
+    static __device__ __forceinline__ void sst(float (&d)[32], unsigned long long a,
+                                               unsigned long long b, int acc, sk_bf16) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+            "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+            "%24, %25, %26, %27, %28, %29, %30, %31}, "
+            "%32, %33, p, 1, 1, 1, 1;\n}\n"
+            : SK_F32(d) : "l"(a), "l"(b), "r"(acc));
+    }
+    static __device__ __forceinline__ void sst(float (&d)[32], unsigned long long a,
+                                               unsigned long long b, int acc, __half) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+            "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+            "%24, %25, %26, %27, %28, %29, %30, %31}, "
+            "%32, %33, p, 1, 1, 1, 1;\n}\n"
+            : SK_F32(d) : "l"(a), "l"(b), "r"(acc));
     }
 };
 template <> struct SkWgmma<128> {
@@ -244,3 +268,20 @@ template <> struct SkWgmma<256> {
             : SK_F128(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
     }
 };
+
+// Copy rows [0, ROWS) of a [rows x D] tile (row stride ld elements) into the 128-byte-swizzled
+// panels described above; rows at or past `valid` are zero-filled.  All THREADS threads take part.
+template <typename T, int ROWS, int D, int THREADS>
+__device__ __forceinline__ void sk_load_panels(T* smem, const T* g, long long ld, int valid) {
+    constexpr int CHUNKS = D / 8;
+    static_assert(ROWS * CHUNKS % THREADS == 0, "whole steps of the tile's chunks");
+#pragma unroll
+    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
+        const int c = threadIdx.x + i * THREADS;
+        const int r = c / CHUNKS, ch = c % CHUNKS;
+        const bool ok = r < valid;
+        const T* src = g + static_cast<long long>(ok ? r : 0) * ld + ch * 8;
+        T* dst = smem + (ch / 8) * ROWS * 64 + r * 64 + (((ch % 8) ^ (r & 7)) * 8);
+        sk_cp_async16(dst, src, ok);
+    }
+}

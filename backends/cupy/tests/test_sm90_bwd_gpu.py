@@ -1,0 +1,133 @@
+"""The Hopper attention backward (kernels/attention_bwd_sm90.cu) on a device of compute
+capability 9.0, through ``sk.attention_vjp``, against float64 autograd (skipped without such a
+device).
+
+Each call's trace names the backward's main kernel: the sm_90a kernel at the head dimensions
+it is built for, the mma.sync kernel at the others.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device (conftest.py)
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hopper() -> None:
+    import cupy
+    from softmaxkit_cupy.configs import SM90_CAPABILITY
+
+    if str(cupy.cuda.Device().compute_capability) != SM90_CAPABILITY:
+        pytest.skip("needs a device of compute capability 9.0")
+
+
+def _reference(q, k, v, dout, scale, causal, window, softcap, mask):
+    """(dq, dk, dv) in float64 by autograd from the 16-bit inputs (spec "Attention"); a row
+    with no allowed key has output 0 and no gradient."""
+    hq, lq, lk = q.shape[1], q.shape[2], k.shape[2]
+    group = hq // k.shape[1]
+    qd, kd, vd = (a.double().requires_grad_() for a in (q, k, v))
+    s = qd @ kd.repeat_interleave(group, dim=1).transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    offset = 0 if causal == "top_left" else lk - lq
+    rel = (torch.arange(lk, device=q.device)[None, :]
+           - torch.arange(lq, device=q.device)[:, None] - offset)
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    left, right = window
+    if causal:
+        allowed &= rel <= 0
+    if right >= 0:
+        allowed &= rel <= right
+    if left >= 0:
+        allowed &= rel >= -left
+    if mask is not None:
+        allowed = allowed & mask
+    allowed = allowed.expand(s.shape)
+    # excluded scores far below any allowed one (exp gives exactly 0), so that a row with no
+    # allowed key stays finite; its probabilities are then zeroed
+    p = torch.softmax(s.masked_fill(~allowed, -1e300), -1) * allowed.any(-1, keepdim=True)
+    out = p @ vd.repeat_interleave(group, dim=1)
+    out.backward(dout.double())
+    return qd.grad, kd.grad, vd.grad
+
+
+CASES = [
+    dict(b=2, hq=4, hk=4, lq=512, lk=512),
+    dict(b=1, hq=8, hk=2, lq=300, lk=1100, causal="bottom_right"),
+    dict(b=1, hq=8, hk=2, lq=1100, lk=300, causal="bottom_right"),  # rows with no key
+    dict(b=1, hq=4, hk=1, lq=700, lk=450, causal="top_left"),
+    dict(b=1, hq=2, hk=2, lq=177, lk=250),
+    dict(b=1, hq=2, hk=2, lq=77, lk=5),
+    dict(b=1, hq=4, hk=2, lq=900, lk=1300, window=(200, 50)),
+    dict(b=1, hq=4, hk=2, lq=900, lk=900, causal="bottom_right", window=(300, -1),
+         softcap=20.0),
+    dict(b=1, hq=4, hk=2, lq=500, lk=700, causal="bottom_right", mask=True),
+    dict(b=1, hq=2, hk=2, lq=300, lk=300, mask=True),
+]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_hopper_backward_matches_float64(dtype: str, d: int, case: dict) -> None:
+    from softmaxkit_cupy.configs import sm90_backward_config
+
+    import softmaxkit as sk
+
+    gen = torch.Generator(device="cuda").manual_seed(d + case["lq"])
+    dt = getattr(torch, dtype)
+    b, hq, hk, lq, lk = (case[n] for n in ("b", "hq", "hk", "lq", "lk"))
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dt)
+
+    q, k, v = randn(b, hq, lq, d), randn(b, hk, lk, d), randn(b, hk, lk, d)
+    dout = randn(b, hq, lq, d)
+    mask = None
+    if case.get("mask"):
+        mask = torch.rand(b, hq, lq, lk, device="cuda", generator=gen) > 0.3
+        mask[:, :, 5, :] = False  # a row with no allowed key
+    causal = case.get("causal", False)
+    window = case.get("window", (-1, -1))
+    softcap = case.get("softcap")
+    scale = d ** -0.5
+    out, lse = sk.attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask,
+                            softcap=softcap, return_lse=True)
+    with sk.backend_opts(trace=True) as trace:
+        grads = sk.attention_vjp(q, k, v, out, lse, dout, scale=scale, causal=causal,
+                                 window=window, mask=mask, softcap=softcap)
+    torch.cuda.synchronize()
+    hopper = sm90_backward_config(d, mask is not None)
+    expected = hopper.name(dtype) if hopper is not None else "sk_attn_bwd<"
+    assert trace[-1].backend == "cupy" and trace[-1].kernel.startswith(expected)
+
+    refs = _reference(q, k, v, dout, scale, causal, window, softcap, mask)
+    tol = 2e-2 if dtype == "bfloat16" else 5e-3
+    for got, ref in zip(grads, refs, strict=True):
+        assert got.dtype == dt and not got.isnan().any()
+        err = float((got.double() - ref).norm()) / max(float(ref.norm()), 1e-30)
+        assert err < tol, err
+
+
+def test_hopper_backward_through_torch_autograd() -> None:
+    """``sk.attention``'s autograd (which calls ``attention_vjp``) matches float64."""
+    import softmaxkit as sk
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, dout = (torch.randn(2, 4, 333, 128, device="cuda", generator=gen)
+                     .to(torch.bfloat16) for _ in range(4))
+    q, k, v = (a.requires_grad_() for a in (q, k, v))
+    out = sk.attention(q, k, v, causal=True)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    refs = _reference(q.detach(), k.detach(), v.detach(), dout, 128 ** -0.5, "bottom_right",
+                      (-1, -1), None, None)
+    for got, ref in zip((q.grad, k.grad, v.grad), refs, strict=True):
+        assert float((got.double() - ref).norm()) / float(ref.norm()) < 2e-2
+    assert math.isfinite(float(q.grad.float().sum()))
