@@ -103,11 +103,12 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
         "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "scale", "causal", "window", "softcap",
         "return_lse",
     ),
-    # out, dout [Tq, Hq, Dv] (q's dtype), lse [Tq, Hq] in acc, natural log, -inf = empty
+    # out, dout [Tq, Hq, Dv] (q's dtype), lse [Tq, Hq] in acc, natural log, -inf = empty;
+    #   dlse None | [Tq, Hq] in acc: the lse's cotangent, as for attention_vjp
     # -> (dq, dk, dv) shaped and typed like q, k, v (dk, dv summed over each GQA group)
     "varlen_attention_vjp": (
-        "q", "k", "v", "out", "lse", "dout", "cu_seqlens_q", "cu_seqlens_k", "scale", "causal",
-        "window", "softcap",
+        "q", "k", "v", "out", "lse", "dout", "dlse", "cu_seqlens_q", "cu_seqlens_k", "scale",
+        "causal", "window", "softcap",
     ),
 }
 """Operation name -> the keyword parameters its kernel takes after ``xp``."""

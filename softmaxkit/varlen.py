@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import arguments as args
-from .attention import lse_in_base, vjp_operands
+from .attention import lse_cotangent, lse_in_base, vjp_operands
 from .dispatch import run
 from .frameworks import route
 from .metadata import host_integers, index_array
@@ -249,6 +249,7 @@ def varlen_attention_vjp(
     cu_seqlens_q: Any,
     cu_seqlens_k: Any,
     *,
+    dlse: Any = None,
     scale: float | None = None,
     causal: bool | str = False,
     window: tuple[int, int] | None = None,
@@ -256,7 +257,8 @@ def varlen_attention_vjp(
     lse_base: str | int = "e",
     backend: str | None = None,
 ) -> tuple[Any, Any, Any]:
-    """Gradient of :func:`varlen_attention`: ``(dq, dk, dv)`` for the upstream gradient ``dout``.
+    """Gradient of :func:`varlen_attention`: ``(dq, dk, dv)`` for the upstream gradients
+    ``dout`` and, where the loss uses the log-sum-exp too, ``dlse``.
 
     Computed by recomputation from ``lse``, as :func:`softmaxkit.attention_vjp` is: a query row
     with no allowed key (``lse = -inf``) has zero gradient, and a key of a sequence with no
@@ -271,10 +273,14 @@ def varlen_attention_vjp(
         (``varlen_attention(..., return_lse=True)``).
     dout : array
         Upstream gradient, the shape of ``out``.
+    dlse : array, optional
+        Upstream gradient of the returned ``lse`` (``[Tq, Hq]``, in ``lse_base``), as for
+        :func:`softmaxkit.attention_vjp`: one term of each row's ``rowsum(dout * out) -
+        dlse``.
     cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap
         The forward's arguments, unchanged.
     lse_base : {"e", 2}, optional
-        The base ``lse`` is given in.
+        The base ``lse`` (and ``dlse``) is given in.
     backend : str, optional
         Run on this backend only (strict).
 
@@ -290,24 +296,27 @@ def varlen_attention_vjp(
         As for :func:`varlen_attention`, and for ``out``, ``lse`` or ``dout`` of the wrong
         shape.
     """
-    framework = route(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k)
+    framework = route(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, dlse)
     if framework is not None:
         return framework.varlen_attention_vjp(
-            q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
-            window=window, softcap=softcap, lse_base=lse_base, backend=backend,
+            q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, dlse=dlse, scale=scale,
+            causal=causal, window=window, softcap=softcap, lse_base=lse_base, backend=backend,
         )
     # the options are checked before the metadata is read
     base = args.lse_base(lse_base)
     options = args.attention_options(causal, window, softcap)
+    extra = {"out": out, "lse": lse, "dout": dout} | ({} if dlse is None else {"dlse": dlse})
     xp, dims, (q0, k0, v0), (qf, kf, vf), (cq, ck) = _prepare(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, {"out": out, "lse": lse, "dout": dout}
+        q, k, v, cu_seqlens_q, cu_seqlens_k, extra
     )
     out_f, lse_f, dout_f = vjp_operands(
         xp, out, lse, dout, (dims.tq, dims.hq, dims.dv), qf, base
     )
+    dlse_f = None if dlse is None else lse_cotangent(xp, dlse, lse_f, (dims.tq, dims.hq), qf,
+                                                     base)
     dq, dk, dv = run(
         "varlen_attention_vjp", xp, qf, backend, q=qf, k=kf, v=vf, out=out_f, lse=lse_f,
-        dout=dout_f, cu_seqlens_q=cq, cu_seqlens_k=ck,
+        dout=dout_f, dlse=dlse_f, cu_seqlens_q=cq, cu_seqlens_k=ck,
         scale=args.attention_scale(scale, dims.d), **options,
     )
     return tuple(xp.astype(g, a.dtype, copy=False) for g, a in ((dq, q0), (dk, k0), (dv, v0)))

@@ -167,16 +167,16 @@ def test_split_kv_attention_trains_like_full_attention():
 @pytest.mark.parametrize("used", ["out", "lse", "both"])
 @pytest.mark.parametrize("op", ["attention", "varlen_attention"])
 def test_a_returned_lse_reaches_the_backward_only_when_the_loss_uses_it(monkeypatch, op, used):
-    """An lse that is returned but unused gives no cotangent (None, not zeros); a used one
-    reaches attention's VJP as ``dlse`` (varlen's as one more value column); the gradients
-    equal the float64 definition's."""
+    """An lse that is returned but unused gives no cotangent (None, not zeros) and the VJP no
+    ``dlse``; a used one reaches the VJP as ``dlse``; the gradients equal the float64
+    definition's."""
     import importlib
 
     module = importlib.import_module("softmaxkit.frameworks.torch.attention")
     seen = []
-    widen, vjp = module._widen_for_lse, module.attention_vjp_op
-    monkeypatch.setattr(module, "_widen_for_lse", lambda *a: seen.append("widened") or widen(*a))
-    monkeypatch.setattr(module, "attention_vjp_op",  # its 7th argument is dlse
+    name = f"{op}_vjp_op"
+    vjp = getattr(module, name)
+    monkeypatch.setattr(module, name,  # the 7th argument is dlse
                         lambda *a: seen.append("dlse" if a[6] is not None else "") or vjp(*a))
     q, k, v = _qkv(2, 1, 5, 7)  # [H, L, D]
     if op == "attention":
@@ -192,10 +192,7 @@ def test_a_returned_lse_reaches_the_backward_only_when_the_loss_uses_it(monkeypa
                 "both": out.square().sum() + lse.sum()}[used]
 
     grads = torch.autograd.grad(loss(out, lse), (q, k, v), allow_unused=True)
-    if op == "attention":
-        assert seen == ["" if used == "out" else "dlse"]
-    else:
-        assert seen == ([] if used == "out" else ["widened"])
+    assert seen == ["" if used == "out" else "dlse"]
     s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # the key head broadcasts
     s = s.masked_fill(torch.ones(5, 7, dtype=torch.bool).tril(2).logical_not(), -math.inf)
     want_out = torch.softmax(s, dim=-1) @ v
@@ -389,6 +386,11 @@ def test_operators_pass_opcheck():
         (ops.attention_op, (q, k, v, None, "bottom_right", [-1, -1], None, None, None, True)),
         (ops.merge_attention_op, (outs, lses, 0, None)),
     ]
+    out, lse = sk.attention(q.detach(), k.detach(), v.detach(), causal=True, return_lse=True)
+    for dlse in (None, torch.randn_like(lse)):
+        samples.append((ops.attention_vjp_op, (q.detach(), k.detach(), v.detach(), out, lse,
+                                               out, dlse, None, "bottom_right", [-1, -1], None,
+                                               None, None)))
     for op, args in samples:
         torch.library.opcheck(op, args)
 

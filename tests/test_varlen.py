@@ -293,9 +293,10 @@ def test_torch_operators_pass_opcheck():
                           (q, k, v, cu_q, cu_k, None, "bottom_right", [-1, -1], None, None, True))
     out, lse = sk.varlen_attention(q.detach(), k.detach(), v.detach(), cu_q, cu_k,
                                    return_lse=True)
-    torch.library.opcheck(ops.varlen_attention_vjp_op,
-                          (q.detach(), k.detach(), v.detach(), out, lse, out, cu_q, cu_k, None,
-                           None, [-1, -1], 2.0, None))
+    for dlse in (None, torch.randn(lse.shape, generator=g, dtype=torch.float64)):
+        torch.library.opcheck(ops.varlen_attention_vjp_op,
+                              (q.detach(), k.detach(), v.detach(), out, lse, out, dlse, cu_q,
+                               cu_k, None, None, [-1, -1], 2.0, None))
 
 
 def test_torch_compile_traces_varlen_without_graph_breaks():

@@ -339,26 +339,11 @@ def _attention_shapes(q, k, v, mask):
     return _spec(lead + (hq, lq, v.shape[-1]), dtype), _spec(lead + (hq, lq), acc)
 
 
-def _widen_for_lse(v: Any, out: Any, dout: Any, dlse: Any) -> tuple[Any, Any, Any]:
-    """``(v, out, dout)`` widened by one column so that the unchanged attention VJP also
-    carries the lse's cotangent ``dlse``.
-
-    The lse's gradient enters as ``D_i = <dout_i, out_i> - dlse_i``: a zero value column, an
-    output column of ``-dlse`` and an upstream column of ones give exactly that; the caller
-    drops the extra column of ``dv``.
-    """
-    v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), v.dtype)], axis=-1)
-    out = jnp.concatenate([out, (-dlse).astype(out.dtype)[..., None]], axis=-1)
-    dout = jnp.concatenate([dout, jnp.ones(dout.shape[:-1] + (1,), dout.dtype)], -1)
-    return v, out, dout
-
-
 def _is_primal(x: Any) -> bool:
     return isinstance(x, CustomVJPPrimal)
 
 
-def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool,
-                     takes_dlse: bool = False) -> Any:
+def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any:
     """A ``jax.custom_vjp`` function ``(q, k, v, *metadata) -> (out, lse)`` whose backward
     recomputes from the saved ``out`` and ``lse``.
 
@@ -367,16 +352,14 @@ def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool,
     forward : callable
         ``forward(q, k, v, *metadata) -> (out, lse)`` on host arrays.
     vjp : callable
-        ``vjp(q, k, v, out, lse, dout, [dlse,] *metadata) -> (dq, dk, dv)`` on host arrays.
+        ``vjp(q, k, v, out, lse, dout, dlse, *metadata) -> (dq, dk, dv)`` on host arrays,
+        ``dlse`` the lse's cotangent or None.
     shapes : callable
         ``shapes(q, k, v, *metadata)``: the ``jax.ShapeDtypeStruct`` of ``(out, lse)``.
     lse_used : bool
         Whether the lse is returned, so that its cotangent must reach the backward; else it is
         left out.  Cotangents are symbolic zeros where an output does not reach the loss: a
-        returned but unused lse is left out too.
-    takes_dlse : bool
-        Whether ``vjp`` takes the lse's cotangent (None where there is none); else a used
-        lse's cotangent reaches it through :func:`_widen_for_lse`.
+        returned but unused lse is left out too (``dlse`` None).
 
     Returns
     -------
@@ -398,19 +381,13 @@ def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool,
     def bwd(res, cots):
         q, k, v, metadata, out, lse = res
         dout, dlse = cots
-        dv_width = v.shape[-1]
         if isinstance(dout, SymbolicZero):  # only the lse reaches the loss
             dout = jnp.zeros(out.shape, out.dtype)
         used = lse_used and not isinstance(dlse, SymbolicZero)  # an unused lse: left out
-        extra = ()
-        if takes_dlse:
-            extra = (dlse.astype(lse.dtype) if used else None,)
-        elif used:
-            v, out, dout = _widen_for_lse(v, out, dout, dlse)
         spec = tuple(_spec(a.shape, a.dtype) for a in (q, k, v))
-        dq, dk, dv = _host(vjp, spec, q, k, v, out, lse, dout.astype(out.dtype), *extra,
-                           *metadata)
-        return (dq, dk, dv[..., :dv_width]) + (None,) * len(metadata)
+        dq, dk, dv = _host(vjp, spec, q, k, v, out, lse, dout.astype(out.dtype),
+                           dlse.astype(lse.dtype) if used else None, *metadata)
+        return (dq, dk, dv) + (None,) * len(metadata)
 
     f.defvjp(fwd, bwd, symbolic_zeros=True)
     return f
@@ -423,7 +400,7 @@ def _attention_custom(options: tuple, lse_used: bool) -> Any:
         lambda q, k, v, m: _attention_fn(q, k, v, mask=m, return_lse=True, **kw),
         lambda q, k, v, o, s, d, dl, m: _attention_vjp_fn(q, k, v, o, s, d, dlse=dl, mask=m,
                                                           **kw),
-        _attention_shapes, lse_used, takes_dlse=True,
+        _attention_shapes, lse_used,
     )
 
 
@@ -573,7 +550,8 @@ def _varlen_custom(options: tuple, lse_used: bool) -> Any:
     kw = dict(options)
     return _recomputing_vjp(
         lambda q, k, v, cq, ck: _varlen_fn(q, k, v, cq, ck, return_lse=True, **kw),
-        lambda q, k, v, o, s, d, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, **kw),
+        lambda q, k, v, o, s, d, dl, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, dlse=dl,
+                                                            **kw),
         lambda q, k, v, cq, ck: _varlen_shapes(q, k, v), lse_used,
     )
 
@@ -596,9 +574,10 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
 
 
 def varlen_attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
-                         cu_seqlens_q: Any, cu_seqlens_k: Any, *, scale: float | None = None,
-                         causal: Any = False, window: Any = None, softcap: float | None = None,
-                         lse_base: Any = "e", backend: str | None = None,
+                         cu_seqlens_q: Any, cu_seqlens_k: Any, *, dlse: Any = None,
+                         scale: float | None = None, causal: Any = False, window: Any = None,
+                         softcap: float | None = None, lse_base: Any = "e",
+                         backend: str | None = None,
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`softmaxkit.varlen_attention_vjp` for JAX arrays (under jit, not vmap)."""
     arrays = [jnp.asarray(a) for a in (q, k, v, out, lse, dout)]
@@ -608,6 +587,8 @@ def varlen_attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
     kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lse_base=lse_base,
               backend=backend)
     return _host(
-        lambda q, k, v, o, s, d, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, **kw),
-        spec, *arrays, cu_seqlens_q, cu_seqlens_k,
+        lambda q, k, v, o, s, d, dl, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, dlse=dl,
+                                                            **kw),
+        spec, *arrays, None if dlse is None else jnp.asarray(dlse), cu_seqlens_q,
+        cu_seqlens_k,
     )

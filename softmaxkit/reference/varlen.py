@@ -86,8 +86,10 @@ def varlen_attention_vjp(
     causal: Any,
     window: tuple[int, int],
     softcap: Any,
+    dlse: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """Dense reference gradient on each sequence; keys of a sequence without queries get 0."""
+    """Dense reference gradient on each sequence (the lse's cotangent ``dlse``, where given,
+    as in the dense one); keys of a sequence without queries get 0."""
     dev = _device(q)
     tq, hq, d = q.shape
     tk, hk, dv = v.shape
@@ -106,6 +108,7 @@ def varlen_attention_vjp(
             lse=xp.permute_dims(lse[q0:q1, ...], (1, 0))[None, ...],
             dout=_heads_first(xp, dout[q0:q1, ...]), scale=scale, causal=causal,
             window=window, mask=None, softcap=softcap,
+            dlse=None if dlse is None else xp.permute_dims(dlse[q0:q1, ...], (1, 0))[None, ...],
         )
         for parts, g in zip((dqs, dks, dvs), grads, strict=True):
             parts.append(_tokens_first(xp, g))

@@ -222,9 +222,12 @@ def case_varlen_attention_lse_base_2(t: Target, dtype: str, backend: str) -> Non
 
 def _vjp(t: Target, dtype: str, backend: str, seed: int, heads: tuple[int, int],
          dims: tuple[int, int], name: str,
-         lengths: tuple[tuple[int, ...], tuple[int, ...]] = LENGTHS, **kw: Any) -> None:
+         lengths: tuple[tuple[int, ...], tuple[int, ...]] = LENGTHS, with_dlse: bool = False,
+         **kw: Any) -> None:
     """One gradient check: against the float64 definition on each sequence, the keys of the
-    sequence with no queries (the second) get zero gradients, empty rows a zero dq."""
+    sequence with no queries (the second) get zero gradients, empty rows a zero dq; with
+    ``with_dlse`` a loss that uses the lse too (its cotangent NaN on the rows with no key,
+    which never read it)."""
     hq, hk = heads
     d, dv = dims
     acc = accumulator_name(dtype)
@@ -233,17 +236,26 @@ def _vjp(t: Target, dtype: str, backend: str, seed: int, heads: tuple[int, int],
     rng = np.random.default_rng(seed + 10)
     dout = t.asarray(rng.normal(size=(int(cu_q[-1]), hq, dv)), dtype)
     dout64 = t.to_numpy(dout)
+    base = kw.pop("lse_base", "e")
+    per_base = 1.0 if base == "e" else math.log(2.0)  # lse_2 = lse / ln 2, dlse_2 = dlse ln 2
     rkw = dict(kw, causal=_causal_kw(kw.get("causal", False)))
     # the forward's (out, lse) come from the float64 definition, so a backend that serves
     # only the gradient is checked too
     out64, lse64 = packed_reference(q64, k64, v64, cu_q, cu_k, **rkw)
     mq, mk = _metadata(t, cu_q, cu_k, "int64")
-    got = sk.varlen_attention_vjp(q, k, v, t.asarray(out64, dtype), t.asarray(lse64, acc),
-                                  dout, mq, mk, backend=backend, **kw)
+    dlse64 = None
+    if with_dlse:
+        dlse64 = rng.normal(size=lse64.shape)
+        dlse64[lse64 == -np.inf] = np.nan
+        kw = dict(kw, dlse=t.asarray(dlse64 * per_base, acc))
+    got = sk.varlen_attention_vjp(q, k, v, t.asarray(out64, dtype),
+                                  t.asarray(lse64 / per_base, acc), dout, mq, mk,
+                                  lse_base=base, backend=backend, **kw)
     expected = [np.zeros_like(a) for a in (q64, k64, v64)]
     for q0, q1, k0, k1 in _spans(cu_q, cu_k):
         grads = ref.attention_vjp(_heads_first(q64[q0:q1]), _heads_first(k64[k0:k1]),
                                   _heads_first(v64[k0:k1]), _heads_first(dout64[q0:q1]),
+                                  dlse=None if dlse64 is None else np.nan_to_num(dlse64[q0:q1]).T,
                                   **rkw)
         for e, g, (lo, hi) in zip(expected, grads, ((q0, q1), (k0, k1), (k0, k1)),
                                   strict=True):
@@ -274,6 +286,8 @@ def case_varlen_attention_vjp(t: Target, dtype: str, backend: str) -> None:
         ({"causal": True}, "causal (empty rows)"),
         ({"causal": "top_left", "window": (2, 1)}, "top_left window"),
         ({"softcap": 4.0, "scale": 4.0 / math.sqrt(d)}, "softcap"),
+        ({"causal": True, "with_dlse": True}, "causal, the lse in the loss"),
+        ({"lse_base": 2, "with_dlse": True}, "the lse in base 2 in the loss"),
     )
     for i, (kw, name) in enumerate(settings):
         _vjp(t, dtype, backend, 50 + i, (4, 2), (d, dv), name, **kw)

@@ -149,16 +149,25 @@ def padded_offsets(cu_q: np.ndarray, block_m: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(-(-lengths // block_m) * block_m)]).astype(np.int64)
 
 
+def padded_rows(cu_q: np.ndarray, cu_pad: np.ndarray) -> np.ndarray:
+    """The row of each query token in the backward's padded layout: sequence b's tokens
+    ``cu_q[b] + i`` sit at ``cu_pad[b] + i`` (:func:`padded_offsets`)."""
+    lengths = np.diff(cu_q)
+    return (np.arange(int(cu_q[-1]) - int(cu_q[0]), dtype=np.int64)
+            + np.repeat(cu_pad[:-1] - (cu_q[:-1] - cu_q[0]), lengths))
+
+
 def varlen_attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, cu_seqlens_q: Any,
     cu_seqlens_k: Any, scale: float, causal: Any, window: tuple[int, int], softcap: Any,
-    config: BackwardConfig | None = None,
+    dlse: Any = None, config: BackwardConfig | None = None,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) of packed variable-length attention on tensor cores, recomputing P from
     ``lse``.
 
     Three launches, as for dense attention: the rows' lse2 and delta into the padded layout
-    (module docstring); the main kernel over (key tiles of the longest sequence, Hk, B), which
+    (module docstring; delta less the lse's cotangent ``dlse`` where given, one indexed
+    subtraction); the main kernel over (key tiles of the longest sequence, Hk, B), which
     writes dk and dv (zero for the keys of a sequence without queries) and adds dq's partial
     products into the float32 sums; and dq's conversion back to the packed layout.
     ``config`` overrides the tile configuration (for benchmarks).  Head dimensions the kernels
@@ -179,19 +188,20 @@ def varlen_attention_vjp(
                 xp, blocks, lambda vb, ob, db, first: varlen_attention_vjp(
                     xp, q=q, k=k, v=vb, out=ob, lse=lse, dout=db, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal, window=window,
-                    softcap=softcap, config=config), v, out, dout)
+                    softcap=softcap, dlse=dlse if first else None, config=config),
+                v, out, dout)
     width = head_dims.pad_width(d, dv)
     if width is None:
         return _varlen_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
                                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                      scale=scale, causal=causal, window=window,
-                                     softcap=softcap, config=config)
+                                     softcap=softcap, dlse=dlse, config=config)
     with interop.on_device(q):
         q, k, v, out, dout = (head_dims.pad(xp, a, width) for a in (q, k, v, out, dout))
     grads = _varlen_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                   scale=scale, causal=causal, window=window, softcap=softcap,
-                                  config=config)
+                                  dlse=dlse, config=config)
     dq, dk, dv_ = (head_dims.narrow(g, n) for g, n in zip(grads, (d, d, dv), strict=True))
     return dq, dk, dv_
 
@@ -199,7 +209,7 @@ def varlen_attention_vjp(
 def _varlen_attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, cu_seqlens_q: Any,
     cu_seqlens_k: Any, scale: float, causal: Any, window: tuple[int, int], softcap: Any,
-    config: BackwardConfig | None,
+    dlse: Any, config: BackwardConfig | None,
 ) -> tuple[Any, Any, Any]:
     """:func:`varlen_attention_vjp` of a call with work, at a built head dimension (D = Dv)."""
     tq, hq, d = (int(s) for s in q.shape)
@@ -228,6 +238,10 @@ def _varlen_attention_vjp(
             np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(cu_q)),
             np.uint64(ptr(cu_pad)), *_token_strides(out), *_token_strides(dout),
             np.int32(hq), np.int32(batches), np.int32(tpad), np.int64(rows)))
+        if dlse is not None:  # D = rowsum(dout * out) - dlse, on each token's padded row
+            index = interop.from_host(cu_q, padded_rows(host_q, cu_pad_host))
+            rowwise = xp.reshape(delta, (hq, tpad))
+            rowwise[:, index] -= xp.permute_dims(dlse, (1, 0))
         shared = config.shared_bytes()
         main = _kernel(config.varlen_name(dtype), shared)
         main((-(-longest_k // config.block_n), hk, batches), (config.threads,), (

@@ -95,10 +95,13 @@ def varlen_attention_vjp(
     causal: Any,
     window: tuple[int, int],
     softcap: Any,
+    dlse: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """``(dq, dk, dv)`` sequence by sequence; keys of a sequence without queries get 0."""
+    """``(dq, dk, dv)`` sequence by sequence (the lse's cotangent ``dlse`` where given, as
+    in :func:`~.attention.attention_vjp`); keys of a sequence without queries get 0."""
     qn, kn, vn, on, don = (numpy_view(a) for a in (q, k, v, out, dout))
     lse_n = numpy_view(lse)
+    dlse_n = None if dlse is None else numpy_view(dlse)
     grads = [empty(a.shape, x.dtype, q)[0] for a, x in ((qn, q), (kn, k), (vn, v))]
     views = [numpy_view(g) for g in grads]
     for view in views[1:]:
@@ -109,6 +112,7 @@ def varlen_attention_vjp(
             npx, q=_batch(qn, spans, 0), k=_batch(kn, spans, 2), v=_batch(vn, spans, 2),
             out=_batch(on, spans, 0), lse=lse_b, dout=_batch(don, spans, 0),
             scale=scale, causal=causal, window=window, mask=None, softcap=softcap,
+            dlse=None if dlse_n is None else _batch(dlse_n[..., None], spans, 0)[..., 0],
         )
         for g, (q0, q1, k0, k1) in enumerate(spans):
             for view, part, (lo, hi) in zip(views, parts, ((q0, q1), (k0, k1), (k0, k1)),

@@ -223,8 +223,10 @@ def varlen_attention(*, xp: Any, q: Any, k: Any, v: Any, cu_seqlens_q: Any,
 
 def varlen_attention_vjp(*, xp: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
                          cu_seqlens_q: Any, cu_seqlens_k: Any, scale: float, causal: Any,
-                         window: tuple[int, int], softcap: Any) -> tuple[Any, Any, Any]:
-    """``(dq, dk, dv)`` of :func:`varlen_attention`, shaped and typed like q, k, v.
+                         window: tuple[int, int], softcap: Any,
+                         dlse: Any = None) -> tuple[Any, Any, Any]:
+    """``(dq, dk, dv)`` of :func:`varlen_attention`, shaped and typed like q, k, v (the
+    lse's cotangent ``dlse``, where given, gathered into each batch as lse is).
 
     The padding rows enter the dense gradient with lse = -inf (rows with no allowed key: P
     is 0 there) and zero q, out and dout, the padding keys as zero k and v that no row may
@@ -243,6 +245,7 @@ def varlen_attention_vjp(*, xp: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
             xp=xp, q=queries.unpack(xp, q, 0.0), k=keys.unpack(xp, k, 0.0),
             v=keys.unpack(xp, v, 0.0), out=queries.unpack(xp, out, 0.0),
             lse=queries.unpack(xp, lse, -math.inf), dout=queries.unpack(xp, dout, 0.0),
+            dlse=None if dlse is None else queries.unpack(xp, dlse, 0.0),
             scale=scale, softcap=softcap, **batch.options(xp, int(q.shape[1]), dev))
         for g, part in zip(grads, parts, strict=True):
             g.append(part)

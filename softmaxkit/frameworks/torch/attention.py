@@ -291,12 +291,12 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, backe
 @torch.library.custom_op("softmaxkit::varlen_attention_vjp", mutates_args=())
 def varlen_attention_vjp_op(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float | None, causal: str | None,
-    window: list[int], softcap: float | None, backend: str | None,
+    dlse: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float | None,
+    causal: str | None, window: list[int], softcap: float | None, backend: str | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     with torch.no_grad():
         grads = _varlen_vjp_fn(
-            q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, scale=scale,
+            q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, dlse=dlse, scale=scale,
             causal=causal or False, window=(window[0], window[1]), softcap=softcap,
             backend=backend,
         )
@@ -304,8 +304,8 @@ def varlen_attention_vjp_op(
 
 
 @varlen_attention_vjp_op.register_fake
-def _(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap,
-      backend):
+def _(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, scale, causal, window,
+      softcap, backend):
     return tuple(result_like(a, a.shape, a.dtype) for a in (q, k, v))
 
 
@@ -322,47 +322,13 @@ def _varlen_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
     ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)  # out and lse: the backward recomputes
 
 
-def _cotangents(
-    v: Tensor, out: Tensor, dout: Tensor | None, dlse: Tensor | None, lse_used: bool
-) -> tuple[Tensor, Tensor, Tensor, bool]:
-    """``(v, out, dout, widened)`` for the varlen attention VJP, from the cotangents autograd
-    gives (whose contract has no ``dlse`` yet).
-
-    Cotangents are not materialized: an output the loss does not use comes as None, so a
-    returned but unused lse costs no wider backward (whose value dimension, one more than
-    ``Dv``, the kernels may serve only padded, or not at all), and an unused ``out`` a zero
-    ``dout``.
-    """
+def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple:
+    """As :func:`_attention_backward`: cotangents not materialized, a used lse's as dlse."""
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    if not lse_used or dlse is None:
-        return v, out, dout, False
-    return (*_widen_for_lse(v, out, dout, dlse), True)
-
-
-def _widen_for_lse(
-    v: Tensor, out: Tensor, dout: Tensor, dlse: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(v, out, dout)`` widened by one column so that the unchanged VJP also carries the
-    lse's cotangent ``dlse``.
-
-    The lse's gradient enters as ``D_i = <dout_i, out_i> - dlse_i``: a zero value column, an
-    output column of ``-dlse`` and an upstream column of ones give exactly that; the caller
-    drops the extra column of ``dv``.
-    """
-    v = torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], dim=-1)
-    out = torch.cat([out, (-dlse).to(out.dtype).unsqueeze(-1)], dim=-1)
-    dout = torch.cat([dout, dout.new_ones(dout.shape[:-1] + (1,))], dim=-1)
-    return v, out, dout
-
-
-def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple:
-    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
-    dv_width = v.shape[-1]
-    v, out, dout, widen = _cotangents(v, out, dout, dlse, ctx.lse_used)
-    dq, dk, dv = varlen_attention_vjp_op(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args)
-    if widen:
-        dv = dv[..., :dv_width]
+    dlse = dlse if ctx.lse_used else None
+    dq, dk, dv = varlen_attention_vjp_op(q, k, v, out, lse, dout, dlse, cu_q, cu_k, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -402,15 +368,17 @@ def varlen_attention(
 
 def varlen_attention_vjp(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-    cu_seqlens_q: Any, cu_seqlens_k: Any, *, scale: float | None = None, causal: Any = False,
-    window: Any = None, softcap: float | None = None, lse_base: Any = "e",
-    backend: str | None = None,
+    cu_seqlens_q: Any, cu_seqlens_k: Any, *, dlse: Any = None, scale: float | None = None,
+    causal: Any = False, window: Any = None, softcap: float | None = None,
+    lse_base: Any = "e", backend: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`softmaxkit.varlen_attention_vjp` as an operator (no second derivative)."""
+    dlse = tensor_or_none(dlse, q, "dlse")
     if _args.lse_base(lse_base) == "2":
         lse = lse * LN2
+        dlse = None if dlse is None else dlse / LN2
     return varlen_attention_vjp_op(
-        q, k, v, out, lse, dout, _seqlens(cu_seqlens_q, q, "cu_seqlens_q"),
+        q, k, v, out, lse, dout, dlse, _seqlens(cu_seqlens_q, q, "cu_seqlens_q"),
         _seqlens(cu_seqlens_k, q, "cu_seqlens_k"),
         None if scale is None else _args.attention_scale(scale, q.shape[-1]),
         _args.causal(causal), list(_args.window(window)), _args.softcap(softcap), backend,
