@@ -225,3 +225,33 @@ def test_a_returned_lse_reaches_the_backward_only_when_the_loss_uses_it(monkeypa
     for a, b in zip(got, jax.grad(definition, (0, 1, 2))(q, k, v), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
     module._attention_custom.cache_clear()
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_varlen_lse_in_the_loss_trains_like_the_definition(jit):
+    """A loss of varlen attention's out and its base-2 lse: the lse's cotangent reaches the
+    VJP (as dlse) and the gradients equal the float64 definition's, sequence by sequence."""
+    q, k, v = _rand(5, 2, 3, seed=11), _rand(7, 1, 3, seed=12), _rand(7, 1, 2, seed=13)
+    cu_q, cu_k = jnp.asarray([0, 2, 5]), jnp.asarray([0, 3, 7])
+
+    def loss(q, k, v):
+        out, lse = sk.varlen_attention(q, k, v, cu_q, cu_k, causal=True, return_lse=True,
+                                       lse_base=2)
+        return jnp.sum(out ** 2) + jnp.sum(jnp.sin(lse))
+
+    def definition(q, k, v):
+        total = 0.0
+        for (a, b), (c, d) in (((0, 2), (0, 3)), ((2, 5), (3, 7))):
+            s = jnp.einsum("qhd,khd->hqk", q[a:b], jnp.repeat(k[c:d], 2, axis=1)) / math.sqrt(3)
+            lq, lk = b - a, d - c
+            allowed = jnp.arange(lk)[None, :] <= jnp.arange(lq)[:, None] + (lk - lq)
+            s = jnp.where(allowed, s, -jnp.inf)
+            out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, -1), jnp.repeat(v[c:d], 2, axis=1))
+            total = total + jnp.sum(out ** 2) + jnp.sum(jnp.sin(jax.nn.logsumexp(s, -1)
+                                                                / math.log(2.0)))
+        return total
+
+    grad = jax.grad(loss, (0, 1, 2))
+    got = (jax.jit(grad) if jit else grad)(q, k, v)
+    for a, b in zip(got, jax.grad(definition, (0, 1, 2))(q, k, v), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
