@@ -183,9 +183,8 @@ def attention_vjp(
     row_ok = lse5 != NEG_INF
     lse_safe = xp.where(row_ok, lse5, 0.0)[..., None]
     delta = xp.sum(xp.where(row_ok[..., None], do5 * o5, 0.0), axis=-1)[..., None]
-    if dlse is not None:
-        dl5 = xp.reshape(xp.astype(dlse, acc, copy=False), (b, hk, g, lq))
-        delta = delta - xp.where(row_ok, dl5, 0.0)[..., None]
+    if dlse is not None:  # 0 on the rows with no key (contract: softmaxkit.ops)
+        delta = delta - xp.reshape(xp.astype(dlse, acc, copy=False), (b, hk, g, lq, 1))
     shape5 = (b, hk, g, lq)
     dq = xp.zeros(shape5 + (d,), dtype=acc, device=dev)
     dk_tiles, dv_tiles = [], []

@@ -54,7 +54,6 @@ from .configs import (
     sm90_backward_names,
     sm90_config,
     sm90_names,
-    sm90_width,
     varlen_backward_names,
     varlen_names,
 )
@@ -237,21 +236,17 @@ def attention(
                 softcap=softcap, return_lse=return_lse, config=config), v)
     width = _forward_width(q, k, dv, mask is not None) if config is None else (
         head_dims.pad_width(int(q.shape[3]), dv))
-    if width is None:
-        return _attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
-                          mask=mask, softcap=softcap, return_lse=return_lse, config=config)
     with interop.on_device(q):
-        q, k, v = (head_dims.pad(xp, a, width) for a in (q, k, v))
-    out, lse = _attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
-                          mask=mask, softcap=softcap, return_lse=return_lse, config=config)
-    return head_dims.narrow(out, dv), lse
+        return head_dims.forward_padded(xp, width, lambda q, k, v: _attention(
+            xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window, mask=mask,
+            softcap=softcap, return_lse=return_lse, config=config), q, k, v)
 
 
 def _forward_width(q: Any, k: Any, dv: int, masked: bool) -> int | None:
     """The head dimension the forward runs a call at, or None for the call's own.
 
     On a device of compute capability 9.0 a call runs on the Hopper forward at
-    :func:`~.configs.sm90_width` where that gives one (the head dims it is built for, and
+    :func:`.head_dims.sm90_width` where that gives one (the head dims it is built for, and
     those the mma.sync kernels serve slower than its zero-padded next one).
     Split-KV decoding and other devices keep :func:`head_dims.pad_width`'s choice."""
     d = int(q.shape[3])
@@ -259,7 +254,7 @@ def _forward_width(q: Any, k: Any, dv: int, masked: bool) -> int | None:
     hq, lq, hk, lk = int(q.shape[1]), int(q.shape[2]), int(k.shape[1]), int(k.shape[2])
     if uses_decode(hq, hk, lq, lk) or _capability_of(interop.device_index(q)) != SM90_CAPABILITY:
         return width
-    hopper = sm90_width(d, dv, masked)
+    hopper = head_dims.sm90_width(d, dv, masked)
     if hopper is None:
         return width
     return None if hopper == d == dv else hopper
@@ -411,8 +406,8 @@ def attention_vjp(
     fixed = _backward_without_work(q, k, v)
     if fixed is not None:
         return fixed
-    dims = (int(q.shape[3]), int(k.shape[3]), int(v.shape[3]))
-    blocks = head_dims.value_blocks(dims[0], dims[2])
+    d, dv = int(q.shape[3]), int(v.shape[3])
+    blocks = head_dims.value_blocks(d, dv)
     if blocks:  # Dv above the largest built head dimension: a call per block of columns
         with interop.on_device(q):
             return head_dims.gradients_in_blocks(
@@ -420,18 +415,12 @@ def attention_vjp(
                     xp, q=q, k=k, v=vb, out=ob, lse=lse, dout=db, scale=scale, causal=causal,
                     window=window, mask=mask, softcap=softcap,
                     dlse=dlse if first else None, config=config), v, out, dout)
-    width = head_dims.pad_width(dims[0], dims[2])
-    if width is None:
-        return _attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
-                              causal=causal, window=window, mask=mask, softcap=softcap,
-                              dlse=dlse, config=config)
     with interop.on_device(q):
-        q, k, v, out, dout = (head_dims.pad(xp, a, width) for a in (q, k, v, out, dout))
-    grads = _attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
-                           causal=causal, window=window, mask=mask, softcap=softcap,
-                           dlse=dlse, config=config)
-    dq, dk, dv = (head_dims.narrow(g, n) for g, n in zip(grads, dims, strict=True))
-    return dq, dk, dv
+        return head_dims.gradients_padded(
+            xp, head_dims.pad_width(d, dv), lambda q, k, v, out, dout: _attention_vjp(
+                xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale, causal=causal,
+                window=window, mask=mask, softcap=softcap, dlse=dlse, config=config),
+            q, k, v, out, dout)
 
 
 def _attention_vjp(

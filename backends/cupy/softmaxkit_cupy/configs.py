@@ -364,31 +364,6 @@ def sm90_config(head_dim: int, masked: bool) -> Sm90Config | None:
     return (SM90_MASKED_CONFIGS if masked else SM90_CONFIGS).get(head_dim)
 
 
-SM90_PADDED_FROM = frozenset({96, 160, 192})
-"""Head dims the mma.sync kernels are built for whose calls run faster on the Hopper forward
-zero-padded to its next head dim (96 at 128, 160 and 192 at 256); at 32 and 80 the mma.sync
-kernels stay faster (docs/benchmarks-attention.md, the H200 grid)."""
-
-
-def sm90_width(d: int, dv: int, masked: bool) -> int | None:
-    """The head dimension the Hopper forward runs a call of key dim ``d`` and value dim ``dv``
-    at (zero-padded, :mod:`.head_dims`), or None where the mma.sync kernels serve it better.
-
-    The call runs where the mma.sync kernels would run it (the smallest of
-    :data:`ATTENTION_HEAD_DIMS` at least ``max(d, dv)``) when the Hopper kernel is built for
-    that head dim, with a boolean mask or without one; from :data:`SM90_PADDED_FROM` at the
-    Hopper kernel's next head dim; else None.
-    """
-    n = max(d, dv)
-    served = next((p for p in sorted(ATTENTION_HEAD_DIMS) if p >= n), None)
-    built = SM90_MASKED_CONFIGS if masked else SM90_CONFIGS
-    if served in built:
-        return served
-    if served in SM90_PADDED_FROM:
-        return next((p for p in sorted(built) if p >= n), None)
-    return None
-
-
 def sm90_names() -> tuple[str, ...]:
     """The name expressions of kernels/attention_sm90.cu (one module holds them all)."""
     declared = (*SM90_CONFIGS.values(), *SM90_MASKED_CONFIGS.values())

@@ -31,7 +31,7 @@ from typing import Any
 
 import array_api_compat
 
-from .configs import ATTENTION_HEAD_DIMS
+from .configs import ATTENTION_HEAD_DIMS, SM90_CONFIGS, SM90_MASKED_CONFIGS
 
 LARGEST = max(ATTENTION_HEAD_DIMS)
 """The largest head dimension served (D and Dv alike)."""
@@ -56,6 +56,29 @@ def served_head_dim(d: int, dv: int) -> int | None:
     if d < 1 or dv < 1:
         return None
     return next((p for p in sorted(ATTENTION_HEAD_DIMS) if p >= max(d, dv)), None)
+
+
+SM90_PADDED_FROM = frozenset({96, 160, 192})
+"""Head dims the mma.sync kernels are built for whose calls run faster on the Hopper forward
+zero-padded to its next head dim (96 at 128, 160 and 192 at 256); at 32 and 80 the mma.sync
+kernels stay faster (docs/benchmarks-attention.md, the H200 grid)."""
+
+
+def sm90_width(d: int, dv: int, masked: bool) -> int | None:
+    """The head dimension the Hopper forward runs a call of key dim ``d`` and value dim ``dv``
+    at (zero-padded), or None where the mma.sync kernels serve it better.
+
+    The call runs at :func:`served_head_dim` when the Hopper kernel is built for that head dim
+    (with a boolean mask or without one), from :data:`SM90_PADDED_FROM` at the Hopper
+    kernel's next head dim, else not on the Hopper kernel (None).
+    """
+    served = served_head_dim(d, dv)
+    built = SM90_MASKED_CONFIGS if masked else SM90_CONFIGS
+    if served in built:
+        return served
+    if served in SM90_PADDED_FROM:
+        return next((p for p in sorted(built) if p >= max(d, dv)), None)
+    return None
 
 
 def head_dim_reason(d: int, dv: int, split: bool = False) -> str | None:
@@ -137,6 +160,26 @@ def narrow(a: Any, width: int) -> Any:
     """``a``'s first ``width`` columns along its last axis: a view (``a`` itself when it has
     ``width``), undoing :func:`pad` on a result."""
     return a if int(a.shape[-1]) == width else a[..., :width]
+
+
+def forward_padded(xp: Any, width: int | None, run: Any, q: Any, k: Any, v: Any) -> Any:
+    """``(out, lse)`` of ``run(q, k, v)`` at ``width`` (:func:`pad_width`; None: on the arrays
+    as given): q, k and v zero-padded to it, the output sliced back to v's width."""
+    if width is None:
+        return run(q, k, v)
+    out, lse = run(*(pad(xp, a, width) for a in (q, k, v)))
+    return narrow(out, int(v.shape[-1])), lse
+
+
+def gradients_padded(
+    xp: Any, width: int | None, run: Any, q: Any, k: Any, v: Any, out: Any, dout: Any,
+) -> tuple[Any, Any, Any]:
+    """``(dq, dk, dv)`` of ``run(q, k, v, out, dout)`` at ``width`` (None: on the arrays as
+    given): the five zero-padded to it, each gradient sliced back to its operand's width."""
+    if width is None:
+        return run(q, k, v, out, dout)
+    grads = run(*(pad(xp, a, width) for a in (q, k, v, out, dout)))
+    return tuple(narrow(g, int(a.shape[-1])) for g, a in zip(grads, (q, k, v), strict=True))
 
 
 def forward_in_blocks(xp: Any, blocks: list[tuple[int, int]], run: Any, v: Any) -> Any:

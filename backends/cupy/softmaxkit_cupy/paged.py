@@ -163,19 +163,11 @@ def paged_attention(
         return _prefill(xp, q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table,
                         seqlens=seqlens, scale=scale, causal=causal, window=window,
                         softcap=softcap, return_lse=return_lse)
-    width = head_dims.pad_width(d, dv)
-    if width is None:
-        return _paged_attention(xp, q=q, k_pages=k_pages, v_pages=v_pages,
-                                block_table=block_table, seqlens=seqlens, scale=scale,
-                                causal=causal, window=window, softcap=softcap,
-                                return_lse=return_lse)
     with interop.on_device(q):
-        q, k_pages, v_pages = (head_dims.pad(xp, a, width) for a in (q, k_pages, v_pages))
-    out, lse = _paged_attention(xp, q=q, k_pages=k_pages, v_pages=v_pages,
-                                block_table=block_table, seqlens=seqlens, scale=scale,
-                                causal=causal, window=window, softcap=softcap,
-                                return_lse=return_lse)
-    return head_dims.narrow(out, dv), lse
+        return head_dims.forward_padded(xp, head_dims.pad_width(d, dv), lambda q, kp, vp: (
+            _paged_attention(xp, q=q, k_pages=kp, v_pages=vp, block_table=block_table,
+                             seqlens=seqlens, scale=scale, causal=causal, window=window,
+                             softcap=softcap, return_lse=return_lse)), q, k_pages, v_pages)
 
 
 def _prefill(

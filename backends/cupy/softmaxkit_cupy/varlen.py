@@ -96,19 +96,12 @@ def varlen_attention(
                 xp, q=q, k=k, v=vb, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 scale=scale, causal=causal, window=window, softcap=softcap,
                 return_lse=return_lse, config=config), v)
-    width = head_dims.pad_width(d, dv)
-    if width is None:
-        return _varlen_attention(xp, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
-                                 cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal,
-                                 window=window, softcap=softcap, return_lse=return_lse,
-                                 config=config)
     with interop.on_device(q):
-        q, k, v = (head_dims.pad(xp, a, width) for a in (q, k, v))
-    out, lse = _varlen_attention(xp, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
-                                 cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal,
-                                 window=window, softcap=softcap, return_lse=return_lse,
-                                 config=config)
-    return head_dims.narrow(out, dv), lse
+        return head_dims.forward_padded(xp, head_dims.pad_width(d, dv), lambda q, k, v: (
+            _varlen_attention(xp, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                              cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal,
+                              window=window, softcap=softcap, return_lse=return_lse,
+                              config=config)), q, k, v)
 
 
 def _varlen_attention(
@@ -190,20 +183,12 @@ def varlen_attention_vjp(
                     cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal, window=window,
                     softcap=softcap, dlse=dlse if first else None, config=config),
                 v, out, dout)
-    width = head_dims.pad_width(d, dv)
-    if width is None:
-        return _varlen_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
-                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                     scale=scale, causal=causal, window=window,
-                                     softcap=softcap, dlse=dlse, config=config)
     with interop.on_device(q):
-        q, k, v, out, dout = (head_dims.pad(xp, a, width) for a in (q, k, v, out, dout))
-    grads = _varlen_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
-                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                  scale=scale, causal=causal, window=window, softcap=softcap,
-                                  dlse=dlse, config=config)
-    dq, dk, dv_ = (head_dims.narrow(g, n) for g, n in zip(grads, (d, d, dv), strict=True))
-    return dq, dk, dv_
+        return head_dims.gradients_padded(
+            xp, head_dims.pad_width(d, dv), lambda q, k, v, out, dout: _varlen_attention_vjp(
+                xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal, window=window,
+                softcap=softcap, dlse=dlse, config=config), q, k, v, out, dout)
 
 
 def _varlen_attention_vjp(

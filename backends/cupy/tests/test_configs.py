@@ -181,23 +181,6 @@ def test_hopper_forward_serves_capability_9_0_only_within_the_h200s_limits() -> 
                 assert isinstance(forward_config(other, d, masked), AttentionConfig)
 
 
-@pytest.mark.parametrize(("d", "dv", "plain", "masked"), [
-    (32, 32, None, None),    # mma.sync at 32
-    (40, 40, 64, 64),        # mma.sync would pad to 64 too
-    (80, 80, None, None),    # mma.sync at 80
-    (96, 96, 128, 128),      # faster padded
-    (112, 112, 128, 128),
-    (160, 160, 256, None),   # no masked Hopper kernel above 128
-    (192, 128, 256, None),
-    (256, 256, 256, None),
-])
-def test_sm90_width_pads_where_the_hopper_forward_is_faster(d, dv, plain, masked) -> None:
-    from softmaxkit_cupy.configs import sm90_width
-
-    assert sm90_width(d, dv, masked=False) == plain
-    assert sm90_width(d, dv, masked=True) == masked
-
-
 def test_hopper_backward_serves_capability_9_0_only_within_the_h200s_limits() -> None:
     from softmaxkit_cupy.attention import backward_config_for
     from softmaxkit_cupy.configs import (

@@ -265,7 +265,6 @@ mma.sync kernels alone, and beside them the Hopper forward, which takes its own 
 @pytest.mark.parametrize(("d", "dv"), [*PAIRS, (64, 64), (96, 96)])
 def test_dense_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv, capability) -> None:
     from softmaxkit_cupy import attention as adapter
-    from softmaxkit_cupy.configs import sm90_width
 
     monkeypatch.setattr(adapter, "_capability_of", lambda device: capability)
     seen: list = []
@@ -293,7 +292,7 @@ def test_dense_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv, capability)
     assert forward["scale"] == backward["scale"] == scale
     width = head_dims.served_head_dim(d, dv)
     # the forward on Hopper: at the Hopper kernel's next width (a mask: up to 128) if any
-    forward_width = (capability == "90" and sm90_width(d, dv, masked=True)) or width
+    forward_width = (capability == "90" and head_dims.sm90_width(d, dv, masked=True)) or width
     if d == dv == forward_width:  # built: the caller's arrays, no copy
         assert forward["q"] is tq and forward["k"] is tk and forward["v"] is tv
     else:
@@ -598,3 +597,18 @@ def test_kit_attention_cases_at_padded_head_dims_are_accepted(monkeypatch) -> No
     left = [f"{r.case}[{r.dtype}]: {r.status} {r.message}" for r in results
             if r.status != "passed"]
     assert not left, "\n".join(left)
+
+
+@pytest.mark.parametrize(("d", "dv", "plain", "masked"), [
+    (32, 32, None, None),    # mma.sync at 32
+    (40, 40, 64, 64),        # mma.sync would pad to 64 too
+    (80, 80, None, None),    # mma.sync at 80
+    (96, 96, 128, 128),      # faster padded
+    (112, 112, 128, 128),
+    (160, 160, 256, None),   # no masked Hopper kernel above 128
+    (192, 128, 256, None),
+    (256, 256, 256, None),
+])
+def test_sm90_width_pads_where_the_hopper_forward_is_faster(d, dv, plain, masked) -> None:
+    assert head_dims.sm90_width(d, dv, masked=False) == plain
+    assert head_dims.sm90_width(d, dv, masked=True) == masked
