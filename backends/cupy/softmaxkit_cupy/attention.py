@@ -30,10 +30,10 @@ from softmaxkit.options import note_kernel
 
 from . import compiler, head_dims, interop
 from .configs import (
-    DECODE_WARPS,
     SM90_CAPABILITY,
     AttentionConfig,
     BackwardConfig,
+    DecodeConfig,
     Sm90BackwardConfig,
     Sm90Config,
     alternative_names,
@@ -45,9 +45,9 @@ from .configs import (
     backward_names,
     backward_pre_group,
     backward_pre_name,
+    decode_alternative_names,
+    decode_config,
     decode_holds,
-    decode_name,
-    decode_shared_bytes,
     merge_name,
     paged_names,
     sm90_backward_config,
@@ -85,8 +85,11 @@ def _kernel(name: str, shared: int) -> Any:
             filename, names = "attention_bwd.cu", varlen_backward_names()
         if name not in names:  # another configuration asked for explicitly: built alone
             names = (name,)
-    elif name.startswith("sk_attn_decode_paged"):  # paged decoding: a module of its own
-        filename, names = "attention.cu", paged_names()
+    elif name.startswith("sk_attn_decode"):  # paged decoding: a module of its own
+        paged = name.startswith("sk_attn_decode_paged")
+        filename, names = "attention.cu", paged_names() if paged else attention_names()
+        if name not in names:  # an alternative decode configuration asked for explicitly
+            names = decode_alternative_names()
     elif name.startswith("sk_attn_fwd_sm90<"):  # the Hopper forward: sm_90a, its own source
         filename, names = "attention_sm90.cu", sm90_names()
         if name not in names:  # another configuration asked for explicitly: built alone
@@ -152,15 +155,16 @@ def backward_config_for(capability: str, head_dim: int,
 
 
 @functools.lru_cache(maxsize=1024)
-def splits_for(batch_heads: int, lk: int, multiprocessors: int) -> tuple[int, int]:
-    """(splits, keys per split) for decoding.
+def splits_for(batch_heads: int, lk: int, multiprocessors: int,
+               config: DecodeConfig) -> tuple[int, int]:
+    """(splits, keys per split) for decoding with ``config``.
 
     Splits trade the merge's cost against the tail of the last wave of blocks: take the count
-    that minimizes (waves, rounded up) x (key tiles + 2 per block), about three blocks resident
-    per multiprocessor, at least 256 keys per split.
+    that minimizes (waves, rounded up) x (key tiles + 2 per block), with the blocks a
+    multiprocessor holds at once (:meth:`DecodeConfig.resident`), at least 256 keys per split.
     """
-    block_n = 16 * DECODE_WARPS
-    slots = 3 * multiprocessors
+    block_n = config.block_n
+    slots = config.resident() * multiprocessors
     best = (math.inf, 1)
     for splits in range(1, max(1, min(64, lk // 256)) + 1):
         waves = -(-batch_heads * splits // slots)
@@ -212,17 +216,19 @@ def _backward_without_work(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | Non
 def attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
     mask: Any, softcap: Any, return_lse: bool,
-    config: AttentionConfig | Sm90Config | None = None,
+    config: AttentionConfig | Sm90Config | DecodeConfig | None = None,
 ) -> tuple[Any, Any]:
     """Exact attention forward on tensor cores; (out, lse or None).
 
     ``config`` overrides the forward tile configuration (an :class:`AttentionConfig` or, on a
     device of compute capability 9.0, a :class:`Sm90Config`, at the head dimension the call
     runs at; by default :func:`forward_config` picks one); split-KV decoding is used instead
-    for few query rows per key head.  A call whose head dimensions the kernels are not built
-    for (D != Dv, or D not in ``ATTENTION_HEAD_DIMS``) runs on copies of q, k, v zero-padded
-    to the next built one, and its output is the padded output's first Dv columns; a value
-    dimension above 256 runs in blocks of columns, a call each (:mod:`.head_dims`).
+    for few query rows per key head, with :func:`.configs.decode_config`'s tiles or a
+    :class:`DecodeConfig` given as ``config``.  A call whose head dimensions the kernels are
+    not built for (D != Dv, or D not in ``ATTENTION_HEAD_DIMS``) runs on copies of q, k, v
+    zero-padded to the next built one, and its output is the padded output's first Dv
+    columns; a value dimension above 256 runs in blocks of columns, a call each
+    (:mod:`.head_dims`).
     """
     fixed = _forward_without_work(q, k, v)
     if fixed is not None:
@@ -262,7 +268,8 @@ def _forward_width(q: Any, k: Any, dv: int, masked: bool) -> int | None:
 
 def _attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
-    mask: Any, softcap: Any, return_lse: bool, config: AttentionConfig | Sm90Config | None,
+    mask: Any, softcap: Any, return_lse: bool,
+    config: AttentionConfig | Sm90Config | DecodeConfig | None,
 ) -> tuple[Any, Any]:
     """:func:`attention` of a call with work, at a built head dimension (D = Dv)."""
     b, hq, lq, d = (int(s) for s in q.shape)
@@ -289,9 +296,9 @@ def _attention(
                 return (*pointers, parts, part_lses, *strides, np.int32(hq), np.int32(hk),
                         np.int32(lq), np.int32(lk), chunk, *options)
 
-            note_kernel(decode_name(dtype, d))
-            out, lse = split_decode(q, decode_name(dtype, d), DECODE_PARAMS,
-                                    (b, hq, hk, lq, d), lk, decode_args)
+            decode = config if isinstance(config, DecodeConfig) else decode_config(d)
+            out, lse = split_decode(q, decode, False, DECODE_PARAMS, (b, hq, hk, lq, d), lk,
+                                    decode_args)
             out = xp.reshape(out, (b, hq, lq, d))
             lse = xp.reshape(lse, (b, hq, lq))
         else:
@@ -323,11 +330,13 @@ scale, softcap; offset, causal, left, right."""
 
 
 def split_decode(
-    q: Any, name: str, codes: str, sizes: tuple[int, int, int, int, int], keys: int,
+    q: Any, config: DecodeConfig, paged: bool, codes: str,
+    sizes: tuple[int, int, int, int, int], keys: int,
     launch_args: Callable[[int, int, int], tuple[Any, ...]],
 ) -> tuple[Any, Any]:
-    """Split-KV decoding: the decode kernel ``name`` on a (splits, Hk, B) grid, each block a
-    chunk of the ``keys`` keys of one key head, then :func:`_merge` of its float32 partials.
+    """Split-KV decoding: the dense (or ``paged``) decode kernel of ``config`` on a
+    (splits, Hk, B) grid, each block a chunk of the ``keys`` keys of one key head, then
+    :func:`_merge` of its float32 partials.
 
     ``sizes`` is ``(B, Hq, Hk, Lq, D)``; ``launch_args(part_out, part_lse, chunk)`` gives the
     kernel's arguments (packed as the parameter list ``codes``) around the partials'
@@ -336,13 +345,16 @@ def split_decode(
     ``[B * Hq * Lq]`` (float32).
     """
     b, hq, hk, lq, d = sizes
-    splits, chunk = splits_for(b * hk, keys, _multiprocessors_of(interop.device_index(q)))
+    splits, chunk = splits_for(b * hk, keys, _multiprocessors_of(interop.device_index(q)),
+                               config)
     rows = b * hq * lq
     part_out = interop.empty(q, (splits, rows, d), "float32")
     part_lse = interop.empty(q, (splits, rows), "float32")
-    shared = decode_shared_bytes(d)
+    shared = config.shared_bytes()
+    name = config.name(interop.name(q), paged)
+    note_kernel(name)
     args = launch_args(interop.pointer(part_out), interop.pointer(part_lse), chunk)
-    interop.launch(_kernel(name, shared), q, (splits, hk, b), 32 * DECODE_WARPS, codes, args,
+    interop.launch(_kernel(name, shared), q, (splits, hk, b), config.threads, codes, args,
                    shared)
     return _merge(part_out, part_lse, interop.name(q))
 

@@ -429,9 +429,11 @@ def sm90_backward_names() -> tuple[str, ...]:
     return tuple(c.name(t) for c in declared for t in ATTENTION_DTYPES)
 
 
-DECODE_WARPS = 4
 DECODE_ROWS = 16
 """Split-KV decoding serves calls with (Hq / Hk) * Lq <= 16 query rows per key head."""
+
+SM_SHARED_BYTES = 228 * 1024
+"""Shared memory of a multiprocessor on the H100 / H200, 1 KiB of it reserved per block."""
 
 
 def decode_holds(hq: int, hk: int, lq: int) -> bool:
@@ -439,31 +441,72 @@ def decode_holds(hq: int, hk: int, lq: int) -> bool:
     head (at most :data:`DECODE_ROWS`)."""
     return (hq // hk) * lq <= DECODE_ROWS
 
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One split-KV decode shape: ``warps`` warps of 16 keys each (``block_n`` keys a tile),
+    K and V tiles in a ring of ``stages`` (``stages - 1`` tiles in flight while one is read)."""
+
+    head_dim: int
+    warps: int = 4
+    stages: int = 3
+
+    @property
+    def block_n(self) -> int:
+        """Keys per tile."""
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 32 * self.warps
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: the Q rows and the ring of K and V tiles, or the warps'
+        float32 summaries when they merge, whichever is larger."""
+        tiles = (DECODE_ROWS + 2 * self.stages * self.block_n) * self.head_dim * 2
+        reduction = self.warps * DECODE_ROWS * (self.head_dim + 2) * 4
+        return max(tiles, reduction)
+
+    def resident(self) -> int:
+        """Blocks a multiprocessor holds at once, by shared memory."""
+        return max(1, SM_SHARED_BYTES // (self.shared_bytes() + 1024))
+
+    def name(self, dtype: str, paged: bool = False) -> str:
+        """The C++ name expression of the dense (or ``paged``) decode kernel for ``dtype``."""
+        kernel = "sk_attn_decode_paged" if paged else "sk_attn_decode"
+        return f"{kernel}<{CTYPES[dtype]}, {self.head_dim}, {self.warps}, {self.stages}>"
+
+
+DECODE_CONFIGS = {d: DecodeConfig(d, warps=4, stages=3) for d in (32, 64, 80, 96, 128)} | {
+    d: DecodeConfig(d, warps=4, stages=2) for d in (160, 192, 256)}
+"""The decode configuration for each head dimension: as many K and V tiles in flight as
+leave two blocks a multiprocessor (one above D = 128)."""
+
+DECODE_ALTERNATIVES = tuple(
+    DecodeConfig(128, warps=w, stages=s) for w, s in ((4, 2), (4, 4), (4, 5), (8, 2), (8, 3)))
+"""Other decode configurations (gpu_check.py compares them), built on request only."""
+
+
+def decode_config(head_dim: int) -> DecodeConfig:
+    """The decode configuration for ``head_dim`` (a key of :data:`DECODE_CONFIGS`)."""
+    return DECODE_CONFIGS[head_dim]
+
+
+def decode_alternative_names() -> tuple[str, ...]:
+    """Name expressions of the alternative decode configurations (a module of their own)."""
+    return tuple(c.name(t, paged) for c in DECODE_ALTERNATIVES for t in ATTENTION_DTYPES
+                 for paged in (False, True))
+
+
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
-
-
-def decode_name(dtype: str, head_dim: int) -> str:
-    """The name expression of the split-KV decode kernel."""
-    return f"sk_attn_decode<{CTYPES[dtype]}, {head_dim}, {DECODE_WARPS}>"
-
-
-def decode_shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of the decode kernel: Q rows and two stages of K and V."""
-    block_n = 16 * DECODE_WARPS
-    tiles = (DECODE_ROWS + 4 * block_n) * head_dim * 2
-    reduction = DECODE_WARPS * DECODE_ROWS * (head_dim + 2) * 4
-    return max(tiles, reduction)
-
-
-def decode_paged_name(dtype: str, head_dim: int) -> str:
-    """The name expression of the split-KV decode kernel over a paged KV cache."""
-    return f"sk_attn_decode_paged<{CTYPES[dtype]}, {head_dim}, {DECODE_WARPS}>"
 
 
 def paged_names() -> tuple[str, ...]:
     """The name expressions of the paged decode kernels (a module of kernels/attention.cu of
     their own, so dense calls do not build them, nor paged calls the dense tiles)."""
-    return tuple(decode_paged_name(t, d) for d in ATTENTION_HEAD_DIMS for t in ATTENTION_DTYPES)
+    return tuple(decode_config(d).name(t, paged=True) for d in ATTENTION_HEAD_DIMS
+                 for t in ATTENTION_DTYPES)
 
 
 MASK_BITS_NAME = "sk_mask_bits<unsigned char>"
@@ -479,7 +522,7 @@ def attention_names() -> tuple[str, ...]:
     """Every name expression of kernels/attention.cu (one module holds them all)."""
     declared = (*ATTENTION_CONFIGS.values(), *UNMASKED_CONFIGS.values())
     names = [c.name(t) for c in declared for t in ATTENTION_DTYPES]
-    names += [decode_name(t, d) for d in ATTENTION_HEAD_DIMS for t in ATTENTION_DTYPES]
+    names += [decode_config(d).name(t) for d in ATTENTION_HEAD_DIMS for t in ATTENTION_DTYPES]
     names += [merge_name(t, t) for t in MERGE_DTYPES]
     names += [merge_name("float32", t) for t in ATTENTION_DTYPES]
     return tuple(names)

@@ -40,7 +40,7 @@ from softmaxkit.paged_cache import dense_operands
 
 from . import head_dims, interop
 from .attention import _rows_ready, attention, split_decode
-from .configs import decode_holds, decode_paged_name
+from .configs import decode_config, decode_holds
 
 _PAGED_PARAMS = "QQQQQQQ" + "qqq" * 3 + "q" + "iIiiiiiff" + "iii"
 """The paged decode kernel's parameters: the addresses of q, k_pages, v_pages, block_table,
@@ -194,7 +194,6 @@ def _paged_attention(
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, page_size = int(k_pages.shape[1]), int(k_pages.shape[2])
     capacity = int(block_table.shape[1]) * page_size
-    dtype = interop.name(q)
     q, k_pages, v_pages = (_rows_ready(xp, a) for a in (q, k_pages, v_pages))
     table, lens = _int32(xp, block_table), _int32(xp, seqlens)
     mul, shift = page_divisor(page_size)
@@ -209,7 +208,7 @@ def _paged_attention(
                 int(causal is not None), left, right)
 
     # the grid spans the keys a query can reach (span), not the table's capacity
-    out, lse = split_decode(q, decode_paged_name(dtype, d), _PAGED_PARAMS, (b, hq, hk, lq, d),
-                            span, launch_args)
+    out, lse = split_decode(q, decode_config(d), True, _PAGED_PARAMS, (b, hq, hk, lq, d), span,
+                            launch_args)
     return xp.reshape(out, (b, hq, lq, d)), (xp.reshape(lse, (b, hq, lq)) if return_lse
                                               else None)

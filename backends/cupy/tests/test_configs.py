@@ -111,7 +111,7 @@ def test_attention_configurations_cover_every_head_dim_within_the_h200s_limits()
         attention_config,
         backward_config,
         backward_pre_group,
-        decode_shared_bytes,
+        decode_config,
     )
 
     assert {32, 64, 80, 96, 128, 160, 192, 256} <= set(ATTENTION_HEAD_DIMS)
@@ -132,7 +132,8 @@ def test_attention_configurations_cover_every_head_dim_within_the_h200s_limits()
         # in 16-wide passes
         wm = b.block_m // 16
         assert b.warps % wm == 0 and (d // (b.warps // wm)) % 16 == 0
-        assert decode_shared_bytes(d) <= limit
+        dc = decode_config(d)
+        assert dc.head_dim == d and dc.shared_bytes() <= limit and dc.resident() >= 1
         group = backward_pre_group(d)
         assert group & (group - 1) == 0 and d // 8 <= group <= 32
     # the head dimensions 64 and 128 keep their tiles (their kernels' code is unchanged)

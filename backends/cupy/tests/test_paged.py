@@ -17,7 +17,7 @@ from softmaxkit_cupy.configs import (
     ATTENTION_DTYPES,
     ATTENTION_HEAD_DIMS,
     all_modules,
-    decode_paged_name,
+    decode_config,
 )
 from softmaxkit_cupy.paged import page_divisor
 
@@ -49,7 +49,7 @@ def test_every_paged_kernel_is_in_a_module_the_ci_compiles() -> None:
     declared = {name for _, names in all_modules() for name in names}
     for dtype in ATTENTION_DTYPES:
         for d in ATTENTION_HEAD_DIMS:
-            assert decode_paged_name(dtype, d) in declared
+            assert decode_config(d).name(dtype, paged=True) in declared
 
 
 # (dtype, q [B, Hq, Lq, D], pools [P, Hk, S, D], Dv, table [B, max_pages], declined)
@@ -302,13 +302,14 @@ def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_
                             seqlens=lens, scale=0.1, causal="bottom_right", window=window,
                             softcap=None, return_lse=True)
     (kernel, like, grid, block, codes, args, shared), = launches
-    assert names == [decode_paged_name("bfloat16", d)] and kernel == names[0] and like is q
+    config = decode_config(d)
+    assert names == [config.name("bfloat16", paged=True)] and kernel == names[0] and like is q
     assert codes == _struct_codes("sk_attn_decode_paged")  # the kernel's parameter list
     assert len(args) == len(codes)
     struct.Struct("@" + codes).pack(*args)  # every value fits its parameter's type
-    splits, chunk = launcher.splits_for(b * hk, span, 132)
+    splits, chunk = launcher.splits_for(b * hk, span, 132, config)
     assert grid == (splits, hk, b) and splits * chunk >= span
-    assert block == 128 and shared == launcher.decode_shared_bytes(d)
+    assert block == config.threads and shared == config.shared_bytes()
     page = hk * size * d
     assert [int(a) for a in args[7:17]] == [hq * lq * d, lq * d, d, page, size * d, d, page,
                                             size * d, d, max_pages]
@@ -347,7 +348,7 @@ def test_window_span_and_first_key_leave_out_only_keys_no_query_sees() -> None:
         left, right, span = window_span(window, lq, capacity)
         assert max(left, right) < 2**31
         first = max(0, lk - lq - left) if left >= 0 else 0
-        splits, chunk = splits_for(4, span, 132)
+        splits, chunk = splits_for(4, span, 132, decode_config(128))
         assert lk - first <= splits * chunk  # every key the kernel must see has a split
         got = _allowed(lk, lq, causal, left, right, shift=first)
         assert got == _allowed(lk, lq, causal, *window), (lk, lq, causal, window, capacity)

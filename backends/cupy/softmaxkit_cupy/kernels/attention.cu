@@ -323,22 +323,19 @@ __global__ void __launch_bounds__(128) sk_mma_probe(const T* q, const T* k, cons
 }
 
 // Where the key and value rows of the split-KV decode body's (batch, key head) live: at(b, kh)
-// gives the rows of one, whose load_k / load_v copy ROWS rows from key position n into a
-// swizzled shared tile, zero-filling rows at or past `valid` (n is widened at the call, as
-// the dense row offset always was, so the dense kernel's code is unchanged).  Dense: k, v
-// [B, Hk, Lk, D] by element strides, rows at a fixed stride.
+// gives the rows of one, whose load copies ROWS key rows and the value rows beside them from
+// key position n into swizzled shared tiles, zero-filling rows at or past `valid` (n is
+// widened at the call, as the dense row offset always was).  Dense: k, v [B, Hk, Lk, D] by
+// element strides, rows at a fixed stride.
 template <typename T, int D>
 struct SkDenseRows {
     const T* kb;
     const T* vb;
     long long k_sl, v_sl;
     template <int ROWS, int THREADS>
-    __device__ __forceinline__ void load_k(T* smem, long long n, int valid) const {
-        sk_load_tile<T, ROWS, D, THREADS>(smem, kb + n * k_sl, k_sl, valid);
-    }
-    template <int ROWS, int THREADS>
-    __device__ __forceinline__ void load_v(T* smem, long long n, int valid) const {
-        sk_load_tile<T, ROWS, D, THREADS>(smem, vb + n * v_sl, v_sl, valid);
+    __device__ __forceinline__ void load(T* k_smem, T* v_smem, long long n, int valid) const {
+        sk_load_tile<T, ROWS, D, THREADS>(k_smem, kb + n * k_sl, k_sl, valid);
+        sk_load_tile<T, ROWS, D, THREADS>(v_smem, vb + n * v_sl, v_sl, valid);
     }
 };
 template <typename T, int D>
@@ -353,9 +350,11 @@ struct SkDenseKeys {
 
 // Paged (spec "Paged attention"): key position p of sequence b is row p % S of page
 // pages[p / S], pages being row b of the block table; k and v point at the key head's rows
-// of page 0, and the body's key n is the sequence's key first + n.  p / S is one multiply-high by a host-computed magic (mul, shift), S being a
-// runtime value.  A row at or past `valid` reads neither the block table nor the pool (its
-// address is the tile's first row's, and cp.async copies 0 bytes from it).
+// of page 0, and the body's key n is the sequence's key first + n.  p / S is one
+// multiply-high by a host-computed magic (mul, shift), S being a runtime value.  A row at or
+// past `valid` reads neither the block table nor the pool (its address is the tile's first
+// row's, and cp.async copies 0 bytes from it).  A key row and its value row share a page
+// and a slot: one lookup serves both copies.
 template <typename T, int D>
 struct SkPagedRows {
     const T* k;
@@ -366,8 +365,7 @@ struct SkPagedRows {
     int page_shift, page_size;
     int first;  // the sequence's key position of the body's key 0
     template <int ROWS, int THREADS>
-    __device__ __forceinline__ void load(T* smem, const T* base, long long sp, long long sl,
-                                         int n, int valid) const {
+    __device__ __forceinline__ void load(T* k_smem, T* v_smem, long long n, int valid) const {
         constexpr int CHUNKS = D / 8, STEPS = ROWS * CHUNKS / THREADS;
         static_assert(ROWS * CHUNKS % THREADS == 0, "whole steps of the tile's chunks");
         // every page index of the thread's rows first, then the copies: the loads are
@@ -377,7 +375,7 @@ struct SkPagedRows {
 #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
             const int r = (threadIdx.x + i * THREADS) / CHUNKS;
-            const int p = first + n + (r < valid ? r : 0);
+            const int p = first + static_cast<int>(n) + (r < valid ? r : 0);
             const int at = static_cast<int>(
                 (static_cast<unsigned long long>(static_cast<unsigned>(p)) * page_mul) >>
                 page_shift);
@@ -388,18 +386,11 @@ struct SkPagedRows {
         for (int i = 0; i < STEPS; ++i) {
             const int c = threadIdx.x + i * THREADS;
             const int r = c / CHUNKS, ch = c % CHUNKS;
-            const T* src = base + static_cast<long long>(page[i]) * sp +
-                           static_cast<long long>(slot[i]) * sl + ch * 8;
-            sk_cp_async16(smem + sk_swz<D>(r, ch * 8), src, r < valid);
+            const int at = sk_swz<D>(r, ch * 8);
+            const long long pg = page[i], sl = slot[i];
+            sk_cp_async16(k_smem + at, k + pg * k_sp + sl * k_sl + ch * 8, r < valid);
+            sk_cp_async16(v_smem + at, v + pg * v_sp + sl * v_sl + ch * 8, r < valid);
         }
-    }
-    template <int ROWS, int THREADS>
-    __device__ __forceinline__ void load_k(T* smem, long long n, int valid) const {
-        load<ROWS, THREADS>(smem, k, k_sp, k_sl, static_cast<int>(n), valid);
-    }
-    template <int ROWS, int THREADS>
-    __device__ __forceinline__ void load_v(T* smem, long long n, int valid) const {
-        load<ROWS, THREADS>(smem, v, v_sp, v_sl, static_cast<int>(n), valid);
     }
 };
 template <typename T, int D>
@@ -422,22 +413,25 @@ struct SkPagedKeys {
 // own running summary (max, sum, numerator); the warps merge in shared memory and the block
 // writes a partial (out, lse) in float32, merged over the splits by sk_merge_attn.  Keys
 // says where the rows of the block's (batch, key head) live (SkDenseKeys, SkPagedKeys); lk
-// and offset (the causal diagonal of query 0) are the sequence's.  The dense kernel's code
-// path is the one sk_attn_decode had before the paged variant: it compiles to the same PTX.
-template <typename T, int D, int WARPS, typename Keys>
+// and offset (the causal diagonal of query 0) are the sequence's.  Decoding is a stream of K
+// and V with little arithmetic, so its speed is the bytes in flight: K and V tiles sit in a
+// ring of STAGES stages, tile t + STAGES - 1 issued as tile t starts, STAGES - 1 tiles of
+// both in flight while one is read, one barrier a tile.
+template <typename T, int D, int WARPS, int STAGES, typename Keys>
 __device__ __forceinline__ void sk_attn_decode_body(
     const T* __restrict__ q, const Keys& keys, const unsigned* __restrict__ mask,
     float* __restrict__ part_out, float* __restrict__ part_lse, long long q_sb,
     long long q_sh, long long q_sl, long long m_sb, long long m_sh, long long m_sq,
     int hq, int hk, int lq, int lk, int chunk, float scale, float softcap,
     int offset, int causal, int left, int right) {
+    static_assert(STAGES >= 2, "a tile in flight while one is read");
     constexpr int BN = 16 * WARPS;
     constexpr int THREADS = WARPS * 32;
     constexpr int DB = D / 8, DK = D / 16;
     extern __shared__ __align__(16) unsigned char sk_smem[];
     T* sq = reinterpret_cast<T*>(sk_smem);
-    T* sk = sq + 16 * D;      // 2 stages
-    T* sv = sk + 2 * BN * D;  // 2 stages
+    T* sk = sq + 16 * D;           // STAGES tiles of keys
+    T* sv = sk + STAGES * BN * D;  // STAGES tiles of values
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -455,14 +449,17 @@ __device__ __forceinline__ void sk_attn_decode_body(
     }
     const int n_begin = split * chunk, n_end = min(lk, n_begin + chunk);
     const int tiles = n_end > n_begin ? (n_end - n_begin + BN - 1) / BN : 0;
-    if (tiles > 0) {
-        kv.template load_k<BN, THREADS>(sk, n_begin, n_end - n_begin);
-    }
-    sk_cp_async_commit();
-    if (tiles > 0) {
-        kv.template load_v<BN, THREADS>(sv, n_begin, n_end - n_begin);
-    }
-    sk_cp_async_commit();
+    // K and V of tile i into stage s, one commit group (empty past the last tile, so that
+    // every wait below names the same count)
+    auto issue = [&](int i, int s) {
+        if (i < tiles) {
+            const int n0 = n_begin + i * BN;
+            kv.template load<BN, THREADS>(sk + s * BN * D, sv + s * BN * D, n0, n_end - n0);
+        }
+        sk_cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue(s, s);  // Q rides in tile 0's group
 
     const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
     const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
@@ -475,25 +472,23 @@ __device__ __forceinline__ void sk_attn_decode_body(
     // memory each tile (D / 4 more registers would spill the output accumulators)
     constexpr bool HOLD_Q = D <= 128;
     unsigned qf[HOLD_Q ? DK : 1][4];
-    sk_cp_async_wait<1>();
+    sk_cp_async_wait<STAGES - 2>();
     __syncthreads();
     if constexpr (HOLD_Q) {
 #pragma unroll
         for (int kk = 0; kk < DK; ++kk) sk_frag<SK_A, D>(qf[kk], sq, 0, kk * 16);
     }
 
+    int stage = 0;  // the stage of this tile; the next issue goes to the one before it
     for (int tile = 0; tile < tiles; ++tile) {
-        const int stage = tile & 1;
         const int n0 = n_begin + tile * BN;
         if (tile > 0) {
-            sk_cp_async_wait<1>();
+            // this tile landed, and every warp is done with the last one, whose stage the
+            // issue below refills
+            sk_cp_async_wait<STAGES - 2>();
             __syncthreads();
         }
-        if (tile + 1 < tiles) {
-            kv.template load_k<BN, THREADS>(sk + (stage ^ 1) * BN * D, n0 + BN,
-                                              n_end - n0 - BN);
-        }
-        sk_cp_async_commit();
+        issue(tile + STAGES - 1, stage == 0 ? STAGES - 1 : stage - 1);
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
         const T* ks = sk + stage * BN * D;
 #pragma unroll
@@ -544,13 +539,6 @@ __device__ __forceinline__ void sk_attn_decode_body(
         }
 #pragma unroll
         for (int i = 0; i < DB; ++i) sk_scale_rows(o[i], scale_old);
-        sk_cp_async_wait<1>();
-        __syncthreads();
-        if (tile + 1 < tiles) {
-            kv.template load_v<BN, THREADS>(sv + (stage ^ 1) * BN * D, n0 + BN,
-                                              n_end - n0 - BN);
-        }
-        sk_cp_async_commit();
         const T* vs = sv + stage * BN * D;
         unsigned pa[4];
         sk_pack_a<T>(pa, s[0], s[1]);
@@ -560,6 +548,7 @@ __device__ __forceinline__ void sk_attn_decode_body(
             sk_frag<SK_BT, D>(bf, vs, warp * 16, db * 8);
             sk_mma_pair<T>(o[db], o[db + 1], pa, bf);
         }
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
     sk_cp_async_wait<0>();
     __syncthreads();
@@ -611,7 +600,7 @@ __device__ __forceinline__ void sk_attn_decode_body(
     (void)splits;
 }
 
-template <typename T, int D, int WARPS>
+template <typename T, int D, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const unsigned* __restrict__ mask, float* __restrict__ part_out,
@@ -621,7 +610,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
     int hk, int lq, int lk, int chunk, float scale, float softcap, int offset, int causal,
     int left, int right) {
     const SkDenseKeys<T, D> keys{k, v, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl};
-    sk_attn_decode_body<T, D, WARPS>(q, keys, mask, part_out, part_lse, q_sb, q_sh, q_sl,
+    sk_attn_decode_body<T, D, WARPS, STAGES>(q, keys, mask, part_out, part_lse, q_sb, q_sh, q_sl,
                                      m_sb, m_sh, m_sq, hq, hk, lq, lk, chunk, scale,
                                      softcap, offset, causal, left, right);
 }
@@ -636,7 +625,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode(
 // are left out: the body walks keys [first, seqlens[b]) as its keys 0.., its causal
 // diagonal and window shifted by first (the same exclusions), so a sliding window over a
 // long cache reads only the window and the grid need span no more than left + Lq keys.
-template <typename T, int D, int WARPS>
+template <typename T, int D, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode_paged(
     const T* __restrict__ q, const T* __restrict__ k_pages, const T* __restrict__ v_pages,
     const int* __restrict__ block_table, const int* __restrict__ seqlens,
@@ -650,7 +639,7 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_decode_paged(
     const int first = left >= 0 && lo > 0 ? static_cast<int>(lo) : 0;
     const SkPagedKeys<T, D> keys{k_pages, v_pages, block_table, k_sp, k_sh, k_sl, v_sp, v_sh,
                                  v_sl, t_sb, page_mul, page_shift, page_size, first};
-    sk_attn_decode_body<T, D, WARPS>(q, keys, nullptr, part_out, part_lse, q_sb, q_sh, q_sl,
+    sk_attn_decode_body<T, D, WARPS, STAGES>(q, keys, nullptr, part_out, part_lse, q_sb, q_sh, q_sl,
                                      0, 0, 0, hq, hk, lq, len - first, chunk, scale,
                                      softcap, len - lq - first, causal, left, right);
 }
