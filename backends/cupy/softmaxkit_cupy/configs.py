@@ -478,13 +478,17 @@ class DecodeConfig:
         return f"{kernel}<{CTYPES[dtype]}, {self.head_dim}, {self.warps}, {self.stages}>"
 
 
-DECODE_CONFIGS = {d: DecodeConfig(d, warps=4, stages=3) for d in (32, 64, 80, 96, 128)} | {
-    d: DecodeConfig(d, warps=4, stages=2) for d in (160, 192, 256)}
-"""The decode configuration for each head dimension: as many K and V tiles in flight as
-leave two blocks a multiprocessor (one above D = 128)."""
+DECODE_CONFIGS = {d: DecodeConfig(d, warps=4, stages=2) for d in (32, 64, 80, 96, 128, 160,
+                                                               192, 256)}
+"""The decode configuration for each head dimension.  Blocks resident at once count for more
+than stages: on the H200 at D = 128 two stages (three blocks a multiprocessor) read K and V
+at 103% of the copy bandwidth, three stages (two blocks) at 90%, four (one block) at 58%
+(docs/benchmarks-cupy.md)."""
 
-DECODE_ALTERNATIVES = tuple(
-    DecodeConfig(128, warps=w, stages=s) for w, s in ((4, 2), (4, 4), (4, 5), (8, 2), (8, 3)))
+DECODE_ALTERNATIVES = (
+    *(DecodeConfig(128, warps=w, stages=s) for w, s in ((4, 3), (2, 2), (2, 3), (2, 4), (8, 2))),
+    *(DecodeConfig(64, warps=w, stages=s) for w, s in ((4, 3), (2, 3), (8, 2))),
+)
 """Other decode configurations (gpu_check.py compares them), built on request only."""
 
 
