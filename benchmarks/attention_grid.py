@@ -16,6 +16,7 @@ The bar of a row (issue "Attention on the GPU without cliffs"): softmaxkit >= 0.
 flash runs the case, else >= 1.0x efficient; cudnn is reported beside it.  ``ratio`` is the
 peer's time over softmaxkit's (above 1: softmaxkit is faster).  TFLOP/s count the products of
 the allowed (query, key) pairs only: 2 (D + Dv) per pair forward, 2.5 times that backward.
+The backward alone is the forward + backward time less the forward's.
 
 Features: ``plain``; ``causal`` (Lq = Lk, so both alignments and torch's ``is_causal`` agree);
 ``gqa`` (4 query heads a key head; torch's ``enable_gqa``); ``window`` ((256, 0) around the
@@ -259,7 +260,7 @@ def render(rows: list[dict]) -> list[str]:
     """The grid as a markdown table."""
     head = ("| D | dtype | feature | ran on | relerr | sk fwd ms | TFLOP/s | flash | efficient |"
             " cudnn | bar fwd | sk fwd+bwd ms | TFLOP/s | flash | efficient | cudnn |"
-            " bar fwd+bwd |")
+            " bar fwd+bwd | sk bwd ms | TFLOP/s | flash | cudnn |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         c = row["case"]
@@ -273,8 +274,19 @@ def render(rows: list[dict]) -> list[str]:
                 cells.append("-" if p is None else f"{p[which] / ours:.2f}x")
             peer, met = verdict(row, which)
             cells.append(f"{met} ({peer})" if peer != "none" else "no peer")
+        ours = backward(row["sk"])
+        cells += [f"{ours:.3f}", f"{2.5 * row['flops'] / ours / 1e9:.3g}"]
+        for peer in ("flash", "cudnn"):
+            p = row[peer]
+            cells.append("-" if p is None else f"{backward(p) / ours:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def backward(times: tuple[float, float]) -> float:
+    """The backward's milliseconds: forward + backward less the forward, each a median of its
+    own timing (the backward alone, as a training step pays it)."""
+    return times[1] - times[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,3 +55,33 @@ def test_attention_grid_runs_and_checks(grid, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ") and "float32" in line]
     assert len(rows) == 3  # 16 and 24/8 plain, 16 window
     assert all(float(r.split("|")[5]) < grid.BOUNDS["float32"] for r in rows)
+
+
+@pytest.fixture(scope="module")
+def decode():
+    return _load("decode")
+
+
+def test_decode_reference_is_grouped_attention(decode):
+    """The decode benchmark's float64 reference against the reference backend's attention,
+    over more sequences than it takes at a time."""
+    import softmaxkit as sk
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(6, 8, 1, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(6, 2, 40, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    want = sk.attention(q.numpy(), k.numpy(), v.numpy(), backend="reference")
+    np.testing.assert_allclose(decode.reference(q, k, v).numpy(), want, rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_decode_pages_hold_each_key_where_the_table_says(decode):
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(3, 2, 48, 8, generator=g) for _ in range(2))
+    k_pages, v_pages, table = decode.paged(k, v, page_size=16, seed=1)
+    assert table.dtype == torch.int32 and sorted(table.reshape(-1).tolist()) == list(range(9))
+    for b in range(3):
+        for p in range(48):
+            page, slot = int(table[b, p // 16]), p % 16
+            assert torch.equal(k_pages[page, :, slot], k[b, :, p])
+            assert torch.equal(v_pages[page, :, slot], v[b, :, p])
