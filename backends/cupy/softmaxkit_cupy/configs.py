@@ -277,9 +277,12 @@ dimension 128 the mask's code would spill registers with 64-key tiles, so masked
 same holds at 96 and 256 (ptxas reports spills for their masked 64-key tiles)."""
 
 ATTENTION_ALTERNATIVES = (
-    *(AttentionConfig(d, warps=8, block_n=64, m_tiles=1) for d in (64, 128)),
+    *(AttentionConfig(d, warps=8, block_n=64, m_tiles=1) for d in (32, 64, 128)),
     AttentionConfig(128, warps=4, block_n=32, m_tiles=2),
     AttentionConfig(64, warps=4, block_n=64, m_tiles=2, mask=False),
+    AttentionConfig(32, warps=4, block_n=128, m_tiles=2),
+    AttentionConfig(32, warps=8, block_n=128, m_tiles=1),
+    *(AttentionConfig(32, warps=4, block_n=n, m_tiles=2, mask=False) for n in (64, 128)),
 )
 """Other forward configurations (gpu_check.py compares them); those not declared above are
 built on request only."""
