@@ -144,7 +144,7 @@ def test_attention_configurations_cover_every_head_dim_within_the_h200s_limits()
     # the widest rows: one m16 tile per warp, dK and dV split over two warps per 16 keys
     assert attention_config(256).m_tiles == 1 and backward_config(256).split == 2
     for c in (*ATTENTION_ALTERNATIVES, *BACKWARD_ALTERNATIVES):
-        assert c.head_dim in (64, 128) and c.shared_bytes() <= limit
+        assert c.head_dim in ATTENTION_HEAD_DIMS and c.shared_bytes() <= limit
 
 
 def test_hopper_forward_serves_capability_9_0_only_within_the_h200s_limits() -> None:
