@@ -86,7 +86,8 @@ class _Layout:
         if mask is not None:
             leads.append(tuple(mask.shape[:-3]))
         try:
-            self.lead = tuple(np.broadcast_shapes(*leads))
+            same = all(lead == leads[0] for lead in leads)  # the common case, cheaply
+            self.lead = leads[0] if same else tuple(np.broadcast_shapes(*leads))
         except ValueError:
             raise ValueError(
                 "the leading dimensions of q, k, v" + (", mask" if mask is not None else "")
@@ -97,11 +98,13 @@ class _Layout:
     def flat(self, xp: Any, a: Any) -> Any:
         """``a`` broadcast to the common leading shape and flattened to [B, h, l, d]."""
         tail = tuple(a.shape[-3:])
-        return xp.reshape(xp.broadcast_to(a, self.lead + tail), (self.b,) + tail)
+        if tuple(a.shape[:-3]) != self.lead:
+            a = xp.broadcast_to(a, self.lead + tail)
+        return a if len(self.lead) == 1 else xp.reshape(a, (self.b,) + tail)
 
     def unflat(self, xp: Any, a: Any) -> Any:
         """Undo :meth:`flat` on a result: [B, ...] -> [*lead, ...]."""
-        return xp.reshape(a, self.lead + tuple(a.shape[1:]))
+        return a if len(self.lead) == 1 else xp.reshape(a, self.lead + tuple(a.shape[1:]))
 
 
 def _unbroadcast(xp: Any, g: Any, shape: tuple[int, ...]) -> Any:
@@ -124,8 +127,11 @@ def _prepare(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any] | None = N
         if mask.ndim < 3:
             mask = xp.reshape(mask, (1,) * (3 - mask.ndim) + tuple(mask.shape))
     layout = _Layout(xp, q, k, v, mask)
-    common = xp.result_type(q.dtype, k.dtype, v.dtype)
-    qf, kf, vf = (layout.flat(xp, xp.astype(a, common, copy=False)) for a in (q, k, v))
+    if q.dtype == k.dtype == v.dtype:  # the common case: no promotion to work out
+        qf, kf, vf = (layout.flat(xp, a) for a in (q, k, v))
+    else:
+        common = xp.result_type(q.dtype, k.dtype, v.dtype)
+        qf, kf, vf = (layout.flat(xp, xp.astype(a, common, copy=False)) for a in (q, k, v))
     mf = None
     if mask is not None:
         full = (layout.hq, layout.lq, layout.lk)

@@ -59,7 +59,8 @@ from .configs import (
 )
 from .mask_bits import mask_bits
 
-_configured: set[str] = set()
+_configured: set[tuple[str, int]] = set()
+"""(kernel name, device) pairs whose shared-memory limit is raised."""
 
 
 def _rows_ready(xp: Any, a: Any) -> Any:
@@ -78,6 +79,23 @@ def _rows_ready(xp: Any, a: Any) -> Any:
 
 
 def _kernel(name: str, shared: int) -> Any:
+    """The kernel ``name`` (a ``cupy.RawKernel``, built on first use), allowed ``shared``
+    bytes of dynamic shared memory on the current device."""
+    kernel = _kernel_named(name)
+    if shared > 48 * 1024:
+        import cupy
+
+        key = (name, cupy.cuda.runtime.getDevice())
+        if key not in _configured:
+            kernel.max_dynamic_shared_size_bytes = shared
+            _configured.add(key)
+    return kernel
+
+
+@functools.cache
+def _kernel_named(name: str) -> Any:
+    """The kernel ``name`` of the module that declares it (found once: the name lists are
+    long, and a call would otherwise rebuild them)."""
     if "_varlen<" in name:  # the packed variable-length kernels: modules of their own
         if name.startswith("sk_attn_fwd"):
             filename, names = "attention.cu", varlen_names()
@@ -106,11 +124,7 @@ def _kernel(name: str, shared: int) -> Any:
         filename, names = "attention.cu", attention_names()
         if name not in names:  # an alternative forward configuration asked for explicitly
             names = alternative_names()
-    kernel = compiler.function(filename, names, name)
-    if shared > 48 * 1024 and name not in _configured:
-        kernel.max_dynamic_shared_size_bytes = shared
-        _configured.add(name)
-    return kernel
+    return compiler.function(filename, names, name)
 
 
 @functools.cache
@@ -311,13 +325,17 @@ def _attention(
             shared = config.shared_bytes()
             name = config.name(dtype)
             note_kernel(name)
-            kernel = _kernel(name, shared)
             args = (*pointers, np.uint64(interop.pointer(out)), np.uint64(interop.pointer(lse)),
                     *strides, np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), *options)
-            grid = (-(-lq // config.block_m), hq, b)
-            kernel(grid, (config.threads,), args, shared_mem=shared)
+            interop.launch(_kernel(name, shared), q, (-(-lq // config.block_m), hq, b),
+                           config.threads, FORWARD_PARAMS, args, shared)
     return out, (lse if return_lse else None)
 
+
+FORWARD_PARAMS = "Q" * 6 + "q" * 12 + "iiii" + "ff" + "iiii"
+"""The forward kernels' parameters (mma.sync and Hopper alike): the addresses of q, k, v, the
+mask's bits, out and lse; the strides of q, k, v and of the mask's bits (three each); hq, hk,
+lq, lk; scale, softcap; offset, causal, left, right."""
 
 _MERGE_PARAMS = "QQQQiqi"
 """The merge kernel's parameters: outs, lses, out, lse, parts, rows, dv."""
@@ -389,11 +407,27 @@ def backward_buffers(q: Any, rows: int, d: int) -> tuple[Any, Any, Any]:
             interop.zeros(q, (rows * d,), "float32"))
 
 
-def launch_backward_pre(kernel: Any, rows: int, d: int, args: tuple[Any, ...]) -> None:
-    """Launch the backward's first kernel (lse2 and delta) over ``rows`` rows: ``d / 8``
-    threads a row rounded up to a power of two (:func:`backward_pre_group`), 256 a block."""
+BACKWARD_PRE_PARAMS = "Q" * 5 + "q" * 6 + "iii" + "q"
+"""The backward's first kernel's parameters: the addresses of out, dout, lse, lse2 and delta;
+the strides of out and dout (three each); hq, lq, the padded lq; the rows."""
+
+BACKWARD_PARAMS = "Q" * 10 + "q" * 15 + "i" * 5 + "ff" + "iiii"
+"""The backward's main kernels' parameters (mma.sync and Hopper alike): the addresses of q, k,
+v, dout, the mask's bits, lse2, delta, dq's sums, dk and dv; the strides of q, k, v, dout and
+the mask's bits (three each); hq, hk, lq, lk, the padded lq; scale, softcap; offset, causal,
+left, right."""
+
+BACKWARD_DQ_PARAMS = "QQfiiq"
+"""dQ's conversion's parameters: the sums, dq; scale, lq, the padded lq; the chunks."""
+
+
+def launch_backward_pre(kernel: Any, like: Any, rows: int, d: int, codes: str,
+                        args: tuple[Any, ...]) -> None:
+    """Launch the backward's first kernel (lse2 and delta) over ``rows`` rows on ``like``'s
+    device and current stream, ``args`` packed as ``codes``: ``d / 8`` threads a row rounded
+    up to a power of two (:func:`backward_pre_group`), 256 a block."""
     per_block = 256 // backward_pre_group(d)
-    kernel((-(-rows // per_block),), (256,), args)
+    interop.launch(kernel, like, -(-rows // per_block), 256, codes, args)
 
 
 def attention_vjp(
@@ -463,7 +497,8 @@ def _attention_vjp(
     qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))
     ptr = interop.pointer
     with interop.launch_context(q):
-        launch_backward_pre(_kernel(backward_pre_name(dtype, d), 0), rows, d, (
+        launch_backward_pre(_kernel(backward_pre_name(dtype, d), 0), q, rows, d,
+                            BACKWARD_PRE_PARAMS, (
             np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
             np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
             *(np.int64(s) for s in os_[:3]), *(np.int64(s) for s in gs[:3]),
@@ -474,21 +509,21 @@ def _attention_vjp(
         shared = config.shared_bytes()
         name = config.name(dtype)
         note_kernel(name)
-        main = _kernel(name, shared)
         strides = (*(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),
                    *(np.int64(s) for s in vs[:3]), *(np.int64(s) for s in gs[:3]),
                    *(np.int64(s) for s in m_strides))
-        main((-(-lk // config.block_n), hk, b), (config.threads,), (
+        interop.launch(_kernel(name, shared), q, (-(-lk // config.block_n), hk, b),
+                       config.threads, BACKWARD_PARAMS, (
             np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(dout)),
             np.uint64(m_ptr), np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
             np.uint64(ptr(dq_acc)), np.uint64(ptr(dk)), np.uint64(ptr(dv)), *strides,
             np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), np.int32(lq_pad),
             np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
             np.int32(offset), np.int32(causal is not None), np.int32(left), np.int32(right),
-        ), shared_mem=shared)
+        ), shared)
         chunks = b * hq * lq * d // 8
-        convert = _kernel(backward_dq_name(dtype, d), 0)
-        convert((-(-chunks // 256),), (256,), (
-            np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.float32(scale), np.int32(lq),
-            np.int32(lq_pad), np.int64(chunks)))
+        interop.launch(_kernel(backward_dq_name(dtype, d), 0), q, -(-chunks // 256), 256,
+                       BACKWARD_DQ_PARAMS, (
+                           np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.float32(scale),
+                           np.int32(lq), np.int32(lq_pad), np.int64(chunks)))
     return dq, dk, dv

@@ -52,6 +52,26 @@ def _on_host(xp: Any, *cus: Any) -> list[np.ndarray]:
     return [host[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
+VARLEN_PARAMS = "Q" * 7 + "q" * 6 + "ii" + "ff" + "iiii"
+"""The packed forward's parameters: the addresses of q, k, v, cu_q, cu_k, out and lse; the
+token and head strides of q, k and v; hq, hk; scale, softcap; bottom_right, causal, left,
+right."""
+
+VARLEN_PRE_PARAMS = "Q" * 7 + "q" * 4 + "iii" + "q"
+"""The packed backward's first kernel's parameters: the addresses of out, dout, lse, lse2,
+delta, cu_q and cu_pad; the token and head strides of out and dout; hq, batches, tpad; the
+rows."""
+
+VARLEN_BACKWARD_PARAMS = "Q" * 12 + "q" * 8 + "iii" + "ff" + "iiii"
+"""The packed backward's main kernel's parameters: the addresses of q, k, v, dout, cu_q, cu_k,
+cu_pad, lse2, delta, dq's sums, dk and dv; the token and head strides of q, k, v and dout;
+hq, hk, tpad; scale, softcap; bottom_right, causal, left, right."""
+
+VARLEN_DQ_PARAMS = "QQQQfiiiq"
+"""The packed dQ conversion's parameters: the sums, dq, cu_q, cu_pad; scale, hq, batches,
+tpad; the chunks."""
+
+
 def _options(scale: float, causal: Any, window: tuple[int, int],
              softcap: Any) -> tuple[Any, ...]:
     """(scale, softcap, bottom_right, causal, left, right) as the kernels take them."""
@@ -124,14 +144,14 @@ def _varlen_attention(
     ptr = interop.pointer
     with interop.launch_context(q):
         shared = config.shared_bytes()
-        kernel = _kernel(config.varlen_name(dtype), shared)
-        grid = (-(-longest // config.block_m), hq, batches)
-        kernel(grid, (config.threads,), (
-            np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(cu_q)),
-            np.uint64(ptr(cu_k)), np.uint64(ptr(out)), np.uint64(ptr(lse)),
-            *_token_strides(q), *_token_strides(k), *_token_strides(v), np.int32(hq),
-            np.int32(hk), *_options(scale, causal, window, softcap),
-        ), shared_mem=shared)
+        interop.launch(_kernel(config.varlen_name(dtype), shared), q,
+                       (-(-longest // config.block_m), hq, batches), config.threads,
+                       VARLEN_PARAMS, (
+                           np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)),
+                           np.uint64(ptr(cu_q)), np.uint64(ptr(cu_k)), np.uint64(ptr(out)),
+                           np.uint64(ptr(lse)), *_token_strides(q), *_token_strides(k),
+                           *_token_strides(v), np.int32(hq), np.int32(hk),
+                           *_options(scale, causal, window, softcap)), shared)
     return out, (lse if return_lse else None)
 
 
@@ -218,7 +238,8 @@ def _varlen_attention_vjp(
     dv = interop.empty(q, (tk, hk, d), dtype)
     ptr = interop.pointer
     with interop.launch_context(q):
-        launch_backward_pre(_kernel(backward_pre_varlen_name(dtype, d), 0), rows, d, (
+        launch_backward_pre(_kernel(backward_pre_varlen_name(dtype, d), 0), q, rows, d,
+                            VARLEN_PRE_PARAMS, (
             np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
             np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(cu_q)),
             np.uint64(ptr(cu_pad)), *_token_strides(out), *_token_strides(dout),
@@ -228,19 +249,20 @@ def _varlen_attention_vjp(
             rowwise = xp.reshape(delta, (hq, tpad))
             rowwise[:, index] -= xp.permute_dims(dlse, (1, 0))
         shared = config.shared_bytes()
-        main = _kernel(config.varlen_name(dtype), shared)
-        main((-(-longest_k // config.block_n), hk, batches), (config.threads,), (
+        interop.launch(_kernel(config.varlen_name(dtype), shared), q,
+                       (-(-longest_k // config.block_n), hk, batches), config.threads,
+                       VARLEN_BACKWARD_PARAMS, (
             np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(dout)),
             np.uint64(ptr(cu_q)), np.uint64(ptr(cu_k)), np.uint64(ptr(cu_pad)),
             np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(dq_acc)),
             np.uint64(ptr(dk)), np.uint64(ptr(dv)), *_token_strides(q), *_token_strides(k),
             *_token_strides(v), *_token_strides(dout), np.int32(hq), np.int32(hk),
             np.int32(tpad), *_options(scale, causal, window, softcap),
-        ), shared_mem=shared)
+        ), shared)
         chunks = tq * hq * d // 8
-        convert = _kernel(backward_dq_varlen_name(dtype, d), 0)
-        convert((-(-chunks // 256),), (256,), (
-            np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.uint64(ptr(cu_q)),
-            np.uint64(ptr(cu_pad)), np.float32(scale), np.int32(hq), np.int32(batches),
-            np.int32(tpad), np.int64(chunks)))
+        interop.launch(_kernel(backward_dq_varlen_name(dtype, d), 0), q, -(-chunks // 256),
+                       256, VARLEN_DQ_PARAMS, (
+                           np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.uint64(ptr(cu_q)),
+                           np.uint64(ptr(cu_pad)), np.float32(scale), np.int32(hq),
+                           np.int32(batches), np.int32(tpad), np.int64(chunks)))
     return dq, dk, dv

@@ -10,7 +10,7 @@ import re
 from importlib import resources
 
 import pytest
-from softmaxkit_cupy import rows
+from softmaxkit_cupy import attention, rows, varlen
 
 _C_CODES = {"long long": "q", "int": "i", "float": "f"}
 
@@ -38,8 +38,59 @@ def _source(name: str) -> str:
                  "sk_rows16_persist"), rows._ROW_PARAMS),
     ("rowgrads.cu", ("sk_vjp",), rows._VJP_PARAMS),
     ("rowgrads.cu", ("sk_xent",), rows._XENT_PARAMS),
+    ("attention.cu", ("sk_attn_fwd",), attention.FORWARD_PARAMS),
+    ("attention_sm90.cu", ("sk_attn_fwd_sm90",), attention.FORWARD_PARAMS),
+    ("attention.cu", ("sk_attn_decode",), attention.DECODE_PARAMS),
+    ("attention.cu", ("sk_merge_attn",), attention._MERGE_PARAMS),
+    ("attention_bwd.cu", ("sk_attn_bwd_pre",), attention.BACKWARD_PRE_PARAMS),
+    ("attention_bwd.cu", ("sk_attn_bwd",), attention.BACKWARD_PARAMS),
+    ("attention_bwd_sm90.cu", ("sk_attn_bwd_sm90",), attention.BACKWARD_PARAMS),
+    ("attention_bwd.cu", ("sk_attn_bwd_dq",), attention.BACKWARD_DQ_PARAMS),
+    ("attention.cu", ("sk_attn_fwd_varlen",), varlen.VARLEN_PARAMS),
+    ("attention_bwd.cu", ("sk_attn_bwd_pre_varlen",), varlen.VARLEN_PRE_PARAMS),
+    ("attention_bwd.cu", ("sk_attn_bwd_varlen",), varlen.VARLEN_BACKWARD_PARAMS),
+    ("attention_bwd.cu", ("sk_attn_bwd_dq_varlen",), varlen.VARLEN_DQ_PARAMS),
 ])
 def test_stated_parameters_match_the_kernels(file, kernels, codes):
     source = _source(file)
     for kernel in kernels:
         assert _parameter_codes(source, kernel) == codes, kernel
+
+
+@pytest.mark.parametrize("capability", ["80", "90"])
+def test_attention_launches_pack_every_parameter(monkeypatch, capability):
+    """The dense forward and backward launch with as many values as their parameter lists
+    state, each of which fits its type, in the order the kernels read them (CPU tensors stand
+    in for CUDA ones; the launches are recorded, not run)."""
+    import contextlib
+    import struct
+
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import interop
+
+    launches = []
+    monkeypatch.setattr(attention, "_kernel", lambda name, shared: name)
+    monkeypatch.setattr(attention, "_capability_of", lambda device: capability)
+    monkeypatch.setattr(interop, "launch_context", lambda a: contextlib.nullcontext())
+    monkeypatch.setattr(interop, "launch", lambda *a: launches.append(a))
+    b, hq, hk, lq, lk, d = 2, 4, 2, 100, 130, 128
+    q = torch.zeros((b, hq, lq, d), dtype=torch.bfloat16)
+    k, v = (torch.zeros((b, hk, lk, d), dtype=torch.bfloat16) for _ in range(2))
+    out, lse = attention.attention(xp, q=q, k=k, v=v, scale=0.1, causal="bottom_right",
+                                   window=(7, -1), mask=None, softcap=None, return_lse=True)
+    attention.attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=out, scale=0.1,
+                            causal="bottom_right", window=(7, -1), mask=None, softcap=2.0)
+    expected = [attention.FORWARD_PARAMS, attention.BACKWARD_PRE_PARAMS,
+                attention.BACKWARD_PARAMS, attention.BACKWARD_DQ_PARAMS]
+    assert [launch[4] for launch in launches] == expected
+    for name, like, _grid, _block, codes, args, *_shared in launches:
+        assert like is q and len(args) == len(codes), name
+        struct.Struct("@" + codes).pack(*args)  # every value fits its parameter's type
+    fwd, _, main, _ = (launch[5] for launch in launches)
+    # the scalars after the addresses and strides: sizes, then scale, softcap, the options
+    assert [float(a) for a in fwd[18:]] == [hq, hk, lq, lk, pytest.approx(0.1), 0.0,
+                                            lk - lq, 1, 7, -1]
+    block_m = attention.backward_config_for(capability, d, False).block_m
+    assert [float(a) for a in main[25:]] == [hq, hk, lq, lk, -(-lq // block_m) * block_m,
+                                             pytest.approx(0.1), 2.0, lk - lq, 1, 7, -1]
