@@ -32,9 +32,13 @@ from .lanes import (
     NAN,
     NORMAL,
     POSINF,
+    STEP,
+    block_rest,
     blocks,
+    exp_sum_of,
     log1p_total,
     log_total,
+    max_of,
     row_stats,
     summarize,
 )
@@ -202,13 +206,51 @@ def softmax_row(x, r0, n, stop, w, q0, has_where, masked_nan, buf, bmax, bsum, o
 
 
 @njit(cache=True)
+def _softmax_short(x, n, lo, hi, buf, out):
+    """:func:`softmax_row` of the unmasked rows ``lo`` to ``hi`` of at most
+    :data:`~.lanes.BLOCK` elements each (``x`` and ``out`` flat), up to the first whose
+    maximum or sum is not finite, which it leaves to :func:`softmax_row`: returns that row's
+    index (``hi`` when none).
+
+    Three plain passes over each row, the later two from the L1 cache: the next row's read
+    is left to the hardware prefetcher, as fast as overlapping it with this row's
+    exponentials (:func:`~.lanes.block_exp_next`) on large inputs, and faster on small ones.
+    The loops are written here, not called through helpers of several arrays each, which
+    cost about 10 ns a row.
+    """
+    plain = out.size * out.itemsize < STREAM_FROM
+    for i in range(lo, hi):
+        r0 = i * n
+        m = max_of(x, r0, n)
+        if m - m != m - m:  # -inf (empty), +inf, or NaN only
+            return i
+        s = 0.0  # float32 lanes over steps of STEP, added in float64 (as summarize)
+        for c in range(0, n, STEP):
+            s += exp_sum_of(x, r0 + c, min(STEP, n - c), m, buf, c, True)
+        if s != s:
+            return i
+        u = unlift(m)
+        h = like(m, 1.0 / s / (u * u))
+        if plain:
+            _scale_plain(out, r0, buf, 0, n, h, like(m, u * u))
+        else:
+            scale_into(out, r0, buf, 0, n, h, like(m, u * u))
+    return hi
+
+
+@njit(cache=True)
 def _softmax_rows(x, w, wstep, has_where, masked_nan, out, lo, hi, buf, bmax, bsum):
     n = x.shape[1]
     xs, os, ws = _flat(x), _flat(out), _flat(w)
-    first = like(x, np.nan)
-    for i in range(lo, hi):
-        first = softmax_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where, masked_nan,
-                            buf, bmax, bsum, os, first)
+    i = lo
+    while i < hi:
+        if not has_where and n <= BLOCK:
+            i = _softmax_short(xs, n, i, hi, buf, os)
+            if i == hi:
+                return
+        softmax_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where, masked_nan, buf, bmax,
+                    bsum, os, like(x, np.nan))
+        i += 1
 
 
 @njit(parallel=True, cache=True)
@@ -264,13 +306,42 @@ def log_softmax_row(x, r0, n, stop, w, q0, has_where, masked_nan, bmax, bsum, ou
 
 
 @njit(cache=True)
+def _log_softmax_short(x, n, lo, hi, out, unused):
+    """:func:`log_softmax_row` of unmasked short rows, as :func:`_softmax_short` (the same
+    passes, the exponentials summed and not kept; ``unused``: a float64 array, the
+    ``buf`` of :func:`~.lanes.exp_sum_of`)."""
+    plain = out.size * out.itemsize < STREAM_FROM
+    for i in range(lo, hi):
+        r0 = i * n
+        m = max_of(x, r0, n)
+        if m - m != m - m:
+            return i
+        s = 0.0
+        for c in range(0, n, STEP):
+            s += exp_sum_of(x, r0 + c, min(STEP, n - c), m, unused, 0, False)
+        if s != s:
+            return i
+        ls = like(m, log_total(m, s))
+        if plain:
+            _shift_plain(out, r0, x, r0, n, m, ls)
+        else:
+            shift_into(out, r0, x, r0, n, m, ls)
+    return hi
+
+
+@njit(cache=True)
 def _log_softmax_rows(x, w, wstep, has_where, masked_nan, out, lo, hi, bmax, bsum):
     n = x.shape[1]
     xs, os, ws = _flat(x), _flat(out), _flat(w)
-    first = like(x, np.nan)
-    for i in range(lo, hi):
-        first = log_softmax_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where,
-                                masked_nan, bmax, bsum, os, first)
+    i = lo
+    while i < hi:
+        if not has_where and n <= BLOCK:
+            i = _log_softmax_short(xs, n, i, hi, os, bmax)
+            if i == hi:
+                return
+        log_softmax_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where, masked_nan, bmax,
+                        bsum, os, like(x, np.nan))
+        i += 1
 
 
 @njit(parallel=True, cache=True)
@@ -313,15 +384,41 @@ def logsumexp_row(x, r0, n, stop, w, q0, has_where, bmax, bsum, first):
 
 
 @njit(cache=True)
+def _logsumexp_short(x, n, lo, hi, w, lse, sign, unused):
+    """:func:`logsumexp_row` of unmasked short rows, as :func:`_log_softmax_short`; a
+    dominated row is summed again without its maximum (:func:`~.lanes.block_rest`)."""
+    for i in range(lo, hi):
+        r0 = i * n
+        m = max_of(x, r0, n)
+        if m - m != m - m:
+            return i
+        s = 0.0
+        for c in range(0, n, STEP):
+            s += exp_sum_of(x, r0 + c, min(STEP, n - c), m, unused, 0, False)
+        if s != s:
+            return i
+        one = 1.0 / unlift(m)  # the maximum's lifted term; s >= 2 one: t = s - 1 is exact
+        total = s - one if s >= 2.0 * one else block_rest(x, r0, w, 0, False, n, m, s)
+        put(lse, i, like(m, m + log1p_total(m, total)))
+        put(sign, i, like(m, 1.0))
+    return hi
+
+
+@njit(cache=True)
 def _logsumexp_rows(x, w, wstep, has_where, lse, sign, lo, hi, bmax, bsum):
     n = x.shape[1]
     xs, ws = _flat(x), _flat(w)
-    first = like(x, np.nan)
-    for i in range(lo, hi):
-        value, sg, first = logsumexp_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where,
-                                         bmax, bsum, first)
+    i = lo
+    while i < hi:
+        if not has_where and n <= BLOCK:
+            i = _logsumexp_short(xs, n, i, hi, ws, lse, sign, bmax)
+            if i == hi:
+                return
+        value, sg, _ = logsumexp_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where, bmax,
+                                     bsum, like(x, np.nan))
         put(lse, i, value)
         put(sign, i, sg)
+        i += 1
 
 
 @njit(parallel=True, cache=True)

@@ -107,6 +107,33 @@ def test_special_values_in_any_block():
         _check(x[[1, 5]], [p[[1, 5]], lp[[1, 5]], lse[[1, 5]]], "float32")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_special_short_rows_between_ordinary_ones(dtype):
+    # unmasked rows of at most BLOCK elements take a short path that leaves any row whose
+    # maximum or sum is not finite to the general row code and carries on after it
+    n = 37
+    x = np.random.default_rng(12).normal(scale=3.0, size=(9, n))
+    x[1, 5] = np.nan  # NaN among finite logits: a NaN sum
+    x[3, 30] = np.inf
+    x[4, :] = -np.inf  # nothing allowed
+    x[5, :] = np.nan  # NaN only: the maximum is -inf
+    x[6, :10] = -np.inf  # some excluded: an ordinary row
+    x[7, :] = -40.0
+    x[7, 2] = 0.0  # one dominant term: logsumexp's second pass
+    x = x.astype(DTYPES[dtype])
+    normal = [0, 2, 6, 7, 8]
+    for threads in (0, 2):
+        p, lp, lse = _run(x, threads)
+        assert np.all(np.isnan(p[[1, 3, 5]])) and np.all(np.isnan(lp[[1, 5]]))
+        assert np.all(np.isnan(lse[[1, 5]])) and lse[3] == np.inf
+        assert np.isnan(lp[3, 30]) and np.all(lp[3, np.arange(n) != 30] == -np.inf)
+        assert np.all(p[4] == 0) and np.all(lp[4] == -np.inf) and lse[4] == -np.inf
+        assert np.all(p[6, :10] == 0) and np.all(lp[6, :10] == -np.inf)
+        _check(x[normal], [p[normal], lp[normal], lse[normal]], dtype)
+    # logsumexp keeps the rest of the dominated row: log(1 + 36 e^-40), not 0
+    assert lse[7] == pytest.approx(np.log1p(36 * np.exp(-40.0)), rel=1e-5, abs=0)
+
+
 def test_mask_across_blocks():
     rng = np.random.default_rng(9)
     x = rng.normal(scale=3.0, size=(4, 2 * BLOCK + 3)).astype(np.float32)
