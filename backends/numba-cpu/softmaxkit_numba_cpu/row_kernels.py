@@ -4,7 +4,8 @@ Every ``*_row`` function follows softmaxkit/reference/rows.py (the executable sp
 row; the special rows (:mod:`.lanes`) are written out explicitly so no ``-inf - (-inf)`` or
 ``inf / inf`` is ever evaluated.  Softmax, log_softmax and logsumexp read each row from
 memory once (:func:`~.lanes.summarize`) and write their rows with streaming stores
-(:mod:`.stores`).
+(:mod:`.stores`); their unmasked rows of at most one block take a shorter path
+(:func:`_softmax_short`), which hands any row it cannot finish to the general one.
 
 Each operation has two drivers over rows with one body: ``*_par`` (``prange``, threads as
 Numba is set) and ``*_ser`` (one thread, for inputs too small to repay starting the
