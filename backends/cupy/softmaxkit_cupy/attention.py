@@ -59,9 +59,6 @@ from .configs import (
 )
 from .mask_bits import mask_bits
 
-_configured: set[tuple[str, int]] = set()
-"""(kernel name, device) pairs whose shared-memory limit is raised."""
-
 
 def _rows_ready(xp: Any, a: Any) -> Any:
     """``a`` with unit stride along its last axis and 16-byte aligned rows (a copy if not)."""
@@ -78,24 +75,12 @@ def _rows_ready(xp: Any, a: Any) -> Any:
     return cupy.array(a, copy=True, order="C")
 
 
-def _kernel(name: str, shared: int) -> Any:
-    """The kernel ``name`` (a ``cupy.RawKernel``, built on first use), allowed ``shared``
-    bytes of dynamic shared memory on the current device."""
-    kernel = _kernel_named(name)
-    if shared > 48 * 1024:
-        import cupy
-
-        key = (name, cupy.cuda.runtime.getDevice())
-        if key not in _configured:
-            kernel.max_dynamic_shared_size_bytes = shared
-            _configured.add(key)
-    return kernel
-
-
 @functools.cache
-def _kernel_named(name: str) -> Any:
-    """The kernel ``name`` of the module that declares it (found once: the name lists are
-    long, and a call would otherwise rebuild them)."""
+def _kernel(name: str) -> Any:
+    """The kernel ``name`` (a ``cupy.RawKernel``) of the module that declares it, built on
+    first use (found once: the name lists are long, and a call would otherwise rebuild
+    them).  Its launches (:func:`.interop.launch`) raise its shared-memory limit as they
+    need, on the device they run on."""
     if "_varlen<" in name:  # the packed variable-length kernels: modules of their own
         if name.startswith("sk_attn_fwd"):
             filename, names = "attention.cu", varlen_names()
@@ -303,32 +288,31 @@ def _attention(
                np.int32(offset), np.int32(causal is not None), np.int32(left), np.int32(right))
     pointers = (np.uint64(interop.pointer(q)), np.uint64(interop.pointer(k)),
                 np.uint64(interop.pointer(v)), np.uint64(m_ptr))
-    with interop.launch_context(q):
-        if uses_decode(hq, hk, lq, lk):
+    if uses_decode(hq, hk, lq, lk):
 
-            def decode_args(parts: Any, part_lses: Any, chunk: Any) -> tuple[Any, ...]:
-                return (*pointers, parts, part_lses, *strides, np.int32(hq), np.int32(hk),
-                        np.int32(lq), np.int32(lk), chunk, *options)
+        def decode_args(parts: Any, part_lses: Any, chunk: Any) -> tuple[Any, ...]:
+            return (*pointers, parts, part_lses, *strides, np.int32(hq), np.int32(hk),
+                    np.int32(lq), np.int32(lk), chunk, *options)
 
-            decode = config if isinstance(config, DecodeConfig) else decode_config(d)
-            out, lse = split_decode(q, decode, False, DECODE_PARAMS, (b, hq, hk, lq, d), lk,
-                                    decode_args)
-            out = xp.reshape(out, (b, hq, lq, d))
-            lse = xp.reshape(lse, (b, hq, lq))
-        else:
-            config = config or forward_config(_capability_of(interop.device_index(q)), d,
-                                              mask is not None)
-            if mask is not None and not config.mask:
-                raise ValueError(f"{config} is built without boolean-mask support")
-            out = interop.empty(q, (b, hq, lq, d), dtype)
-            lse = interop.empty(q, (b, hq, lq), "float32")
-            shared = config.shared_bytes()
-            name = config.name(dtype)
-            note_kernel(name)
-            args = (*pointers, np.uint64(interop.pointer(out)), np.uint64(interop.pointer(lse)),
-                    *strides, np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), *options)
-            interop.launch(_kernel(name, shared), q, (-(-lq // config.block_m), hq, b),
-                           config.threads, FORWARD_PARAMS, args, shared)
+        decode = config if isinstance(config, DecodeConfig) else decode_config(d)
+        out, lse = split_decode(q, decode, False, DECODE_PARAMS, (b, hq, hk, lq, d), lk,
+                                decode_args)
+        out = xp.reshape(out, (b, hq, lq, d))
+        lse = xp.reshape(lse, (b, hq, lq))
+    else:
+        config = config or forward_config(_capability_of(interop.device_index(q)), d,
+                                          mask is not None)
+        if mask is not None and not config.mask:
+            raise ValueError(f"{config} is built without boolean-mask support")
+        out = interop.empty(q, (b, hq, lq, d), dtype)
+        lse = interop.empty(q, (b, hq, lq), "float32")
+        shared = config.shared_bytes()
+        name = config.name(dtype)
+        note_kernel(name)
+        args = (*pointers, np.uint64(interop.pointer(out)), np.uint64(interop.pointer(lse)),
+                *strides, np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), *options)
+        interop.launch(_kernel(name), q, (-(-lq // config.block_m), hq, b),
+                       config.threads, FORWARD_PARAMS, args, shared)
     return out, (lse if return_lse else None)
 
 
@@ -372,7 +356,7 @@ def split_decode(
     name = config.name(interop.name(q), paged)
     note_kernel(name)
     args = launch_args(interop.pointer(part_out), interop.pointer(part_lse), chunk)
-    interop.launch(_kernel(name, shared), q, (splits, hk, b), config.threads, codes, args,
+    interop.launch(_kernel(name), q, (splits, hk, b), config.threads, codes, args,
                    shared)
     return _merge(part_out, part_lse, interop.name(q))
 
@@ -383,7 +367,7 @@ def _merge(outs: Any, lses: Any, out_dtype: str) -> tuple[Any, Any]:
     parts, rows, dv = (int(s) for s in outs.shape)
     out = interop.empty(outs, (rows, dv), out_dtype)
     lse = interop.empty(outs, (rows,), "float32")
-    kernel = _kernel(merge_name(interop.name(outs), out_dtype), 0)
+    kernel = _kernel(merge_name(interop.name(outs), out_dtype))
     ptr = interop.pointer
     interop.launch(kernel, outs, -(-rows // 8), 256, _MERGE_PARAMS,
                    (ptr(outs), ptr(lses), ptr(out), ptr(lse), parts, rows, dv))
@@ -394,7 +378,7 @@ def merge_attention(xp: Any, *, outs: Any, lses: Any) -> tuple[Any, Any]:
     """Merge partial attention states on the device (contract: softmaxkit.ops)."""
     outs = interop.contiguous(outs)
     lses = interop.contiguous(lses)
-    with interop.launch_context(outs):
+    with interop.on_device(outs):
         return _merge(outs, lses, interop.name(outs))
 
 
@@ -496,34 +480,33 @@ def _attention_vjp(
     left, right = (int(w) for w in window)
     qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))
     ptr = interop.pointer
-    with interop.launch_context(q):
-        launch_backward_pre(_kernel(backward_pre_name(dtype, d), 0), q, rows, d,
-                            BACKWARD_PRE_PARAMS, (
-            np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
-            np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
-            *(np.int64(s) for s in os_[:3]), *(np.int64(s) for s in gs[:3]),
-            np.int32(hq), np.int32(lq), np.int32(lq_pad), np.int64(rows)))
-        if dlse is not None:  # D = rowsum(dout * out) - dlse, on the rows before the padding
-            rowwise = xp.reshape(delta, (b * hq, lq_pad))
-            rowwise[:, :lq] -= xp.reshape(dlse, (b * hq, lq))
-        shared = config.shared_bytes()
-        name = config.name(dtype)
-        note_kernel(name)
-        strides = (*(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),
-                   *(np.int64(s) for s in vs[:3]), *(np.int64(s) for s in gs[:3]),
-                   *(np.int64(s) for s in m_strides))
-        interop.launch(_kernel(name, shared), q, (-(-lk // config.block_n), hk, b),
-                       config.threads, BACKWARD_PARAMS, (
-            np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(dout)),
-            np.uint64(m_ptr), np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
-            np.uint64(ptr(dq_acc)), np.uint64(ptr(dk)), np.uint64(ptr(dv)), *strides,
-            np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), np.int32(lq_pad),
-            np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
-            np.int32(offset), np.int32(causal is not None), np.int32(left), np.int32(right),
-        ), shared)
-        chunks = b * hq * lq * d // 8
-        interop.launch(_kernel(backward_dq_name(dtype, d), 0), q, -(-chunks // 256), 256,
-                       BACKWARD_DQ_PARAMS, (
-                           np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.float32(scale),
-                           np.int32(lq), np.int32(lq_pad), np.int64(chunks)))
+    launch_backward_pre(_kernel(backward_pre_name(dtype, d)), q, rows, d,
+                        BACKWARD_PRE_PARAMS, (
+        np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
+        np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
+        *(np.int64(s) for s in os_[:3]), *(np.int64(s) for s in gs[:3]),
+        np.int32(hq), np.int32(lq), np.int32(lq_pad), np.int64(rows)))
+    if dlse is not None:  # D = rowsum(dout * out) - dlse, on the rows before the padding
+        rowwise = xp.reshape(delta, (b * hq, lq_pad))
+        rowwise[:, :lq] -= xp.reshape(dlse, (b * hq, lq))
+    shared = config.shared_bytes()
+    name = config.name(dtype)
+    note_kernel(name)
+    strides = (*(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),
+               *(np.int64(s) for s in vs[:3]), *(np.int64(s) for s in gs[:3]),
+               *(np.int64(s) for s in m_strides))
+    interop.launch(_kernel(name), q, (-(-lk // config.block_n), hk, b),
+                   config.threads, BACKWARD_PARAMS, (
+        np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(dout)),
+        np.uint64(m_ptr), np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
+        np.uint64(ptr(dq_acc)), np.uint64(ptr(dk)), np.uint64(ptr(dv)), *strides,
+        np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), np.int32(lq_pad),
+        np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
+        np.int32(offset), np.int32(causal is not None), np.int32(left), np.int32(right),
+    ), shared)
+    chunks = b * hq * lq * d // 8
+    interop.launch(_kernel(backward_dq_name(dtype, d)), q, -(-chunks // 256), 256,
+                   BACKWARD_DQ_PARAMS, (
+                       np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.float32(scale),
+                       np.int32(lq), np.int32(lq_pad), np.int64(chunks)))
     return dq, dk, dv

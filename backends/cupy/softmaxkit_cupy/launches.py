@@ -14,16 +14,23 @@ from typing import Any
 
 from softmaxkit.kernel_params import param_buffer
 
-_functions: dict[tuple[int, int], tuple[Any, int]] = {}
+_functions: dict[tuple[int, int], list[Any]] = {}
+
+DEFAULT_SHARED = 48 * 1024
+"""Dynamic shared memory a kernel may take without raising its limit."""
 
 
-def function(kernel: Any, device: int) -> int:
+def function(kernel: Any, device: int, shared: int = 0) -> int:
     """The driver function of ``kernel`` (a ``cupy.RawKernel``) on ``device``, the current
-    device (loaded there by CuPy on first use, then cached)."""
+    device (loaded there by CuPy on first use, then cached), its limit of dynamic shared
+    memory raised there to ``shared`` bytes where that is above the default."""
     key = (id(kernel), device)
     found = _functions.get(key)
-    if found is None:
-        found = _functions[key] = (kernel, kernel.kernel.ptr)  # the kernel kept alive
+    if found is None:  # the kernel kept alive, its function, the limit set on this device
+        found = _functions[key] = [kernel, kernel.kernel.ptr, DEFAULT_SHARED]
+    if shared > found[2]:
+        kernel.max_dynamic_shared_size_bytes = shared
+        found[2] = shared
     return found[1]
 
 
@@ -31,10 +38,10 @@ def launch(kernel: Any, device: int, stream: int, grid: int | tuple[int, int, in
            block: int, codes: str, args: tuple[Any, ...], shared: int = 0) -> None:
     """Queue ``kernel`` on ``grid`` blocks (a count, or x, y, z) of ``block`` threads on
     ``stream`` (a raw handle) of the current device ``device``, with ``args`` packed as the
-    parameter list ``codes``."""
+    parameter list ``codes`` and ``shared`` bytes of dynamic shared memory."""
     from cupy.cuda import driver
 
     gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
     params = param_buffer(codes).pack(args)
-    driver.launchKernel(function(kernel, device), gx, gy, gz, block, 1, 1, shared, stream,
-                        params, 0)
+    driver.launchKernel(function(kernel, device, shared), gx, gy, gz, block, 1, 1, shared,
+                        stream, params, 0)

@@ -142,16 +142,15 @@ def _varlen_attention(
     out = interop.empty(q, (tq, hq, d), dtype)
     lse = interop.empty(q, (tq, hq), "float32")
     ptr = interop.pointer
-    with interop.launch_context(q):
-        shared = config.shared_bytes()
-        interop.launch(_kernel(config.varlen_name(dtype), shared), q,
-                       (-(-longest // config.block_m), hq, batches), config.threads,
-                       VARLEN_PARAMS, (
-                           np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)),
-                           np.uint64(ptr(cu_q)), np.uint64(ptr(cu_k)), np.uint64(ptr(out)),
-                           np.uint64(ptr(lse)), *_token_strides(q), *_token_strides(k),
-                           *_token_strides(v), np.int32(hq), np.int32(hk),
-                           *_options(scale, causal, window, softcap)), shared)
+    shared = config.shared_bytes()
+    interop.launch(_kernel(config.varlen_name(dtype)), q,
+                   (-(-longest // config.block_m), hq, batches), config.threads,
+                   VARLEN_PARAMS, (
+                       np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)),
+                       np.uint64(ptr(cu_q)), np.uint64(ptr(cu_k)), np.uint64(ptr(out)),
+                       np.uint64(ptr(lse)), *_token_strides(q), *_token_strides(k),
+                       *_token_strides(v), np.int32(hq), np.int32(hk),
+                       *_options(scale, causal, window, softcap)), shared)
     return out, (lse if return_lse else None)
 
 
@@ -237,32 +236,31 @@ def _varlen_attention_vjp(
     dk = interop.empty(q, (tk, hk, d), dtype)
     dv = interop.empty(q, (tk, hk, d), dtype)
     ptr = interop.pointer
-    with interop.launch_context(q):
-        launch_backward_pre(_kernel(backward_pre_varlen_name(dtype, d), 0), q, rows, d,
-                            VARLEN_PRE_PARAMS, (
-            np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
-            np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(cu_q)),
-            np.uint64(ptr(cu_pad)), *_token_strides(out), *_token_strides(dout),
-            np.int32(hq), np.int32(batches), np.int32(tpad), np.int64(rows)))
-        if dlse is not None:  # D = rowsum(dout * out) - dlse, on each token's padded row
-            index = interop.from_host(cu_q, padded_rows(host_q, cu_pad_host))
-            rowwise = xp.reshape(delta, (hq, tpad))
-            rowwise[:, index] -= xp.permute_dims(dlse, (1, 0))
-        shared = config.shared_bytes()
-        interop.launch(_kernel(config.varlen_name(dtype), shared), q,
-                       (-(-longest_k // config.block_n), hk, batches), config.threads,
-                       VARLEN_BACKWARD_PARAMS, (
-            np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(dout)),
-            np.uint64(ptr(cu_q)), np.uint64(ptr(cu_k)), np.uint64(ptr(cu_pad)),
-            np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(dq_acc)),
-            np.uint64(ptr(dk)), np.uint64(ptr(dv)), *_token_strides(q), *_token_strides(k),
-            *_token_strides(v), *_token_strides(dout), np.int32(hq), np.int32(hk),
-            np.int32(tpad), *_options(scale, causal, window, softcap),
-        ), shared)
-        chunks = tq * hq * d // 8
-        interop.launch(_kernel(backward_dq_varlen_name(dtype, d), 0), q, -(-chunks // 256),
-                       256, VARLEN_DQ_PARAMS, (
-                           np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.uint64(ptr(cu_q)),
-                           np.uint64(ptr(cu_pad)), np.float32(scale), np.int32(hq),
-                           np.int32(batches), np.int32(tpad), np.int64(chunks)))
+    launch_backward_pre(_kernel(backward_pre_varlen_name(dtype, d)), q, rows, d,
+                        VARLEN_PRE_PARAMS, (
+        np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
+        np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(cu_q)),
+        np.uint64(ptr(cu_pad)), *_token_strides(out), *_token_strides(dout),
+        np.int32(hq), np.int32(batches), np.int32(tpad), np.int64(rows)))
+    if dlse is not None:  # D = rowsum(dout * out) - dlse, on each token's padded row
+        index = interop.from_host(cu_q, padded_rows(host_q, cu_pad_host))
+        rowwise = xp.reshape(delta, (hq, tpad))
+        rowwise[:, index] -= xp.permute_dims(dlse, (1, 0))
+    shared = config.shared_bytes()
+    interop.launch(_kernel(config.varlen_name(dtype)), q,
+                   (-(-longest_k // config.block_n), hk, batches), config.threads,
+                   VARLEN_BACKWARD_PARAMS, (
+        np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(dout)),
+        np.uint64(ptr(cu_q)), np.uint64(ptr(cu_k)), np.uint64(ptr(cu_pad)),
+        np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(dq_acc)),
+        np.uint64(ptr(dk)), np.uint64(ptr(dv)), *_token_strides(q), *_token_strides(k),
+        *_token_strides(v), *_token_strides(dout), np.int32(hq), np.int32(hk),
+        np.int32(tpad), *_options(scale, causal, window, softcap),
+    ), shared)
+    chunks = tq * hq * d // 8
+    interop.launch(_kernel(backward_dq_varlen_name(dtype, d)), q, -(-chunks // 256),
+                   256, VARLEN_DQ_PARAMS, (
+                       np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.uint64(ptr(cu_q)),
+                       np.uint64(ptr(cu_pad)), np.float32(scale), np.int32(hq),
+                       np.int32(batches), np.int32(tpad), np.int64(chunks)))
     return dq, dk, dv

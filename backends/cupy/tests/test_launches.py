@@ -70,7 +70,7 @@ def test_attention_launches_pack_every_parameter(monkeypatch, capability):
     from softmaxkit_cupy import interop
 
     launches = []
-    monkeypatch.setattr(attention, "_kernel", lambda name, shared: name)
+    monkeypatch.setattr(attention, "_kernel", lambda name: name)
     monkeypatch.setattr(attention, "_capability_of", lambda device: capability)
     monkeypatch.setattr(interop, "launch_context", lambda a: contextlib.nullcontext())
     monkeypatch.setattr(interop, "launch", lambda *a: launches.append(a))
@@ -94,3 +94,39 @@ def test_attention_launches_pack_every_parameter(monkeypatch, capability):
     block_m = attention.backward_config_for(capability, d, False).block_m
     assert [float(a) for a in main[25:]] == [hq, hk, lq, lk, -(-lq // block_m) * block_m,
                                              pytest.approx(0.1), 2.0, lk - lq, 1, 7, -1]
+
+
+def test_a_launch_raises_its_kernels_shared_memory_limit_once_per_device_and_size():
+    """The limit is raised on the device the launch runs on, when the launch asks for more than
+    the default or than what was raised there before, and never lowered."""
+    from types import SimpleNamespace
+
+    from softmaxkit_cupy import launches
+
+    class Kernel:
+        def __init__(self) -> None:
+            self.kernel = SimpleNamespace(ptr=1234)
+            self.raised: list[int] = []
+
+        @property
+        def max_dynamic_shared_size_bytes(self) -> int:
+            return self.raised[-1] if self.raised else 0
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, value: int) -> None:
+            self.raised.append(value)
+
+    kernel = Kernel()
+    try:
+        assert launches.function(kernel, 0, 0) == 1234
+        assert launches.function(kernel, 0, 48 * 1024) == 1234 and kernel.raised == []
+        launches.function(kernel, 0, 100_000)
+        launches.function(kernel, 0, 100_000)
+        launches.function(kernel, 0, 60_000)
+        assert kernel.raised == [100_000]
+        launches.function(kernel, 1, 60_000)  # another device: its own limit
+        launches.function(kernel, 0, 150_000)
+        assert kernel.raised == [100_000, 60_000, 150_000]
+    finally:
+        for device in (0, 1):
+            launches._functions.pop((id(kernel), device), None)
