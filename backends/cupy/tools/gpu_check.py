@@ -150,6 +150,7 @@ def precompile() -> None:
     jobs = [(f, tuple(n)) for f, n in configs.all_modules()]
     jobs.append(("attention.cu", configs.alternative_names()))
     jobs.append(("attention_bwd.cu", configs.backward_alternative_names()))
+    jobs.append(("attention.cu", configs.decode_alternative_names()))
     jobs += [("attention.cu", (f"sk_mma_probe<{c}>",)) for c in ("sk_bf16", "__half")]
     for op in ("softmax", "log_softmax"):
         jobs.append(("rows.cu", configs.row_alternative_names(op, "bfloat16", "bfloat16")))
@@ -882,6 +883,7 @@ def bench_decode(copy_bw: float) -> None:
     import torch
     import torch.nn.functional as F
     from softmaxkit_cupy.attention import attention
+    from softmaxkit_cupy.configs import DECODE_ALTERNATIVES
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     b, hq, hk, lk, d = 64, 32, 8, 32768, 128
@@ -891,6 +893,13 @@ def bench_decode(copy_bw: float) -> None:
     ours = timed(lambda: attention(xpt, q=q, k=k, v=v, scale=d ** -0.5, causal=None,
                                    window=(-1, -1), mask=None, softcap=None, return_lse=False))
     peers = []
+    for alt in DECODE_ALTERNATIVES:  # the other tile shapes and stage counts
+        if alt.head_dim != d:
+            continue
+        ta = timed(lambda alt=alt: attention(
+            xpt, q=q, k=k, v=v, scale=d ** -0.5, causal=None, window=(-1, -1), mask=None,
+            softcap=None, return_lse=False, config=alt))
+        peers.append(f"alt {alt.warps}w/{alt.stages} stages {nbytes / ta / 1e9:.0f} GB/s")
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
         try:
             with sdpa_kernel(backend):
