@@ -379,8 +379,9 @@ def sm90_names() -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Sm90BackwardConfig:
     """The Hopper backward's tile shape (kernels/attention_bwd_sm90.cu): ``warpgroups``
-    warpgroups of 64 keys each, query tiles of 64 rows; ``mask=False`` builds it without the
-    boolean mask's code.  Its launch, buffers and other two kernels are sk_attn_bwd's."""
+    warpgroups of 64 keys each (above head dimension 128: one tile of 64 keys, its columns
+    split between the warpgroups), query tiles of 64 rows; ``mask=False`` builds it without
+    the boolean mask's code.  Its launch, buffers and other two kernels are sk_attn_bwd's."""
 
     head_dim: int
     warpgroups: int = 2
@@ -393,8 +394,8 @@ class Sm90BackwardConfig:
 
     @property
     def block_n(self) -> int:
-        """Keys per block (64 per warpgroup)."""
-        return 64 * self.warpgroups
+        """Keys per block (64 per warpgroup; 64 above head dimension 128)."""
+        return 64 if self.head_dim > 128 else 64 * self.warpgroups
 
     @property
     def threads(self) -> int:
@@ -421,6 +422,13 @@ for a wider head dimension."""
 
 SM90_BACKWARD_MASKED_CONFIGS = {d: Sm90BackwardConfig(d, mask=True) for d in (64, 128)}
 """The Hopper backward for calls with a boolean mask."""
+
+
+SM90_BACKWARD_ALTERNATIVES = (Sm90BackwardConfig(256), Sm90BackwardConfig(256, mask=True))
+"""The Hopper backward at head dimension 256 (the warpgroups split the columns), built on
+request (``config=``) only: it is compiled and checked for registers in CI, and becomes the
+default once a device run has checked it against float64 and timed it against the mma.sync
+kernel (``tests/test_sm90_bwd_gpu.py``)."""
 
 
 def sm90_backward_config(head_dim: int, masked: bool) -> Sm90BackwardConfig | None:

@@ -205,6 +205,13 @@ def test_hopper_backward_serves_capability_9_0_only_within_the_h200s_limits() ->
             assert c.block_m == 64 and c.block_n == 64 * c.warpgroups
             assert c.shared_bytes() <= 227 * 1024 and c.threads == 128 * c.warpgroups
             assert c.name("bfloat16") in sm90_backward_names()
+    # at 256 (on request) one tile of 64 keys, its columns split between the warpgroups
+    from softmaxkit_cupy.configs import SM90_BACKWARD_ALTERNATIVES
+
+    for c in SM90_BACKWARD_ALTERNATIVES:
+        assert c.head_dim == 256 and c.block_n == 64 and c.threads == 256
+        assert c.shared_bytes() <= 227 * 1024 and c.name("bfloat16") not in sm90_backward_names()
+    assert {c.mask for c in SM90_BACKWARD_ALTERNATIVES} == {False, True}
     assert (SM90_BACKWARD_CONFIGS[128].name("bfloat16")
             == "sk_attn_bwd_sm90<sk_bf16, 128, 2, false>")
     assert (SM90_BACKWARD_MASKED_CONFIGS[64].name("float16")

@@ -131,3 +131,50 @@ def test_hopper_backward_through_torch_autograd() -> None:
     for got, ref in zip((q.grad, k.grad, v.grad), refs, strict=True):
         assert float((got.double() - ref).norm()) / float(ref.norm()) < 2e-2
     assert math.isfinite(float(q.grad.float().sum()))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_hopper_backward_at_256_split_columns_matches_float64(dtype: str, case: dict) -> None:
+    """The column-split backward at D = 256 (``SM90_BACKWARD_ALTERNATIVES``, built on request
+    until a device run promotes it), through the adapter with ``config=``, against float64,
+    on memory that held NaN just before (buffers of dq's, dk's and dv's sizes released to
+    torch's caching allocator, which hands them back to the launch)."""
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy.attention import attention, attention_vjp
+    from softmaxkit_cupy.configs import SM90_BACKWARD_ALTERNATIVES
+
+    d = 256
+    gen = torch.Generator(device="cuda").manual_seed(d + case["lq"] + 1)
+    dt = getattr(torch, dtype)
+    b, hq, hk, lq, lk = (case[n] for n in ("b", "hq", "hk", "lq", "lk"))
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dt)
+
+    q, k, v = randn(b, hq, lq, d), randn(b, hk, lk, d), randn(b, hk, lk, d)
+    dout = randn(b, hq, lq, d)
+    mask = None
+    if case.get("mask"):
+        mask = torch.rand(b, hq, lq, lk, device="cuda", generator=gen) > 0.3
+        mask[:, :, 5, :] = False  # a row with no allowed key
+    causal = case.get("causal", False)
+    sk_causal = None if not causal else causal
+    window = case.get("window", (-1, -1))
+    softcap = case.get("softcap")
+    scale = d ** -0.5
+    config = next(c for c in SM90_BACKWARD_ALTERNATIVES if c.mask == (mask is not None))
+    out, lse = attention(xp, q=q, k=k, v=v, scale=scale, causal=sk_causal, window=window,
+                         mask=mask, softcap=softcap, return_lse=True)
+    poison = [torch.full_like(a, math.nan) for a in (q, k, v)]
+    del poison
+    grads = attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
+                          causal=sk_causal, window=window, mask=mask, softcap=softcap,
+                          config=config)
+    torch.cuda.synchronize()
+    refs = _reference(q, k, v, dout, scale, causal, window, softcap, mask)
+    tol = 2e-2 if dtype == "bfloat16" else 5e-3
+    for got, ref in zip(grads, refs, strict=True):
+        assert got.dtype == dt and not got.isnan().any()
+        err = float((got.double() - ref).norm()) / max(float(ref.norm()), 1e-30)
+        assert err < tol, err

@@ -15,6 +15,13 @@
 // dQ = dS K (A and B read MN-major): at D = 128 warpgroup w computes dQ's 64 columns of panel w
 // over all BN keys, at D = 64 all columns over its own keys; the results are added into
 // dq_acc with vector reductions.
+//
+// Above D = 128 a warpgroup's dK and dV (D floats a thread each) would not fit in registers:
+// there (COLSPLIT) the warpgroups share one tile of 64 keys and split the head dimension,
+// warpgroup w owning columns [D / WG w, D / WG (w + 1)) of dK, dV and dQ.  Each computes the
+// whole S^T and dP^T of the 64 keys (the same products, so their registers stay those of
+// D = 128); warpgroup 0 writes dS^T for dQ, which each warpgroup computes for its columns
+// 64 at a time.
 #include "wgmma.cuh"
 #include "mma.cuh"
 #include "exclusion.cuh"
@@ -38,19 +45,24 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
     long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
     int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
     constexpr int BM = 64;
-    constexpr int BN = 64 * WG;
+    constexpr bool COLSPLIT = D > 128;  // the warpgroups split the columns of one key tile
+    constexpr int BN = COLSPLIT ? 64 : 64 * WG;
     constexpr int THREADS = 128 * WG;
+    constexpr int DW = COLSPLIT ? D / WG : D;  // dK and dV columns of a warpgroup
     constexpr int NS = BM / 2;   // S^T (and dP^T) accumulators per thread
-    constexpr int NA = D / 2;    // dK (and dV) accumulators per thread
+    constexpr int NA = DW / 2;   // dK (and dV) accumulators per thread
     constexpr int KM = BM / 16;  // k-slices over the tile's queries
     constexpr int KD = D / 16;   // k-slices over the head dimension
     // dQ: where D = 64 WG the warpgroups split its columns (a panel each) over every key of
-    // the block, at D = 64 each takes all columns over its own keys (dq_acc adds the halves)
+    // the block, at D = 64 each takes all columns over its own keys (dq_acc adds the halves);
+    // under COLSPLIT each takes its DW columns, a panel at a time, over the block's keys
     constexpr bool QSPLIT = D == 64 * WG;
-    constexpr int KQ = (QSPLIT ? BN : 64) / 16;  // k-slices of dQ's product
+    constexpr int KQ = (QSPLIT || COLSPLIT ? BN : 64) / 16;  // k-slices of dQ's product
+    constexpr int QPASSES = COLSPLIT ? DW / 64 : 1;            // dQ panels of a warpgroup
     constexpr unsigned PANEL_Q = BM * 128, PANEL_K = BN * 128;  // bytes of a 64-column panel
     constexpr unsigned QTILE = BM * D * 2, KTILE = BN * D * 2;  // bytes of a tile
-    static_assert(D == 64 || D == 64 * WG, "dQ's warpgroup split");
+    static_assert(D == 64 || D == 64 * WG || (COLSPLIT && DW % 64 == 0),
+                  "dQ's warpgroup split");
     typedef SkMma<T> Mma;
 
     extern __shared__ unsigned char sk_smem_raw[];
@@ -67,7 +79,8 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4, wg = threadIdx.x / 128;
-    const int w0 = warp * 16;  // this warp's first key in the tile (its accumulator rows)
+    // this warp's first key in the tile (its accumulator rows)
+    const int w0 = (COLSPLIT ? warp % 4 : warp) * 16;
     const int n0 = blockIdx.x * BN, kh = blockIdx.y, b = blockIdx.z;
     const int group = hq / hk;
     const T* kb = k + b * k_sb + kh * k_sh + static_cast<long long>(n0) * k_sl;
@@ -91,8 +104,10 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
         const long long qo = b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
         const long long go = b * g_sb + h * g_sh + static_cast<long long>(m0) * g_sl;
         const long long ro = (static_cast<long long>(b) * hq + h) * lq_pad + m0;
-        sk_load_panels<T, BM, D, THREADS>(sq + st * BM * D, q + qo, q_sl, lq - m0);
-        sk_load_panels<T, BM, D, THREADS>(sg + st * BM * D, dout + go, g_sl, lq - m0);
+        // at D = 256 the copies' addresses, held across the loop, would spill registers
+        const int tid = COLSPLIT ? sk_opaque_tid() : static_cast<int>(threadIdx.x);
+        sk_load_panels<T, BM, D, THREADS>(sq + st * BM * D, q + qo, q_sl, lq - m0, tid);
+        sk_load_panels<T, BM, D, THREADS>(sg + st * BM * D, dout + go, g_sl, lq - m0, tid);
         if (threadIdx.x < BM / 2) {  // BM / 4 chunks of each
             const int c = threadIdx.x;
             const bool is_l = c < BM / 4;
@@ -113,15 +128,21 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
 
     // descriptors: K_w and V_w as K-major A (this warpgroup's 64 rows), Q and dO stage 0 as
     // K-major B (S^T, dP^T) and MN-major B (dK, dV), dS^T and K as MN-major A and B of dQ
-    const unsigned long long d_k = sk_desc(ak + wg * 64 * 128, 16, 1024);
-    const unsigned long long d_v = sk_desc(av + wg * 64 * 128, 16, 1024);
+    // (under COLSPLIT the keys are every warpgroup's, and dO and Q start at its columns' panels)
+    const unsigned key_rows = COLSPLIT ? 0u : wg * 64 * 128;
+    const unsigned col_panels = COLSPLIT ? wg * (DW / 64) * PANEL_Q : 0u;
+    const unsigned long long d_k = sk_desc(ak + key_rows, 16, 1024);
+    const unsigned long long d_v = sk_desc(av + key_rows, 16, 1024);
     const unsigned long long d_q = sk_desc(aq, 16, 1024);
     const unsigned long long d_g = sk_desc(ag, 16, 1024);
-    const unsigned long long d_qt = sk_desc(aq, PANEL_Q, 1024);
-    const unsigned long long d_gt = sk_desc(ag, PANEL_Q, 1024);
-    const unsigned long long d_ds = sk_desc(ads + (QSPLIT ? 0 : wg * 64 * 128), PANEL_K, 1024);
-    const unsigned long long d_kt =
-        sk_desc(ak + (QSPLIT ? wg * PANEL_K : wg * 64 * 128), PANEL_K, 1024);
+    const unsigned long long d_qt = sk_desc(aq + col_panels, PANEL_Q, 1024);
+    const unsigned long long d_gt = sk_desc(ag + col_panels, PANEL_Q, 1024);
+    const unsigned long long d_ds =
+        sk_desc(ads + (QSPLIT || COLSPLIT ? 0u : wg * 64 * 128), PANEL_K, 1024);
+    // K's panel of dQ's first (or only) 64 columns of this warpgroup
+    const unsigned long long d_kt = sk_desc(
+        ak + (COLSPLIT ? wg * (DW / 64) * PANEL_K : QSPLIT ? wg * PANEL_K : wg * 64 * 128),
+        PANEL_K, 1024);
 
     if (total > 0) {
         sk_load_panels<T, BN, D, THREADS>(sk, kb, k_sl, lk - n0);
@@ -132,10 +153,10 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
 
     float s[NS], dp[NS], dq[32];
     unsigned pa[KM][4], da[KM][4];
-    // dQ's partial product of query tile m0 of head h, added into the float32 buffer
-    auto add_dq = [&](int h, int m0) {
+    // dQ's partial product of query tile m0 of head h (its 64 columns from c0), added into
+    // the float32 buffer
+    auto add_dq = [&](int h, int m0, int c0) {
         const int row = (warp % 4) * 16 + g;
-        const int c0 = QSPLIT ? wg * 64 : 0;
         float* qrow = dq_acc + ((static_cast<long long>(b) * hq + h) * lq_pad + m0 + row) * D;
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb) {
@@ -221,34 +242,39 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
             for (int r = 0; r < 4; ++r) {
                 const int row = w0 + g + 8 * (r & 1);  // key
                 const int ch = 2 * kk + (r >> 1);       // 8-query chunk
-                *reinterpret_cast<unsigned*>(dsb + row * 128 + ((ch ^ (row & 7)) * 16) +
-                                             4 * t) = da[kk][r];
+                if (!COLSPLIT || wg == 0)  // under COLSPLIT every warpgroup holds the same
+                    *reinterpret_cast<unsigned*>(dsb + row * 128 + ((ch ^ (row & 7)) * 16) +
+                                                 4 * t) = da[kk][r];
             }
         }
         sk_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KM; ++kk)
-            SkWgmma<D>::rs(dv_acc, pa[kk], d_gt + qs + ((kk * 16 * 128) >> 4), 1, T());
+            SkWgmma<DW>::rs(dv_acc, pa[kk], d_gt + qs + ((kk * 16 * 128) >> 4), 1, T());
 #pragma unroll
         for (int kk = 0; kk < KM; ++kk)
-            SkWgmma<D>::rs(dk_acc, da[kk], d_qt + qs + ((kk * 16 * 128) >> 4), 1, T());
+            SkWgmma<DW>::rs(dk_acc, da[kk], d_qt + qs + ((kk * 16 * 128) >> 4), 1, T());
         sk_wgmma_commit();
         sk_fence_proxy_async();
         __syncthreads();  // dS^T of every warpgroup
-        sk_wgmma_fence();
-        // dQ (BM x 64 columns) = dS K, added into the float32 buffer
+        // dQ (BM x 64 columns at a time) = dS K, added into the float32 buffer
 #pragma unroll
-        for (int kk = 0; kk < KQ; ++kk)
-            SkWgmma<64>::sst(dq, d_ds + ((kk * 16 * 128) >> 4), d_kt + ((kk * 16 * 128) >> 4),
-                             kk > 0, T());
-        sk_wgmma_commit();
-        sk_wgmma_wait<0>();
-        sk_fence_regs(dq);
-        sk_fence_regs(dv_acc);
-        sk_fence_regs(dk_acc);
-        sk_fence_regs(pa);
-        sk_fence_regs(da);
-        add_dq(h, m0);
+        for (int pass = 0; pass < QPASSES; ++pass) {
+            const unsigned long long kt = d_kt + ((pass * PANEL_K) >> 4);
+            sk_wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < KQ; ++kk)
+                SkWgmma<64>::sst(dq, d_ds + ((kk * 16 * 128) >> 4),
+                                 kt + ((kk * 16 * 128) >> 4), kk > 0, T());
+            sk_wgmma_commit();
+            sk_wgmma_wait<0>();
+            sk_fence_regs(dq);
+            sk_fence_regs(dv_acc);
+            sk_fence_regs(dk_acc);
+            sk_fence_regs(pa);
+            sk_fence_regs(da);
+            add_dq(h, m0, COLSPLIT ? wg * DW + pass * 64 : QSPLIT ? wg * 64 : 0);
+        }
     }
     sk_cp_async_wait<0>();
 
@@ -259,8 +285,8 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
         if (j < lk) {
             const long long base = ((static_cast<long long>(b) * hk + kh) * lk + j) * D;
 #pragma unroll
-            for (int db = 0; db < D / 8; ++db) {
-                const int col = db * 8 + 2 * t;
+            for (int db = 0; db < DW / 8; ++db) {
+                const int col = (COLSPLIT ? wg * DW : 0) + db * 8 + 2 * t;
                 *reinterpret_cast<unsigned*>(dk + base + col) =
                     Mma::pack(dk_acc[4 * db + 2 * r] * scale, dk_acc[4 * db + 2 * r + 1] * scale);
                 *reinterpret_cast<unsigned*>(dv + base + col) =

@@ -270,18 +270,32 @@ template <> struct SkWgmma<256> {
 };
 
 // Copy rows [0, ROWS) of a [rows x D] tile (row stride ld elements) into the 128-byte-swizzled
-// panels described above; rows at or past `valid` are zero-filled.  All THREADS threads take part.
+// panels described above; rows at or past `valid` are zero-filled.  All THREADS threads take
+// part, thread `tid` (threadIdx.x: a caller in a loop may pass it through sk_opaque_tid, so that
+// the addresses are computed at each copy rather than hoisted out and held in registers).
 template <typename T, int ROWS, int D, int THREADS>
-__device__ __forceinline__ void sk_load_panels(T* smem, const T* g, long long ld, int valid) {
+__device__ __forceinline__ void sk_load_panels(T* smem, const T* g, long long ld, int valid,
+                                               int tid) {
     constexpr int CHUNKS = D / 8;
     static_assert(ROWS * CHUNKS % THREADS == 0, "whole steps of the tile's chunks");
 #pragma unroll
     for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
-        const int c = threadIdx.x + i * THREADS;
+        const int c = tid + i * THREADS;
         const int r = c / CHUNKS, ch = c % CHUNKS;
         const bool ok = r < valid;
         const T* src = g + static_cast<long long>(ok ? r : 0) * ld + ch * 8;
         T* dst = smem + (ch / 8) * ROWS * 64 + r * 64 + (((ch % 8) ^ (r & 7)) * 8);
         sk_cp_async16(dst, src, ok);
     }
+}
+template <typename T, int ROWS, int D, int THREADS>
+__device__ __forceinline__ void sk_load_panels(T* smem, const T* g, long long ld, int valid) {
+    sk_load_panels<T, ROWS, D, THREADS>(smem, g, ld, valid, static_cast<int>(threadIdx.x));
+}
+
+// threadIdx.x, as a value the compiler cannot see is the same at each call
+__device__ __forceinline__ int sk_opaque_tid() {
+    int tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    return tid;
 }
