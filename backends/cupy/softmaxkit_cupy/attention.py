@@ -81,7 +81,9 @@ def _kernel(name: str) -> Any:
     first use (found once: the name lists are long, and a call would otherwise rebuild
     them).  Its launches (:func:`.interop.launch`) raise its shared-memory limit as they
     need, on the device they run on."""
-    if "_varlen<" in name:  # the packed variable-length kernels: modules of their own
+    if name.startswith("sk_attn_fwd_sm90_varlen<"):  # on request: built alone
+        filename, names = "attention_sm90.cu", (name,)
+    elif "_varlen<" in name:  # the packed variable-length kernels: modules of their own
         if name.startswith("sk_attn_fwd"):
             filename, names = "attention.cu", varlen_names()
         else:

@@ -346,6 +346,12 @@ class Sm90Config:
         return (f"sk_attn_fwd_sm90<{CTYPES[dtype]}, {self.head_dim}, {self.block_n}, "
                 f"{self.warpgroups}, {'true' if self.mask else 'false'}>")
 
+    def varlen_name(self, dtype: str) -> str:
+        """The C++ name expression of the packed variable-length forward for ``dtype`` (the
+        same tiles, never a boolean mask)."""
+        return (f"sk_attn_fwd_sm90_varlen<{CTYPES[dtype]}, {self.head_dim}, {self.block_n}, "
+                f"{self.warpgroups}>")
+
 
 SM90_CONFIGS = {
     64: Sm90Config(64, block_n=128),
@@ -362,6 +368,13 @@ SM90_MASKED_CONFIGS = {
 }
 """The Hopper forward for calls with a boolean mask; at 256 the mask's code spills registers,
 so masked calls there keep the mma.sync kernel."""
+
+
+SM90_VARLEN_ALTERNATIVES = tuple(SM90_CONFIGS.values())
+"""The packed variable-length forward on the Hopper kernel (kernels/attention_sm90.cu, the
+dense tiles at each head dimension), built on request (``config=``) only: it is compiled and
+checked for registers in CI, and becomes the default on Hopper once a device run has checked
+it against float64 and timed it (``tests/test_sm90_gpu.py``)."""
 
 
 def sm90_config(head_dim: int, masked: bool) -> Sm90Config | None:

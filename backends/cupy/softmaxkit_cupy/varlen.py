@@ -32,6 +32,7 @@ from .attention import _kernel, _rows_ready, backward_buffers, launch_backward_p
 from .configs import (
     AttentionConfig,
     BackwardConfig,
+    Sm90Config,
     backward_config,
     backward_dq_varlen_name,
     backward_pre_varlen_name,
@@ -90,13 +91,14 @@ def _token_strides(a: Any) -> tuple[np.int64, np.int64]:
 def varlen_attention(
     xp: Any, *, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, scale: float,
     causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
-    config: AttentionConfig | None = None,
+    config: AttentionConfig | Sm90Config | None = None,
 ) -> tuple[Any, Any]:
     """Packed variable-length attention forward on tensor cores; (out, lse or None).
 
     One launch over (query tiles of the longest sequence, Hq, B); the blocks past a shorter
     sequence's last tile return at once.  ``config`` overrides the tile configuration (for
-    benchmarks).  Head dimensions the kernels are not built for run on copies of q, k, v
+    benchmarks; a :class:`.configs.Sm90Config` runs the Hopper kernel, on request until it
+    is the default).  Head dimensions the kernels are not built for run on copies of q, k, v
     zero-padded to the next built one, the output sliced back to Dv; a value dimension above
     256 runs in blocks of columns, a call each (:mod:`.head_dims`).
     """
@@ -127,7 +129,7 @@ def varlen_attention(
 def _varlen_attention(
     xp: Any, *, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, scale: float,
     causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
-    config: AttentionConfig | None,
+    config: AttentionConfig | Sm90Config | None,
 ) -> tuple[Any, Any]:
     """:func:`varlen_attention` of a call with work, at a built head dimension (D = Dv)."""
     tq, hq, d = (int(s) for s in q.shape)

@@ -79,6 +79,7 @@ def _sm90_units() -> list[tuple[str, list[str]]]:
     from softmaxkit_cupy.configs import (
         ATTENTION_DTYPES,
         SM90_BACKWARD_ALTERNATIVES,
+        SM90_VARLEN_ALTERNATIVES,
         sm90_backward_names,
         sm90_names,
     )
@@ -86,7 +87,8 @@ def _sm90_units() -> list[tuple[str, list[str]]]:
     # the forward with its data-path probe, which no module declares (a device check
     # launches it)
     return [("attention_sm90.cu",
-             [*sm90_names(), "sk_wgmma_probe<sk_bf16>", "sk_wgmma_probe<__half>"]),
+             [*sm90_names(), "sk_wgmma_probe<sk_bf16>", "sk_wgmma_probe<__half>",
+              *(c.varlen_name(t) for c in SM90_VARLEN_ALTERNATIVES for t in ATTENTION_DTYPES)]),
             ("attention_bwd_sm90.cu", [*sm90_backward_names(),
                                        *(c.name(t) for c in SM90_BACKWARD_ALTERNATIVES
                                          for t in ATTENTION_DTYPES)])]

@@ -107,3 +107,57 @@ def test_hopper_forward_matches_float64(dtype: str, d: int, case: dict) -> None:
     assert err < (1e-2 if dtype == "bfloat16" else 2e-3), err
     if (~empty).any():
         assert float((lse[~empty].double() - ref_lse[~empty]).abs().max()) < 1e-3
+
+
+VARLEN = [
+    # (query lengths, key lengths, options): ragged tiles, a sequence without queries and one
+    # without keys, both causal alignments, a window with softcap
+    ((70, 0, 300, 1, 129), (130, 9, 64, 0, 700), {}),
+    ((70, 0, 300, 1, 129), (130, 9, 64, 0, 700), {"causal": "bottom_right"}),
+    ((300, 5, 257), (300, 40, 200), {"causal": "top_left"}),
+    ((400, 64), (900, 64), {"window": (100, 20), "softcap": 8.0}),
+]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize(("lens_q", "lens_k", "kw"), VARLEN, ids=str)
+def test_hopper_varlen_forward_matches_float64(dtype, d, lens_q, lens_k, kw) -> None:
+    """The packed variable-length forward on the Hopper kernel
+    (``SM90_VARLEN_ALTERNATIVES``, built on request until a device run promotes it), through
+    the adapter with ``config=``, against the float64 definition on each sequence; on memory
+    that held NaN just before (buffers of out's and lse's sizes released to torch's caching
+    allocator, which hands them back to the launch)."""
+    import array_api_compat.torch as xp
+    import numpy as np
+    from softmaxkit_cupy.configs import SM90_VARLEN_ALTERNATIVES
+    from softmaxkit_cupy.varlen import varlen_attention
+
+    from softmaxkit.testing.varlen_cases import packed_arrays, packed_reference
+
+    hq, hk = 4, 2
+    q, k, v, cu_q, cu_k = packed_arrays(d, lens_q, lens_k, hq, hk, d, d)
+    dt = getattr(torch, dtype)
+    tq, tk, tv = (torch.as_tensor(a, device="cuda").to(dt) for a in (q, k, v))
+    mq, mk = (torch.as_tensor(a, device="cuda") for a in (cu_q, cu_k))
+    config = next(c for c in SM90_VARLEN_ALTERNATIVES if c.head_dim == d)
+    causal = kw.get("causal")
+    window = kw.get("window", (-1, -1))
+    softcap = kw.get("softcap")
+    poison = [torch.full((q.shape[0], hq, d), math.nan, dtype=dt, device="cuda"),
+              torch.full((q.shape[0], hq), math.nan, device="cuda")]
+    del poison
+    out, lse = varlen_attention(xp, q=tq, k=tk, v=tv, cu_seqlens_q=mq, cu_seqlens_k=mk,
+                                scale=d ** -0.5, causal=causal, window=window,
+                                softcap=softcap, return_lse=True, config=config)
+    torch.cuda.synchronize()
+    rkw = {"scale": d ** -0.5, "window": window, "softcap": softcap, "causal": causal}
+    want_out, want_lse = packed_reference(*(a.double().cpu().numpy() for a in (tq, tk, tv)),
+                                          cu_q, cu_k, **rkw)
+    got_out, got_lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
+    assert not np.isnan(got_out).any() and not np.isnan(got_lse).any()
+    err = np.linalg.norm(got_out - want_out) / max(np.linalg.norm(want_out), 1e-30)
+    assert err < (2e-2 if dtype == "bfloat16" else 4e-3), err
+    empty = np.isneginf(want_lse)
+    assert np.array_equal(np.isneginf(got_lse), empty) and np.all(got_out[empty] == 0)
+    assert np.allclose(got_lse[~empty], want_lse[~empty], rtol=0, atol=1e-3)

@@ -21,14 +21,16 @@
 #define SK_LOG2E 1.4426950408889634f
 #endif
 
+// The forward of one block: BM query rows from m0 of one (sequence, head).  qb is the Q row
+// m0, kb and vb the first key and value rows, mb the mask's bit rows (or null); row i of the
+// output is ob + i o_sl and its lse lb[i l_sl] (lb may be null).  Strides are in elements.
 template <typename T, int D, int BN, int WG, bool MASK>
-__global__ void __launch_bounds__(128 * WG, 1) sk_attn_fwd_sm90(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const unsigned* __restrict__ mask, T* __restrict__ out, float* __restrict__ lse,
-    long long q_sb, long long q_sh, long long q_sl, long long k_sb, long long k_sh,
-    long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
-    long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
-    float scale, float softcap, int offset, int causal, int left, int right) {
+__device__ __forceinline__ void sk_attn_fwd_sm90_body(
+    const T* __restrict__ qb, const T* __restrict__ kb, const T* __restrict__ vb,
+    const unsigned* __restrict__ mb, T* __restrict__ ob, float* __restrict__ lb,
+    long long q_sl, long long k_sl, long long v_sl, long long m_sq, long long o_sl,
+    long long l_sl, int m0, int lq, int lk, float scale, float softcap, int offset,
+    int causal, int left, int right) {
     constexpr int BM = 64 * WG;
     constexpr int THREADS = 128 * WG;
     constexpr int NS = BN / 2;   // score accumulators per thread
@@ -51,14 +53,6 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_fwd_sm90(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4, wg = threadIdx.x / 128;
     const int w0 = warp * 16;  // this warp's first row in the block
-    // the last query blocks (the most keys under causal masks) start first
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int kh = h / (hq / hk);
-    const T* qb = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
-    const T* kb = k + b * k_sb + kh * k_sh;
-    const T* vb = v + b * v_sb + kh * v_sh;
-    const unsigned* mb = MASK && mask ? mask + b * m_sb + h * m_sh : nullptr;
 
     // keys any row of this block may see
     int n_lo = 0, n_hi = lk;
@@ -260,19 +254,64 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_fwd_sm90(
         const int i = m0 + w0 + g + 8 * r;
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         if (i < lq) {
-            const long long row = (static_cast<long long>(b) * hq + h) * lq + i;
-            T* orow = out + row * D;
+            T* orow = ob + i * o_sl;
 #pragma unroll
             for (int db = 0; db < D / 8; ++db) {
                 const unsigned packed =
                     Mma::pack(o[4 * db + 2 * r] * inv, o[4 * db + 2 * r + 1] * inv);
                 *reinterpret_cast<unsigned*>(orow + db * 8 + 2 * t) = packed;
             }
-            if (lse && t == 0) {
-                lse[row] = l > 0.0f ? (row_max[r] + log2f(l)) * SK_LN2 : -SK_INF;
+            if (lb && t == 0) {
+                lb[i * l_sl] = l > 0.0f ? (row_max[r] + log2f(l)) * SK_LN2 : -SK_INF;
             }
         }
     }
+}
+
+// Dense: q [B, Hq, Lq, D], k and v [B, Hk, Lk, D] by element strides, the mask's bits as
+// sk_attn_fwd takes them; out [B, Hq, Lq, D] and lse [B, Hq, Lq] contiguous.  Grid
+// (ceil(Lq / BM), Hq, B), the last query blocks (the most keys under causal masks) first.
+template <typename T, int D, int BN, int WG, bool MASK>
+__global__ void __launch_bounds__(128 * WG, 1) sk_attn_fwd_sm90(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const unsigned* __restrict__ mask, T* __restrict__ out, float* __restrict__ lse,
+    long long q_sb, long long q_sh, long long q_sl, long long k_sb, long long k_sh,
+    long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
+    long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
+    float scale, float softcap, int offset, int causal, int left, int right) {
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * 64 * WG;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kh = h / (hq / hk);
+    const long long row0 = (static_cast<long long>(b) * hq + h) * lq;
+    sk_attn_fwd_sm90_body<T, D, BN, WG, MASK>(
+        q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl, k + b * k_sb + kh * k_sh,
+        v + b * v_sb + kh * v_sh, MASK && mask ? mask + b * m_sb + h * m_sh : nullptr,
+        out + row0 * D, lse ? lse + row0 : nullptr, q_sl, k_sl, v_sl, m_sq, D, 1, m0, lq, lk,
+        scale, softcap, offset, causal, left, right);
+}
+
+// Packed variable-length sequences (spec "Varlen attention"), the arguments of
+// sk_attn_fwd_varlen: q [Tq, Hq, D], k and v [Tk, Hk, D] by token and head strides, sequence
+// b the rows cu_q[b] .. cu_q[b + 1] of q (cu_k of k and v); out [Tq, Hq, D] and lse [Tq, Hq]
+// contiguous.  Grid (ceil(longest Lq / BM), Hq, B); a block past its sequence's queries exits.
+template <typename T, int D, int BN, int WG>
+__global__ void __launch_bounds__(128 * WG, 1) sk_attn_fwd_sm90_varlen(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const long long* __restrict__ cu_q, const long long* __restrict__ cu_k,
+    T* __restrict__ out, float* __restrict__ lse, long long q_st, long long q_sh,
+    long long k_st, long long k_sh, long long v_st, long long v_sh, int hq, int hk,
+    float scale, float softcap, int bottom_right, int causal, int left, int right) {
+    const int h = blockIdx.y, b = blockIdx.z;
+    const long long q0 = cu_q[b], k0 = cu_k[b];
+    const int lq = static_cast<int>(cu_q[b + 1] - q0), lk = static_cast<int>(cu_k[b + 1] - k0);
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * 64 * WG;
+    if (m0 >= lq) return;
+    const int kh = h / (hq / hk);
+    sk_attn_fwd_sm90_body<T, D, BN, WG, false>(
+        q + (q0 + m0) * q_st + h * q_sh, k + k0 * k_st + kh * k_sh, v + k0 * v_st + kh * v_sh,
+        nullptr, out + (q0 * hq + h) * D, lse + q0 * hq + h, q_st, k_st, v_st, 0,
+        static_cast<long long>(hq) * D, hq, m0, lq, lk, scale, softcap,
+        bottom_right ? lk - lq : 0, causal, left, right);
 }
 
 // The data path alone, for checking descriptors and fragments on a device: one warpgroup
