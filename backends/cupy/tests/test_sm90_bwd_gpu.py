@@ -80,19 +80,7 @@ def test_hopper_backward_matches_float64(dtype: str, d: int, case: dict) -> None
 
     import softmaxkit as sk
 
-    gen = torch.Generator(device="cuda").manual_seed(d + case["lq"])
-    dt = getattr(torch, dtype)
-    b, hq, hk, lq, lk = (case[n] for n in ("b", "hq", "hk", "lq", "lk"))
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen).to(dt)
-
-    q, k, v = randn(b, hq, lq, d), randn(b, hk, lk, d), randn(b, hk, lk, d)
-    dout = randn(b, hq, lq, d)
-    mask = None
-    if case.get("mask"):
-        mask = torch.rand(b, hq, lq, lk, device="cuda", generator=gen) > 0.3
-        mask[:, :, 5, :] = False  # a row with no allowed key
+    q, k, v, dout, mask = _problem(dtype, d, case, d + case["lq"])
     causal = case.get("causal", False)
     window = case.get("window", (-1, -1))
     softcap = case.get("softcap")
@@ -107,10 +95,33 @@ def test_hopper_backward_matches_float64(dtype: str, d: int, case: dict) -> None
     expected = hopper.name(dtype) if hopper is not None else "sk_attn_bwd<"
     assert trace[-1].backend == "cupy" and trace[-1].kernel.startswith(expected)
 
-    refs = _reference(q, k, v, dout, scale, causal, window, softcap, mask)
+    _check(grads, _reference(q, k, v, dout, scale, causal, window, softcap, mask), dtype)
+
+
+def _problem(dtype: str, d: int, case: dict, seed: int):
+    """q, k, v, dout and the mask (or None) of ``case`` at head dim ``d``, fresh normal values
+    rounded to ``dtype``; a masked case has a row with no allowed key."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dt = getattr(torch, dtype)
+    b, hq, hk, lq, lk = (case[n] for n in ("b", "hq", "hk", "lq", "lk"))
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dt)
+
+    q, k, v = randn(b, hq, lq, d), randn(b, hk, lk, d), randn(b, hk, lk, d)
+    dout = randn(b, hq, lq, d)
+    mask = None
+    if case.get("mask"):
+        mask = torch.rand(b, hq, lq, lk, device="cuda", generator=gen) > 0.3
+        mask[:, :, 5, :] = False  # a row with no allowed key
+    return q, k, v, dout, mask
+
+
+def _check(grads, refs, dtype: str) -> None:
+    """Each gradient in ``dtype``, NaN-free, within the dtype's relative error of float64."""
     tol = 2e-2 if dtype == "bfloat16" else 5e-3
     for got, ref in zip(grads, refs, strict=True):
-        assert got.dtype == dt and not got.isnan().any()
+        assert got.dtype == getattr(torch, dtype) and not got.isnan().any()
         err = float((got.double() - ref).norm()) / max(float(ref.norm()), 1e-30)
         assert err < tol, err
 
@@ -145,19 +156,7 @@ def test_hopper_backward_at_256_split_columns_matches_float64(dtype: str, case: 
     from softmaxkit_cupy.configs import SM90_BACKWARD_ALTERNATIVES
 
     d = 256
-    gen = torch.Generator(device="cuda").manual_seed(d + case["lq"] + 1)
-    dt = getattr(torch, dtype)
-    b, hq, hk, lq, lk = (case[n] for n in ("b", "hq", "hk", "lq", "lk"))
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen).to(dt)
-
-    q, k, v = randn(b, hq, lq, d), randn(b, hk, lk, d), randn(b, hk, lk, d)
-    dout = randn(b, hq, lq, d)
-    mask = None
-    if case.get("mask"):
-        mask = torch.rand(b, hq, lq, lk, device="cuda", generator=gen) > 0.3
-        mask[:, :, 5, :] = False  # a row with no allowed key
+    q, k, v, dout, mask = _problem(dtype, d, case, d + case["lq"] + 1)
     causal = case.get("causal", False)
     sk_causal = None if not causal else causal
     window = case.get("window", (-1, -1))
@@ -172,9 +171,4 @@ def test_hopper_backward_at_256_split_columns_matches_float64(dtype: str, case: 
                           causal=sk_causal, window=window, mask=mask, softcap=softcap,
                           config=config)
     torch.cuda.synchronize()
-    refs = _reference(q, k, v, dout, scale, causal, window, softcap, mask)
-    tol = 2e-2 if dtype == "bfloat16" else 5e-3
-    for got, ref in zip(grads, refs, strict=True):
-        assert got.dtype == dt and not got.isnan().any()
-        err = float((got.double() - ref).norm()) / max(float(ref.norm()), 1e-30)
-        assert err < tol, err
+    _check(grads, _reference(q, k, v, dout, scale, causal, window, softcap, mask), dtype)
