@@ -83,6 +83,8 @@ def _kernel(name: str) -> Any:
     need, on the device they run on."""
     if name.startswith("sk_attn_fwd_sm90_varlen<"):  # on request: built alone
         filename, names = "attention_sm90.cu", (name,)
+    elif name.startswith("sk_attn_bwd_sm90_varlen<"):
+        filename, names = "attention_bwd_sm90.cu", (name,)
     elif "_varlen<" in name:  # the packed variable-length kernels: modules of their own
         if name.startswith("sk_attn_fwd"):
             filename, names = "attention.cu", varlen_names()

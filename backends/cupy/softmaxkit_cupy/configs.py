@@ -427,6 +427,11 @@ class Sm90BackwardConfig:
         return (f"sk_attn_bwd_sm90<{CTYPES[dtype]}, {self.head_dim}, {self.warpgroups}, "
                 f"{'true' if self.mask else 'false'}>")
 
+    def varlen_name(self, dtype: str) -> str:
+        """The C++ name expression of the packed variable-length backward for ``dtype`` (the
+        same tiles, never a boolean mask)."""
+        return f"sk_attn_bwd_sm90_varlen<{CTYPES[dtype]}, {self.head_dim}, {self.warpgroups}>"
+
 
 SM90_BACKWARD_CONFIGS = {d: Sm90BackwardConfig(d) for d in (64, 128)}
 """The Hopper backward for each head dimension it is built for, without a boolean mask: two
@@ -442,6 +447,12 @@ SM90_BACKWARD_ALTERNATIVES = (Sm90BackwardConfig(256), Sm90BackwardConfig(256, m
 request (``config=``) only: it is compiled and checked for registers in CI, and becomes the
 default once a device run has checked it against float64 and timed it against the mma.sync
 kernel (``tests/test_sm90_bwd_gpu.py``)."""
+
+
+SM90_VARLEN_BACKWARD_ALTERNATIVES = tuple(SM90_BACKWARD_CONFIGS.values())
+"""The packed variable-length backward on the Hopper kernel at the head dimensions its dense
+kernel is the default for (at 256 the packed variant spills registers), built on request
+(``config=``) only, as :data:`SM90_VARLEN_ALTERNATIVES`."""
 
 
 def sm90_backward_config(head_dim: int, masked: bool) -> Sm90BackwardConfig | None:

@@ -32,6 +32,7 @@ from .attention import _kernel, _rows_ready, backward_buffers, launch_backward_p
 from .configs import (
     AttentionConfig,
     BackwardConfig,
+    Sm90BackwardConfig,
     Sm90Config,
     backward_config,
     backward_dq_varlen_name,
@@ -174,7 +175,7 @@ def padded_rows(cu_q: np.ndarray, cu_pad: np.ndarray) -> np.ndarray:
 def varlen_attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, cu_seqlens_q: Any,
     cu_seqlens_k: Any, scale: float, causal: Any, window: tuple[int, int], softcap: Any,
-    dlse: Any = None, config: BackwardConfig | None = None,
+    dlse: Any = None, config: BackwardConfig | Sm90BackwardConfig | None = None,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) of packed variable-length attention on tensor cores, recomputing P from
     ``lse``.
@@ -184,8 +185,10 @@ def varlen_attention_vjp(
     subtraction); the main kernel over (key tiles of the longest sequence, Hk, B), which
     writes dk and dv (zero for the keys of a sequence without queries) and adds dq's partial
     products into the float32 sums; and dq's conversion back to the packed layout.
-    ``config`` overrides the tile configuration (for benchmarks).  Head dimensions the kernels
-    are not built for run on copies of q, k, v, out and dout zero-padded to the next built
+    ``config`` overrides the tile configuration (for benchmarks; a
+    :class:`.configs.Sm90BackwardConfig` runs the Hopper kernel, on request until it is the
+    default).  Head dimensions the kernels are not built for run on copies of q, k, v, out
+    and dout zero-padded to the next built
     one; dq and dk are sliced back to D, dv to Dv; a value dimension above 256 runs in
     blocks of columns, dq and dk summed over them (:mod:`.head_dims`).
     """
@@ -215,7 +218,7 @@ def varlen_attention_vjp(
 def _varlen_attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, cu_seqlens_q: Any,
     cu_seqlens_k: Any, scale: float, causal: Any, window: tuple[int, int], softcap: Any,
-    dlse: Any, config: BackwardConfig | None,
+    dlse: Any, config: BackwardConfig | Sm90BackwardConfig | None,
 ) -> tuple[Any, Any, Any]:
     """:func:`varlen_attention_vjp` of a call with work, at a built head dimension (D = Dv)."""
     tq, hq, d = (int(s) for s in q.shape)

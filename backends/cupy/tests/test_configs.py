@@ -212,6 +212,19 @@ def test_hopper_backward_serves_capability_9_0_only_within_the_h200s_limits() ->
         assert c.head_dim == 256 and c.block_n == 64 and c.threads == 256
         assert c.shared_bytes() <= 227 * 1024 and c.name("bfloat16") not in sm90_backward_names()
     assert {c.mask for c in SM90_BACKWARD_ALTERNATIVES} == {False, True}
+    # the packed variable-length kernels on Hopper (on request): the dense defaults' tiles
+    from softmaxkit_cupy.configs import (
+        SM90_CONFIGS,
+        SM90_VARLEN_ALTERNATIVES,
+        SM90_VARLEN_BACKWARD_ALTERNATIVES,
+    )
+
+    assert SM90_VARLEN_ALTERNATIVES == tuple(SM90_CONFIGS.values())
+    assert SM90_VARLEN_BACKWARD_ALTERNATIVES == tuple(SM90_BACKWARD_CONFIGS.values())
+    assert (SM90_VARLEN_BACKWARD_ALTERNATIVES[1].varlen_name("bfloat16")
+            == "sk_attn_bwd_sm90_varlen<sk_bf16, 128, 2>")
+    assert (SM90_VARLEN_ALTERNATIVES[2].varlen_name("float16")
+            == "sk_attn_fwd_sm90_varlen<__half, 256, 64, 2>")
     assert (SM90_BACKWARD_CONFIGS[128].name("bfloat16")
             == "sk_attn_bwd_sm90<sk_bf16, 128, 2, false>")
     assert (SM90_BACKWARD_MASKED_CONFIGS[64].name("float16")

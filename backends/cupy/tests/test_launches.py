@@ -50,6 +50,7 @@ def _source(name: str) -> str:
     ("attention_sm90.cu", ("sk_attn_fwd_sm90_varlen",), varlen.VARLEN_PARAMS),
     ("attention_bwd.cu", ("sk_attn_bwd_pre_varlen",), varlen.VARLEN_PRE_PARAMS),
     ("attention_bwd.cu", ("sk_attn_bwd_varlen",), varlen.VARLEN_BACKWARD_PARAMS),
+    ("attention_bwd_sm90.cu", ("sk_attn_bwd_sm90_varlen",), varlen.VARLEN_BACKWARD_PARAMS),
     ("attention_bwd.cu", ("sk_attn_bwd_dq_varlen",), varlen.VARLEN_DQ_PARAMS),
 ])
 def test_stated_parameters_match_the_kernels(file, kernels, codes):

@@ -80,6 +80,7 @@ def _sm90_units() -> list[tuple[str, list[str]]]:
         ATTENTION_DTYPES,
         SM90_BACKWARD_ALTERNATIVES,
         SM90_VARLEN_ALTERNATIVES,
+        SM90_VARLEN_BACKWARD_ALTERNATIVES,
         sm90_backward_names,
         sm90_names,
     )
@@ -91,6 +92,9 @@ def _sm90_units() -> list[tuple[str, list[str]]]:
               *(c.varlen_name(t) for c in SM90_VARLEN_ALTERNATIVES for t in ATTENTION_DTYPES)]),
             ("attention_bwd_sm90.cu", [*sm90_backward_names(),
                                        *(c.name(t) for c in SM90_BACKWARD_ALTERNATIVES
+                                         for t in ATTENTION_DTYPES),
+                                       *(c.varlen_name(t)
+                                         for c in SM90_VARLEN_BACKWARD_ALTERNATIVES
                                          for t in ATTENTION_DTYPES)])]
 
 

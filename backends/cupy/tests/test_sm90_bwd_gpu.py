@@ -172,3 +172,61 @@ def test_hopper_backward_at_256_split_columns_matches_float64(dtype: str, case: 
                           config=config)
     torch.cuda.synchronize()
     _check(grads, _reference(q, k, v, dout, scale, causal, window, softcap, mask), dtype)
+
+
+VARLEN = [
+    # (query lengths, key lengths, options): ragged tiles, a sequence without queries and one
+    # without keys, both causal alignments, a window with softcap
+    ((70, 0, 300, 1, 129), (130, 9, 64, 0, 700), {}),
+    ((70, 0, 300, 1, 129), (130, 9, 64, 0, 700), {"causal": "bottom_right"}),
+    ((300, 5, 257), (300, 40, 200), {"causal": "top_left"}),
+    ((400, 64), (900, 64), {"window": (100, 20), "softcap": 8.0}),
+]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize(("lens_q", "lens_k", "kw"), VARLEN, ids=str)
+def test_hopper_varlen_backward_matches_float64(dtype, d, lens_q, lens_k, kw) -> None:
+    """The packed variable-length backward on the Hopper kernel
+    (``SM90_VARLEN_BACKWARD_ALTERNATIVES``, built on request until a device run promotes it),
+    through the adapter with ``config=``, from the float64 definition's (out, lse), against the
+    float64 gradients of each sequence; the keys of the sequence without queries get zeros."""
+    import array_api_compat.torch as xp
+    import numpy as np
+    from softmaxkit_cupy.configs import SM90_VARLEN_BACKWARD_ALTERNATIVES
+    from softmaxkit_cupy.varlen import varlen_attention_vjp
+
+    from softmaxkit.testing import materialized as ref
+    from softmaxkit.testing.varlen_cases import packed_arrays, packed_reference
+
+    hq, hk = 4, 2
+    q, k, v, cu_q, cu_k = packed_arrays(d + 1, lens_q, lens_k, hq, hk, d, d)
+    dt = getattr(torch, dtype)
+    tq, tk, tv = (torch.as_tensor(a, device="cuda").to(dt) for a in (q, k, v))
+    q64, k64, v64 = (a.double().cpu().numpy() for a in (tq, tk, tv))
+    dout = torch.as_tensor(np.random.default_rng(d).normal(size=(q.shape[0], hq, d)),
+                           device="cuda").to(dt)
+    dout64 = dout.double().cpu().numpy()
+    rkw = {"scale": d ** -0.5, "window": kw.get("window", (-1, -1)),
+           "softcap": kw.get("softcap"), "causal": kw.get("causal")}
+    out64, lse64 = packed_reference(q64, k64, v64, cu_q, cu_k, **rkw)
+    out = torch.as_tensor(out64, device="cuda").to(dt)
+    lse = torch.as_tensor(lse64, device="cuda").float()
+    mq, mk = (torch.as_tensor(a, device="cuda") for a in (cu_q, cu_k))
+    config = next(c for c in SM90_VARLEN_BACKWARD_ALTERNATIVES if c.head_dim == d)
+    grads = varlen_attention_vjp(xp, q=tq, k=tk, v=tv, out=out, lse=lse, dout=dout,
+                                 cu_seqlens_q=mq, cu_seqlens_k=mk, scale=d ** -0.5,
+                                 causal=kw.get("causal"), window=rkw["window"],
+                                 softcap=rkw["softcap"], config=config)
+    torch.cuda.synchronize()
+    want = [np.zeros_like(a) for a in (q64, k64, v64)]
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        per = ref.attention_vjp(*(np.swapaxes(a, 0, 1) for a in (
+            q64[q0:q1], k64[k0:k1], v64[k0:k1], dout64[q0:q1])), **rkw)
+        for w, g, (lo, hi) in zip(want, per, ((q0, q1), (k0, k1), (k0, k1)), strict=True):
+            w[lo:hi] = np.swapaxes(g, 0, 1)
+    _check(grads, [torch.as_tensor(w, device="cuda") for w in want], dtype)
+    k0, k1 = int(cu_k[1]), int(cu_k[2])  # the keys of the sequence without queries
+    assert not grads[1][k0:k1].any() and not grads[2][k0:k1].any()

@@ -1,19 +1,22 @@
 """Check and time the Hopper kernels built on request before they become defaults.
 
-Two kernels of ``configs.py`` run only when asked for with ``config=`` until a device run has
-checked them: the backward at head dimension 256 (``SM90_BACKWARD_ALTERNATIVES``, the
-warpgroups splitting the columns) and the packed variable-length forward on the Hopper
-kernel (``SM90_VARLEN_ALTERNATIVES``).  On an H100 / H200 this script checks each against
-float64 on small problems with fresh random inputs, then times it, eagerly through the
-adapter, next to what runs by default (the mma.sync kernels) and torch's peer in the same
-process (``triton.testing.do_bench`` medians):
+Three kernels of ``configs.py`` run only when asked for with ``config=`` until a device run
+has checked them: the backward at head dimension 256 (``SM90_BACKWARD_ALTERNATIVES``, the
+warpgroups splitting the columns) and the packed variable-length forward and backward on the
+Hopper kernels (``SM90_VARLEN_ALTERNATIVES``, ``SM90_VARLEN_BACKWARD_ALTERNATIVES``).  On
+an H100 / H200 this script checks each against float64 on small problems with fresh random
+inputs, then times it, eagerly through the adapter, next to what runs by default (the
+mma.sync kernels) and torch's peer in the same process (``triton.testing.do_bench``
+medians):
 
 * backward, bfloat16 B2 H16 L4096 D256, causal and not: TFLOP/s (10 B H L^2 D, halved for
   causal) of ``attention_vjp`` with each configuration and of torch SDPA's flash backward
   (``torch.autograd.grad`` of its output, less its forward);
 * varlen forward, bfloat16 D64 / D128 / D256, 16 sequences of 1 to 4096 tokens, 16 heads,
   causal and not: milliseconds of ``varlen_attention`` with each configuration and of
-  ``torch.nn.attention.varlen.varlen_attn``.
+  ``torch.nn.attention.varlen.varlen_attn``; and at D64 / D128 the backward
+  (``varlen_attention_vjp``; torch's: the gradient through its call less its forward).
+  The backward's float64 check is ``tests/test_sm90_bwd_gpu.py``'s.
 
 Usage: ``python backends/cupy/tools/sm90_candidates.py``; exits 1 when a check fails.
 """
@@ -109,13 +112,18 @@ def _bottom_right(lq: int, lk: int):
 
 
 def varlen() -> None:
-    from softmaxkit_cupy.configs import SM90_VARLEN_ALTERNATIVES
+    from softmaxkit_cupy.configs import (
+        SM90_VARLEN_ALTERNATIVES,
+        SM90_VARLEN_BACKWARD_ALTERNATIVES,
+    )
 
     lens = [int(n) for n in np.random.default_rng(5).integers(1, 4097, size=16)]
     for config in SM90_VARLEN_ALTERNATIVES:
+        backward = next((c for c in SM90_VARLEN_BACKWARD_ALTERNATIVES
+                         if c.head_dim == config.head_dim), None)
         for causal in (None, "bottom_right"):
             _check_varlen(config, causal)
-            _time_varlen(config, causal, lens)
+            _time_varlen(config, backward, causal, lens)
 
 
 def _check_varlen(config, causal) -> None:
@@ -140,26 +148,44 @@ def _check_varlen(config, causal) -> None:
         FAILURES.append(f"varlen D{d} causal={causal}: {err}")
 
 
-def _time_varlen(config, causal, lens: list[int]) -> None:
-    """16 sequences of ``lens`` tokens, 16 heads."""
+def _time_varlen(config, backward, causal, lens: list[int]) -> None:
+    """16 sequences of ``lens`` tokens, 16 heads: the forward, and the backward where a Hopper
+    configuration is built for the head dimension."""
     import array_api_compat.torch as xp
-    from softmaxkit_cupy.varlen import varlen_attention
+    from softmaxkit_cupy.varlen import varlen_attention, varlen_attention_vjp
 
     d, h = config.head_dim, 16
     cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lens)]), device="cuda")
     total = int(cu[-1])
-    q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v, dout = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    opts = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, scale=d ** -0.5, causal=causal,
+                window=(-1, -1), softcap=None)
     row = []
     for name, c in (("mma.sync (default)", None), ("sm90", config)):
-        t = timed(lambda c=c: varlen_attention(
-            xp, q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, scale=d ** -0.5,
-            causal=causal, window=(-1, -1), softcap=None, return_lse=False, config=c))
+        t = timed(lambda c=c: varlen_attention(xp, q=q, k=k, v=v, return_lse=False, config=c,
+                                               **opts))
         row.append(f"{name} {t:.3f}")
     peer = _torch_varlen(q, k, v, cu, max(lens), causal is not None)
     if peer is not None:
         row.append(f"torch varlen {timed(peer):.3f}")
     print(f"varlen fwd bf16 D{d} H{h} {len(lens)} seqs ({total} tokens) "
           f"causal={causal is not None} ms: " + ", ".join(row), flush=True)
+    if backward is None:
+        return
+    out, lse = varlen_attention(xp, q=q, k=k, v=v, return_lse=True, **opts)
+    row = []
+    for name, c in (("mma.sync (default)", None), ("sm90", backward)):
+        t = timed(lambda c=c: varlen_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse,
+                                                   dout=dout, config=c, **opts))
+        row.append(f"{name} {t:.3f}")
+    if peer is not None:
+        leaves = [a.clone().requires_grad_() for a in (q, k, v)]
+        grad_peer = _torch_varlen(*leaves, cu, max(lens), causal is not None)
+        both = timed(lambda: torch.autograd.grad(grad_peer(), leaves, dout))
+        row.append(f"torch varlen {both - timed(grad_peer):.3f}")
+    print(f"varlen bwd bf16 D{d} H{h} causal={causal is not None} ms: " + ", ".join(row),
+          flush=True)
 
 
 def _torch_varlen(q, k, v, cu, longest: int, causal: bool):

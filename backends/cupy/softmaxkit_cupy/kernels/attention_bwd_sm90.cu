@@ -34,16 +34,24 @@ __device__ __forceinline__ void sk_red_add2_sm90(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 
-template <typename T, int D, int WG, bool MASK>
-__global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
+// The layouts are sk_attn_bwd_body's (attention_bwd.cu): dense (VARLEN = false) q, dO
+// [B, Hq, Lq, D] and k, v [B, Hk, Lk, D] by element strides, lse2, delta [B * Hq, lq_pad],
+// dq_acc [B * Hq, lq_pad, D]; packed (VARLEN = true) q, dO [Tq, Hq, D] and k, v [Tk, Hk, D] by
+// token and head strides, block z sequence b, whose rows of lse2, delta and dq_acc start at
+// its padded offset cu_pad[b] within each head's lq_pad (= Tpad) rows, lq, lk and the causal
+// offset its own (``offset`` 1 for bottom-right alignment), dk, dv [Tk, Hk, D].
+template <typename T, int D, int WG, bool MASK, bool VARLEN>
+__device__ __forceinline__ void sk_attn_bwd_sm90_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const unsigned* __restrict__ mask,
     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
-    T* __restrict__ dk, T* __restrict__ dv, long long q_sb, long long q_sh, long long q_sl,
-    long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
-    long long v_sl, long long g_sb, long long g_sh, long long g_sl, long long m_sb,
-    long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
-    int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
+    T* __restrict__ dk, T* __restrict__ dv, const long long* __restrict__ cu_q,
+    const long long* __restrict__ cu_k, const long long* __restrict__ cu_pad, long long q_sb,
+    long long q_sh, long long q_sl, long long k_sb, long long k_sh, long long k_sl,
+    long long v_sb, long long v_sh, long long v_sl, long long g_sb, long long g_sh,
+    long long g_sl, long long m_sb, long long m_sh, long long m_sq, int hq, int hk, int lq,
+    int lk, int lq_pad, float scale, float softcap, int offset, int causal, int left,
+    int right) {
     constexpr int BM = 64;
     constexpr bool COLSPLIT = D > 128;  // the warpgroups split the columns of one key tile
     constexpr int BN = COLSPLIT ? 64 : 64 * WG;
@@ -83,8 +91,29 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
     const int w0 = (COLSPLIT ? warp % 4 : warp) * 16;
     const int n0 = blockIdx.x * BN, kh = blockIdx.y, b = blockIdx.z;
     const int group = hq / hk;
-    const T* kb = k + b * k_sb + kh * k_sh + static_cast<long long>(n0) * k_sl;
-    const T* vb = v + b * v_sb + kh * v_sh + static_cast<long long>(n0) * v_sl;
+    const T *kb, *vb;
+    if constexpr (VARLEN) {
+        const long long q_tok = cu_q[b], k_tok = cu_k[b], p_row = cu_pad[b];
+        lq = static_cast<int>(cu_q[b + 1] - q_tok);
+        lk = static_cast<int>(cu_k[b + 1] - k_tok);
+        offset = offset ? lk - lq : 0;
+        // the grid covers the longest sequence's keys; a sequence without queries still
+        // writes its keys' zero gradients below
+        if (n0 >= lk) return;
+        // every array from the sequence's first token (first padded row for the work arrays)
+        q += q_tok * q_sl;
+        dout += q_tok * g_sl;
+        lse2 += p_row;
+        delta += p_row;
+        dq_acc += p_row * D;
+        dk += k_tok * hk * D;
+        dv += k_tok * hk * D;
+        kb = k + (k_tok + n0) * k_sl + kh * k_sh;
+        vb = v + (k_tok + n0) * v_sl + kh * v_sh;
+    } else {
+        kb = k + b * k_sb + kh * k_sh + static_cast<long long>(n0) * k_sl;
+        vb = v + b * v_sb + kh * v_sh + static_cast<long long>(n0) * v_sl;
+    }
 
     // query rows any key of this tile may be seen by
     int m_lo = 0, m_hi = lq;
@@ -101,9 +130,11 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
     auto load_stage = [&](int it, int st) {
         const int h = kh * group + it / tiles;
         const int m0 = (t_lo + it % tiles) * BM;
-        const long long qo = b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
-        const long long go = b * g_sb + h * g_sh + static_cast<long long>(m0) * g_sl;
-        const long long ro = (static_cast<long long>(b) * hq + h) * lq_pad + m0;
+        const long long qo =
+            (VARLEN ? 0 : b * q_sb) + h * q_sh + static_cast<long long>(m0) * q_sl;
+        const long long go =
+            (VARLEN ? 0 : b * g_sb) + h * g_sh + static_cast<long long>(m0) * g_sl;
+        const long long ro = (VARLEN ? h : static_cast<long long>(b) * hq + h) * lq_pad + m0;
         // at D = 256 the copies' addresses, held across the loop, would spill registers
         const int tid = COLSPLIT ? sk_opaque_tid() : static_cast<int>(threadIdx.x);
         sk_load_panels<T, BM, D, THREADS>(sq + st * BM * D, q + qo, q_sl, lq - m0, tid);
@@ -157,7 +188,8 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
     // the float32 buffer
     auto add_dq = [&](int h, int m0, int c0) {
         const int row = (warp % 4) * 16 + g;
-        float* qrow = dq_acc + ((static_cast<long long>(b) * hq + h) * lq_pad + m0 + row) * D;
+        float* qrow = dq_acc +
+            ((VARLEN ? h : static_cast<long long>(b) * hq + h) * lq_pad + m0 + row) * D;
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb) {
             const int col = c0 + nb * 8 + 2 * t;
@@ -283,7 +315,9 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
     for (int r = 0; r < 2; ++r) {
         const int j = n0 + w0 + g + 8 * r;
         if (j < lk) {
-            const long long base = ((static_cast<long long>(b) * hk + kh) * lk + j) * D;
+            const long long base = VARLEN
+                                       ? (static_cast<long long>(j) * hk + kh) * D
+                                       : ((static_cast<long long>(b) * hk + kh) * lk + j) * D;
 #pragma unroll
             for (int db = 0; db < DW / 8; ++db) {
                 const int col = (COLSPLIT ? wg * DW : 0) + db * 8 + 2 * t;
@@ -294,4 +328,38 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
             }
         }
     }
+}
+
+template <typename T, int D, int WG, bool MASK>
+__global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const unsigned* __restrict__ mask,
+    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    T* __restrict__ dk, T* __restrict__ dv, long long q_sb, long long q_sh, long long q_sl,
+    long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
+    long long v_sl, long long g_sb, long long g_sh, long long g_sl, long long m_sb,
+    long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
+    int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
+    sk_attn_bwd_sm90_body<T, D, WG, MASK, false>(
+        q, k, v, dout, mask, lse2, delta, dq_acc, dk, dv, nullptr, nullptr, nullptr, q_sb, q_sh,
+        q_sl, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, g_sb, g_sh, g_sl, m_sb, m_sh, m_sq, hq, hk,
+        lq, lk, lq_pad, scale, softcap, offset, causal, left, right);
+}
+
+// Packed variable-length backward, the arguments of sk_attn_bwd_varlen (attention_bwd.cu):
+// grid (key tiles of the longest sequence, Hk, B).
+template <typename T, int D, int WG>
+__global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90_varlen(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const long long* __restrict__ cu_q,
+    const long long* __restrict__ cu_k, const long long* __restrict__ cu_pad,
+    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    T* __restrict__ dk, T* __restrict__ dv, long long q_st, long long q_sh, long long k_st,
+    long long k_sh, long long v_st, long long v_sh, long long g_st, long long g_sh, int hq,
+    int hk, int tpad, float scale, float softcap, int bottom_right, int causal, int left,
+    int right) {
+    sk_attn_bwd_sm90_body<T, D, WG, false, true>(
+        q, k, v, dout, nullptr, lse2, delta, dq_acc, dk, dv, cu_q, cu_k, cu_pad, 0, q_sh, q_st,
+        0, k_sh, k_st, 0, v_sh, v_st, 0, g_sh, g_st, 0, 0, 0, hq, hk, 0, 0, tpad, scale,
+        softcap, bottom_right, causal, left, right);
 }
