@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from . import compiler, interop
 from .configs import MASK_BITS_NAME as _NAME
 
 _BLOCK = 256
 _MAX_BLOCKS = 4096
+
+MASK_BITS_PARAMS = "QQ" + "q" * 4 + "iiii" + "q"
+"""The packing kernel's parameters: the addresses of the mask and the bits; the mask's
+strides along B, H, Lq (0 where broadcast) and Lk; hm, lqm, lk, words; the words in all."""
 
 
 def mask_bits(mask: Any) -> tuple[Any, tuple[int, int, int]]:
@@ -46,12 +48,10 @@ def mask_bits(mask: Any) -> tuple[Any, tuple[int, int, int]]:
     if lk and total:
         kernel = compiler.function("mask_bits.cu", (_NAME,), _NAME)
         blocks = min(-(-total * 32 // _BLOCK), _MAX_BLOCKS)
-        with interop.launch_context(mask):
-            kernel((blocks,), (_BLOCK,), (
-                np.uint64(interop.pointer(mask)), np.uint64(interop.pointer(bits)),
-                *(np.int64(s if n > 1 else 0) for n, s in ((bm, sb), (hm, sh), (lqm, sq))),
-                np.int64(sk), np.int32(hm), np.int32(lqm), np.int32(lk), np.int32(words),
-                np.int64(total)))
+        interop.launch(kernel, mask, blocks, _BLOCK, MASK_BITS_PARAMS, (
+            interop.pointer(mask), interop.pointer(bits),
+            *(s if n > 1 else 0 for n, s in ((bm, sb), (hm, sh), (lqm, sq))), sk, hm, lqm, lk,
+            words, total))
     strides = (hm * lqm * words if bm > 1 else 0, lqm * words if hm > 1 else 0,
                words if lqm > 1 else 0)
     return bits, strides

@@ -10,7 +10,7 @@ import re
 from importlib import resources
 
 import pytest
-from softmaxkit_cupy import attention, rows, varlen
+from softmaxkit_cupy import attention, mask_bits, rows, varlen
 
 _C_CODES = {"long long": "q", "int": "i", "float": "f"}
 
@@ -38,6 +38,7 @@ def _source(name: str) -> str:
                  "sk_rows16_persist"), rows._ROW_PARAMS),
     ("rowgrads.cu", ("sk_vjp",), rows._VJP_PARAMS),
     ("rowgrads.cu", ("sk_xent",), rows._XENT_PARAMS),
+    ("mask_bits.cu", ("sk_mask_bits",), mask_bits.MASK_BITS_PARAMS),
     ("attention.cu", ("sk_attn_fwd",), attention.FORWARD_PARAMS),
     ("attention_sm90.cu", ("sk_attn_fwd_sm90",), attention.FORWARD_PARAMS),
     ("attention.cu", ("sk_attn_decode",), attention.DECODE_PARAMS),
