@@ -243,14 +243,18 @@ def _softmax_short(x, n, lo, hi, buf, out):
 def _softmax_rows(x, w, wstep, has_where, masked_nan, out, lo, hi, buf, bmax, bsum):
     n = x.shape[1]
     xs, os, ws = _flat(x), _flat(out), _flat(w)
+    first = like(x, np.nan)  # the next row's first block maximum, read with this row
     i = lo
     while i < hi:
         if not has_where and n <= BLOCK:
-            i = _softmax_short(xs, n, i, hi, buf, os)
-            if i == hi:
+            j = _softmax_short(xs, n, i, hi, buf, os)
+            if j == hi:
                 return
-        softmax_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where, masked_nan, buf, bmax,
-                    bsum, os, like(x, np.nan))
+            if j != i:  # the read-ahead, if any, was of row i
+                first = like(x, np.nan)
+            i = j
+        first = softmax_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where, masked_nan,
+                            buf, bmax, bsum, os, first)
         i += 1
 
 
@@ -334,14 +338,18 @@ def _log_softmax_short(x, n, lo, hi, out, unused):
 def _log_softmax_rows(x, w, wstep, has_where, masked_nan, out, lo, hi, bmax, bsum):
     n = x.shape[1]
     xs, os, ws = _flat(x), _flat(out), _flat(w)
+    first = like(x, np.nan)
     i = lo
     while i < hi:
         if not has_where and n <= BLOCK:
-            i = _log_softmax_short(xs, n, i, hi, os, bmax)
-            if i == hi:
+            j = _log_softmax_short(xs, n, i, hi, os, bmax)
+            if j == hi:
                 return
-        log_softmax_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where, masked_nan, bmax,
-                        bsum, os, like(x, np.nan))
+            if j != i:
+                first = like(x, np.nan)
+            i = j
+        first = log_softmax_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where,
+                                masked_nan, bmax, bsum, os, first)
         i += 1
 
 
@@ -409,14 +417,18 @@ def _logsumexp_short(x, n, lo, hi, w, lse, sign, unused):
 def _logsumexp_rows(x, w, wstep, has_where, lse, sign, lo, hi, bmax, bsum):
     n = x.shape[1]
     xs, ws = _flat(x), _flat(w)
+    first = like(x, np.nan)
     i = lo
     while i < hi:
         if not has_where and n <= BLOCK:
-            i = _logsumexp_short(xs, n, i, hi, ws, lse, sign, bmax)
-            if i == hi:
+            j = _logsumexp_short(xs, n, i, hi, ws, lse, sign, bmax)
+            if j == hi:
                 return
-        value, sg, _ = logsumexp_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where, bmax,
-                                     bsum, like(x, np.nan))
+            if j != i:
+                first = like(x, np.nan)
+            i = j
+        value, sg, first = logsumexp_row(xs, i * n, n, hi * n, ws, i * wstep * n, has_where,
+                                         bmax, bsum, first)
         put(lse, i, value)
         put(sign, i, sg)
         i += 1
