@@ -24,8 +24,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from softmaxkit.options import note_kernel
 
 from . import compiler, head_dims, interop
@@ -62,6 +60,9 @@ from .mask_bits import mask_bits
 
 def _rows_ready(xp: Any, a: Any) -> Any:
     """``a`` with unit stride along its last axis and 16-byte aligned rows (a copy if not)."""
+    if (interop.is_torch(a) and a.is_contiguous() and a.data_ptr() % 16 == 0
+            and (a.shape[-1] * a.element_size()) % 16 == 0):
+        return a  # the common case, decided without reading the strides
     strides = interop.element_strides(a)
     size = interop.itemsize(a)
     ok = strides[-1] == 1 and interop.pointer(a) % 16 == 0
@@ -286,17 +287,15 @@ def _attention(
     offset = 0 if causal == "top_left" else lk - lq
     left, right = (int(w) for w in window)
     qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
-    strides = (*(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),
-               *(np.int64(s) for s in vs[:3]), *(np.int64(s) for s in m_strides))
-    options = (np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
-               np.int32(offset), np.int32(causal is not None), np.int32(left), np.int32(right))
-    pointers = (np.uint64(interop.pointer(q)), np.uint64(interop.pointer(k)),
-                np.uint64(interop.pointer(v)), np.uint64(m_ptr))
+    # plain Python values: the launch packs them (numpy scalars cost more to make)
+    strides = (*qs[:3], *ks[:3], *vs[:3], *m_strides)
+    options = (scale, softcap if softcap is not None else 0.0, offset, causal is not None,
+               left, right)
+    pointers = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr)
     if uses_decode(hq, hk, lq, lk):
 
         def decode_args(parts: Any, part_lses: Any, chunk: Any) -> tuple[Any, ...]:
-            return (*pointers, parts, part_lses, *strides, np.int32(hq), np.int32(hk),
-                    np.int32(lq), np.int32(lk), chunk, *options)
+            return (*pointers, parts, part_lses, *strides, hq, hk, lq, lk, chunk, *options)
 
         decode = config if isinstance(config, DecodeConfig) else decode_config(d)
         out, lse = split_decode(q, decode, False, DECODE_PARAMS, (b, hq, hk, lq, d), lk,
@@ -313,8 +312,8 @@ def _attention(
         shared = config.shared_bytes()
         name = config.name(dtype)
         note_kernel(name)
-        args = (*pointers, np.uint64(interop.pointer(out)), np.uint64(interop.pointer(lse)),
-                *strides, np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), *options)
+        args = (*pointers, interop.pointer(out), interop.pointer(lse), *strides, hq, hk, lq,
+                lk, *options)
         interop.launch(_kernel(name), q, (-(-lq // config.block_m), hq, b),
                        config.threads, FORWARD_PARAMS, args, shared)
     return out, (lse if return_lse else None)
@@ -484,33 +483,23 @@ def _attention_vjp(
     left, right = (int(w) for w in window)
     qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))
     ptr = interop.pointer
-    launch_backward_pre(_kernel(backward_pre_name(dtype, d)), q, rows, d,
-                        BACKWARD_PRE_PARAMS, (
-        np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
-        np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
-        *(np.int64(s) for s in os_[:3]), *(np.int64(s) for s in gs[:3]),
-        np.int32(hq), np.int32(lq), np.int32(lq_pad), np.int64(rows)))
+    launch_backward_pre(_kernel(backward_pre_name(dtype, d)), q, rows, d, BACKWARD_PRE_PARAMS,
+                        (ptr(out), ptr(dout), ptr(lse), ptr(lse2), ptr(delta), *os_[:3],
+                         *gs[:3], hq, lq, lq_pad, rows))
     if dlse is not None:  # D = rowsum(dout * out) - dlse, on the rows before the padding
         rowwise = xp.reshape(delta, (b * hq, lq_pad))
         rowwise[:, :lq] -= xp.reshape(dlse, (b * hq, lq))
     shared = config.shared_bytes()
     name = config.name(dtype)
     note_kernel(name)
-    strides = (*(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),
-               *(np.int64(s) for s in vs[:3]), *(np.int64(s) for s in gs[:3]),
-               *(np.int64(s) for s in m_strides))
-    interop.launch(_kernel(name), q, (-(-lk // config.block_n), hk, b),
-                   config.threads, BACKWARD_PARAMS, (
-        np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(dout)),
-        np.uint64(m_ptr), np.uint64(ptr(lse2)), np.uint64(ptr(delta)),
-        np.uint64(ptr(dq_acc)), np.uint64(ptr(dk)), np.uint64(ptr(dv)), *strides,
-        np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), np.int32(lq_pad),
-        np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
-        np.int32(offset), np.int32(causal is not None), np.int32(left), np.int32(right),
-    ), shared)
+    interop.launch(_kernel(name), q, (-(-lk // config.block_n), hk, b), config.threads,
+                   BACKWARD_PARAMS, (
+                       ptr(q), ptr(k), ptr(v), ptr(dout), m_ptr, ptr(lse2), ptr(delta),
+                       ptr(dq_acc), ptr(dk), ptr(dv), *qs[:3], *ks[:3], *vs[:3], *gs[:3],
+                       *m_strides, hq, hk, lq, lk, lq_pad, scale,
+                       softcap if softcap is not None else 0.0, offset, causal is not None,
+                       left, right), shared)
     chunks = b * hq * lq * d // 8
     interop.launch(_kernel(backward_dq_name(dtype, d)), q, -(-chunks // 256), 256,
-                   BACKWARD_DQ_PARAMS, (
-                       np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.float32(scale),
-                       np.int32(lq), np.int32(lq_pad), np.int64(chunks)))
+                   BACKWARD_DQ_PARAMS, (ptr(dq_acc), ptr(dq), scale, lq, lq_pad, chunks))
     return dq, dk, dv

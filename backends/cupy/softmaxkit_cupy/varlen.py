@@ -78,15 +78,14 @@ def _options(scale: float, causal: Any, window: tuple[int, int],
              softcap: Any) -> tuple[Any, ...]:
     """(scale, softcap, bottom_right, causal, left, right) as the kernels take them."""
     left, right = (int(w) for w in window)
-    return (np.float32(scale), np.float32(softcap if softcap is not None else 0.0),
-            np.int32(causal != "top_left"), np.int32(causal is not None), np.int32(left),
-            np.int32(right))
+    return (scale, softcap if softcap is not None else 0.0, causal != "top_left",
+            causal is not None, left, right)
 
 
-def _token_strides(a: Any) -> tuple[np.int64, np.int64]:
+def _token_strides(a: Any) -> tuple[int, int]:
     """(token stride, head stride) in elements of a packed [T, H, D] array."""
     s = interop.element_strides(a)
-    return np.int64(s[0]), np.int64(s[1])
+    return s[0], s[1]
 
 
 def varlen_attention(
@@ -149,10 +148,8 @@ def _varlen_attention(
     interop.launch(_kernel(config.varlen_name(dtype)), q,
                    (-(-longest // config.block_m), hq, batches), config.threads,
                    VARLEN_PARAMS, (
-                       np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)),
-                       np.uint64(ptr(cu_q)), np.uint64(ptr(cu_k)), np.uint64(ptr(out)),
-                       np.uint64(ptr(lse)), *_token_strides(q), *_token_strides(k),
-                       *_token_strides(v), np.int32(hq), np.int32(hk),
+                       ptr(q), ptr(k), ptr(v), ptr(cu_q), ptr(cu_k), ptr(out), ptr(lse),
+                       *_token_strides(q), *_token_strides(k), *_token_strides(v), hq, hk,
                        *_options(scale, causal, window, softcap)), shared)
     return out, (lse if return_lse else None)
 
@@ -243,10 +240,9 @@ def _varlen_attention_vjp(
     ptr = interop.pointer
     launch_backward_pre(_kernel(backward_pre_varlen_name(dtype, d)), q, rows, d,
                         VARLEN_PRE_PARAMS, (
-        np.uint64(ptr(out)), np.uint64(ptr(dout)), np.uint64(ptr(lse)),
-        np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(cu_q)),
-        np.uint64(ptr(cu_pad)), *_token_strides(out), *_token_strides(dout),
-        np.int32(hq), np.int32(batches), np.int32(tpad), np.int64(rows)))
+                            ptr(out), ptr(dout), ptr(lse), ptr(lse2), ptr(delta), ptr(cu_q),
+                            ptr(cu_pad), *_token_strides(out), *_token_strides(dout), hq,
+                            batches, tpad, rows))
     if dlse is not None:  # D = rowsum(dout * out) - dlse, on each token's padded row
         index = interop.from_host(cu_q, padded_rows(host_q, cu_pad_host))
         rowwise = xp.reshape(delta, (hq, tpad))
@@ -255,17 +251,13 @@ def _varlen_attention_vjp(
     interop.launch(_kernel(config.varlen_name(dtype)), q,
                    (-(-longest_k // config.block_n), hk, batches), config.threads,
                    VARLEN_BACKWARD_PARAMS, (
-        np.uint64(ptr(q)), np.uint64(ptr(k)), np.uint64(ptr(v)), np.uint64(ptr(dout)),
-        np.uint64(ptr(cu_q)), np.uint64(ptr(cu_k)), np.uint64(ptr(cu_pad)),
-        np.uint64(ptr(lse2)), np.uint64(ptr(delta)), np.uint64(ptr(dq_acc)),
-        np.uint64(ptr(dk)), np.uint64(ptr(dv)), *_token_strides(q), *_token_strides(k),
-        *_token_strides(v), *_token_strides(dout), np.int32(hq), np.int32(hk),
-        np.int32(tpad), *_options(scale, causal, window, softcap),
-    ), shared)
+                       ptr(q), ptr(k), ptr(v), ptr(dout), ptr(cu_q), ptr(cu_k), ptr(cu_pad),
+                       ptr(lse2), ptr(delta), ptr(dq_acc), ptr(dk), ptr(dv),
+                       *_token_strides(q), *_token_strides(k), *_token_strides(v),
+                       *_token_strides(dout), hq, hk, tpad,
+                       *_options(scale, causal, window, softcap)), shared)
     chunks = tq * hq * d // 8
     interop.launch(_kernel(backward_dq_varlen_name(dtype, d)), q, -(-chunks // 256),
-                   256, VARLEN_DQ_PARAMS, (
-                       np.uint64(ptr(dq_acc)), np.uint64(ptr(dq)), np.uint64(ptr(cu_q)),
-                       np.uint64(ptr(cu_pad)), np.float32(scale), np.int32(hq),
-                       np.int32(batches), np.int32(tpad), np.int64(chunks)))
+                   256, VARLEN_DQ_PARAMS, (ptr(dq_acc), ptr(dq), ptr(cu_q), ptr(cu_pad),
+                                           scale, hq, batches, tpad, chunks))
     return dq, dk, dv

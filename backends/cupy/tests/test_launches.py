@@ -133,3 +133,20 @@ def test_a_launch_raises_its_kernels_shared_memory_limit_once_per_device_and_siz
     finally:
         for device in (0, 1):
             launches._functions.pop((id(kernel), device), None)
+
+
+def test_rows_ready_keeps_aligned_rows_and_copies_the_others():
+    """The adapters' operands: a contiguous tensor with 16-byte rows is used as it is; a
+    transposed one and a view starting off a 16-byte boundary are copied into 16-byte aligned
+    rows with unit stride, holding the same values."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+
+    base = torch.arange(2 * 3 * 40 * 64, dtype=torch.float32).reshape(2, 3, 40, 64)
+    a = base.to(torch.bfloat16)
+    assert attention._rows_ready(xp, a) is a
+    for view in (a.transpose(2, 3), a[..., 1:57]):
+        got = attention._rows_ready(xp, view)
+        assert got is not view and torch.equal(got, view)
+        assert got.stride(-1) == 1 and got.data_ptr() % 16 == 0
+        assert all((s * got.element_size()) % 16 == 0 for s in got.stride()[:-1])
