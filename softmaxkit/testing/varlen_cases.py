@@ -90,6 +90,25 @@ def packed_reference(
     return out, lse
 
 
+def packed_vjp_reference(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray, cu_q: np.ndarray,
+    cu_k: np.ndarray, dlse: np.ndarray | None = None, **kw: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dq, dk, dv) in float64: the definition's gradients on each sequence, packed (the keys
+    of a sequence without queries get zeros); ``dlse`` [Tq, Hq] the lse's cotangent, NaN
+    read as 0."""
+    expected = [np.zeros(a.shape) for a in (q, k, v)]
+    for q0, q1, k0, k1 in _spans(cu_q, cu_k):
+        grads = ref.attention_vjp(_heads_first(q[q0:q1]), _heads_first(k[k0:k1]),
+                                  _heads_first(v[k0:k1]), _heads_first(dout[q0:q1]),
+                                  dlse=None if dlse is None else np.nan_to_num(dlse[q0:q1]).T,
+                                  **kw)
+        for e, g, (lo, hi) in zip(expected, grads, ((q0, q1), (k0, k1), (k0, k1)),
+                                  strict=True):
+            e[lo:hi] = _heads_first(g)
+    return expected[0], expected[1], expected[2]
+
+
 def _dense_on_target(
     t: Target, dtype: str, q: Any, k: Any, v: Any, cu_q: np.ndarray, cu_k: np.ndarray,
     **kw: Any,
@@ -251,15 +270,7 @@ def _vjp(t: Target, dtype: str, backend: str, seed: int, heads: tuple[int, int],
     got = sk.varlen_attention_vjp(q, k, v, t.asarray(out64, dtype),
                                   t.asarray(lse64 / per_base, acc), dout, mq, mk,
                                   lse_base=base, backend=backend, **kw)
-    expected = [np.zeros_like(a) for a in (q64, k64, v64)]
-    for q0, q1, k0, k1 in _spans(cu_q, cu_k):
-        grads = ref.attention_vjp(_heads_first(q64[q0:q1]), _heads_first(k64[k0:k1]),
-                                  _heads_first(v64[k0:k1]), _heads_first(dout64[q0:q1]),
-                                  dlse=None if dlse64 is None else np.nan_to_num(dlse64[q0:q1]).T,
-                                  **rkw)
-        for e, g, (lo, hi) in zip(expected, grads, ((q0, q1), (k0, k1), (k0, k1)),
-                                  strict=True):
-            e[lo:hi] = _heads_first(g)
+    expected = packed_vjp_reference(q64, k64, v64, dout64, cu_q, cu_k, dlse64, **rkw)
     what = f"varlen_attention_vjp {name}"
     check_grads(t, dtype, got, tuple(expected), what)
     dq, dk, dvv = (t.to_numpy(g) for g in got)

@@ -128,9 +128,12 @@ one without keys."""
 def test_varlen_forward_and_backward(t, d, dv, kw) -> None:
     import softmaxkit as sk
     from softmaxkit.dtypes import accumulator_name
-    from softmaxkit.testing import materialized as ref
     from softmaxkit.testing.attention_cases import check_forward, check_grads
-    from softmaxkit.testing.varlen_cases import packed_arrays, packed_reference
+    from softmaxkit.testing.varlen_cases import (
+        packed_arrays,
+        packed_reference,
+        packed_vjp_reference,
+    )
 
     hq, hk = 4, 2
     arrays = packed_arrays(d + dv, *LENGTHS, hq, hk, d, dv)
@@ -152,14 +155,8 @@ def test_varlen_forward_and_backward(t, d, dv, kw) -> None:
     out, lse = t.asarray(expected[0], DTYPE), t.asarray(expected[1], accumulator_name(DTYPE))
     _poison_like(q.shape[0] * hq, d, dv)
     grads = sk.varlen_attention_vjp(q, k, v, out, lse, dout, mq, mk, backend="cupy", **kw)
-    want = [np.zeros_like(a) for a in (q64, k64, v64)]
-    for b in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        per = ref.attention_vjp(*(np.swapaxes(a, 0, 1) for a in (
-            q64[q0:q1], k64[k0:k1], v64[k0:k1], dout64[q0:q1])), **rkw)
-        for w, g, (lo, hi) in zip(want, per, ((q0, q1), (k0, k1), (k0, k1)), strict=True):
-            w[lo:hi] = np.swapaxes(g, 0, 1)
-    check_grads(t, DTYPE, grads, tuple(want), f"{what} backward")
+    want = packed_vjp_reference(q64, k64, v64, dout64, cu_q, cu_k, **rkw)
+    check_grads(t, DTYPE, grads, want, f"{what} backward")
     k0, k1 = int(cu_k[1]), int(cu_k[2])  # the keys of the sequence without queries
     assert np.all(t.to_numpy(grads[1])[k0:k1] == 0) and np.all(t.to_numpy(grads[2])[k0:k1] == 0)
 

@@ -197,8 +197,11 @@ def test_hopper_varlen_backward_matches_float64(dtype, d, lens_q, lens_k, kw) ->
     from softmaxkit_cupy.configs import SM90_VARLEN_BACKWARD_ALTERNATIVES
     from softmaxkit_cupy.varlen import varlen_attention_vjp
 
-    from softmaxkit.testing import materialized as ref
-    from softmaxkit.testing.varlen_cases import packed_arrays, packed_reference
+    from softmaxkit.testing.varlen_cases import (
+        packed_arrays,
+        packed_reference,
+        packed_vjp_reference,
+    )
 
     hq, hk = 4, 2
     q, k, v, cu_q, cu_k = packed_arrays(d + 1, lens_q, lens_k, hq, hk, d, d)
@@ -220,13 +223,7 @@ def test_hopper_varlen_backward_matches_float64(dtype, d, lens_q, lens_k, kw) ->
                                  causal=kw.get("causal"), window=rkw["window"],
                                  softcap=rkw["softcap"], config=config)
     torch.cuda.synchronize()
-    want = [np.zeros_like(a) for a in (q64, k64, v64)]
-    for b in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        per = ref.attention_vjp(*(np.swapaxes(a, 0, 1) for a in (
-            q64[q0:q1], k64[k0:k1], v64[k0:k1], dout64[q0:q1])), **rkw)
-        for w, g, (lo, hi) in zip(want, per, ((q0, q1), (k0, k1), (k0, k1)), strict=True):
-            w[lo:hi] = np.swapaxes(g, 0, 1)
+    want = packed_vjp_reference(q64, k64, v64, dout64, cu_q, cu_k, **rkw)
     _check(grads, [torch.as_tensor(w, device="cuda") for w in want], dtype)
     k0, k1 = int(cu_k[1]), int(cu_k[2])  # the keys of the sequence without queries
     assert not grads[1][k0:k1].any() and not grads[2][k0:k1].any()
