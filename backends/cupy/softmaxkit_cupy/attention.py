@@ -11,24 +11,29 @@ both at most 256) runs on zero-padded copies of its arrays and its results are s
 
 On a device of compute capability 9.0 the forward of a call at a head dimension
 kernels/attention_sm90.cu is built for (warpgroup matrix products, sm_90a) runs there, and the
-backward's main kernel likewise on kernels/attention_bwd_sm90.cu; every other call, and every
-call on another device, runs on kernels/attention.cu and kernels/attention_bwd.cu.  The kernel
-that ran is named in ``backend_opts(trace=True)``'s record (``TraceRecord.kernel``; for the
-backward, its main kernel).
+backward's main kernel likewise on kernels/attention_bwd_sm90.cu; calls at the head dims the
+mma.sync kernels serve slower run there zero-padded (:func:`hopper_width`).  Every other call,
+and every call on another device, runs on kernels/attention.cu and kernels/attention_bwd.cu.
+The kernel that ran is named in ``backend_opts(trace=True)``'s record (``TraceRecord.kernel``;
+for the backward, its main kernel).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from softmaxkit.options import note_kernel
 
 from . import compiler, head_dims, interop
 from .configs import (
+    SM90_BACKWARD_CONFIGS,
+    SM90_BACKWARD_MASKED_CONFIGS,
     SM90_CAPABILITY,
+    SM90_CONFIGS,
+    SM90_MASKED_CONFIGS,
     AttentionConfig,
     BackwardConfig,
     DecodeConfig,
@@ -52,6 +57,8 @@ from .configs import (
     sm90_backward_names,
     sm90_config,
     sm90_names,
+    sm90_varlen_backward_names,
+    sm90_varlen_names,
     varlen_backward_names,
     varlen_names,
 )
@@ -82,10 +89,14 @@ def _kernel(name: str) -> Any:
     first use (found once: the name lists are long, and a call would otherwise rebuild
     them).  Its launches (:func:`.interop.launch`) raise its shared-memory limit as they
     need, on the device they run on."""
-    if name.startswith("sk_attn_fwd_sm90_varlen<"):  # on request: built alone
-        filename, names = "attention_sm90.cu", (name,)
+    if name.startswith("sk_attn_fwd_sm90_varlen<"):  # the packed Hopper kernels: their own
+        filename, names = "attention_sm90.cu", sm90_varlen_names()
+        if name not in names:
+            names = (name,)
     elif name.startswith("sk_attn_bwd_sm90_varlen<"):
-        filename, names = "attention_bwd_sm90.cu", (name,)
+        filename, names = "attention_bwd_sm90.cu", sm90_varlen_backward_names()
+        if name not in names:
+            names = (name,)
     elif "_varlen<" in name:  # the packed variable-length kernels: modules of their own
         if name.startswith("sk_attn_fwd"):
             filename, names = "attention.cu", varlen_names()
@@ -253,18 +264,27 @@ def attention(
 
 
 def _forward_width(q: Any, k: Any, dv: int, masked: bool) -> int | None:
-    """The head dimension the forward runs a call at, or None for the call's own.
-
-    On a device of compute capability 9.0 a call runs on the Hopper forward at
-    :func:`.head_dims.sm90_width` where that gives one (the head dims it is built for, and
-    those the mma.sync kernels serve slower than its zero-padded next one).
-    Split-KV decoding and other devices keep :func:`head_dims.pad_width`'s choice."""
-    d = int(q.shape[3])
-    width = head_dims.pad_width(d, dv)
+    """The head dimension the forward runs a call at, or None for the call's own: on a device
+    of compute capability 9.0, :func:`hopper_width` of the Hopper forward's head dims;
+    split-KV decoding keeps :func:`.head_dims.pad_width`'s choice."""
     hq, lq, hk, lk = int(q.shape[1]), int(q.shape[2]), int(k.shape[1]), int(k.shape[2])
-    if uses_decode(hq, hk, lq, lk) or _capability_of(interop.device_index(q)) != SM90_CAPABILITY:
+    if uses_decode(hq, hk, lq, lk):
+        return head_dims.pad_width(int(q.shape[3]), dv)
+    return hopper_width(q, int(q.shape[3]), dv,
+                        SM90_MASKED_CONFIGS if masked else SM90_CONFIGS)
+
+
+def hopper_width(q: Any, d: int, dv: int, built: Collection[int],
+                 padded_from: Collection[int] = head_dims.SM90_PADDED_FROM) -> int | None:
+    """The head dimension a call of key dim ``d`` and value dim ``dv`` on ``q``'s device runs
+    at, or None for its own: on a device of compute capability 9.0,
+    :func:`.head_dims.sm90_width` for a Hopper kernel built for ``built`` where that gives one
+    (the head dims it is built for, and ``padded_from``, those the mma.sync kernels serve
+    slower than its zero-padded next one); elsewhere :func:`.head_dims.pad_width`'s."""
+    width = head_dims.pad_width(d, dv)
+    if _capability_of(interop.device_index(q)) != SM90_CAPABILITY:
         return width
-    hopper = head_dims.sm90_width(d, dv, masked)
+    hopper = head_dims.sm90_width(d, dv, built, padded_from)
     if hopper is None:
         return width
     return None if hopper == d == dv else hopper
@@ -429,7 +449,8 @@ def attention_vjp(
     kernel, parallel over key tiles, which writes dk and dv and adds dq's partial products
     into a float32 buffer; and dq's conversion to the input dtype.  The main kernel is the
     Hopper one (:func:`backward_config_for`) on a device of compute capability 9.0 at a head
-    dimension it is built for, the mma.sync one otherwise.  ``config`` overrides the tile
+    dimension it is built for (or zero-padded to one, :func:`hopper_width`), the mma.sync one
+    otherwise.  ``config`` overrides the tile
     configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks).  Head dimensions
     the kernels are not built for run as in :func:`attention`, on copies of q, k, v, out and
     dout zero-padded to the next built one; dq and dk are the first D columns of the padded
@@ -448,9 +469,12 @@ def attention_vjp(
                     xp, q=q, k=k, v=vb, out=ob, lse=lse, dout=db, scale=scale, causal=causal,
                     window=window, mask=mask, softcap=softcap,
                     dlse=dlse if first else None, config=config), v, out, dout)
+    width = head_dims.pad_width(d, dv) if config is not None else hopper_width(
+        q, d, dv, SM90_BACKWARD_MASKED_CONFIGS if mask is not None else SM90_BACKWARD_CONFIGS,
+        head_dims.SM90_BACKWARD_PADDED_FROM)
     with interop.on_device(q):
         return head_dims.gradients_padded(
-            xp, head_dims.pad_width(d, dv), lambda q, k, v, out, dout: _attention_vjp(
+            xp, width, lambda q, k, v, out, dout: _attention_vjp(
                 xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale, causal=causal,
                 window=window, mask=mask, softcap=softcap, dlse=dlse, config=config),
             q, k, v, out, dout)

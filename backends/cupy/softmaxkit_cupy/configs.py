@@ -370,13 +370,6 @@ SM90_MASKED_CONFIGS = {
 so masked calls there keep the mma.sync kernel."""
 
 
-SM90_VARLEN_ALTERNATIVES = tuple(SM90_CONFIGS.values())
-"""The packed variable-length forward on the Hopper kernel (kernels/attention_sm90.cu, the
-dense tiles at each head dimension), built on request (``config=``) only: it is compiled and
-checked for registers in CI, and becomes the default on Hopper once a device run has checked
-it against float64 and timed it (``tests/test_sm90_gpu.py``)."""
-
-
 def sm90_config(head_dim: int, masked: bool) -> Sm90Config | None:
     """The Hopper forward configuration for ``head_dim``, for a call with a boolean mask or
     without one, or None where none is built."""
@@ -384,9 +377,15 @@ def sm90_config(head_dim: int, masked: bool) -> Sm90Config | None:
 
 
 def sm90_names() -> tuple[str, ...]:
-    """The name expressions of kernels/attention_sm90.cu (one module holds them all)."""
+    """The name expressions of the dense kernels of kernels/attention_sm90.cu (one module)."""
     declared = (*SM90_CONFIGS.values(), *SM90_MASKED_CONFIGS.values())
     return tuple(c.name(t) for c in declared for t in ATTENTION_DTYPES)
+
+
+def sm90_varlen_names() -> tuple[str, ...]:
+    """The name expressions of the packed variable-length Hopper forward, on the dense
+    tiles of :data:`SM90_CONFIGS` (a module of kernels/attention_sm90.cu of their own)."""
+    return tuple(c.varlen_name(t) for c in SM90_CONFIGS.values() for t in ATTENTION_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -433,26 +432,17 @@ class Sm90BackwardConfig:
         return f"sk_attn_bwd_sm90_varlen<{CTYPES[dtype]}, {self.head_dim}, {self.warpgroups}>"
 
 
-SM90_BACKWARD_CONFIGS = {d: Sm90BackwardConfig(d) for d in (64, 128)}
+SM90_BACKWARD_CONFIGS = {d: Sm90BackwardConfig(d) for d in (64, 128, 256)}
 """The Hopper backward for each head dimension it is built for, without a boolean mask: two
-warpgroups (128 keys a block), whose dK and dV accumulators (D floats a thread) leave no room
-for a wider head dimension."""
+warpgroups, each with 64 keys of a 128-key block at 64 and 128, and at 256 (where a thread's
+dK and dV accumulators would take D floats each) with half the columns of one 64-key block."""
 
-SM90_BACKWARD_MASKED_CONFIGS = {d: Sm90BackwardConfig(d, mask=True) for d in (64, 128)}
+SM90_BACKWARD_MASKED_CONFIGS = {d: Sm90BackwardConfig(d, mask=True) for d in (64, 128, 256)}
 """The Hopper backward for calls with a boolean mask."""
 
-
-SM90_BACKWARD_ALTERNATIVES = (Sm90BackwardConfig(256), Sm90BackwardConfig(256, mask=True))
-"""The Hopper backward at head dimension 256 (the warpgroups split the columns), built on
-request (``config=``) only: it is compiled and checked for registers in CI, and becomes the
-default once a device run has checked it against float64 and timed it against the mma.sync
-kernel (``tests/test_sm90_bwd_gpu.py``)."""
-
-
-SM90_VARLEN_BACKWARD_ALTERNATIVES = tuple(SM90_BACKWARD_CONFIGS.values())
-"""The packed variable-length backward on the Hopper kernel at the head dimensions its dense
-kernel is the default for (at 256 the packed variant spills registers), built on request
-(``config=``) only, as :data:`SM90_VARLEN_ALTERNATIVES`."""
+SM90_VARLEN_BACKWARD_CONFIGS = {d: SM90_BACKWARD_CONFIGS[d] for d in (64, 128)}
+"""The packed variable-length backward on the Hopper kernel, on the dense tiles; at 256 the
+packed variant spills registers, so packed calls there keep the mma.sync kernel."""
 
 
 def sm90_backward_config(head_dim: int, masked: bool) -> Sm90BackwardConfig | None:
@@ -462,9 +452,18 @@ def sm90_backward_config(head_dim: int, masked: bool) -> Sm90BackwardConfig | No
 
 
 def sm90_backward_names() -> tuple[str, ...]:
-    """The name expressions of kernels/attention_bwd_sm90.cu (one module holds them all)."""
+    """The name expressions of the dense kernels of kernels/attention_bwd_sm90.cu (one
+    module)."""
     declared = (*SM90_BACKWARD_CONFIGS.values(), *SM90_BACKWARD_MASKED_CONFIGS.values())
     return tuple(c.name(t) for c in declared for t in ATTENTION_DTYPES)
+
+
+def sm90_varlen_backward_names() -> tuple[str, ...]:
+    """The name expressions of the packed variable-length Hopper backward (a module of
+    kernels/attention_bwd_sm90.cu of their own; its first and last kernels are the mma.sync
+    backward's, :func:`varlen_backward_names`)."""
+    return tuple(c.varlen_name(t) for c in SM90_VARLEN_BACKWARD_CONFIGS.values()
+                 for t in ATTENTION_DTYPES)
 
 
 DECODE_ROWS = 16
@@ -751,4 +750,6 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("mask_bits.cu", [MASK_BITS_NAME]))
     modules.append(("attention_sm90.cu", list(sm90_names())))
     modules.append(("attention_bwd_sm90.cu", list(sm90_backward_names())))
+    modules.append(("attention_sm90.cu", list(sm90_varlen_names())))
+    modules.append(("attention_bwd_sm90.cu", list(sm90_varlen_backward_names())))
     return modules

@@ -27,11 +27,12 @@ their rows are 16-byte aligned, as the kernels need.  This module imports no CuP
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import array_api_compat
 
-from .configs import ATTENTION_HEAD_DIMS, SM90_CONFIGS, SM90_MASKED_CONFIGS
+from .configs import ATTENTION_HEAD_DIMS
 
 LARGEST = max(ATTENTION_HEAD_DIMS)
 """The largest head dimension served (D and Dv alike)."""
@@ -63,20 +64,25 @@ SM90_PADDED_FROM = frozenset({96, 160, 192})
 zero-padded to its next head dim (96 at 128, 160 and 192 at 256); at 32 and 80 the mma.sync
 kernels stay faster (docs/benchmarks-attention.md, the H200 grid)."""
 
+SM90_BACKWARD_PADDED_FROM = frozenset({32, 96, 160, 192})
+"""The same for the Hopper backward (32 at 64, 96 at 128, 160 and 192 at 256): the mma.sync
+backward runs at 0.4-0.8x flash's there, the Hopper one at its next head dim about 1.7x
+faster than mma.sync (docs/benchmarks-attention.md)."""
 
-def sm90_width(d: int, dv: int, masked: bool) -> int | None:
-    """The head dimension the Hopper forward runs a call of key dim ``d`` and value dim ``dv``
-    at (zero-padded), or None where the mma.sync kernels serve it better.
 
-    The call runs at :func:`served_head_dim` when the Hopper kernel is built for that head dim
-    (with a boolean mask or without one), from :data:`SM90_PADDED_FROM` at the Hopper
-    kernel's next head dim, else not on the Hopper kernel (None).
+def sm90_width(d: int, dv: int, built: Collection[int],
+               padded_from: Collection[int] = SM90_PADDED_FROM) -> int | None:
+    """The head dimension a Hopper kernel built for the head dims ``built`` runs a call of
+    key dim ``d`` and value dim ``dv`` at (zero-padded), or None where the mma.sync kernels
+    serve it better.
+
+    The call runs at :func:`served_head_dim` when that is built, from ``padded_from`` at the
+    next built head dim, else not on the Hopper kernel (None).
     """
     served = served_head_dim(d, dv)
-    built = SM90_MASKED_CONFIGS if masked else SM90_CONFIGS
     if served in built:
         return served
-    if served in SM90_PADDED_FROM:
+    if served in padded_from:
         return next((p for p in sorted(built) if p >= max(d, dv)), None)
     return None
 

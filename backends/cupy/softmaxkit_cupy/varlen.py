@@ -1,6 +1,7 @@
 """Adapter from packed variable-length attention (softmaxkit/ops.py, ``varlen_attention`` and
 ``varlen_attention_vjp``) to the packed variants of ``kernels/attention.cu`` and
-``kernels/attention_bwd.cu``.
+``kernels/attention_bwd.cu``, and on a device of compute capability 9.0 of the Hopper kernels
+``kernels/attention_sm90.cu`` and ``kernels/attention_bwd_sm90.cu``.
 
 The frontend hands q [Tq, Hq, D], k [Tk, Hk, D], v [Tk, Hk, Dv] of one 16-bit dtype and the
 validated cumulative lengths as int64 [B + 1] arrays on their device;
@@ -27,9 +28,21 @@ from typing import Any
 
 import numpy as np
 
+from softmaxkit.options import note_kernel
+
 from . import head_dims, interop
-from .attention import _kernel, _rows_ready, backward_buffers, launch_backward_pre
+from .attention import (
+    _capability_of,
+    _kernel,
+    _rows_ready,
+    backward_buffers,
+    hopper_width,
+    launch_backward_pre,
+)
 from .configs import (
+    SM90_CAPABILITY,
+    SM90_CONFIGS,
+    SM90_VARLEN_BACKWARD_CONFIGS,
     AttentionConfig,
     BackwardConfig,
     Sm90BackwardConfig,
@@ -96,11 +109,13 @@ def varlen_attention(
     """Packed variable-length attention forward on tensor cores; (out, lse or None).
 
     One launch over (query tiles of the longest sequence, Hq, B); the blocks past a shorter
-    sequence's last tile return at once.  ``config`` overrides the tile configuration (for
-    benchmarks; a :class:`.configs.Sm90Config` runs the Hopper kernel, on request until it
-    is the default).  Head dimensions the kernels are not built for run on copies of q, k, v
-    zero-padded to the next built one, the output sliced back to Dv; a value dimension above
-    256 runs in blocks of columns, a call each (:mod:`.head_dims`).
+    sequence's last tile return at once.  On a device of compute capability 9.0 the kernel is
+    the Hopper one (:data:`.configs.SM90_CONFIGS`' tiles) at the head dims it is built for or
+    zero-padded to them (:func:`.attention.hopper_width`), the mma.sync one otherwise;
+    ``config`` overrides the tile configuration (for benchmarks).  Head dimensions the kernels
+    are not built for run on copies of q, k, v zero-padded to the next built one, the output
+    sliced back to Dv; a value dimension above 256 runs in blocks of columns, a call each
+    (:mod:`.head_dims`).
     """
     tq, hq, d = (int(s) for s in q.shape)
     tk, dv = int(k.shape[0]), int(v.shape[2])
@@ -118,8 +133,10 @@ def varlen_attention(
                 xp, q=q, k=k, v=vb, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 scale=scale, causal=causal, window=window, softcap=softcap,
                 return_lse=return_lse, config=config), v)
+    width = (head_dims.pad_width(d, dv) if config is not None
+             else hopper_width(q, d, dv, SM90_CONFIGS))
     with interop.on_device(q):
-        return head_dims.forward_padded(xp, head_dims.pad_width(d, dv), lambda q, k, v: (
+        return head_dims.forward_padded(xp, width, lambda q, k, v: (
             _varlen_attention(xp, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                               cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal,
                               window=window, softcap=softcap, return_lse=return_lse,
@@ -140,12 +157,15 @@ def _varlen_attention(
     batches = host_q.shape[0] - 1
     longest = int(np.max(np.diff(host_q)))
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
-    config = config or varlen_config(d)
+    hopper = _capability_of(interop.device_index(q)) == SM90_CAPABILITY
+    config = config or (SM90_CONFIGS[d] if hopper and d in SM90_CONFIGS else varlen_config(d))
     out = interop.empty(q, (tq, hq, d), dtype)
     lse = interop.empty(q, (tq, hq), "float32")
     ptr = interop.pointer
     shared = config.shared_bytes()
-    interop.launch(_kernel(config.varlen_name(dtype)), q,
+    name = config.varlen_name(dtype)
+    note_kernel(name)
+    interop.launch(_kernel(name), q,
                    (-(-longest // config.block_m), hq, batches), config.threads,
                    VARLEN_PARAMS, (
                        ptr(q), ptr(k), ptr(v), ptr(cu_q), ptr(cu_k), ptr(out), ptr(lse),
@@ -181,13 +201,14 @@ def varlen_attention_vjp(
     (module docstring; delta less the lse's cotangent ``dlse`` where given, one indexed
     subtraction); the main kernel over (key tiles of the longest sequence, Hk, B), which
     writes dk and dv (zero for the keys of a sequence without queries) and adds dq's partial
-    products into the float32 sums; and dq's conversion back to the packed layout.
-    ``config`` overrides the tile configuration (for benchmarks; a
-    :class:`.configs.Sm90BackwardConfig` runs the Hopper kernel, on request until it is the
-    default).  Head dimensions the kernels are not built for run on copies of q, k, v, out
-    and dout zero-padded to the next built
-    one; dq and dk are sliced back to D, dv to Dv; a value dimension above 256 runs in
-    blocks of columns, dq and dk summed over them (:mod:`.head_dims`).
+    products into the float32 sums; and dq's conversion back to the packed layout.  The main
+    kernel is the Hopper one on a device of compute capability 9.0 at the head dims
+    :data:`.configs.SM90_VARLEN_BACKWARD_CONFIGS` holds (or zero-padded to them,
+    :func:`.attention.hopper_width`), the mma.sync one otherwise; ``config`` overrides its
+    tile configuration (for benchmarks).  Head dimensions the kernels are not built for run
+    on copies of q, k, v, out and dout zero-padded to the next built one; dq and dk are
+    sliced back to D, dv to Dv; a value dimension above 256 runs in blocks of columns, dq and
+    dk summed over them (:mod:`.head_dims`).
     """
     tq, hq, d = (int(s) for s in q.shape)
     tk, hk, dv = (int(s) for s in v.shape)
@@ -204,9 +225,11 @@ def varlen_attention_vjp(
                     cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal, window=window,
                     softcap=softcap, dlse=dlse if first else None, config=config),
                 v, out, dout)
+    width = head_dims.pad_width(d, dv) if config is not None else hopper_width(
+        q, d, dv, SM90_VARLEN_BACKWARD_CONFIGS, head_dims.SM90_BACKWARD_PADDED_FROM)
     with interop.on_device(q):
         return head_dims.gradients_padded(
-            xp, head_dims.pad_width(d, dv), lambda q, k, v, out, dout: _varlen_attention_vjp(
+            xp, width, lambda q, k, v, out, dout: _varlen_attention_vjp(
                 xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal, window=window,
                 softcap=softcap, dlse=dlse, config=config), q, k, v, out, dout)
@@ -224,7 +247,9 @@ def _varlen_attention_vjp(
     cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
     host_q, host_k = _on_host(xp, cu_q, cu_k)
     batches = host_q.shape[0] - 1
-    config = config or backward_config(d)
+    hopper = _capability_of(interop.device_index(q)) == SM90_CAPABILITY
+    config = config or (SM90_VARLEN_BACKWARD_CONFIGS[d]
+                        if hopper and d in SM90_VARLEN_BACKWARD_CONFIGS else backward_config(d))
     cu_pad_host = padded_offsets(host_q, config.block_m)
     tpad = int(cu_pad_host[-1])
     longest_k = int(np.max(np.diff(host_k)))
@@ -248,7 +273,9 @@ def _varlen_attention_vjp(
         rowwise = xp.reshape(delta, (hq, tpad))
         rowwise[:, index] -= xp.permute_dims(dlse, (1, 0))
     shared = config.shared_bytes()
-    interop.launch(_kernel(config.varlen_name(dtype)), q,
+    name = config.varlen_name(dtype)
+    note_kernel(name)
+    interop.launch(_kernel(name), q,
                    (-(-longest_k // config.block_n), hk, batches), config.threads,
                    VARLEN_BACKWARD_PARAMS, (
                        ptr(q), ptr(k), ptr(v), ptr(dout), ptr(cu_q), ptr(cu_k), ptr(cu_pad),

@@ -195,36 +195,36 @@ def test_hopper_backward_serves_capability_9_0_only_within_the_h200s_limits() ->
         sm90_backward_names,
     )
 
-    assert set(SM90_BACKWARD_CONFIGS) == set(SM90_BACKWARD_MASKED_CONFIGS) == {64, 128}
+    assert set(SM90_BACKWARD_CONFIGS) == set(SM90_BACKWARD_MASKED_CONFIGS) == {64, 128, 256}
     assert "attention_bwd_sm90.cu" in SM90_SOURCES
     assert ("attention_bwd_sm90.cu", list(sm90_backward_names())) in all_modules()
     for configs, masked in ((SM90_BACKWARD_CONFIGS, False), (SM90_BACKWARD_MASKED_CONFIGS, True)):
         for d, c in configs.items():
-            # the kernel's dQ split: a 64-column panel per warpgroup, or all 64 columns each
-            assert c.head_dim == d and c.mask == masked and d in (64, 64 * c.warpgroups)
-            assert c.block_m == 64 and c.block_n == 64 * c.warpgroups
-            assert c.shared_bytes() <= 227 * 1024 and c.threads == 128 * c.warpgroups
+            assert c.head_dim == d and c.mask == masked
+            if d <= 128:  # the kernel's dQ split: a 64-column panel per warpgroup, or all 64
+                assert d in (64, 64 * c.warpgroups) and c.block_n == 64 * c.warpgroups
+            else:  # one tile of 64 keys, its columns split between the warpgroups
+                assert c.block_n == 64
+            assert c.block_m == 64 and c.threads == 128 * c.warpgroups
+            assert c.shared_bytes() <= 227 * 1024
             assert c.name("bfloat16") in sm90_backward_names()
-    # at 256 (on request) one tile of 64 keys, its columns split between the warpgroups
-    from softmaxkit_cupy.configs import SM90_BACKWARD_ALTERNATIVES
-
-    for c in SM90_BACKWARD_ALTERNATIVES:
-        assert c.head_dim == 256 and c.block_n == 64 and c.threads == 256
-        assert c.shared_bytes() <= 227 * 1024 and c.name("bfloat16") not in sm90_backward_names()
-    assert {c.mask for c in SM90_BACKWARD_ALTERNATIVES} == {False, True}
-    # the packed variable-length kernels on Hopper (on request): the dense defaults' tiles
+    # the packed variable-length kernels on Hopper: the dense tiles, a module each of their own
     from softmaxkit_cupy.configs import (
         SM90_CONFIGS,
-        SM90_VARLEN_ALTERNATIVES,
-        SM90_VARLEN_BACKWARD_ALTERNATIVES,
+        SM90_VARLEN_BACKWARD_CONFIGS,
+        sm90_varlen_backward_names,
+        sm90_varlen_names,
     )
 
-    assert SM90_VARLEN_ALTERNATIVES == tuple(SM90_CONFIGS.values())
-    assert SM90_VARLEN_BACKWARD_ALTERNATIVES == tuple(SM90_BACKWARD_CONFIGS.values())
-    assert (SM90_VARLEN_BACKWARD_ALTERNATIVES[1].varlen_name("bfloat16")
+    assert SM90_VARLEN_BACKWARD_CONFIGS == {d: SM90_BACKWARD_CONFIGS[d] for d in (64, 128)}
+    assert ("attention_sm90.cu", list(sm90_varlen_names())) in all_modules()
+    assert ("attention_bwd_sm90.cu", list(sm90_varlen_backward_names())) in all_modules()
+    assert (SM90_VARLEN_BACKWARD_CONFIGS[128].varlen_name("bfloat16")
             == "sk_attn_bwd_sm90_varlen<sk_bf16, 128, 2>")
-    assert (SM90_VARLEN_ALTERNATIVES[2].varlen_name("float16")
+    assert "sk_attn_bwd_sm90_varlen<sk_bf16, 128, 2>" in sm90_varlen_backward_names()
+    assert (SM90_CONFIGS[256].varlen_name("float16")
             == "sk_attn_fwd_sm90_varlen<__half, 256, 64, 2>")
+    assert "sk_attn_fwd_sm90_varlen<__half, 256, 64, 2>" in sm90_varlen_names()
     assert (SM90_BACKWARD_CONFIGS[128].name("bfloat16")
             == "sk_attn_bwd_sm90<sk_bf16, 128, 2, false>")
     assert (SM90_BACKWARD_MASKED_CONFIGS[64].name("float16")

@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 from softmaxkit_cupy import head_dims
 from softmaxkit_cupy import manifest as mf
-from softmaxkit_cupy.configs import ATTENTION_HEAD_DIMS
+from softmaxkit_cupy.configs import (
+    ATTENTION_HEAD_DIMS,
+    SM90_BACKWARD_CONFIGS,
+    SM90_BACKWARD_MASKED_CONFIGS,
+    SM90_CONFIGS,
+    SM90_MASKED_CONFIGS,
+    SM90_VARLEN_BACKWARD_CONFIGS,
+)
 
 import softmaxkit as sk
 from softmaxkit.ops import Call
@@ -252,7 +259,8 @@ def _stand_in(monkeypatch, module, name: str, reference, seen: list) -> None:
 def _assert_padded(seen: dict, names: tuple[str, ...], width: int) -> None:
     for name in names:
         a = seen[name]
-        assert a.shape[-1] == width and a.is_contiguous(), (name, tuple(a.shape))
+        # rows as the kernels read them (out may be a wider forward's output, sliced)
+        assert a.shape[-1] == width and a.stride(-1) == 1, (name, tuple(a.shape))
         assert (a.stride(-2) * a.element_size()) % 16 == 0, name
 
 
@@ -291,22 +299,28 @@ def test_dense_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv, capability)
     forward, backward = seen
     assert forward["scale"] == backward["scale"] == scale
     width = head_dims.served_head_dim(d, dv)
-    # the forward on Hopper: at the Hopper kernel's next width (a mask: up to 128) if any
-    forward_width = (capability == "90" and head_dims.sm90_width(d, dv, masked=True)) or width
+    # on Hopper: at the Hopper kernels' next width if any (a masked forward: up to 128)
+    hopper = capability == "90"
+    forward_width = (hopper and head_dims.sm90_width(d, dv, SM90_MASKED_CONFIGS)) or width
+    backward_width = (hopper and head_dims.sm90_width(
+        d, dv, SM90_BACKWARD_MASKED_CONFIGS, head_dims.SM90_BACKWARD_PADDED_FROM)) or width
     if d == dv == forward_width:  # built: the caller's arrays, no copy
         assert forward["q"] is tq and forward["k"] is tk and forward["v"] is tv
     else:
         _assert_padded(forward, ("q", "k", "v"), forward_width)
-    if d == dv == width:
+    if d == dv == backward_width:
         assert backward["q"] is tq and backward["dout"] is tdout
     else:
-        _assert_padded(backward, ("q", "k", "v", "out", "dout"), width)
+        _assert_padded(backward, ("q", "k", "v", "out", "dout"), backward_width)
 
 
-@pytest.mark.parametrize(("d", "dv"), PAIRS)
-def test_varlen_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv) -> None:
+@pytest.mark.parametrize("capability", CAPABILITIES)
+@pytest.mark.parametrize(("d", "dv"), [*PAIRS, (96, 96)])
+def test_varlen_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv, capability) -> None:
+    from softmaxkit_cupy import attention as dense
     from softmaxkit_cupy import varlen as adapter
 
+    monkeypatch.setattr(dense, "_capability_of", lambda device: capability)
     seen: list = []
     _stand_in(monkeypatch, adapter, "_varlen_attention", varlen_ref.varlen_attention, seen)
     _stand_in(monkeypatch, adapter, "_varlen_attention_vjp", varlen_ref.varlen_attention_vjp,
@@ -330,10 +344,21 @@ def test_varlen_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv) -> None:
         assert tuple(g.shape) == e.shape, name
         np.testing.assert_allclose(g.numpy(), e, err_msg=name, **CLOSE)
     width = head_dims.served_head_dim(d, dv)
+    # on Hopper: at the Hopper kernels' next width if any (the backward's: up to 128)
+    hopper = capability == "90"
+    forward_width = (hopper and head_dims.sm90_width(d, dv, SM90_CONFIGS)) or width
+    backward_width = (hopper and head_dims.sm90_width(
+        d, dv, SM90_VARLEN_BACKWARD_CONFIGS, head_dims.SM90_BACKWARD_PADDED_FROM)) or width
     forward, backward = seen
     assert forward["scale"] == backward["scale"] == 0.2
-    _assert_padded(forward, ("q", "k", "v"), width)
-    _assert_padded(backward, ("q", "k", "v", "out", "dout"), width)
+    if d == dv == forward_width:
+        assert forward["q"] is tq
+    else:
+        _assert_padded(forward, ("q", "k", "v"), forward_width)
+    if d == dv == backward_width:
+        assert backward["q"] is tq
+    else:
+        _assert_padded(backward, ("q", "k", "v", "out", "dout"), backward_width)
 
 
 @pytest.mark.parametrize(("d", "dv"), [*PAIRS, (128, 128)])
@@ -537,9 +562,13 @@ def test_dense_adapter_runs_value_dims_above_256_in_blocks(monkeypatch, torch_xp
     assert all(call["v"].shape[-1] in ATTENTION_HEAD_DIMS for call in seen)
 
 
-def test_varlen_adapter_runs_value_dims_above_256_in_blocks(monkeypatch, torch_xp) -> None:
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_varlen_adapter_runs_value_dims_above_256_in_blocks(monkeypatch, torch_xp,
+                                                            capability) -> None:
+    from softmaxkit_cupy import attention as dense
     from softmaxkit_cupy import varlen as adapter
 
+    monkeypatch.setattr(dense, "_capability_of", lambda device: capability)
     seen: list = []
     _stand_in(monkeypatch, adapter, "_varlen_attention", varlen_ref.varlen_attention, seen)
     _stand_in(monkeypatch, adapter, "_varlen_attention_vjp", varlen_ref.varlen_attention_vjp,
@@ -599,16 +628,23 @@ def test_kit_attention_cases_at_padded_head_dims_are_accepted(monkeypatch) -> No
     assert not left, "\n".join(left)
 
 
-@pytest.mark.parametrize(("d", "dv", "plain", "masked"), [
-    (32, 32, None, None),    # mma.sync at 32
-    (40, 40, 64, 64),        # mma.sync would pad to 64 too
-    (80, 80, None, None),    # mma.sync at 80
-    (96, 96, 128, 128),      # faster padded
-    (112, 112, 128, 128),
-    (160, 160, 256, None),   # no masked Hopper kernel above 128
-    (192, 128, 256, None),
-    (256, 256, 256, None),
+@pytest.mark.parametrize(("d", "dv", "plain", "masked", "backward"), [
+    (32, 32, None, None, 64),     # mma.sync forward at 32; the Hopper backward at 64
+    (40, 40, 64, 64, 64),         # mma.sync would pad to 64 too
+    (80, 80, None, None, None),   # mma.sync at 80
+    (96, 96, 128, 128, 128),      # faster padded
+    (112, 112, 128, 128, 128),
+    (160, 160, 256, None, 256),   # no masked Hopper forward above 128
+    (192, 128, 256, None, 256),
+    (256, 256, 256, None, 256),
 ])
-def test_sm90_width_pads_where_the_hopper_forward_is_faster(d, dv, plain, masked) -> None:
-    assert head_dims.sm90_width(d, dv, masked=False) == plain
-    assert head_dims.sm90_width(d, dv, masked=True) == masked
+def test_sm90_width_pads_where_the_hopper_kernels_are_faster(d, dv, plain, masked,
+                                                             backward) -> None:
+    assert head_dims.sm90_width(d, dv, SM90_CONFIGS) == plain
+    assert head_dims.sm90_width(d, dv, SM90_MASKED_CONFIGS) == masked
+    for built in (SM90_BACKWARD_CONFIGS, SM90_BACKWARD_MASKED_CONFIGS):
+        assert head_dims.sm90_width(d, dv, built, head_dims.SM90_BACKWARD_PADDED_FROM) == backward
+    # the packed backward, built at 64 and 128: 160 and above keep mma.sync
+    packed = head_dims.sm90_width(d, dv, SM90_VARLEN_BACKWARD_CONFIGS,
+                                  head_dims.SM90_BACKWARD_PADDED_FROM)
+    assert packed == (backward if backward is not None and backward <= 128 else None)

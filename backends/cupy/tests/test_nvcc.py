@@ -77,25 +77,18 @@ def test_every_instantiation_compiles_for_sm90(tmp_path: Path) -> None:
 
 def _sm90_units() -> list[tuple[str, list[str]]]:
     from softmaxkit_cupy.configs import (
-        ATTENTION_DTYPES,
-        SM90_BACKWARD_ALTERNATIVES,
-        SM90_VARLEN_ALTERNATIVES,
-        SM90_VARLEN_BACKWARD_ALTERNATIVES,
         sm90_backward_names,
         sm90_names,
+        sm90_varlen_backward_names,
+        sm90_varlen_names,
     )
 
     # the forward with its data-path probe, which no module declares (a device check
     # launches it)
     return [("attention_sm90.cu",
              [*sm90_names(), "sk_wgmma_probe<sk_bf16>", "sk_wgmma_probe<__half>",
-              *(c.varlen_name(t) for c in SM90_VARLEN_ALTERNATIVES for t in ATTENTION_DTYPES)]),
-            ("attention_bwd_sm90.cu", [*sm90_backward_names(),
-                                       *(c.name(t) for c in SM90_BACKWARD_ALTERNATIVES
-                                         for t in ATTENTION_DTYPES),
-                                       *(c.varlen_name(t)
-                                         for c in SM90_VARLEN_BACKWARD_ALTERNATIVES
-                                         for t in ATTENTION_DTYPES)])]
+              *sm90_varlen_names()]),
+            ("attention_bwd_sm90.cu", [*sm90_backward_names(), *sm90_varlen_backward_names()])]
 
 
 @pytest.mark.parametrize("filename,names", _sm90_units(), ids=["forward", "backward"])

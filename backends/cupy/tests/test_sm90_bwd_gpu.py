@@ -144,36 +144,6 @@ def test_hopper_backward_through_torch_autograd() -> None:
     assert math.isfinite(float(q.grad.float().sum()))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_hopper_backward_at_256_split_columns_matches_float64(dtype: str, case: dict) -> None:
-    """The column-split backward at D = 256 (``SM90_BACKWARD_ALTERNATIVES``, built on request
-    until a device run promotes it), through the adapter with ``config=``, against float64,
-    on memory that held NaN just before (buffers of dq's, dk's and dv's sizes released to
-    torch's caching allocator, which hands them back to the launch)."""
-    import array_api_compat.torch as xp
-    from softmaxkit_cupy.attention import attention, attention_vjp
-    from softmaxkit_cupy.configs import SM90_BACKWARD_ALTERNATIVES
-
-    d = 256
-    q, k, v, dout, mask = _problem(dtype, d, case, d + case["lq"] + 1)
-    causal = case.get("causal", False)
-    sk_causal = None if not causal else causal
-    window = case.get("window", (-1, -1))
-    softcap = case.get("softcap")
-    scale = d ** -0.5
-    config = next(c for c in SM90_BACKWARD_ALTERNATIVES if c.mask == (mask is not None))
-    out, lse = attention(xp, q=q, k=k, v=v, scale=scale, causal=sk_causal, window=window,
-                         mask=mask, softcap=softcap, return_lse=True)
-    poison = [torch.full_like(a, math.nan) for a in (q, k, v)]
-    del poison
-    grads = attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
-                          causal=sk_causal, window=window, mask=mask, softcap=softcap,
-                          config=config)
-    torch.cuda.synchronize()
-    _check(grads, _reference(q, k, v, dout, scale, causal, window, softcap, mask), dtype)
-
-
 VARLEN = [
     # (query lengths, key lengths, options): ragged tiles, a sequence without queries and one
     # without keys, both causal alignments, a window with softcap
@@ -185,18 +155,17 @@ VARLEN = [
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize(("lens_q", "lens_k", "kw"), VARLEN, ids=str)
 def test_hopper_varlen_backward_matches_float64(dtype, d, lens_q, lens_k, kw) -> None:
-    """The packed variable-length backward on the Hopper kernel
-    (``SM90_VARLEN_BACKWARD_ALTERNATIVES``, built on request until a device run promotes it),
-    through the adapter with ``config=``, from the float64 definition's (out, lse), against the
-    float64 gradients of each sequence; the keys of the sequence without queries get zeros."""
-    import array_api_compat.torch as xp
+    """The packed variable-length backward through ``sk.varlen_attention_vjp`` runs its main
+    kernel on the Hopper kernel where built (``SM90_VARLEN_BACKWARD_CONFIGS``; the mma.sync
+    one at 256, named in the trace), from the float64 definition's (out, lse), against the
+    float64 gradients of each sequence; the keys of a sequence without queries get zeros."""
     import numpy as np
-    from softmaxkit_cupy.configs import SM90_VARLEN_BACKWARD_ALTERNATIVES
-    from softmaxkit_cupy.varlen import varlen_attention_vjp
+    from softmaxkit_cupy.configs import SM90_VARLEN_BACKWARD_CONFIGS, backward_config
 
+    import softmaxkit as sk
     from softmaxkit.testing.varlen_cases import (
         packed_arrays,
         packed_reference,
@@ -217,13 +186,16 @@ def test_hopper_varlen_backward_matches_float64(dtype, d, lens_q, lens_k, kw) ->
     out = torch.as_tensor(out64, device="cuda").to(dt)
     lse = torch.as_tensor(lse64, device="cuda").float()
     mq, mk = (torch.as_tensor(a, device="cuda") for a in (cu_q, cu_k))
-    config = next(c for c in SM90_VARLEN_BACKWARD_ALTERNATIVES if c.head_dim == d)
-    grads = varlen_attention_vjp(xp, q=tq, k=tk, v=tv, out=out, lse=lse, dout=dout,
-                                 cu_seqlens_q=mq, cu_seqlens_k=mk, scale=d ** -0.5,
-                                 causal=kw.get("causal"), window=rkw["window"],
-                                 softcap=rkw["softcap"], config=config)
+    with sk.backend_opts(trace=True) as trace:
+        grads = sk.varlen_attention_vjp(tq, tk, tv, out, lse, dout, mq, mk,
+                                        **dict(rkw, causal=rkw["causal"] or False))
     torch.cuda.synchronize()
+    hopper = SM90_VARLEN_BACKWARD_CONFIGS.get(d)
+    expected = (hopper or backward_config(d)).varlen_name(dtype)
+    assert trace[-1].backend == "cupy" and trace[-1].kernel == expected
     want = packed_vjp_reference(q64, k64, v64, dout64, cu_q, cu_k, **rkw)
     _check(grads, [torch.as_tensor(w, device="cuda") for w in want], dtype)
-    k0, k1 = int(cu_k[1]), int(cu_k[2])  # the keys of the sequence without queries
-    assert not grads[1][k0:k1].any() and not grads[2][k0:k1].any()
+    for b in range(len(lens_q)):
+        if lens_q[b] == 0:  # the keys of a sequence without queries
+            k0, k1 = int(cu_k[b]), int(cu_k[b + 1])
+            assert not grads[1][k0:k1].any() and not grads[2][k0:k1].any()

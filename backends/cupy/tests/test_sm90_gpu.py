@@ -123,16 +123,14 @@ VARLEN = [
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize(("lens_q", "lens_k", "kw"), VARLEN, ids=str)
 def test_hopper_varlen_forward_matches_float64(dtype, d, lens_q, lens_k, kw) -> None:
-    """The packed variable-length forward on the Hopper kernel
-    (``SM90_VARLEN_ALTERNATIVES``, built on request until a device run promotes it), through
-    the adapter with ``config=``, against the float64 definition on each sequence; on memory
-    that held NaN just before (buffers of out's and lse's sizes released to torch's caching
-    allocator, which hands them back to the launch)."""
-    import array_api_compat.torch as xp
+    """The packed variable-length forward through ``sk.varlen_attention`` runs on the Hopper
+    kernel (named in the trace) and matches the float64 definition on each sequence; on
+    memory that held NaN just before (buffers of out's and lse's sizes released to torch's
+    caching allocator, which hands them back to the launch)."""
     import numpy as np
-    from softmaxkit_cupy.configs import SM90_VARLEN_ALTERNATIVES
-    from softmaxkit_cupy.varlen import varlen_attention
+    from softmaxkit_cupy.configs import SM90_CONFIGS
 
+    import softmaxkit as sk
     from softmaxkit.testing.varlen_cases import packed_arrays, packed_reference
 
     hq, hk = 4, 2
@@ -140,17 +138,18 @@ def test_hopper_varlen_forward_matches_float64(dtype, d, lens_q, lens_k, kw) -> 
     dt = getattr(torch, dtype)
     tq, tk, tv = (torch.as_tensor(a, device="cuda").to(dt) for a in (q, k, v))
     mq, mk = (torch.as_tensor(a, device="cuda") for a in (cu_q, cu_k))
-    config = next(c for c in SM90_VARLEN_ALTERNATIVES if c.head_dim == d)
     causal = kw.get("causal")
     window = kw.get("window", (-1, -1))
     softcap = kw.get("softcap")
     poison = [torch.full((q.shape[0], hq, d), math.nan, dtype=dt, device="cuda"),
               torch.full((q.shape[0], hq), math.nan, device="cuda")]
     del poison
-    out, lse = varlen_attention(xp, q=tq, k=tk, v=tv, cu_seqlens_q=mq, cu_seqlens_k=mk,
-                                scale=d ** -0.5, causal=causal, window=window,
-                                softcap=softcap, return_lse=True, config=config)
+    with sk.backend_opts(trace=True) as trace:
+        out, lse = sk.varlen_attention(tq, tk, tv, mq, mk, scale=d ** -0.5,
+                                       causal=causal or False, window=window,
+                                       softcap=softcap, return_lse=True)
     torch.cuda.synchronize()
+    assert trace[-1].backend == "cupy" and trace[-1].kernel == SM90_CONFIGS[d].varlen_name(dtype)
     rkw = {"scale": d ** -0.5, "window": window, "softcap": softcap, "causal": causal}
     want_out, want_lse = packed_reference(*(a.double().cpu().numpy() for a in (tq, tk, tv)),
                                           cu_q, cu_k, **rkw)
