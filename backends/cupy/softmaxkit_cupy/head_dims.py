@@ -64,10 +64,11 @@ SM90_PADDED_FROM = frozenset({96, 160, 192})
 zero-padded to its next head dim (96 at 128, 160 and 192 at 256); at 32 and 80 the mma.sync
 kernels stay faster (docs/benchmarks-attention.md, the H200 grid)."""
 
-SM90_BACKWARD_PADDED_FROM = frozenset({32, 96, 160, 192})
-"""The same for the Hopper backward (32 at 64, 96 at 128, 160 and 192 at 256): the mma.sync
-backward runs at 0.4-0.8x flash's there, the Hopper one at its next head dim about 1.7x
-faster than mma.sync (docs/benchmarks-attention.md)."""
+SM90_BACKWARD_PADDED_FROM = frozenset({96, 192})
+"""The same for the Hopper backward (96 at 128, 192 at 256; bfloat16 B2 H16 L4096 on the
+H200, the backward padded against mma.sync at the call's width in one run: 96 1.07-1.15x,
+192 1.19-1.26x faster; 32 at 64 and 160 at 256 were slower, 0.70-0.75x and 0.91-0.96x, and
+stay on mma.sync; docs/benchmarks-attention.md)."""
 
 
 def sm90_width(d: int, dv: int, built: Collection[int],
