@@ -46,8 +46,9 @@ def relerr(got: Any, want: Any) -> float:
     return float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
 
 
-def check(dtype_name: str, d: int, causal: bool) -> float:
-    """The worst relative error of out, dq, dk, dv against float64 on a small packed batch."""
+def check(dtype_name: str, d: int, causal: bool, device: str = "cuda") -> float:
+    """The worst relative error of out, dq, dk, dv against float64 on a small packed batch
+    (on ``device``: ``"cpu"`` checks the check)."""
     import numpy as np
     import torch
 
@@ -60,11 +61,11 @@ def check(dtype_name: str, d: int, causal: bool) -> float:
 
     dtype = getattr(torch, dtype_name)
     q, k, v, cu_q, cu_k = packed_arrays(d, (70, 0, 300, 129), (130, 9, 300, 700), 4, 2, d, d)
-    tq, tk, tv = (torch.as_tensor(a, device="cuda").to(dtype) for a in (q, k, v))
+    tq, tk, tv = (torch.as_tensor(a, device=device).to(dtype) for a in (q, k, v))
     q64, k64, v64 = (a.double().cpu().numpy() for a in (tq, tk, tv))
     dout = torch.as_tensor(np.random.default_rng(d).normal(size=(q.shape[0], 4, d)),
-                           device="cuda").to(dtype)
-    mq, mk = (torch.as_tensor(a, device="cuda") for a in (cu_q, cu_k))
+                           device=device).to(dtype)
+    mq, mk = (torch.as_tensor(a, device=device) for a in (cu_q, cu_k))
     opts = {"causal": "bottom_right" if causal else False}
     out, lse = sk.varlen_attention(tq, tk, tv, mq, mk, return_lse=True, **opts)
     grads = sk.varlen_attention_vjp(tq, tk, tv, out, lse, dout, mq, mk, **opts)

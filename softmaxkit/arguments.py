@@ -53,15 +53,24 @@ def namespace(**arrays: Any) -> Any:
                 f"{first} and {name} belong to different array libraries "
                 f"({xp.__name__} and {other.__name__}); pass arrays of one library"
             )
-    dev = array_api_compat.device(found[first])
+    dev = _device_of(found[first])
     for name in names[1:]:
-        other_dev = array_api_compat.device(found[name])
+        other_dev = _device_of(found[name])
         if other_dev != dev:
             raise ValueError(
                 f"{first} is on device {dev} but {name} is on device {other_dev}; "
                 "move them to one device"
             )
     return xp
+
+
+def _device_of(value: Any) -> Any:
+    """``array_api_compat.device(value)``, read directly for torch and CuPy arrays, whose
+    ``device`` attribute is it (the generic function's type checks cost more than the rest of
+    a small call's validation)."""
+    if type(value).__module__.split(".", 1)[0] in ("torch", "cupy"):
+        return value.device
+    return array_api_compat.device(value)
 
 
 def _is_array(value: Any) -> bool:
@@ -128,6 +137,12 @@ def as_array(xp: Any, value: Any, name: str, like: Any = None) -> Any:
         return xp.asarray(value, device=device)
     except Exception as exc:
         raise TypeError(f"{name} could not be converted to an array: {exc}") from exc
+
+
+def cast(xp: Any, x: Any, dtype: Any) -> Any:
+    """``x`` in ``dtype``: ``x`` itself when it has it (``xp.astype(copy=False)`` costs
+    microseconds on a torch tensor even then, which add up in a small call)."""
+    return x if x.dtype == dtype else xp.astype(x, dtype, copy=False)
 
 
 def real(xp: Any, x: Any, name: str) -> Any:

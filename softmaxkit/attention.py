@@ -42,9 +42,9 @@ def vjp_operands(
     for name, a, shape in (("out", out, out_shape), ("dout", dout, out_shape),
                            ("lse", lse, out_shape[:-1])):
         checked[name] = args.shaped_floating(xp, a, name, shape, like)
-    lse_f = xp.astype(checked["lse"], accumulator_dtype(xp, like.dtype), copy=False)
-    return (xp.astype(checked["out"], like.dtype, copy=False), natural_lse(lse_f, base),
-            xp.astype(checked["dout"], like.dtype, copy=False))
+    lse_f = args.cast(xp, checked["lse"], accumulator_dtype(xp, like.dtype))
+    return (args.cast(xp, checked["out"], like.dtype), natural_lse(lse_f, base),
+            args.cast(xp, checked["dout"], like.dtype))
 
 
 def lse_cotangent(

@@ -19,7 +19,7 @@ from . import arguments as args
 from .attention import lse_cotangent, lse_in_base, vjp_operands
 from .dispatch import run
 from .frameworks import route
-from .metadata import host_integers, index_array
+from .metadata import host_integers, index_array, validated
 
 
 class _Packed:
@@ -110,9 +110,10 @@ def cu_seqlens(
 
 def check_seqlens(
     xp: Any, cu_q: Any, cu_k: Any, tq: int, tk: int, like: Any
-) -> tuple[Any, Any]:
+) -> tuple[tuple[Any, np.ndarray], tuple[Any, np.ndarray]]:
     """Validate both cumulative lengths (:func:`cu_seqlens`) and that they count the same
-    sequences; return them as int64 arrays of ``xp`` on ``like``'s device."""
+    sequences; return each as an int64 array of ``xp`` on ``like``'s device with its host
+    values."""
     cq, hq = cu_seqlens(xp, cu_q, "cu_seqlens_q", tq, "Tq = q.shape[0]", like)
     ck, hk = cu_seqlens(xp, cu_k, "cu_seqlens_k", tk, "Tk = k.shape[0]", like)
     if hq.shape != hk.shape:
@@ -120,7 +121,7 @@ def check_seqlens(
             f"cu_seqlens_q has {hq.shape[0]} entries and cu_seqlens_k {hk.shape[0]}: both "
             "must be [B + 1] for the same B sequences"
         )
-    return cq, ck
+    return (cq, hq), (ck, hk)
 
 
 def _prepare(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, extra: dict[str, Any] | None = None):
@@ -129,10 +130,13 @@ def _prepare(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, extra: dict[str, Any]
     xp = args.namespace(**arrays)
     q, k, v = args.attention_operands(xp, q, k, v)
     dims = _Packed(q, k, v)
-    cq, ck = check_seqlens(xp, cu_q, cu_k, dims.tq, dims.tk, q)
-    common = xp.result_type(q.dtype, k.dtype, v.dtype)
-    qf, kf, vf = (xp.astype(a, common, copy=False) for a in (q, k, v))
-    return xp, dims, (q, k, v), (qf, kf, vf), (cq, ck)
+    seqlens = check_seqlens(xp, cu_q, cu_k, dims.tq, dims.tk, q)
+    if q.dtype == k.dtype == v.dtype:  # the common case: no promotion to work out
+        qf, kf, vf = q, k, v
+    else:
+        common = xp.result_type(q.dtype, k.dtype, v.dtype)
+        qf, kf, vf = (xp.astype(a, common, copy=False) for a in (q, k, v))
+    return xp, dims, (q, k, v), (qf, kf, vf), seqlens
 
 
 def varlen_attention(
@@ -228,12 +232,14 @@ def varlen_attention(
     # the options are checked before the metadata is read
     base = args.lse_base(lse_base)
     options = args.attention_options(causal, window, softcap)
-    xp, dims, _, (qf, kf, vf), (cq, ck) = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    out, lse = run(
-        "varlen_attention", xp, qf, backend, q=qf, k=kf, v=vf, cu_seqlens_q=cq,
-        cu_seqlens_k=ck, scale=args.attention_scale(scale, dims.d), **options,
-        return_lse=bool(return_lse),
-    )
+    xp, dims, _, (qf, kf, vf), seqlens = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    (cq, _), (ck, _) = seqlens
+    with validated(*seqlens):  # a backend reading the lengths gets the values read here
+        out, lse = run(
+            "varlen_attention", xp, qf, backend, q=qf, k=kf, v=vf, cu_seqlens_q=cq,
+            cu_seqlens_k=ck, scale=args.attention_scale(scale, dims.d), **options,
+            return_lse=bool(return_lse),
+        )
     if not return_lse:
         return out
     return out, lse_in_base(lse, base)
@@ -306,17 +312,19 @@ def varlen_attention_vjp(
     base = args.lse_base(lse_base)
     options = args.attention_options(causal, window, softcap)
     extra = {"out": out, "lse": lse, "dout": dout} | ({} if dlse is None else {"dlse": dlse})
-    xp, dims, (q0, k0, v0), (qf, kf, vf), (cq, ck) = _prepare(
+    xp, dims, (q0, k0, v0), (qf, kf, vf), seqlens = _prepare(
         q, k, v, cu_seqlens_q, cu_seqlens_k, extra
     )
+    (cq, _), (ck, _) = seqlens
     out_f, lse_f, dout_f = vjp_operands(
         xp, out, lse, dout, (dims.tq, dims.hq, dims.dv), qf, base
     )
     dlse_f = None if dlse is None else lse_cotangent(xp, dlse, lse_f, (dims.tq, dims.hq), qf,
                                                      base)
-    dq, dk, dv = run(
-        "varlen_attention_vjp", xp, qf, backend, q=qf, k=kf, v=vf, out=out_f, lse=lse_f,
-        dout=dout_f, dlse=dlse_f, cu_seqlens_q=cq, cu_seqlens_k=ck,
-        scale=args.attention_scale(scale, dims.d), **options,
-    )
-    return tuple(xp.astype(g, a.dtype, copy=False) for g, a in ((dq, q0), (dk, k0), (dv, v0)))
+    with validated(*seqlens):
+        dq, dk, dv = run(
+            "varlen_attention_vjp", xp, qf, backend, q=qf, k=kf, v=vf, out=out_f, lse=lse_f,
+            dout=dout_f, dlse=dlse_f, cu_seqlens_q=cq, cu_seqlens_k=ck,
+            scale=args.attention_scale(scale, dims.d), **options,
+        )
+    return tuple(args.cast(xp, g, a.dtype) for g, a in ((dq, q0), (dk, k0), (dv, v0)))

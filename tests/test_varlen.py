@@ -353,3 +353,36 @@ def test_jax_metadata_errors_are_named():
     assert jitted(q, k, v, jnp.array([0, 2, 5]), jnp.array([0, 3, 6])).shape == (5, 2, 3)
     with pytest.raises(Exception, match="cu_seqlens_q ends at 6, past the packed length"):
         jitted(q, k, v, jnp.array([0, 2, 6]), jnp.array([0, 3, 6])).block_until_ready()
+
+
+
+def test_backends_get_the_lengths_the_frontend_read(monkeypatch):
+    """Within a call a backend's host read of the cumulative lengths returns the values the
+    frontend validated (no second device-to-host copy, which on a GPU is a synchronization);
+    outside the call, or for another array, the array is read."""
+    from softmaxkit import metadata
+
+    cu = np.array([0, 3, 7])
+    seen = np.array([0, 3, 7], dtype=np.int64)
+    with metadata.validated((cu, seen)):
+        assert metadata.host_integers(cu, "cu_seqlens_q", "test") is seen
+        assert metadata.host_integers(np.array([0, 3, 7]), "cu_seqlens_q", "test") is not seen
+    assert metadata.host_integers(cu, "cu_seqlens_q", "test") is not seen
+
+    torch = pytest.importorskip("torch")
+    q, k, v, cu_q, cu_k = packed_arrays(3, (3, 0, 4), (2, 5, 1), 2, 1, 8, 8)
+    tq, tk, tv = (torch.as_tensor(a) for a in (q, k, v))
+    tcu_q, tcu_k = (torch.as_tensor(a, dtype=torch.int32) for a in (cu_q, cu_k))
+    reads = []
+    real = torch.Tensor.cpu
+
+    def counting(self, *args, **kwargs):
+        reads.append(tuple(self.shape))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counting)
+    out = sk.varlen_attention(tq, tk, tv, tcu_q, tcu_k, causal=True, backend="numba-cpu")
+    # the frontend's two reads; the backend walks the sequences from the same values
+    assert reads == [(4,), (4,)]
+    want, _ = packed_reference(q, k, v, cu_q, cu_k, scale=8 ** -0.5, causal="bottom_right")
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-10, atol=1e-12)

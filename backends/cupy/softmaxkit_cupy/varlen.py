@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from softmaxkit import arguments
+from softmaxkit.metadata import host_integers
 from softmaxkit.options import note_kernel
 
 from . import head_dims, interop
@@ -56,15 +58,16 @@ from .configs import (
 
 def _int64(xp: Any, cu: Any) -> Any:
     """The cumulative lengths as a contiguous int64 array (the frontend passes int64)."""
-    return interop.contiguous(xp.astype(cu, xp.int64, copy=False))
+    return interop.contiguous(arguments.cast(xp, cu, xp.int64))
 
 
-def _on_host(xp: Any, *cus: Any) -> list[np.ndarray]:
-    """Host copies of the cumulative lengths ``cus``, in one device-to-host copy."""
-    joined = cus[0] if len(cus) == 1 else xp.concat(list(cus))
-    host = interop.to_host(joined).astype(np.int64)
-    bounds = np.cumsum([0] + [int(c.shape[0]) for c in cus])
-    return [host[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+def _on_host(*cus: Any) -> list[np.ndarray]:
+    """The values of the cumulative lengths ``cus`` on the host: those the frontend read to
+    validate them, when it passed them in this call (:func:`softmaxkit.metadata.validated`),
+    else one device-to-host copy each."""
+    reader = "the cupy backend reads cu_seqlens_q and cu_seqlens_k"
+    return [host_integers(c, name, reader)
+            for c, name in zip(cus, ("cu_seqlens_q", "cu_seqlens_k"), strict=False)]
 
 
 VARLEN_PARAMS = "Q" * 7 + "q" * 6 + "ii" + "ff" + "iiii"
@@ -152,8 +155,8 @@ def _varlen_attention(
     tq, hq, d = (int(s) for s in q.shape)
     hk = int(k.shape[1])
     dtype = interop.name(q)
+    (host_q,) = _on_host(cu_seqlens_q)
     cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
-    (host_q,) = _on_host(xp, cu_q)
     batches = host_q.shape[0] - 1
     longest = int(np.max(np.diff(host_q)))
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
@@ -244,8 +247,8 @@ def _varlen_attention_vjp(
     tq, hq, d = (int(s) for s in q.shape)
     tk, hk = int(k.shape[0]), int(k.shape[1])
     dtype = interop.name(q)
+    host_q, host_k = _on_host(cu_seqlens_q, cu_seqlens_k)
     cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
-    host_q, host_k = _on_host(xp, cu_q, cu_k)
     batches = host_q.shape[0] - 1
     hopper = _capability_of(interop.device_index(q)) == SM90_CAPABILITY
     config = config or (SM90_VARLEN_BACKWARD_CONFIGS[d]
