@@ -440,9 +440,9 @@ dK and dV accumulators would take D floats each) with half the columns of one 64
 SM90_BACKWARD_MASKED_CONFIGS = {d: Sm90BackwardConfig(d, mask=True) for d in (64, 128, 256)}
 """The Hopper backward for calls with a boolean mask."""
 
-SM90_VARLEN_BACKWARD_CONFIGS = {d: SM90_BACKWARD_CONFIGS[d] for d in (64, 128)}
-"""The packed variable-length backward on the Hopper kernel, on the dense tiles; at 256 the
-packed variant spills registers, so packed calls there keep the mma.sync kernel."""
+SM90_VARLEN_BACKWARD_CONFIGS = SM90_BACKWARD_CONFIGS
+"""The packed variable-length backward on the Hopper kernel: the dense tiles at every head
+dimension they are built for."""
 
 
 def sm90_backward_config(head_dim: int, masked: bool) -> Sm90BackwardConfig | None:

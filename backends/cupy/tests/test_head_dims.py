@@ -344,7 +344,7 @@ def test_varlen_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv, capability
         assert tuple(g.shape) == e.shape, name
         np.testing.assert_allclose(g.numpy(), e, err_msg=name, **CLOSE)
     width = head_dims.served_head_dim(d, dv)
-    # on Hopper: at the Hopper kernels' next width if any (the backward's: up to 128)
+    # on Hopper: at the Hopper kernels' next width if any
     hopper = capability == "90"
     forward_width = (hopper and head_dims.sm90_width(d, dv, SM90_CONFIGS)) or width
     backward_width = (hopper and head_dims.sm90_width(
@@ -644,7 +644,7 @@ def test_sm90_width_pads_where_the_hopper_kernels_are_faster(d, dv, plain, maske
     assert head_dims.sm90_width(d, dv, SM90_MASKED_CONFIGS) == masked
     for built in (SM90_BACKWARD_CONFIGS, SM90_BACKWARD_MASKED_CONFIGS):
         assert head_dims.sm90_width(d, dv, built, head_dims.SM90_BACKWARD_PADDED_FROM) == backward
-    # the packed backward, built at 64 and 128: 160 and above keep mma.sync
+    # the packed backward, on the same tiles
     packed = head_dims.sm90_width(d, dv, SM90_VARLEN_BACKWARD_CONFIGS,
                                   head_dims.SM90_BACKWARD_PADDED_FROM)
-    assert packed == (backward if backward is not None and backward <= 128 else None)
+    assert packed == backward

@@ -159,11 +159,11 @@ VARLEN = [
 @pytest.mark.parametrize(("lens_q", "lens_k", "kw"), VARLEN, ids=str)
 def test_hopper_varlen_backward_matches_float64(dtype, d, lens_q, lens_k, kw) -> None:
     """The packed variable-length backward through ``sk.varlen_attention_vjp`` runs its main
-    kernel on the Hopper kernel where built (``SM90_VARLEN_BACKWARD_CONFIGS``; the mma.sync
-    one at 256, named in the trace), from the float64 definition's (out, lse), against the
-    float64 gradients of each sequence; the keys of a sequence without queries get zeros."""
+    kernel on the Hopper kernel (``SM90_VARLEN_BACKWARD_CONFIGS``, named in the trace), from
+    the float64 definition's (out, lse), against the float64 gradients of each sequence; the
+    keys of a sequence without queries get zeros."""
     import numpy as np
-    from softmaxkit_cupy.configs import SM90_VARLEN_BACKWARD_CONFIGS, backward_config
+    from softmaxkit_cupy.configs import SM90_VARLEN_BACKWARD_CONFIGS
 
     import softmaxkit as sk
     from softmaxkit.testing.varlen_cases import (
@@ -190,8 +190,7 @@ def test_hopper_varlen_backward_matches_float64(dtype, d, lens_q, lens_k, kw) ->
         grads = sk.varlen_attention_vjp(tq, tk, tv, out, lse, dout, mq, mk,
                                         **dict(rkw, causal=rkw["causal"] or False))
     torch.cuda.synchronize()
-    hopper = SM90_VARLEN_BACKWARD_CONFIGS.get(d)
-    expected = (hopper or backward_config(d)).varlen_name(dtype)
+    expected = SM90_VARLEN_BACKWARD_CONFIGS[d].varlen_name(dtype)
     assert trace[-1].backend == "cupy" and trace[-1].kernel == expected
     want = packed_vjp_reference(q64, k64, v64, dout64, cu_q, cu_k, **rkw)
     _check(grads, [torch.as_tensor(w, device="cuda") for w in want], dtype)

@@ -92,22 +92,20 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
     const int n0 = blockIdx.x * BN, kh = blockIdx.y, b = blockIdx.z;
     const int group = hq / hk;
     const T *kb, *vb;
+    // packed: the sequence's first query token and first padded row of the work arrays,
+    // added to the offsets below (the kernel's pointer parameters stay as given: moved, they
+    // would take registers across the loop, which at D = 256 spill)
+    long long q_tok = 0, p_row = 0;
     if constexpr (VARLEN) {
-        const long long q_tok = cu_q[b], k_tok = cu_k[b], p_row = cu_pad[b];
+        const long long k_tok = cu_k[b];
+        q_tok = cu_q[b];
+        p_row = cu_pad[b];
         lq = static_cast<int>(cu_q[b + 1] - q_tok);
         lk = static_cast<int>(cu_k[b + 1] - k_tok);
         offset = offset ? lk - lq : 0;
         // the grid covers the longest sequence's keys; a sequence without queries still
         // writes its keys' zero gradients below
         if (n0 >= lk) return;
-        // every array from the sequence's first token (first padded row for the work arrays)
-        q += q_tok * q_sl;
-        dout += q_tok * g_sl;
-        lse2 += p_row;
-        delta += p_row;
-        dq_acc += p_row * D;
-        dk += k_tok * hk * D;
-        dv += k_tok * hk * D;
         kb = k + (k_tok + n0) * k_sl + kh * k_sh;
         vb = v + (k_tok + n0) * v_sl + kh * v_sh;
     } else {
@@ -131,10 +129,11 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
         const int h = kh * group + it / tiles;
         const int m0 = (t_lo + it % tiles) * BM;
         const long long qo =
-            (VARLEN ? 0 : b * q_sb) + h * q_sh + static_cast<long long>(m0) * q_sl;
+            (VARLEN ? q_tok * q_sl : b * q_sb) + h * q_sh + static_cast<long long>(m0) * q_sl;
         const long long go =
-            (VARLEN ? 0 : b * g_sb) + h * g_sh + static_cast<long long>(m0) * g_sl;
-        const long long ro = (VARLEN ? h : static_cast<long long>(b) * hq + h) * lq_pad + m0;
+            (VARLEN ? q_tok * g_sl : b * g_sb) + h * g_sh + static_cast<long long>(m0) * g_sl;
+        const long long ro =
+            (VARLEN ? h : static_cast<long long>(b) * hq + h) * lq_pad + p_row + m0;
         // at D = 256 the copies' addresses, held across the loop, would spill registers
         const int tid = COLSPLIT ? sk_opaque_tid() : static_cast<int>(threadIdx.x);
         sk_load_panels<T, BM, D, THREADS>(sq + st * BM * D, q + qo, q_sl, lq - m0, tid);
@@ -189,7 +188,7 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
     auto add_dq = [&](int h, int m0, int c0) {
         const int row = (warp % 4) * 16 + g;
         float* qrow = dq_acc +
-            ((VARLEN ? h : static_cast<long long>(b) * hq + h) * lq_pad + m0 + row) * D;
+            ((VARLEN ? h : static_cast<long long>(b) * hq + h) * lq_pad + p_row + m0 + row) * D;
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb) {
             const int col = c0 + nb * 8 + 2 * t;
@@ -316,7 +315,7 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
         const int j = n0 + w0 + g + 8 * r;
         if (j < lk) {
             const long long base = VARLEN
-                                       ? (static_cast<long long>(j) * hk + kh) * D
+                                       ? ((cu_k[b] + j) * hk + kh) * D
                                        : ((static_cast<long long>(b) * hk + kh) * lk + j) * D;
 #pragma unroll
             for (int db = 0; db < DW / 8; ++db) {
