@@ -751,4 +751,71 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("mask_bits.cu", [MASK_BITS_NAME]))
     modules.append(("attention_sm90.cu", list(sm90_names())))
     modules.append(("attention_bwd_sm90.cu", list(sm90_backward_names())))
+    modules.append(("attention_tf32.cu", list(tf32_names())))
     return modules
+
+
+TF32_PRECISIONS = {"tf32": 1, "tf32x3": 3}
+"""The ``precision=`` values kernels/attention_tf32.cu serves float32 calls at, with the products
+each takes per product of the definition (its PRECISION template argument)."""
+
+
+@dataclass(frozen=True)
+class Tf32Config:
+    """One tile shape of the float32 forward on TF32 tensor cores (kernels/attention_tf32.cu):
+    ``warps`` warps of ``16 * m_tiles`` query rows, ``block_n`` keys per tile; ``mask=False``
+    builds it without boolean-mask support."""
+
+    head_dim: int
+    warps: int = 4
+    block_n: int = 32
+    m_tiles: int = 1
+    mask: bool = True
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per block."""
+        return 16 * self.m_tiles * self.warps
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 32 * self.warps
+
+    def shared_bytes(self, precision: str) -> int:
+        """Dynamic shared memory (float32 tiles): Q (its big and small parts for "tf32x3")
+        and two stages of K and V."""
+        q_tiles = 2 if TF32_PRECISIONS[precision] == 3 else 1
+        return (q_tiles * self.block_m + 4 * self.block_n) * self.head_dim * 4
+
+    def name(self, precision: str) -> str:
+        """The C++ name expression of the kernel at ``precision`` ("tf32" or "tf32x3")."""
+        return (f"sk_attn_fwd_tf32<{self.head_dim}, {self.warps}, {self.block_n}, "
+                f"{self.m_tiles}, {'true' if self.mask else 'false'}, "
+                f"{TF32_PRECISIONS[precision]}>")
+
+
+TF32_CONFIGS = {
+    32: Tf32Config(32, warps=4, block_n=64, m_tiles=1),
+    64: Tf32Config(64, warps=4, block_n=64, m_tiles=1),
+    96: Tf32Config(96, warps=4, block_n=32, m_tiles=1),
+    128: Tf32Config(128, warps=4, block_n=32, m_tiles=1),
+}
+"""The float32 TF32 forward for each head dimension it is built for (D = Dv), with and without
+the boolean mask's code.  Float32 tiles take twice the shared memory of 16-bit ones and tf32x3
+keeps Q's two parts, so the tiles are smaller than the 16-bit kernels' (at most 128 KB a
+block, within sm_80's 163 KB); not yet tuned on a device."""
+
+
+def tf32_config(head_dim: int, masked: bool) -> Tf32Config | None:
+    """The TF32 forward configuration for ``head_dim``, or None where none is built."""
+    found = TF32_CONFIGS.get(head_dim)
+    if found is None or masked:
+        return found
+    return Tf32Config(found.head_dim, found.warps, found.block_n, found.m_tiles, mask=False)
+
+
+def tf32_names() -> tuple[str, ...]:
+    """The name expressions of kernels/attention_tf32.cu (one module holds them all)."""
+    return tuple(c.name(p) for d in TF32_CONFIGS for masked in (True, False)
+                 if (c := tf32_config(d, masked)) is not None for p in TF32_PRECISIONS)
