@@ -34,6 +34,24 @@ def plain_attention(xp, **args):
     return ref_attention(xp, **args)
 
 
+def emulated_tf32_attention(xp, *, q, k, v, scale, causal, window, mask, softcap, return_lse,
+                            precision):
+    """A kernel of a backend that computes the reduced precisions as declared (in float64
+    emulation), for the kit's precision case."""
+    out, lse = prec.emulated_attention(q, k, v, precision=precision, scale=scale, causal=causal,
+                                       window=window if window != (-1, -1) else None,
+                                       mask=mask, softcap=softcap)
+    return out.astype(np.float32), (lse.astype(np.float32) if return_lse else None)
+
+
+def coarse_attention(xp, *, q, k, **args):
+    """One that rounds q and k to 6 significant bits: beyond every precision's bound."""
+    def coarse(a):
+        return (a.astype(np.float32).view(np.uint32) & np.uint32(0xFFFC0000)).view(np.float32)
+
+    return emulated_tf32_attention(xp, q=coarse(q), k=coarse(k), **args)
+
+
 def ref_attention(xp, **args):
     from softmaxkit.reference.attention import attention
 
@@ -51,6 +69,8 @@ def fresh(monkeypatch):
     fakes = types.ModuleType("sk_precision_fakes")
     fakes.recording_attention = recording_attention
     fakes.plain_attention = plain_attention
+    fakes.emulated_tf32_attention = emulated_tf32_attention
+    fakes.coarse_attention = coarse_attention
     monkeypatch.setitem(sys.modules, "sk_precision_fakes", fakes)
     registry.reload()
     CALLS.clear()
@@ -229,3 +249,16 @@ def test_the_bound_is_of_the_precision_s_order():
     assert 50 < ratio < 2 ** 11, ratio
     assert float(np.max(b32[1])) < 0.05 and float(np.max(b3[1])) < 5e-4
     assert math.isfinite(float(np.max(b32[0])))
+
+
+@pytest.mark.parametrize(("kernel", "passes"), [("emulated_tf32_attention", True),
+                                                ("coarse_attention", False)])
+def test_the_kit_holds_a_backend_to_the_precision_bound(fresh, kernel, passes):
+    from softmaxkit.testing import check_backend
+
+    registry.register(_manifest("emulated", f"sk_precision_fakes:{kernel}", ["tf32", "tf32x3"]))
+    results = [r for r in check_backend("emulated", target="numpy", ops=["attention"],
+                                        dtypes=["float32"])
+               if r.case == "attention_precisions"]
+    assert len(results) == 1 and results[0].checks > 0
+    assert (results[0].status == "passed") is passes, results[0]
