@@ -67,7 +67,7 @@ def _without_precision(kernel: Callable[..., Any]) -> Callable[..., Any]:
     """``kernel`` called without the ``precision`` argument, which a backend that declares no
     precisions computes exactly whatever it says (spec "Attention", "Precision")."""
 
-    def call(*, precision: str, **args: Any) -> Any:
+    def call(*, precision: str = "float32", **args: Any) -> Any:
         return kernel(**args)
 
     call.__wrapped__ = kernel  # type: ignore[attr-defined]

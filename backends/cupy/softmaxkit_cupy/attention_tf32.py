@@ -19,16 +19,18 @@ from softmaxkit.options import note_kernel
 
 from . import compiler, interop
 from .attention import FORWARD_PARAMS, _forward_without_work, _rows_ready
-from .configs import Tf32Config, tf32_config, tf32_names
+from .configs import Tf32Config, tf32_alternative_names, tf32_config, tf32_names
 from .mask_bits import mask_bits
 
 
 @functools.cache
 def _kernel(name: str) -> Any:
     """The kernel ``name`` of kernels/attention_tf32.cu, built on first use with the module
-    of every declared configuration (one given explicitly and not declared: built alone)."""
+    of every declared configuration (an alternative given explicitly: with the module of the
+    alternatives)."""
     names = tf32_names()
-    return compiler.function("attention_tf32.cu", names if name in names else (name,), name)
+    return compiler.function("attention_tf32.cu", names if name in names
+                             else tf32_alternative_names(), name)
 
 
 def attention(
@@ -70,5 +72,5 @@ def attention(
                 *m_strides, hq, hk, lq, lk, scale, softcap if softcap is not None else 0.0,
                 offset, causal is not None, left, right)
         interop.launch(_kernel(name), q, (-(-lq // config.block_m), hq, b), config.threads,
-                       FORWARD_PARAMS, args, config.shared_bytes(precision))
+                       FORWARD_PARAMS, args, config.shared_bytes())
     return out, (lse if return_lse else None)

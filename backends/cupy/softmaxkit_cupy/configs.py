@@ -782,11 +782,9 @@ class Tf32Config:
         """Threads per block."""
         return 32 * self.warps
 
-    def shared_bytes(self, precision: str) -> int:
-        """Dynamic shared memory (float32 tiles): Q (its big and small parts for "tf32x3")
-        and two stages of K and V."""
-        q_tiles = 2 if TF32_PRECISIONS[precision] == 3 else 1
-        return (q_tiles * self.block_m + 4 * self.block_n) * self.head_dim * 4
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: the Q tile and two stages of K and V tiles (float32)."""
+        return (self.block_m + 4 * self.block_n) * self.head_dim * 4
 
     def name(self, precision: str) -> str:
         """The C++ name expression of the kernel at ``precision`` ("tf32" or "tf32x3")."""
@@ -802,9 +800,19 @@ TF32_CONFIGS = {
     128: Tf32Config(128, warps=4, block_n=32, m_tiles=1),
 }
 """The float32 TF32 forward for each head dimension it is built for (D = Dv), with and without
-the boolean mask's code.  Float32 tiles take twice the shared memory of 16-bit ones and tf32x3
-keeps Q's two parts, so the tiles are smaller than the 16-bit kernels' (at most 128 KB a
-block, within sm_80's 163 KB); not yet tuned on a device."""
+the boolean mask's code.  Float32 tiles take twice the shared memory of 16-bit ones, so the
+tiles are smaller than the 16-bit kernels': at most 96 KB a block, so two blocks share a
+multiprocessor (sm_80's 164 KB included); not yet tuned on a device
+(:data:`TF32_ALTERNATIVES`)."""
+
+TF32_ALTERNATIVES = (
+    Tf32Config(64, warps=4, block_n=32, m_tiles=2, mask=False),
+    Tf32Config(64, warps=8, block_n=64, m_tiles=1, mask=False),
+    Tf32Config(128, warps=8, block_n=32, m_tiles=1, mask=False),
+    Tf32Config(128, warps=4, block_n=64, m_tiles=1, mask=False),
+)
+"""Other TF32 forward configurations, built on request only (``config=``), for
+tools/tf32_timing.py to time beside the declared ones."""
 
 
 def tf32_config(head_dim: int, masked: bool) -> Tf32Config | None:
@@ -819,3 +827,8 @@ def tf32_names() -> tuple[str, ...]:
     """The name expressions of kernels/attention_tf32.cu (one module holds them all)."""
     return tuple(c.name(p) for d in TF32_CONFIGS for masked in (True, False)
                  if (c := tf32_config(d, masked)) is not None for p in TF32_PRECISIONS)
+
+
+def tf32_alternative_names() -> tuple[str, ...]:
+    """The name expressions of the TF32 alternatives (a module of their own)."""
+    return tuple(c.name(p) for c in TF32_ALTERNATIVES for p in TF32_PRECISIONS)

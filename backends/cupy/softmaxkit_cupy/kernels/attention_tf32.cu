@@ -14,8 +14,9 @@
 // in shared memory by cp.async.  The float32 tiles sit in shared memory as rows of 2 D 16-bit
 // units under kernels/mma.cuh's swizzle, so ldmatrix reads the A fragments of Q and the B
 // fragments of K (an 8 x 8 matrix of 16-bit units is 8 rows of 4 floats: lane (g, t) gets
-// row g, float t, which is the m16n8k8 TF32 A and B layout).  Q is split once per block into
-// two tiles (big, small).  P feeds P V without leaving registers: the C fragment of a score
+// row g, float t, which is the m16n8k8 TF32 A and B layout).  Fragments are split in
+// registers as they are read (Q's too: a second Q tile of small parts would cost the shared
+// memory that lets two blocks share a multiprocessor).  P feeds P V without leaving registers: the C fragment of a score
 // tile gives lane (g, t) keys 2t and 2t + 1 of each 8, and the A fragment of m16n8k8 wants
 // k-indices t and t + 4, so k-index t stands for key 2t and t + 4 for key 2t + 1 (the keys are
 // summed over, so their order is free) and V's B fragment is read in that order: lane (g, t)
@@ -70,8 +71,10 @@ __device__ __forceinline__ void sk_split4(const unsigned (&raw)[4], unsigned (&b
 
 // Forward: q [B, Hq, Lq, D], k, v [B, Hk, Lk, D] float32 by element strides (16-byte aligned
 // rows), out [B, Hq, Lq, D] and lse [B, Hq, Lq] contiguous; the parameters are sk_attn_fwd's.
+// At least one block a multiprocessor: ptxas may then take the registers the split operands
+// need (it otherwise held some builds to 168 and spilled); two blocks of four warps still fit.
 template <int D, int WARPS, int BN, int MT, bool MASK, int PRECISION>
-__global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd_tf32(
+__global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const unsigned* __restrict__ mask, float* __restrict__ out, float* __restrict__ lse,
     long long q_sb, long long q_sh, long long q_sl, long long k_sb, long long k_sh,
@@ -86,11 +89,10 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd_tf32(
     constexpr int NB = BN / 8;   // n-blocks of the score tile
     constexpr int DB = D / 8;    // n-blocks of the output
     constexpr int DK = D / 8;    // k-slices of the head dimension
-    constexpr int QS = PRECISION == 3 ? 2 : 1;  // Q tiles: big (and small)
     extern __shared__ __align__(16) unsigned char sk_smem[];
-    u16* sq = reinterpret_cast<u16*>(sk_smem);  // Q as TF32 bits; sq + BM * W its small parts
-    u16* sk = sq + QS * BM * W;                 // 2 stages
-    u16* sv = sk + 2 * BN * W;                  // 2 stages
+    u16* sq = reinterpret_cast<u16*>(sk_smem);
+    u16* sk = sq + BM * W;      // 2 stages
+    u16* sv = sk + 2 * BN * W;  // 2 stages
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -138,23 +140,12 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd_tf32(
         sk_cp_async_commit();
     }
     const int w0 = warp * 16 * MT;  // this warp's first row in the block
-    float* qf = reinterpret_cast<float*>(sq);
-    unsigned* qbits = reinterpret_cast<unsigned*>(sq);
 
     for (int tile = tile_lo; tile < tile_hi; ++tile) {
         const int stage = (tile - tile_lo) & 1;
         const int n0 = tile * BN;
         sk_cp_async_wait<1>();  // this tile's K (and, the first time, Q) has landed
         __syncthreads();
-        if (tile == tile_lo) {  // Q split once, in place (its element order does not matter)
-            for (int i = threadIdx.x; i < BM * D; i += THREADS) {
-                unsigned big, small;
-                sk_tf32_split(qf[i], big, small);
-                qbits[i] = big;
-                if constexpr (PRECISION == 3) qbits[BM * D + i] = small;
-            }
-            __syncthreads();
-        }
         if (tile + 1 < tile_hi) {
             sk_load_tile<u16, BN, W, THREADS>(sk + (stage ^ 1) * BN * W, kb + (n0 + BN) * kl,
                                               kl, lk - n0 - BN);
@@ -172,10 +163,9 @@ __global__ void __launch_bounds__(WARPS * 32) sk_attn_fwd_tf32(
             unsigned qa[MT][4], qs[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                sk_frag<SK_A, W>(qa[mt], sq, w0 + 16 * mt, kk * 8 * 2);
-                if constexpr (PRECISION == 3) {
-                    sk_frag<SK_A, W>(qs[mt], sq + BM * W, w0 + 16 * mt, kk * 8 * 2);
-                }
+                unsigned raw[4];
+                sk_frag<SK_A, W>(raw, sq, w0 + 16 * mt, kk * 8 * 2);
+                sk_split4(raw, qa[mt], qs[mt]);
             }
 #pragma unroll
             for (int nb = 0; nb < NB; nb += 2) {
