@@ -13,7 +13,11 @@ A backend is a distribution that declares, in its ``pyproject.toml``::
     a list of ``{"ops": [...], "devices": [...], "dtypes": [...]}`` entries; ``"*"`` in a list
     matches anything.  The backend serves the cross product of each entry.  An entry may
     carry its own ``"priority"`` (an int), which then applies to what it covers: a backend
-    that wins some dtypes and loses others to a peer says so there.
+    that wins some dtypes and loses others to a peer says so there.  An entry may also carry
+    ``"precisions"``, the attention ``precision=`` values of the calls it serves (spec
+    "Precision"; default: all, computed exactly); the call's precision is then part of the
+    key, and only kernels of operations some entry declares precisions for receive the
+    ``precision`` argument.
 ``kernels``
     ``{op: "module:qualname"}``, imported on first use.
 ``priority``

@@ -4,7 +4,9 @@ Eager forward calls, float32 B2 H16 at L1024 and L4096, D 64 and 128, causal and
 ``sk.attention`` at ``"float32"`` (the exact kernels), ``"tf32x3"`` and ``"tf32"`` (the TF32
 tensor-core kernels) and ``torch.nn.functional.scaled_dot_product_attention`` under
 ``sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)``, each the median of
-``triton.testing.do_bench``; TFLOP/s count 4 B H L^2 D, halved for causal.  torch's
+``triton.testing.do_bench``; TFLOP/s count 4 B H L^2 D, halved for causal.  The TF32
+kernels' other tile configurations (``configs.TF32_ALTERNATIVES``) are checked and timed too,
+through the adapter, so one run says which tiles to declare.  torch's
 ``allow_tf32`` is set False: it does not reach the efficient backend, whose float32 kernels
 use CUTLASS's 3xTF32 products on sm_80 and later whatever it says.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 
@@ -49,6 +52,11 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             torch.stack(lses).reshape(*shape, -1))
 
 
+def label(config: Any) -> str:
+    """A TF32 configuration's tiles: warps x query tiles, keys per tile."""
+    return f"{config.warps}w x{config.m_tiles} n{config.block_n}"
+
+
 def relerr(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(got.double() - want)
                  / torch.linalg.vector_norm(want))
@@ -56,7 +64,10 @@ def relerr(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def measure(length: int, d: int, causal: bool) -> dict:
     """One configuration: each call checked (at the first length) and timed."""
+    import array_api_compat.torch as xp
     import triton.testing
+    from softmaxkit_cupy.attention_tf32 import attention as tf32_attention
+    from softmaxkit_cupy.configs import TF32_ALTERNATIVES
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -73,8 +84,18 @@ def measure(length: int, d: int, causal: bool) -> dict:
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
             return sdpa(q, k, v, is_causal=causal)
 
+    def tiles(config: Any, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return tf32_attention(xp, q=q, k=k, v=v, scale=d ** -0.5,
+                              causal="bottom_right" if causal else None, window=(-1, -1),
+                              mask=None, softcap=None, return_lse=True, precision=precision,
+                              config=config)
+
     calls = {p: (lambda p=p: ours(p)) for p in PRECISIONS}
     calls["torch-efficient"] = efficient
+    for c in TF32_ALTERNATIVES:  # other tiles, through the adapter
+        if c.head_dim == d:
+            for p in PRECISIONS[1:]:
+                calls[f"{p} {label(c)}"] = lambda c=c, p=p: tiles(c, p)
     checked = length == LENGTHS[0]
     want, want_lse = reference(q, k, v, causal) if checked else (None, None)
     errors, ran = {}, {}
@@ -85,7 +106,7 @@ def measure(length: int, d: int, causal: bool) -> dict:
             got = fn()
         torch.cuda.synchronize()
         ran[name] = (f"{trace[-1].backend}:{(trace[-1].kernel or '').split('<')[0]}"
-                     if trace else "torch")
+                     if trace else "direct")
         out, lse = got if isinstance(got, tuple) else (got, None)
         if bool(out.isnan().any()):
             errors[name] = "NaN"
@@ -132,6 +153,14 @@ def main() -> int:
         if row["length"] == LENGTHS[0]:
             print(f"{row['length']:>6} {row['d']:>4} {str(row['causal']):>6} | "
                   + " | ".join(f"{row['errors'][n]:>17}" for n in names))
+    print("\nother TF32 tiles (tools: configs.TF32_ALTERNATIVES), TF32 tiles declared first: "
+          "TFLOP/s, error at L1024")
+    for row in rows:
+        others = [n for n in row["times"] if n not in names]
+        if others:
+            print(f"{row['length']:>6} {row['d']:>4} {str(row['causal']):>6} | " + "; ".join(
+                f"{n}: {row['tflops'][n]:.1f} ({row['errors'][n]})"
+                for n in (*PRECISIONS[1:], *others)))
     bad = [r for r in rows if "NaN" in r["errors"].values()]
     return 1 if bad else 0
 
