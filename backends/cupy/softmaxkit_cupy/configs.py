@@ -815,6 +815,13 @@ TF32_ALTERNATIVES = (
 tools/tf32_timing.py to time beside the declared ones."""
 
 
+def tf32_width(d: int, dv: int) -> int | None:
+    """The head dimension of ``TF32_CONFIGS`` a float32 call of key dim ``d`` and value dim
+    ``dv`` runs at (the smallest that holds both, on zero-padded copies unless it is
+    ``d == dv``), or None where none does."""
+    return next((w for w in sorted(TF32_CONFIGS) if w >= max(d, dv)), None)
+
+
 def tf32_config(head_dim: int, masked: bool) -> Tf32Config | None:
     """The TF32 forward configuration for ``head_dim``, or None where none is built."""
     found = TF32_CONFIGS.get(head_dim)

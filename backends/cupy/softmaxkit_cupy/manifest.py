@@ -24,6 +24,7 @@ from .configs import (
     TF32_PRECISIONS,
     decode_holds,
     max_row_length,
+    tf32_width,
 )
 from .head_dims import head_dim_reason
 
@@ -285,11 +286,12 @@ def tf32_reason(
     q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...]
 ) -> str | None:
     """Why the float32 TF32 forward (kernels/attention_tf32.cu) cannot run these inputs, or
-    None when it can: it is built for D = Dv in ``TF32_CONFIGS`` (other float32 calls run on
-    the exact kernels); calls with no query row or no key run without a launch."""
+    None when it can: it is built for D = Dv in ``TF32_CONFIGS`` and runs smaller D and Dv on
+    zero-padded copies (:func:`.configs.tf32_width`); larger ones run on the exact kernels.
+    Calls with no query row or no key run without a launch."""
     b, hq, lq, d = q_shape
-    if d != v_shape[-1] or d not in TF32_CONFIGS:
-        return (f"the TF32 attention kernels are built for D = Dv in {tuple(TF32_CONFIGS)}, "
+    if tf32_width(d, v_shape[-1]) is None:
+        return (f"the TF32 attention kernels take D and Dv up to {max(TF32_CONFIGS)}, "
                 f"not D={d}, Dv={v_shape[-1]}")
     if b * hq * lq == 0 or k_shape[2] == 0:
         return None

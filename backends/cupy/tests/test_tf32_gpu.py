@@ -48,7 +48,7 @@ def _case_id(c: dict) -> str:
     return "-".join(f"{k}{v}" for k, v in c.items())
 
 
-def _inputs(d: int, case: dict, seed: int):
+def _inputs(d: int, case: dict, seed: int, dv: int | None = None):
     """q, k, v (float32, CUDA, scaled so scores reach a few units) and the mask or None."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     b, hq, hk, lq, lk = (case[n] for n in ("b", "hq", "hk", "lq", "lk"))
@@ -56,7 +56,8 @@ def _inputs(d: int, case: dict, seed: int):
     def randn(*shape, scale=1.0):
         return torch.randn(*shape, device="cuda", generator=gen) * scale
 
-    q, k, v = randn(b, hq, lq, d, scale=1.5), randn(b, hk, lk, d, scale=1.5), randn(b, hk, lk, d)
+    q, k = randn(b, hq, lq, d, scale=1.5), randn(b, hk, lk, d, scale=1.5)
+    v = randn(b, hk, lk, d if dv is None else dv)
     mask = None
     if case.get("mask"):
         mask = torch.rand(b, hq, lq, lk, device="cuda", generator=gen) > 0.3
@@ -83,23 +84,36 @@ def _numpy(a):
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_forward_within_the_precision_bound(precision: str, d: int, case: dict) -> None:
-    from softmaxkit_cupy.configs import TF32_PRECISIONS
+    _check_forward(precision, d, d, case)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
+@pytest.mark.parametrize(("d", "dv"), [(16, 16), (48, 48), (80, 80), (64, 32), (40, 112)])
+@pytest.mark.parametrize("case", [CASES[1], CASES[7]], ids=_case_id)
+def test_padded_head_dims_within_the_precision_bound(precision: str, d: int, dv: int,
+                                                     case: dict) -> None:
+    """Head dims the kernels are not built for run on zero-padded copies at the next one."""
+    _check_forward(precision, d, dv, case)
+
+
+def _check_forward(precision: str, d: int, dv: int, case: dict) -> None:
+    from softmaxkit_cupy.configs import TF32_PRECISIONS, tf32_width
 
     import softmaxkit as sk
     from softmaxkit.testing import materialized as ref
     from softmaxkit.testing.precision import attention_bound
 
-    q, k, v, mask = _inputs(d, case, seed=d * 1000 + case["lq"])
+    q, k, v, mask = _inputs(d, case, seed=d * 1000 + dv + case["lq"], dv=dv)
     opts = _options(case)
     b, hq, lq = case["b"], case["hq"], case["lq"]
-    _poison((b, hq, lq, d), (b, hq, lq))
+    _poison((b, hq, lq, dv), (b, hq, lq))
     with sk.backend_opts(trace=True) as trace:
         out, lse = sk.attention(q, k, v, mask=mask, return_lse=True, precision=precision,
                                 **opts)
     torch.cuda.synchronize()
     record = trace[-1]
     assert record.backend == "cupy", record
-    assert record.kernel.startswith(f"sk_attn_fwd_tf32<{d},"), record.kernel
+    assert record.kernel.startswith(f"sk_attn_fwd_tf32<{tf32_width(d, dv)},"), record.kernel
     assert record.kernel.endswith(f", {TF32_PRECISIONS[precision]}>"), record.kernel
 
     qn, kn, vn, mn = (_numpy(a) for a in (q, k, v, mask))
@@ -110,8 +124,8 @@ def test_forward_within_the_precision_bound(precision: str, d: int, case: dict) 
     assert np.all(got_lse[empty] == -np.inf) and np.all(got[empty] == 0), "empty rows"
     assert not np.isnan(got).any() and not np.isnan(got_lse).any(), "NaN left in a result"
     err = np.abs(got - want)
-    lerr = np.abs(got_lse - want_lse)[~empty]
-    report = (f"{precision} D={d} {_case_id(case)}: out max error {err.max():.3g} "
+    lerr = np.abs(got_lse[~empty] - want_lse[~empty])
+    report = (f"{precision} D={d} Dv={dv} {_case_id(case)}: out max error {err.max():.3g} "
               f"(bound {out_bound.max():.3g}, worst error/bound "
               f"{np.max(err / np.maximum(out_bound, 1e-300)):.3g}), relative Frobenius "
               f"{ref.rel_frobenius(got, want):.3g}; lse max error "

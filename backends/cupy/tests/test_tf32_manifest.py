@@ -40,8 +40,10 @@ def test_dispatch_orders_cupy_first_at_tf32_and_leaves_it_out_at_float32() -> No
     ((2, 8, 300, 64), (2, 2, 400, 64), (2, 2, 400, 64), False),
     ((1, 4, 1, 128), (1, 4, 5000, 128), (1, 4, 5000, 128), False),
     ((1, 4, 0, 32), (1, 4, 10, 32), (1, 4, 10, 32), False),
-    ((1, 4, 16, 80), (1, 4, 16, 80), (1, 4, 16, 80), True),
-    ((1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 128), True),
+    ((1, 4, 16, 80), (1, 4, 16, 80), (1, 4, 16, 80), False),  # padded to 96
+    ((1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 128), False),  # padded to 128
+    ((1, 4, 16, 160), (1, 4, 16, 160), (1, 4, 16, 160), True),
+    ((1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 136), True),
     ((70000, 1, 16, 64), (70000, 1, 16, 64), (70000, 1, 16, 64), True),
 ])
 def test_tf32_reasons(q, k, v, declined) -> None:
@@ -57,3 +59,11 @@ def test_every_head_dimension_has_masked_and_unmasked_kernels() -> None:
             assert config.mask is masked
             assert {config.name("tf32"), config.name("tf32x3")} <= names
     assert tf32_config(80, True) is None
+
+
+def test_head_dims_run_at_the_smallest_built_width_that_holds_them() -> None:
+    from softmaxkit_cupy.configs import tf32_width
+
+    assert [tf32_width(d, d) for d in (1, 32, 33, 64, 80, 96, 100, 128, 129)] == [
+        32, 32, 64, 64, 96, 96, 128, 128, None]
+    assert tf32_width(64, 40) == 64 and tf32_width(16, 100) == 128
