@@ -752,6 +752,7 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention_sm90.cu", list(sm90_names())))
     modules.append(("attention_bwd_sm90.cu", list(sm90_backward_names())))
     modules.append(("attention_tf32.cu", list(tf32_names())))
+    modules.append(("attention_tf32.cu", list(tf32_backward_names())))
     return modules
 
 
@@ -839,3 +840,65 @@ def tf32_names() -> tuple[str, ...]:
 def tf32_alternative_names() -> tuple[str, ...]:
     """The name expressions of the TF32 alternatives (a module of their own)."""
     return tuple(c.name(p) for c in TF32_ALTERNATIVES for p in TF32_PRECISIONS)
+
+
+@dataclass(frozen=True)
+class Tf32BackwardConfig:
+    """The float32 TF32 backward's tile shape (kernels/attention_tf32.cu, sk_attn_bwd_tf32):
+    ``warps`` warps of 16 keys each, query tiles of ``block_m`` rows; ``mask=False`` builds it
+    without the boolean mask's code."""
+
+    head_dim: int
+    warps: int = 4
+    block_m: int = 32
+    mask: bool = True
+
+    @property
+    def block_n(self) -> int:
+        """Keys per block (16 a warp)."""
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 32 * self.warps
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: K and V, two stages of Q and dO, dS^T (float32 rows padded
+        by 4 floats), and two stages of the rows' lse2 and delta."""
+        d, bm, bn = self.head_dim, self.block_m, self.block_n
+        return (2 * bn + 4 * bm) * (d + 4) * 4 + bn * (bm + 4) * 4 + 4 * bm * 4
+
+    def name(self, precision: str) -> str:
+        """The C++ name expression of the kernel at ``precision`` ("tf32" or "tf32x3")."""
+        return (f"sk_attn_bwd_tf32<{self.head_dim}, {self.warps}, {self.block_m}, "
+                f"{'true' if self.mask else 'false'}, {TF32_PRECISIONS[precision]}>")
+
+
+TF32_BACKWARD_CONFIGS = {
+    32: Tf32BackwardConfig(32, warps=4, block_m=64),
+    64: Tf32BackwardConfig(64, warps=4, block_m=32),
+    96: Tf32BackwardConfig(96, warps=4, block_m=32),
+    128: Tf32BackwardConfig(128, warps=4, block_m=16),
+}
+"""The float32 TF32 backward for each head dimension (within sm_80's shared memory; query
+tiles as long as the registers allow without spills: dK and dV take D / 2 a thread).  Built
+on request only (``softmaxkit_cupy.attention_tf32.attention_vjp``): compiled and checked for
+registers in CI, it serves float32 gradients at reduced precision once a device run has
+checked it against float64 (backends/cupy/tests/test_tf32_gpu.py); until then those run on
+the exact kernels."""
+
+
+def tf32_backward_config(head_dim: int, masked: bool) -> Tf32BackwardConfig | None:
+    """The TF32 backward configuration for ``head_dim``, or None where none is built."""
+    found = TF32_BACKWARD_CONFIGS.get(head_dim)
+    if found is None or masked:
+        return found
+    return Tf32BackwardConfig(found.head_dim, found.warps, found.block_m, mask=False)
+
+
+def tf32_backward_names() -> tuple[str, ...]:
+    """The name expressions of the TF32 backward (a module of their own)."""
+    return tuple(c.name(p) for d in TF32_BACKWARD_CONFIGS for masked in (True, False)
+                 if (c := tf32_backward_config(d, masked)) is not None
+                 for p in TF32_PRECISIONS)

@@ -167,3 +167,65 @@ def test_gradient_of_a_tf32_forward(precision: str, d: int) -> None:
         err = ref.rel_frobenius(_numpy(leaf.grad).astype(np.float64), w)
         print(f"{precision} D={d} d{name}: relative Frobenius {err:.3g}")
         assert err <= tol, f"{precision} D={d} d{name}: {err:.3g} > {tol}"
+
+
+BACKWARD = [
+    dict(b=2, hq=4, hk=4, lq=150, lk=170),
+    dict(b=1, hq=8, hk=2, lq=130, lk=211, causal="bottom_right", dlse=True),  # GQA
+    dict(b=1, hq=4, hk=1, lq=211, lk=100, causal="top_left"),
+    dict(b=1, hq=4, hk=2, lq=190, lk=190, causal="bottom_right", window=(60, -1),
+         softcap=5.0),
+    dict(b=1, hq=2, hk=2, lq=100, lk=140, mask=True),
+]
+
+
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
+@pytest.mark.parametrize(("d", "dv"), [(32, 32), (64, 64), (96, 96), (128, 128), (48, 48),
+                                       (64, 32)])
+@pytest.mark.parametrize("case", BACKWARD, ids=_case_id)
+def test_backward_kernel_against_float64(precision: str, d: int, dv: int, case: dict) -> None:
+    """The TF32 backward (sk_attn_bwd_tf32, built on request until this passes on a device)
+    through its adapter, from the float64 forward's out and lse rounded to float32, against
+    the float64 gradient: relative Frobenius error of each gradient within float32's
+    gradient tolerance (1e-4) at tf32x3 and 2e-2 at tf32; rows with no allowed key give
+    zero gradient; on memory that held NaN."""
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy.attention_tf32 import attention_vjp
+
+    from softmaxkit.testing import materialized as ref
+
+    q, k, v, mask = _inputs(d, case, seed=d * 100 + dv + case["lq"], dv=dv)
+    opts = _options(case)
+    qn, kn, vn, mn = (_numpy(a) for a in (q, k, v, mask))
+    out64, lse64 = ref.attention(qn, kn, vn, mask=mn, **opts)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    dout = torch.randn(*out64.shape, device="cuda", generator=gen)
+    dlse = (torch.randn(*lse64.shape, device="cuda", generator=gen)
+            if case.get("dlse") else None)
+    if dlse is not None:
+        dlse = torch.where(torch.from_numpy(lse64).cuda() == -math.inf, 0.0, dlse)
+    want = ref.attention_vjp(qn, kn, vn, _numpy(dout), mask=mn,
+                             dlse=None if dlse is None else _numpy(dlse), **opts)
+    out = torch.from_numpy(out64).float().cuda()
+    lse = torch.from_numpy(lse64).float().cuda()
+    b, hq, hk, lq, lk = (case[n] for n in ("b", "hq", "hk", "lq", "lk"))
+    _poison((b, hk, lk, max(d, dv)), (b, hk, lk, d), (b, hk, lk, dv))
+    bool_mask = None if mask is None else mask.expand(b, hq, lq, lk)
+    window = case.get("window") or (-1, -1)
+    grads = attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse,
+                          scale=d ** -0.5, causal=case.get("causal"), window=window,
+                          mask=bool_mask, softcap=case.get("softcap"), precision=precision)
+    torch.cuda.synchronize()
+    tol = 1e-4 if precision == "tf32x3" else 2e-2
+    for name, got, w in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        got = _numpy(got).astype(np.float64)
+        assert got.shape == w.shape, (name, got.shape, w.shape)
+        assert not np.isnan(got).any(), f"{name}: NaN left in the result"
+        err = ref.rel_frobenius(got, w)
+        report = (f"{precision} D={d} Dv={dv} {_case_id(case)} {name}: relative Frobenius "
+                  f"{err:.3g}, max abs error {np.abs(got - w).max():.3g}")
+        print(report)
+        assert err <= tol, report
+    empty = lse64 == -np.inf
+    if empty.any():
+        assert np.all(_numpy(grads[0])[empty] == 0), "dq of a row with no allowed key"

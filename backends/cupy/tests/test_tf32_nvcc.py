@@ -1,8 +1,8 @@
-"""The float32 TF32 forward (kernels/attention_tf32.cu) builds for sm_80 and sm_90a with no
-register spills (its alternatives too), within sm_80's shared memory and two blocks a
-multiprocessor on sm_90, and takes one tensor-core product per product
-of the definition at "tf32" and three at "tf32x3" (counted in the machine code where
-cuobjdump is installed).  Skipped where nvcc is absent."""
+"""The float32 TF32 forward and backward (kernels/attention_tf32.cu) build for sm_80 and
+sm_90a with no register spills (the forward's alternatives too), within sm_80's shared memory
+(the forward: two blocks a multiprocessor on sm_90), and the forward takes one tensor-core
+product per product of the definition at "tf32" and three at "tf32x3" (counted in the machine
+code where cuobjdump is installed).  Skipped where nvcc is absent."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 from softmaxkit_cupy.compiler import source
 from softmaxkit_cupy.configs import (
+    TF32_BACKWARD_CONFIGS,
     TF32_CONFIGS,
     TF32_PRECISIONS,
     tf32_alternative_names,
+    tf32_backward_config,
+    tf32_backward_names,
     tf32_config,
     tf32_names,
 )
@@ -37,10 +40,14 @@ def test_every_configuration_fits_sm80_and_two_blocks_fit_sm90() -> None:
         for masked in (True, False):
             config = tf32_config(d, masked)
             assert config.shared_bytes() <= min(SM80_SHARED, SM90_HALF), config
+    for d in TF32_BACKWARD_CONFIGS:
+        for masked in (True, False):
+            config = tf32_backward_config(d, masked)
+            assert config.shared_bytes() <= SM80_SHARED, config
 
 
 def _build(tmp_path: Path, arch: str) -> tuple[str, Path]:
-    names = (*tf32_names(), *tf32_alternative_names())
+    names = (*tf32_names(), *tf32_alternative_names(), *tf32_backward_names())
     unit = tmp_path / f"tf32_{arch}.cu"
     unit.write_text(source("attention_tf32.cu") + "\n" + "\n".join(
         f"void* sk_instance_{i} = (void*)&{name};" for i, name in enumerate(names)) + "\n")
@@ -56,7 +63,7 @@ def _build(tmp_path: Path, arch: str) -> tuple[str, Path]:
 @pytest.mark.parametrize("arch", ["80", "90a"])
 def test_tf32_kernels_build_without_spills(tmp_path: Path, arch: str) -> None:
     report, cubin = _build(tmp_path, arch)
-    names = (*tf32_names(), *tf32_alternative_names())
+    names = (*tf32_names(), *tf32_alternative_names(), *tf32_backward_names())
     assert report.count("Compiling entry function") == len(names)
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert len(spills) == len(names) and set(spills) == {"0"}, report[-3000:]

@@ -289,3 +289,323 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
         }
     }
 }
+
+// --- backward -------------------------------------------------------------------------------
+//
+// The gradient of attention (spec "Gradients") with its five products on TF32 tensor cores at
+// PRECISION, in kernels/attention_bwd.cu's order: block (key tile, key head, batch) holds
+// BN = 16 * WARPS keys' K and V in shared memory while the query tiles of every query head
+// of the group stream through two stages; warp w owns keys [16 w, 16 w + 16) and accumulates
+// their dK and dV in registers; dS^T goes through shared memory (float32) for dQ's partial
+// product, added into a float32 buffer.  The adapter gives lse2 = lse log2 e (+inf for a row
+// with no allowed key and for padding rows, so their P is 0) and delta = rowsum(dO O) - dlse,
+// both [B * Hq, lq_pad], and scales dQ's buffer.
+//
+// Products whose contraction runs over a tile's queries (dV = P^T dO, dK = dS^T Q) take P^T
+// and dS^T from registers as the forward takes P (k-index t is query 2t, t + 4 is 2t + 1) and
+// read dO and Q in that order; dQ = dS K contracts over keys in the same order, reading dS^T
+// and K from shared memory.
+
+// The backward's float tiles in shared memory are rows of D + 4 floats, unswizzled: the 16
+// extra bytes a row put the 8 rows an ldmatrix reads, and the rows 2t, 2t + 1 and columns
+// g that a warp's scalar reads take, in distinct banks, and every address is a lane's base
+// plus a constant.
+template <int ROWS, int D, int THREADS>
+__device__ __forceinline__ void sk_load_padded(float* smem, const float* g, long long ld,
+                                               int valid) {
+    constexpr int CHUNKS = D / 4;
+#pragma unroll
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, ch = c % CHUNKS;
+        const bool ok = r < valid;
+        sk_cp_async16(smem + r * (D + 4) + ch * 4, g + (ok ? r : 0) * ld + ch * 4, ok);
+    }
+}
+
+// The SK_A or SK_B fragment of an m16n8k8 TF32 product (as sk_frag's) from a padded tile of
+// width D: rows r0.., floats c0..c0 + 7.
+template <SkFrag F, int D>
+__device__ __forceinline__ void sk_frag_padded(unsigned (&f)[4], const float* tile, int r0,
+                                               int c0) {
+    constexpr bool down = F == SK_A;
+    const int lane = threadIdx.x & 31;
+    const int lo = (lane >> 3) & 1, hi = lane >> 4;
+    const int r = r0 + (lane & 7) + (down ? lo : hi) * 8;
+    const int c = c0 + (down ? hi : lo) * 4;
+    sk_ldmatrix_x4(f, tile + r * (D + 4) + c);
+}
+
+// c[nb] += A B^T over D at PRECISION: A the warp's 16 rows of padded tile a from row a0, B
+// the NB n-blocks of padded tile b; fragments split as they are read.
+template <int PRECISION, int D, int NB>
+__device__ __forceinline__ void sk_tf32_abt(float (&c)[NB][4], const float* a, int a0,
+                                            const float* b) {
+#pragma unroll
+    for (int kk = 0; kk < D / 8; ++kk) {
+        unsigned raw[4], ab[4], as[4];
+        sk_frag_padded<SK_A, D>(raw, a, a0, kk * 8);
+        sk_split4(raw, ab, as);
+#pragma unroll
+        for (int nb = 0; nb < NB; nb += 2) {
+            unsigned bb[4], bs[4];
+            sk_frag_padded<SK_B, D>(raw, b, nb * 8, kk * 8);
+            sk_split4(raw, bb, bs);
+            sk_mma_split<PRECISION>(c[nb], ab, as, bb[0], bb[1], bs[0], bs[1]);
+            sk_mma_split<PRECISION>(c[nb + 1], ab, as, bb[2], bb[3], bs[2], bs[3]);
+        }
+    }
+}
+
+// The A fragment of an m16n8k8 product whose k-slice is the n-block c of a C accumulator
+// (k-index t standing for column 2t, t + 4 for 2t + 1), split.
+__device__ __forceinline__ void sk_tf32_a_of_c(const float (&c)[4], unsigned (&big)[4],
+                                               unsigned (&small)[4]) {
+    sk_tf32_split(c[0], big[0], small[0]);  // (g, 2t)
+    sk_tf32_split(c[2], big[1], small[1]);  // (g + 8, 2t)
+    sk_tf32_split(c[1], big[2], small[2]);  // (g, 2t + 1)
+    sk_tf32_split(c[3], big[3], small[3]);  // (g + 8, 2t + 1)
+}
+
+// p[0] += a, p[1] += b in global memory: one vector reduction from sm_90, two before.
+__device__ __forceinline__ void sk_red_add2_f32(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
+// Shared memory (padded rows): K, V [BN x D]; Q, dO [2][BM x D]; dS^T [BN x BM]; lse2, delta
+// [2][BM].
+// q, dO [B, Hq, Lq, D] and k, v [B, Hk, Lk, D] float32 by element strides (16-byte aligned
+// rows); lse2, delta [B * Hq, lq_pad], dq_acc [B * Hq, lq_pad, D] (zeroed); dk, dv
+// [B, Hk, Lk, D] contiguous.
+template <int D, int WARPS, int BM, bool MASK, int PRECISION>
+__global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_bwd_tf32(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ dout, const unsigned* __restrict__ mask,
+    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    float* __restrict__ dk, float* __restrict__ dv, long long q_sb, long long q_sh,
+    long long q_sl, long long k_sb, long long k_sh, long long k_sl, long long v_sb,
+    long long v_sh, long long v_sl, long long g_sb, long long g_sh, long long g_sl,
+    long long m_sb, long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
+    int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
+    static_assert(PRECISION == 1 || PRECISION == 3, "one product (tf32) or three (tf32x3)");
+    constexpr int LD = D + 4, LS = BM + 4;  // row strides of Q, K, V, dO and of dS^T
+    constexpr int BN = 16 * WARPS;
+    constexpr int THREADS = WARPS * 32;
+    constexpr int NB = BM / 8;  // n-blocks of S^T (query columns)
+    constexpr int DB = D / 8;   // n-blocks of dK, dV
+    // dQ's [BM x D] partial product: WM x WN warps, each 16 rows x D / WN columns, in passes
+    // of at most 64 columns
+    constexpr int WM = BM / 16;
+    constexpr int WN = WARPS / WM;
+    constexpr int QCOLS = D / WN;
+    constexpr int PCOLS = QCOLS <= 64 ? QCOLS : (QCOLS % 64 == 0 ? 64 : 48);
+    static_assert(WARPS % WM == 0 && QCOLS % PCOLS == 0 && PCOLS % 16 == 0, "dQ warp layout");
+    extern __shared__ __align__(16) unsigned char sk_smem[];
+    float* sk = reinterpret_cast<float*>(sk_smem);
+    float* sv = sk + BN * LD;
+    float* sq = sv + BN * LD;     // 2 stages
+    float* sg = sq + 2 * BM * LD;  // dO, 2 stages
+    float* sds = sg + 2 * BM * LD;  // dS^T
+    float* sl = sds + BN * LS;     // lse2, 2 stages
+    float* sd = sl + 2 * BM;       // delta, 2 stages
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int n0 = blockIdx.x * BN, kh = blockIdx.y, b = blockIdx.z;
+    const int group = hq / hk;
+    const float* kb = k + b * k_sb + kh * k_sh + static_cast<long long>(n0) * k_sl;
+    const float* vb = v + b * v_sb + kh * v_sh + static_cast<long long>(n0) * v_sl;
+
+    // query rows any key of this tile may be seen by
+    int m_lo = 0, m_hi = lq;
+    {
+        const int last = min(n0 + BN, lk) - 1;
+        if (causal) m_lo = max(m_lo, n0 - offset);
+        if (right >= 0) m_lo = max(m_lo, n0 - offset - right);
+        if (left >= 0) m_hi = min(m_hi, last + left - offset + 1);
+    }
+    const int t_lo = m_lo / BM;
+    const int tiles = m_hi > m_lo ? (m_hi + BM - 1) / BM - t_lo : 0;
+    const int total = group * tiles;
+
+    auto load_stage = [&](int it, int st) {
+        const int h = kh * group + it / tiles;
+        const int m0 = (t_lo + it % tiles) * BM;
+        const long long qo = b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
+        const long long go = b * g_sb + h * g_sh + static_cast<long long>(m0) * g_sl;
+        sk_load_padded<BM, D, THREADS>(sq + st * BM * LD, q + qo, q_sl, lq - m0);
+        sk_load_padded<BM, D, THREADS>(sg + st * BM * LD, dout + go, g_sl, lq - m0);
+        const long long ro = (static_cast<long long>(b) * hq + h) * lq_pad + m0;
+        for (int c = threadIdx.x; c < BM / 2; c += THREADS) {  // BM / 4 chunks of each
+            const bool is_l = c < BM / 4;
+            const int cc = is_l ? c : c - BM / 4;
+            float* dst = (is_l ? sl : sd) + st * BM + 4 * cc;
+            sk_cp_async16(dst, (is_l ? lse2 : delta) + ro + 4 * cc, true);
+        }
+    };
+
+    float dk_acc[DB][4], dv_acc[DB][4];
+#pragma unroll
+    for (int i = 0; i < DB; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[i][e] = dv_acc[i][e] = 0.0f;
+    }
+    const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
+    const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
+    int rel_lo, rel_hi;
+    sk_relative_limits(causal, left, right, rel_lo, rel_hi);
+    const int w0 = warp * 16;  // this warp's first key in the tile
+
+    if (total > 0) {
+        sk_load_padded<BN, D, THREADS>(sk, kb, k_sl, lk - n0);
+        sk_load_padded<BN, D, THREADS>(sv, vb, v_sl, lk - n0);
+        load_stage(0, 0);
+    }
+    sk_cp_async_commit();
+
+    for (int it = 0; it < total; ++it) {
+        const int st = it & 1;
+        if (it + 1 < total) load_stage(it + 1, st ^ 1);
+        sk_cp_async_commit();
+        sk_cp_async_wait<1>();  // this stage (and, the first time, K and V) has landed
+        __syncthreads();
+        const int h = kh * group + it / tiles;
+        const int m0 = (t_lo + it % tiles) * BM;
+        const float* sqs = sq + st * BM * LD;
+        const float* sgs = sg + st * BM * LD;
+
+        // dP^T = V_w dO^T and S^T = K_w Q^T: 16 keys x BM queries per warp
+        float dp[NB][4], s[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[nb][e] = s[nb][e] = 0.0f;
+        }
+        sk_tf32_abt<PRECISION, D, NB>(dp, sv, w0, sgs);
+        sk_tf32_abt<PRECISION, D, NB>(s, sk, w0, sqs);
+
+        // scores in log2 units (softcapped: softcap tanh(s / softcap)), exclusions as -inf
+        const float* sls = sl + st * BM;
+        const float* sdl = sd + st * BM;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[nb][e] * qk_scale;
+                if (softcap > 0.0f) x = sk_softcap_log2(x, softcap, inv_cap);
+                s[nb][e] = x;
+            }
+        }
+        const unsigned* mh = MASK && mask ? mask + b * m_sb + h * m_sh : nullptr;
+        const bool edge = n0 + BN > lk || n0 + BN - 1 > m0 + offset + rel_hi ||
+                          n0 < m0 + BM - 1 + offset + rel_lo || mh != nullptr;
+        if (edge) {
+            const int j0 = n0 + w0 + g, i0 = m0 + 2 * t;
+            sk_exclude_t<NB>(s, j0, lk, j0 - i0 - offset, rel_lo, rel_hi, mh, i0, lq, m_sq);
+        }
+        // P^T = exp2(S^T - lse2) and dS^T = P^T (dP^T - delta), times 1 - tanh^2 under
+        // softcap (tanh clamped so excluded scores, -inf, give 0, not 0 * inf)
+        const float th_scale = softcap > 0.0f ? 1.0f / (softcap * SK_LOG2E) : 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int ci = nb * 8 + 2 * t + (e & 1);  // query column in the tile
+                const float p = sk_ex2(s[nb][e] - sls[ci]);
+                const float th = fmaxf(s[nb][e] * th_scale, -1.0f);
+                s[nb][e] = p;
+                dp[nb][e] = p * (dp[nb][e] - sdl[ci]) * (1.0f - th * th);
+            }
+        }
+
+        // dV_w += P^T dO and dK_w += dS^T Q (k = 8 of the tile's queries a step)
+#pragma unroll
+        for (int kk = 0; kk < NB; ++kk) {
+            unsigned pb[4], ps[4], db_[4], ds_[4];
+            sk_tf32_a_of_c(s[kk], pb, ps);
+            sk_tf32_a_of_c(dp[kk], db_, ds_);
+            const int r0 = kk * 8 + 2 * t;
+            const float* gr = sgs + r0 * LD + g;  // dO and Q at (r0, g): + LD a row, + 8 a block
+            const float* qr = sqs + r0 * LD + g;
+#pragma unroll
+            for (int db = 0; db < DB; ++db) {
+                unsigned b0, b1, s0, s1;
+                sk_tf32_split(gr[db * 8], b0, s0);
+                sk_tf32_split(gr[LD + db * 8], b1, s1);
+                sk_mma_split<PRECISION>(dv_acc[db], pb, ps, b0, b1, s0, s1);
+                sk_tf32_split(qr[db * 8], b0, s0);
+                sk_tf32_split(qr[LD + db * 8], b1, s1);
+                sk_mma_split<PRECISION>(dk_acc[db], db_, ds_, b0, b1, s0, s1);
+            }
+            // dS^T to shared memory ([key][query], float32) for dQ
+            *reinterpret_cast<float2*>(sds + (w0 + g) * LS + r0) =
+                make_float2(dp[kk][0], dp[kk][1]);
+            *reinterpret_cast<float2*>(sds + (w0 + g + 8) * LS + r0) =
+                make_float2(dp[kk][2], dp[kk][3]);
+        }
+        __syncthreads();
+
+        // dQ[BM x D] += dS K (unscaled), added into the float32 buffer; k = 8 keys a step,
+        // k-index t standing for key 2t and t + 4 for 2t + 1
+        {
+            const int wm = warp % WM, wn = warp / WM;
+            float* qrow = dq_acc + ((static_cast<long long>(b) * hq + h) * lq_pad + m0 +
+                                    wm * 16 + g) * D;
+#pragma unroll
+            for (int pass = 0; pass < QCOLS / PCOLS; ++pass) {
+                const int c0 = wn * QCOLS + pass * PCOLS;
+                float acc[PCOLS / 8][4];
+#pragma unroll
+                for (int i = 0; i < PCOLS / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+                // dS^T at (key 2t, query wm 16 + g) and K at (key 2t, column c0 + g)
+                const float* dr = sds + 2 * t * LS + wm * 16 + g;
+                const float* kr = sk + 2 * t * LD + c0 + g;
+#pragma unroll
+                for (int kk = 0; kk < BN / 8; ++kk) {
+                    const float* d8 = dr + kk * 8 * LS;
+                    unsigned ab[4], as[4];
+                    sk_tf32_split(d8[0], ab[0], as[0]);       // (query g, key 2t)
+                    sk_tf32_split(d8[8], ab[1], as[1]);       // (query g + 8, key 2t)
+                    sk_tf32_split(d8[LS], ab[2], as[2]);      // (query g, key 2t + 1)
+                    sk_tf32_split(d8[LS + 8], ab[3], as[3]);  // (query g + 8, key 2t + 1)
+#pragma unroll
+                    for (int nb = 0; nb < PCOLS / 8; ++nb) {
+                        const float* k8 = kr + kk * 8 * LD + nb * 8;
+                        unsigned b0, b1, s0, s1;
+                        sk_tf32_split(k8[0], b0, s0);
+                        sk_tf32_split(k8[LD], b1, s1);
+                        sk_mma_split<PRECISION>(acc[nb], ab, as, b0, b1, s0, s1);
+                    }
+                }
+#pragma unroll
+                for (int nb = 0; nb < PCOLS / 8; ++nb) {
+                    const int col = c0 + nb * 8 + 2 * t;
+                    sk_red_add2_f32(qrow + col, acc[nb][0], acc[nb][1]);
+                    sk_red_add2_f32(qrow + 8 * D + col, acc[nb][2], acc[nb][3]);
+                }
+            }
+        }
+    }
+    sk_cp_async_wait<0>();
+
+    // dK (scaled) and dV of this warp's keys; keys of a tile no query sees get zeros
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = n0 + w0 + g + 8 * r;
+        if (j < lk) {
+            const long long base = ((static_cast<long long>(b) * hk + kh) * lk + j) * D;
+#pragma unroll
+            for (int db = 0; db < DB; ++db) {
+                const int col = db * 8 + 2 * t;
+                *reinterpret_cast<float2*>(dk + base + col) =
+                    make_float2(dk_acc[db][2 * r] * scale, dk_acc[db][2 * r + 1] * scale);
+                *reinterpret_cast<float2*>(dv + base + col) =
+                    make_float2(dv_acc[db][2 * r], dv_acc[db][2 * r + 1]);
+            }
+        }
+    }
+}
