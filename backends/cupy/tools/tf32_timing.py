@@ -106,7 +106,7 @@ def measure(length: int, d: int, causal: bool) -> dict:
             got = fn()
         torch.cuda.synchronize()
         ran[name] = (f"{trace[-1].backend}:{(trace[-1].kernel or '').split('<')[0]}"
-                     if trace else "direct")
+                     if trace else "torch" if name == "torch-efficient" else "adapter")
         out, lse = got if isinstance(got, tuple) else (got, None)
         if bool(out.isnan().any()):
             errors[name] = "NaN"
