@@ -365,6 +365,20 @@ def attention_options(
             "softcap": softcap(softcap_value)}
 
 
+PRECISIONS = ("float32", "tf32x3", "tf32")
+"""Attention's ``precision=`` values, most precise first: the least precision of the products of
+float32 inputs a caller accepts (spec "Attention", "Precision")."""
+
+
+def precision(value: Any, dtype: str) -> str:
+    """Validate attention's ``precision`` and give the value a backend receives for inputs of
+    ``dtype`` (a dtype name): ``value`` for float32 inputs, ``"float32"`` (no reduction) for
+    every other dtype, whose products are already exact in float32 (16-bit) or stay float64."""
+    if not isinstance(value, str) or value not in PRECISIONS:
+        raise ValueError(f"precision={value!r} is not valid: expected one of {PRECISIONS}")
+    return value if dtype == "float32" else "float32"
+
+
 def grouped_query_heads(hq: int, hk: int, keys_values: str = "k's and v's") -> None:
     """Check that q's ``hq`` heads are a multiple of the keys' and values' ``hk`` heads.
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import arguments as args
 from .dispatch import run
-from .dtypes import accumulator_dtype
+from .dtypes import accumulator_dtype, dtype_name
 from .frameworks import route
 
 LN2 = math.log(2.0)
@@ -158,6 +158,7 @@ def attention(
     softcap: float | None = None,
     return_lse: bool = False,
     lse_base: str | int = "e",
+    precision: str = "float32",
     backend: str | None = None,
 ) -> Any:
     """Exact scaled dot-product attention, ``softmax(scale * q k^T) v``, without the score matrix.
@@ -190,6 +191,14 @@ def attention(
         Also return the log-sum-exp of each query row's allowed scores.
     lse_base : {"e", 2}, optional
         Base of the returned log-sum-exp: natural (default) or 2 (FlashInfer's convention).
+    precision : {"float32", "tf32x3", "tf32"}, optional
+        The least precision of the products of float32 inputs the caller accepts, as JAX's
+        ``precision``: ``"float32"`` (default) computes within float32 arithmetic's bound;
+        ``"tf32x3"`` allows products on tensor cores of each operand split into two TF32
+        parts (about float32's accuracy); ``"tf32"`` allows products of inputs rounded to TF32
+        (10-bit mantissa), float32 sums.  A backend may compute more precisely (the CPU
+        backends always do).  Ignored for inputs of other dtypes.  spec/semantics.md,
+        "Precision", gives each one's error bound.
     backend : str, optional
         Run on this backend only (strict).
 
@@ -215,14 +224,16 @@ def attention(
     if framework is not None:
         return framework.attention(
             q, k, v, scale=scale, causal=causal, window=window, mask=mask, softcap=softcap,
-            return_lse=return_lse, lse_base=lse_base, backend=backend,
+            return_lse=return_lse, lse_base=lse_base, precision=precision, backend=backend,
         )
     base = args.lse_base(lse_base)
+    args.precision(precision, "float32")  # a bad value fails before any work
     xp, layout, _, (qf, kf, vf, mf) = _prepare(q, k, v, mask)
     scale_f = args.attention_scale(scale, layout.d)
     out, lse = run(
         "attention", xp, qf, backend, q=qf, k=kf, v=vf, scale=scale_f, mask=mf,
         **args.attention_options(causal, window, softcap), return_lse=bool(return_lse),
+        precision=args.precision(precision, dtype_name(qf.dtype)),
     )
     out = layout.unflat(xp, out)
     if not return_lse:
@@ -245,6 +256,7 @@ def attention_vjp(
     mask: Any = None,
     softcap: float | None = None,
     lse_base: str | int = "e",
+    precision: str = "float32",
     backend: str | None = None,
 ) -> tuple[Any, Any, Any]:
     """Gradient of :func:`attention`: ``(dq, dk, dv)`` for the upstream gradients ``dout``
@@ -270,6 +282,9 @@ def attention_vjp(
         The forward's arguments, unchanged.
     lse_base : {"e", 2}, optional
         The base ``lse`` (and ``dlse``) is given in.
+    precision : {"float32", "tf32x3", "tf32"}, optional
+        The least precision of the gradient's products the caller accepts, as for
+        :func:`attention` (whose precision it need not match).
     backend : str, optional
         Run on this backend only (strict).
 
@@ -283,9 +298,11 @@ def attention_vjp(
     if framework is not None:
         return framework.attention_vjp(
             q, k, v, out, lse, dout, dlse=dlse, scale=scale, causal=causal, window=window,
-            mask=mask, softcap=softcap, lse_base=lse_base, backend=backend,
+            mask=mask, softcap=softcap, lse_base=lse_base, precision=precision,
+            backend=backend,
         )
     base = args.lse_base(lse_base)
+    args.precision(precision, "float32")
     extra = {"out": out, "lse": lse, "dout": dout} | ({} if dlse is None else {"dlse": dlse})
     xp, layout, (q0, k0, v0), (qf, kf, vf, mf) = _prepare(q, k, v, mask, extra)
     out_shape = layout.lead + (layout.hq, layout.lq, layout.dv)
@@ -300,6 +317,7 @@ def attention_vjp(
     dq, dk, dv = run(
         "attention_vjp", xp, qf, backend, q=qf, k=kf, v=vf, out=out_f, lse=lse_f, dout=dout_f,
         dlse=dlse_f, scale=scale_f, mask=mf, **args.attention_options(causal, window, softcap),
+        precision=args.precision(precision, dtype_name(qf.dtype)),
     )
     grads = []
     for g, a in ((dq, q0), (dk, k0), (dv, v0)):

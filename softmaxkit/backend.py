@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import decisions
+from .arguments import PRECISIONS
 from .ops import OPERATIONS, Call
 
 REFERENCE = "reference"
@@ -62,6 +63,17 @@ def _load(path: str) -> Any:
     return obj
 
 
+def _without_precision(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``kernel`` called without the ``precision`` argument, which a backend that declares no
+    precisions computes exactly whatever it says (spec "Attention", "Precision")."""
+
+    def call(*, precision: str = "float32", **args: Any) -> Any:
+        return kernel(**args)
+
+    call.__wrapped__ = kernel  # type: ignore[attr-defined]
+    return call
+
+
 def _path(value: Any, what: str) -> str:
     if not isinstance(value, str) or not _PATH.match(value):
         raise ValueError(f"{what} must be a 'module:qualname' string, got {value!r}")
@@ -82,8 +94,9 @@ class Backend:
     """A registered backend, built from its manifest; kernels are imported on first use."""
 
     name: str
-    # (ops, devices, dtypes, priority or None) per serves entry
-    serves: tuple[tuple[frozenset[str], frozenset[str], frozenset[str], int | None], ...]
+    # (ops, devices, dtypes, priority or None, precisions or None) per serves entry
+    serves: tuple[tuple[frozenset[str], frozenset[str], frozenset[str], int | None,
+                        frozenset[str] | None], ...]
     kernels: Mapping[str, str]
     priority: Mapping[str, int]
     install_hint: str = ""
@@ -135,7 +148,14 @@ class Backend:
                 _strings(entry.get(key, ("*",)), f"manifest of {name!r}: serves {key}")
                 for key in ("ops", "devices", "dtypes")
             )
-            serves.append((ops, devices, dtypes, own))
+            precisions = entry.get("precisions")
+            if precisions is not None:
+                precisions = _strings(precisions, f"manifest of {name!r}: serves precisions")
+                unknown = sorted(precisions - set(PRECISIONS))
+                if unknown or not precisions:
+                    raise ValueError(f"manifest of {name!r}: serves precisions must name some "
+                                     f"of {PRECISIONS}, got {sorted(precisions)}")
+            serves.append((ops, devices, dtypes, own, precisions))
         priority = manifest.get("priority", 0)
         if not isinstance(priority, Mapping):
             priority = {"*": priority}
@@ -165,21 +185,31 @@ class Backend:
             source=source,
         )
 
-    def serves_key(self, op: str, device: str, dtype: str) -> bool:
-        """Whether the manifest declares (op, device, dtype) and names a kernel for op."""
+    def serves_key(self, op: str, device: str, dtype: str, precision: str = "float32") -> bool:
+        """Whether the manifest declares (op, device, dtype) at ``precision`` (an attention
+        call's ``precision`` argument; entries that declare no precisions serve every one)
+        and names a kernel for op."""
         if op not in self.kernels:
             return False
         return any(
             (op in ops or "*" in ops)
             and (device in devices or "*" in devices)
             and (dtype in dts or "*" in dts)
-            for ops, devices, dts, _ in self.serves
+            and (precs is None or precision in precs)
+            for ops, devices, dts, _, precs in self.serves
         )
+
+    def takes_precision(self, op: str) -> bool:
+        """Whether the kernel for ``op`` receives the call's ``precision`` argument: only when
+        a serves entry covering ``op`` declares precisions (the other kernels compute every
+        precision exactly and are called without it)."""
+        return any(precs is not None and (op in ops or "*" in ops)
+                   for ops, _, _, _, precs in self.serves)
 
     def priority_for(self, op: str, device: str = "*", dtype: str = "*") -> int:
         """The declared priority of this backend for (op, device, dtype): that of the first
         serves entry covering it that declares one, else the backend's for ``op``."""
-        for ops, devices, dts, own in self.serves:
+        for ops, devices, dts, own, _ in self.serves:
             if own is not None and all(
                 v in names or "*" in names for v, names in
                 ((op, ops), (device, devices), (dtype, dts))
@@ -208,6 +238,8 @@ class Backend:
             self._broken[op] = reason
             self._warn_once(f"{reason}; it is skipped")
             raise ImportError(reason) from exc
+        if "precision" in OPERATIONS[op] and not self.takes_precision(op):
+            fn = _without_precision(fn)
         self._loaded[op] = fn
         return fn
 
@@ -250,8 +282,9 @@ class Backend:
             "operations": sorted(self.kernels),
             "serves": [
                 {"ops": sorted(o), "devices": sorted(d), "dtypes": sorted(t),
-                 **({} if own is None else {"priority": own})}
-                for o, d, t, own in self.serves
+                 **({} if own is None else {"priority": own}),
+                 **({} if precs is None else {"precisions": sorted(precs)})}
+                for o, d, t, own, precs in self.serves
             ],
             "priority": dict(self.priority),
             "install_hint": self.install_hint,

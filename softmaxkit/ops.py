@@ -56,8 +56,12 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     #   stride-0 view) to [B, Hq, Lq, Lk], True = attend; softcap: None | float > 0;
     # -> (out [B, Hq, Lq, Dv] in q's dtype, lse [B, Hq, Lq] in acc, natural log, or None
     #   when return_lse is False); a row with no allowed key: out 0, lse -inf
+    # precision: "float32" | "tf32x3" | "tf32", the least precision of the products of float32
+    #   inputs the caller accepts ("float32" for other dtypes); only kernels whose serves entry
+    #   declares "precisions" receive it, the others compute exactly (spec "Precision")
     "attention": (
         "q", "k", "v", "scale", "causal", "window", "mask", "softcap", "return_lse",
+        "precision",
     ),
     # out, dout [B, Hq, Lq, Dv] (q's dtype), lse [B, Hq, Lq] in acc, natural log, -inf = empty;
     #   dlse None | [B, Hq, Lq] in acc: the lse's own cotangent (natural log; 0 on the rows
@@ -65,7 +69,7 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     # -> (dq, dk, dv) shaped and typed like q, k, v (dk, dv summed over each GQA group)
     "attention_vjp": (
         "q", "k", "v", "out", "lse", "dout", "dlse", "scale", "causal", "window", "mask",
-        "softcap",
+        "softcap", "precision",
     ),
     # outs [S, R, Dv], lses [S, R] in acc, natural log, -inf = empty part (never +inf)
     # -> (out [R, Dv] in outs' dtype, lse [R] in acc); all parts empty: (0, -inf)
@@ -87,7 +91,7 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     #   when return_lse is False); a row with no allowed key: out 0, lse -inf
     "paged_attention": (
         "q", "k_pages", "v_pages", "block_table", "seqlens", "scale", "causal", "window",
-        "softcap", "return_lse",
+        "softcap", "return_lse", "precision",
     ),
     # varlen_attention (spec "Packed variable-length attention"): sequences packed along the
     # token axis; q [Tq, Hq, D], k [Tk, Hk, D], v [Tk, Hk, Dv]: one dtype, Hq % Hk == 0;
@@ -101,14 +105,14 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     #   out 0, lse -inf
     "varlen_attention": (
         "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "scale", "causal", "window", "softcap",
-        "return_lse",
+        "return_lse", "precision",
     ),
     # out, dout [Tq, Hq, Dv] (q's dtype), lse [Tq, Hq] in acc, natural log, -inf = empty;
     #   dlse None | [Tq, Hq] in acc: the lse's cotangent, as for attention_vjp
     # -> (dq, dk, dv) shaped and typed like q, k, v (dk, dv summed over each GQA group)
     "varlen_attention_vjp": (
         "q", "k", "v", "out", "lse", "dout", "dlse", "cu_seqlens_q", "cu_seqlens_k", "scale",
-        "causal", "window", "softcap",
+        "causal", "window", "softcap", "precision",
     ),
 }
 """Operation name -> the keyword parameters its kernel takes after ``xp``."""

@@ -18,6 +18,7 @@ import numpy as np
 from . import arguments as args
 from .attention import lse_in_base
 from .dispatch import run
+from .dtypes import dtype_name
 from .frameworks import refuse_gradient
 from .metadata import host_integers, index_array
 
@@ -138,6 +139,7 @@ def paged_attention(
     softcap: float | None = None,
     return_lse: bool = False,
     lse_base: str | int = "e",
+    precision: str = "float32",
     backend: str | None = None,
 ) -> Any:
     """Exact attention of new queries against a paged KV cache (decoding, chunked prefill).
@@ -182,6 +184,9 @@ def paged_attention(
         Also return the log-sum-exp of each query row's allowed scores.
     lse_base : {"e", 2}, optional
         Base of the returned log-sum-exp: natural (default) or 2 (FlashInfer's convention).
+    precision : {"float32", "tf32x3", "tf32"}, optional
+        The least precision of the products of float32 inputs the caller accepts, as for
+        :func:`softmaxkit.attention`; ignored for other dtypes.
     backend : str, optional
         Run on this backend only (strict).
 
@@ -222,6 +227,7 @@ def paged_attention(
     """
     refuse_gradient("paged_attention", q, k_pages, v_pages)
     base = args.lse_base(lse_base)
+    args.precision(precision, "float32")
     xp = args.namespace(q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table,
                         seqlens=seqlens)
     q, k_pages, v_pages = args.attention_operands(xp, q, k_pages, v_pages,
@@ -246,6 +252,7 @@ def paged_attention(
         "paged_attention", xp, qc, backend,
         q=qc, k_pages=kc, v_pages=vc, block_table=block_table, seqlens=seqlens,
         scale=scale_f, causal=aligned, window=win, softcap=cap, return_lse=bool(return_lse),
+        precision=args.precision(precision, dtype_name(qc.dtype)),
     )
     if not return_lse:
         return out

@@ -13,7 +13,11 @@ A backend is a distribution that declares, in its ``pyproject.toml``::
     a list of ``{"ops": [...], "devices": [...], "dtypes": [...]}`` entries; ``"*"`` in a list
     matches anything.  The backend serves the cross product of each entry.  An entry may
     carry its own ``"priority"`` (an int), which then applies to what it covers: a backend
-    that wins some dtypes and loses others to a peer says so there.
+    that wins some dtypes and loses others to a peer says so there.  An entry may also carry
+    ``"precisions"``, the attention ``precision=`` values of the calls it serves (spec
+    "Precision"; default: all, computed exactly); the call's precision is then part of the
+    key, and only kernels of operations some entry declares precisions for receive the
+    ``precision`` argument.
 ``kernels``
     ``{op: "module:qualname"}``, imported on first use.
 ``priority``
@@ -74,6 +78,7 @@ import array_api_compat
 import numpy as np
 
 from . import decisions
+from .arguments import PRECISIONS
 from .backend import (  # noqa: F401 - re-exported: the registry's public names
     REFERENCE,
     Backend,
@@ -202,16 +207,18 @@ def reload() -> None:
 
 @functools.lru_cache(maxsize=1024)
 def _candidates(
-    op: str, device: str, dtype: str, prioritize: tuple[str, ...], disable: tuple[str, ...]
+    op: str, device: str, dtype: str, prioritize: tuple[str, ...], disable: tuple[str, ...],
+    precision: str = "float32",
 ) -> tuple[tuple[Backend, ...], tuple[tuple[str, str], ...]]:
-    """Backends that may serve (op, device, dtype), best first; and those left out, with why."""
+    """Backends that may serve (op, device, dtype) at ``precision``, best first; and those
+    left out, with why."""
     prioritize, disable = _effective(prioritize, disable)
     serving, left_out = [], []
     for backend in registry().values():
         if backend.name in disable and backend.name != REFERENCE:
             left_out.append((backend.name, "disabled"))
-        elif not backend.serves_key(op, device, dtype):
-            left_out.append((backend.name, f"does not serve ({op}, {device}, {dtype})"))
+        elif not backend.serves_key(op, device, dtype, precision):
+            left_out.append((backend.name, _not_served(backend, op, device, dtype, precision)))
         elif backend.requires_opt_in and backend.name not in prioritize:
             left_out.append((backend.name, "requires opt-in (prioritize it or pass backend=)"))
         else:
@@ -224,8 +231,10 @@ def _candidates(
     return tuple(sorted(serving, key=rank)), tuple(left_out)
 
 
-def candidates(op: str, device: str, dtype: str) -> tuple[list[str], dict[str, str]]:
-    """The backends that would be tried for (op, device, dtype) here, best first.
+def candidates(op: str, device: str, dtype: str,
+               precision: str = "float32") -> tuple[list[str], dict[str, str]]:
+    """The backends that would be tried for (op, device, dtype) here, best first (for an
+    attention call, at its ``precision``).
 
     Returns
     -------
@@ -236,8 +245,26 @@ def candidates(op: str, device: str, dtype: str) -> tuple[list[str], dict[str, s
         ``{name: reason}`` for the registered backends that are not tried.
     """
     opts = _options.get()
-    ordered, left_out = _candidates(op, device, dtype, opts.prioritize, opts.disable)
+    ordered, left_out = _candidates(op, device, dtype, opts.prioritize, opts.disable, precision)
     return [b.name for b in ordered], dict(left_out)
+
+
+def _not_served(backend: Backend, op: str, device: str, dtype: str, precision: str) -> str:
+    """Why ``backend`` is left out of (op, device, dtype) at ``precision``."""
+    return f"does not serve ({op}, {device}, {dtype}){_at(backend, op, device, dtype, precision)}"
+
+
+def _at(backend: Backend, op: str, device: str, dtype: str, precision: str) -> str:
+    """`` at precision ...`` when ``backend`` serves (op, device, dtype) at other precisions
+    only, else nothing."""
+    if any(backend.serves_key(op, device, dtype, p) for p in PRECISIONS):
+        return f" at precision {precision!r}"
+    return ""
+
+
+def _precision(args: dict[str, Any]) -> str:
+    """The call's ``precision`` argument; ``"float32"`` for an operation without one."""
+    return args.get("precision", "float32")
 
 
 def device_type(x: Any) -> str:
@@ -291,7 +318,8 @@ Dask and JAX arrays are asked every time (their device is per array)."""
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: one plan per key until a reset
 class _Plan:
-    """The candidates for one (op, device, dtype, options) and how their decision is keyed.
+    """The candidates for one (op, device, dtype, precision, options) and how their decision
+    is keyed.
 
     ``cut`` is the index of the first candidate whose hooks declare no ``hook_keys``: a
     decision reached before it depends only on ``read(call)`` and is cached; one reached at
@@ -318,11 +346,11 @@ _MAX_DECISIONS = 4096  # a bound on memory; past it the cache starts again
 
 
 def _plan(op: str, device: str, dtype: str, prioritize: tuple[str, ...],
-          disable: tuple[str, ...]) -> _Plan:
-    key = (op, device, dtype, prioritize, disable)
+          disable: tuple[str, ...], precision: str) -> _Plan:
+    key = (op, device, dtype, prioritize, disable, precision)
     plan = _plans.get(key)
     if plan is None:
-        ordered, left_out = _candidates(op, device, dtype, prioritize, disable)
+        ordered, left_out = _candidates(op, device, dtype, prioritize, disable, precision)
         cut = next((i for i, b in enumerate(ordered) if b.has_hooks and b.hook_keys is None),
                    len(ordered))
         names = set().union(*(b.hook_keys or () for b in ordered[:cut]))
@@ -368,8 +396,11 @@ def choose(
     opts = _options.get()
     if backend is not None:
         return _choose_strict(call, backend, opts, cached)
-    plan = (_plans.get((call.op, call.device, call.dtype, opts.prioritize, opts.disable))
-            or _plan(call.op, call.device, call.dtype, opts.prioritize, opts.disable))
+    precision = _precision(call.args)
+    plan = (_plans.get((call.op, call.device, call.dtype, opts.prioritize, opts.disable,
+                        precision))
+            or _plan(call.op, call.device, call.dtype, opts.prioritize, opts.disable,
+                     precision))
     key: tuple[Any, ...] | None = None
     if cached and plan.cut:
         # the plan stands for (op, device, dtype, options): the cache is emptied with it
@@ -419,7 +450,8 @@ def kernel_for(
     device, dtype = device_type(like), dtype_name(like.dtype)
     opts = _options.get()
     if backend is None and opts.trace is None:
-        plan = _plans.get((op, device, dtype, opts.prioritize, opts.disable))
+        plan = _plans.get((op, device, dtype, opts.prioritize, opts.disable,
+                           args.get("precision", "float32")))
         if plan is not None and plan.cut:
             try:
                 hit = _decisions.get((plan, xp, plan.read(args)))
@@ -439,6 +471,7 @@ def _choose_strict(
     key: tuple[Any, ...] | None = None
     if cached and chosen is not None and (chosen.hook_keys is not None or not chosen.has_hooks):
         key, hit = _lookup((name, call.op, call.xp, call.device, call.dtype,
+                            _precision(call.args),
                             decisions.reader(chosen.hook_keys or frozenset())(call.args)))
         if hit is not None:
             if opts.trace is not None or logger.isEnabledFor(logging.DEBUG):
@@ -464,10 +497,12 @@ def _strict(call: Call, name: str, reg: dict[str, Backend]) -> tuple[Backend, Ca
             "Install the package that provides it, or pass backend='reference'."
         )
     hint = f" (install: {chosen.install_hint})" if chosen.install_hint else ""
-    if not chosen.serves_key(call.op, call.device, call.dtype):
+    precision = _precision(call.args)
+    if not chosen.serves_key(call.op, call.device, call.dtype, precision):
+        at = _at(chosen, call.op, call.device, call.dtype, precision)
         raise NoBackendError(
             f"backend={name!r} does not serve {call.op} for device {call.device!r} and dtype "
-            f"{call.dtype!r}; it serves {_serves_summary(chosen)}{hint}"
+            f"{call.dtype!r}{at}; it serves {_serves_summary(chosen)}{hint}"
         )
     if call.op in chosen._broken:
         raise BackendLoadError(f"backend={name!r} cannot run {call.op}: "
@@ -495,7 +530,8 @@ def _serves_summary(backend: Backend) -> str:
 
     parts = [f"{names(ops & set(backend.kernels) if '*' not in ops else ops, 'every operation')}"
              f" on {names(devices, 'any device')} for {names(dtypes, 'any dtype')}"
-             for ops, devices, dtypes, _ in backend.serves]
+             + ("" if precs is None else f" at precisions {names(precs, '')}")
+             for ops, devices, dtypes, _, precs in backend.serves]
     return "; ".join(parts) or "nothing"
 
 

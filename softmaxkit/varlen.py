@@ -18,6 +18,7 @@ import numpy as np
 from . import arguments as args
 from .attention import lse_cotangent, lse_in_base, vjp_operands
 from .dispatch import run
+from .dtypes import dtype_name
 from .frameworks import route
 from .metadata import host_integers, index_array, validated
 
@@ -152,6 +153,7 @@ def varlen_attention(
     softcap: float | None = None,
     return_lse: bool = False,
     lse_base: str | int = "e",
+    precision: str = "float32",
     backend: str | None = None,
 ) -> Any:
     """Exact attention over a batch of variable-length sequences packed along one axis.
@@ -188,6 +190,9 @@ def varlen_attention(
         Also return the log-sum-exp of each query row's allowed scores.
     lse_base : {"e", 2}, optional
         Base of the returned log-sum-exp: natural (default) or 2.
+    precision : {"float32", "tf32x3", "tf32"}, optional
+        The least precision of the products of float32 inputs the caller accepts, as for
+        :func:`softmaxkit.attention`; ignored for other dtypes.
     backend : str, optional
         Run on this backend only (strict).
 
@@ -227,11 +232,13 @@ def varlen_attention(
     if framework is not None:
         return framework.varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, window=window,
-            softcap=softcap, return_lse=return_lse, lse_base=lse_base, backend=backend,
+            softcap=softcap, return_lse=return_lse, lse_base=lse_base, precision=precision,
+            backend=backend,
         )
     # the options are checked before the metadata is read
     base = args.lse_base(lse_base)
     options = args.attention_options(causal, window, softcap)
+    args.precision(precision, "float32")
     xp, dims, _, (qf, kf, vf), seqlens = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k)
     (cq, _), (ck, _) = seqlens
     with validated(*seqlens):  # a backend reading the lengths gets the values read here
@@ -239,6 +246,7 @@ def varlen_attention(
             "varlen_attention", xp, qf, backend, q=qf, k=kf, v=vf, cu_seqlens_q=cq,
             cu_seqlens_k=ck, scale=args.attention_scale(scale, dims.d), **options,
             return_lse=bool(return_lse),
+            precision=args.precision(precision, dtype_name(qf.dtype)),
         )
     if not return_lse:
         return out
@@ -261,6 +269,7 @@ def varlen_attention_vjp(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     lse_base: str | int = "e",
+    precision: str = "float32",
     backend: str | None = None,
 ) -> tuple[Any, Any, Any]:
     """Gradient of :func:`varlen_attention`: ``(dq, dk, dv)`` for the upstream gradients
@@ -287,6 +296,9 @@ def varlen_attention_vjp(
         The forward's arguments, unchanged.
     lse_base : {"e", 2}, optional
         The base ``lse`` (and ``dlse``) is given in.
+    precision : {"float32", "tf32x3", "tf32"}, optional
+        The least precision of the products of float32 inputs the caller accepts, as for
+        :func:`softmaxkit.attention`; ignored for other dtypes.
     backend : str, optional
         Run on this backend only (strict).
 
@@ -306,11 +318,13 @@ def varlen_attention_vjp(
     if framework is not None:
         return framework.varlen_attention_vjp(
             q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, dlse=dlse, scale=scale,
-            causal=causal, window=window, softcap=softcap, lse_base=lse_base, backend=backend,
+            causal=causal, window=window, softcap=softcap, lse_base=lse_base,
+            precision=precision, backend=backend,
         )
     # the options are checked before the metadata is read
     base = args.lse_base(lse_base)
     options = args.attention_options(causal, window, softcap)
+    args.precision(precision, "float32")
     extra = {"out": out, "lse": lse, "dout": dout} | ({} if dlse is None else {"dlse": dlse})
     xp, dims, (q0, k0, v0), (qf, kf, vf), seqlens = _prepare(
         q, k, v, cu_seqlens_q, cu_seqlens_k, extra
@@ -326,5 +340,6 @@ def varlen_attention_vjp(
             "varlen_attention_vjp", xp, qf, backend, q=qf, k=kf, v=vf, out=out_f, lse=lse_f,
             dout=dout_f, dlse=dlse_f, cu_seqlens_q=cq, cu_seqlens_k=ck,
             scale=args.attention_scale(scale, dims.d), **options,
+            precision=args.precision(precision, dtype_name(qf.dtype)),
         )
     return tuple(args.cast(xp, g, a.dtype) for g, a in ((dq, q0), (dk, k0), (dv, v0)))

@@ -383,14 +383,15 @@ def test_operators_pass_opcheck():
         (ops.logsumexp_op, (x, [0], None, True, where, None)),
         (ops.cross_entropy_op, (x, torch.tensor([0, 4, 2]), 1, "mean", None, 0.1, None, True,
                                 None)),
-        (ops.attention_op, (q, k, v, None, "bottom_right", [-1, -1], None, None, None, True)),
+        (ops.attention_op, (q, k, v, None, "bottom_right", [-1, -1], None, None, "float32",
+                            None, True)),
         (ops.merge_attention_op, (outs, lses, 0, None)),
     ]
     out, lse = sk.attention(q.detach(), k.detach(), v.detach(), causal=True, return_lse=True)
     for dlse in (None, torch.randn_like(lse)):
         samples.append((ops.attention_vjp_op, (q.detach(), k.detach(), v.detach(), out, lse,
                                                out, dlse, None, "bottom_right", [-1, -1], None,
-                                               None, None)))
+                                               None, "float32", None)))
     for op, args in samples:
         torch.library.opcheck(op, args)
 

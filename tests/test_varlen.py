@@ -290,13 +290,14 @@ def test_torch_operators_pass_opcheck():
                for s in ((5, 2, 3), (4, 1, 3), (4, 1, 2)))
     cu_q, cu_k = torch.tensor([0, 2, 5]), torch.tensor([0, 3, 4])
     torch.library.opcheck(ops.varlen_attention_op,
-                          (q, k, v, cu_q, cu_k, None, "bottom_right", [-1, -1], None, None, True))
+                          (q, k, v, cu_q, cu_k, None, "bottom_right", [-1, -1], None,
+                           "float32", None, True))
     out, lse = sk.varlen_attention(q.detach(), k.detach(), v.detach(), cu_q, cu_k,
                                    return_lse=True)
     for dlse in (None, torch.randn(lse.shape, generator=g, dtype=torch.float64)):
         torch.library.opcheck(ops.varlen_attention_vjp_op,
                               (q.detach(), k.detach(), v.detach(), out, lse, out, dlse, cu_q,
-                               cu_k, None, None, [-1, -1], 2.0, None))
+                               cu_k, None, None, [-1, -1], 2.0, "float32", None))
 
 
 def test_torch_compile_traces_varlen_without_graph_breaks():

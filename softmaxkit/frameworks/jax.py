@@ -321,12 +321,13 @@ def _operands(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def _options(scale: Any, causal: Any, window: Any, softcap: Any, backend: Any,
-             d: int) -> tuple[tuple[str, Any], ...]:
+             d: int, precision: Any = "float32") -> tuple[tuple[str, Any], ...]:
     """The keyword arguments of attention and varlen_attention, validated, as hashable pairs:
     the key of their cached custom_vjp builders (``d`` is the head dimension)."""
     return (("scale", None if scale is None else _args.attention_scale(scale, d)),
             ("causal", _args.causal(causal) or False), ("window", _args.window(window)),
-            ("softcap", _args.softcap(softcap)), ("backend", backend))
+            ("softcap", _args.softcap(softcap)),
+            ("precision", _args.precision(precision, "float32")), ("backend", backend))
 
 
 def _attention_shapes(q, k, v, mask):
@@ -406,7 +407,8 @@ def _attention_custom(options: tuple, lse_used: bool) -> Any:
 
 def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: Any = False,
               window: Any = None, mask: Any = None, softcap: float | None = None,
-              return_lse: bool = False, lse_base: Any = "e", backend: str | None = None) -> Any:
+              return_lse: bool = False, lse_base: Any = "e", precision: str = "float32",
+              backend: str | None = None) -> Any:
     """:func:`softmaxkit.attention` for JAX arrays, differentiable in q, k, v (and its lse).
 
     The forward keeps ``out`` and ``lse``; the backward recomputes from them
@@ -420,7 +422,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: Any
             raise TypeError(f"mask must be a boolean array (True = attend); got {mask.dtype}")
         if mask.ndim < 3:
             mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)
-    options = _options(scale, causal, window, softcap, backend, q.shape[-1])
+    options = _options(scale, causal, window, softcap, backend, q.shape[-1], precision)
     out, lse = _attention_custom(options, bool(return_lse))(q, k, v, mask)
     if not return_lse:
         return out
@@ -430,13 +432,13 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: Any
 def attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, *,
                   dlse: Any = None, scale: float | None = None, causal: Any = False,
                   window: Any = None, mask: Any = None, softcap: float | None = None,
-                  lse_base: Any = "e",
+                  lse_base: Any = "e", precision: str = "float32",
                   backend: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`softmaxkit.attention_vjp` for JAX arrays (under jit and vmap)."""
     arrays = [jnp.asarray(a) for a in (q, k, v, out, lse, dout)]
     spec = tuple(_spec(a.shape, a.dtype) for a in arrays[:3])
     kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lse_base=lse_base,
-              backend=backend)
+              precision=precision, backend=backend)
     return _host(
         lambda q, k, v, o, s, d, dl, m: _attention_vjp_fn(q, k, v, o, s, d, dlse=dl, mask=m,
                                                           **kw),
@@ -559,14 +561,15 @@ def _varlen_custom(options: tuple, lse_used: bool) -> Any:
 def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
                      scale: float | None = None, causal: Any = False, window: Any = None,
                      softcap: float | None = None, return_lse: bool = False,
-                     lse_base: Any = "e", backend: str | None = None) -> Any:
+                     lse_base: Any = "e", precision: str = "float32",
+                     backend: str | None = None) -> Any:
     """:func:`softmaxkit.varlen_attention` for JAX arrays, differentiable in q, k, v (and its
     lse), under ``jit`` (the cumulative lengths are validated in the host callback); not under
     ``vmap``."""
     base = _args.lse_base(lse_base)
     q, k, v = _operands(q, k, v)
     cu_seqlens_q, cu_seqlens_k = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    options = _options(scale, causal, window, softcap, backend, q.shape[-1])
+    options = _options(scale, causal, window, softcap, backend, q.shape[-1], precision)
     out, lse = _varlen_custom(options, bool(return_lse))(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if not return_lse:
         return out
@@ -577,7 +580,7 @@ def varlen_attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
                          cu_seqlens_q: Any, cu_seqlens_k: Any, *, dlse: Any = None,
                          scale: float | None = None, causal: Any = False, window: Any = None,
                          softcap: float | None = None, lse_base: Any = "e",
-                         backend: str | None = None,
+                         precision: str = "float32", backend: str | None = None,
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`softmaxkit.varlen_attention_vjp` for JAX arrays (under jit, not vmap)."""
     arrays = [jnp.asarray(a) for a in (q, k, v, out, lse, dout)]
@@ -585,7 +588,7 @@ def varlen_attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
                                          cu_seqlens_k)
     spec = tuple(_spec(a.shape, a.dtype) for a in arrays[:3])
     kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lse_base=lse_base,
-              backend=backend)
+              precision=precision, backend=backend)
     return _host(
         lambda q, k, v, o, s, d, dl, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, dlse=dl,
                                                             **kw),

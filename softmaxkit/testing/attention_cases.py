@@ -181,6 +181,35 @@ def case_attention_softcap(t: Target, dtype: str, backend: str) -> None:
                  scale=4.0 / math.sqrt(d), causal=True, what=f"attention softcap={softcap}")
 
 
+@case("attention", dtypes=("float32",))
+def case_attention_precisions(t: Target, dtype: str, backend: str) -> None:
+    """``precision="tf32x3"`` and ``"tf32"`` on float32 inputs: each result within the
+    elementwise bound of spec "Precision" (:func:`.precision.attention_bound`) against the
+    float64 definition, rows with no allowed key exact; a backend computing exactly meets it
+    too (it may compute more precisely than asked)."""
+    from .precision import attention_bound
+    from .tolerance import assert_within
+
+    d, dv = _square(t)
+    rng = np.random.default_rng(21)
+    mask = rng.random((9, 14)) < 0.6
+    mask[3] = False  # a row with no allowed key
+    options = (dict(), dict(causal="bottom_right"), dict(causal="top_left", window=(4, -1)),
+               dict(mask=mask), dict(softcap=5.0, scale=3.0 / math.sqrt(d)))
+    for precision in ("tf32x3", "tf32"):
+        for seed, kw in enumerate(options):
+            q, k, v, q64, k64, v64 = _inputs(t, dtype, 40 + seed, (2, 4, 9, d), (2, 2, 14, d),
+                                             dv)
+            m = None if kw.get("mask") is None else t.asarray(kw["mask"], None)
+            got = sk.attention(q, k, v, **{**kw, "mask": m}, return_lse=True,
+                               precision=precision, backend=backend)
+            out, lse = ref.attention(q64, k64, v64, **kw)
+            out_bound, lse_bound = attention_bound(q64, k64, v64, precision=precision, **kw)
+            what = f"attention precision={precision!r} {sorted(kw)}"
+            assert_within(t.to_numpy(got[0]), out, out_bound, what + " out")
+            assert_within(t.to_numpy(got[1]), lse, lse_bound, what + " lse")
+
+
 @case("attention")
 def case_attention_head_dims(t: Target, dtype: str, backend: str) -> None:
     for d, dv in t.head_dims:

@@ -232,8 +232,12 @@ def attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
     mask: Any, softcap: Any, return_lse: bool,
     config: AttentionConfig | Sm90Config | DecodeConfig | None = None,
+    precision: str = "float32",
 ) -> tuple[Any, Any]:
     """Exact attention forward on tensor cores; (out, lse or None).
+
+    A float32 call (served at ``precision`` "tf32" or "tf32x3" only) runs on the TF32 kernels
+    of :mod:`.attention_tf32`.
 
     ``config`` overrides the forward tile configuration (an :class:`AttentionConfig` or, on a
     device of compute capability 9.0, a :class:`Sm90Config`, at the head dimension the call
@@ -245,6 +249,12 @@ def attention(
     columns; a value dimension above 256 runs in blocks of columns, a call each
     (:mod:`.head_dims`).
     """
+    if precision != "float32":  # float32 inputs (the frontend gives others "float32")
+        from .attention_tf32 import attention as tf32_attention
+
+        return tf32_attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
+                              mask=mask, softcap=softcap, return_lse=return_lse,
+                              precision=precision, config=config)
     fixed = _forward_without_work(q, k, v)
     if fixed is not None:
         return fixed[0], (fixed[1] if return_lse else None)

@@ -752,4 +752,154 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention_bwd_sm90.cu", list(sm90_backward_names())))
     modules.append(("attention_sm90.cu", list(sm90_varlen_names())))
     modules.append(("attention_bwd_sm90.cu", list(sm90_varlen_backward_names())))
+    modules.append(("attention_tf32.cu", list(tf32_names())))
+    modules.append(("attention_tf32.cu", list(tf32_backward_names())))
     return modules
+
+
+TF32_PRECISIONS = {"tf32": 1, "tf32x3": 3}
+"""The ``precision=`` values kernels/attention_tf32.cu serves float32 calls at, with the products
+each takes per product of the definition (its PRECISION template argument)."""
+
+
+@dataclass(frozen=True)
+class Tf32Config:
+    """One tile shape of the float32 forward on TF32 tensor cores (kernels/attention_tf32.cu):
+    ``warps`` warps of ``16 * m_tiles`` query rows, ``block_n`` keys per tile; ``mask=False``
+    builds it without boolean-mask support."""
+
+    head_dim: int
+    warps: int = 4
+    block_n: int = 32
+    m_tiles: int = 1
+    mask: bool = True
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per block."""
+        return 16 * self.m_tiles * self.warps
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 32 * self.warps
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: the Q tile and two stages of K and V tiles (float32)."""
+        return (self.block_m + 4 * self.block_n) * self.head_dim * 4
+
+    def name(self, precision: str) -> str:
+        """The C++ name expression of the kernel at ``precision`` ("tf32" or "tf32x3")."""
+        return (f"sk_attn_fwd_tf32<{self.head_dim}, {self.warps}, {self.block_n}, "
+                f"{self.m_tiles}, {'true' if self.mask else 'false'}, "
+                f"{TF32_PRECISIONS[precision]}>")
+
+
+TF32_CONFIGS = {
+    32: Tf32Config(32, warps=4, block_n=64, m_tiles=1),
+    64: Tf32Config(64, warps=4, block_n=64, m_tiles=1),
+    96: Tf32Config(96, warps=4, block_n=32, m_tiles=1),
+    128: Tf32Config(128, warps=4, block_n=32, m_tiles=1),
+}
+"""The float32 TF32 forward for each head dimension it is built for (D = Dv), with and without
+the boolean mask's code.  Float32 tiles take twice the shared memory of 16-bit ones, so the
+tiles are smaller than the 16-bit kernels': at most 96 KB a block, so two blocks share a
+multiprocessor (sm_80's 164 KB included); not yet tuned on a device
+(:data:`TF32_ALTERNATIVES`)."""
+
+TF32_ALTERNATIVES = (
+    Tf32Config(64, warps=4, block_n=32, m_tiles=2, mask=False),
+    Tf32Config(64, warps=8, block_n=64, m_tiles=1, mask=False),
+    Tf32Config(128, warps=8, block_n=32, m_tiles=1, mask=False),
+    Tf32Config(128, warps=4, block_n=64, m_tiles=1, mask=False),
+)
+"""Other TF32 forward configurations, built on request only (``config=``), for
+tools/tf32_timing.py to time beside the declared ones."""
+
+
+def tf32_width(d: int, dv: int) -> int | None:
+    """The head dimension of ``TF32_CONFIGS`` a float32 call of key dim ``d`` and value dim
+    ``dv`` runs at (the smallest that holds both, on zero-padded copies unless it is
+    ``d == dv``), or None where none does."""
+    return next((w for w in sorted(TF32_CONFIGS) if w >= max(d, dv)), None)
+
+
+def tf32_config(head_dim: int, masked: bool) -> Tf32Config | None:
+    """The TF32 forward configuration for ``head_dim``, or None where none is built."""
+    found = TF32_CONFIGS.get(head_dim)
+    if found is None or masked:
+        return found
+    return Tf32Config(found.head_dim, found.warps, found.block_n, found.m_tiles, mask=False)
+
+
+def tf32_names() -> tuple[str, ...]:
+    """The name expressions of kernels/attention_tf32.cu (one module holds them all)."""
+    return tuple(c.name(p) for d in TF32_CONFIGS for masked in (True, False)
+                 if (c := tf32_config(d, masked)) is not None for p in TF32_PRECISIONS)
+
+
+def tf32_alternative_names() -> tuple[str, ...]:
+    """The name expressions of the TF32 alternatives (a module of their own)."""
+    return tuple(c.name(p) for c in TF32_ALTERNATIVES for p in TF32_PRECISIONS)
+
+
+@dataclass(frozen=True)
+class Tf32BackwardConfig:
+    """The float32 TF32 backward's tile shape (kernels/attention_tf32.cu, sk_attn_bwd_tf32):
+    ``warps`` warps of 16 keys each, query tiles of ``block_m`` rows; ``mask=False`` builds it
+    without the boolean mask's code."""
+
+    head_dim: int
+    warps: int = 4
+    block_m: int = 32
+    mask: bool = True
+
+    @property
+    def block_n(self) -> int:
+        """Keys per block (16 a warp)."""
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 32 * self.warps
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: K and V, two stages of Q and dO, dS^T (float32 rows padded
+        by 4 floats), and two stages of the rows' lse2 and delta."""
+        d, bm, bn = self.head_dim, self.block_m, self.block_n
+        return (2 * bn + 4 * bm) * (d + 4) * 4 + bn * (bm + 4) * 4 + 4 * bm * 4
+
+    def name(self, precision: str) -> str:
+        """The C++ name expression of the kernel at ``precision`` ("tf32" or "tf32x3")."""
+        return (f"sk_attn_bwd_tf32<{self.head_dim}, {self.warps}, {self.block_m}, "
+                f"{'true' if self.mask else 'false'}, {TF32_PRECISIONS[precision]}>")
+
+
+TF32_BACKWARD_CONFIGS = {
+    32: Tf32BackwardConfig(32, warps=4, block_m=64),
+    64: Tf32BackwardConfig(64, warps=4, block_m=32),
+    96: Tf32BackwardConfig(96, warps=4, block_m=32),
+    128: Tf32BackwardConfig(128, warps=4, block_m=16),
+}
+"""The float32 TF32 backward for each head dimension (within sm_80's shared memory; query
+tiles as long as the registers allow without spills: dK and dV take D / 2 a thread).  Built
+on request only (``softmaxkit_cupy.attention_tf32.attention_vjp``): compiled and checked for
+registers in CI, it serves float32 gradients at reduced precision once a device run has
+checked it against float64 (backends/cupy/tests/test_tf32_gpu.py); until then those run on
+the exact kernels."""
+
+
+def tf32_backward_config(head_dim: int, masked: bool) -> Tf32BackwardConfig | None:
+    """The TF32 backward configuration for ``head_dim``, or None where none is built."""
+    found = TF32_BACKWARD_CONFIGS.get(head_dim)
+    if found is None or masked:
+        return found
+    return Tf32BackwardConfig(found.head_dim, found.warps, found.block_m, mask=False)
+
+
+def tf32_backward_names() -> tuple[str, ...]:
+    """The name expressions of the TF32 backward (a module of their own)."""
+    return tuple(c.name(p) for d in TF32_BACKWARD_CONFIGS for masked in (True, False)
+                 if (c := tf32_backward_config(d, masked)) is not None
+                 for p in TF32_PRECISIONS)

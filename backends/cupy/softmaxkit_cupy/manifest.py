@@ -20,8 +20,11 @@ from .configs import (
     MERGE_DTYPES,
     ROW_DTYPE_PAIRS,
     ROW_OPS,
+    TF32_CONFIGS,
+    TF32_PRECISIONS,
     decode_holds,
     max_row_length,
+    tf32_width,
 )
 from .head_dims import head_dim_reason
 
@@ -63,6 +66,10 @@ def manifest() -> dict[str, Any]:
             {"ops": sorted((*ROW_OPS, *GRAD_OPS)), "devices": ["cuda"], "dtypes": list(DTYPES)},
             {"ops": ["attention", "attention_vjp"], "devices": ["cuda"],
              "dtypes": list(ATTENTION_DTYPES)},
+            # float32 on TF32 tensor cores: at the reduced precisions only (the exact
+            # float32 kernels are numba-cuda's)
+            {"ops": ["attention"], "devices": ["cuda"], "dtypes": ["float32"],
+             "precisions": list(TF32_PRECISIONS)},
             {"ops": ["merge_attention"], "devices": ["cuda"], "dtypes": list(MERGE_DTYPES)},
             {"ops": list(VARLEN_OPS), "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
             {"ops": ["paged_attention"], "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
@@ -127,6 +134,8 @@ def _can_run_attention(call: Any) -> bool | str:
         return f"inputs must be CuPy arrays or PyTorch CUDA tensors, got {type(q).__name__}"
     if any(_library(a) != lib for a in (k, v) + ((mask,) if mask is not None else ())):
         return "q, k, v and mask must live in one library"
+    if _name(q.dtype) == "float32":
+        return tf32_reason(tuple(q.shape), tuple(k.shape), tuple(v.shape)) or True
     return attention_reason(
         _name(q.dtype), tuple(q.shape), tuple(k.shape), tuple(v.shape)
     ) or True
@@ -270,6 +279,26 @@ def merge_reason(dtype: str, lse_dtype: str, shape: tuple[int, ...]) -> str | No
         return "zero-size merges are left to the reference"
     if shape[1] >= 2**31 // 8:
         return "more rows than one launch addresses"
+    return None
+
+
+def tf32_reason(
+    q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...]
+) -> str | None:
+    """Why the float32 TF32 forward (kernels/attention_tf32.cu) cannot run these inputs, or
+    None when it can: it is built for D = Dv in ``TF32_CONFIGS`` and runs smaller D and Dv on
+    zero-padded copies (:func:`.configs.tf32_width`); larger ones run on the exact kernels.
+    Calls with no query row or no key run without a launch."""
+    b, hq, lq, d = q_shape
+    if tf32_width(d, v_shape[-1]) is None:
+        return (f"the TF32 attention kernels take D and Dv up to {max(TF32_CONFIGS)}, "
+                f"not D={d}, Dv={v_shape[-1]}")
+    if b * hq * lq == 0 or k_shape[2] == 0:
+        return None
+    if b > 65535 or hq > 65535:
+        return "more than 65535 batches or heads per launch"
+    if max(lq, k_shape[2]) >= 2**31 // 256:
+        return "sequences too long for 32-bit indexing"
     return None
 
 

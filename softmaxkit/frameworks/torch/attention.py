@@ -30,13 +30,13 @@ from .common import (
 @torch.library.custom_op("softmaxkit::attention", mutates_args=())
 def attention_op(
     q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: str | None,
-    window: list[int], mask: Tensor | None, softcap: float | None, backend: str | None,
-    lse_used: bool,
+    window: list[int], mask: Tensor | None, softcap: float | None, precision: str,
+    backend: str | None, lse_used: bool,
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
         out, lse = _attention_fn(
             q, k, v, scale=scale, causal=causal or False, window=(window[0], window[1]), mask=mask,
-            softcap=softcap, return_lse=True, backend=backend,
+            softcap=softcap, return_lse=True, precision=precision, backend=backend,
         )
     return out.contiguous(), lse.contiguous()
 
@@ -49,7 +49,7 @@ def _attention_lead(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tup
 
 
 @attention_op.register_fake
-def _(q, k, v, scale, causal, window, mask, softcap, backend, lse_used):
+def _(q, k, v, scale, causal, window, mask, softcap, precision, backend, lse_used):
     lead = _attention_lead(q, k, v, mask)
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     hq, lq = q.shape[-3], q.shape[-2]
@@ -61,18 +61,20 @@ def _(q, k, v, scale, causal, window, mask, softcap, backend, lse_used):
 def attention_vjp_op(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
     dlse: Tensor | None, scale: float | None, causal: str | None, window: list[int],
-    mask: Tensor | None, softcap: float | None, backend: str | None,
+    mask: Tensor | None, softcap: float | None, precision: str, backend: str | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     with torch.no_grad():
         grads = _attention_vjp_fn(
             q, k, v, out, lse, dout, dlse=dlse, scale=scale, causal=causal or False,
-            window=(window[0], window[1]), mask=mask, softcap=softcap, backend=backend,
+            window=(window[0], window[1]), mask=mask, softcap=softcap, precision=precision,
+            backend=backend,
         )
     return tuple(g.contiguous() for g in grads)
 
 
 @attention_vjp_op.register_fake
-def _(q, k, v, out, lse, dout, dlse, scale, causal, window, mask, softcap, backend):
+def _(q, k, v, out, lse, dout, dlse, scale, causal, window, mask, softcap, precision,
+      backend):
     return tuple(result_like(a, a.shape, a.dtype) for a in (q, k, v))
 
 
@@ -82,9 +84,9 @@ attention_vjp_op.register_autograd(
 
 
 def _attention_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, scale, causal, window, mask, softcap, backend, lse_used = inputs
+    q, k, v, scale, causal, window, mask, softcap, precision, backend, lse_used = inputs
     ctx.args = (scale, causal, window)
-    ctx.tail = (softcap, backend)
+    ctx.tail = (softcap, precision, backend)
     ctx.lse_used = lse_used  # else the lse's cotangent, zeros, is not passed on
     ctx.set_materialize_grads(False)  # an output the loss does not use: None, not zeros
     ctx.save_for_backward(q, k, v, mask, *output)  # out and lse: the backward recomputes
@@ -99,7 +101,7 @@ def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> t
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.lse_used else None
     dq, dk, dv = attention_vjp_op(q, k, v, out, lse, dout, dlse, *ctx.args, mask, *ctx.tail)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
@@ -108,7 +110,8 @@ attention_op.register_autograd(_attention_backward, setup_context=_attention_set
 def attention(
     q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, causal: Any = False,
     window: Any = None, mask: Any = None, softcap: float | None = None,
-    return_lse: bool = False, lse_base: Any = "e", backend: str | None = None,
+    return_lse: bool = False, lse_base: Any = "e", precision: str = "float32",
+    backend: str | None = None,
 ) -> Any:
     """:func:`softmaxkit.attention` as the differentiable operator ``softmaxkit::attention``.
 
@@ -119,7 +122,8 @@ def attention(
     out, lse = attention_op(
         q, k, v, None if scale is None else _args.attention_scale(scale, q.shape[-1]),
         _args.causal(causal), list(_args.window(window)),
-        tensor_or_none(mask, q, "mask"), _args.softcap(softcap), backend, bool(return_lse),
+        tensor_or_none(mask, q, "mask"), _args.softcap(softcap),
+        _args.precision(precision, "float32"), backend, bool(return_lse),
     )
     if not return_lse:
         return out
@@ -230,7 +234,7 @@ def attention_vjp(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
     dlse: Any = None, scale: float | None = None, causal: Any = False, window: Any = None,
     mask: Any = None, softcap: float | None = None, lse_base: Any = "e",
-    backend: str | None = None,
+    precision: str = "float32", backend: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`softmaxkit.attention_vjp` as an operator (no second derivative)."""
     dlse = tensor_or_none(dlse, q, "dlse")
@@ -241,7 +245,7 @@ def attention_vjp(
     return attention_vjp_op(
         q, k, v, out, lse, dout, dlse, scale,
         _args.causal(causal), list(_args.window(window)), tensor_or_none(mask, q, "mask"),
-        _args.softcap(softcap), backend,
+        _args.softcap(softcap), _args.precision(precision, "float32"), backend,
     )
 
 
@@ -270,18 +274,20 @@ def merge_attention_vjp(
 def varlen_attention_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
     scale: float | None, causal: str | None, window: list[int], softcap: float | None,
-    backend: str | None, lse_used: bool,
+    precision: str, backend: str | None, lse_used: bool,
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
         out, lse = _varlen_fn(
             q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal or False,
-            window=(window[0], window[1]), softcap=softcap, return_lse=True, backend=backend,
+            window=(window[0], window[1]), softcap=softcap, return_lse=True,
+            precision=precision, backend=backend,
         )
     return out.contiguous(), lse.contiguous()
 
 
 @varlen_attention_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, backend, lse_used):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, precision, backend,
+      lse_used):
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     tq, hq = q.shape[0], q.shape[1]
     return (result_like(q, (tq, hq, v.shape[-1]), dtype),
@@ -292,20 +298,21 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, backe
 def varlen_attention_vjp_op(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
     dlse: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float | None,
-    causal: str | None, window: list[int], softcap: float | None, backend: str | None,
+    causal: str | None, window: list[int], softcap: float | None, precision: str,
+    backend: str | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     with torch.no_grad():
         grads = _varlen_vjp_fn(
             q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, dlse=dlse, scale=scale,
             causal=causal or False, window=(window[0], window[1]), softcap=softcap,
-            backend=backend,
+            precision=precision, backend=backend,
         )
     return tuple(g.contiguous() for g in grads)
 
 
 @varlen_attention_vjp_op.register_fake
 def _(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, scale, causal, window,
-      softcap, backend):
+      softcap, precision, backend):
     return tuple(result_like(a, a.shape, a.dtype) for a in (q, k, v))
 
 
@@ -315,8 +322,8 @@ varlen_attention_vjp_op.register_autograd(
 
 
 def _varlen_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, cu_q, cu_k, scale, causal, window, softcap, backend, lse_used = inputs
-    ctx.args = (scale, causal, window, softcap, backend)
+    q, k, v, cu_q, cu_k, scale, causal, window, softcap, precision, backend, lse_used = inputs
+    ctx.args = (scale, causal, window, softcap, precision, backend)
     ctx.lse_used = lse_used
     ctx.set_materialize_grads(False)  # as for attention: unused outputs give None
     ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)  # out and lse: the backward recomputes
@@ -329,7 +336,7 @@ def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tupl
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.lse_used else None
     dq, dk, dv = varlen_attention_vjp_op(q, k, v, out, lse, dout, dlse, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 varlen_attention_op.register_autograd(_varlen_backward, setup_context=_varlen_setup)
@@ -348,7 +355,7 @@ def varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any, *,
     scale: float | None = None, causal: Any = False, window: Any = None,
     softcap: float | None = None, return_lse: bool = False, lse_base: Any = "e",
-    backend: str | None = None,
+    precision: str = "float32", backend: str | None = None,
 ) -> Any:
     """:func:`softmaxkit.varlen_attention` as the differentiable operator
     ``softmaxkit::varlen_attention``; the backward recomputes from the saved ``out`` and
@@ -358,8 +365,8 @@ def varlen_attention(
         q, k, v, _seqlens(cu_seqlens_q, q, "cu_seqlens_q"),
         _seqlens(cu_seqlens_k, q, "cu_seqlens_k"),
         None if scale is None else _args.attention_scale(scale, q.shape[-1]),
-        _args.causal(causal), list(_args.window(window)), _args.softcap(softcap), backend,
-        bool(return_lse),
+        _args.causal(causal), list(_args.window(window)), _args.softcap(softcap),
+        _args.precision(precision, "float32"), backend, bool(return_lse),
     )
     if not return_lse:
         return out
@@ -370,7 +377,7 @@ def varlen_attention_vjp(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
     cu_seqlens_q: Any, cu_seqlens_k: Any, *, dlse: Any = None, scale: float | None = None,
     causal: Any = False, window: Any = None, softcap: float | None = None,
-    lse_base: Any = "e", backend: str | None = None,
+    lse_base: Any = "e", precision: str = "float32", backend: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`softmaxkit.varlen_attention_vjp` as an operator (no second derivative)."""
     dlse = tensor_or_none(dlse, q, "dlse")
@@ -381,5 +388,6 @@ def varlen_attention_vjp(
         q, k, v, out, lse, dout, dlse, _seqlens(cu_seqlens_q, q, "cu_seqlens_q"),
         _seqlens(cu_seqlens_k, q, "cu_seqlens_k"),
         None if scale is None else _args.attention_scale(scale, q.shape[-1]),
-        _args.causal(causal), list(_args.window(window)), _args.softcap(softcap), backend,
+        _args.causal(causal), list(_args.window(window)), _args.softcap(softcap),
+        _args.precision(precision, "float32"), backend,
     )

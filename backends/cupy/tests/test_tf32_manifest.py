@@ -1,0 +1,69 @@
+"""The cupy backend serves float32 attention at precisions "tf32" and "tf32x3" only (its TF32
+kernels), leaves "float32" and every float32 gradient to the exact kernels, and declines the
+head dimensions its TF32 kernels are not built for, with the reason."""
+
+from __future__ import annotations
+
+import pytest
+from softmaxkit_cupy import manifest as mf
+from softmaxkit_cupy.configs import TF32_CONFIGS, tf32_config, tf32_names
+
+from softmaxkit import registry
+from softmaxkit.backend import Backend
+
+
+def test_float32_attention_is_served_at_the_tf32_precisions_only() -> None:
+    backend = Backend.from_manifest(mf.manifest())
+    assert backend.takes_precision("attention")
+    assert not backend.takes_precision("attention_vjp")
+    for precision, served in (("float32", False), ("tf32x3", True), ("tf32", True)):
+        assert backend.serves_key("attention", "cuda", "float32", precision) is served
+        assert not backend.serves_key("attention_vjp", "cuda", "float32", precision)
+        assert not backend.serves_key("varlen_attention", "cuda", "float32", precision)
+    for dtype in ("float16", "bfloat16"):  # 16-bit calls always carry "float32"
+        assert backend.serves_key("attention", "cuda", dtype, "float32")
+
+
+def test_dispatch_orders_cupy_first_at_tf32_and_leaves_it_out_at_float32() -> None:
+    registry.reload()
+    try:
+        order, left_out = registry.candidates("attention", "cuda", "float32", "tf32x3")
+        exact = [name for name in ("numba-cuda", "reference") if name in order]
+        assert exact and all(order.index("cupy") < order.index(name) for name in exact)
+        order, left_out = registry.candidates("attention", "cuda", "float32")
+        assert "cupy" not in order and "at precision 'float32'" in left_out["cupy"]
+    finally:
+        registry.reload()
+
+
+@pytest.mark.parametrize(("q", "k", "v", "declined"), [
+    ((2, 8, 300, 64), (2, 2, 400, 64), (2, 2, 400, 64), False),
+    ((1, 4, 1, 128), (1, 4, 5000, 128), (1, 4, 5000, 128), False),
+    ((1, 4, 0, 32), (1, 4, 10, 32), (1, 4, 10, 32), False),
+    ((1, 4, 16, 80), (1, 4, 16, 80), (1, 4, 16, 80), False),  # padded to 96
+    ((1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 128), False),  # padded to 128
+    ((1, 4, 16, 160), (1, 4, 16, 160), (1, 4, 16, 160), True),
+    ((1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 136), True),
+    ((70000, 1, 16, 64), (70000, 1, 16, 64), (70000, 1, 16, 64), True),
+])
+def test_tf32_reasons(q, k, v, declined) -> None:
+    reason = mf.tf32_reason(q, k, v)
+    assert (reason is not None) is declined, reason
+
+
+def test_every_head_dimension_has_masked_and_unmasked_kernels() -> None:
+    names = set(tf32_names())
+    for d in TF32_CONFIGS:
+        for masked in (True, False):
+            config = tf32_config(d, masked)
+            assert config.mask is masked
+            assert {config.name("tf32"), config.name("tf32x3")} <= names
+    assert tf32_config(80, True) is None
+
+
+def test_head_dims_run_at_the_smallest_built_width_that_holds_them() -> None:
+    from softmaxkit_cupy.configs import tf32_width
+
+    assert [tf32_width(d, d) for d in (1, 32, 33, 64, 80, 96, 100, 128, 129)] == [
+        32, 32, 64, 64, 96, 96, 128, 128, None]
+    assert tf32_width(64, 40) == 64 and tf32_width(16, 100) == 128

@@ -1,0 +1,94 @@
+"""The float32 TF32 forward and backward (kernels/attention_tf32.cu) build for sm_80 and
+sm_90a with no register spills (the forward's alternatives too), within sm_80's shared memory
+(the forward: two blocks a multiprocessor on sm_90), and the forward takes one tensor-core
+product per product of the definition at "tf32" and three at "tf32x3" (counted in the machine
+code where cuobjdump is installed).  Skipped where nvcc is absent."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from softmaxkit_cupy.compiler import source
+from softmaxkit_cupy.configs import (
+    TF32_BACKWARD_CONFIGS,
+    TF32_CONFIGS,
+    TF32_PRECISIONS,
+    tf32_alternative_names,
+    tf32_backward_config,
+    tf32_backward_names,
+    tf32_config,
+    tf32_names,
+)
+
+NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists()
+                                else None)
+CUOBJDUMP = shutil.which("cuobjdump") or next(
+    (str(p) for p in [Path("/tmp/cuobj/x/nvidia/cu13/bin/cuobjdump")] if p.exists()), None)
+
+SM80_SHARED = 163 * 1024
+"""The most dynamic shared memory a block may take on sm_80 (A100)."""
+SM90_HALF = 228 * 1024 // 2 - 1024
+"""Half a sm_90 multiprocessor's shared memory, less the 1 KB the system keeps per block."""
+
+
+def test_every_configuration_fits_sm80_and_two_blocks_fit_sm90() -> None:
+    for d in TF32_CONFIGS:
+        for masked in (True, False):
+            config = tf32_config(d, masked)
+            assert config.shared_bytes() <= min(SM80_SHARED, SM90_HALF), config
+    for d in TF32_BACKWARD_CONFIGS:
+        for masked in (True, False):
+            config = tf32_backward_config(d, masked)
+            assert config.shared_bytes() <= SM80_SHARED, config
+
+
+def _build(tmp_path: Path, arch: str) -> tuple[str, Path]:
+    names = (*tf32_names(), *tf32_alternative_names(), *tf32_backward_names())
+    unit = tmp_path / f"tf32_{arch}.cu"
+    unit.write_text(source("attention_tf32.cu") + "\n" + "\n".join(
+        f"void* sk_instance_{i} = (void*)&{name};" for i, name in enumerate(names)) + "\n")
+    cubin = tmp_path / f"tf32_{arch}.cubin"
+    cmd = [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin",
+           "-Xptxas", "-v", str(unit), "-o", str(cubin)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr, cubin
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("arch", ["80", "90a"])
+def test_tf32_kernels_build_without_spills(tmp_path: Path, arch: str) -> None:
+    report, cubin = _build(tmp_path, arch)
+    names = (*tf32_names(), *tf32_alternative_names(), *tf32_backward_names())
+    assert report.count("Compiling entry function") == len(names)
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    assert len(spills) == len(names) and set(spills) == {"0"}, report[-3000:]
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    assert len(registers) == len(names) and max(registers) <= 255, registers
+    if CUOBJDUMP is None:
+        return
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout
+    counts: dict[str, int] = {}
+    function = ""
+    for line in sass.splitlines():
+        found = re.search(r"Function : (\S+)", line)
+        if found:
+            function = found.group(1)
+        elif "HMMA" in line:
+            assert ".TF32" in line, line  # every tensor-core product takes TF32 operands
+            counts[function] = counts.get(function, 0) + 1
+    # a fully unrolled key tile: (D / 8) (BN / 8) products for S = Q K^T and as many for P V
+    for d, config in TF32_CONFIGS.items():
+        per_tile = 2 * (d // 8) * (config.block_n // 8) * config.m_tiles
+        for precision, products in TF32_PRECISIONS.items():
+            mangled = [f for f in counts
+                       if f"ILi{d}ELi{config.warps}ELi{config.block_n}ELi{config.m_tiles}" in f
+                       and f.endswith(f"ELi{products}EEvPKfS1_S1_PKjPfS4_xxxxxxxxxxxxiiiiffiiii")]
+            assert len(mangled) == 2, (d, precision, sorted(counts))
+            for f in mangled:
+                assert counts[f] == products * per_tile, (f, counts[f], per_tile)
