@@ -761,6 +761,12 @@ TF32_PRECISIONS = {"tf32": 1, "tf32x3": 3}
 """The ``precision=`` values kernels/attention_tf32.cu serves float32 calls at, with the products
 each takes per product of the definition (its PRECISION template argument)."""
 
+TF32_CHECKED = False
+"""Whether the TF32 kernels have passed a device run (``tests/test_tf32_gpu.py``).  Until
+then ``can_run`` declines float32 calls at ``"tf32"`` and ``"tf32x3"``, which run on the exact
+kernels (more precise than asked, as the spec allows), and the kernels run only when called
+through :mod:`.attention_tf32` directly."""
+
 
 @dataclass(frozen=True)
 class Tf32Config:

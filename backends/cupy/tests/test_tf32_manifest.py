@@ -67,3 +67,20 @@ def test_head_dims_run_at_the_smallest_built_width_that_holds_them() -> None:
     assert [tf32_width(d, d) for d in (1, 32, 33, 64, 80, 96, 100, 128, 129)] == [
         32, 32, 64, 64, 96, 96, 128, 128, None]
     assert tf32_width(64, 40) == 64 and tf32_width(16, 100) == 128
+
+
+def test_float32_calls_wait_for_the_device_check(monkeypatch) -> None:
+    """Until ``configs.TF32_CHECKED``, ``can_run`` declines float32 attention with the reason
+    (the exact kernels serve it); once set, it takes the calls its kernels are built for."""
+    torch = pytest.importorskip("torch")
+    from softmaxkit_cupy import configs
+
+    from softmaxkit.ops import Call
+
+    monkeypatch.setattr(mf, "_library", lambda a: "torch")  # CPU tensors stand in for CUDA
+    q = torch.zeros(1, 4, 16, 64)
+    call = Call("attention", None, "cuda", "float32", {"q": q, "k": q, "v": q, "mask": None})
+    assert configs.TF32_CHECKED is False
+    assert "not yet checked on a device" in mf.can_run(call)
+    monkeypatch.setattr(configs, "TF32_CHECKED", True)
+    assert mf.can_run(call) is True
