@@ -194,8 +194,9 @@ def case_attention_precisions(t: Target, dtype: str, backend: str) -> None:
     rng = np.random.default_rng(21)
     mask = rng.random((9, 14)) < 0.6
     mask[3] = False  # a row with no allowed key
-    options = (dict(), dict(causal="bottom_right"), dict(causal="top_left", window=(4, -1)),
-               dict(mask=mask), dict(softcap=5.0, scale=3.0 / math.sqrt(d)))
+    options: tuple[dict[str, Any], ...] = (
+        dict(), dict(causal="bottom_right"), dict(causal="top_left", window=(4, -1)),
+        dict(mask=mask), dict(softcap=5.0, scale=3.0 / math.sqrt(d)))
     for precision in ("tf32x3", "tf32"):
         for seed, kw in enumerate(options):
             q, k, v, q64, k64, v64 = _inputs(t, dtype, 40 + seed, (2, 4, 9, d), (2, 2, 14, d),
