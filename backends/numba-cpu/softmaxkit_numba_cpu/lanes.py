@@ -40,7 +40,7 @@ import numpy as np
 from numba import njit, types, uint64
 from numba.extending import overload
 
-from .bits import like, maxnum, widen
+from .bits import MAX_LANES, MAX_UNROLL, like, maxnum, vector_max, widen
 from .exp import exp_lifted, unlift
 
 NORMAL, NAN, POSINF, EMPTY = 0, 1, 2, 3
@@ -56,16 +56,39 @@ STEP = 256
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def max_of(x, j0, n):
-    """Maximum of ``x[j0:j0 + n]`` ignoring NaN (-inf for none), in the accumulator type.
-
-    ``maxnum`` makes the loop a vectorized reduction: lanewise maxima, one reduction at the end.
-    """
+def _max_widened(x, j0, n):
+    # maxnum makes the loop a vectorized reduction: lanewise maxima, one at the end
     m = like(x, -np.inf)
     a = uint64(j0)
     for t in range(uint64(0), uint64(n)):
         m = maxnum(m, widen(x[a + t]))
     return m
+
+
+@njit(cache=True)
+def _max_direct(x, j0, n):
+    whole = n - n % (MAX_UNROLL * MAX_LANES)  # float64 needs a multiple of half of that
+    m = vector_max(x, j0, whole)
+    for t in range(j0 + whole, j0 + n):
+        v = x[t]
+        m = v if v > m else m
+    return m
+
+
+def max_of(x, j0, n):  # pragma: no cover - replaced by the overload inside compiled code
+    """Maximum of ``x[j0:j0 + n]`` ignoring NaN (-inf for none), in the accumulator type.
+
+    float32 and float64 take :func:`~.bits.vector_max`, one ``max`` instruction per vector;
+    16-bit storage is widened element by element.
+    """
+    raise NotImplementedError
+
+
+@overload(max_of, jit_options={"cache": True})
+def _max_of(x, j0, n):
+    if x.dtype == types.float32 or x.dtype == types.float64:
+        return lambda x, j0, n: _max_direct(x, j0, n)
+    return lambda x, j0, n: _max_widened(x, j0, n)
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -14,14 +14,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 import softmaxkit_numba_cpu.row_kernels as k
+from numba import njit
 from softmaxkit_numba_cpu.adapters import storage
-from softmaxkit_numba_cpu.lanes import BLOCK
+from softmaxkit_numba_cpu.lanes import BLOCK, max_of
 
 from softmaxkit.testing.tolerance import TOLERANCES, assert_within, log_bound, softmax_bound
 
 NO_MASK = np.ones((1, 1), dtype=bool)
 DTYPES = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16,
           "float16": np.float16}
+
+
+@njit(cache=True)
+def _max_of(x, j0, n):
+    return max_of(x, j0, n)
 
 
 def _ref(x64):
@@ -132,6 +138,31 @@ def test_special_short_rows_between_ordinary_ones(dtype):
         _check(x[normal], [p[normal], lp[normal], lse[normal]], dtype)
     # logsumexp keeps the rest of the dominated row: log(1 + 36 e^-40), not 0
     assert lse[7] == pytest.approx(np.log1p(36 * np.exp(-40.0)), rel=1e-5, abs=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_row_maximum_on_vectors_and_tail(dtype):
+    # max_of takes whole groups of vectors, then a scalar tail: every length up to three
+    # groups and every offset of a row within the array, with NaN (ignored) and -inf
+    rng = np.random.default_rng(13)
+    for n in [*range(0, 100), 1024, 2048]:
+        for j0 in (0, 3):
+            x = rng.normal(scale=5.0, size=n + 8).astype(DTYPES[dtype])
+            row = x[j0:j0 + n]
+            cases = [row.copy()]
+            if n:
+                nan = row.copy()
+                nan[rng.integers(0, n, 1 + n // 10)] = np.nan
+                low = np.full(n, -np.inf)
+                low[rng.integers(0, n)] = np.nan
+                top = row.copy()
+                top[rng.integers(0, n)] = np.inf
+                cases += [nan, low, top]
+            for case in cases:
+                x[j0:j0 + n] = case
+                finite = case[~np.isnan(case)]
+                want = finite.max() if finite.size else -np.inf
+                assert _max_of(x, j0, n) == want, (n, j0, case)
 
 
 def test_mask_across_blocks():
