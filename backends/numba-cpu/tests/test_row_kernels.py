@@ -213,9 +213,11 @@ def test_streamed_rows_at_every_alignment(dtype, shift, streamed):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
-def test_thread_shares_give_the_one_thread_result(threads):
-    # every row is computed the same way whichever share of rows it falls in
-    x = np.random.default_rng(10).normal(scale=5.0, size=(37, 300)).astype(np.float32)
+@pytest.mark.parametrize("rows", [37, 301])
+def test_thread_shares_give_the_one_thread_result(threads, rows):
+    # every row is computed the same way whichever share of rows it falls in; 301 rows of
+    # 300 float32 make 6 batches, so up to 6 workers take them
+    x = np.random.default_rng(10).normal(scale=5.0, size=(rows, 300)).astype(np.float32)
     serial = _run(x, 0)
     _check(x, serial, "float32")
     for a, b in zip(serial, _run(x, threads), strict=True):
