@@ -212,6 +212,25 @@ def test_streamed_rows_at_every_alignment(dtype, shift, streamed):
                 assert_within(got, lp, log_bound(lp, n, dtype), "log_softmax")
 
 
+def test_short_rows_of_an_input_beyond_the_caches():
+    # short rows of an input of STREAM_FROM bytes or more take their maximum with maxnum_of
+    # (the others with vector_max): both ways, special rows included, give the same values
+    n = 300
+    r = k.STREAM_FROM // (n * 4) + 1
+    x = np.random.default_rng(14).normal(scale=4.0, size=(r, n)).astype(np.float32)
+    x[1, 7] = np.nan
+    x[2, :] = -np.inf
+    x[3, 5] = np.inf
+    small = x[:40].copy()
+    for threads in (0, 2):
+        big = _run(x, threads)
+        few = _run(small, threads)
+        for a, b in zip(big, few, strict=True):
+            assert np.array_equal(a[:40], b, equal_nan=True)
+        normal = np.r_[0, 4:r]
+        _check(x[normal], [a[normal] for a in big], "float32")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 @pytest.mark.parametrize("rows", [37, 301])
 def test_thread_shares_give_the_one_thread_result(threads, rows):
