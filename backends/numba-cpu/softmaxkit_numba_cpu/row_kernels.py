@@ -397,10 +397,11 @@ def logsumexp_row(x, r0, n, stop, w, q0, has_where, bmax, bsum, first):
 def _logsumexp_short(x, n, lo, hi, w, lse, sign, unused):
     """:func:`logsumexp_row` of unmasked short rows, as :func:`_log_softmax_short`; a
     dominated row is summed again without its maximum (:func:`~.lanes.block_rest`)."""
-    cached = x.size * x.itemsize < STREAM_FROM  # the input fits in the caches
     for i in range(lo, hi):
         r0 = i * n
-        m = max_of(x, r0, n) if cached else maxnum_of(x, r0, n)
+        # the maxnum loop: with either loop here, depending on the input's size, the
+        # 32768 x 512 float32 logsumexp took 23% more one-thread CPU time (8.2 -> 10.1 ms)
+        m = maxnum_of(x, r0, n)
         if m - m != m - m:
             return i
         s = 0.0
