@@ -213,8 +213,9 @@ def test_streamed_rows_at_every_alignment(dtype, shift, streamed):
 
 
 def test_short_rows_of_an_input_beyond_the_caches():
-    # short rows of an input of STREAM_FROM bytes or more take their maximum with maxnum_of
-    # (the others with vector_max): both ways, special rows included, give the same values
+    # softmax and log_softmax short rows of an input of STREAM_FROM bytes or more take their
+    # maximum with maxnum_of, the others with vector_max: both give the same values, special
+    # rows included
     n = 300
     r = k.STREAM_FROM // (n * 4) + 1
     x = np.random.default_rng(14).normal(scale=4.0, size=(r, n)).astype(np.float32)
