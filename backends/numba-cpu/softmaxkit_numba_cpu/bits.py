@@ -188,3 +188,79 @@ def _like(v, c):
     if v == types.float64 or (isinstance(v, types.Array) and v.dtype == types.float64):
         return lambda v, c: np.float64(c)
     return lambda v, c: np.float32(c)
+
+
+MAX_LANES = 8
+"""float32 lanes of the 256-bit vectors of :func:`vector_max` (half as many float64)."""
+MAX_UNROLL = 4
+"""Independent vector maxima of :func:`vector_max`: one ``max`` each per step, so the loop
+waits on no single maximum's latency."""
+
+
+@intrinsic
+def vector_max(typingctx, x, j0, n):
+    """The maximum of float32 or float64 ``x[j0:j0 + n]``, ignoring NaN (-inf for none);
+    ``n`` must be a multiple of ``MAX_UNROLL`` vectors (32 float32, 16 float64).
+
+    Written as ``v > m ? v : m`` on explicit vectors: that is the x86 ``max`` instruction
+    itself (NaN in ``v`` keeps ``m``), one operation per vector.  The vectorizer turns
+    ``llvm.maxnum``, which must also ignore a NaN already in ``m``, into a compare, a blend
+    and a NaN test besides each ``max``; a Python compare-and-select does not vectorize.
+    """
+    if not isinstance(x, types.Array) or x.dtype not in (types.float32, types.float64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        xa, start, count = args
+        single = signature.args[0].dtype == types.float32
+        fty = _F32 if single else ir.DoubleType()
+        lanes, size = (MAX_LANES, 4) if single else (MAX_LANES // 2, 8)
+        vty = ir.VectorType(fty, lanes)
+        i64 = ir.IntType(64)
+        data = context.make_array(signature.args[0])(context, builder, xa).data
+        base = builder.gep(data, [builder.sext(start, i64) if start.type != i64 else start])
+        count = builder.sext(count, i64) if count.type != i64 else count
+        step = lanes * MAX_UNROLL
+        lowest = ir.Constant(vty, [float("-inf")] * lanes)
+
+        def larger(a, b):  # a > b ? a : b
+            return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+        pre = builder.block
+        loop = builder.append_basic_block("vmax.loop")
+        done = builder.append_basic_block("vmax.done")
+        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        i.add_incoming(ir.Constant(i64, 0), pre)
+        accs = []
+        for _ in range(MAX_UNROLL):
+            acc = builder.phi(vty)
+            acc.add_incoming(lowest, pre)
+            accs.append(acc)
+        new = []
+        for k, acc in enumerate(accs):
+            at = builder.gep(base, [builder.add(i, ir.Constant(i64, k * lanes))])
+            v = builder.load(builder.bitcast(at, vty.as_pointer()), align=size)
+            new.append(larger(v, acc))
+        i_next = builder.add(i, ir.Constant(i64, step))
+        end = builder.block
+        i.add_incoming(i_next, end)
+        for acc, value in zip(accs, new, strict=True):
+            acc.add_incoming(value, end)
+        builder.cbranch(builder.icmp_signed("<", i_next, count), loop, done)
+        builder.position_at_end(done)
+        outs = []
+        for k in range(MAX_UNROLL):
+            phi = builder.phi(vty)
+            phi.add_incoming(lowest, pre)
+            phi.add_incoming(new[k], end)
+            outs.append(phi)
+        while len(outs) > 1:
+            outs = [larger(outs[k], outs[k + 1]) for k in range(0, len(outs), 2)]
+        m = builder.extract_element(outs[0], ir.Constant(ir.IntType(32), 0))
+        for k in range(1, lanes):
+            m = larger(builder.extract_element(outs[0], ir.Constant(ir.IntType(32), k)), m)
+        return m
+
+    return x.dtype(x, j0, n), codegen

@@ -40,6 +40,7 @@ from .lanes import (
     log1p_total,
     log_total,
     max_of,
+    maxnum_of,
     row_stats,
     summarize,
 )
@@ -222,7 +223,7 @@ def _softmax_short(x, n, lo, hi, buf, out):
     plain = out.size * out.itemsize < STREAM_FROM
     for i in range(lo, hi):
         r0 = i * n
-        m = max_of(x, r0, n)
+        m = max_of(x, r0, n) if plain else maxnum_of(x, r0, n)  # see maxnum_of
         if m - m != m - m:  # -inf (empty), +inf, or NaN only
             return i
         s = 0.0  # float32 lanes over steps of STEP, added in float64 (as summarize)
@@ -318,7 +319,7 @@ def _log_softmax_short(x, n, lo, hi, out, unused):
     plain = out.size * out.itemsize < STREAM_FROM
     for i in range(lo, hi):
         r0 = i * n
-        m = max_of(x, r0, n)
+        m = max_of(x, r0, n) if plain else maxnum_of(x, r0, n)
         if m - m != m - m:
             return i
         s = 0.0
@@ -398,7 +399,9 @@ def _logsumexp_short(x, n, lo, hi, w, lse, sign, unused):
     dominated row is summed again without its maximum (:func:`~.lanes.block_rest`)."""
     for i in range(lo, hi):
         r0 = i * n
-        m = max_of(x, r0, n)
+        # the maxnum loop: with either loop here, depending on the input's size, the
+        # 32768 x 512 float32 logsumexp took 23% more one-thread CPU time (8.2 -> 10.1 ms)
+        m = maxnum_of(x, r0, n)
         if m - m != m - m:
             return i
         s = 0.0

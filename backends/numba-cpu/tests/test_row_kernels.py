@@ -14,14 +14,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 import softmaxkit_numba_cpu.row_kernels as k
+from numba import njit
 from softmaxkit_numba_cpu.adapters import storage
-from softmaxkit_numba_cpu.lanes import BLOCK
+from softmaxkit_numba_cpu.lanes import BLOCK, max_of
 
 from softmaxkit.testing.tolerance import TOLERANCES, assert_within, log_bound, softmax_bound
 
 NO_MASK = np.ones((1, 1), dtype=bool)
 DTYPES = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16,
           "float16": np.float16}
+
+
+@njit(cache=True)
+def _max_of(x, j0, n):
+    return max_of(x, j0, n)
 
 
 def _ref(x64):
@@ -134,6 +140,31 @@ def test_special_short_rows_between_ordinary_ones(dtype):
     assert lse[7] == pytest.approx(np.log1p(36 * np.exp(-40.0)), rel=1e-5, abs=0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_row_maximum_on_vectors_and_tail(dtype):
+    # max_of takes whole groups of vectors, then a scalar tail: every length up to three
+    # groups and every offset of a row within the array, with NaN (ignored) and -inf
+    rng = np.random.default_rng(13)
+    for n in [*range(0, 100), 1024, 2048]:
+        for j0 in (0, 3):
+            x = rng.normal(scale=5.0, size=n + 8).astype(DTYPES[dtype])
+            row = x[j0:j0 + n]
+            cases = [row.copy()]
+            if n:
+                nan = row.copy()
+                nan[rng.integers(0, n, 1 + n // 10)] = np.nan
+                low = np.full(n, -np.inf)
+                low[rng.integers(0, n)] = np.nan
+                top = row.copy()
+                top[rng.integers(0, n)] = np.inf
+                cases += [nan, low, top]
+            for case in cases:
+                x[j0:j0 + n] = case
+                finite = case[~np.isnan(case)]
+                want = finite.max() if finite.size else -np.inf
+                assert _max_of(x, j0, n) == want, (n, j0, case)
+
+
 def test_mask_across_blocks():
     rng = np.random.default_rng(9)
     x = rng.normal(scale=3.0, size=(4, 2 * BLOCK + 3)).astype(np.float32)
@@ -181,10 +212,32 @@ def test_streamed_rows_at_every_alignment(dtype, shift, streamed):
                 assert_within(got, lp, log_bound(lp, n, dtype), "log_softmax")
 
 
+def test_short_rows_of_an_input_beyond_the_caches():
+    # softmax and log_softmax short rows of an input of STREAM_FROM bytes or more take their
+    # maximum with maxnum_of, the others with vector_max: both give the same values, special
+    # rows included
+    n = 300
+    r = k.STREAM_FROM // (n * 4) + 1
+    x = np.random.default_rng(14).normal(scale=4.0, size=(r, n)).astype(np.float32)
+    x[1, 7] = np.nan
+    x[2, :] = -np.inf
+    x[3, 5] = np.inf
+    small = x[:40].copy()
+    for threads in (0, 2):
+        big = _run(x, threads)
+        few = _run(small, threads)
+        for a, b in zip(big, few, strict=True):
+            assert np.array_equal(a[:40], b, equal_nan=True)
+        normal = np.r_[0, 4:r]
+        _check(x[normal], [a[normal] for a in big], "float32")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
-def test_thread_shares_give_the_one_thread_result(threads):
-    # every row is computed the same way whichever share of rows it falls in
-    x = np.random.default_rng(10).normal(scale=5.0, size=(37, 300)).astype(np.float32)
+@pytest.mark.parametrize("rows", [37, 301])
+def test_thread_shares_give_the_one_thread_result(threads, rows):
+    # every row is computed the same way whichever share of rows it falls in; 301 rows of
+    # 300 float32 make 6 batches, so up to 6 workers take them
+    x = np.random.default_rng(10).normal(scale=5.0, size=(rows, 300)).astype(np.float32)
     serial = _run(x, 0)
     _check(x, serial, "float32")
     for a, b in zip(serial, _run(x, threads), strict=True):
