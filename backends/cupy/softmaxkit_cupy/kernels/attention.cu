@@ -76,14 +76,8 @@ __device__ __forceinline__ void sk_attn_fwd_body(
     }
     const unsigned* mb = MASK && mask ? mask + b * m_sb + h * m_sh : nullptr;
 
-    // keys any row of this block may see
-    int n_lo = 0, n_hi = lk;
-    {
-        const int last = min(m0 + BM, lq) - 1 + offset;
-        if (causal) n_hi = min(n_hi, last + 1);
-        if (right >= 0) n_hi = min(n_hi, last + right + 1);
-        if (left >= 0) n_lo = max(0, m0 + offset - left);
-    }
+    int n_lo, n_hi;  // keys any row of this block may see
+    sk_visible_keys(m0, min(m0 + BM, lq), lk, offset, causal, left, right, n_lo, n_hi);
     const int tile_lo = n_lo / BN;
     const int tile_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : tile_lo;
 

@@ -113,14 +113,8 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
         vb = v + b * v_sb + kh * v_sh + static_cast<long long>(n0) * v_sl;
     }
 
-    // query rows any key of this tile may be seen by
-    int m_lo = 0, m_hi = lq;
-    {
-        const int last = min(n0 + BN, lk) - 1;
-        if (causal) m_lo = max(m_lo, n0 - offset);
-        if (right >= 0) m_lo = max(m_lo, n0 - offset - right);
-        if (left >= 0) m_hi = min(m_hi, last + left - offset + 1);
-    }
+    int m_lo, m_hi;  // query rows any key of this tile may be seen by
+    sk_seeing_queries(n0, min(n0 + BN, lk), lq, offset, causal, left, right, m_lo, m_hi);
     const int t_lo = m_lo / BM;
     const int tiles = m_hi > m_lo ? (m_hi + BM - 1) / BM - t_lo : 0;
     const int total = group * tiles;

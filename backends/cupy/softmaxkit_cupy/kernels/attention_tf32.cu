@@ -107,14 +107,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
     const long long ql = 2 * q_sl, kl = 2 * k_sl, vl = 2 * v_sl;
     const unsigned* mb = MASK && mask ? mask + b * m_sb + h * m_sh : nullptr;
 
-    // keys any row of this block may see
-    int n_lo = 0, n_hi = lk;
-    {
-        const int last = min(m0 + BM, lq) - 1 + offset;
-        if (causal) n_hi = min(n_hi, last + 1);
-        if (right >= 0) n_hi = min(n_hi, last + right + 1);
-        if (left >= 0) n_lo = max(0, m0 + offset - left);
-    }
+    int n_lo, n_hi;  // keys any row of this block may see
+    sk_visible_keys(m0, min(m0 + BM, lq), lk, offset, causal, left, right, n_lo, n_hi);
     const int tile_lo = n_lo / BN;
     const int tile_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : tile_lo;
 
@@ -420,14 +414,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_bwd_tf32(
     const float* kb = k + b * k_sb + kh * k_sh + static_cast<long long>(n0) * k_sl;
     const float* vb = v + b * v_sb + kh * v_sh + static_cast<long long>(n0) * v_sl;
 
-    // query rows any key of this tile may be seen by
-    int m_lo = 0, m_hi = lq;
-    {
-        const int last = min(n0 + BN, lk) - 1;
-        if (causal) m_lo = max(m_lo, n0 - offset);
-        if (right >= 0) m_lo = max(m_lo, n0 - offset - right);
-        if (left >= 0) m_hi = min(m_hi, last + left - offset + 1);
-    }
+    int m_lo, m_hi;  // query rows any key of this tile may be seen by
+    sk_seeing_queries(n0, min(n0 + BN, lk), lq, offset, causal, left, right, m_lo, m_hi);
     const int t_lo = m_lo / BM;
     const int tiles = m_hi > m_lo ? (m_hi + BM - 1) / BM - t_lo : 0;
     const int total = group * tiles;

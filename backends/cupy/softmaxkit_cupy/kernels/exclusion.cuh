@@ -12,6 +12,32 @@ __device__ __forceinline__ void sk_relative_limits(int causal, int left, int rig
     lo = left >= 0 ? -left : -0x3fffffff;
 }
 
+// The keys [lo, hi) that any query of rows [m0, m_end) may see, by causal and window alone
+// (a forward block skips the key tiles outside them).
+__device__ __forceinline__ void sk_visible_keys(int m0, int m_end, int lk, int offset,
+                                                int causal, int left, int right, int& lo,
+                                                int& hi) {
+    const int last = m_end - 1 + offset;
+    lo = 0;
+    hi = lk;
+    if (causal) hi = min(hi, last + 1);
+    if (right >= 0) hi = min(hi, last + right + 1);
+    if (left >= 0) lo = max(0, m0 + offset - left);
+}
+
+// The queries [lo, hi) that may see any key of [n0, n_end), by causal and window alone (a
+// backward block skips the query tiles outside them).
+__device__ __forceinline__ void sk_seeing_queries(int n0, int n_end, int lq, int offset,
+                                                  int causal, int left, int right, int& lo,
+                                                  int& hi) {
+    const int last = n_end - 1;
+    lo = 0;
+    hi = lq;
+    if (causal) lo = max(lo, n0 - offset);
+    if (right >= 0) lo = max(lo, n0 - offset - right);
+    if (left >= 0) hi = min(hi, last + left - offset + 1);
+}
+
 // Boolean masks reach the kernels packed to bits (kernels/mask_bits.cu): bit j % 32 of word
 // j / 32 of a query's row says whether the query may attend to key j; bits past lk are 0.
 // A key tile starts at a multiple of 32 keys, so a lane's keys in it fall in known words.
