@@ -23,11 +23,13 @@ DEFAULT_SHARED = 48 * 1024
 def function(kernel: Any, device: int, shared: int = 0) -> int:
     """The driver function of ``kernel`` (a ``cupy.RawKernel``) on ``device``, the current
     device (loaded there by CuPy on first use, then cached), its limit of dynamic shared
-    memory raised there to ``shared`` bytes where that is above the default."""
+    memory raised there to ``shared`` bytes where that is above the default (which the
+    kernel's static shared memory takes its share of)."""
     key = (id(kernel), device)
     found = _functions.get(key)
     if found is None:  # the kernel kept alive, its function, the limit set on this device
-        found = _functions[key] = [kernel, kernel.kernel.ptr, DEFAULT_SHARED]
+        ptr = kernel.kernel.ptr
+        found = _functions[key] = [kernel, ptr, DEFAULT_SHARED - kernel.shared_size_bytes]
     if shared > found[2]:
         kernel.max_dynamic_shared_size_bytes = shared
         found[2] = shared

@@ -101,14 +101,16 @@ def test_attention_launches_pack_every_parameter(monkeypatch, capability):
 
 def test_a_launch_raises_its_kernels_shared_memory_limit_once_per_device_and_size():
     """The limit is raised on the device the launch runs on, when the launch asks for more than
-    the default or than what was raised there before, and never lowered."""
+    the default or than what was raised there before, and never lowered; the default is
+    what the kernel's static shared memory leaves of 48 KB."""
     from types import SimpleNamespace
 
     from softmaxkit_cupy import launches
 
     class Kernel:
-        def __init__(self) -> None:
+        def __init__(self, static: int = 0) -> None:
             self.kernel = SimpleNamespace(ptr=1234)
+            self.shared_size_bytes = static
             self.raised: list[int] = []
 
         @property
@@ -119,7 +121,7 @@ def test_a_launch_raises_its_kernels_shared_memory_limit_once_per_device_and_siz
         def max_dynamic_shared_size_bytes(self, value: int) -> None:
             self.raised.append(value)
 
-    kernel = Kernel()
+    kernel, small = Kernel(), Kernel(static=416)
     try:
         assert launches.function(kernel, 0, 0) == 1234
         assert launches.function(kernel, 0, 48 * 1024) == 1234 and kernel.raised == []
@@ -130,9 +132,15 @@ def test_a_launch_raises_its_kernels_shared_memory_limit_once_per_device_and_siz
         launches.function(kernel, 1, 60_000)  # another device: its own limit
         launches.function(kernel, 0, 150_000)
         assert kernel.raised == [100_000, 60_000, 150_000]
+        # 416 bytes of static shared memory: 48 KB of dynamic memory no longer fit by default
+        launches.function(small, 0, 48 * 1024 - 416)
+        assert small.raised == []
+        launches.function(small, 0, 48 * 1024)
+        assert small.raised == [48 * 1024]
     finally:
-        for device in (0, 1):
-            launches._functions.pop((id(kernel), device), None)
+        for k in (kernel, small):
+            for device in (0, 1):
+                launches._functions.pop((id(k), device), None)
 
 
 def test_rows_ready_keeps_aligned_rows_and_copies_the_others():
