@@ -19,10 +19,6 @@
 
 #define SK_LOG2E 1.4426950408889634f
 
-__device__ __forceinline__ void sk_red_add2(float* p, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
-}
-
 // The threads per row of the row preprocessing: D / 8 (one 16-byte chunk each) rounded up to
 // a power of two (the extra threads of a row load nothing).
 __host__ __device__ constexpr int sk_pre_group(int d) {

@@ -30,10 +30,6 @@
 #define SK_LOG2E 1.4426950408889634f
 #endif
 
-__device__ __forceinline__ void sk_red_add2_sm90(float* p, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
-}
-
 // The layouts are sk_attn_bwd_body's (attention_bwd.cu): dense (VARLEN = false) q, dO
 // [B, Hq, Lq, D] and k, v [B, Hk, Lk, D] by element strides, lse2, delta [B * Hq, lq_pad],
 // dq_acc [B * Hq, lq_pad, D]; packed (VARLEN = true) q, dO [Tq, Hq, D] and k, v [Tk, Hk, D] by
@@ -186,8 +182,8 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb) {
             const int col = c0 + nb * 8 + 2 * t;
-            sk_red_add2_sm90(qrow + col, dq[4 * nb], dq[4 * nb + 1]);
-            sk_red_add2_sm90(qrow + 8 * D + col, dq[4 * nb + 2], dq[4 * nb + 3]);
+            sk_red_add2(qrow + col, dq[4 * nb], dq[4 * nb + 1]);
+            sk_red_add2(qrow + 8 * D + col, dq[4 * nb + 2], dq[4 * nb + 3]);
         }
     };
     for (int it = 0; it < total; ++it) {

@@ -360,16 +360,6 @@ __device__ __forceinline__ void sk_tf32_a_of_c(const float (&c)[4], unsigned (&b
     sk_tf32_split(c[3], big[3], small[3]);  // (g + 8, 2t + 1)
 }
 
-// p[0] += a, p[1] += b in global memory: one vector reduction from sm_90, two before.
-__device__ __forceinline__ void sk_red_add2_f32(float* p, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
-#else
-    atomicAdd(p, a);
-    atomicAdd(p + 1, b);
-#endif
-}
-
 // Shared memory (padded rows): K, V [BN x D]; Q, dO [2][BM x D]; dS^T [BN x BM]; lse2, delta
 // [2][BM].
 // q, dO [B, Hq, Lq, D] and k, v [B, Hk, Lk, D] float32 by element strides (16-byte aligned
@@ -572,8 +562,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_bwd_tf32(
 #pragma unroll
                 for (int nb = 0; nb < PCOLS / 8; ++nb) {
                     const int col = c0 + nb * 8 + 2 * t;
-                    sk_red_add2_f32(qrow + col, acc[nb][0], acc[nb][1]);
-                    sk_red_add2_f32(qrow + 8 * D + col, acc[nb][2], acc[nb][3]);
+                    sk_red_add2(qrow + col, acc[nb][0], acc[nb][1]);
+                    sk_red_add2(qrow + 8 * D + col, acc[nb][2], acc[nb][3]);
                 }
             }
         }

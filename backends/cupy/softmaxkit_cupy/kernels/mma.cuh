@@ -15,6 +15,15 @@ __device__ __forceinline__ void sk_cp_async16(void* smem, const void* gmem, bool
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(bytes)
                  : "memory");
 }
+// p[0] += a, p[1] += b in global memory: one vector reduction from sm_90, two before.
+__device__ __forceinline__ void sk_red_add2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
 __device__ __forceinline__ void sk_cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
