@@ -300,6 +300,23 @@ def hopper_width(q: Any, d: int, dv: int, built: Collection[int],
     return None if hopper == d == dv else hopper
 
 
+def kernel_options(mask: Any, causal: Any, window: tuple[int, int], softcap: Any,
+                   scale: float, lq: int, lk: int) -> tuple[Any, int, tuple[int, ...],
+                                                          tuple[Any, ...]]:
+    """What the dense attention kernels take of a call's exclusions and options: the
+    bit-packed mask (to keep alive until the launch; None without a mask), its address (0
+    without one), its element strides, and (scale, softcap, causal offset, causal, left,
+    right), plain Python values (the launch packs them; numpy scalars cost more to make)."""
+    bits, m_ptr, m_strides = None, 0, (0, 0, 0)
+    if mask is not None:
+        bits, m_strides = mask_bits(mask)
+        m_ptr = interop.pointer(bits)
+    left, right = (int(w) for w in window)
+    offset = 0 if causal == "top_left" else lk - lq
+    return bits, m_ptr, m_strides, (scale, softcap if softcap is not None else 0.0, offset,
+                                    causal is not None, left, right)
+
+
 def _attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
     mask: Any, softcap: Any, return_lse: bool,
@@ -310,17 +327,10 @@ def _attention(
     hk, lk = int(k.shape[1]), int(k.shape[2])
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
     dtype = interop.name(q)
-    m_ptr, m_strides = 0, (0, 0, 0)
-    if mask is not None:
-        bits, m_strides = mask_bits(mask)
-        m_ptr = interop.pointer(bits)
-    offset = 0 if causal == "top_left" else lk - lq
-    left, right = (int(w) for w in window)
+    _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
+                                                      lq, lk)
     qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
-    # plain Python values: the launch packs them (numpy scalars cost more to make)
     strides = (*qs[:3], *ks[:3], *vs[:3], *m_strides)
-    options = (scale, softcap if softcap is not None else 0.0, offset, causal is not None,
-               left, right)
     pointers = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr)
     if uses_decode(hq, hk, lq, lk):
 
@@ -509,12 +519,8 @@ def _attention_vjp(
     dq = interop.empty(q, (b, hq, lq, d), dtype)
     dk = interop.empty(q, (b, hk, lk, d), dtype)
     dv = interop.empty(q, (b, hk, lk, d), dtype)
-    m_ptr, m_strides = 0, (0, 0, 0)
-    if mask is not None:
-        bits, m_strides = mask_bits(mask)
-        m_ptr = interop.pointer(bits)
-    offset = 0 if causal == "top_left" else lk - lq
-    left, right = (int(w) for w in window)
+    _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
+                                                      lq, lk)
     qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))
     ptr = interop.pointer
     launch_backward_pre(_kernel(backward_pre_name(dtype, d)), q, rows, d, BACKWARD_PRE_PARAMS,
@@ -530,9 +536,7 @@ def _attention_vjp(
                    BACKWARD_PARAMS, (
                        ptr(q), ptr(k), ptr(v), ptr(dout), m_ptr, ptr(lse2), ptr(delta),
                        ptr(dq_acc), ptr(dk), ptr(dv), *qs[:3], *ks[:3], *vs[:3], *gs[:3],
-                       *m_strides, hq, hk, lq, lk, lq_pad, scale,
-                       softcap if softcap is not None else 0.0, offset, causal is not None,
-                       left, right), shared)
+                       *m_strides, hq, hk, lq, lk, lq_pad, *options), shared)
     chunks = b * hq * lq * d // 8
     interop.launch(_kernel(backward_dq_name(dtype, d)), q, -(-chunks // 256), 256,
                    BACKWARD_DQ_PARAMS, (ptr(dq_acc), ptr(dq), scale, lq, lq_pad, chunks))

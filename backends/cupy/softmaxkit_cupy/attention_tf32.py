@@ -28,6 +28,7 @@ from .attention import (
     _backward_without_work,
     _forward_without_work,
     _rows_ready,
+    kernel_options,
 )
 from .configs import (
     Tf32BackwardConfig,
@@ -39,7 +40,6 @@ from .configs import (
     tf32_names,
     tf32_width,
 )
-from .mask_bits import mask_bits
 
 
 @functools.cache
@@ -95,12 +95,8 @@ def _attention(
     if mask is not None and not config.mask:
         raise ValueError(f"{config} is built without boolean-mask support")
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
-    m_ptr, m_strides = 0, (0, 0, 0)
-    if mask is not None:
-        bits, m_strides = mask_bits(mask)
-        m_ptr = interop.pointer(bits)
-    offset = 0 if causal == "top_left" else lk - lq
-    left, right = (int(w) for w in window)
+    _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
+                                                      lq, lk)
     qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
     out = interop.empty(q, (b, hq, lq, d), "float32")
     lse = interop.empty(q, (b, hq, lq), "float32")
@@ -108,8 +104,7 @@ def _attention(
     note_kernel(name)
     args = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr,
             interop.pointer(out), interop.pointer(lse), *qs[:3], *ks[:3], *vs[:3],
-            *m_strides, hq, hk, lq, lk, scale, softcap if softcap is not None else 0.0,
-            offset, causal is not None, left, right)
+            *m_strides, hq, hk, lq, lk, *options)
     interop.launch(_kernel(name), q, (-(-lq // config.block_m), hq, b), config.threads,
                    FORWARD_PARAMS, args, config.shared_bytes())
     return out, (lse if return_lse else None)
@@ -177,12 +172,8 @@ def _vjp(
     dq_acc = interop.zeros(q, (b, hq, lq_pad, d), "float32")
     dk = interop.empty(q, (b, hk, lk, d), "float32")
     dv = interop.empty(q, (b, hk, lk, d), "float32")
-    m_ptr, m_strides = 0, (0, 0, 0)
-    if mask is not None:
-        bits, m_strides = mask_bits(mask)
-        m_ptr = interop.pointer(bits)
-    offset = 0 if causal == "top_left" else lk - lq
-    left, right = (int(w) for w in window)
+    _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
+                                                      lq, lk)
     qs, ks, vs, gs = (interop.element_strides(a) for a in (q, k, v, dout))
     name = config.name(precision)
     note_kernel(name)
@@ -191,7 +182,5 @@ def _vjp(
                    BACKWARD_PARAMS, (
                        ptr(q), ptr(k), ptr(v), ptr(dout), m_ptr, ptr(lse2), ptr(delta),
                        ptr(dq_acc), ptr(dk), ptr(dv), *qs[:3], *ks[:3], *vs[:3], *gs[:3],
-                       *m_strides, hq, hk, lq, lk, lq_pad, scale,
-                       softcap if softcap is not None else 0.0, offset, causal is not None,
-                       left, right), config.shared_bytes())
+                       *m_strides, hq, hk, lq, lk, lq_pad, *options), config.shared_bytes())
     return dq_acc[:, :, :lq, :] * scale, dk, dv
