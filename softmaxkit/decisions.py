@@ -20,7 +20,11 @@ conversion or a device query.
 ``"layout"``
     for torch tensors their layout, quantization and conjugation; ``None`` for other arrays;
 ``"chunks"``
-    the chunk sizes of chunked (Dask) array arguments; ``None`` for other arrays.
+    the chunk sizes of chunked (Dask) array arguments; ``None`` for other arrays;
+``"devices"``
+    the device of every array argument other than a numpy array (a torch tensor's
+    ``device``, the ``id`` of a CuPy array's): for hooks whose answer differs between two
+    devices of one type, such as GPUs of different compute capabilities.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import numpy as np
 
 _PLAIN = (type(None), bool, int, str)
 
-PROPERTIES: tuple[str, ...] = ("arrays", "shapes", "out_dtype", "options", "layout", "chunks")
+PROPERTIES: tuple[str, ...] = ("arrays", "shapes", "out_dtype", "options", "layout", "chunks",
+                               "devices")
 """The names a manifest's ``hook_keys`` may list."""
 
 
@@ -66,7 +71,7 @@ def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
     ``Call`` is built.
     """
     arrays, shapes, options = "arrays" in names, "shapes" in names, "options" in names
-    layout, chunks = "layout" in names, "chunks" in names
+    layout, chunks, devices = "layout" in names, "chunks" in names, "devices" in names
 
     kinds = _KINDS
 
@@ -79,18 +84,23 @@ def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
                 d = (d, (v.layout, v.is_quantized, v.is_conj()))
             if chunks:
                 d = (d, None)
+            if devices:
+                d = (d, v.device)
         elif kind == _FOREIGN_ARRAY:
             if layout:
                 d = (d, None)
             if chunks:
                 d = (d, getattr(v, "chunks", None))
+            if devices:
+                device = getattr(v, "device", None)
+                d = (d, getattr(device, "id", device))  # CuPy's Device is not hashable
         return d
 
     # the commonest descriptions are made inline: a plain value's, another object's, a
     # numpy array's when only its type and dtype are asked for, and a torch tensor's when
     # its layout flags are asked for too, with or without chunks (what describe() would give)
     numpy_inline = arrays and not shapes
-    torch_inline = arrays and layout and not shapes
+    torch_inline = arrays and layout and not shapes and not devices
 
     out_dtype = "out_dtype" in names
 

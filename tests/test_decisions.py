@@ -220,3 +220,23 @@ def test_a_backend_names_its_kernel_in_the_call_s_trace_record(fresh):
         note_kernel("sk_example<1>")  # what a backend's kernel does while the call runs
         sk.softmax(x)
     assert [r.kernel for r in trace] == ["sk_example<1>", None]
+
+
+def test_the_devices_property_tells_devices_of_one_type_apart():
+    """A hook that declares ``devices`` (a GPU backend whose kernels differ between compute
+    capabilities) gets a decision per device; numpy arrays all live on the CPU."""
+    import array_api_strict as xps
+
+    from softmaxkit import decisions
+
+    read = decisions.reader(frozenset({"arrays", "devices"}))
+    plain = decisions.reader(frozenset({"arrays"}))
+    on_cpu, on_meta = torch.ones(3), torch.ones(3, device="meta")
+    assert read({"x": on_cpu}) != read({"x": on_meta})
+    assert plain({"x": on_cpu}) == plain({"x": on_meta})
+    assert read({"x": on_cpu}) == read({"x": torch.zeros(5)})
+    assert read({"x": np.ones(3)}) == plain({"x": np.ones(3)})
+    strict = xps.ones(3)
+    assert read({"x": strict}) == read({"x": xps.zeros(4)})
+    assert strict.device in read({"x": strict})[0]
+    hash(read({"x": strict}))

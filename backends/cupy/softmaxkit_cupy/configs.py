@@ -143,14 +143,12 @@ exponentials in the stage."""
 ROW_ALTERNATIVES: tuple[RowConfig, ...] = (
     RowConfig(128, 4, 4),
     RowConfig(256, 8, 2),
-    RowConfig(1024, 1024, 4),
     RowConfig(1024, 1024, 8, 8),
     RowConfig(128, 128, 4, lean=True, mode=1),
     RowConfig(64, 64, 8, lean=True, mode=1),
     RowConfig(128, 8, 2, lean=True, mode=1),
     RowConfig(256, 8, 2, lean=True, mode=1),
     RowConfig(512, 512, 8, staged=True, lean=True, groups=4),
-    RowConfig(1024, 1024, 4, staged=True, lean=True, groups=4),
     RowConfig(512, 512, 8, 16, staged=True, lean=True, groups=4),
     RowConfig(256, 256, 16, 16, staged=True, lean=True, groups=4),
 )
@@ -166,10 +164,34 @@ def row_lean(op: str, din: str, dout: str) -> bool:
     return op in ("softmax", "log_softmax") and din == dout and ITEMSIZE[din] == 2
 
 
-def row_configs(lean: bool) -> tuple[RowConfig, ...]:
-    """The configurations a call may use, in order: :data:`ROW16_CONFIGS` for the calls
-    :func:`row_lean` admits, :data:`ROW_CONFIGS` otherwise."""
-    return ROW16_CONFIGS if lean else ROW_CONFIGS
+CLUSTERLESS_CONFIGS: tuple[RowConfig, ...] = (
+    RowConfig(1024, 1024, 4),
+    RowConfig(1024, 1024, 8),
+)
+"""The long rows of the general kernels on devices without thread-block clusters (compute
+capability below 9.0): one block of 1024 threads per row, up to 32768 float32 elements."""
+
+CLUSTERLESS_LEAN_CONFIGS: tuple[RowConfig, ...] = (
+    RowConfig(1024, 1024, 4, staged=True, lean=True, groups=4),
+)
+"""The same for the lean 16-bit kernels: one staged block of 1024 threads per row (64 KB of
+shared memory, which every device from compute capability 8.0 offers), up to 32768
+elements."""
+
+CLUSTER_CAPABILITY = 90
+"""The lowest compute capability (CuPy's spelling as a number) with thread-block clusters."""
+
+
+def row_configs(lean: bool, clusters: bool = True) -> tuple[RowConfig, ...]:
+    """The configurations a call may use, in order of capacity: :data:`ROW16_CONFIGS` for the
+    calls :func:`row_lean` admits, :data:`ROW_CONFIGS` otherwise; on a device without
+    thread-block clusters (``clusters=False``) those of one block per row, then
+    :data:`CLUSTERLESS_LEAN_CONFIGS` or :data:`CLUSTERLESS_CONFIGS`."""
+    configs = ROW16_CONFIGS if lean else ROW_CONFIGS
+    if clusters:
+        return configs
+    longer = CLUSTERLESS_LEAN_CONFIGS if lean else CLUSTERLESS_CONFIGS
+    return (*(c for c in configs if c.cluster == 1), *longer)
 
 
 def _holding(configs: tuple[RowConfig, ...], n: int, itemsize: int) -> RowConfig | None:
@@ -177,23 +199,28 @@ def _holding(configs: tuple[RowConfig, ...], n: int, itemsize: int) -> RowConfig
     return next((c for c in configs if n <= c.capacity(itemsize)), None)
 
 
-def row_config(n: int, itemsize: int, lean: bool = False) -> RowConfig | None:
+def row_config(n: int, itemsize: int, lean: bool = False,
+               clusters: bool = True) -> RowConfig | None:
     """The smallest configuration that holds a row of ``n`` elements, or None if none does."""
-    return _holding(row_configs(lean), n, itemsize)
+    return _holding(row_configs(lean, clusters), n, itemsize)
 
 
-def max_row_length(itemsize: int) -> int:
-    """The longest row the row kernels hold on chip (the lean list holds as long a row)."""
-    return ROW_CONFIGS[-1].capacity(itemsize)
+def max_row_length(itemsize: int, lean: bool = False, clusters: bool = True) -> int:
+    """The longest row the row kernels hold on chip (with clusters the lean list holds as long
+    a row as the general one)."""
+    return row_configs(lean, clusters)[-1].capacity(itemsize)
 
 
 def row_modules() -> list[tuple[str, str, str, list[str]]]:
-    """Every row module the backend may build: ``(op, din, dout, name_expressions)``."""
-    return [
-        (op, din, dout, [c.name(op, din, dout) for c in row_configs(row_lean(op, din, dout))])
-        for op in ROW_OPS
-        for din, dout in ROW_DTYPE_PAIRS
-    ]
+    """Every row module the backend may build: ``(op, din, dout, name_expressions)``, the
+    configurations with and without clusters (one module serves every device)."""
+    modules = []
+    for op in ROW_OPS:
+        for din, dout in ROW_DTYPE_PAIRS:
+            lean = row_lean(op, din, dout)
+            configs = dict.fromkeys((*row_configs(lean), *row_configs(lean, clusters=False)))
+            modules.append((op, din, dout, [c.name(op, din, dout) for c in configs]))
+    return modules
 
 
 def row_alternative_names(op: str, din: str, dout: str) -> tuple[str, ...]:
@@ -201,7 +228,8 @@ def row_alternative_names(op: str, din: str, dout: str) -> tuple[str, ...]:
     declared and alternative configuration that applies to ``op`` from ``din`` to ``dout``)."""
     lean = row_lean(op, din, dout)
     found = dict.fromkeys(c.name(op, din, dout)
-                          for c in (*ROW_CONFIGS, *ROW16_CONFIGS, *ROW_ALTERNATIVES)
+                          for c in (*ROW_CONFIGS, *ROW16_CONFIGS, *CLUSTERLESS_CONFIGS,
+                                    *CLUSTERLESS_LEAN_CONFIGS, *ROW_ALTERNATIVES)
                           if lean or not c.lean)
     return tuple(found)
 

@@ -8,6 +8,7 @@ library on the caller's device, and kernels run on the caller's current stream.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import numpy as np
 from softmaxkit.dtypes import dtype_name
 
 from . import launches
+from .configs import CLUSTER_CAPABILITY
 
 
 def is_torch(a: Any) -> bool:
@@ -201,6 +203,15 @@ def _torch_stream(index: int) -> int:
 def device_index(a: Any) -> int:
     """The index of the CUDA device ``a`` lives on."""
     return a.get_device() if is_torch(a) else a.device.id
+
+
+@functools.cache
+def has_clusters(device: int) -> bool:
+    """Whether CUDA device ``device`` has thread-block clusters (compute capability 9.0 and
+    newer); the row kernels of a cluster are launched only there."""
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability) >= CLUSTER_CAPABILITY
 
 
 def launch(kernel: Any, like: Any, grid: int | tuple[int, int, int], block: int, codes: str,

@@ -25,6 +25,7 @@ from .configs import (
     TF32_PRECISIONS,
     decode_holds,
     max_row_length,
+    row_lean,
     tf32_width,
 )
 from .head_dims import head_dim_reason
@@ -80,8 +81,9 @@ def manifest() -> dict[str, Any]:
         "install_hint": "pip install softmaxkit-cupy (needs cupy-cuda13x and an NVIDIA GPU)",
         "can_run": "softmaxkit_cupy.manifest:can_run",
         "should_run": "softmaxkit_cupy.manifest:should_run",
-        # the hooks read the arrays' libraries, dtypes and shapes, out_dtype and the options
-        "hook_keys": ["arrays", "shapes", "out_dtype", "options"],
+        # the hooks read the arrays' libraries, dtypes, shapes and devices (the row kernels
+        # hold shorter rows on a GPU without thread-block clusters), out_dtype and the options
+        "hook_keys": ["arrays", "shapes", "out_dtype", "options", "devices"],
     }
 
 
@@ -339,24 +341,29 @@ def _can_run_rows(call: Any) -> bool | str:
         return f"inputs must be CuPy arrays or PyTorch CUDA tensors, got {type(x).__name__}"
     if args.get("where") is not None and _library(args["where"]) != _library(x):
         return "where= must live in the same library as x"
+    from .interop import device_index, has_clusters
+
     return row_reason(
         call.op, _name(x.dtype), _name(args["out_dtype"]), tuple(x.shape),
-        weighted=args.get("b") is not None,
+        weighted=args.get("b") is not None, clusters=has_clusters(device_index(x)),
     ) or True
 
 
 def row_reason(
-    op: str, din: str, dout: str, shape: tuple[int, ...], weighted: bool = False
+    op: str, din: str, dout: str, shape: tuple[int, ...], weighted: bool = False,
+    clusters: bool = True,
 ) -> str | None:
-    """Why the row kernels cannot run ``op`` on rows of ``shape``, or None when they can."""
+    """Why the row kernels cannot run ``op`` on rows of ``shape`` on a device with
+    thread-block clusters or (``clusters=False``) without, or None when they can."""
     if (din, dout) not in ROW_DTYPE_PAIRS:
         return f"no row kernel from {din} to {dout}; pairs served: {ROW_DTYPE_PAIRS}"
     if len(shape) == 0 or math.prod(shape) == 0:
         return "zero-size rows are left to the reference"
     n = shape[-1]
-    longest = max_row_length(ITEMSIZE[din])
+    longest = max_row_length(ITEMSIZE[din], row_lean(op, din, dout), clusters)
     if n > longest:
-        return f"rows of {n} elements exceed the {longest} the kernels hold on chip"
+        where = "" if clusters else " of a device without thread-block clusters"
+        return f"rows of {n} elements exceed the {longest} the kernels{where} hold on chip"
     if math.prod(shape[:-1]) >= 2**31 // 8:
         return "more rows than one launch addresses"
     if op == "logsumexp" and weighted:

@@ -81,16 +81,16 @@ def max_active_clusters(kernel: Any, config: RowConfig) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(op: str, din: str, dout: str, n: int, rows: int,
-          config: RowConfig | None = None) -> tuple[Any, int, int, int]:
+def _plan(op: str, din: str, dout: str, n: int, rows: int, config: RowConfig | None = None,
+          clusters: bool = True) -> tuple[Any, int, int, int]:
     """The kernel, grid, block size and shared memory for ``rows`` rows of ``n`` elements
-    (cached).
+    (cached), on a device with thread-block clusters or (``clusters=False``) without.
 
     ``config`` overrides the configuration (benchmarks compare alternatives; those build in a
     module of their own)."""
     names = _NAMES[(op, din, dout)]
     if config is None:
-        config = row_config(n, ITEMSIZE[din], row_lean(op, din, dout))
+        config = row_config(n, ITEMSIZE[din], row_lean(op, din, dout), clusters)
     elif config.name(op, din, dout) not in names:
         names = row_alternative_names(op, din, dout)
     if config is None or n > config.capacity(ITEMSIZE[din]):  # can_run declines these rows
@@ -159,7 +159,8 @@ def launch_rows(
     rows = math.prod(x.shape[:-1])
     in_size, out_size = ITEMSIZE[din], ITEMSIZE[dout]
     vec = 16 // in_size
-    kernel, grid, threads, shared = _plan(op, din, dout, n, rows, config)
+    kernel, grid, threads, shared = _plan(op, din, dout, n, rows, config,
+                                          interop.has_clusters(interop.device_index(x)))
     x_ptr, ld_x, _keep_x = interop.row_pointer(xp, x)
     o_ptr = interop.pointer(out)
     ld_o = n if op != "logsumexp" else 1

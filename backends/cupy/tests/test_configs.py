@@ -21,22 +21,44 @@ from softmaxkit_cupy.configs import (
 )
 
 
+@pytest.mark.parametrize("clusters", [True, False])
 @pytest.mark.parametrize(("itemsize", "lean"), [(2, False), (2, True), (4, False)])
-def test_row_config_is_the_smallest_that_holds_the_row(itemsize: int, lean: bool) -> None:
-    usable = row_configs(lean)
+def test_row_config_is_the_smallest_that_holds_the_row(itemsize: int, lean: bool,
+                                                       clusters: bool) -> None:
+    usable = row_configs(lean, clusters)
     capacities = [c.capacity(itemsize) for c in usable]
     assert capacities == sorted(capacities)
+    longest = max_row_length(itemsize, lean, clusters)
     lengths = sorted({1, 2, 7, 8, 9, 127, 128, 129, 4095, 4096, 4097, 32768, 65537,
-                      max_row_length(itemsize)} | set(capacities) | {c + 1 for c in capacities})
+                      longest} | set(capacities) | {c + 1 for c in capacities})
     for n in lengths:
-        config = row_config(n, itemsize, lean)
-        if n > max_row_length(itemsize):
+        config = row_config(n, itemsize, lean, clusters)
+        if n > longest:
             assert config is None
             continue
         assert config is not None and config.capacity(itemsize) >= n
         assert config.lean == lean
+        assert clusters or config.cluster == 1  # no cluster where the device has none
         smaller = [c for c in usable if c.capacity(itemsize) < config.capacity(itemsize)]
         assert all(c.capacity(itemsize) < n for c in smaller)
+
+
+def test_devices_without_clusters_hold_rows_of_one_block() -> None:
+    """Below compute capability 9.0 every row is one block's: the general kernels hold 32768
+    float32 (65536 16-bit) elements, the lean 16-bit ones 32768, in 64 KB of shared memory
+    (the opt-in limit of every device from 8.0 is above it); each module builds both sets."""
+    assert (max_row_length(4, clusters=False), max_row_length(2, clusters=False)) == (
+        32768, 65536)
+    assert max_row_length(2, lean=True, clusters=False) == 32768
+    assert all(c.cluster == 1 and c.threads <= 1024 and c.shared_bytes() <= 64 * 1024
+               for lean in (False, True) for c in row_configs(lean, clusters=False))
+    # with clusters nothing changes
+    assert row_configs(False) == ROW_CONFIGS and row_configs(True) == ROW16_CONFIGS
+    for op, din, dout, names in row_modules():
+        lean = row_lean(op, din, dout)
+        wanted = {c.name(op, din, dout) for c in (*row_configs(lean),
+                                                 *row_configs(lean, clusters=False))}
+        assert set(names) == wanted
 
 
 def test_lean_configurations_serve_16_bit_softmax_only() -> None:

@@ -74,6 +74,22 @@ def test_row_reasons(op, din, dout, shape, weighted, declined) -> None:
     assert (reason is not None) == declined, reason
 
 
+@pytest.mark.parametrize(("op", "din", "n", "declined"), [
+    ("softmax", "float32", 32768, False),
+    ("softmax", "float32", 32769, True),
+    ("softmax", "bfloat16", 32768, False),  # the lean 16-bit kernels
+    ("softmax", "bfloat16", 32769, True),
+    ("logsumexp", "bfloat16", 65536, False),  # the general kernels
+    ("logsumexp", "bfloat16", 65537, True),
+])
+def test_rows_on_a_device_without_clusters(op, din, n, declined) -> None:
+    reason = mf.row_reason(op, din, din, (2, n), clusters=False)
+    assert (reason is not None) == declined, reason
+    assert reason is None or "without thread-block clusters" in reason
+    # a device with clusters holds all of these
+    assert mf.row_reason(op, din, din, (2, n)) is None
+
+
 @pytest.mark.parametrize(
     ("dtype", "q", "k", "v", "declined"),
     [

@@ -217,6 +217,14 @@ def memory_bandwidth(a: Any, lib: str) -> float:
     return _device_value(a, lib, "bandwidth", _peak_bandwidth)
 
 
+def has_clusters(a: Any, lib: str) -> bool:
+    """Whether the device that holds ``a`` has thread-block clusters (compute capability 9.0
+    and newer; the simulator runs clusters of one block)."""
+    if SIMULATOR:
+        return True
+    return _device_value(a, lib, "clusters", lambda dev: dev.compute_capability >= (9, 0))
+
+
 def _torch() -> Any:
     import torch
 

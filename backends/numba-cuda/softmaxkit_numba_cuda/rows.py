@@ -25,6 +25,7 @@ from .arrays import (
     constant,
     dummy,
     empty,
+    has_clusters,
     is_placeholder,
     kernel_view,
     library,
@@ -82,6 +83,13 @@ def _keep(key: tuple[Any, ...], replay: Replay | None) -> None:
         if len(_replays) > 4096:
             _replays.clear()
         _replays[key] = replay
+
+
+def _on_device(settings: Settings, x: Any, lib: str) -> Settings:
+    """``settings`` for a call on ``x``'s device: clusters off where the device has none."""
+    if settings.cluster == "0" or has_clusters(x, lib):
+        return settings
+    return settings.replace(cluster="0")
 
 
 def _plan(n_words: int, kind: str, vector: bool, settings: Settings) -> plans.Plan:
@@ -187,6 +195,7 @@ def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any
     out = empty(xp, x, tuple(x.shape), out_dtype)
     if out.size == 0:
         return out
+    settings = _on_device(settings, x, lib)
     xr = rows(x, lib)
     n_rows, n = xr.shape
     kin, kout = dtype_name(x.dtype), dtype_name(out_dtype)
@@ -385,6 +394,7 @@ def cross_entropy(
     grad = empty(xp, logits, tuple(logits.shape), out_dtype) if grad_scale is not None else None
     if loss.size == 0:
         return loss, grad
+    settings = _on_device(settings, logits, lib)
     xr = rows(logits, lib)
     n_rows, n = xr.shape
     if grad is not None:

@@ -82,23 +82,51 @@ __device__ __forceinline__ void sk_merge_rest(float& m, float& t, float m2, floa
     }
 }
 
-// Thread-block clusters (sm_90): rank, barrier halves, and loads from a peer's shared memory.
+// Thread-block clusters (sm_90 and newer): rank, barrier halves, and loads from a peer's shared
+// memory.  Older devices have none: there the kernels build without a cluster shape and these
+// operations trap, and the adapters never launch a kernel of CLUSTER > 1 on such a device
+// (configs.row_configs without clusters).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define SK_CLUSTERS 1
+#define SK_CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)
+#else
+#define SK_CLUSTERS 0
+#define SK_CLUSTER_DIMS(n)
+#endif
 __device__ __forceinline__ unsigned sk_cluster_rank() {
+#if SK_CLUSTERS
     unsigned r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
     return r;
+#else
+    __trap();
+    return 0u;
+#endif
 }
 __device__ __forceinline__ void sk_cluster_arrive() {
+#if SK_CLUSTERS
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
 }
 __device__ __forceinline__ void sk_cluster_wait() {
+#if SK_CLUSTERS
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
 }
 __device__ __forceinline__ float sk_cluster_load(const float* smem, unsigned rank) {
+#if SK_CLUSTERS
     unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     unsigned remote;
     float v;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
     return v;
+#else
+    __trap();
+    return 0.0f;
+#endif
 }

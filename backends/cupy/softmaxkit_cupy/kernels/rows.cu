@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_ro
 }
 
 template <typename Tin, typename Tout, int OP, int THREADS, int K, int CLUSTER>
-__global__ void __cluster_dims__(CLUSTER, 1, 1)
+__global__ void SK_CLUSTER_DIMS(CLUSTER)
     __launch_bounds__(THREADS, SK_ROWS_MIN_BLOCKS(THREADS, K)) sk_rows_cluster(
     const Tin* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
     long long ld_w, Tout* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,

@@ -436,7 +436,7 @@ __device__ __forceinline__ void sk_put_special_staged(T* orow, const uint4* stag
 // into its running (max, sum) as soon as it lands, while later groups are still in flight.
 // The outputs recompute their exponentials from the staged inputs (one FMA-shifted ex2).
 template <typename T, int OP, int THREADS, int K, int CLUSTER, int GROUPS, int MODE>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 / THREADS)
+__global__ void SK_CLUSTER_DIMS(CLUSTER) __launch_bounds__(THREADS, 2048 / THREADS)
     sk_rows16_staged(
     const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
     long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
@@ -510,6 +510,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 2048 
 
 // A float pair from a peer block's shared memory (distributed shared memory of the cluster).
 __device__ __forceinline__ float2 sk_cluster_load2(const float2* smem, unsigned rank) {
+#if SK_CLUSTERS
     const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     unsigned remote;
     float2 v;
@@ -517,6 +518,10 @@ __device__ __forceinline__ float2 sk_cluster_load2(const float2* smem, unsigned 
     asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];"
                  : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
     return v;
+#else
+    __trap();
+    return make_float2(0.0f, 0.0f);
+#endif
 }
 
 // Blocks of a staged kernel that fit on one multiprocessor (227 KB of shared memory, a
@@ -545,7 +550,7 @@ __device__ __forceinline__ float2 sk_cluster_load2(const float2* smem, unsigned 
 // and the refill, has no ex2 per element.  An exponential is at most 1 (taken after the
 // group's maximum), so it fits T; the extra rounding is covered as the header says.
 template <typename T, int OP, int THREADS, int K, int CLUSTER, int GROUPS, int MODE>
-__global__ void __cluster_dims__(CLUSTER, 1, 1)
+__global__ void SK_CLUSTER_DIMS(CLUSTER)
     __launch_bounds__(THREADS, SK_STAGED_MIN_BLOCKS(THREADS, K)) sk_rows16_persist(
     const T* __restrict__ x, long long ld_x, const unsigned char* __restrict__ w,
     long long ld_w, T* __restrict__ out, long long ld_o, long long rows, int n, int vec_ok,
