@@ -26,8 +26,7 @@ PAGED_OPS = ("paged_attention",)
 VARLEN_OPS = ("varlen_attention", "varlen_attention_vjp")  # the attention kernels per sequence
 
 SUMMARY_OPS = ("summarize", "normalize", "merge_attention", "merge_attention_vjp")
-MERGE_OPS = ("merge",)  # keyed by the summaries' dtype: the accumulator's
-MERGE_DTYPES = ("float32", "float64")
+MERGE_OPS = ("merge",)  # keyed by the summaries' dtype: the accumulator's, or 16-bit ones
 
 PRIORITY = 50
 """Above the reference backend (-100): chosen by default for CPU arrays it can run."""
@@ -49,7 +48,7 @@ def manifest() -> dict[str, Any]:
             {"ops": list(PAGED_OPS), "devices": ["cpu"], "dtypes": list(ATTENTION_DTYPES)},
             {"ops": list(SUMMARY_OPS), "devices": ["cpu"], "dtypes": list(DTYPES)},
             {"ops": list(VARLEN_OPS), "devices": ["cpu"], "dtypes": list(ATTENTION_DTYPES)},
-            {"ops": list(MERGE_OPS), "devices": ["cpu"], "dtypes": list(MERGE_DTYPES)},
+            {"ops": list(MERGE_OPS), "devices": ["cpu"], "dtypes": list(DTYPES)},
         ],
         "kernels": {
             **{op: f"softmaxkit_numba_cpu.rows:{op}" for op in ROW_OPS},

@@ -93,20 +93,28 @@ def merge(xp: Any, *, maxes: Any, masses: Any, numerators: Any) -> tuple[Any, An
     """Merge ``S`` summaries ``[S, R]`` (numerators ``[S, R, Dv]``) into one, exactly.
 
     See :func:`softmaxkit.reference.summary.merge`; the result has ``maxes``' dtype.
+    Summaries held in a 16-bit dtype are merged in float32 and each merged field is rounded
+    once to their dtype (spec: Merge).
     """
-    mx, ms = _contiguous(maxes), _contiguous(masses)
+    fields = (maxes, masses, numerators)
+    if numpy_view(maxes).dtype.itemsize == 2:
+        mx, ms, nums = (None if a is None
+                        else np.ascontiguousarray(numpy_view(a), dtype=np.float32)
+                        for a in fields)
+    else:
+        mx, ms, nums = (None if a is None else _contiguous(a) for a in fields)
     dtype = mx.dtype
-    has_num = numerators is not None
-    nums = _contiguous(numerators) if has_num else _NO_NUM.astype(dtype)
+    has_num = nums is not None
+    if nums is None:
+        nums = _NO_NUM.astype(dtype)
     s, r = mx.shape
     dv = nums.shape[-1]
-    m, mass = np.empty(r, dtype=dtype), np.empty(r, dtype=dtype)
-    num = np.empty((r, dv) if has_num else (1, 0), dtype=dtype)
+    m, mass = (Output((r,), maxes.dtype, maxes, dtype) for _ in range(2))
+    num = Output((r, dv) if has_num else (1, 0), maxes.dtype, maxes, dtype)
     # a part of a row costs an exponential and Dv products: about 64 row elements' work each
     run = k.merge_par if parallel(r, s * (dv + 1) * 64) else k.merge_ser
-    run(mx, ms, nums, has_num, m, mass, num)
-    return (_from_numpy(m, maxes), _from_numpy(mass, maxes),
-            _from_numpy(num, maxes) if has_num else None)
+    run(mx, ms, nums, has_num, m.storage, mass.storage, num.storage)
+    return m.finish(), mass.finish(), num.finish() if has_num else None
 
 
 def normalize(

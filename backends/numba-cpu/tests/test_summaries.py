@@ -23,7 +23,7 @@ from softmaxkit.testing.tolerance import assert_within, log_bound, softmax_bound
 
 NAME = "numba-cpu"
 OPS = SUMMARY_OPS + MERGE_OPS
-# the cases of the operations and dtypes the backend declares (16-bit merge is the reference's)
+# the cases of the operations and dtypes the backend declares (every one: 16-bit merge included)
 _BACKEND = registry()[NAME]
 CASES = [c for t in ("numpy", "torch-cpu") for c in cases(target=t, ops=OPS)
          if all(op in OPS and _BACKEND.serves_key(op, "cpu", c.dtype) for op in c.ops)]
