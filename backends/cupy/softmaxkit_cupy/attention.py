@@ -143,17 +143,18 @@ def _capability_of(device: int) -> str:
     return str(cupy.cuda.Device(device).compute_capability)
 
 
-def forward_config(capability: str, head_dim: int,
-                   masked: bool) -> AttentionConfig | Sm90Config:
+def forward_config(capability: str, head_dim: int, masked: bool,
+                   shared_limit: int | None = None) -> AttentionConfig | Sm90Config:
     """The forward configuration for a call at ``head_dim`` (a built head dimension) on a device
     of compute capability ``capability`` (CuPy's spelling, "90" for 9.0), with a boolean mask
     or without one: the Hopper kernel where it is built for the head dimension and the device
-    is 9.0, the mma.sync kernel otherwise."""
+    is 9.0, the mma.sync kernel otherwise, whose tiles fit ``shared_limit`` bytes of shared
+    memory a block (:func:`.configs.attention_config`)."""
     if capability == SM90_CAPABILITY:
         found = sm90_config(head_dim, masked)
         if found is not None:
             return found
-    return attention_config(head_dim, masked=masked)
+    return attention_config(head_dim, masked=masked, shared_limit=shared_limit)
 
 
 def backward_config_for(capability: str, head_dim: int,
@@ -343,8 +344,9 @@ def _attention(
         out = xp.reshape(out, (b, hq, lq, d))
         lse = xp.reshape(lse, (b, hq, lq))
     else:
-        config = config or forward_config(_capability_of(interop.device_index(q)), d,
-                                          mask is not None)
+        device = interop.device_index(q)
+        config = config or forward_config(_capability_of(device), d, mask is not None,
+                                          interop.shared_limit(device))
         if mask is not None and not config.mask:
             raise ValueError(f"{config} is built without boolean-mask support")
         out = interop.empty(q, (b, hq, lq, d), dtype)

@@ -327,11 +327,17 @@ def alternative_names() -> tuple[str, ...]:
                  if (n := c.name(t)) not in declared)
 
 
-def attention_config(head_dim: int, masked: bool = True) -> AttentionConfig:
+def attention_config(head_dim: int, masked: bool = True,
+                     shared_limit: int | None = None) -> AttentionConfig:
     """The forward configuration for ``head_dim`` (a key of :data:`ATTENTION_CONFIGS`), for a
-    call with a boolean mask or (``masked=False``) without one."""
+    call with a boolean mask or (``masked=False``) without one, on a device whose blocks may
+    take ``shared_limit`` bytes of shared memory (None: no limit): the unmasked tiles where
+    they fit, else the masked ones (smaller: 128 KB against 192 KB at 256, which a device of
+    compute capability 8.0 cannot give)."""
     if not masked and head_dim in UNMASKED_CONFIGS:
-        return UNMASKED_CONFIGS[head_dim]
+        unmasked = UNMASKED_CONFIGS[head_dim]
+        if shared_limit is None or unmasked.shared_bytes() <= shared_limit:
+            return unmasked
     return ATTENTION_CONFIGS[head_dim]
 
 
@@ -663,6 +669,22 @@ BACKWARD_ALTERNATIVES = (
 def backward_config(head_dim: int) -> BackwardConfig:
     """The backward configuration for ``head_dim`` (a key of :data:`BACKWARD_CONFIGS`)."""
     return BACKWARD_CONFIGS[head_dim]
+
+
+def attention_shared_bytes(head_dim: int, kind: str) -> int:
+    """The most dynamic shared memory a block of the mma.sync attention kernels at
+    ``head_dim`` (a built head dimension) takes, for ``kind``: ``"forward"`` (the masked tiles,
+    which every call may take, and split-KV decoding's), ``"varlen"`` (the packed forward's
+    tiles) or ``"backward"``.  A device of compute capability 9.0 gives 227 KB, enough for
+    every one; 8.0 gives 163 KB, 8.6, 8.9 and 12.0 give 99 KB."""
+    if kind == "forward":
+        return max(attention_config(head_dim).shared_bytes(),
+                   decode_config(head_dim).shared_bytes())
+    if kind == "varlen":
+        return varlen_config(head_dim).shared_bytes()
+    if kind == "backward":
+        return backward_config(head_dim).shared_bytes()
+    raise ValueError(f"kind must be 'forward', 'varlen' or 'backward', not {kind!r}")
 
 
 def backward_pre_group(head_dim: int) -> int:

@@ -23,12 +23,13 @@ from .configs import (
     ROW_OPS,
     TF32_CONFIGS,
     TF32_PRECISIONS,
+    attention_shared_bytes,
     decode_holds,
     max_row_length,
     row_lean,
     tf32_width,
 )
-from .head_dims import head_dim_reason
+from .head_dims import LARGEST, head_dim_reason, served_head_dim
 
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -143,8 +144,36 @@ def _can_run_attention(call: Any) -> bool | str:
                     "(configs.TF32_CHECKED)")
         return tf32_reason(tuple(q.shape), tuple(k.shape), tuple(v.shape)) or True
     return attention_reason(
-        _name(q.dtype), tuple(q.shape), tuple(k.shape), tuple(v.shape)
+        _name(q.dtype), tuple(q.shape), tuple(k.shape), tuple(v.shape), _shared_limit(q)
     ) or True
+
+
+def _device(a: Any) -> int | None:
+    """The index of the CUDA device ``a`` lives on (the hooks declare ``devices``), or None
+    for an array on no CUDA device (then no device limit applies)."""
+    from .interop import device_index
+
+    index = device_index(a)
+    return index if index >= 0 else None
+
+
+def _shared_limit(a: Any) -> int | None:
+    """The shared memory a block may take on ``a``'s device, or None (:func:`_device`)."""
+    from .interop import shared_limit
+
+    index = _device(a)
+    return None if index is None else shared_limit(index)
+
+
+def shared_reason(head_dim: int, kind: str, limit: int | None) -> str | None:
+    """Why the attention kernels of ``kind`` (:func:`.configs.attention_shared_bytes`) at
+    ``head_dim`` cannot run on a device whose blocks may take ``limit`` bytes of shared
+    memory, or None when they fit (or no limit is given)."""
+    need = attention_shared_bytes(head_dim, kind)
+    if limit is None or need <= limit:
+        return None
+    return (f"the {kind} attention kernel at head dim {head_dim} takes {need} bytes of shared "
+            f"memory a block; this device gives {limit}")
 
 
 def _operands_reason(args: dict[str, Any], together: tuple[str, ...], library_note: str,
@@ -175,18 +204,21 @@ def _can_run_attention_vjp(call: Any) -> bool | str:
         return reason
     dtype = _name(args["q"].dtype)
     return attention_vjp_reason(
-        dtype, tuple(args["q"].shape), tuple(args["k"].shape), tuple(args["v"].shape)
+        dtype, tuple(args["q"].shape), tuple(args["k"].shape), tuple(args["v"].shape),
+        _shared_limit(args["q"])
     ) or True
 
 
 def attention_vjp_reason(
-    dtype: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...]
+    dtype: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...],
+    shared_limit: int | None = None,
 ) -> str | None:
     """Why the backward kernels cannot run these inputs, or None when they can.
 
-    The forward's limits apply; calls with no query row or no key run without a launch.
+    The forward's limits apply, with the backward's shared memory; calls with no query row or
+    no key run without a launch.
     """
-    return attention_reason(dtype, q_shape, k_shape, v_shape)
+    return attention_reason(dtype, q_shape, k_shape, v_shape, shared_limit, "backward")
 
 
 def _can_run_varlen(call: Any) -> bool | str:
@@ -200,24 +232,27 @@ def _can_run_varlen(call: Any) -> bool | str:
     dtype = _name(args["q"].dtype)
     batches = int(args["cu_seqlens_q"].shape[0]) - 1
     return varlen_reason(dtype, batches, tuple(args["q"].shape), tuple(args["k"].shape),
-                         tuple(args["v"].shape)) or True
+                         tuple(args["v"].shape), _shared_limit(args["q"]),
+                         "backward" if call.op == "varlen_attention_vjp" else "varlen") or True
 
 
 def varlen_reason(
     dtype: str, batches: int, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
-    v_shape: tuple[int, ...],
+    v_shape: tuple[int, ...], shared_limit: int | None = None, kind: str = "varlen",
 ) -> str | None:
     """Why the packed variable-length kernels cannot run these inputs, or None when they can.
 
     The dense kernels' limits (:func:`attention_reason`) apply to a dense batch of ``batches``
     sequences as long as the packed query rows padded to whole tiles (the backward's work
-    arrays) and the packed keys; calls with no query row or no key run without a launch.
+    arrays) and the packed keys, with the shared memory of ``kind`` (``"varlen"``, the
+    forward, or ``"backward"``); calls with no query row or no key run without a launch.
     """
     tq, hq, d = q_shape
     tk, hk, _ = k_shape
     padded = tq + batches * 128  # at most one partial tile (of up to 128 rows) per sequence
     return attention_reason(dtype, (batches, hq, padded if tq else 0, d),
-                            (batches, hk, tk, d), (batches, hk, tk, v_shape[-1]))
+                            (batches, hk, tk, d), (batches, hk, tk, v_shape[-1]),
+                            shared_limit, kind)
 
 
 def _can_run_paged(call: Any) -> bool | str:
@@ -232,12 +267,12 @@ def _can_run_paged(call: Any) -> bool | str:
     if _name(k_pages.dtype) != dtype or _name(v_pages.dtype) != dtype:
         return "q, k_pages and v_pages must share one dtype"
     return paged_reason(dtype, tuple(q.shape), tuple(k_pages.shape), tuple(v_pages.shape),
-                        tuple(args["block_table"].shape)) or True
+                        tuple(args["block_table"].shape), _shared_limit(q)) or True
 
 
 def paged_reason(
     dtype: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...],
-    table_shape: tuple[int, ...],
+    table_shape: tuple[int, ...], shared_limit: int | None = None,
 ) -> str | None:
     """Why the paged decode kernel cannot run these inputs, or None when it can.
 
@@ -262,7 +297,10 @@ def paged_reason(
         return None  # no launch, so no launch limit applies
     if not decode_holds(hq, hk, lq):  # a long chunked prefill: the dense kernels' limits
         return attention_reason(dtype, (b, hq, lq, d), (b, hk, capacity, d),
-                                (b, hk, capacity, v_shape[-1]))
+                                (b, hk, capacity, v_shape[-1]), shared_limit)
+    reason = shared_reason(served_head_dim(d, v_shape[-1]) or LARGEST, "forward", shared_limit)
+    if reason:
+        return reason
     if b > 65535 or hk > 65535:
         return "more than 65535 sequences or key heads per launch"
     if capacity >= 2**31 // 256 or pages >= 2**31:
@@ -309,9 +347,12 @@ def tf32_reason(
 
 
 def attention_reason(
-    dtype: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...]
+    dtype: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...],
+    shared_limit: int | None = None, kind: str = "forward",
 ) -> str | None:
-    """Why the forward kernel cannot run these inputs, or None when it can.
+    """Why the forward kernel (the kernels of ``kind``, :func:`shared_reason`) cannot run
+    these inputs on a device whose blocks may take ``shared_limit`` bytes of shared memory,
+    or None when it can.
 
     Every key dimension D from 1 to 256 is served, with any value dimension Dv: those the
     kernels are not built for (D != Dv, or D outside ``ATTENTION_HEAD_DIMS``) on zero-padded
@@ -327,6 +368,11 @@ def attention_reason(
         return reason
     if b * hq * lq == 0 or k_shape[2] == 0:
         return None  # no launch, so no launch limit applies
+    # the widest block of value columns (value_blocks) decides the width
+    width = served_head_dim(d, min(v_shape[-1], LARGEST)) or LARGEST
+    reason = shared_reason(width, kind, shared_limit)
+    if reason:
+        return reason
     if b > 65535 or hq > 65535:
         return "more than 65535 batches or heads per launch"
     if max(lq, k_shape[2]) >= 2**31 // 256:
@@ -341,11 +387,13 @@ def _can_run_rows(call: Any) -> bool | str:
         return f"inputs must be CuPy arrays or PyTorch CUDA tensors, got {type(x).__name__}"
     if args.get("where") is not None and _library(args["where"]) != _library(x):
         return "where= must live in the same library as x"
-    from .interop import device_index, has_clusters
+    from .interop import has_clusters
 
+    index = _device(x)
     return row_reason(
         call.op, _name(x.dtype), _name(args["out_dtype"]), tuple(x.shape),
-        weighted=args.get("b") is not None, clusters=has_clusters(device_index(x)),
+        weighted=args.get("b") is not None,
+        clusters=index is None or has_clusters(index),
     ) or True
 
 

@@ -75,6 +75,7 @@ def test_attention_launches_pack_every_parameter(monkeypatch, capability):
     launches = []
     monkeypatch.setattr(attention, "_kernel", lambda name: name)
     monkeypatch.setattr(attention, "_capability_of", lambda device: capability)
+    monkeypatch.setattr(interop, "shared_limit", lambda device: 227 * 1024)  # the H200's
     monkeypatch.setattr(interop, "launch_context", lambda a: contextlib.nullcontext())
     monkeypatch.setattr(interop, "launch", lambda *a: launches.append(a))
     b, hq, hk, lq, lk, d = 2, 4, 2, 100, 130, 128

@@ -310,3 +310,63 @@ def test_should_run_leaves_large_float32_calls_to_numba_cuda() -> None:
         assert should_run(call((32768, 4096))) is True  # nobody else to take them
     finally:
         registry.reload()
+
+
+SM80_SHARED, SM86_SHARED, SM90_SHARED = 163 * 1024, 99 * 1024, 227 * 1024
+"""The shared memory a block may take once its kernel opts in, by compute capability."""
+
+
+@pytest.mark.parametrize(("kind", "d", "limit", "declined"), [
+    # Hopper gives every kernel its tiles
+    *(("forward", d, SM90_SHARED, False) for d in (32, 64, 128, 256)),
+    *(("backward", d, SM90_SHARED, False) for d in (32, 64, 128, 256)),
+    ("varlen", 256, SM90_SHARED, False),
+    # compute capability 8.0: the unmasked 256 tiles (192 KB) only are too large
+    ("forward", 256, SM80_SHARED, False),  # on the masked tiles (128 KB)
+    ("backward", 256, SM80_SHARED, False),
+    ("varlen", 256, SM80_SHARED, True),
+    ("varlen", 192, SM80_SHARED, False),
+    # 8.6 / 8.9 / 12.0
+    ("forward", 128, SM86_SHARED, False),
+    ("forward", 160, SM86_SHARED, True),
+    ("backward", 80, SM86_SHARED, False),
+    ("backward", 128, SM86_SHARED, True),
+    ("varlen", 128, SM86_SHARED, False),
+])
+def test_attention_declines_kernels_larger_than_the_device_s_shared_memory(
+        kind, d, limit, declined) -> None:
+    from softmaxkit_cupy.configs import attention_shared_bytes
+
+    shapes = ((2, 4, 256, d), (2, 4, 256, d), (2, 4, 256, d))
+    if kind == "varlen":
+        reason = mf.varlen_reason("bfloat16", 2, (512, 4, d), (512, 4, d), (512, 4, d), limit)
+    elif kind == "backward":
+        reason = mf.attention_vjp_reason("bfloat16", *shapes, limit)
+    else:
+        reason = mf.attention_reason("bfloat16", *shapes, limit)
+    assert (reason is not None) == declined, reason
+    assert (attention_shared_bytes(d, kind) > limit) == declined
+    if declined:
+        assert f"takes {attention_shared_bytes(d, kind)} bytes" in reason and str(limit) in reason
+    # calls with nothing to launch need no shared memory
+    assert mf.attention_reason("bfloat16", (2, 4, 0, d), (2, 4, 256, d), (2, 4, 256, d),
+                               limit) is None
+
+
+def test_the_unmasked_forward_takes_the_masked_tiles_where_its_own_do_not_fit() -> None:
+    from softmaxkit_cupy.attention import forward_config
+    from softmaxkit_cupy.configs import ATTENTION_CONFIGS, UNMASKED_CONFIGS, attention_config
+
+    assert (UNMASKED_CONFIGS[256].shared_bytes() > SM80_SHARED
+            >= ATTENTION_CONFIGS[256].shared_bytes())
+    assert attention_config(256, masked=False) == UNMASKED_CONFIGS[256]
+    assert attention_config(256, masked=False, shared_limit=SM80_SHARED) == ATTENTION_CONFIGS[256]
+    assert forward_config("80", 256, False, SM80_SHARED) == ATTENTION_CONFIGS[256]
+    for d, c in UNMASKED_CONFIGS.items():  # every other unmasked tile fits 8.0 and 8.6
+        if d != 256:
+            assert attention_config(d, False, SM86_SHARED) == c
+    # a paged decode at 256 fits 8.0, not 8.6
+    assert mf.paged_reason("bfloat16", (1, 8, 1, 256), (3, 1, 16, 256), (3, 1, 16, 256),
+                           (1, 3), SM80_SHARED) is None
+    assert "shared memory" in mf.paged_reason("bfloat16", (1, 8, 1, 256), (3, 1, 16, 256),
+                                              (3, 1, 16, 256), (1, 3), SM86_SHARED)
