@@ -136,11 +136,9 @@ def _multiprocessors_of(device: int) -> int:
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
-@functools.cache
 def _capability_of(device: int) -> str:
-    import cupy
-
-    return str(cupy.cuda.Device(device).compute_capability)
+    """CuPy's spelling of the compute capability of device ``device`` ("90" for 9.0)."""
+    return str(interop.capability(device))
 
 
 def forward_config(capability: str, head_dim: int, masked: bool,

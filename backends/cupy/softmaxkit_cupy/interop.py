@@ -206,12 +206,17 @@ def device_index(a: Any) -> int:
 
 
 @functools.cache
+def capability(device: int) -> int:
+    """The compute capability of CUDA device ``device`` as a number (90 for 9.0)."""
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability)
+
+
 def has_clusters(device: int) -> bool:
     """Whether CUDA device ``device`` has thread-block clusters (compute capability 9.0 and
     newer); the row kernels of a cluster are launched only there."""
-    import cupy
-
-    return int(cupy.cuda.Device(device).compute_capability) >= CLUSTER_CAPABILITY
+    return capability(device) >= CLUSTER_CAPABILITY
 
 
 _SHARED_OPTIN = 97

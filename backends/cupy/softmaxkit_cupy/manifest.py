@@ -52,6 +52,9 @@ fused kernel is the faster one there (docs/benchmarks-eager.md)."""
 
 NAME = "cupy"
 
+MIN_CAPABILITY = 80
+"""The oldest devices the kernels are built for: compute capability 8.0 (as a number)."""
+
 VARLEN_OPS = ("varlen_attention", "varlen_attention_vjp")
 
 
@@ -113,6 +116,9 @@ def can_run(call: Any) -> bool | str:
     """``True`` if the kernels compute ``call`` exactly as the reference does, else why not."""
     if not _cupy_installed():
         return "cupy is not installed"
+    reason = _capability_reason(call.args)
+    if reason:
+        return reason
     if call.op in ROW_OPS:
         return _can_run_rows(call)
     if call.op in GRAD_OPS:
@@ -128,6 +134,22 @@ def can_run(call: Any) -> bool | str:
     if call.op == "paged_attention":
         return _can_run_paged(call)
     return f"no kernel for {call.op}"
+
+
+def _capability_reason(args: dict[str, Any]) -> str | None:
+    """Why the kernels cannot run on the device of the call's first array, or None: they are
+    built for compute capability 8.0 and newer (cp.async, bfloat16 tensor-core products)."""
+    first = next((a for a in args.values() if hasattr(a, "shape")), None)
+    index = None if first is None or _library(first) is None else _device(first)
+    if index is None:
+        return None
+    from .interop import capability
+
+    found = capability(index)
+    if found < MIN_CAPABILITY:
+        return (f"the cupy kernels need compute capability {MIN_CAPABILITY // 10}."
+                f"{MIN_CAPABILITY % 10} or newer; device {index} is {found // 10}.{found % 10}")
+    return None
 
 
 def _can_run_attention(call: Any) -> bool | str:

@@ -370,3 +370,21 @@ def test_the_unmasked_forward_takes_the_masked_tiles_where_its_own_do_not_fit() 
                            (1, 3), SM80_SHARED) is None
     assert "shared memory" in mf.paged_reason("bfloat16", (1, 8, 1, 256), (3, 1, 16, 256),
                                               (3, 1, 16, 256), (1, 3), SM86_SHARED)
+
+
+def test_devices_below_compute_capability_8_are_declined(monkeypatch) -> None:
+    """The kernels use cp.async and bfloat16 tensor-core products (8.0 and newer): a call on an
+    older device goes to the next backend, with the reason."""
+    import torch
+    from softmaxkit_cupy import interop
+
+    x = torch.zeros((2, 8), dtype=torch.float32)
+    monkeypatch.setattr(mf, "_library", lambda a: "torch")
+    monkeypatch.setattr(mf, "_device", lambda a: 0)
+    args = {"x": x, "where": None, "masked": "zero", "out_dtype": torch.float32}
+    for found, declined in ((75, True), (80, False), (86, False), (90, False), (120, False)):
+        monkeypatch.setattr(interop, "capability", lambda device, found=found: found)
+        reason = mf.can_run(Call("softmax", None, "cuda", "float32", args))
+        assert (reason is not True) == declined, reason
+        if declined:
+            assert "compute capability 8.0 or newer; device 0 is 7.5" in reason
