@@ -217,6 +217,15 @@ def memory_bandwidth(a: Any, lib: str) -> float:
     return _device_value(a, lib, "bandwidth", _peak_bandwidth)
 
 
+def shared_limit(a: Any, lib: str) -> int:
+    """Bytes of shared memory a block may take on the device that holds ``a`` once its kernel
+    opts in (227 KB on compute capability 9.0; no limit in the simulator)."""
+    if SIMULATOR:
+        return 1 << 30
+    return _device_value(a, lib, "shared",
+                         lambda dev: int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN))
+
+
 def has_clusters(a: Any, lib: str) -> bool:
     """Whether the device that holds ``a`` has thread-block clusters (compute capability 9.0
     and newer; the simulator runs clusters of one block)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 from numba import uint64 as u
@@ -96,6 +97,21 @@ def tiles(table: dict, acc_name: str, d: int, dv: int) -> tuple[int, int]:
         if widest <= limit:
             return tile
     raise ValueError(f"head dimensions above {MAX_HEAD_DIM} are not supported ({d}, {dv})")
+
+
+def tiles_within(table: dict, acc_name: str, d: int, dv: int,
+                 size: Callable[[int, int], int], limit: int) -> tuple[int, int]:
+    """The micro-tile of ``table`` for ``d``, ``dv`` (:func:`tiles`), halved until its block's
+    ``size(tile)`` bytes of shared memory fit ``limit`` (a device below the H200's 227 KB:
+    99 KB on compute capability 8.6, 8.9 and 12.0).  The larger extent is halved first, the
+    second of equal ones, so the tiles stay among those of the tables."""
+    a, b = tiles(table, acc_name, d, dv)
+    while size(a, b) > limit and (a, b) != (1, 1):
+        if b >= a and b > 1:
+            b //= 2
+        else:
+            a //= 2
+    return a, b
 
 
 def forward_shared(acc_name: str, d: int, dv: int, rm: int, cn: int) -> int:
