@@ -27,6 +27,7 @@ from typing import Any
 
 from softmaxkit.dtypes import dtype_name
 
+from .attention_tiles import MAX_HEAD_DIM, smallest_shared
 from .settings import simulator_requested as _simulated
 
 NAME = "numba-cuda"
@@ -38,7 +39,6 @@ ATTENTION_OPS = ("attention", "attention_vjp")
 PAGED_OPS = ("paged_attention",)
 VARLEN_OPS = ("varlen_attention", "varlen_attention_vjp")
 ATTENTION_DTYPES = ("float32", "float64")
-MAX_HEAD_DIM = 256  # softmaxkit_numba_cuda.attention_kernels.MAX_HEAD_DIM, without numba
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 _PRIMARY = {"softmax": "x", "log_softmax": "x", "logsumexp": "x", "cross_entropy": "logits",
             "softmax_vjp": "probs", "log_softmax_vjp": "logprobs", "summarize": "x",
@@ -73,8 +73,9 @@ def manifest() -> dict[str, Any]:
         "install_hint": "pip install softmaxkit-numba-cuda (needs numba-cuda and a CUDA GPU)",
         "can_run": "softmaxkit_numba_cuda.manifest:can_run",
         # can_run reads the primary argument's library, row length and (merge_attention_vjp)
-        # value dimension with the dtype, which is always part of the key
-        "hook_keys": ["arrays", "shapes"],
+        # value dimension with the dtype, which is always part of the key, and (attention)
+        # the shared memory of its device
+        "hook_keys": ["arrays", "shapes", "devices"],
     }
 
 
@@ -89,9 +90,9 @@ def can_run(call: Any) -> bool | str:
     elif module not in ("torch", "cupy"):
         return f"takes torch CUDA tensors and CuPy arrays, not {type(x).__name__}"
     if call.op in ATTENTION_OPS or call.op in VARLEN_OPS:
-        return _attention_verdict(x, args.get("v"))
+        return _attention_verdict(x, args.get("v"), call.op.endswith("_vjp"))
     if call.op in PAGED_OPS:
-        return _attention_verdict(x, args.get("v_pages"))
+        return _attention_verdict(x, args.get("v_pages"), False)
     shape = getattr(x, "shape", ())
     if shape and shape[-1] >= 2**31:
         return "rows of 2**31 or more positions are not supported"
@@ -103,11 +104,24 @@ def can_run(call: Any) -> bool | str:
     return True
 
 
-def _attention_verdict(q: Any, v: Any) -> bool | str:
-    """Whether the attention kernels are built for ``q``'s and ``v``'s head dimensions."""
+def _attention_verdict(q: Any, v: Any, backward: bool) -> bool | str:
+    """Whether the attention kernels are built for ``q``'s and ``v``'s head dimensions, and
+    the forward's (or the ``backward``'s) smallest tile fits the shared memory a block may
+    take on ``q``'s device (the hooks declare ``devices``)."""
     d = int(q.shape[-1])
     dv = int(v.shape[-1]) if v is not None else d
     if max(d, dv) > MAX_HEAD_DIM:
         return (f"attention kernels serve head dimensions up to {MAX_HEAD_DIM} "
                 f"(got D={d}, Dv={dv})")
+    acc = "float64" if dtype_name(q.dtype) == "float64" else "float32"
+    need = smallest_shared(acc, d, dv, backward)
+    if _simulated():  # the simulator's blocks have no shared memory limit
+        return True
+    from .arrays import library, shared_limit
+
+    limit = shared_limit(q, library(q))
+    if need > limit:
+        return (f"the {'backward' if backward else 'forward'} attention kernel at D={d}, "
+                f"Dv={dv} in {acc} takes {need} bytes of shared memory a block on its "
+                f"smallest tile; this device gives {limit}")
     return True

@@ -356,3 +356,28 @@ def test_attention_tiles_shrink_to_the_device_s_shared_memory():
     assert k.tiles_within(k.FORWARD_TILES, "float32", 256, 256,
                           lambda r, c: k.forward_shared("float32", 256, 256, r, c),
                           99 * 1024) == (2, 1)
+
+
+@pytest.mark.parametrize(("dtype", "d", "backward", "declined"), [
+    ("float32", 256, False, False),  # on smaller tiles (tiles_within)
+    ("float32", 256, True, False),
+    ("float64", 128, True, False),
+    ("float64", 256, False, True),  # 104 KB on its smallest tile
+    ("float64", 256, True, True),
+])
+def test_can_run_declines_attention_beyond_the_device_s_shared_memory(
+        monkeypatch, dtype, d, backward, declined):
+    """On a device whose blocks may take 99 KB (compute capability 8.6, 8.9, 12.0), the calls
+    whose smallest tile needs more are declined with the figures; the H200 takes them all."""
+    torch = pytest.importorskip("torch")
+    from softmaxkit_numba_cuda import arrays
+
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    op = "attention_vjp" if backward else "attention"
+    q = torch.zeros((1, 1, 2, d), dtype=getattr(torch, dtype))
+    for limit, refused in ((99 * 1024, declined), (227 * 1024, False)):
+        monkeypatch.setattr(arrays, "shared_limit", lambda a, lib, limit=limit: limit)
+        verdict = can_run(_call(op, "cuda", q=q, k=q, v=q))
+        assert (verdict is not True) == refused, verdict
+        if refused:
+            assert f"this device gives {limit}" in verdict and dtype in verdict
