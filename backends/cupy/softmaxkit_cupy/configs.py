@@ -674,17 +674,20 @@ def backward_config(head_dim: int) -> BackwardConfig:
 def attention_shared_bytes(head_dim: int, kind: str) -> int:
     """The most dynamic shared memory a block of the mma.sync attention kernels at
     ``head_dim`` (a built head dimension) takes, for ``kind``: ``"forward"`` (the masked tiles,
-    which every call may take, and split-KV decoding's), ``"varlen"`` (the packed forward's
-    tiles) or ``"backward"``.  A device of compute capability 9.0 gives 227 KB, enough for
-    every one; 8.0 gives 163 KB, 8.6, 8.9 and 12.0 give 99 KB."""
+    which every call may take, and split-KV decoding's), ``"decode"`` (split-KV decoding's
+    alone: paged decoding), ``"varlen"`` (the packed forward's tiles) or ``"backward"``.  A
+    device of compute capability 9.0 gives 227 KB, enough for every one; 8.0 gives 163 KB,
+    8.6, 8.9 and 12.0 give 99 KB."""
     if kind == "forward":
         return max(attention_config(head_dim).shared_bytes(),
                    decode_config(head_dim).shared_bytes())
+    if kind == "decode":
+        return decode_config(head_dim).shared_bytes()
     if kind == "varlen":
         return varlen_config(head_dim).shared_bytes()
     if kind == "backward":
         return backward_config(head_dim).shared_bytes()
-    raise ValueError(f"kind must be 'forward', 'varlen' or 'backward', not {kind!r}")
+    raise ValueError(f"kind must be 'forward', 'decode', 'varlen' or 'backward', not {kind!r}")
 
 
 def backward_pre_group(head_dim: int) -> int:

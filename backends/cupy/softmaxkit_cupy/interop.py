@@ -219,19 +219,15 @@ def has_clusters(device: int) -> bool:
     return capability(device) >= CLUSTER_CAPABILITY
 
 
-_SHARED_OPTIN = 97
-"""``cudaDevAttrMaxSharedMemoryPerBlockOptin`` (driver_types.h)."""
-
-
 @functools.cache
 def shared_limit(device: int) -> int:
     """The dynamic and static shared memory, in bytes, that a block may take on CUDA device
     ``device`` once its kernel opts in (227 KB on compute capability 9.0)."""
     import cupy
 
-    attribute = getattr(cupy.cuda.runtime, "cudaDevAttrMaxSharedMemoryPerBlockOptin",
-                        _SHARED_OPTIN)
-    return int(cupy.cuda.runtime.deviceGetAttribute(attribute, device))
+    runtime = cupy.cuda.runtime
+    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                          device))
 
 
 def launch(kernel: Any, like: Any, grid: int | tuple[int, int, int], block: int, codes: str,

@@ -320,7 +320,7 @@ def paged_reason(
     if not decode_holds(hq, hk, lq):  # a long chunked prefill: the dense kernels' limits
         return attention_reason(dtype, (b, hq, lq, d), (b, hk, capacity, d),
                                 (b, hk, capacity, v_shape[-1]), shared_limit)
-    reason = shared_reason(served_head_dim(d, v_shape[-1]) or LARGEST, "forward", shared_limit)
+    reason = shared_reason(served_head_dim(d, v_shape[-1]), "decode", shared_limit)
     if reason:
         return reason
     if b > 65535 or hk > 65535:
@@ -391,7 +391,7 @@ def attention_reason(
     if b * hq * lq == 0 or k_shape[2] == 0:
         return None  # no launch, so no launch limit applies
     # the widest block of value columns (value_blocks) decides the width
-    width = served_head_dim(d, min(v_shape[-1], LARGEST)) or LARGEST
+    width = served_head_dim(d, min(v_shape[-1], LARGEST))
     reason = shared_reason(width, kind, shared_limit)
     if reason:
         return reason

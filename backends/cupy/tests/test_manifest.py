@@ -365,7 +365,12 @@ def test_the_unmasked_forward_takes_the_masked_tiles_where_its_own_do_not_fit() 
     for d, c in UNMASKED_CONFIGS.items():  # every other unmasked tile fits 8.0 and 8.6
         if d != 256:
             assert attention_config(d, False, SM86_SHARED) == c
-    # a paged decode at 256 fits 8.0, not 8.6
+    # a paged decode takes the decode kernel alone: at 160 it fits 8.6 (the dense forward
+    # at 160 would not), at 256 it fits 8.0, not 8.6
+    assert mf.paged_reason("bfloat16", (1, 8, 1, 160), (3, 1, 16, 160), (3, 1, 16, 160),
+                           (1, 3), SM86_SHARED) is None
+    assert mf.attention_reason("bfloat16", (1, 8, 300, 160), (1, 8, 300, 160),
+                               (1, 8, 300, 160), SM86_SHARED) is not None
     assert mf.paged_reason("bfloat16", (1, 8, 1, 256), (3, 1, 16, 256), (3, 1, 16, 256),
                            (1, 3), SM80_SHARED) is None
     assert "shared memory" in mf.paged_reason("bfloat16", (1, 8, 1, 256), (3, 1, 16, 256),

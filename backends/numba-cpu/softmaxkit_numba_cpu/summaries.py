@@ -96,13 +96,8 @@ def merge(xp: Any, *, maxes: Any, masses: Any, numerators: Any) -> tuple[Any, An
     Summaries held in a 16-bit dtype are merged in float32 and each merged field is rounded
     once to their dtype (spec: Merge).
     """
-    fields = (maxes, masses, numerators)
-    if numpy_view(maxes).dtype.itemsize == 2:
-        mx, ms, nums = (None if a is None
-                        else np.ascontiguousarray(numpy_view(a), dtype=np.float32)
-                        for a in fields)
-    else:
-        mx, ms, nums = (None if a is None else _contiguous(a) for a in fields)
+    mx, ms, nums = (None if a is None else _in_accumulator(a)
+                    for a in (maxes, masses, numerators))
     dtype = mx.dtype
     has_num = nums is not None
     if nums is None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from softmaxkit.dtypes import dtype_name
+from softmaxkit.dtypes import accumulator_name, dtype_name
 
 from .attention_tiles import MAX_HEAD_DIM, smallest_shared
 from .settings import simulator_requested as _simulated
@@ -113,10 +113,10 @@ def _attention_verdict(q: Any, v: Any, backward: bool) -> bool | str:
     if max(d, dv) > MAX_HEAD_DIM:
         return (f"attention kernels serve head dimensions up to {MAX_HEAD_DIM} "
                 f"(got D={d}, Dv={dv})")
-    acc = "float64" if dtype_name(q.dtype) == "float64" else "float32"
-    need = smallest_shared(acc, d, dv, backward)
     if _simulated():  # the simulator's blocks have no shared memory limit
         return True
+    acc = accumulator_name(dtype_name(q.dtype))
+    need = smallest_shared(acc, d, dv, backward)
     from .arrays import library, shared_limit
 
     limit = shared_limit(q, library(q))
