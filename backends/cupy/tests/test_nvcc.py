@@ -7,7 +7,8 @@ inline-PTX typo or a resource overflow shows up here, on a machine with no GPU. 
 CI budget, instantiations go through the whole device toolchain (PTX and ptxas machine code,
 no host compiler) for every attention kernel and every bfloat16 row kernel, and through the
 C++ front end and PTX generation for the other row dtypes, whose inline PTX is the same text
-as bfloat16's.
+as bfloat16's.  The Hopper attention sources and the TF32 kernels go through ptxas once, in
+the tests that read ptxas's report of them (below, and test_tf32_nvcc.py), not again here.
 Skipped only where nvcc is absent.
 """
 
@@ -17,8 +18,10 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from softmaxkit_cupy.compiler import source
@@ -35,10 +38,18 @@ def _full(filename: str, name: str) -> bool:
     return filename.startswith("attention") or "<sk_bf16," in name
 
 
+REPORTED_SOURCES = SM90_SOURCES | {"attention_tf32.cu"}
+"""Sources built, every instantiation through ptxas, by the tests that read ptxas's report
+(spills, registers, serialized warpgroup products): compiled there only."""
+
+
 def _units(workers: int) -> list[tuple[str, str, list[str]]]:
-    """``(source, mode, names)`` translation units, about two per worker per mode."""
+    """``(source, mode, names)`` translation units, about two per worker per mode, of every
+    source but :data:`REPORTED_SOURCES`."""
     groups: dict[tuple[str, str], list[str]] = {}
     for filename, names in all_modules():
+        if filename in REPORTED_SOURCES:
+            continue
         for name in names:
             mode = "-cubin" if _full(filename, name) else "-ptx"
             groups.setdefault((filename, mode), []).append(name)
@@ -67,7 +78,8 @@ def test_every_instantiation_compiles_for_sm90(tmp_path: Path) -> None:
     workers = max(1, os.cpu_count() or 1)
     units = _units(workers)
     assert units, "the backend declares no kernel modules"
-    declared = {name for _, names in all_modules() for name in names}
+    declared = {name for f, names in all_modules() if f not in REPORTED_SOURCES
+                for name in names}
     assert {n for _, _, names in units for n in names} == declared
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(lambda iu: _compile(tmp_path, iu[0], *iu[1]), enumerate(units)))
@@ -79,20 +91,20 @@ FALLBACK_SOURCES = ("attention.cu", "attention_bwd.cu", "mask_bits.cu")
 """The attention kernels every GPU other than Hopper runs (mma.sync), and the mask packing."""
 ROW_SOURCES = ("rows.cu", "rowgrads.cu")
 """The row kernels, whose cluster kernels build below sm_90 without a cluster shape (never
-launched there: configs.row_configs without clusters); sm_80 stands for the targets below."""
+launched there: configs.row_configs without clusters)."""
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_86"])
-def test_kernels_of_other_gpus_compile_for_ampere_and_ada(tmp_path: Path, arch: str) -> None:
+def test_kernels_of_other_gpus_compile_for_ampere_and_ada(tmp_path: Path) -> None:
     """The kernels of the other GPUs build for them, ptxas included as in the sm_90 test (an
     instruction or attribute of sm_90 alone, such as a vector reduction or a cluster shape,
-    fails here)."""
-    sources = FALLBACK_SOURCES + (ROW_SOURCES if arch == "sm_80" else ())
+    fails here).  sm_80 stands for every target from 8.0 to 8.9: the same instructions, and a
+    block's shared memory is sized at launch (configs.attention_shared_bytes), not here."""
+    sources = FALLBACK_SOURCES + ROW_SOURCES
     units = [u for u in _units(max(1, os.cpu_count() or 1)) if u[0] in sources]
     assert {f for f, _, _ in units} == set(sources)
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         results = list(pool.map(
-            lambda iu: _compile(tmp_path, iu[0], *iu[1], f"-arch={arch}"), enumerate(units)))
+            lambda iu: _compile(tmp_path, iu[0], *iu[1], "-arch=sm_80"), enumerate(units)))
     failures = [(what, err) for what, rc, err in results if rc != 0]
     assert not failures, "\n".join(f"{what}:\n{err[-3000:]}" for what, err in failures)
 
@@ -115,19 +127,14 @@ def _sm90_units() -> list[tuple[str, list[str]]]:
 
 @pytest.mark.parametrize("filename,names", _sm90_units(), ids=["forward", "backward"])
 def test_sm90_attention_keeps_its_registers_and_its_wgmma_pipeline(
-        tmp_path: Path, filename: str, names: list[str]) -> None:
+        ptxas: Callable[[str, Sequence[str], str], Any], filename: str, names: list[str]) -> None:
     """The Hopper forward's and backward's instantiations spill no registers, and ptxas keeps
     their warpgroup products asynchronous: it serializes them (and says so) when ordinary code
     touches an accumulator between a product's issue and its wait, which would undo the
     overlap of the other work with the tensor cores."""
-    unit = tmp_path / "sm90.cu"
-    unit.write_text(source(filename) + "\n" + "\n".join(
-        f"void* sk_instance_{i} = (void*)&{name};" for i, name in enumerate(names)) + "\n")
-    cmd = [NVCC, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
-           "-Xptxas", "-v", str(unit), "-o", str(tmp_path / "sm90.cubin")]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = done.stderr
+    declared = {n for f, ns in all_modules() if f == filename for n in ns}
+    assert declared <= set(names), "every declared instantiation goes through ptxas here"
+    report = ptxas(filename, names, "-gencode=arch=compute_90a,code=sm_90a").report
     assert report.count("Compiling entry function") == len(names)
     assert "serialized" not in report, report[-3000:]
     spills = re.findall(r"(\d+) bytes spill stores", report)

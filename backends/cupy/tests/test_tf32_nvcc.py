@@ -9,14 +9,16 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
-from softmaxkit_cupy.compiler import source
 from softmaxkit_cupy.configs import (
     TF32_BACKWARD_CONFIGS,
     TF32_CONFIGS,
     TF32_PRECISIONS,
+    all_modules,
     tf32_alternative_names,
     tf32_backward_config,
     tf32_backward_names,
@@ -46,24 +48,15 @@ def test_every_configuration_fits_sm80_and_two_blocks_fit_sm90() -> None:
             assert config.shared_bytes() <= SM80_SHARED, config
 
 
-def _build(tmp_path: Path, arch: str) -> tuple[str, Path]:
-    names = (*tf32_names(), *tf32_alternative_names(), *tf32_backward_names())
-    unit = tmp_path / f"tf32_{arch}.cu"
-    unit.write_text(source("attention_tf32.cu") + "\n" + "\n".join(
-        f"void* sk_instance_{i} = (void*)&{name};" for i, name in enumerate(names)) + "\n")
-    cubin = tmp_path / f"tf32_{arch}.cubin"
-    cmd = [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin",
-           "-Xptxas", "-v", str(unit), "-o", str(cubin)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stderr, cubin
-
-
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("arch", ["80", "90a"])
-def test_tf32_kernels_build_without_spills(tmp_path: Path, arch: str) -> None:
-    report, cubin = _build(tmp_path, arch)
+def test_tf32_kernels_build_without_spills(
+        ptxas: Callable[[str, Sequence[str], str], Any], arch: str) -> None:
     names = (*tf32_names(), *tf32_alternative_names(), *tf32_backward_names())
+    declared = {n for f, ns in all_modules() if f == "attention_tf32.cu" for n in ns}
+    assert declared <= set(names), "every declared instantiation goes through ptxas here"
+    build = ptxas("attention_tf32.cu", names, f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    report = build.report
     assert report.count("Compiling entry function") == len(names)
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert len(spills) == len(names) and set(spills) == {"0"}, report[-3000:]
@@ -71,8 +64,8 @@ def test_tf32_kernels_build_without_spills(tmp_path: Path, arch: str) -> None:
     assert len(registers) == len(names) and max(registers) <= 255, registers
     if CUOBJDUMP is None:
         return
-    sass = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True,
-                          text=True, check=True).stdout
+    sass = "".join(subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True,
+                                  text=True, check=True).stdout for cubin in build.cubins)
     counts: dict[str, int] = {}
     function = ""
     for line in sass.splitlines():
