@@ -98,9 +98,10 @@ def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
 
     # the commonest descriptions are made inline: a plain value's, another object's, a
     # numpy array's when only its type and dtype are asked for, and a torch tensor's when
-    # its layout flags are asked for too, with or without chunks (what describe() would give)
+    # its layout flags are asked for too, with or without chunks and devices (what
+    # describe() would give)
     numpy_inline = arrays and not shapes
-    torch_inline = arrays and layout and not shapes and not devices
+    torch_inline = arrays and layout and not shapes
 
     out_dtype = "out_dtype" in names
 
@@ -116,8 +117,10 @@ def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
             elif kind == _NUMPY_ARRAY and numpy_inline:
                 out.append((t, v.dtype))
             elif kind == _TORCH_ARRAY and torch_inline:
-                d = ((t, v.dtype), (v.layout, v.is_quantized, v.is_conj()))
-                out.append((d, None) if chunks else d)
+                d: Any = ((t, v.dtype), (v.layout, v.is_quantized, v.is_conj()))
+                if chunks:
+                    d = (d, None)
+                out.append((d, v.device) if devices else d)
             else:
                 out.append(describe(v, t, kind))
         if out_dtype:  # the argument itself, where the operation has one

@@ -240,3 +240,8 @@ def test_the_devices_property_tells_devices_of_one_type_apart():
     assert read({"x": strict}) == read({"x": xps.zeros(4)})
     assert strict.device in read({"x": strict})[0]
     hash(read({"x": strict}))
+    # a torch tensor's layout flags and device together (the inline reading)
+    full = decisions.reader(frozenset({"arrays", "layout", "devices"}))
+    assert full({"x": on_cpu}) == ((((torch.Tensor, torch.float32), (torch.strided, False, False)),
+                                    on_cpu.device),)
+    assert full({"x": on_cpu}) != full({"x": on_meta})

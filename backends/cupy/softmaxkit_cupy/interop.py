@@ -11,7 +11,7 @@ import contextlib
 import functools
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -194,10 +194,26 @@ def _cupy_stream(handle: int, device: int) -> Any:
 
 def _torch_stream(index: int) -> int:
     """The handle of PyTorch's current stream on device ``index``."""
+    return torch_stream_reader()(index)
+
+
+@functools.cache
+def torch_stream_reader() -> Callable[[int], int]:
+    """A function of a device index giving the handle of PyTorch's current stream there
+    (looked up once; torch is imported by whoever made a tensor)."""
     import torch
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object made
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+    return raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
+
+
+@functools.cache
+def current_device_reader() -> Callable[[], int]:
+    """A function giving the index of the current CUDA device (CuPy's ``getDevice``, looked
+    up once)."""
+    import cupy
+
+    return cupy.cuda.runtime.getDevice
 
 
 def device_index(a: Any) -> int:

@@ -10,11 +10,13 @@ kernel's function, cached per device, on the caller's stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from softmaxkit.kernel_params import param_buffer
 
 _functions: dict[tuple[int, int], list[Any]] = {}
+_launch_kernel: Callable[..., None] | None = None
 
 DEFAULT_SHARED = 48 * 1024
 """Dynamic shared memory a kernel may take without raising its limit."""
@@ -41,9 +43,20 @@ def launch(kernel: Any, device: int, stream: int, grid: int | tuple[int, int, in
     """Queue ``kernel`` on ``grid`` blocks (a count, or x, y, z) of ``block`` threads on
     ``stream`` (a raw handle) of the current device ``device``, with ``args`` packed as the
     parameter list ``codes`` and ``shared`` bytes of dynamic shared memory."""
-    from cupy.cuda import driver
-
     gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
-    params = param_buffer(codes).pack(args)
-    driver.launchKernel(function(kernel, device, shared), gx, gy, gz, block, 1, 1, shared,
-                        stream, params, 0)
+    launch_function(function(kernel, device, shared), stream, gx, gy, gz, block, codes, args,
+                    shared)
+
+
+def launch_function(func: int, stream: int, gx: int, gy: int, gz: int, block: int,
+                    codes: str, args: tuple[Any, ...] | list[Any], shared: int = 0) -> None:
+    """:func:`launch` of a driver function ``func`` from :func:`function` (its shared-memory
+    limit already raised to ``shared``) on the current device: what a launch kept for a
+    repeated call runs."""
+    global _launch_kernel
+    if _launch_kernel is None:
+        from cupy.cuda import driver
+
+        _launch_kernel = driver.launchKernel
+    _launch_kernel(func, gx, gy, gz, block, 1, 1, shared, stream, param_buffer(codes).pack(args),
+                   0)

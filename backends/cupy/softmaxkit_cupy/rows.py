@@ -14,7 +14,7 @@ from typing import Any
 
 from softmaxkit.dtypes import dtype_name
 
-from . import compiler, interop
+from . import compiler, interop, launches
 from .configs import (
     ITEMSIZE,
     NON_PORTABLE_CLUSTER,
@@ -119,20 +119,32 @@ def _plan(op: str, din: str, dout: str, n: int, rows: int, config: RowConfig | N
 
 
 class _Kept:
-    """A row launch kept for one call shape: kernel, geometry and parameters, the addresses
-    of x and out (parameters 0 and 4) filled in per call."""
+    """A row launch kept for one call shape on one device: the driver function, geometry and
+    parameters, the addresses of x and out (parameters 0 and 4) filled in per call.
 
-    __slots__ = ("block", "grid", "kernel", "params", "shared")
+    A kept launch goes to the driver directly: the device was checked, the function loaded
+    and its shared-memory limit raised when the launch was first made."""
 
-    def __init__(self, kernel: Any, grid: int, block: int, params: tuple[Any, ...],
-                 shared: int) -> None:
-        self.kernel, self.grid, self.block, self.params, self.shared = (kernel, grid, block,
-                                                                         params, shared)
+    __slots__ = ("block", "current", "device", "function", "grid", "kernel", "params",
+                 "shared", "stream")
+
+    def __init__(self, kernel: Any, device: int, grid: int, block: int,
+                 params: tuple[Any, ...], shared: int) -> None:
+        self.kernel, self.device, self.grid, self.block, self.params, self.shared = (
+            kernel, device, grid, block, params, shared)
+        self.function = launches.function(kernel, device, shared)
+        self.stream = interop.torch_stream_reader()
+        self.current = interop.current_device_reader()
 
     def __call__(self, x: Any, out: Any) -> None:
         params = list(self.params)
         params[0], params[4] = x.data_ptr(), out.data_ptr()
-        interop.launch(self.kernel, x, self.grid, self.block, _ROW_PARAMS, params, self.shared)
+        if self.current() != self.device:  # another device is current: switch, then launch
+            interop.launch(self.kernel, x, self.grid, self.block, _ROW_PARAMS, params,
+                           self.shared)
+            return
+        launches.launch_function(self.function, self.stream(self.device), self.grid, 1, 1,
+                                 self.block, _ROW_PARAMS, params, self.shared)
 
 
 _kept: dict[tuple[Any, ...], _Kept] = {}
@@ -176,7 +188,7 @@ def launch_rows(
     if keep is not None and config is None and x.is_contiguous() and rows:
         if len(_kept) > 4096:
             _kept.clear()
-        _kept[keep] = _Kept(kernel, grid, threads, args, shared)
+        _kept[keep] = _Kept(kernel, interop.device_index(x), grid, threads, args, shared)
 
 
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
