@@ -2,9 +2,10 @@
 
 Below compute capability 9.0 the row kernels take configurations without thread-block
 clusters (``configs.row_configs(clusters=False)``), and on devices with less shared memory
-than the H200 the unmasked forward at head dim 256 takes the masked tiles and numba-cuda's
-attention smaller micro-tiles.  Those kernels build for every device, so they are checked
-here against float64 on fresh random data, their outputs poisoned first.
+than the H200 the unmasked forward at head dim 256 takes the masked tiles (numba-cuda's
+smaller micro-tiles: its tests/test_smaller_tiles.py).  Those kernels build for every
+device, so they are checked here against float64 on fresh random data, their outputs
+poisoned first.
 """
 
 from __future__ import annotations
@@ -82,40 +83,3 @@ def test_unmasked_forward_on_the_masked_tiles_at_256() -> None:
     expected = _attention64(q, k, v, 256**-0.5)
     err = np.abs(out.double().cpu().numpy() - expected).max()
     assert err <= 2e-2, err  # bfloat16 output: a few units in its last place of |v| ~ 1
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_numba_cuda_attention_on_smaller_tiles(dtype: str) -> None:
-    """The micro-tiles numba-cuda takes on a device of 99 KB of shared memory a block."""
-    pytest.importorskip("softmaxkit_numba_cuda")
-    import array_api_compat.torch as xp
-    from softmaxkit_numba_cuda import attention
-    from softmaxkit_numba_cuda import attention_kernels as k
-
-    d = 256
-    fwd = k.tiles_within(k.FORWARD_TILES, dtype, d, d,
-                         lambda r, c: k.forward_shared(dtype, d, d, r, c), 99 * 1024)
-    bwd = k.tiles_within(k.BACKWARD_TILES, dtype, d, d,
-                         lambda r, c: k.backward_shared(dtype, d, d, r, c), 99 * 1024)
-    assert fwd != k.tiles(k.FORWARD_TILES, dtype, d, d)
-    gen = torch.Generator(device="cuda").manual_seed(99)
-    q, kk, v = (torch.randn((1, 2, 70, d), generator=gen, device="cuda",
-                            dtype=getattr(torch, dtype), requires_grad=False)
-                for _ in range(3))
-    out, lse = attention.attention(xp=xp, q=q, k=kk, v=v, scale=d**-0.5, causal=None,
-                                   window=(-1, -1), mask=None, softcap=None, return_lse=True,
-                                   tiles=fwd)
-    expected = _attention64(q, kk, v, d**-0.5)
-    tol = 1e-5 if dtype == "float32" else 1e-12
-    assert np.abs(out.double().cpu().numpy() - expected).max() <= tol
-    # the backward on its smaller tiles against float64 autograd
-    dout = torch.randn(out.shape, generator=gen, device="cuda", dtype=out.dtype)
-    dq, dk, dv = attention.attention_vjp(
-        xp=xp, q=q, k=kk, v=v, out=out, lse=lse, dout=dout, scale=d**-0.5, causal=None,
-        window=(-1, -1), mask=None, softcap=None, tiles=bwd)
-    q64, k64, v64 = (a.double().requires_grad_() for a in (q, kk, v))
-    p = torch.softmax(q64 @ k64.transpose(-1, -2) * d**-0.5, dim=-1)
-    (p @ v64).backward(dout.double())
-    for name, got, want in (("dq", dq, q64.grad), ("dk", dk, k64.grad), ("dv", dv, v64.grad)):
-        err = (got.double() - want).abs().max().item()
-        assert err <= 50 * tol * max(1.0, want.abs().max().item()), (name, err)
