@@ -12,7 +12,6 @@ import importlib.util
 import math
 from typing import Any
 
-from . import configs
 from .configs import (
     ATTENTION_DTYPES,
     GRAD_CONFIGS,
@@ -161,9 +160,6 @@ def _can_run_attention(call: Any) -> bool | str:
     if any(_library(a) != lib for a in (k, v) + ((mask,) if mask is not None else ())):
         return "q, k, v and mask must live in one library"
     if _name(q.dtype) == "float32":
-        if not configs.TF32_CHECKED:
-            return ("the TF32 attention kernels are not yet checked on a device "
-                    "(configs.TF32_CHECKED)")
         return tf32_reason(tuple(q.shape), tuple(k.shape), tuple(v.shape)) or True
     return attention_reason(
         _name(q.dtype), tuple(q.shape), tuple(k.shape), tuple(v.shape), _shared_limit(q)

@@ -29,21 +29,6 @@ def _ampere_or_later() -> None:
         pytest.skip("TF32 tensor cores need compute capability 8.0 or more")
 
 
-@pytest.fixture(autouse=True)
-def _served(monkeypatch):
-    """The dispatch to the TF32 kernels, which ``configs.TF32_CHECKED`` holds back until
-    these tests have passed on a device: they check the path the flag opens."""
-    from softmaxkit_cupy import configs
-
-    from softmaxkit import registry
-
-    monkeypatch.setattr(configs, "TF32_CHECKED", True)
-    registry.reload()
-    yield
-    monkeypatch.undo()
-    registry.reload()
-
-
 CASES = [
     dict(b=2, hq=4, hk=4, lq=257, lk=300),
     dict(b=1, hq=4, hk=4, lq=300, lk=300, causal="bottom_right"),

@@ -69,18 +69,27 @@ def test_head_dims_run_at_the_smallest_built_width_that_holds_them() -> None:
     assert tf32_width(64, 40) == 64 and tf32_width(16, 100) == 128
 
 
-def test_float32_calls_wait_for_the_device_check(monkeypatch) -> None:
-    """Until ``configs.TF32_CHECKED``, ``can_run`` declines float32 attention with the reason
-    (the exact kernels serve it); once set, it takes the calls its kernels are built for."""
+def test_float32_calls_at_the_tf32_precisions_are_taken(monkeypatch) -> None:
+    """``can_run`` takes float32 attention its TF32 kernels are built for (D, Dv up to 128)
+    and declines larger head dimensions with the reason; the registry offers cupy float32
+    attention at ``"tf32"`` and ``"tf32x3"`` only (the exact kernels are numba-cuda's)."""
     torch = pytest.importorskip("torch")
-    from softmaxkit_cupy import configs
 
     from softmaxkit.ops import Call
 
     monkeypatch.setattr(mf, "_library", lambda a: "torch")  # CPU tensors stand in for CUDA
     q = torch.zeros(1, 4, 16, 64)
-    call = Call("attention", None, "cuda", "float32", {"q": q, "k": q, "v": q, "mask": None})
-    assert configs.TF32_CHECKED is False
-    assert "not yet checked on a device" in mf.can_run(call)
-    monkeypatch.setattr(configs, "TF32_CHECKED", True)
+    call = Call("attention", None, "cuda", "float32",
+                {"q": q, "k": q, "v": q, "mask": None, "precision": "tf32"})
     assert mf.can_run(call) is True
+    wide = torch.zeros(1, 4, 16, 160)
+    call = Call("attention", None, "cuda", "float32",
+                {"q": wide, "k": wide, "v": wide, "mask": None, "precision": "tf32x3"})
+    assert "up to 128" in mf.can_run(call)
+    from softmaxkit.registry import registry
+
+    cupy = registry()["cupy"]
+    assert cupy.serves_key("attention", "cuda", "float32", "tf32")
+    assert cupy.serves_key("attention", "cuda", "float32", "tf32x3")
+    assert not cupy.serves_key("attention", "cuda", "float32", "float32")
+    assert not cupy.serves_key("attention_vjp", "cuda", "float32", "tf32")
