@@ -121,10 +121,12 @@ def _kernel(name: str) -> Any:
         filename, names = "attention_bwd.cu", backward_names()
         if name not in names:  # an alternative backward configuration asked for explicitly
             names = backward_alternative_names()
+            names = names if name in names else (name,)  # any other: built alone
     else:
         filename, names = "attention.cu", attention_names()
         if name not in names:  # an alternative forward configuration asked for explicitly
             names = alternative_names()
+            names = names if name in names else (name,)
     return compiler.function(filename, names, name)
 
 
