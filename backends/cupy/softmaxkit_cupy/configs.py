@@ -849,19 +849,27 @@ class Tf32Config:
 
 TF32_CONFIGS = {
     32: Tf32Config(32, warps=4, block_n=64, m_tiles=1),
-    64: Tf32Config(64, warps=4, block_n=32, m_tiles=2),
+    64: Tf32Config(64, warps=4, block_n=64, m_tiles=1),
     96: Tf32Config(96, warps=4, block_n=32, m_tiles=1),
     128: Tf32Config(128, warps=4, block_n=32, m_tiles=1),
 }
-"""The float32 TF32 forward for each head dimension it is built for (D = Dv), with and without
-the boolean mask's code.  Float32 tiles take twice the shared memory of 16-bit ones, so the
-tiles are smaller than the 16-bit kernels': at most 96 KB a block, so two blocks share a
-multiprocessor (sm_80's 164 KB included).  At 64, two 16-row tiles a warp and 32 keys a
-tile: on the H200 (B2 H16 L4096, eager) 92.5 TFLOP/s at "tf32" and 42.4 at "tf32x3"
-against 71.5 and 32.9 for one tile a warp and 64 keys (tools/tf32_timing.py)."""
+"""The float32 TF32 forward for each head dimension it is built for (D = Dv), with the
+boolean mask's code and, unless :data:`TF32_UNMASKED_CONFIGS` says otherwise, without it on
+the same tiles.  Float32 tiles take twice the shared memory of 16-bit ones, so the tiles are
+smaller than the 16-bit kernels': at most 96 KB a block, so two blocks share a
+multiprocessor (sm_80's 164 KB included)."""
+
+TF32_UNMASKED_CONFIGS = {
+    64: Tf32Config(64, warps=4, block_n=32, m_tiles=2, mask=False),
+}
+"""Calls without a boolean mask on tiles of their own: at 64, two 16-row tiles a warp and 32
+keys a tile, on the H200 (B2 H16 L4096, eager) 92.5 TFLOP/s at "tf32" and 42.4 at "tf32x3"
+against 71.5 and 32.9 on the masked kernel's tiles (tools/tf32_timing.py).  Masked calls
+keep the tiles that were checked on a device with mask bits."""
 
 TF32_ALTERNATIVES = (
     Tf32Config(64, warps=4, block_n=64, m_tiles=1, mask=False),
+    Tf32Config(64, warps=4, block_n=32, m_tiles=2, mask=True),
     Tf32Config(64, warps=8, block_n=64, m_tiles=1, mask=False),
     Tf32Config(128, warps=8, block_n=32, m_tiles=1, mask=False),
     Tf32Config(128, warps=4, block_n=64, m_tiles=1, mask=False),
@@ -882,7 +890,8 @@ def tf32_config(head_dim: int, masked: bool) -> Tf32Config | None:
     found = TF32_CONFIGS.get(head_dim)
     if found is None or masked:
         return found
-    return Tf32Config(found.head_dim, found.warps, found.block_n, found.m_tiles, mask=False)
+    return TF32_UNMASKED_CONFIGS.get(head_dim) or Tf32Config(
+        found.head_dim, found.warps, found.block_n, found.m_tiles, mask=False)
 
 
 def tf32_names() -> tuple[str, ...]:

@@ -76,12 +76,14 @@ def test_tf32_kernels_build_without_spills(
             assert ".TF32" in line, line  # every tensor-core product takes TF32 operands
             counts[function] = counts.get(function, 0) + 1
     # a fully unrolled key tile: (D / 8) (BN / 8) products for S = Q K^T and as many for P V
-    for d, config in TF32_CONFIGS.items():
-        per_tile = 2 * (d // 8) * (config.block_n // 8) * config.m_tiles
-        for precision, products in TF32_PRECISIONS.items():
-            mangled = [f for f in counts
-                       if f"ILi{d}ELi{config.warps}ELi{config.block_n}ELi{config.m_tiles}" in f
-                       and f.endswith(f"ELi{products}EEvPKfS1_S1_PKjPfS4_xxxxxxxxxxxxiiiiffiiii")]
-            assert len(mangled) == 2, (d, precision, sorted(counts))
-            for f in mangled:
-                assert counts[f] == products * per_tile, (f, counts[f], per_tile)
+    for d in TF32_CONFIGS:
+        for masked in (True, False):
+            config = tf32_config(d, masked)
+            per_tile = 2 * (d // 8) * (config.block_n // 8) * config.m_tiles
+            for precision, products in TF32_PRECISIONS.items():
+                mangled = [f for f in counts
+                           if f"ILi{d}ELi{config.warps}ELi{config.block_n}ELi{config.m_tiles}"
+                              f"ELb{int(masked)}ELi{products}EEvPKfS1_S1_PKjPfS4_"
+                              "xxxxxxxxxxxxiiiiffiiii" in f]
+                assert len(mangled) == 1, (d, masked, precision, sorted(counts))
+                assert counts[mangled[0]] == products * per_tile, (mangled, per_tile)
