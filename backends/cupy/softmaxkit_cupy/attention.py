@@ -109,6 +109,7 @@ def _kernel(name: str) -> Any:
         filename, names = "attention.cu", paged_names() if paged else attention_names()
         if name not in names:  # an alternative decode configuration asked for explicitly
             names = decode_alternative_names()
+            names = names if name in names else (name,)
     elif name.startswith("sk_attn_fwd_sm90<"):  # the Hopper forward: sm_90a, its own source
         filename, names = "attention_sm90.cu", sm90_names()
         if name not in names:  # another configuration asked for explicitly: built alone

@@ -46,11 +46,11 @@ from .configs import (
 def _kernel(name: str) -> Any:
     """The kernel ``name`` of kernels/attention_tf32.cu, built on first use with the module
     of every declared configuration (an alternative given explicitly: with the module of the
-    alternatives)."""
-    for names in (tf32_names(), tf32_backward_names()):
+    alternatives; any other configuration: alone)."""
+    for names in (tf32_names(), tf32_backward_names(), tf32_alternative_names()):
         if name in names:
             return compiler.function("attention_tf32.cu", names, name)
-    return compiler.function("attention_tf32.cu", tf32_alternative_names(), name)
+    return compiler.function("attention_tf32.cu", (name,), name)
 
 
 def attention(
