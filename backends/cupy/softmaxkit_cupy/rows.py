@@ -81,13 +81,23 @@ def max_active_clusters(kernel: Any, config: RowConfig) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(op: str, din: str, dout: str, n: int, rows: int, config: RowConfig | None = None,
-          clusters: bool = True) -> tuple[Any, int, int, int]:
+def _plan(op: str, din: str, dout: str, n: int, rows: int, config: RowConfig | None,
+          device: int) -> tuple[Any, int, int, int]:
     """The kernel, grid, block size and shared memory for ``rows`` rows of ``n`` elements
-    (cached), on a device with thread-block clusters or (``clusters=False``) without.
+    on CUDA device ``device`` (cached per device: the kernel's attributes are set on that
+    device's function, and a device without thread-block clusters takes other rows).
 
     ``config`` overrides the configuration (benchmarks compare alternatives; those build in a
     module of their own)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return _plan_on_current(op, din, dout, n, rows, config,
+                                interop.has_clusters(device))
+
+
+def _plan_on_current(op: str, din: str, dout: str, n: int, rows: int,
+                     config: RowConfig | None, clusters: bool) -> tuple[Any, int, int, int]:
     names = _NAMES[(op, din, dout)]
     if config is None:
         config = row_config(n, ITEMSIZE[din], row_lean(op, din, dout), clusters)
@@ -172,7 +182,7 @@ def launch_rows(
     in_size, out_size = ITEMSIZE[din], ITEMSIZE[dout]
     vec = 16 // in_size
     kernel, grid, threads, shared = _plan(op, din, dout, n, rows, config,
-                                          interop.has_clusters(interop.device_index(x)))
+                                          interop.device_index(x))
     x_ptr, ld_x, _keep_x = interop.row_pointer(xp, x)
     o_ptr = interop.pointer(out)
     ld_o = n if op != "logsumexp" else 1
