@@ -316,9 +316,7 @@ def attention(*, xp: Any, q: Any, k: Any, v: Any, scale: float, causal: Any,
         return out, (lse if return_lse else None)
     out = empty(xp, q, (b, hq, lq, dv), q.dtype)
     lse = empty(xp, q, (b, hq, lq), acc)
-    rm, cn = tiles or kernels.tiles_within(
-        kernels.FORWARD_TILES, acc_name, d, dv,
-        lambda r, c: kernels.forward_shared(acc_name, d, dv, r, c), shared_limit(q, lib))
+    rm, cn = tiles or kernels.tiles_within(acc_name, d, dv, shared_limit(q, lib))
     fn = kernels.forward(kind, d, dv, rm, cn, mask is not None, softcap is not None, registers)
     offset, lo, hi = _band(q, k, causal, window)
     qk_mult, cap_mult = _score_factors(scale, softcap)
@@ -365,9 +363,8 @@ def attention_vjp(*, xp: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: 
         _view(lse2, lib), _view(delta, lib), rows)
     if dlse is not None:
         delta = delta - xp.reshape(xp.astype(dlse, acc, copy=False), (rows,))
-    rn, cm = tiles or kernels.tiles_within(
-        kernels.BACKWARD_TILES, acc_name, d, dv,
-        lambda r, c: kernels.backward_shared(acc_name, d, dv, r, c), shared_limit(q, lib))
+    rn, cm = tiles or kernels.tiles_within(acc_name, d, dv, shared_limit(q, lib),
+                                           backward=True)
     fn = kernels.backward(kind, d, dv, rn, cm, mask is not None, softcap is not None,
                           registers)
     offset, lo, hi = _band(q, k, causal, window)

@@ -39,21 +39,6 @@ def tiles(table: dict, acc_name: str, d: int, dv: int) -> tuple[int, int]:
     raise ValueError(f"head dimensions above {MAX_HEAD_DIM} are not supported ({d}, {dv})")
 
 
-def tiles_within(table: dict, acc_name: str, d: int, dv: int,
-                 size: Callable[[int, int], int], limit: int) -> tuple[int, int]:
-    """The micro-tile of ``table`` for ``d``, ``dv`` (:func:`tiles`), halved until its block's
-    ``size(tile)`` bytes of shared memory fit ``limit`` (a device below the H200's 227 KB:
-    99 KB on compute capability 8.6, 8.9 and 12.0).  The larger extent is halved first, the
-    second of equal ones, so the tiles stay among those of the tables."""
-    a, b = tiles(table, acc_name, d, dv)
-    while size(a, b) > limit and (a, b) != (1, 1):
-        if b >= a and b > 1:
-            b //= 2
-        else:
-            a //= 2
-    return a, b
-
-
 def forward_shared(acc_name: str, d: int, dv: int, rm: int, cn: int) -> int:
     """Bytes of dynamic shared memory of :func:`forward`: Q^T, K^T, V^T and P."""
     bm, bn = LANES * rm, LANES * cn
@@ -70,9 +55,27 @@ def backward_shared(acc_name: str, d: int, dv: int, rn: int, cm: int) -> int:
     return words * (8 if acc_name == "float64" else 4)
 
 
+def _table_and_size(backward: bool) -> tuple[dict, Callable[[str, int, int, int, int], int]]:
+    return (BACKWARD_TILES, backward_shared) if backward else (FORWARD_TILES, forward_shared)
+
+
+def tiles_within(acc_name: str, d: int, dv: int, limit: int,
+                 backward: bool = False) -> tuple[int, int]:
+    """The micro-tile of the forward (or the ``backward``) for ``d``, ``dv`` (:func:`tiles`),
+    halved until its block's shared memory fits ``limit`` bytes (a device below the H200's
+    227 KB: 99 KB on compute capability 8.6, 8.9 and 12.0).  The larger extent is halved
+    first, the second of equal ones, so the tiles stay among those of the tables."""
+    table, size = _table_and_size(backward)
+    a, b = tiles(table, acc_name, d, dv)
+    while size(acc_name, d, dv, a, b) > limit and (a, b) != (1, 1):
+        if b >= a and b > 1:
+            b //= 2
+        else:
+            a //= 2
+    return a, b
+
 
 def smallest_shared(acc_name: str, d: int, dv: int, backward: bool) -> int:
     """The shared memory a block of the forward (or the backward) takes on the smallest tile
     :func:`tiles_within` may give: what a device must offer for the call to run."""
-    size = backward_shared if backward else forward_shared
-    return size(acc_name, d, dv, 1, 1)
+    return _table_and_size(backward)[1](acc_name, d, dv, 1, 1)

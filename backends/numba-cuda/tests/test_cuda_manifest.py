@@ -339,23 +339,21 @@ def test_attention_tiles_shrink_to_the_device_s_shared_memory():
 
     for acc in ("float32", "float64"):
         for d in (32, 64, 96, 128, 160, 192, 256):
-            for table, size in ((k.FORWARD_TILES, k.forward_shared),
-                                (k.BACKWARD_TILES, k.backward_shared)):
+            for backward, table, size in ((False, k.FORWARD_TILES, k.forward_shared),
+                                          (True, k.BACKWARD_TILES, k.backward_shared)):
                 def need(r, c, acc=acc, d=d, size=size):
                     return size(acc, d, d, r, c)
 
                 own = k.tiles(table, acc, d, d)
-                assert k.tiles_within(table, acc, d, d, need, 227 * 1024) == own
-                small = k.tiles_within(table, acc, d, d, need, 99 * 1024)
+                assert k.tiles_within(acc, d, d, 227 * 1024, backward) == own
+                small = k.tiles_within(acc, d, d, 99 * 1024, backward)
                 assert small[0] <= own[0] and small[1] <= own[1]
                 assert need(*small) <= 99 * 1024 or small == (1, 1)
                 # every tile taken is one of the tables' own (the kernels built and tested)
                 assert small in {t for tab in (k.FORWARD_TILES, k.BACKWARD_TILES)
                                  for entries in tab.values() for _, t in entries}
     # float32 at 256: the forward's 64 x 32 tiles (69 KB) instead of 64 x 64 (103 KB)
-    assert k.tiles_within(k.FORWARD_TILES, "float32", 256, 256,
-                          lambda r, c: k.forward_shared("float32", 256, 256, r, c),
-                          99 * 1024) == (2, 1)
+    assert k.tiles_within("float32", 256, 256, 99 * 1024) == (2, 1)
 
 
 @pytest.mark.parametrize(("dtype", "d", "backward", "declined"), [

@@ -33,10 +33,8 @@ def test_numba_cuda_attention_on_smaller_tiles(dtype: str) -> None:
     from softmaxkit_numba_cuda import attention_kernels as k
 
     d = 256
-    fwd = k.tiles_within(k.FORWARD_TILES, dtype, d, d,
-                         lambda r, c: k.forward_shared(dtype, d, d, r, c), 99 * 1024)
-    bwd = k.tiles_within(k.BACKWARD_TILES, dtype, d, d,
-                         lambda r, c: k.backward_shared(dtype, d, d, r, c), 99 * 1024)
+    fwd = k.tiles_within(dtype, d, d, 99 * 1024)
+    bwd = k.tiles_within(dtype, d, d, 99 * 1024, backward=True)
     assert fwd != k.tiles(k.FORWARD_TILES, dtype, d, d)
     gen = torch.Generator(device="cuda").manual_seed(99)
     q, kk, v = (torch.randn((1, 2, 70, d), generator=gen, device="cuda",
