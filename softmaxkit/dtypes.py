@@ -21,6 +21,31 @@ import numpy as np
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """Names of the floating dtypes every backend may be asked for, narrowest first."""
 
+# Each format's constants, written out: numpy 2.5's finfo refuses ml_dtypes' bfloat16
+UNIT_ROUNDOFF: dict[str, float] = {
+    "float64": 2.0**-53,
+    "float32": 2.0**-24,
+    "bfloat16": 2.0**-8,
+    "float16": 2.0**-11,
+}
+"""Unit roundoff ``u = 2**-p`` of each floating dtype (p = significand bits)."""
+
+TINY: dict[str, float] = {
+    "float64": 2.0**-1022,
+    "float32": 2.0**-126,
+    "bfloat16": 2.0**-126,
+    "float16": 2.0**-14,
+}
+"""Smallest positive normal number of each floating dtype."""
+
+HUGE: dict[str, float] = {
+    "float64": (2 - 2.0**-52) * 2.0**1023,
+    "float32": (2 - 2.0**-23) * 2.0**127,
+    "bfloat16": (2 - 2.0**-7) * 2.0**127,
+    "float16": 65504.0,
+}
+"""Largest finite number of each floating dtype."""
+
 
 def dtype_name(dtype: Any) -> str:
     """Return the short name of a dtype of any array library (``"float32"``, ``"bfloat16"``).

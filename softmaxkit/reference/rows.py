@@ -16,7 +16,7 @@ from typing import Any
 
 from array_api_compat import device as _device
 
-from ..dtypes import accumulator_dtype
+from ..dtypes import HUGE, UNIT_ROUNDOFF, accumulator_dtype, dtype_name
 
 NEG_INF = -math.inf
 NAN = math.nan
@@ -77,7 +77,7 @@ def row_stats(xp: Any, x: Any, where: Any, acc: Any = None) -> RowStats:
     # without an overflow warning, where it rounds below the accumulator's range (logits
     # near both ends of it)
     half = clean / 2 - shift / 2
-    below = half < -float(xp.finfo(acc).max) / 2
+    below = half < -HUGE[dtype_name(acc)] / 2
     diff = xp.where(below, xp.full_like(half, NEG_INF), xp.where(below, xp.zeros_like(half),
                                                                  half) * 2)
     z = xp.where(special, xp.zeros_like(clean), diff)
@@ -118,10 +118,11 @@ def _below_range_to_inf(xp: Any, a: Any, dtype: Any) -> Any:
     """``a`` with the values that round to ``-inf`` in ``dtype`` set to ``-inf`` already, so
     the cast rounds them without an overflow warning (a log-probability below a 16-bit
     format's range, say)."""
-    top = float(xp.finfo(dtype).max)
-    if top >= float(xp.finfo(a.dtype).max):  # no narrowing, nothing to round away
+    name = dtype_name(dtype)
+    top = HUGE[name]
+    if top >= HUGE[dtype_name(a.dtype)]:  # no narrowing, nothing to round away
         return a
-    edge = top + math.ldexp(float(xp.finfo(dtype).eps), math.frexp(top)[1] - 2)  # + ulp / 2
+    edge = top + math.ldexp(UNIT_ROUNDOFF[name], math.frexp(top)[1] - 1)  # + ulp / 2
     return xp.where(a <= -edge, xp.full_like(a, NEG_INF), a)
 
 

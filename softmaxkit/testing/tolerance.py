@@ -13,31 +13,7 @@ import math
 
 import numpy as np
 
-from ..dtypes import accumulator_name
-
-UNIT_ROUNDOFF: dict[str, float] = {
-    "float64": 2.0**-53,
-    "float32": 2.0**-24,
-    "bfloat16": 2.0**-8,
-    "float16": 2.0**-11,
-}
-"""Unit roundoff ``u = 2**-p`` of each floating dtype (p = significand bits)."""
-
-TINY: dict[str, float] = {
-    "float64": float(np.finfo(np.float64).tiny),
-    "float32": float(np.finfo(np.float32).tiny),
-    "bfloat16": 2.0**-126,
-    "float16": 2.0**-14,
-}
-"""Smallest positive normal number of each floating dtype."""
-
-HUGE: dict[str, float] = {
-    "float64": float(np.finfo(np.float64).max),
-    "float32": float(np.finfo(np.float32).max),
-    "bfloat16": (2 - 2.0**-7) * 2.0**127,
-    "float16": 65504.0,
-}
-"""Largest finite number of each floating dtype."""
+from ..dtypes import HUGE, TINY, UNIT_ROUNDOFF, accumulator_name
 
 
 def fit_range(a: np.ndarray, dtype: str) -> np.ndarray:
