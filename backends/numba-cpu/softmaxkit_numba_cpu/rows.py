@@ -83,8 +83,14 @@ EXPLORE_MAX = 1024
 """... and at most, after the slower way has stayed slower try after try."""
 
 
-KEEP_TIMES = 3
-"""Recent times kept of each way; their median (the larger of two) is its estimate."""
+KEEP_TIMES = 5
+"""Recent times kept of each way; their median is its estimate."""
+
+MARGIN = 1.2
+"""How many times cheaper the other way's estimate must be to take over from the way in use:
+one lucky try of the other way, or a few stalled calls of the way in use, do not switch a
+choice that is right (on an idle 2-core machine about one threaded call in ten of a 64 x 1024
+softmax takes 1.3 times the median, one in twenty 1.5 times)."""
 
 
 def _middle(times: list[float]) -> float:
@@ -97,52 +103,56 @@ class Threads:
     Between :data:`SPLIT_MIN_BATCHES` batches and :data:`PARALLEL_MIN_ELEMENTS` elements
     neither way always wins.  On an idle 2-core machine a ``prange`` launch costs a few
     microseconds, so two threads take about 60% of the time of one (a float32 64 x 1024
-    softmax: about 46 us on one core, 28 on two); on a machine whose cores are busy with
+    softmax: about 42 us on one core, 25 on two); on a machine whose cores are busy with
     other work the launch and the join wait until the second thread gets a core, which can
     take milliseconds, and one thread is many times faster.  So the time per byte of each
-    way is measured on the calls themselves, and the way whose median of its last
-    :data:`KEEP_TIMES` times is lower runs (a median, so that neither one stalled call nor
-    one lucky call decides, while a way that stalls on every call loses within two).
+    way is measured on the calls themselves, the median of its last :data:`KEEP_TIMES`
+    times is its estimate, and the way in use keeps running until the other's estimate is
+    :data:`MARGIN` times lower (a median, so that neither stalled calls nor one lucky call
+    decide, while a way that stalls on most calls loses within three).
 
     The other way is tried again after :data:`EXPLORE_FIRST` calls, twice as rarely each
     time it loses again (at most every :data:`EXPLORE_MAX` calls); its try replaces its
-    older, stale times.  When the way in use itself gets slower than the other's estimate,
-    the choice switches and the way left is tried again within :data:`EXPLORE_FIRST` calls:
-    a long wait is earned by lost tries, and a few slow calls of the way that was winning
-    (the first ones after its threads went to sleep, or while another program's threads
-    held a core) are not a lost try.  A try of the threads makes two calls and keeps the
-    second's time: after a stretch on one thread the pool's threads have gone to sleep, and
-    the first call pays for waking them.  Both ways give bitwise the same result: every row
-    is computed by the same code.
+    older, stale times. When the way in use itself gets that much slower than the other's
+    estimate, the choice switches and the way left is tried again within
+    :data:`EXPLORE_FIRST` calls: a long wait is earned by lost tries, and a few slow calls
+    of the way that was winning (the first ones after its threads went to sleep, or while
+    another program's threads held a core) are not a lost try. A try of the threads makes
+    two calls and keeps the second's time: after a stretch on one thread the pool's threads
+    have gone to sleep, and the first call pays for waking them. Both ways give bitwise the
+    same result: every row is computed by the same code.
     """
 
-    __slots__ = ("times", "middles", "countdown", "interval", "trying")
+    __slots__ = ("times", "middles", "using", "countdown", "interval", "trying")
 
     def __init__(self) -> None:
         # seconds per byte of the recent calls, and their medians: one thread, threads
         self.times: tuple[list[float], list[float]] = ([], [])
         self.middles = [math.inf, math.inf]
-        self.countdown = 0  # calls of the cheaper way before the other is tried again
+        self.using = True  # the way chosen between tries
+        self.countdown = 0  # calls of the way in use before the other is tried again
         self.interval = EXPLORE_FIRST
-        self.trying = 0  # calls left of a try of the slower way (the last one is timed)
+        self.trying = 0  # calls left of a try of the other way (the last one is timed)
 
-    def _threads_cheaper(self) -> bool:
+    def _switch(self) -> bool:
+        """Take the other way if its estimate is :data:`MARGIN` times lower; whether it did."""
         one, many = self.middles
-        return many < one
+        if (one * MARGIN < many) if self.using else (many * MARGIN < one):
+            self.using = not self.using
+            return True
+        return False
 
     def choose(self) -> bool:
         """Whether the next call runs on the threads."""
         if self.countdown > 0:  # the common call: both ways measured, no try under way
             self.countdown -= 1
-            return self._threads_cheaper()
+            return self.using
         one, many = self.times
         if not many or not one:  # each way is measured once first
             return not many
-        if self.trying:
-            return not self._threads_cheaper()
-        slower = not self._threads_cheaper()
-        self.trying = 2 if slower else 1
-        return slower  # the slower way, tried again
+        if not self.trying:
+            self.trying = 1 if self.using else 2
+        return not self.using  # the other way, tried again
 
     def record(self, threads: bool, seconds: float, nbytes: int) -> None:
         """Take in the time of a call made the way :meth:`choose` said."""
@@ -151,7 +161,6 @@ class Threads:
             return
         one, many = self.times
         measured = bool(one and many)
-        before = measured and self._threads_cheaper()
         # the tried way's older times are stale: its try replaces them; the lists are
         # replaced whole, so a call in another thread never sees one empty
         kept = [] if self.trying else (many if threads else one)[1 - KEEP_TIMES:]
@@ -160,13 +169,14 @@ class Threads:
         self.middles[threads] = _middle(kept)
         if self.trying:
             self.trying = 0
-            lost_again = self._threads_cheaper() == before
+            lost_again = not self._switch()
             self.interval = min(2 * self.interval, EXPLORE_MAX) if lost_again else EXPLORE_FIRST
             self.countdown = self.interval
         elif not measured and all(self.times):  # both ways now measured once
+            self.using = self.middles[1] < self.middles[0]
             self.countdown = self.interval
-        elif measured and self._threads_cheaper() != before:
-            # the way in use got slower than the other's estimate: switch, and try it again
+        elif measured and self._switch():
+            # the way in use got slower than the other's estimate: try the way left again
             # within EXPLORE_FIRST calls, not after the long wait that its rival's lost tries
             # earned (a few slow calls, such as the first ones after the pool's threads went
             # to sleep, would otherwise hand up to EXPLORE_MAX calls to the slower way)

@@ -228,11 +228,36 @@ def test_a_few_slow_calls_of_the_winning_way_do_not_hand_over_the_long_wait():
         step()
     cost[True] = 10.0  # two slow calls of the threads (a wake-up, a busy core) ...
     assert [step(), step()] == [True, True]
-    cost[True] = 1.0  # ... then the threads are as fast as before
+    cost[True] = 1.0  # ... then the threads are as fast as before: no switch
+    assert [step() for _ in range(4)] == [True] * 4
+    cost[True] = 10.0  # three slow calls of the last five: the median switches the choice
+    assert [step() for _ in range(3)] == [True] * 3
+    cost[True] = 1.0
     ways = [step() for _ in range(EXPLORE_FIRST + 4)]
-    assert ways[0] is False  # the median of the last three switched the choice
+    assert ways[0] is False
     assert ways[-3:] == [True] * 3  # the threads were tried again and won, long before
     assert ways.count(False) <= EXPLORE_FIRST  # EXPLORE_MAX calls of one thread
+
+
+def test_a_way_less_than_the_margin_cheaper_does_not_take_over():
+    chooser = rows.Threads()
+    cost = {False: 1.0, True: 1.0}
+
+    def step():
+        use = chooser.choose()
+        chooser.record(use, cost[use], 1)
+        return use
+
+    [step() for _ in range(2)]
+    first = chooser.using
+    cost[not first] = 1.0 / (0.9 * rows.MARGIN)  # the other way: a little cheaper now
+    ways = [step() for _ in range(4 * rows.EXPLORE_MAX)]
+    tries = rows.EXPLORE_MAX.bit_length() - rows.EXPLORE_FIRST.bit_length() + 4
+    assert chooser.using is first and ways.count(not first) <= 2 * tries  # tries only
+    cost[not first] = 1.0 / (1.1 * rows.MARGIN)  # past the margin: it takes over
+    ways = [step() for _ in range(2 * rows.EXPLORE_MAX + 2)]
+    assert chooser.using is not first
+    assert ways[-rows.EXPLORE_MAX:].count(not first) >= rows.EXPLORE_MAX - 2  # and keeps it
 
 
 def test_num_threads_follows_numba_setting():
