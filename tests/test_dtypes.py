@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import softmaxkit as sk
-from softmaxkit.dtypes import accumulator_dtype, dtype_name
+from softmaxkit.dtypes import HUGE, TINY, UNIT_ROUNDOFF, accumulator_dtype, dtype_name
 
 
 @pytest.mark.parametrize(
@@ -27,6 +27,16 @@ from softmaxkit.dtypes import accumulator_dtype, dtype_name
 )
 def test_dtype_name(dtype: object, name: str) -> None:
     assert dtype_name(dtype) == name
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "float64"])
+def test_format_constants_are_the_formats(name: str) -> None:
+    """The written-out constants (numpy 2.5's finfo refuses ml_dtypes' bfloat16) are those of
+    ml_dtypes' finfo, which knows all four formats."""
+    info = ml_dtypes.finfo(ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name))
+    assert HUGE[name] == float(info.max)
+    assert TINY[name] == float(info.smallest_normal)
+    assert UNIT_ROUNDOFF[name] == float(info.eps) / 2
 
 
 def test_accumulator_dtype_round_trips_as_output_dtype() -> None:
