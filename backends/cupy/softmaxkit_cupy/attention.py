@@ -139,15 +139,15 @@ def _multiprocessors_of(device: int) -> int:
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
-def _capability_of(device: int) -> str:
-    """CuPy's spelling of the compute capability of device ``device`` ("90" for 9.0)."""
-    return str(interop.capability(device))
+def _capability_of(device: int) -> int:
+    """The compute capability of device ``device`` as a number (90 for 9.0)."""
+    return interop.capability(device)
 
 
-def forward_config(capability: str, head_dim: int, masked: bool,
+def forward_config(capability: int, head_dim: int, masked: bool,
                    shared_limit: int | None = None) -> AttentionConfig | Sm90Config:
     """The forward configuration for a call at ``head_dim`` (a built head dimension) on a device
-    of compute capability ``capability`` (CuPy's spelling, "90" for 9.0), with a boolean mask
+    of compute capability ``capability`` (a number, 90 for 9.0), with a boolean mask
     or without one: the Hopper kernel where it is built for the head dimension and the device
     is 9.0, the mma.sync kernel otherwise, whose tiles fit ``shared_limit`` bytes of shared
     memory a block (:func:`.configs.attention_config`)."""
@@ -158,7 +158,7 @@ def forward_config(capability: str, head_dim: int, masked: bool,
     return attention_config(head_dim, masked=masked, shared_limit=shared_limit)
 
 
-def backward_config_for(capability: str, head_dim: int,
+def backward_config_for(capability: int, head_dim: int,
                         masked: bool) -> BackwardConfig | Sm90BackwardConfig:
     """The backward configuration for a call at ``head_dim`` (a built head dimension) on a
     device of compute capability ``capability``, with a boolean mask or without one: the Hopper

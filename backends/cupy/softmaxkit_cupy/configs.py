@@ -179,7 +179,7 @@ shared memory, which every device from compute capability 8.0 offers), up to 327
 elements."""
 
 CLUSTER_CAPABILITY = 90
-"""The lowest compute capability (CuPy's spelling as a number) with thread-block clusters."""
+"""The lowest compute capability (as a number, 90 for 9.0) with thread-block clusters."""
 
 
 def row_configs(lean: bool, clusters: bool = True) -> tuple[RowConfig, ...]:
@@ -345,8 +345,8 @@ SM90_SOURCES = frozenset({"attention_sm90.cu", "attention_bwd_sm90.cu"})
 """Kernel sources that use sm_90a instructions (wgmma): built for that target alone and run on
 devices of compute capability 9.0 only (arch-specific code runs on no other)."""
 
-SM90_CAPABILITY = "90"
-"""The compute capability (as CuPy spells it) of the devices the sm_90a kernels run on."""
+SM90_CAPABILITY = 90
+"""The compute capability (as a number, 90 for 9.0) of the devices the sm_90a kernels run on."""
 
 
 @dataclass(frozen=True)

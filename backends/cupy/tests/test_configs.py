@@ -195,11 +195,11 @@ def test_hopper_forward_serves_capability_9_0_only_within_the_h200s_limits() -> 
     assert {filename for filename, _ in all_modules()} >= SM90_SOURCES
     for d in ATTENTION_HEAD_DIMS:
         for masked in (False, True):
-            hopper = forward_config("90", d, masked)
+            hopper = forward_config(90, d, masked)
             built = (SM90_MASKED_CONFIGS if masked else SM90_CONFIGS).get(d)
             assert hopper == (built or attention_config(d, masked))
             assert isinstance(hopper, Sm90Config) == (built is not None)
-            for other in ("80", "86", "89", "100", "120"):
+            for other in (80, 86, 89, 100, 120):
                 assert forward_config(other, d, masked) == attention_config(d, masked)
                 assert isinstance(forward_config(other, d, masked), AttentionConfig)
 
@@ -253,10 +253,10 @@ def test_hopper_backward_serves_capability_9_0_only_within_the_h200s_limits() ->
             == "sk_attn_bwd_sm90<__half, 64, 2, true>")
     for d in ATTENTION_HEAD_DIMS:
         for masked in (False, True):
-            hopper = backward_config_for("90", d, masked)
+            hopper = backward_config_for(90, d, masked)
             built = (SM90_BACKWARD_MASKED_CONFIGS if masked else SM90_BACKWARD_CONFIGS).get(d)
             assert hopper == (built or backward_config(d))
             assert isinstance(hopper, Sm90BackwardConfig) == (built is not None)
-            for other in ("80", "86", "89", "100", "120"):
+            for other in (80, 86, 89, 100, 120):
                 assert backward_config_for(other, d, masked) == backward_config(d)
                 assert isinstance(backward_config_for(other, d, masked), BackwardConfig)

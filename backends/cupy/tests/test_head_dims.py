@@ -264,7 +264,7 @@ def _assert_padded(seen: dict, names: tuple[str, ...], width: int) -> None:
         assert (a.stride(-2) * a.element_size()) % 16 == 0, name
 
 
-CAPABILITIES = ["80", "90"]
+CAPABILITIES = [80, 90]
 """Compute capabilities the dense adapter is run as on (its device query stood in for): the
 mma.sync kernels alone, and beside them the Hopper forward, which takes its own widths."""
 
@@ -300,7 +300,7 @@ def test_dense_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv, capability)
     assert forward["scale"] == backward["scale"] == scale
     width = head_dims.served_head_dim(d, dv)
     # on Hopper: at the Hopper kernels' next width if any (a masked forward: up to 128)
-    hopper = capability == "90"
+    hopper = capability == 90
     forward_width = (hopper and head_dims.sm90_width(d, dv, SM90_MASKED_CONFIGS)) or width
     backward_width = (hopper and head_dims.sm90_width(
         d, dv, SM90_BACKWARD_MASKED_CONFIGS, head_dims.SM90_BACKWARD_PADDED_FROM)) or width
@@ -345,7 +345,7 @@ def test_varlen_adapter_pads_and_slices(monkeypatch, torch_xp, d, dv, capability
         np.testing.assert_allclose(g.numpy(), e, err_msg=name, **CLOSE)
     width = head_dims.served_head_dim(d, dv)
     # on Hopper: at the Hopper kernels' next width if any
-    hopper = capability == "90"
+    hopper = capability == 90
     forward_width = (hopper and head_dims.sm90_width(d, dv, SM90_CONFIGS)) or width
     backward_width = (hopper and head_dims.sm90_width(
         d, dv, SM90_VARLEN_BACKWARD_CONFIGS, head_dims.SM90_BACKWARD_PADDED_FROM)) or width

@@ -60,7 +60,7 @@ def test_stated_parameters_match_the_kernels(file, kernels, codes):
         assert _parameter_codes(source, kernel) == codes, kernel
 
 
-@pytest.mark.parametrize("capability", ["80", "90"])
+@pytest.mark.parametrize("capability", [80, 90])
 def test_attention_launches_pack_every_parameter(monkeypatch, capability):
     """The dense forward and backward launch with as many values as their parameter lists
     state, each of which fits its type, in the order the kernels read them (CPU tensors stand

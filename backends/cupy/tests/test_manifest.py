@@ -361,7 +361,7 @@ def test_the_unmasked_forward_takes_the_masked_tiles_where_its_own_do_not_fit() 
             >= ATTENTION_CONFIGS[256].shared_bytes())
     assert attention_config(256, masked=False) == UNMASKED_CONFIGS[256]
     assert attention_config(256, masked=False, shared_limit=SM80_SHARED) == ATTENTION_CONFIGS[256]
-    assert forward_config("80", 256, False, SM80_SHARED) == ATTENTION_CONFIGS[256]
+    assert forward_config(80, 256, False, SM80_SHARED) == ATTENTION_CONFIGS[256]
     for d, c in UNMASKED_CONFIGS.items():  # every other unmasked tile fits 8.0 and 8.6
         if d != 256:
             assert attention_config(d, False, SM86_SHARED) == c

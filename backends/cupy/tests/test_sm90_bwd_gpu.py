@@ -22,7 +22,7 @@ def _hopper() -> None:
     import cupy
     from softmaxkit_cupy.configs import SM90_CAPABILITY
 
-    if str(cupy.cuda.Device().compute_capability) != SM90_CAPABILITY:
+    if int(cupy.cuda.Device().compute_capability) != SM90_CAPABILITY:
         pytest.skip("needs a device of compute capability 9.0")
 
 

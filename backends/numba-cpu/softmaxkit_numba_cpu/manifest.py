@@ -25,8 +25,7 @@ ATTENTION_DTYPES = DTYPES
 PAGED_OPS = ("paged_attention",)
 VARLEN_OPS = ("varlen_attention", "varlen_attention_vjp")  # the attention kernels per sequence
 
-SUMMARY_OPS = ("summarize", "normalize", "merge_attention", "merge_attention_vjp")
-MERGE_OPS = ("merge",)  # keyed by the summaries' dtype: the accumulator's, or 16-bit ones
+SUMMARY_OPS = ("summarize", "merge", "normalize", "merge_attention", "merge_attention_vjp")
 
 PRIORITY = 50
 """Above the reference backend (-100): chosen by default for CPU arrays it can run."""
@@ -48,13 +47,12 @@ def manifest() -> dict[str, Any]:
             {"ops": list(PAGED_OPS), "devices": ["cpu"], "dtypes": list(ATTENTION_DTYPES)},
             {"ops": list(SUMMARY_OPS), "devices": ["cpu"], "dtypes": list(DTYPES)},
             {"ops": list(VARLEN_OPS), "devices": ["cpu"], "dtypes": list(ATTENTION_DTYPES)},
-            {"ops": list(MERGE_OPS), "devices": ["cpu"], "dtypes": list(DTYPES)},
         ],
         "kernels": {
             **{op: f"softmaxkit_numba_cpu.rows:{op}" for op in ROW_OPS},
             **{op: f"softmaxkit_numba_cpu.attention:{op}" for op in ATTENTION_OPS},
             **{op: f"softmaxkit_numba_cpu.paged:{op}" for op in PAGED_OPS},
-            **{op: f"softmaxkit_numba_cpu.summaries:{op}" for op in SUMMARY_OPS + MERGE_OPS},
+            **{op: f"softmaxkit_numba_cpu.summaries:{op}" for op in SUMMARY_OPS},
             **{op: f"softmaxkit_numba_cpu.varlen:{op}" for op in VARLEN_OPS},
         },
         "priority": PRIORITY,

