@@ -824,13 +824,15 @@ each takes per product of the definition (its PRECISION template argument)."""
 class Tf32Config:
     """One tile shape of the float32 forward on TF32 tensor cores (kernels/attention_tf32.cu):
     ``warps`` warps of ``16 * m_tiles`` query rows, ``block_n`` keys per tile; ``mask=False``
-    builds it without boolean-mask support."""
+    builds it without boolean-mask support; ``staged=True`` sums each key tile's ``P V`` apart
+    and adds it to the output's accumulator in float32 at ``"tf32x3"`` (the kernel's STAGE)."""
 
     head_dim: int
     warps: int = 4
     block_n: int = 32
     m_tiles: int = 1
     mask: bool = True
+    staged: bool = False
 
     @property
     def block_m(self) -> int:
@@ -848,9 +850,10 @@ class Tf32Config:
 
     def name(self, precision: str) -> str:
         """The C++ name expression of the kernel at ``precision`` ("tf32" or "tf32x3")."""
+        stage = self.staged and precision == "tf32x3"  # one product: nothing to stage
         return (f"sk_attn_fwd_tf32<{self.head_dim}, {self.warps}, {self.block_n}, "
                 f"{self.m_tiles}, {'true' if self.mask else 'false'}, "
-                f"{TF32_PRECISIONS[precision]}>")
+                f"{TF32_PRECISIONS[precision]}, {'true' if stage else 'false'}>")
 
 
 TF32_CONFIGS = {
@@ -879,6 +882,14 @@ TF32_ALTERNATIVES = (
     Tf32Config(64, warps=8, block_n=64, m_tiles=1, mask=False),
     Tf32Config(128, warps=8, block_n=32, m_tiles=1, mask=False),
     Tf32Config(128, warps=4, block_n=64, m_tiles=1, mask=False),
+    # the served tiles with staged sums at "tf32x3" (see Tf32Config), for a device run to
+    # check their error and time before they are served
+    Tf32Config(32, warps=4, block_n=64, m_tiles=1, mask=False, staged=True),
+    Tf32Config(64, warps=4, block_n=32, m_tiles=2, mask=False, staged=True),
+    Tf32Config(64, warps=4, block_n=64, m_tiles=1, mask=True, staged=True),
+    Tf32Config(96, warps=4, block_n=32, m_tiles=1, mask=False, staged=True),
+    Tf32Config(128, warps=4, block_n=32, m_tiles=1, mask=False, staged=True),
+    Tf32Config(128, warps=4, block_n=32, m_tiles=1, mask=True, staged=True),
 )
 """Other TF32 forward configurations, built on request only (``config=``), for
 tools/tf32_timing.py to time beside the declared ones."""
@@ -908,7 +919,9 @@ def tf32_names() -> tuple[str, ...]:
 
 def tf32_alternative_names() -> tuple[str, ...]:
     """The name expressions of the TF32 alternatives (a module of their own)."""
-    return tuple(c.name(p) for c in TF32_ALTERNATIVES for p in TF32_PRECISIONS)
+    declared = set(tf32_names())  # a staged tile's "tf32" kernel is the plain one's
+    names = (c.name(p) for c in TF32_ALTERNATIVES for p in TF32_PRECISIONS)
+    return tuple(n for n in dict.fromkeys(names) if n not in declared)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ errors).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -114,7 +115,7 @@ def _check_forward(precision: str, d: int, dv: int, case: dict) -> None:
     record = trace[-1]
     assert record.backend == "cupy", record
     assert record.kernel.startswith(f"sk_attn_fwd_tf32<{tf32_width(d, dv)},"), record.kernel
-    assert record.kernel.endswith(f", {TF32_PRECISIONS[precision]}>"), record.kernel
+    assert record.kernel.endswith(f", {TF32_PRECISIONS[precision]}, false>"), record.kernel
 
     qn, kn, vn, mn = (_numpy(a) for a in (q, k, v, mask))
     want, want_lse = ref.attention(qn, kn, vn, mask=mn, **opts)
@@ -142,6 +143,58 @@ def test_exact_float32_calls_stay_off_the_tf32_kernels() -> None:
     with sk.backend_opts(trace=True) as trace:
         sk.attention(q, k, v)
     assert trace[-1].backend != "cupy", trace[-1]
+
+
+def _staged_alternatives() -> list:
+    from softmaxkit_cupy.configs import TF32_ALTERNATIVES
+
+    return [c for c in TF32_ALTERNATIVES if c.staged]
+
+
+@pytest.mark.parametrize("config", _staged_alternatives(), ids=str)
+@pytest.mark.parametrize("case", [CASES[1], CASES[7], dict(b=1, hq=4, hk=4, lq=256, lk=2048)],
+                         ids=_case_id)
+def test_staged_tiles_within_the_bound_and_closer_than_in_place(config, case: dict) -> None:
+    """A tile with staged sums (``Tf32Config(staged=True)``) at tf32x3, through the adapter
+    on memory that held NaN: within the spec's bound against float64, and, on rows of 2048
+    keys, closer to float64 than the same tiles summing in place (the truncated float32 sums
+    of the tensor cores: backends/cupy/tools/tf32_truncation.py)."""
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy.attention_tf32 import attention as tf32_attention
+
+    from softmaxkit.testing import materialized as ref
+    from softmaxkit.testing.precision import attention_bound
+
+    if case.get("mask") and not config.mask:
+        pytest.skip("a tile without the mask's code takes no mask")
+    d = config.head_dim
+    q, k, v, mask = _inputs(d, case, seed=11 * d + case["lk"])
+    opts = _options(case)
+    scale = d**-0.5
+    window = opts["window"] or (-1, -1)
+
+    def run(c):
+        _poison((case["b"], case["hq"], case["lq"], d), (case["b"], case["hq"], case["lq"]))
+        out, lse = tf32_attention(xp, q=q, k=k, v=v, scale=scale, causal=opts["causal"],
+                                  window=window, mask=mask, softcap=opts["softcap"],
+                                  return_lse=True, precision="tf32x3", config=c)
+        torch.cuda.synchronize()
+        return _numpy(out).astype(np.float64), _numpy(lse).astype(np.float64)
+
+    qn, kn, vn, mn = (_numpy(a) for a in (q, k, v, mask))
+    want, want_lse = ref.attention(qn, kn, vn, mask=mn, **opts)
+    out_bound, lse_bound = attention_bound(qn, kn, vn, precision="tf32x3", mask=mn, **opts)
+    got, got_lse = run(config)
+    empty = want_lse == -np.inf
+    assert np.all(got_lse[empty] == -np.inf) and np.all(got[empty] == 0), "empty rows"
+    assert np.all(np.abs(got - want) <= out_bound), "out beyond the bound"
+    assert np.all(np.abs(got_lse[~empty] - want_lse[~empty]) <= lse_bound[~empty]), "lse"
+    staged = ref.rel_frobenius(got, want)
+    in_place = ref.rel_frobenius(run(dataclasses.replace(config, staged=False))[0], want)
+    print(f"{config} {_case_id(case)}: relative Frobenius {staged:.3g} staged, "
+          f"{in_place:.3g} in place")
+    if case["lk"] >= 2048:
+        assert staged < in_place, (staged, in_place)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "tf32x3"])

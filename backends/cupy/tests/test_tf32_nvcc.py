@@ -83,7 +83,7 @@ def test_tf32_kernels_build_without_spills(
             for precision, products in TF32_PRECISIONS.items():
                 mangled = [f for f in counts
                            if f"ILi{d}ELi{config.warps}ELi{config.block_n}ELi{config.m_tiles}"
-                              f"ELb{int(masked)}ELi{products}EEvPKfS1_S1_PKjPfS4_"
+                              f"ELb{int(masked)}ELi{products}ELb0EEvPKfS1_S1_PKjPfS4_"
                               "xxxxxxxxxxxxiiiiffiiii" in f]
                 assert len(mangled) == 1, (d, masked, precision, sorted(counts))
                 assert counts[mangled[0]] == products * per_tile, (mangled, per_tile)

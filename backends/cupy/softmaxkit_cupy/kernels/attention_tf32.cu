@@ -6,7 +6,11 @@
 // PRECISION = 3 ("tf32x3"): every operand x is split as big = tf32(x), small = tf32(x - big),
 // so x - big - small is below 2^-22 |x|, and a b is taken as a_small b_big + a_big b_small +
 // a_big b_big (the small products first; a_small b_small, below 2^-22 |a b|, is left out):
-// three mma per product, about float32's accuracy.
+// three mma per product, about float32's accuracy.  The tensor cores truncate their float32
+// sums (round toward zero), so with STAGE (tf32x3 only) each key tile's P V goes to a zeroed
+// accumulator of its own and is added to the output's in float32 after the tile, as CUTLASS's
+// 3xTF32 main loops stage theirs: in place, every k-step's three products would be truncated
+// against the whole output's magnitude, and those errors, all of one sign, add up over the keys.
 //
 // The order of work is kernels/attention.cu's (FlashAttention-2): one block computes
 // BM = 16 * MT * WARPS query rows of one (batch, head), each warp 16 MT rows, with the scores
@@ -73,7 +77,7 @@ __device__ __forceinline__ void sk_split4(const unsigned (&raw)[4], unsigned (&b
 // rows), out [B, Hq, Lq, D] and lse [B, Hq, Lq] contiguous; the parameters are sk_attn_fwd's.
 // At least one block a multiprocessor: ptxas may then take the registers the split operands
 // need (it otherwise held some builds to 168 and spilled); two blocks of four warps still fit.
-template <int D, int WARPS, int BN, int MT, bool MASK, int PRECISION>
+template <int D, int WARPS, int BN, int MT, bool MASK, int PRECISION, bool STAGE>
 __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const unsigned* __restrict__ mask, float* __restrict__ out, float* __restrict__ lse,
@@ -82,6 +86,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
     long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
     float scale, float softcap, int offset, int causal, int left, int right) {
     static_assert(PRECISION == 1 || PRECISION == 3, "one product (tf32) or three (tf32x3)");
+    static_assert(!STAGE || PRECISION == 3, "staged sums are for the three-product precision");
     typedef unsigned short u16;  // the tiles' unit for the swizzle, cp.async and ldmatrix
     constexpr int W = 2 * D;     // a float row in 16-bit units
     constexpr int BM = 16 * MT * WARPS;
@@ -231,6 +236,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
         sk_cp_async_commit();
 
         const float* vs = reinterpret_cast<const float*>(sv + stage * BN * W);
+        float pv[STAGE ? MT : 1][STAGE ? DB : 1][4];  // this tile's P V (STAGE)
+        if constexpr (STAGE) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int db = 0; db < DB; ++db)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) pv[mt][db][e] = 0.0f;
+        }
 #pragma unroll
         for (int kk = 0; kk < NB; ++kk) {  // 8 keys a step: k-index t is key 2t, t + 4 is 2t + 1
             unsigned pa[MT][4], ps[MT][4];
@@ -251,9 +265,20 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
                 sk_tf32_split(vs[sk_swz<W>(r0 + 1, c) / 2], vb1, vs1);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    sk_mma_split<PRECISION>(o[mt][db], pa[mt], ps[mt], vb0, vb1, vs0, vs1);
+                    if constexpr (STAGE)
+                        sk_mma_split<PRECISION>(pv[mt][db], pa[mt], ps[mt], vb0, vb1, vs0, vs1);
+                    else
+                        sk_mma_split<PRECISION>(o[mt][db], pa[mt], ps[mt], vb0, vb1, vs0, vs1);
                 }
             }
+        }
+        if constexpr (STAGE) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int db = 0; db < DB; ++db)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) o[mt][db][e] += pv[mt][db][e];
         }
     }
     sk_cp_async_wait<0>();
