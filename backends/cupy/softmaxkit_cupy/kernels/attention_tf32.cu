@@ -236,15 +236,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
         sk_cp_async_commit();
 
         const float* vs = reinterpret_cast<const float*>(sv + stage * BN * W);
-        float pv[STAGE ? MT : 1][STAGE ? DB : 1][4];  // this tile's P V (STAGE)
-        if constexpr (STAGE) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int db = 0; db < DB; ++db)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) pv[mt][db][e] = 0.0f;
-        }
+        float pv[STAGE ? MT : 1][STAGE ? DB : 1][4] = {};  // this tile's P V, from zero (STAGE)
 #pragma unroll
         for (int kk = 0; kk < NB; ++kk) {  // 8 keys a step: k-index t is key 2t, t + 4 is 2t + 1
             unsigned pa[MT][4], ps[MT][4];
