@@ -83,51 +83,39 @@ def _rows_ready(xp: Any, a: Any) -> Any:
     return cupy.array(a, copy=True, order="C")
 
 
+def _modules(name: str) -> tuple[str, tuple[tuple[str, ...], ...]]:
+    """The source of kernel ``name`` and the modules that may declare it, in the order they
+    are searched: the declared kernels of its kind, then their alternatives, if any."""
+    if name.startswith("sk_attn_fwd_sm90_varlen<"):  # the packed Hopper kernels: their own
+        return "attention_sm90.cu", (sm90_varlen_names(),)
+    if name.startswith("sk_attn_bwd_sm90_varlen<"):
+        return "attention_bwd_sm90.cu", (sm90_varlen_backward_names(),)
+    if "_varlen<" in name:  # the packed variable-length kernels: modules of their own
+        if name.startswith("sk_attn_fwd"):
+            return "attention.cu", (varlen_names(),)
+        return "attention_bwd.cu", (varlen_backward_names(),)
+    if name.startswith("sk_attn_decode"):  # paged decoding: a module of its own
+        paged = name.startswith("sk_attn_decode_paged")
+        return "attention.cu", (paged_names() if paged else attention_names(),
+                                decode_alternative_names())
+    if name.startswith("sk_attn_fwd_sm90<"):  # the Hopper forward: sm_90a, its own source
+        return "attention_sm90.cu", (sm90_names(),)
+    if name.startswith("sk_attn_bwd_sm90<"):  # the Hopper backward: sm_90a, its own source
+        return "attention_bwd_sm90.cu", (sm90_backward_names(),)
+    if name.startswith("sk_attn_bwd"):
+        return "attention_bwd.cu", (backward_names(), backward_alternative_names())
+    return "attention.cu", (attention_names(), alternative_names())
+
+
 @functools.cache
 def _kernel(name: str) -> Any:
     """The kernel ``name`` (a ``cupy.RawKernel``) of the module that declares it, built on
     first use (found once: the name lists are long, and a call would otherwise rebuild
-    them).  Its launches (:func:`.interop.launch`) raise its shared-memory limit as they
-    need, on the device they run on."""
-    if name.startswith("sk_attn_fwd_sm90_varlen<"):  # the packed Hopper kernels: their own
-        filename, names = "attention_sm90.cu", sm90_varlen_names()
-        if name not in names:
-            names = (name,)
-    elif name.startswith("sk_attn_bwd_sm90_varlen<"):
-        filename, names = "attention_bwd_sm90.cu", sm90_varlen_backward_names()
-        if name not in names:
-            names = (name,)
-    elif "_varlen<" in name:  # the packed variable-length kernels: modules of their own
-        if name.startswith("sk_attn_fwd"):
-            filename, names = "attention.cu", varlen_names()
-        else:
-            filename, names = "attention_bwd.cu", varlen_backward_names()
-        if name not in names:  # another configuration asked for explicitly: built alone
-            names = (name,)
-    elif name.startswith("sk_attn_decode"):  # paged decoding: a module of its own
-        paged = name.startswith("sk_attn_decode_paged")
-        filename, names = "attention.cu", paged_names() if paged else attention_names()
-        if name not in names:  # an alternative decode configuration asked for explicitly
-            names = decode_alternative_names()
-            names = names if name in names else (name,)
-    elif name.startswith("sk_attn_fwd_sm90<"):  # the Hopper forward: sm_90a, its own source
-        filename, names = "attention_sm90.cu", sm90_names()
-        if name not in names:  # another configuration asked for explicitly: built alone
-            names = (name,)
-    elif name.startswith("sk_attn_bwd_sm90<"):  # the Hopper backward: sm_90a, its own source
-        filename, names = "attention_bwd_sm90.cu", sm90_backward_names()
-        if name not in names:  # another configuration asked for explicitly: built alone
-            names = (name,)
-    elif name.startswith("sk_attn_bwd"):
-        filename, names = "attention_bwd.cu", backward_names()
-        if name not in names:  # an alternative backward configuration asked for explicitly
-            names = backward_alternative_names()
-            names = names if name in names else (name,)  # any other: built alone
-    else:
-        filename, names = "attention.cu", attention_names()
-        if name not in names:  # an alternative forward configuration asked for explicitly
-            names = alternative_names()
-            names = names if name in names else (name,)
+    them); a configuration no module declares, asked for explicitly, is built alone.  Its
+    launches (:func:`.interop.launch`) raise its shared-memory limit as they need, on the
+    device they run on."""
+    filename, modules = _modules(name)
+    names = next((m for m in modules if name in m), (name,))
     return compiler.function(filename, names, name)
 
 

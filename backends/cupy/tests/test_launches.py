@@ -159,3 +159,28 @@ def test_rows_ready_keeps_aligned_rows_and_copies_the_others():
         assert got is not view and torch.equal(got, view)
         assert got.stride(-1) == 1 and got.data_ptr() % 16 == 0
         assert all((s * got.element_size()) % 16 == 0 for s in got.stride()[:-1])
+
+
+def test_every_attention_kernel_is_found_in_its_source_and_module() -> None:
+    """Each declared attention kernel and each alternative is looked up in the source and
+    a module that declare it (so it is built with its module); any other configuration
+    asked for explicitly is in none (built alone)."""
+    from softmaxkit_cupy.configs import (
+        BackwardConfig,
+        all_modules,
+        alternative_names,
+        backward_alternative_names,
+        decode_alternative_names,
+    )
+
+    sources = {"attention.cu", "attention_bwd.cu", "attention_sm90.cu", "attention_bwd_sm90.cu"}
+    declared = [(f, n) for f, names in all_modules() if f in sources for n in names]
+    alternatives = [("attention.cu", n) for n in (*alternative_names(),
+                                                  *decode_alternative_names())]
+    alternatives += [("attention_bwd.cu", n) for n in backward_alternative_names()]
+    for filename, name in declared + alternatives:
+        found, modules = attention._modules(name)
+        assert found == filename and any(name in m for m in modules), name
+    other = BackwardConfig(32, warps=2, block_m=16).name("bfloat16")
+    found, modules = attention._modules(other)
+    assert found == "attention_bwd.cu" and not any(other in m for m in modules)

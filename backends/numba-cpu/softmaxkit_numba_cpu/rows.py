@@ -113,13 +113,13 @@ class Threads:
 
     The other way is tried again after :data:`EXPLORE_FIRST` calls, twice as rarely each
     time it loses again (at most every :data:`EXPLORE_MAX` calls); its try replaces its
-    older, stale times. When the way in use itself gets that much slower than the other's
+    older, stale times.  When the way in use itself gets that much slower than the other's
     estimate, the choice switches and the way left is tried again within
     :data:`EXPLORE_FIRST` calls: a long wait is earned by lost tries, and a few slow calls
     of the way that was winning (the first ones after its threads went to sleep, or while
-    another program's threads held a core) are not a lost try. A try of the threads makes
+    another program's threads held a core) are not a lost try.  A try of the threads makes
     two calls and keeps the second's time: after a stretch on one thread the pool's threads
-    have gone to sleep, and the first call pays for waking them. Both ways give bitwise the
+    have gone to sleep, and the first call pays for waking them.  Both ways give bitwise the
     same result: every row is computed by the same code.
     """
 

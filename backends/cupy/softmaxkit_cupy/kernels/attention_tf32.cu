@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
         sk_cp_async_commit();
 
         const float* vs = reinterpret_cast<const float*>(sv + stage * BN * W);
-        float pv[STAGE ? MT : 1][STAGE ? DB : 1][4] = {};  // this tile's P V, from zero (STAGE)
+        float pv[MT][DB][4] = {};  // this tile's P V, from zero (STAGE; unused otherwise)
 #pragma unroll
         for (int kk = 0; kk < NB; ++kk) {  // 8 keys a step: k-index t is key 2t, t + 4 is 2t + 1
             unsigned pa[MT][4], ps[MT][4];
@@ -257,10 +257,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
                 sk_tf32_split(vs[sk_swz<W>(r0 + 1, c) / 2], vb1, vs1);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    if constexpr (STAGE)
-                        sk_mma_split<PRECISION>(pv[mt][db], pa[mt], ps[mt], vb0, vb1, vs0, vs1);
-                    else
-                        sk_mma_split<PRECISION>(o[mt][db], pa[mt], ps[mt], vb0, vb1, vs0, vs1);
+                    sk_mma_split<PRECISION>(STAGE ? pv[mt][db] : o[mt][db], pa[mt], ps[mt], vb0,
+                                            vb1, vs0, vs1);
                 }
             }
         }
