@@ -51,6 +51,8 @@ from .configs import (
     decode_alternative_names,
     decode_config,
     decode_holds,
+    fitting_backward_names,
+    fitting_names,
     merge_name,
     paged_names,
     sm90_backward_config,
@@ -92,19 +94,20 @@ def _modules(name: str) -> tuple[str, tuple[tuple[str, ...], ...]]:
         return "attention_bwd_sm90.cu", (sm90_varlen_backward_names(),)
     if "_varlen<" in name:  # the packed variable-length kernels: modules of their own
         if name.startswith("sk_attn_fwd"):
-            return "attention.cu", (varlen_names(),)
-        return "attention_bwd.cu", (varlen_backward_names(),)
+            return "attention.cu", (varlen_names(), fitting_names())
+        return "attention_bwd.cu", (varlen_backward_names(), fitting_backward_names())
     if name.startswith("sk_attn_decode"):  # paged decoding: a module of its own
         paged = name.startswith("sk_attn_decode_paged")
         return "attention.cu", (paged_names() if paged else attention_names(),
-                                decode_alternative_names())
+                                decode_alternative_names(), fitting_names())
     if name.startswith("sk_attn_fwd_sm90<"):  # the Hopper forward: sm_90a, its own source
         return "attention_sm90.cu", (sm90_names(),)
     if name.startswith("sk_attn_bwd_sm90<"):  # the Hopper backward: sm_90a, its own source
         return "attention_bwd_sm90.cu", (sm90_backward_names(),)
     if name.startswith("sk_attn_bwd"):
-        return "attention_bwd.cu", (backward_names(), backward_alternative_names())
-    return "attention.cu", (attention_names(), alternative_names())
+        return "attention_bwd.cu", (backward_names(), backward_alternative_names(),
+                                    fitting_backward_names())
+    return "attention.cu", (attention_names(), alternative_names(), fitting_names())
 
 
 @functools.cache
@@ -146,17 +149,18 @@ def forward_config(capability: int, head_dim: int, masked: bool,
     return attention_config(head_dim, masked=masked, shared_limit=shared_limit)
 
 
-def backward_config_for(capability: int, head_dim: int,
-                        masked: bool) -> BackwardConfig | Sm90BackwardConfig:
+def backward_config_for(capability: int, head_dim: int, masked: bool,
+                        shared_limit: int | None = None) -> BackwardConfig | Sm90BackwardConfig:
     """The backward configuration for a call at ``head_dim`` (a built head dimension) on a
     device of compute capability ``capability``, with a boolean mask or without one: the Hopper
     kernel where it is built for the head dimension and the device is 9.0, the mma.sync kernel
-    otherwise (both take the same arguments and buffers)."""
+    otherwise (both take the same arguments and buffers), whose tiles fit ``shared_limit``
+    bytes of shared memory a block (:func:`.configs.backward_config`)."""
     if capability == SM90_CAPABILITY:
         found = sm90_backward_config(head_dim, masked)
         if found is not None:
             return found
-    return backward_config(head_dim)
+    return backward_config(head_dim, shared_limit)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -327,7 +331,8 @@ def _attention(
         def decode_args(parts: Any, part_lses: Any, chunk: Any) -> tuple[Any, ...]:
             return (*pointers, parts, part_lses, *strides, hq, hk, lq, lk, chunk, *options)
 
-        decode = config if isinstance(config, DecodeConfig) else decode_config(d)
+        decode = (config if isinstance(config, DecodeConfig)
+                  else decode_config(d, interop.shared_limit(interop.device_index(q))))
         out, lse = split_decode(q, decode, False, DECODE_PARAMS, (b, hq, hk, lq, d), lk,
                                 decode_args)
         out = xp.reshape(out, (b, hq, lq, d))
@@ -502,8 +507,9 @@ def _attention_vjp(
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
     lse = interop.contiguous(lse)
     dtype = interop.name(q)
-    config = config or backward_config_for(_capability_of(interop.device_index(q)), d,
-                                           mask is not None)
+    device = interop.device_index(q)
+    config = config or backward_config_for(_capability_of(device), d, mask is not None,
+                                           interop.shared_limit(device))
     lq_pad = -(-lq // config.block_m) * config.block_m
     rows = b * hq * lq_pad
     lse2, delta, dq_acc = backward_buffers(q, rows, d)

@@ -7,6 +7,7 @@ list: every name expression compiled on the device is one the CI test compiles w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 CTYPES = {"float16": "__half", "bfloat16": "sk_bf16", "float32": "float"}
 """softmaxkit dtype name -> the C++ type the kernels use."""
@@ -327,18 +328,45 @@ def alternative_names() -> tuple[str, ...]:
                  if (n := c.name(t)) not in declared)
 
 
+FITTING_CONFIGS = {
+    160: AttentionConfig(160, warps=4, block_n=32, m_tiles=1),
+    192: AttentionConfig(192, warps=8, block_n=32, m_tiles=1),
+    256: AttentionConfig(256, warps=4, block_n=32, m_tiles=1),
+}
+"""Forward tiles for devices whose blocks may take less shared memory than
+:data:`ATTENTION_CONFIGS`' need (99 KB on compute capability 8.6, 8.9 and 12.0): 32-key
+tiles (and 64 query rows at 160 and 256), with boolean-mask support, 60 to 96 KB.  At 160
+eight warps would not copy a 32-key tile in whole steps of the block's threads."""
+
+
+class _Tiles(Protocol):
+    def shared_bytes(self) -> int: ...
+
+
+_T = TypeVar("_T", bound=_Tiles)
+
+
+def fitting(preferred: _T, smaller: _T | None, shared_limit: int | None) -> _T:
+    """``preferred`` where its shared memory fits ``shared_limit`` bytes (None: no limit) or
+    no ``smaller`` configuration is built, else ``smaller`` (which the manifest declines in
+    turn if it does not fit either)."""
+    if shared_limit is None or smaller is None or preferred.shared_bytes() <= shared_limit:
+        return preferred
+    return smaller
+
+
 def attention_config(head_dim: int, masked: bool = True,
                      shared_limit: int | None = None) -> AttentionConfig:
     """The forward configuration for ``head_dim`` (a key of :data:`ATTENTION_CONFIGS`), for a
     call with a boolean mask or (``masked=False``) without one, on a device whose blocks may
     take ``shared_limit`` bytes of shared memory (None: no limit): the unmasked tiles where
     they fit, else the masked ones (smaller: 128 KB against 192 KB at 256, which a device of
-    compute capability 8.0 cannot give)."""
+    compute capability 8.0 cannot give), else :data:`FITTING_CONFIGS`'."""
     if not masked and head_dim in UNMASKED_CONFIGS:
         unmasked = UNMASKED_CONFIGS[head_dim]
         if shared_limit is None or unmasked.shared_bytes() <= shared_limit:
             return unmasked
-    return ATTENTION_CONFIGS[head_dim]
+    return fitting(ATTENTION_CONFIGS[head_dim], FITTING_CONFIGS.get(head_dim), shared_limit)
 
 
 SM90_SOURCES = frozenset({"attention_sm90.cu", "attention_bwd_sm90.cu"})
@@ -563,9 +591,16 @@ DECODE_ALTERNATIVES = (
 """Other decode configurations (gpu_check.py compares them), built on request only."""
 
 
-def decode_config(head_dim: int) -> DecodeConfig:
-    """The decode configuration for ``head_dim`` (a key of :data:`DECODE_CONFIGS`)."""
-    return DECODE_CONFIGS[head_dim]
+FITTING_DECODE_CONFIGS = {d: DecodeConfig(d, warps=2, stages=2) for d in (192, 256)}
+"""Decode tiles for devices whose blocks may take less shared memory than
+:data:`DECODE_CONFIGS`' need (99 KB on compute capability 8.6, 8.9 and 12.0): 32-key tiles,
+54 and 72 KB."""
+
+
+def decode_config(head_dim: int, shared_limit: int | None = None) -> DecodeConfig:
+    """The decode configuration for ``head_dim`` (a key of :data:`DECODE_CONFIGS`) on a device
+    whose blocks may take ``shared_limit`` bytes of shared memory (None: no limit)."""
+    return fitting(DECODE_CONFIGS[head_dim], FITTING_DECODE_CONFIGS.get(head_dim), shared_limit)
 
 
 def decode_alternative_names() -> tuple[str, ...]:
@@ -672,27 +707,37 @@ BACKWARD_ALTERNATIVES = (
 """Other backward configurations, built on request only (gpu_check.py compares them)."""
 
 
-def backward_config(head_dim: int) -> BackwardConfig:
-    """The backward configuration for ``head_dim`` (a key of :data:`BACKWARD_CONFIGS`)."""
-    return BACKWARD_CONFIGS[head_dim]
+FITTING_BACKWARD_CONFIGS = {d: BackwardConfig(d, warps=4, block_m=32)
+                            for d in (96, 128, 160, 192, 256)}
+"""Backward tiles for devices whose blocks may take less shared memory than
+:data:`BACKWARD_CONFIGS`' need (99 KB on compute capability 8.6, 8.9 and 12.0): four warps
+on 32-row query tiles, 52 to 99 KB."""
 
 
-def attention_shared_bytes(head_dim: int, kind: str) -> int:
+def backward_config(head_dim: int, shared_limit: int | None = None) -> BackwardConfig:
+    """The backward configuration for ``head_dim`` (a key of :data:`BACKWARD_CONFIGS`) on a
+    device whose blocks may take ``shared_limit`` bytes of shared memory (None: no limit)."""
+    return fitting(BACKWARD_CONFIGS[head_dim], FITTING_BACKWARD_CONFIGS.get(head_dim),
+                   shared_limit)
+
+
+def attention_shared_bytes(head_dim: int, kind: str, shared_limit: int | None = None) -> int:
     """The most dynamic shared memory a block of the mma.sync attention kernels at
-    ``head_dim`` (a built head dimension) takes, for ``kind``: ``"forward"`` (the masked tiles,
+    ``head_dim`` (a built head dimension) takes on a device whose blocks may take
+    ``shared_limit`` bytes (None: no limit), for ``kind``: ``"forward"`` (the masked tiles,
     which every call may take, and split-KV decoding's), ``"decode"`` (split-KV decoding's
     alone: paged decoding), ``"varlen"`` (the packed forward's tiles) or ``"backward"``.  A
-    device of compute capability 9.0 gives 227 KB, enough for every one; 8.0 gives 163 KB,
-    8.6, 8.9 and 12.0 give 99 KB."""
+    device of compute capability 9.0 gives 227 KB, enough for every default tile; 8.0 gives
+    163 KB, 8.6, 8.9 and 12.0 give 99 KB, where the fitting tiles take over."""
     if kind == "forward":
-        return max(attention_config(head_dim).shared_bytes(),
-                   decode_config(head_dim).shared_bytes())
+        return max(attention_config(head_dim, shared_limit=shared_limit).shared_bytes(),
+                   decode_config(head_dim, shared_limit).shared_bytes())
     if kind == "decode":
-        return decode_config(head_dim).shared_bytes()
+        return decode_config(head_dim, shared_limit).shared_bytes()
     if kind == "varlen":
-        return varlen_config(head_dim).shared_bytes()
+        return varlen_config(head_dim, shared_limit).shared_bytes()
     if kind == "backward":
-        return backward_config(head_dim).shared_bytes()
+        return backward_config(head_dim, shared_limit).shared_bytes()
     raise ValueError(f"kind must be 'forward', 'decode', 'varlen' or 'backward', not {kind!r}")
 
 
@@ -729,10 +774,11 @@ def backward_alternative_names() -> tuple[str, ...]:
     return tuple(c.name(t) for c in BACKWARD_ALTERNATIVES for t in ATTENTION_DTYPES)
 
 
-def varlen_config(head_dim: int) -> AttentionConfig:
-    """The packed variable-length forward's configuration for ``head_dim``: the unmasked
+def varlen_config(head_dim: int, shared_limit: int | None = None) -> AttentionConfig:
+    """The packed variable-length forward's configuration for ``head_dim`` on a device whose
+    blocks may take ``shared_limit`` bytes of shared memory (None: no limit): the unmasked
     dense one (varlen attention has no boolean mask)."""
-    return attention_config(head_dim, masked=False)
+    return attention_config(head_dim, masked=False, shared_limit=shared_limit)
 
 
 def varlen_names() -> tuple[str, ...]:
@@ -797,6 +843,24 @@ def grad_modules() -> list[tuple[str, str, list[str]]]:
     ]
 
 
+def fitting_names() -> tuple[str, ...]:
+    """The name expressions of the forward, packed forward and (dense and paged) decode
+    kernels on the fitting tiles (a module of kernels/attention.cu of their own, built on
+    devices with too little shared memory for the others)."""
+    names = [n for c in FITTING_CONFIGS.values() for t in ATTENTION_DTYPES
+             for n in (c.name(t), c.varlen_name(t))]
+    names += [c.name(t, paged) for c in FITTING_DECODE_CONFIGS.values()
+              for t in ATTENTION_DTYPES for paged in (False, True)]
+    return tuple(names)
+
+
+def fitting_backward_names() -> tuple[str, ...]:
+    """The name expressions of the dense and packed backward on the fitting tiles (a module
+    of kernels/attention_bwd.cu of their own)."""
+    return tuple(n for c in FITTING_BACKWARD_CONFIGS.values() for t in ATTENTION_DTYPES
+                 for n in (c.name(t), c.varlen_name(t)))
+
+
 def all_modules() -> list[tuple[str, list[str]]]:
     """Every ``(source file, name expressions)`` module the backend may build on a device."""
     modules = [("rows.cu", names) for _, _, _, names in row_modules()]
@@ -806,6 +870,8 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention.cu", list(varlen_names())))
     modules.append(("attention_bwd.cu", list(varlen_backward_names())))
     modules.append(("attention.cu", list(paged_names())))
+    modules.append(("attention.cu", list(fitting_names())))
+    modules.append(("attention_bwd.cu", list(fitting_backward_names())))
     modules.append(("mask_bits.cu", [MASK_BITS_NAME]))
     modules.append(("attention_sm90.cu", list(sm90_names())))
     modules.append(("attention_bwd_sm90.cu", list(sm90_backward_names())))

@@ -236,9 +236,11 @@ def has_clusters(device: int) -> bool:
 
 
 @functools.cache
+@functools.cache
 def shared_limit(device: int) -> int:
     """The dynamic and static shared memory, in bytes, that a block may take on CUDA device
-    ``device`` once its kernel opts in (227 KB on compute capability 9.0)."""
+    ``device`` once its kernel opts in (227 KB on compute capability 9.0); asked once per
+    device."""
     import cupy
 
     runtime = cupy.cuda.runtime

@@ -187,7 +187,7 @@ def shared_reason(head_dim: int, kind: str, limit: int | None) -> str | None:
     """Why the attention kernels of ``kind`` (:func:`.configs.attention_shared_bytes`) at
     ``head_dim`` cannot run on a device whose blocks may take ``limit`` bytes of shared
     memory, or None when they fit (or no limit is given)."""
-    need = attention_shared_bytes(head_dim, kind)
+    need = attention_shared_bytes(head_dim, kind, limit)
     if limit is None or need <= limit:
         return None
     return (f"the {kind} attention kernel at head dim {head_dim} takes {need} bytes of shared "

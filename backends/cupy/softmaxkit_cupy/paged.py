@@ -208,7 +208,8 @@ def _paged_attention(
                 int(causal is not None), left, right)
 
     # the grid spans the keys a query can reach (span), not the table's capacity
-    out, lse = split_decode(q, decode_config(d), True, _PAGED_PARAMS, (b, hq, hk, lq, d), span,
+    config = decode_config(d, interop.shared_limit(interop.device_index(q)))
+    out, lse = split_decode(q, config, True, _PAGED_PARAMS, (b, hq, hk, lq, d), span,
                             launch_args)
     return xp.reshape(out, (b, hq, lq, d)), (xp.reshape(lse, (b, hq, lq)) if return_lse
                                               else None)

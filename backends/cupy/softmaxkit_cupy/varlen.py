@@ -160,8 +160,10 @@ def _varlen_attention(
     batches = host_q.shape[0] - 1
     longest = int(np.max(np.diff(host_q)))
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
-    hopper = _capability_of(interop.device_index(q)) == SM90_CAPABILITY
-    config = config or (SM90_CONFIGS[d] if hopper and d in SM90_CONFIGS else varlen_config(d))
+    device = interop.device_index(q)
+    hopper = _capability_of(device) == SM90_CAPABILITY
+    config = config or (SM90_CONFIGS[d] if hopper and d in SM90_CONFIGS
+                        else varlen_config(d, interop.shared_limit(device)))
     out = interop.empty(q, (tq, hq, d), dtype)
     lse = interop.empty(q, (tq, hq), "float32")
     ptr = interop.pointer
@@ -250,9 +252,11 @@ def _varlen_attention_vjp(
     host_q, host_k = _on_host(cu_seqlens_q, cu_seqlens_k)
     cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
     batches = host_q.shape[0] - 1
-    hopper = _capability_of(interop.device_index(q)) == SM90_CAPABILITY
+    device = interop.device_index(q)
+    hopper = _capability_of(device) == SM90_CAPABILITY
     config = config or (SM90_VARLEN_BACKWARD_CONFIGS[d]
-                        if hopper and d in SM90_VARLEN_BACKWARD_CONFIGS else backward_config(d))
+                        if hopper and d in SM90_VARLEN_BACKWARD_CONFIGS
+                        else backward_config(d, interop.shared_limit(device)))
     cu_pad_host = padded_offsets(host_q, config.block_m)
     tpad = int(cu_pad_host[-1])
     longest_k = int(np.max(np.diff(host_k)))

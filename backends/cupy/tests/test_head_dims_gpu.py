@@ -192,3 +192,56 @@ def test_paged_attention(t, d, dv, case) -> None:
                              return_lse=True, backend="cupy", **kw)
     assert tuple(got[0].shape) == (b, hq, lq, dv)
     check_forward(t, DTYPE, got, paged_definition(q64, k64, v64, table, lens, **kw), what)
+
+
+SM86_SHARED = 99 * 1024
+"""The shared memory a block may take on compute capability 8.6, 8.9 and 12.0."""
+
+FITTING_DIMS = [96, 128, 160, 192, 256]
+"""The head dimensions whose default forward, decode or backward tiles exceed 99 KB."""
+
+
+@pytest.fixture
+def small_device(monkeypatch):
+    """The device at hand taken for one of compute capability 8.6 with 99 KB of shared memory
+    a block: the mma.sync kernels on the tiles that fit there (configs.FITTING_*) run on it."""
+    from softmaxkit_cupy import interop
+
+    monkeypatch.setattr(interop, "capability", lambda device: 86)
+    monkeypatch.setattr(interop, "shared_limit", lambda device: SM86_SHARED)
+
+
+@pytest.mark.parametrize("d", FITTING_DIMS)
+def test_a_small_device_runs_the_fitting_tiles(small_device, t, d) -> None:
+    """The kernels a call runs on such a device are the fitting ones (traced), not declined."""
+    from softmaxkit_cupy.configs import attention_config, backward_config
+
+    import softmaxkit as sk
+
+    rng = np.random.default_rng(d)
+    q, k, v = (t.asarray(rng.normal(size=(1, 4, 130, d)), DTYPE) for _ in range(3))
+    with sk.backend_opts(trace=True) as trace:
+        out, lse = sk.attention(q, k, v, return_lse=True, backend="cupy")
+        sk.attention_vjp(q, k, v, out, lse, out, backend="cupy")
+    kernels = [r.kernel for r in trace]
+    assert kernels[0] == attention_config(d, False, SM86_SHARED).name(DTYPE), kernels
+    assert backward_config(d, SM86_SHARED).name(DTYPE) in kernels[1:], kernels
+
+
+@pytest.mark.parametrize("d", FITTING_DIMS)
+@pytest.mark.parametrize("case", DENSE, ids=str)
+def test_dense_on_the_fitting_tiles(small_device, t, d, case) -> None:
+    test_dense_forward_and_backward(t, d, d, case)
+
+
+@pytest.mark.parametrize("d", FITTING_DIMS)
+@pytest.mark.parametrize("kw", [{"causal": True}, {"window": (30, 5), "softcap": 4.0}],
+                         ids=str)
+def test_varlen_on_the_fitting_tiles(small_device, t, d, kw) -> None:
+    test_varlen_forward_and_backward(t, d, d, kw)
+
+
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("case", PAGED, ids=str)
+def test_paged_on_the_fitting_tiles(small_device, t, d, case) -> None:
+    test_paged_attention(t, d, d, case)

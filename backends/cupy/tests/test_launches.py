@@ -60,11 +60,13 @@ def test_stated_parameters_match_the_kernels(file, kernels, codes):
         assert _parameter_codes(source, kernel) == codes, kernel
 
 
-@pytest.mark.parametrize("capability", [80, 90])
-def test_attention_launches_pack_every_parameter(monkeypatch, capability):
+@pytest.mark.parametrize(("capability", "shared"), [(80, 163 * 1024), (86, 99 * 1024),
+                                                   (90, 227 * 1024)])
+def test_attention_launches_pack_every_parameter(monkeypatch, capability, shared):
     """The dense forward and backward launch with as many values as their parameter lists
-    state, each of which fits its type, in the order the kernels read them (CPU tensors stand
-    in for CUDA ones; the launches are recorded, not run)."""
+    state, each of which fits its type, in the order the kernels read them, on the tiles that
+    fit the device's shared memory (CPU tensors stand in for CUDA ones; the launches are
+    recorded, not run)."""
     import contextlib
     import struct
 
@@ -75,7 +77,7 @@ def test_attention_launches_pack_every_parameter(monkeypatch, capability):
     launches = []
     monkeypatch.setattr(attention, "_kernel", lambda name: name)
     monkeypatch.setattr(attention, "_capability_of", lambda device: capability)
-    monkeypatch.setattr(interop, "shared_limit", lambda device: 227 * 1024)  # the H200's
+    monkeypatch.setattr(interop, "shared_limit", lambda device: shared)
     monkeypatch.setattr(interop, "launch_context", lambda a: contextlib.nullcontext())
     monkeypatch.setattr(interop, "launch", lambda *a: launches.append(a))
     b, hq, hk, lq, lk, d = 2, 4, 2, 100, 130, 128
@@ -95,9 +97,15 @@ def test_attention_launches_pack_every_parameter(monkeypatch, capability):
     # the scalars after the addresses and strides: sizes, then scale, softcap, the options
     assert [float(a) for a in fwd[18:]] == [hq, hk, lq, lk, pytest.approx(0.1), 0.0,
                                             lk - lq, 1, 7, -1]
-    block_m = attention.backward_config_for(capability, d, False).block_m
-    assert [float(a) for a in main[25:]] == [hq, hk, lq, lk, -(-lq // block_m) * block_m,
+    config = attention.backward_config_for(capability, d, False, shared)
+    assert [float(a) for a in main[25:]] == [hq, hk, lq, lk,
+                                             -(-lq // config.block_m) * config.block_m,
                                              pytest.approx(0.1), 2.0, lk - lq, 1, 7, -1]
+    # the backward's launch: its tiles' block, grid and shared memory, within the device's
+    _name, _like, grid, block, _codes, _args, bytes_ = launches[2]
+    assert (block, grid[0], bytes_) == (config.threads, -(-lk // config.block_n),
+                                        config.shared_bytes())
+    assert bytes_ <= shared
 
 
 def test_a_launch_raises_its_kernels_shared_memory_limit_once_per_device_and_size():

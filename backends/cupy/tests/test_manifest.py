@@ -316,22 +316,24 @@ SM80_SHARED, SM86_SHARED, SM90_SHARED = 163 * 1024, 99 * 1024, 227 * 1024
 """The shared memory a block may take once its kernel opts in, by compute capability."""
 
 
+SMALL_SHARED = 48 * 1024
+"""Less shared memory than any GPU the backend runs on gives a block: what a kernel too large
+for its device meets."""
+
+
 @pytest.mark.parametrize(("kind", "d", "limit", "declined"), [
-    # Hopper gives every kernel its tiles
-    *(("forward", d, SM90_SHARED, False) for d in (32, 64, 128, 256)),
-    *(("backward", d, SM90_SHARED, False) for d in (32, 64, 128, 256)),
-    ("varlen", 256, SM90_SHARED, False),
-    # compute capability 8.0: the unmasked 256 tiles (192 KB) only are too large
-    ("forward", 256, SM80_SHARED, False),  # on the masked tiles (128 KB)
-    ("backward", 256, SM80_SHARED, False),
-    ("varlen", 256, SM80_SHARED, True),
-    ("varlen", 192, SM80_SHARED, False),
-    # 8.6 / 8.9 / 12.0
-    ("forward", 128, SM86_SHARED, False),
-    ("forward", 160, SM86_SHARED, True),
-    ("backward", 80, SM86_SHARED, False),
-    ("backward", 128, SM86_SHARED, True),
-    ("varlen", 128, SM86_SHARED, False),
+    # every device the backend runs on gives every kernel tiles that fit: Hopper the
+    # defaults, 8.0 the masked tiles at 256 for the unmasked and packed forward, 8.6 / 8.9 /
+    # 12.0 the fitting tiles (configs.FITTING_*) where the defaults are too large
+    *((kind, d, limit, False) for kind in ("forward", "decode", "varlen", "backward")
+      for d in (32, 64, 80, 96, 128, 160, 192, 256)
+      for limit in (SM90_SHARED, SM80_SHARED, SM86_SHARED)),
+    # a smaller block is declined where even the fitting tiles do not fit
+    ("forward", 64, SMALL_SHARED, False),  # 48 KB exactly
+    ("forward", 80, SMALL_SHARED, True),
+    ("backward", 32, SMALL_SHARED, False),
+    ("backward", 128, SMALL_SHARED, True),
+    ("varlen", 256, SMALL_SHARED, True),
 ])
 def test_attention_declines_kernels_larger_than_the_device_s_shared_memory(
         kind, d, limit, declined) -> None:
@@ -342,39 +344,73 @@ def test_attention_declines_kernels_larger_than_the_device_s_shared_memory(
         reason = mf.varlen_reason("bfloat16", 2, (512, 4, d), (512, 4, d), (512, 4, d), limit)
     elif kind == "backward":
         reason = mf.attention_vjp_reason("bfloat16", *shapes, limit)
+    elif kind == "decode":
+        reason = mf.paged_reason("bfloat16", (2, 8, 1, d), (5, 2, 16, d), (5, 2, 16, d),
+                                 (2, 3), limit)
     else:
         reason = mf.attention_reason("bfloat16", *shapes, limit)
     assert (reason is not None) == declined, reason
-    assert (attention_shared_bytes(d, kind) > limit) == declined
+    assert (attention_shared_bytes(d, kind, limit) > limit) == declined
     if declined:
-        assert f"takes {attention_shared_bytes(d, kind)} bytes" in reason and str(limit) in reason
+        assert f"takes {attention_shared_bytes(d, kind, limit)} bytes" in reason
+        assert str(limit) in reason
     # calls with nothing to launch need no shared memory
     assert mf.attention_reason("bfloat16", (2, 4, 0, d), (2, 4, 256, d), (2, 4, 256, d),
                                limit) is None
 
 
-def test_the_unmasked_forward_takes_the_masked_tiles_where_its_own_do_not_fit() -> None:
-    from softmaxkit_cupy.attention import forward_config
-    from softmaxkit_cupy.configs import ATTENTION_CONFIGS, UNMASKED_CONFIGS, attention_config
+def test_the_defaults_give_way_only_where_they_do_not_fit() -> None:
+    """The tiles of a call are the defaults wherever they fit the device, the next smaller
+    ones (the unmasked forward's masked tiles, then the fitting tiles) only where not."""
+    from softmaxkit_cupy.attention import backward_config_for, forward_config
+    from softmaxkit_cupy.configs import (
+        ATTENTION_CONFIGS,
+        BACKWARD_CONFIGS,
+        DECODE_CONFIGS,
+        FITTING_BACKWARD_CONFIGS,
+        FITTING_CONFIGS,
+        FITTING_DECODE_CONFIGS,
+        UNMASKED_CONFIGS,
+        attention_config,
+        backward_config,
+        decode_config,
+        varlen_config,
+    )
 
     assert (UNMASKED_CONFIGS[256].shared_bytes() > SM80_SHARED
             >= ATTENTION_CONFIGS[256].shared_bytes())
     assert attention_config(256, masked=False) == UNMASKED_CONFIGS[256]
     assert attention_config(256, masked=False, shared_limit=SM80_SHARED) == ATTENTION_CONFIGS[256]
+    assert varlen_config(256, SM80_SHARED) == ATTENTION_CONFIGS[256]
     assert forward_config(80, 256, False, SM80_SHARED) == ATTENTION_CONFIGS[256]
-    for d, c in UNMASKED_CONFIGS.items():  # every other unmasked tile fits 8.0 and 8.6
-        if d != 256:
-            assert attention_config(d, False, SM86_SHARED) == c
-    # a paged decode takes the decode kernel alone: at 160 it fits 8.6 (the dense forward
-    # at 160 would not), at 256 it fits 8.0, not 8.6
-    assert mf.paged_reason("bfloat16", (1, 8, 1, 160), (3, 1, 16, 160), (3, 1, 16, 160),
-                           (1, 3), SM86_SHARED) is None
-    assert mf.attention_reason("bfloat16", (1, 8, 300, 160), (1, 8, 300, 160),
-                               (1, 8, 300, 160), SM86_SHARED) is not None
-    assert mf.paged_reason("bfloat16", (1, 8, 1, 256), (3, 1, 16, 256), (3, 1, 16, 256),
-                           (1, 3), SM80_SHARED) is None
-    assert "shared memory" in mf.paged_reason("bfloat16", (1, 8, 1, 256), (3, 1, 16, 256),
-                                              (3, 1, 16, 256), (1, 3), SM86_SHARED)
+    for limit in (None, SM90_SHARED, SM80_SHARED, SM86_SHARED):
+        for d in ATTENTION_CONFIGS:
+            for masked in (True, False):
+                c = attention_config(d, masked, limit)
+                assert c.mask or not masked
+                assert limit is None or c.shared_bytes() <= limit
+                unmasked = UNMASKED_CONFIGS.get(d) if not masked else None
+                if unmasked is not None and (limit is None or unmasked.shared_bytes() <= limit):
+                    assert c == unmasked
+                elif limit is None or ATTENTION_CONFIGS[d].shared_bytes() <= limit:
+                    assert c == ATTENTION_CONFIGS[d]
+                else:
+                    assert c == FITTING_CONFIGS[d]
+            for chosen, default, fitting in (
+                    (backward_config(d, limit), BACKWARD_CONFIGS[d], FITTING_BACKWARD_CONFIGS),
+                    (decode_config(d, limit), DECODE_CONFIGS[d], FITTING_DECODE_CONFIGS)):
+                fits = limit is None or default.shared_bytes() <= limit
+                assert chosen == (default if fits else fitting[d])
+                assert limit is None or chosen.shared_bytes() <= limit
+            # below Hopper the backward is the mma.sync kernel on the tiles that fit
+            assert backward_config_for(86, d, False, limit) == backward_config(d, limit)
+    # the fitting tiles serve exactly the head dimensions whose defaults exceed 99 KB
+    assert set(FITTING_CONFIGS) == {d for d, c in ATTENTION_CONFIGS.items()
+                                    if c.shared_bytes() > SM86_SHARED}
+    assert set(FITTING_BACKWARD_CONFIGS) == {d for d, c in BACKWARD_CONFIGS.items()
+                                             if c.shared_bytes() > SM86_SHARED}
+    assert set(FITTING_DECODE_CONFIGS) == {d for d, c in DECODE_CONFIGS.items()
+                                           if c.shared_bytes() > SM86_SHARED}
 
 
 def test_devices_below_compute_capability_8_are_declined(monkeypatch) -> None:

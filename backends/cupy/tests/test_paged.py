@@ -289,6 +289,7 @@ def test_paged_launch_passes_the_kernels_parameters_in_order(monkeypatch, table_
     # the paged adapter launches through attention.split_decode
     monkeypatch.setattr(launcher, "_kernel", lambda name: names.append(name) or name)
     monkeypatch.setattr(launcher, "_multiprocessors_of", lambda device: 132)
+    monkeypatch.setattr(interop, "shared_limit", lambda device: 227 * 1024)  # the H200's
     monkeypatch.setattr(launcher, "_merge", lambda outs, lses, dtype: (
         torch.zeros(outs.shape[1:]), torch.zeros(lses.shape[1:])))
     monkeypatch.setattr(interop, "launch", lambda *a: launches.append(a))
