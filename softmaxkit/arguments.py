@@ -53,13 +53,14 @@ def namespace(**arrays: Any) -> Any:
                 f"{first} and {name} belong to different array libraries "
                 f"({xp.__name__} and {other.__name__}); pass arrays of one library"
             )
-    dev = _device_of(found[first])
-    for name in names[1:]:
-        other_dev = _device_of(found[name])
-        if other_dev != dev:
+    # a JAX array being traced (under jit or grad) has no device yet (None): it takes the
+    # device of the computation, so only the devices the arrays already have must agree
+    known = [(name, d) for name in names if (d := _device_of(found[name])) is not None]
+    for name, other_dev in known[1:]:
+        if other_dev != known[0][1]:
             raise ValueError(
-                f"{first} is on device {dev} but {name} is on device {other_dev}; "
-                "move them to one device"
+                f"{known[0][0]} is on device {known[0][1]} but {name} is on device "
+                f"{other_dev}; move them to one device"
             )
     return xp
 

@@ -20,6 +20,11 @@ IDX = np.array([0, 2])
 
 BAD_CALLS = [
     # (call, exception type, words the message must contain)
+    (lambda: sk.softmax(torch.zeros(2, 3), where=torch.ones(2, 3, dtype=torch.bool,
+                                                           device="meta")),
+     ValueError, ["x is on device cpu", "where is on device meta"]),
+    (lambda: sk.attention(*(torch.zeros(1, 1, 2, 4, device=d) for d in ("cpu", "meta", "cpu"))),
+     ValueError, ["q is on device cpu", "k is on device meta"]),
     (lambda: sk.softmax(X, axis=2), sk.AxisError, ["axis=2", "out of range"]),
     (lambda: sk.softmax(X, axis=-3), IndexError, ["axis=-3"]),
     (lambda: sk.log_softmax(X, axis=(0, 0)), sk.AxisError, ["axis", "repeats"]),

@@ -255,3 +255,25 @@ def test_varlen_lse_in_the_loss_trains_like_the_definition(jit):
     got = (jax.jit(grad) if jit else grad)(q, k, v)
     for a, b in zip(got, jax.grad(definition, (0, 1, 2))(q, k, v), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_traced_arrays_mix_with_concrete_ones():
+    """A mask or a cache held concrete outside ``jit`` or ``grad`` meets a traced array, which
+    has no device until the computation runs: it is not a device mismatch.  The results are
+    the eager ones, and the gradient of a mass over a masked summary is the finite
+    differences'."""
+    x = _rand(3, 5)
+    where = jnp.asarray(np.random.default_rng(1).random((3, 5)) > 0.3)
+
+    def mass(a):
+        return jnp.sum(sk.summarize(a, axis=-1, where=where).mass)
+
+    np.testing.assert_allclose(jax.jit(mass)(x), mass(x), rtol=1e-12)
+    _check_grad(mass, x, jit=False)
+    q = _rand(1, 2, 3, 8, seed=2)
+    k_pages, v_pages = _rand(3, 2, 4, 8, seed=3), _rand(3, 2, 4, 8, seed=4)
+    table, lens = jnp.asarray([[2, 0, 1]], jnp.int32), jnp.asarray([10], jnp.int32)
+    eager = sk.paged_attention(q, k_pages, v_pages, table, lens, causal=True)
+    traced = jax.jit(lambda a: sk.paged_attention(a, k_pages, v_pages, table, lens,
+                                                  causal=True))(q)
+    np.testing.assert_allclose(traced, eager, rtol=1e-12, atol=1e-14)
