@@ -7,6 +7,11 @@ callback receives host numpy views of CPU buffers (no copy where JAX allows).  `
 therefore uses the library's VJPs and policies (a fully masked row has zero gradient, never
 NaN), not the derivative of a reference formula.
 
+Concrete arrays outside any transformation (no tracer among the arguments) skip the
+custom_vjp and the callback: the call runs on host views of them and its results become JAX
+arrays, as the callback's would.  Each callback is one object per operation and options, so
+that JAX compiles its call once, not at every eager call.
+
 ``vmap`` works because every static axis is counted from the end and the callbacks use
 ``vmap_method="broadcast_all"``: a batch dimension is one more leading row dimension.  The
 mean of :func:`cross_entropy` is taken here, outside the callback, so that it never spans
@@ -45,16 +50,64 @@ def _spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
 
 
 def _host(fn: Any, results: Any, *args: Any) -> Any:
-    """``fn(*args)`` on host numpy arrays, under jit and vmap; None arguments pass through."""
-    def call(*host_args: Any) -> Any:
-        out = fn(*[None if a is None else np.asarray(a) for a in host_args])
-        return jax.tree.map(lambda r, o: np.asarray(o, dtype=r.dtype), results, out)
+    """``fn(*args)`` on host numpy arrays, under jit and vmap; None arguments pass through.
 
+    The callback JAX receives is one object for one ``fn`` and result dtypes: outside ``jit``
+    JAX compiles a callback's call once per callback object and shapes, so a new function at
+    every call would be compiled at every call (milliseconds).  ``fn`` is therefore made
+    once per operation and options (the cached functions below, :func:`_bind`).
+    """
+    dtypes = jax.tree.map(lambda r: np.dtype(r.dtype), results)
+    call = _callback(fn, dtypes)
+    if not any(isinstance(a, jax.core.Tracer) for a in args):
+        # concrete arrays, outside jit, grad and vmap: the call itself, with no callback
+        return jax.tree.map(jnp.asarray, call(*args))
     return jax.pure_callback(call, results, *args, vmap_method="broadcast_all")
 
 
+@functools.lru_cache(maxsize=1024)
+def _callback(fn: Any, dtypes: Any) -> Any:
+    """The host call of ``fn`` whose results are converted to ``dtypes`` (a pytree)."""
+    def call(*host_args: Any) -> Any:
+        out = fn(*[None if a is None else np.asarray(a) for a in host_args])
+        return jax.tree.map(lambda d, o: np.asarray(o, dtype=d), dtypes, out)
+
+    return call
+
+
+@functools.lru_cache(maxsize=1024)
+def _bound(fn: Any, options: tuple[tuple[str, type, Any], ...]) -> Any:
+    return functools.partial(fn, **{name: value for name, _, value in options})
+
+
+def _bind(fn: Any, **options: Any) -> Any:
+    """``fn`` with ``options`` bound, one object for options of equal types and values (see
+    :func:`_host`); a fresh one when an option is unhashable."""
+    try:
+        return _bound(fn, tuple((name, type(v), v) for name, v in sorted(options.items())))
+    except TypeError:
+        return functools.partial(fn, **options)
+
+
+def _differentiable(primal: Any, fwd: Any, bwd: Any, symbolic_zeros: bool = False) -> Any:
+    """``primal`` as a ``jax.custom_vjp`` function with ``fwd`` and ``bwd``, called plainly on
+    concrete arrays: with no tracer among its arguments (outside ``jit``, ``grad`` and
+    ``vmap``) nothing can record the call, and JAX's custom_vjp machinery would cost more
+    than the call itself."""
+    f = jax.custom_vjp(primal)
+    f.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros)
+
+    def call(*args: Any) -> Any:
+        if any(isinstance(a, jax.core.Tracer) for a in args):
+            return f(*args)
+        return primal(*args)
+
+    return call
+
+
 def _floating(x: Any) -> jax.Array:
-    x = jnp.asarray(x)
+    if not isinstance(x, jax.Array):  # a JAX array is taken as it is (asarray dispatches)
+        x = jnp.asarray(x)
     return x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.result_type(float))
 
 
@@ -98,11 +151,14 @@ def _normalize_fn(op: str, axes: tuple[int, ...], masked: str, out_dtype: Any, x
     forward = getattr(_rows, op)
     vjp = getattr(_rows, op + "_vjp")
 
-    @jax.custom_vjp
+    def host_forward(x: np.ndarray, w: np.ndarray | None) -> Any:
+        return forward(x, axes, where=w, dtype=out_dtype, masked=masked, backend=backend)
+
+    def host_vjp(y: np.ndarray, g: np.ndarray, w: np.ndarray | None) -> Any:
+        return vjp(y, g, axes, where=w, backend=backend)
+
     def f(x: jax.Array, where: jax.Array | None) -> jax.Array:
-        return _host(lambda x, w: forward(x, axes, where=w, dtype=out_dtype, masked=masked,
-                                          backend=backend),
-                     _spec(x.shape, out_dtype), x, where)
+        return _host(host_forward, _spec(x.shape, out_dtype), x, where)
 
     def fwd(x, where):
         y = f(x, where)
@@ -111,11 +167,10 @@ def _normalize_fn(op: str, axes: tuple[int, ...], masked: str, out_dtype: Any, x
     def bwd(res, g):
         y, where = res
         spec = _spec(y.shape, jnp.promote_types(y.dtype, g.dtype))
-        gx = _host(lambda y, g, w: vjp(y, g, axes, where=w, backend=backend), spec, y, g, where)
+        gx = _host(host_vjp, spec, y, g, where)
         return gx.astype(x_dtype), None
 
-    f.defvjp(fwd, bwd)
-    return f
+    return _differentiable(f, fwd, bwd)
 
 
 def _normalize(op: str, x: Any, axis: Any, where: Any, dtype: Any, masked: str,
@@ -144,9 +199,13 @@ def _vjp(op: str, y: Any, cotangent: Any, axis: Any, where: Any, backend: str | 
         raise ValueError(f"cotangent of shape {g.shape} must have the shape {y.shape}")
     axes = _axes(axis, y.ndim)
     spec = _spec(y.shape, jnp.promote_types(y.dtype, g.dtype))
-    fn = getattr(_rows, op)
-    return _host(lambda y, g, w: fn(y, g, axes, where=w, backend=backend), spec, y, g,
-                 _mask(where, y.shape))
+    fn = _bind(_row_vjp, op=op, axes=axes, backend=backend)
+    return _host(fn, spec, y, g, _mask(where, y.shape))
+
+
+def _row_vjp(y: np.ndarray, g: np.ndarray, w: np.ndarray | None, *, op: str,
+             axes: tuple[int, ...], backend: str | None) -> Any:
+    return getattr(_rows, op)(y, g, axes, where=w, backend=backend)
 
 
 def softmax_vjp(probs: Any, cotangent: Any, axis: Any = None, *, where: Any = None,
@@ -170,11 +229,12 @@ def _logsumexp_fn(axes: tuple[int, ...], shape: tuple[int, ...], out_dtype: Any,
                   backend: str | None) -> Any:
     kept = tuple(n for i, n in enumerate(shape) if i - len(shape) not in axes)
 
-    @jax.custom_vjp
+    def host(a: np.ndarray, b: np.ndarray | None, w: np.ndarray | None) -> Any:
+        return _rows.logsumexp(a, axes, b, return_sign=True, where=w, backend=backend)
+
     def f(a, b, where):
         spec = (_spec(kept, out_dtype), _spec(kept, out_dtype))
-        return _host(lambda a, b, w: _rows.logsumexp(a, axes, b, return_sign=True, where=w,
-                                                     backend=backend), spec, a, b, where)
+        return _host(host, spec, a, b, where)
 
     def fwd(a, b, where):
         lse, sign = f(a, b, where)
@@ -195,8 +255,7 @@ def _logsumexp_fn(axes: tuple[int, ...], shape: tuple[int, ...], out_dtype: Any,
         e = jnp.where(keep, jnp.exp(jnp.where(keep, a - lse_k, 0.0)) * sign_k, 0.0) * g
         return (b * e).astype(a.dtype), e.astype(b.dtype), None
 
-    f.defvjp(fwd, bwd)
-    return f
+    return _differentiable(f, fwd, bwd)
 
 
 def logsumexp(a: Any, axis: Any = None, b: Any = None, keepdims: bool = False,
@@ -238,7 +297,6 @@ def _cross_entropy_rows_fn(axis: int, ignore_index: int | None, smoothing: float
         spec = (_spec(batch, logits.dtype), _spec(logits.shape, logits.dtype))
         return _host(host, spec, logits, target, where)
 
-    @jax.custom_vjp
     def f(logits, target, where):
         return call(logits, target, where)[0]
 
@@ -258,8 +316,7 @@ def _cross_entropy_rows_fn(axis: int, ignore_index: int | None, smoothing: float
             dtarget = (-(1.0 - smoothing) * logp * jnp.expand_dims(g, axis)).astype(target.dtype)
         return dlogits, dtarget, None
 
-    f.defvjp(fwd, bwd)
-    return f
+    return _differentiable(f, fwd, bwd)
 
 
 def cross_entropy(logits: Any, target: Any, axis: int = -1, *, reduction: str = "mean",
@@ -369,7 +426,6 @@ def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any
         no cotangent.
     """
 
-    @jax.custom_vjp
     def f(q, k, v, *metadata):
         return _host(forward, shapes(q, k, v, *metadata), q, k, v, *metadata)
 
@@ -390,8 +446,7 @@ def _recomputing_vjp(forward: Any, vjp: Any, shapes: Any, lse_used: bool) -> Any
                            dlse.astype(lse.dtype) if used else None, *metadata)
         return (dq, dk, dv) + (None,) * len(metadata)
 
-    f.defvjp(fwd, bwd, symbolic_zeros=True)
-    return f
+    return _differentiable(f, fwd, bwd, symbolic_zeros=True)
 
 
 @functools.lru_cache(maxsize=256)
@@ -437,13 +492,14 @@ def attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, *,
     """:func:`softmaxkit.attention_vjp` for JAX arrays (under jit and vmap)."""
     arrays = [jnp.asarray(a) for a in (q, k, v, out, lse, dout)]
     spec = tuple(_spec(a.shape, a.dtype) for a in arrays[:3])
-    kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lse_base=lse_base,
-              precision=precision, backend=backend)
-    return _host(
-        lambda q, k, v, o, s, d, dl, m: _attention_vjp_fn(q, k, v, o, s, d, dlse=dl, mask=m,
-                                                          **kw),
-        spec, *arrays, None if dlse is None else jnp.asarray(dlse),
-        None if mask is None else jnp.asarray(mask))
+    fn = _bind(_attention_vjp_host, scale=scale, causal=causal, window=window,
+               softcap=softcap, lse_base=lse_base, precision=precision, backend=backend)
+    return _host(fn, spec, *arrays, None if dlse is None else jnp.asarray(dlse),
+                 None if mask is None else jnp.asarray(mask))
+
+
+def _attention_vjp_host(q, k, v, o, s, d, dl, m, **options: Any) -> Any:
+    return _attention_vjp_fn(q, k, v, o, s, d, dlse=dl, mask=m, **options)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,10 +534,14 @@ def _merge_custom(ax: int, backend: str | None) -> Any:
         del batch[ax]
         return _spec(batch + [outs.shape[-1]], outs.dtype), _spec(batch, lses.dtype)
 
-    @jax.custom_vjp
+    def host_merge(o: np.ndarray, s: np.ndarray) -> Any:
+        return _merge_fn(o, s, ax, backend=backend)
+
+    def host_vjp(o: np.ndarray, s: np.ndarray, d: np.ndarray, dl: np.ndarray | None) -> Any:
+        return _merge_vjp_fn(o, s, d, dl, ax, backend=backend)
+
     def f(outs, lses):
-        return _host(lambda o, s: _merge_fn(o, s, ax, backend=backend), specs(outs, lses),
-                     outs, lses)
+        return _host(host_merge, specs(outs, lses), outs, lses)
 
     def fwd(outs, lses):
         return f(outs, lses), (outs, lses)
@@ -490,11 +550,10 @@ def _merge_custom(ax: int, backend: str | None) -> Any:
         outs, lses = res
         dout, dlse = cots
         spec = (_spec(outs.shape, outs.dtype), _spec(lses.shape, lses.dtype))
-        return _host(lambda o, s, d, dl: _merge_vjp_fn(o, s, d, dl, ax, backend=backend),
-                     spec, outs, lses, dout.astype(outs.dtype), dlse.astype(lses.dtype))
+        return _host(host_vjp, spec, outs, lses, dout.astype(outs.dtype),
+                     dlse.astype(lses.dtype))
 
-    f.defvjp(fwd, bwd)
-    return f
+    return _differentiable(f, fwd, bwd)
 
 
 def merge_attention_states(outs: Any, lses: Any, axis: int = 0, *, lse_base: Any = "e",
@@ -514,9 +573,14 @@ def merge_attention_vjp(outs: Any, lses: Any, dout: Any, dlse: Any = None, axis:
     # stacked and checked only; the library converts lse_base and empty_lse itself
     outs, lses, ax = _states(outs, lses, axis, -math.inf)
     spec = (_spec(outs.shape, outs.dtype), _spec(lses.shape, lses.dtype))
-    return _host(lambda o, s, d, dl: _merge_vjp_fn(o, s, d, dl, ax, lse_base=lse_base,
-                                                   empty_lse=empty_lse, backend=backend),
-                 spec, outs, lses, jnp.asarray(dout), None if dlse is None else jnp.asarray(dlse))
+    fn = _bind(_merge_vjp_host, axis=ax, lse_base=lse_base, empty_lse=empty_lse,
+               backend=backend)
+    return _host(fn, spec, outs, lses, jnp.asarray(dout),
+                 None if dlse is None else jnp.asarray(dlse))
+
+
+def _merge_vjp_host(o, s, d, dl, **options: Any) -> Any:
+    return _merge_vjp_fn(o, s, d, dl, **options)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,11 +651,11 @@ def varlen_attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
     cu_seqlens_q, cu_seqlens_k = _packed(arrays[0], arrays[1], arrays[2], cu_seqlens_q,
                                          cu_seqlens_k)
     spec = tuple(_spec(a.shape, a.dtype) for a in arrays[:3])
-    kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, lse_base=lse_base,
-              precision=precision, backend=backend)
-    return _host(
-        lambda q, k, v, o, s, d, dl, cq, ck: _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, dlse=dl,
-                                                            **kw),
-        spec, *arrays, None if dlse is None else jnp.asarray(dlse), cu_seqlens_q,
-        cu_seqlens_k,
-    )
+    fn = _bind(_varlen_vjp_host, scale=scale, causal=causal, window=window,
+               softcap=softcap, lse_base=lse_base, precision=precision, backend=backend)
+    return _host(fn, spec, *arrays, None if dlse is None else jnp.asarray(dlse), cu_seqlens_q,
+                 cu_seqlens_k)
+
+
+def _varlen_vjp_host(q, k, v, o, s, d, dl, cq, ck, **options: Any) -> Any:
+    return _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, dlse=dl, **options)
