@@ -541,6 +541,13 @@ def _environment(device: str, names: list[str]) -> str:
         import scipy
 
         parts.append(f"scipy {scipy.__version__}")
+    if "jax" in names:
+        try:
+            import jax
+        except ImportError:
+            pass
+        else:
+            parts.append(f"jax {jax.__version__}")
     parts.append(f"{os.cpu_count()} CPUs")
     return ", ".join(parts)
 

@@ -3,12 +3,15 @@
 ``softmaxkit bench --calls`` runs :func:`run`.  For each operation (softmax, log_softmax,
 logsumexp, cross_entropy with its gradient), dtype (float32, bfloat16) and small shape
 ((8,) and (64, 1024) by default) it times, on the inputs of each array library of the device
-(numpy arrays and torch tensors on the CPU, torch tensors on CUDA):
+(numpy arrays, torch tensors and JAX arrays on the CPU, torch tensors on CUDA):
 
 * ``default``: the public function with the default dispatch;
 * ``sk:NAME``: the same call forced to each installed backend that serves it (``backend=``);
 * the peers: ``torch`` (``torch.softmax``, ..., ``F.cross_entropy`` forward and backward) on
-  torch inputs, ``scipy`` (``scipy.special``) on numpy inputs in float32.
+  torch inputs, ``scipy`` (``scipy.special``) on numpy inputs in float32, ``jax``
+  (``jax.nn.softmax``, ..., the gradient of the mean of ``-log_softmax`` at the targets by
+  ``jax.value_and_grad``) on JAX arrays, called eagerly as the others; every call on JAX
+  arrays, softmaxkit's included, waits for its results (JAX dispatches asynchronously).
 
 Every contender's result is first compared with a float64 reference on fresh random inputs,
 its output memory poisoned with NaN just before (a buffer of the result's size is filled and
@@ -65,6 +68,10 @@ def _native(x: np.ndarray, dtype: str, library: str, device: str) -> Any:
         from .dtypes import lookup
 
         return np.ascontiguousarray(x.astype(lookup(np, dtype)))
+    if library == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(x, dtype=getattr(jnp, dtype))
     import torch
 
     return torch.from_numpy(x).to(device=device, dtype=getattr(torch, dtype))
@@ -157,6 +164,28 @@ def _torch_peer(op: str) -> Callable[[Any, Any], Any]:
     return lambda x, t: (fn(x, dim=-1),)
 
 
+def _jax_peer(op: str) -> Callable[[Any, Any], Any]:
+    import jax
+    import jax.numpy as jnp
+
+    if op == "cross_entropy":
+        def loss(x: Any, t: Any) -> Any:
+            logp = jax.nn.log_softmax(x, axis=-1)
+            return -jnp.mean(jnp.take_along_axis(logp, t[..., None], axis=-1))
+
+        value_and_grad = jax.value_and_grad(loss)
+        return lambda x, t: value_and_grad(x, t)
+    fn: Any = getattr(jax.nn, op)  # softmax, log_softmax, logsumexp
+    return lambda x, t: (fn(x, axis=-1),)
+
+
+def _waiting(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``fn`` returning only once its (JAX) results are computed."""
+    import jax
+
+    return lambda x, t: jax.block_until_ready(fn(x, t))
+
+
 def _scipy_peer(op: str) -> Callable[[Any, Any], Any] | None:
     try:
         from scipy import special
@@ -180,9 +209,18 @@ def _libraries(device: str) -> list[str]:
     libs = ["numpy"] if device == "cpu" else []
     try:
         import torch  # noqa: F401
+
+        libs.append("torch")
     except ImportError:
-        return libs
-    return [*libs, "torch"]
+        pass
+    if device == "cpu":
+        try:
+            import jax  # noqa: F401
+
+            libs.append("jax")
+        except ImportError:
+            pass
+    return libs
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -255,6 +293,10 @@ def _case(op: str, dtype: str, shape: tuple[int, ...], library: str, device: str
     x = _native(x32, dtype, library, device)
     if library == "numpy":
         t: Any = np.asarray(target)
+    elif library == "jax":
+        import jax.numpy as jnp
+
+        t = jnp.asarray(target)
     else:
         import torch
 
@@ -266,6 +308,9 @@ def _case(op: str, dtype: str, shape: tuple[int, ...], library: str, device: str
     ]
     if library == "torch":
         contenders.append(("torch", _torch_peer(op)))
+    elif library == "jax":
+        contenders.append(("jax", _jax_peer(op)))
+        contenders = [(name, fn if fn is None else _waiting(fn)) for name, fn in contenders]
     elif dtype == "float32":
         contenders.append(("scipy", _scipy_peer(op)))
     rows: list[Timing] = []
@@ -311,8 +356,8 @@ def _ran_on(fn: Callable[[Any, Any], Any], x: Any, t: Any) -> str:
 
 def table(timings: Sequence[Timing], full: bool = True) -> str:
     """The timings as text: microseconds per call and the ratio to the peer of the same input
-    (torch for torch tensors, SciPy for numpy arrays).  ``full=False`` keeps the default
-    dispatch and the peers only."""
+    (torch for torch tensors, SciPy for numpy arrays, JAX for JAX arrays).  ``full=False``
+    keeps the default dispatch and the peers only."""
     head = (f"{'op':<16}{'dtype':<10}{'shape':<10}{'input':<7}{'contender':<18}"
             f"{'us/call':>9}{'/ peer':>8}  note")
     lines = [head, "-" * len(head)]
@@ -320,7 +365,7 @@ def table(timings: Sequence[Timing], full: bool = True) -> str:
     for r in timings:
         cases.setdefault((r.op, r.dtype, r.shape, r.library), []).append(r)
     for (op, dtype, shape, library), group in cases.items():
-        peer = next((r for r in group if r.contender in ("torch", "scipy")
+        peer = next((r for r in group if r.contender in ("torch", "scipy", "jax")
                      and not math.isnan(r.us)), None)
         for r in group:
             if not full and r.contender.startswith("sk:"):

@@ -299,7 +299,7 @@ def _bench_calls(args: argparse.Namespace) -> int:
         shapes=args.shapes or callcost.SHAPES,
         repeats=3 if args.quick else args.repeats or 7,
     )
-    env = bench._environment(args.device, ["torch", "scipy"])
+    env = bench._environment(args.device, ["torch", "scipy", "jax"])
     full = callcost.table(timings)
     short = callcost.table(timings, full=False)
     _write_log(args.log, f"softmaxkit bench --calls\n{env}\n\n{full}\n\n{short}")

@@ -38,3 +38,9 @@ def test_bench_calls_prints_the_default_dispatch_next_to_the_peers(tmp_path, cap
     assert "default" in short and "torch" in out and "scipy" in out
     assert "sk:reference" in log.read_text()
     assert "not timed" not in log.read_text()
+    # JAX arrays beside them, timed against jax.nn: each row's input, contender and a time
+    rows = [line.split() for line in log.read_text().splitlines()]
+    jax_rows = {(r[0], r[4]) for r in rows
+                if len(r) > 5 and r[3] == "jax" and r[5].replace(".", "", 1).isdigit()}
+    assert {("softmax", "default"), ("softmax", "jax"), ("cross_ent+grad", "default"),
+            ("cross_ent+grad", "jax")} <= jax_rows
