@@ -51,26 +51,31 @@ def _spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
 
 def _host(fn: Any, results: Any, *args: Any) -> Any:
     """``fn(*args)`` on host numpy arrays, under jit and vmap; None arguments pass through.
+    ``results`` is one ``jax.ShapeDtypeStruct`` or a tuple of them.
 
     The callback JAX receives is one object for one ``fn`` and result dtypes: outside ``jit``
     JAX compiles a callback's call once per callback object and shapes, so a new function at
     every call would be compiled at every call (milliseconds).  ``fn`` is therefore made
     once per operation and options (the cached functions below, :func:`_bind`).
     """
-    dtypes = jax.tree.map(lambda r: np.dtype(r.dtype), results)
+    several = isinstance(results, tuple)
+    dtypes = tuple(np.dtype(r.dtype) for r in results) if several else np.dtype(results.dtype)
     call = _callback(fn, dtypes)
     if not any(isinstance(a, jax.core.Tracer) for a in args):
         # concrete arrays, outside jit, grad and vmap: the call itself, with no callback
-        return jax.tree.map(jnp.asarray, call(*args))
+        out = call(*args)
+        return tuple(jnp.asarray(o) for o in out) if several else jnp.asarray(out)
     return jax.pure_callback(call, results, *args, vmap_method="broadcast_all")
 
 
 @functools.lru_cache(maxsize=1024)
 def _callback(fn: Any, dtypes: Any) -> Any:
-    """The host call of ``fn`` whose results are converted to ``dtypes`` (a pytree)."""
+    """The host call of ``fn`` whose results are converted to ``dtypes`` (one, or a tuple)."""
     def call(*host_args: Any) -> Any:
         out = fn(*[None if a is None else np.asarray(a) for a in host_args])
-        return jax.tree.map(lambda d, o: np.asarray(o, dtype=d), dtypes, out)
+        if isinstance(dtypes, tuple):
+            return tuple(np.asarray(o, dtype=d) for o, d in zip(out, dtypes, strict=True))
+        return np.asarray(out, dtype=dtypes)
 
     return call
 
