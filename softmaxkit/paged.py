@@ -19,7 +19,7 @@ from . import arguments as args
 from .attention import lse_in_base
 from .dispatch import run
 from .dtypes import dtype_name
-from .frameworks import refuse_gradient
+from .frameworks import on_host, refuse_gradient
 from .metadata import host_integers, index_array
 
 
@@ -225,6 +225,12 @@ def paged_attention(
     >>> bool(np.allclose(out[0], sk.attention(q[0], k0, v0)))
     True
     """
+    hosted, result = on_host(paged_attention, q, k_pages, v_pages, block_table, seqlens,
+                             scale=scale, causal=causal, window=window, softcap=softcap,
+                             return_lse=return_lse, lse_base=lse_base, precision=precision,
+                             backend=backend)
+    if hosted:
+        return result
     refuse_gradient("paged_attention", q, k_pages, v_pages)
     base = args.lse_base(lse_base)
     args.precision(precision, "float32")

@@ -19,7 +19,7 @@ import numpy as np
 from . import arguments as args
 from .dispatch import run
 from .dtypes import accumulator_dtype
-from .frameworks import refuse_gradient
+from .frameworks import on_host, refuse_gradient
 from .layout import RowLayout
 
 
@@ -146,6 +146,9 @@ def summarize(
     >>> round(float(s.logsumexp()), 6), round(float(sk.logsumexp(x)), 6)
     (20.169846, 20.169846)
     """
+    hosted, result = on_host(summarize, x, axis, where=where, values=values, backend=backend)
+    if hosted:
+        return result
     refuse_gradient("summarize", x, values)
     xp = args.namespace(x=x, where=where, values=values)
     x = args.floating(xp, args.as_array(xp, x, "x"), "x")
@@ -213,6 +216,9 @@ def merge(*summaries: Summary, backend: str | None = None) -> Summary:
     for i, s in enumerate(summaries):
         if not isinstance(s, Summary):
             raise TypeError(f"summaries[{i}] is a {type(s).__name__}, expected a Summary")
+    hosted, result = on_host(merge, *summaries, backend=backend)
+    if hosted:
+        return result
     refuse_gradient("merge", [f for s in summaries for f in (s.max, s.mass, s.numerator)])
     with_num = [s.numerator is not None for s in summaries]
     if any(with_num) and not all(with_num):

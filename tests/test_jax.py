@@ -308,3 +308,38 @@ def test_a_repeated_call_compiles_nothing(caplog):
             jax.block_until_ready(call())
             compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
             assert not compiled, compiled
+
+
+def test_operations_without_wrappers_run_concrete_arrays_on_the_host_backend():
+    """summarize, merge and paged_attention take concrete JAX arrays to the backend numpy
+    arrays get (not the array-API reference op by op), and give JAX arrays equal to its
+    results on numpy arrays."""
+    from softmaxkit.testing.paged_cases import make_cache
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(6, 40))
+    values = rng.normal(size=(6, 40, 3))
+    where = rng.random((6, 40)) > 0.3
+    k64, v64, table, lens = make_cache(rng, [50, 0, 17], 4, 2, 8, 8)
+    q = rng.normal(size=(3, 4, 2, 8))
+    calls = [
+        lambda a: sk.summarize(a[0], axis=-1, where=a[1], values=a[2]),
+        lambda a: sk.merge(sk.summarize(a[0][:, :20], values=a[2][:, :20]),
+                           sk.summarize(a[0][:, 20:], values=a[2][:, 20:])),
+        lambda a: sk.paged_attention(*a[3:], causal=True, return_lse=True),
+    ]
+    host = (x, where, values, q, k64, v64, table, lens)
+    arrays = tuple(jnp.asarray(a) for a in host)
+    for call in calls:
+        with sk.backend_opts(trace=True) as trace:
+            got = call(arrays)
+        assert {r.backend for r in trace} == {"numba-cpu"}, trace
+        want = call(host)
+        got_fields = jax.tree.leaves(got if isinstance(got, tuple) else
+                                     (got.max, got.mass, got.numerator))
+        want_fields = (want if isinstance(want, tuple) else
+                       (want.max, want.mass, want.numerator))
+        assert len(got_fields) == len(want_fields)
+        for g, w in zip(got_fields, want_fields, strict=True):
+            assert isinstance(g, jax.Array)
+            np.testing.assert_array_equal(np.asarray(g), w)

@@ -111,6 +111,25 @@ def route(*arrays: Any) -> ModuleType | None:
     return None
 
 
+def on_host(fn: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+    """For an operation without JAX wrappers: ``(True, result)`` when its arguments hold
+    concrete JAX arrays, ``fn`` having run on host views of them (the backend the registry
+    chooses for numpy arrays, not the array-API reference op by op); ``(False, None)`` when
+    they hold none, or a traced one (under ``jit``, ``grad`` or ``vmap`` the plain path is
+    traced instead, and JAX follows it).
+
+    Parameters
+    ----------
+    fn : callable
+        The public function, called again with the converted arguments.
+    *args, **kwargs
+        Its arguments (lists, tuples and summaries of arrays included).
+    """
+    if imported("jax") is None:
+        return False, None
+    return _jax_module().on_host(fn, args, kwargs)
+
+
 def refuse_gradient(op: str, *arrays: Any) -> None:
     """Raise when PyTorch autograd would record a call of ``op``, which has no gradient.
 

@@ -94,6 +94,40 @@ def _bind(fn: Any, **options: Any) -> Any:
         return functools.partial(fn, **options)
 
 
+def _walk(value: Any, leaf: Any) -> Any:
+    """``value`` with ``leaf`` applied to its arrays, through lists, tuples and summaries."""
+    from ..summary import Summary
+
+    if isinstance(value, (list, tuple)):
+        return type(value)(_walk(v, leaf) for v in value)
+    if isinstance(value, Summary):
+        return Summary(*(_walk(f, leaf) for f in (value.max, value.mass, value.numerator)))
+    return leaf(value)
+
+
+def on_host(fn: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """See :func:`softmaxkit.frameworks.on_host`."""
+    seen = []
+
+    def find(v: Any) -> Any:
+        if isinstance(v, jax.Array):
+            seen.append(isinstance(v, jax.core.Tracer))
+        return v
+
+    _walk((args, tuple(kwargs.values())), find)
+    if not seen or any(seen):
+        return False, None
+
+    def to_host(v: Any) -> Any:
+        return np.asarray(v) if isinstance(v, jax.Array) else v
+
+    out = fn(*_walk(args, to_host), **{k: _walk(v, to_host) for k, v in kwargs.items()})
+    def to_jax(v: Any) -> Any:
+        return jnp.asarray(v) if isinstance(v, (np.ndarray, np.generic)) else v
+
+    return True, _walk(out, to_jax)
+
+
 def _differentiable(primal: Any, fwd: Any, bwd: Any, symbolic_zeros: bool = False) -> Any:
     """``primal`` as a ``jax.custom_vjp`` function with ``fwd`` and ``bwd``, called plainly on
     concrete arrays: with no tracer among its arguments (outside ``jit``, ``grad`` and
