@@ -49,6 +49,16 @@ def _spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
+def _traced(*values: Any) -> bool:
+    """Whether a JAX transformation (``jit``, ``grad``, ``vmap``) traces one of ``values``."""
+    return any(isinstance(v, jax.core.Tracer) for v in values)
+
+
+def _to_jax(value: Any) -> Any:
+    """A host result as a JAX array (other values as they are)."""
+    return jnp.asarray(value) if isinstance(value, (np.ndarray, np.generic)) else value
+
+
 def _host(fn: Any, results: Any, *args: Any) -> Any:
     """``fn(*args)`` on host numpy arrays, under jit and vmap; None arguments pass through.
     ``results`` is one ``jax.ShapeDtypeStruct`` or a tuple of them.
@@ -61,10 +71,10 @@ def _host(fn: Any, results: Any, *args: Any) -> Any:
     several = isinstance(results, tuple)
     dtypes = tuple(np.dtype(r.dtype) for r in results) if several else np.dtype(results.dtype)
     call = _callback(fn, dtypes)
-    if not any(isinstance(a, jax.core.Tracer) for a in args):
+    if not _traced(*args):
         # concrete arrays, outside jit, grad and vmap: the call itself, with no callback
         out = call(*args)
-        return tuple(jnp.asarray(o) for o in out) if several else jnp.asarray(out)
+        return tuple(_to_jax(o) for o in out) if several else _to_jax(out)
     return jax.pure_callback(call, results, *args, vmap_method="broadcast_all")
 
 
@@ -107,25 +117,17 @@ def _walk(value: Any, leaf: Any) -> Any:
 
 def on_host(fn: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     """See :func:`softmaxkit.frameworks.on_host`."""
-    seen = []
-
-    def find(v: Any) -> Any:
-        if isinstance(v, jax.Array):
-            seen.append(isinstance(v, jax.core.Tracer))
-        return v
-
-    _walk((args, tuple(kwargs.values())), find)
-    if not seen or any(seen):
+    arrays: list[Any] = []
+    _walk((args, tuple(kwargs.values())),
+          lambda v: arrays.append(v) if isinstance(v, jax.Array) else None)
+    if not arrays or _traced(*arrays):
         return False, None
 
     def to_host(v: Any) -> Any:
         return np.asarray(v) if isinstance(v, jax.Array) else v
 
     out = fn(*_walk(args, to_host), **{k: _walk(v, to_host) for k, v in kwargs.items()})
-    def to_jax(v: Any) -> Any:
-        return jnp.asarray(v) if isinstance(v, (np.ndarray, np.generic)) else v
-
-    return True, _walk(out, to_jax)
+    return True, _walk(out, _to_jax)
 
 
 def _differentiable(primal: Any, fwd: Any, bwd: Any, symbolic_zeros: bool = False) -> Any:
@@ -137,9 +139,7 @@ def _differentiable(primal: Any, fwd: Any, bwd: Any, symbolic_zeros: bool = Fals
     f.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros)
 
     def call(*args: Any) -> Any:
-        if any(isinstance(a, jax.core.Tracer) for a in args):
-            return f(*args)
-        return primal(*args)
+        return f(*args) if _traced(*args) else primal(*args)
 
     return call
 
@@ -376,7 +376,7 @@ def cross_entropy(logits: Any, target: Any, axis: int = -1, *, reduction: str = 
     target = jnp.asarray(target)
     if jnp.issubdtype(target.dtype, jnp.floating):
         target = jnp.broadcast_to(target, logits.shape).astype(logits.dtype)
-    if not any(isinstance(a, jax.core.Tracer) for a in (logits, target, where)):
+    if not _traced(logits, target, where):
         # concrete arrays: the library's call on host views, its fused gradient included
         # (eager jax.grad would trace the definition below at every call)
         out = _rows.cross_entropy(
@@ -384,7 +384,7 @@ def cross_entropy(logits: Any, target: Any, axis: int = -1, *, reduction: str = 
             ignore_index=ignore_index, label_smoothing=label_smoothing,
             where=None if where is None else np.asarray(where), return_grad=return_grad,
             backend=backend)
-        return jax.tree.map(jnp.asarray, out)
+        return _walk(out, _to_jax)
     fn = _cross_entropy_rows_fn(ax, None if ignore_index is None else int(ignore_index),
                                 float(label_smoothing), backend)
     losses = fn(logits, target, _mask(where, logits.shape))
@@ -652,7 +652,7 @@ def _packed(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any) -> tuple[jax.Array, ja
                 "varlen_attention is not supported: pack the batch into the token axis)"
             )
     cu_q, cu_k = jnp.asarray(cu_q), jnp.asarray(cu_k)
-    if not isinstance(cu_q, jax.core.Tracer) and not isinstance(cu_k, jax.core.Tracer):
+    if not _traced(cu_q, cu_k):
         host = np.empty(0)
         _check_seqlens(_args.namespace(x=host), np.asarray(cu_q), np.asarray(cu_k),
                        q.shape[0], k.shape[0], host)

@@ -362,11 +362,10 @@ def attention_config(head_dim: int, masked: bool = True,
     take ``shared_limit`` bytes of shared memory (None: no limit): the unmasked tiles where
     they fit, else the masked ones (smaller: 128 KB against 192 KB at 256, which a device of
     compute capability 8.0 cannot give), else :data:`FITTING_CONFIGS`'."""
-    if not masked and head_dim in UNMASKED_CONFIGS:
-        unmasked = UNMASKED_CONFIGS[head_dim]
-        if shared_limit is None or unmasked.shared_bytes() <= shared_limit:
-            return unmasked
-    return fitting(ATTENTION_CONFIGS[head_dim], FITTING_CONFIGS.get(head_dim), shared_limit)
+    found = fitting(ATTENTION_CONFIGS[head_dim], FITTING_CONFIGS.get(head_dim), shared_limit)
+    if masked or head_dim not in UNMASKED_CONFIGS:
+        return found
+    return fitting(UNMASKED_CONFIGS[head_dim], found, shared_limit)
 
 
 SM90_SOURCES = frozenset({"attention_sm90.cu", "attention_bwd_sm90.cu"})
