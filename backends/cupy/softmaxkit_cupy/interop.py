@@ -236,7 +236,6 @@ def has_clusters(device: int) -> bool:
 
 
 @functools.cache
-@functools.cache
 def shared_limit(device: int) -> int:
     """The dynamic and static shared memory, in bytes, that a block may take on CUDA device
     ``device`` once its kernel opts in (227 KB on compute capability 9.0); asked once per

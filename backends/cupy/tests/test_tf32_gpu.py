@@ -145,20 +145,20 @@ def test_exact_float32_calls_stay_off_the_tf32_kernels() -> None:
     assert trace[-1].backend != "cupy", trace[-1]
 
 
-def _staged_alternatives() -> list:
-    from softmaxkit_cupy.configs import TF32_ALTERNATIVES
+def _served_tiles() -> list:
+    from softmaxkit_cupy.configs import TF32_CONFIGS, tf32_config
 
-    return [c for c in TF32_ALTERNATIVES if c.staged]
+    return [tf32_config(d, masked) for d in TF32_CONFIGS for masked in (True, False)]
 
 
-@pytest.mark.parametrize("config", _staged_alternatives(), ids=str)
+@pytest.mark.parametrize("config", _served_tiles(), ids=str)
 @pytest.mark.parametrize("case", [CASES[1], CASES[7], dict(b=1, hq=4, hk=4, lq=256, lk=2048)],
                          ids=_case_id)
 def test_staged_tiles_within_the_bound_and_closer_than_in_place(config, case: dict) -> None:
-    """A tile with staged sums (``Tf32Config(staged=True)``) at tf32x3, through the adapter
-    on memory that held NaN: within the spec's bound against float64, and, on rows of 2048
-    keys, closer to float64 than the same tiles summing in place (the truncated float32 sums
-    of the tensor cores: backends/cupy/tools/tf32_truncation.py)."""
+    """The served tiles at tf32x3, which sum each key tile apart (``Tf32Config(staged=True)``),
+    through the adapter on memory that held NaN: within the spec's bound against float64,
+    and, on rows of 2048 keys, closer to float64 than the same tiles summing in place (the
+    truncated float32 sums of the tensor cores: backends/cupy/tools/tf32_truncation.py)."""
     import array_api_compat.torch as xp
     from softmaxkit_cupy.attention_tf32 import attention as tf32_attention
 

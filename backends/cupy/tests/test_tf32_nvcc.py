@@ -83,9 +83,10 @@ def test_tf32_kernels_build_without_spills(
             config = tf32_config(d, masked)
             per_tile = 2 * (d // 8) * (config.block_n // 8) * config.m_tiles
             for precision, products in TF32_PRECISIONS.items():
+                stage = config.staged and precision == "tf32x3"
                 mangled = [f for f in counts
                            if f"ILi{d}ELi{config.warps}ELi{config.block_n}ELi{config.m_tiles}"
-                              f"ELb{int(masked)}ELi{products}ELb0EEvPKfS1_S1_PKjPfS4_"
+                              f"ELb{int(masked)}ELi{products}ELb{int(stage)}EEvPKfS1_S1_PKjPfS4_"
                               "xxxxxxxxxxxxiiiiffiiii" in f]
                 assert len(mangled) == 1, (d, masked, precision, sorted(counts))
                 assert counts[mangled[0]] == products * per_tile, (mangled, per_tile)
