@@ -98,7 +98,7 @@ def test_padded_head_dims_within_the_precision_bound(precision: str, d: int, dv:
 
 
 def _check_forward(precision: str, d: int, dv: int, case: dict) -> None:
-    from softmaxkit_cupy.configs import TF32_PRECISIONS, tf32_width
+    from softmaxkit_cupy.configs import tf32_config, tf32_width
 
     import softmaxkit as sk
     from softmaxkit.testing import materialized as ref
@@ -115,7 +115,7 @@ def _check_forward(precision: str, d: int, dv: int, case: dict) -> None:
     record = trace[-1]
     assert record.backend == "cupy", record
     assert record.kernel.startswith(f"sk_attn_fwd_tf32<{tf32_width(d, dv)},"), record.kernel
-    assert record.kernel.endswith(f", {TF32_PRECISIONS[precision]}, false>"), record.kernel
+    assert record.kernel == tf32_config(tf32_width(d, dv), mask is not None).name(precision)
 
     qn, kn, vn, mn = (_numpy(a) for a in (q, k, v, mask))
     want, want_lse = ref.attention(qn, kn, vn, mask=mn, **opts)
