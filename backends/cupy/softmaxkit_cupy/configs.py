@@ -934,7 +934,7 @@ smaller than the 16-bit kernels': at most 96 KB a block, so two blocks share a
 multiprocessor (sm_80's 164 KB included).  ``"tf32x3"`` sums each key tile apart
 (``staged``): on the H100 (B2 H16 D64 / D128, L1024, tools/tf32_timing.py) its relative
 error against float64 is 8.1e-7 / 1.3e-6 against 7.6e-6 / 7.9e-6 summing in place (float32
-exact: 6.5e-7 / 7.0e-7), at 0.97x / 1.03x the in-place time."""
+exact: 6.5e-7 / 7.0e-7), at 1.03x / 0.97x the in-place time."""
 
 TF32_UNMASKED_CONFIGS = {
     64: Tf32Config(64, warps=4, block_n=32, m_tiles=2, mask=False, staged=True),
