@@ -376,15 +376,14 @@ def cross_entropy(logits: Any, target: Any, axis: int = -1, *, reduction: str = 
     target = jnp.asarray(target)
     if jnp.issubdtype(target.dtype, jnp.floating):
         target = jnp.broadcast_to(target, logits.shape).astype(logits.dtype)
-    if not _traced(logits, target, where):
-        # concrete arrays: the library's call on host views, its fused gradient included
-        # (eager jax.grad would trace the definition below at every call)
-        out = _rows.cross_entropy(
-            np.asarray(logits), np.asarray(target), ax, reduction=reduction,
-            ignore_index=ignore_index, label_smoothing=label_smoothing,
-            where=None if where is None else np.asarray(where), return_grad=return_grad,
-            backend=backend)
-        return _walk(out, _to_jax)
+    # concrete arrays: the library's call on host views, its fused gradient included (eager
+    # jax.grad would trace the definition below at every call)
+    hosted, out = on_host(_rows.cross_entropy, (logits, target, ax),
+                          dict(reduction=reduction, ignore_index=ignore_index,
+                               label_smoothing=label_smoothing, where=where,
+                               return_grad=return_grad, backend=backend))
+    if hosted:
+        return out
     fn = _cross_entropy_rows_fn(ax, None if ignore_index is None else int(ignore_index),
                                 float(label_smoothing), backend)
     losses = fn(logits, target, _mask(where, logits.shape))
