@@ -62,7 +62,9 @@ chosen for a call are kept under a key of the operation, namespace, device type,
 active ``backend_opts`` and the properties the candidates' hooks declare in ``hook_keys``, so
 a repeated call costs one dictionary lookup.  Every registration, unregistration and
 :func:`reload` empties the cache; ``backend_opts`` are part of the key; ``trace=`` and the
-DEBUG log report the decision, cached or not.
+DEBUG log report the decision, cached or not.  A caller that makes the same kind of call
+again may keep the decision itself (:func:`bind`, :class:`Binding`), which checks on each
+use that none of these has changed.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ GROUP = "softmaxkit.backends"
 
 _lock = threading.RLock()
 _registry: dict[str, Backend] | None = None
+_generation = 0  # how many times the decision cache has been emptied (_set_registry)
 _unloaded: dict[str, str] = {}  # entry-point name -> why its manifest failed to load
 
 
@@ -191,8 +194,9 @@ def unregister(name: str) -> None:
 
 
 def _set_registry(reg: dict[str, Backend] | None) -> None:
-    global _registry
+    global _registry, _generation
     _registry = reg
+    _generation += 1  # every Binding made before is stale
     _candidates.cache_clear()
     _environment.cache_clear()
     _plans.clear()
@@ -460,6 +464,57 @@ def kernel_for(
             if hit is not None and not logger.isEnabledFor(logging.DEBUG):
                 return hit.kernel
     return choose(Call(op, xp, device, dtype, args), backend)[1]
+
+
+@dataclass(frozen=True, eq=False)
+class Binding:
+    """A cached decision, kept by a caller for one kind of call (:func:`bind`).
+
+    The caller keeps it under what selected the decision's plan: the operation, namespace,
+    device type and dtype of the call (the precision too, for an operation that has one).
+    :meth:`kernel_for` gives the kernel again without a lookup while the decision stands: the
+    cache not emptied since (registration, unregistration, :func:`reload`), the same
+    ``backend_opts`` in force, the DEBUG log off (it reports every decision) and the same
+    values of the properties the candidates' hooks declare.
+    """
+
+    op: str
+    xp: Any
+    device: str
+    dtype: str
+    generation: int
+    opts: _Options
+    read: Callable[[dict[str, Any]], tuple[Any, ...]]
+    props: tuple[Any, ...]
+    kernel: Callable[..., Any]
+
+    def kernel_for(self, args: dict[str, Any]) -> Callable[..., Any] | None:
+        """The kernel for kernel arguments ``args`` of a call of this kind, or None when the
+        decision may have changed (then :func:`bind` decides again)."""
+        if (self.generation != _generation or self.opts is not _options.get()
+                or logger.isEnabledFor(logging.DEBUG) or self.read(args) != self.props):
+            return None
+        return self.kernel
+
+
+def bind(
+    op: str, xp: Any, like: Any, args: dict[str, Any]
+) -> tuple[Callable[..., Any], Binding | None]:
+    """:func:`kernel_for` with no ``backend=``, and a :class:`Binding` of the decision where
+    it is cached (None where it is made afresh on every call, or traced)."""
+    kernel = kernel_for(op, xp, like, args)
+    opts = _options.get()
+    if opts.trace is not None:
+        return kernel, None
+    device, dtype = device_type(like), dtype_name(like.dtype)
+    plan = _plans.get((op, device, dtype, opts.prioritize, opts.disable, _precision(args)))
+    if plan is None or not plan.cut:
+        return kernel, None
+    props = plan.read(args)
+    _, hit = _lookup((plan, xp, props))
+    if hit is None or hit.kernel is not kernel:
+        return kernel, None
+    return kernel, Binding(op, xp, device, dtype, _generation, opts, plan.read, props, kernel)
 
 
 def _choose_strict(

@@ -15,11 +15,11 @@ import array_api_compat
 
 from . import arguments as args
 from . import dtypes
-from .dispatch import run
+from .dispatch import run, run_bound
 from .dtypes import accumulator_dtype, dtype_name, output_dtype, result_float
 from .frameworks import imported, route
 from .layout import RowLayout
-from .registry import device_type
+from .registry import Binding, device_type
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -59,6 +59,43 @@ by :func:`~softmaxkit.arguments.checked_key`: a repeated call of the same kind o
 skips them (they would pass again and give the same namespace and layout)."""
 
 
+_BOUND: dict[tuple[Any, ...], tuple[Any, RowLayout, Any, Binding]] = {}
+"""Unmasked row calls with no ``backend=``, under :func:`_bound_key`: the namespace, layout
+and result dtype their checks gave, and the binding of the backend's decision
+(:func:`~softmaxkit.registry.bind`).  A repeated call skips the checks (they would pass
+again with the same outcome, as for :data:`_CHECKED`) and the decision's lookups; when the
+binding says the decision may have changed, the call goes the whole way."""
+
+
+def _bound_key(op: str, x: Any, axis: Any, *options: Any) -> tuple[Any, ...] | None:
+    """What a row call's checks, dtype rules, layout and plan depend on besides the
+    properties its binding reads: the operation, ``x``'s type, dtype, shape and device type,
+    ``axis`` (see :func:`~softmaxkit.arguments.checked_key`) and the other options."""
+    key = args.checked_key(x, axis)
+    return None if key is None else (op, *key, device_type(x), *options)
+
+
+def _bound(key: tuple[Any, ...] | None) -> tuple[Any, RowLayout, Any, Binding] | None:
+    try:
+        return _BOUND.get(key) if key is not None else None
+    except TypeError:  # an unhashable option or dtype: the call goes the whole way
+        return None
+
+
+def _keep_bound(key: tuple[Any, ...] | None, xp: Any, x: Any, given: Any, layout: RowLayout,
+                out_dtype: Any, binding: Binding | None) -> None:
+    """Keep a call's outcome under ``key`` when ``x`` needed no conversion and its type
+    decides its namespace (as :func:`_prepare` keeps its checks)."""
+    if key is None or binding is None or x is not given or not args.fixed_namespace(xp, x):
+        return
+    if len(_BOUND) >= 1024:  # a bound on memory
+        _BOUND.clear()
+    try:
+        _BOUND[key] = (xp, layout, out_dtype, binding)
+    except TypeError:
+        pass
+
+
 def _raise_on_empty_rows(xp: Any, x: Any, where: Any) -> None:
     """The ``masked="raise"`` policy: refuse rows with no allowed position above -inf."""
     present = x != -float("inf")  # NaN compares unequal, so a NaN row is not empty
@@ -78,15 +115,32 @@ def _raise_on_empty_rows(xp: Any, x: Any, where: Any) -> None:
 def _normalize(
     op: str, x: Any, axis: Any, where: Any, dtype: Any, masked: str, backend: str | None
 ) -> Any:
+    key = None
+    if where is None and backend is None:
+        key = _bound_key(op, x, axis, dtype, masked)
+        bound = _bound(key)
+        if bound is not None:  # a repeated call: no checks, and the decision if it stands
+            xp, layout, out_dtype, binding = bound
+            xr = layout.to_rows(xp, x)
+            kernel_args = {"x": xr, "where": None, "masked": masked, "out_dtype": out_dtype}
+            kernel = binding.kernel_for(kernel_args)
+            if kernel is not None:
+                return scalar_result(xp, layout.from_rows(xp, kernel(xp=xp, **kernel_args)))
     masked = args.masked_policy(masked)
+    given = x
     xp, x, layout, w = _prepare(x, axis, where)
     out_dtype = output_dtype(xp, x.dtype, dtype)
     xr = layout.to_rows(xp, x)
     wr = None if w is None else layout.to_rows(xp, w)
-    if masked == "raise":
+    if masked == "raise":  # checked on every call: never kept
         _raise_on_empty_rows(xp, xr, wr)
-        masked = "zero"
-    y = run(op, xp, xr, backend, x=xr, where=wr, masked=masked, out_dtype=out_dtype)
+        masked, key = "zero", None
+    kernel_args = {"x": xr, "where": wr, "masked": masked, "out_dtype": out_dtype}
+    if key is None:
+        y = run(op, xp, xr, backend, **kernel_args)
+    else:
+        y, binding = run_bound(op, xp, xr, kernel_args)
+        _keep_bound(key, xp, x, given, layout, out_dtype, binding)
     return scalar_result(xp, layout.from_rows(xp, y))
 
 
@@ -246,6 +300,20 @@ def logsumexp(
     framework = route(a, b, where)
     if framework is not None:
         return framework.logsumexp(a, axis, b, keepdims, return_sign, where=where, backend=backend)
+    key = None
+    if b is None and where is None and backend is None:
+        key = _bound_key("logsumexp", a, axis, keepdims, return_sign)
+        bound = _bound(key)
+        if bound is not None:  # a repeated call: no checks, and the decision if it stands
+            xp, layout, out_dtype, binding = bound
+            ar = layout.to_rows(xp, a)
+            kernel_args = {"x": ar, "b": None, "where": None,
+                           "return_sign": bool(return_sign), "out_dtype": out_dtype}
+            kernel = binding.kernel_for(kernel_args)
+            if kernel is not None:
+                return _reduced(xp, layout, kernel(xp=xp, **kernel_args), keepdims,
+                                return_sign)
+    given = a
     if b is None:
         xp, a, layout, w = _prepare(a, axis, where, "a")
         out_dtype = a.dtype
@@ -266,10 +334,18 @@ def logsumexp(
         layout = RowLayout.of(tuple(a.shape), args.axes(axis, a.ndim))
         w = args.mask(xp, where, tuple(a.shape), like=a)
     ar, br, wr = layout.to_rows(xp, a), layout.to_rows(xp, b), layout.to_rows(xp, w)
-    result = run(
-        "logsumexp", xp, ar, backend,
-        x=ar, b=br, where=wr, return_sign=bool(return_sign), out_dtype=out_dtype,
-    )
+    kernel_args = {"x": ar, "b": br, "where": wr, "return_sign": bool(return_sign),
+                   "out_dtype": out_dtype}
+    if key is None:
+        result = run("logsumexp", xp, ar, backend, **kernel_args)
+    else:
+        result, binding = run_bound("logsumexp", xp, ar, kernel_args)
+        _keep_bound(key, xp, a, given, layout, out_dtype, binding)
+    return _reduced(xp, layout, result, keepdims, return_sign)
+
+
+def _reduced(xp: Any, layout: RowLayout, result: Any, keepdims: bool, return_sign: bool) -> Any:
+    """logsumexp's kernel result (the values, or values and signs) shaped as asked."""
     if return_sign:
         lse, sign = result
         return (scalar_result(xp, layout.reduced(xp, lse, keepdims)),

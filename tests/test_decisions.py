@@ -58,7 +58,8 @@ def ran_on(x, **kwargs) -> str:
 
 @pytest.fixture
 def compared(monkeypatch):
-    """Make every dispatched call also choose afresh, without the cache, and compare."""
+    """Make every dispatched call also choose afresh, without the cache, and compare: the
+    cached decisions, and those a frontend keeps for repeated calls (``Binding``)."""
     seen = {"calls": 0, "hits": 0}
 
     def checked(op, xp, like, args, backend=None):
@@ -71,7 +72,28 @@ def compared(monkeypatch):
         seen["hits"] += len(registry._decisions) == before
         return got_kernel
 
+    def checked_bind(op, xp, like, args):
+        kernel, binding = registry.bind(op, xp, like, args)
+        call = Call(op, xp, registry.device_type(like), dtype_name(like.dtype), args)
+        assert kernel == registry.choose(call, cached=False)[1], op
+        seen["calls"] += 1
+        return kernel, binding
+
+    kept = registry.Binding.kernel_for
+
+    def checked_binding(binding, args):
+        """A kept decision, used again: the kernel a fresh dispatch chooses."""
+        kernel = kept(binding, args)
+        if kernel is not None:
+            call = Call(binding.op, binding.xp, binding.device, binding.dtype, args)
+            assert kernel == registry.choose(call, cached=False)[1], binding.op
+            seen["calls"] += 1
+            seen["hits"] += 1
+        return kernel
+
     monkeypatch.setattr(dispatch, "kernel_for", checked)
+    monkeypatch.setattr(dispatch, "bind", checked_bind)
+    monkeypatch.setattr(registry.Binding, "kernel_for", checked_binding)
     return seen
 
 
@@ -245,3 +267,72 @@ def test_the_devices_property_tells_devices_of_one_type_apart():
     assert full({"x": on_cpu}) == ((((torch.Tensor, torch.float32), (torch.strided, False, False)),
                                     on_cpu.device),)
     assert full({"x": on_cpu}) != full({"x": on_meta})
+
+
+MARKED: list[str] = []
+
+
+def marked_softmax(xp, *, x, where, masked, out_dtype):
+    """The reference softmax, noting that it ran."""
+    from softmaxkit.reference.rows import softmax
+
+    MARKED.append("marked")
+    return softmax(xp, x=x, where=where, masked=masked, out_dtype=out_dtype)
+
+
+def _marked(priority: int = 200, **extra):
+    return _backend("marked", priority, kernels={"softmax": f"{__name__}:marked_softmax"},
+                    **extra)
+
+
+def test_repeated_plain_calls_follow_every_change_of_the_decision(fresh, caplog):
+    """Repeated unmasked calls with no ``backend=`` keep their decision in the frontend
+    (``softmaxkit.rows._BOUND``, without trace=): registration, unregistration, backend_opts,
+    reload and the DEBUG log each take effect on the next call."""
+    from softmaxkit import rows
+
+    x = np.arange(8, dtype=np.float32)
+    expected = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    MARKED.clear()
+
+    def marked_runs(calls: int = 3) -> int:
+        before = len(MARKED)
+        for _ in range(calls):
+            np.testing.assert_allclose(sk.softmax(x), expected, rtol=1e-6)
+        return len(MARKED) - before
+
+    assert marked_runs() == 0
+    assert any(key[0] == "softmax" for key in rows._BOUND)  # kept: the calls above used it
+    registry.register(_marked(hook_keys=[]))
+    assert marked_runs() == 3
+    with sk.backend_opts(disable="marked"):
+        assert marked_runs() == 0
+    assert marked_runs() == 3
+    registry.unregister("marked")
+    assert marked_runs() == 0
+    registry.register(_marked(priority=-200, hook_keys=[]))
+    assert marked_runs() == 0
+    with sk.backend_opts(prioritize="marked"):
+        assert marked_runs() == 3
+    assert marked_runs() == 0
+    with caplog.at_level(logging.DEBUG, logger="softmaxkit"):
+        sk.softmax(x)
+    assert "ran on numba-cpu" in caplog.text  # the DEBUG log reports a kept decision
+
+
+def test_a_binding_goes_stale_when_a_declared_property_changes(fresh):
+    """A kept decision stands only for calls whose declared properties read the same: a
+    sparse tensor of the dense one's shape and dtype is another decision."""
+    xp = sk.rows.args.namespace(x=torch.ones(4, 4))
+    dense = torch.ones(4, 4)
+    args = {"x": dense, "where": None, "masked": "zero", "out_dtype": torch.float32}
+    kernel, binding = registry.bind("softmax", xp, dense, args)
+    assert binding is not None and binding.kernel_for(args) is kernel
+    again = dict(args, x=torch.zeros(4, 4))
+    assert binding.kernel_for(again) is kernel
+    sparse = dict(args, x=torch.ones(4, 4).to_sparse())
+    assert binding.kernel_for(sparse) is None
+    registry.reload()
+    assert binding.kernel_for(again) is None  # the registry was reset: decide again
+    with sk.backend_opts(trace=True):
+        assert registry.bind("softmax", xp, dense, args)[1] is None  # traced: not kept

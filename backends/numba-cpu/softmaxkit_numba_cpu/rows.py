@@ -231,13 +231,28 @@ def _direct(x: Any, where: Any, out_dtype: Any) -> np.ndarray | None:
     otherwise (the general path then adapts the arrays)."""
     if where is not None:
         return None
-    view = x if type(x) is np.ndarray else numpy_view(x)
-    dtype = view.dtype
-    if dtype in _DIRECT and (out_dtype is dtype or numpy_dtype(out_dtype) == dtype) and view.size:
-        flags = view.flags
-        if flags.c_contiguous and flags.writeable:
-            return view
-    return None
+    if type(x) is np.ndarray:
+        view = x
+        dtype = view.dtype
+        if dtype not in _DIRECT or (out_dtype is not dtype and numpy_dtype(out_dtype) != dtype):
+            return None
+    else:  # a torch CPU tensor: its dtype objects tell, and Tensor.numpy() shares its memory
+        if x.requires_grad or x.dtype is not out_dtype or out_dtype not in _torch_direct():
+            return None
+        try:
+            view = x.numpy()
+        except (RuntimeError, TypeError):  # a negative or conjugate bit: the general path
+            return None
+    flags = view.flags
+    return view if flags.c_contiguous and flags.writeable and view.size else None
+
+
+@functools.cache
+def _torch_direct() -> frozenset[Any]:
+    """The torch dtypes of :data:`_DIRECT` (torch is imported by whoever passed a tensor)."""
+    import torch
+
+    return frozenset((torch.float32, torch.float64))
 
 
 def _result(like: Any, view: np.ndarray, shape: tuple[int, ...],
