@@ -139,8 +139,8 @@ def _normalize(
     if key is None:
         y = run(op, xp, xr, backend, **kernel_args)
     else:
-        y, binding = run_bound(op, xp, xr, kernel_args)
-        _keep_bound(key, xp, x, given, layout, out_dtype, binding)
+        y, made = run_bound(op, xp, xr, kernel_args)
+        _keep_bound(key, xp, x, given, layout, out_dtype, made)
     return scalar_result(xp, layout.from_rows(xp, y))
 
 
@@ -339,8 +339,8 @@ def logsumexp(
     if key is None:
         result = run("logsumexp", xp, ar, backend, **kernel_args)
     else:
-        result, binding = run_bound("logsumexp", xp, ar, kernel_args)
-        _keep_bound(key, xp, a, given, layout, out_dtype, binding)
+        result, made = run_bound("logsumexp", xp, ar, kernel_args)
+        _keep_bound(key, xp, a, given, layout, out_dtype, made)
     return _reduced(xp, layout, result, keepdims, return_sign)
 
 
