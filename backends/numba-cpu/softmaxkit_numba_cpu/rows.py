@@ -86,6 +86,11 @@ EXPLORE_MAX = 1024
 KEEP_TIMES = 5
 """Recent times kept of each way; their median is its estimate."""
 
+TIME_EVERY = 8
+"""Between tries, one call in this many is timed (a try's calls always are): timing a call
+and taking in its time cost about 4 us of Python right after a threaded 64 x 1024 softmax,
+whose caches the kernel has just turned over, a sixth of the kernel's own time."""
+
 MARGIN = 1.2
 """How many times cheaper the other way's estimate must be to take over from the way in use:
 one lucky try of the other way, or a few stalled calls of the way in use, do not switch a
@@ -109,18 +114,19 @@ class Threads:
     way is measured on the calls themselves, the median of its last :data:`KEEP_TIMES`
     times is its estimate, and the way in use keeps running until the other's estimate is
     :data:`MARGIN` times lower (a median, so that neither stalled calls nor one lucky call
-    decide, while a way that stalls on most calls loses within three).
+    decide, while a way that stalls on most calls loses within three of its timed ones).
 
-    The other way is tried again after :data:`EXPLORE_FIRST` calls, twice as rarely each
-    time it loses again (at most every :data:`EXPLORE_MAX` calls); its try replaces its
-    older, stale times.  When the way in use itself gets that much slower than the other's
-    estimate, the choice switches and the way left is tried again within
-    :data:`EXPLORE_FIRST` calls: a long wait is earned by lost tries, and a few slow calls
-    of the way that was winning (the first ones after its threads went to sleep, or while
-    another program's threads held a core) are not a lost try.  A try of the threads makes
-    two calls and keeps the second's time: after a stretch on one thread the pool's threads
-    have gone to sleep, and the first call pays for waking them.  Both ways give bitwise the
-    same result: every row is computed by the same code.
+    Between tries one call in :data:`TIME_EVERY` is timed, so the way in use is estimated from
+    its recent timed calls. The other way is tried again after :data:`EXPLORE_FIRST` calls,
+    twice as rarely each time it loses again (at most every :data:`EXPLORE_MAX` calls); its try
+    replaces its older, stale times. When the way in use itself gets that much slower than the
+    other's estimate, the choice switches and the way left is tried again within
+    :data:`EXPLORE_FIRST` calls: a long wait is earned by lost tries, and a few slow calls of
+    the way that was winning (the first ones after its threads went to sleep, or while another
+    program's threads held a core) are not a lost try. A try of the threads makes two calls and
+    keeps the second's time: after a stretch on one thread the pool's threads have gone to
+    sleep, and the first call pays for waking them. Both ways give bitwise the same result:
+    every row is computed by the same code.
     """
 
     __slots__ = ("times", "middles", "using", "countdown", "interval", "trying")
@@ -142,17 +148,18 @@ class Threads:
             return True
         return False
 
-    def choose(self) -> bool:
-        """Whether the next call runs on the threads."""
+    def choose(self) -> tuple[bool, bool]:
+        """Whether the next call runs on the threads, and whether it is to be timed (and
+        its time given to :meth:`record`)."""
         if self.countdown > 0:  # the common call: both ways measured, no try under way
             self.countdown -= 1
-            return self.using
+            return self.using, self.countdown % TIME_EVERY == 0
         one, many = self.times
         if not many or not one:  # each way is measured once first
-            return not many
+            return not many, True
         if not self.trying:
             self.trying = 1 if self.using else 2
-        return not self.using  # the other way, tried again
+        return not self.using, True  # the other way, tried again
 
     def record(self, threads: bool, seconds: float, nbytes: int) -> None:
         """Take in the time of a call made the way :meth:`choose` said."""
@@ -202,13 +209,14 @@ def run_rows(name: str, ser: Any, par: Any, x2: np.ndarray, *args: Any) -> None:
     else:
         key = (name, nbytes.bit_length())  # one estimate per size within a factor of two
         chooser = _THREADS.get(key) or _THREADS.setdefault(key, Threads())
-        use = chooser.choose()
-        start = time.perf_counter()
+        use, timed = chooser.choose()
+        start = time.perf_counter() if timed else 0.0
         if use:
             par(x2, *args, threads)
         else:
             ser(x2, *args)
-        chooser.record(use, time.perf_counter() - start, nbytes)
+        if timed:
+            chooser.record(use, time.perf_counter() - start, nbytes)
 
 
 def _plan(x: Any, out_dtype: Any) -> tuple[np.ndarray, np.ndarray, np.dtype]:
