@@ -75,11 +75,27 @@ def _bound_key(op: str, x: Any, axis: Any, *options: Any) -> tuple[Any, ...] | N
     return None if key is None else (op, *key, device_type(x), *options)
 
 
-def _bound(key: tuple[Any, ...] | None) -> tuple[Any, RowLayout, Any, Binding] | None:
+def _run_bound(key: tuple[Any, ...] | None, x: Any,
+               **options: Any) -> tuple[Any, RowLayout, Any] | None:
+    """A repeated call kept under ``key``: no checks, and its kernel if the decision stands.
+
+    Returns the namespace, layout and the kernel's result on ``x``'s rows, the kernel
+    arguments being ``x``'s rows, ``options`` and the kept result dtype, in the order of the
+    first call's (the binding reads them so); None where nothing is kept or the binding says
+    the decision may have changed (the call then goes the whole way).
+    """
     try:
-        return _BOUND.get(key) if key is not None else None
-    except TypeError:  # an unhashable option or dtype: the call goes the whole way
+        bound = _BOUND.get(key) if key is not None else None
+    except TypeError:  # an unhashable option or dtype
         return None
+    if bound is None:
+        return None
+    xp, layout, out_dtype, binding = bound
+    kernel_args = {"x": layout.to_rows(xp, x), **options, "out_dtype": out_dtype}
+    kernel = binding.kernel_for(kernel_args)
+    if kernel is None:
+        return None
+    return xp, layout, kernel(xp=xp, **kernel_args)
 
 
 def _keep_bound(key: tuple[Any, ...] | None, xp: Any, x: Any, given: Any, layout: RowLayout,
@@ -118,14 +134,10 @@ def _normalize(
     key = None
     if where is None and backend is None:
         key = _bound_key(op, x, axis, dtype, masked)
-        bound = _bound(key)
-        if bound is not None:  # a repeated call: no checks, and the decision if it stands
-            xp, layout, out_dtype, binding = bound
-            xr = layout.to_rows(xp, x)
-            kernel_args = {"x": xr, "where": None, "masked": masked, "out_dtype": out_dtype}
-            kernel = binding.kernel_for(kernel_args)
-            if kernel is not None:
-                return scalar_result(xp, layout.from_rows(xp, kernel(xp=xp, **kernel_args)))
+        ran = _run_bound(key, x, where=None, masked=masked)
+        if ran is not None:
+            xp, layout, y = ran
+            return scalar_result(xp, layout.from_rows(xp, y))
     masked = args.masked_policy(masked)
     given = x
     xp, x, layout, w = _prepare(x, axis, where)
@@ -303,16 +315,10 @@ def logsumexp(
     key = None
     if b is None and where is None and backend is None:
         key = _bound_key("logsumexp", a, axis, keepdims, return_sign)
-        bound = _bound(key)
-        if bound is not None:  # a repeated call: no checks, and the decision if it stands
-            xp, layout, out_dtype, binding = bound
-            ar = layout.to_rows(xp, a)
-            kernel_args = {"x": ar, "b": None, "where": None,
-                           "return_sign": bool(return_sign), "out_dtype": out_dtype}
-            kernel = binding.kernel_for(kernel_args)
-            if kernel is not None:
-                return _reduced(xp, layout, kernel(xp=xp, **kernel_args), keepdims,
-                                return_sign)
+        ran = _run_bound(key, a, b=None, where=None, return_sign=bool(return_sign))
+        if ran is not None:
+            xp, layout, result = ran
+            return _reduced(xp, layout, result, keepdims, return_sign)
     given = a
     if b is None:
         xp, a, layout, w = _prepare(a, axis, where, "a")

@@ -336,3 +336,26 @@ def test_a_binding_goes_stale_when_a_declared_property_changes(fresh):
     assert binding.kernel_for(again) is None  # the registry was reset: decide again
     with sk.backend_opts(trace=True):
         assert registry.bind("softmax", xp, dense, args)[1] is None  # traced: not kept
+
+
+@pytest.mark.parametrize("x", [np.arange(8, dtype=np.float32), torch.ones(4, 16)],
+                         ids=["numpy", "torch"])
+def test_repeated_plain_calls_are_served_by_their_binding(fresh, monkeypatch, x):
+    """After its first call, each kind of unmasked row call (softmax, log_softmax, logsumexp
+    with and without signs) runs on the kept binding's kernel: the kernel arguments it builds
+    read as the first call's did."""
+    served = []
+    kept = registry.Binding.kernel_for
+
+    def counted(binding, args):
+        kernel = kept(binding, args)
+        served.append(kernel is not None)
+        return kernel
+
+    monkeypatch.setattr(registry.Binding, "kernel_for", counted)
+    calls = (lambda: sk.softmax(x, axis=-1), lambda: sk.log_softmax(x, axis=-1),
+             lambda: sk.logsumexp(x, axis=-1), lambda: sk.logsumexp(x, axis=-1, return_sign=True))
+    for call in calls:
+        for _ in range(3):
+            call()
+    assert served == [True] * (2 * len(calls))

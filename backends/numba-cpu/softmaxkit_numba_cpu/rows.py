@@ -244,13 +244,10 @@ def _direct(x: Any, where: Any, out_dtype: Any) -> np.ndarray | None:
         dtype = view.dtype
         if dtype not in _DIRECT or (out_dtype is not dtype and numpy_dtype(out_dtype) != dtype):
             return None
-    else:  # a torch CPU tensor: its dtype objects tell, and Tensor.numpy() shares its memory
-        if x.requires_grad or x.dtype is not out_dtype or out_dtype not in _torch_direct():
+    else:  # a torch CPU tensor: its own dtype objects tell, before any view is made
+        if x.dtype is not out_dtype or out_dtype not in _torch_direct():
             return None
-        try:
-            view = x.numpy()
-        except (RuntimeError, TypeError):  # a negative or conjugate bit: the general path
-            return None
+        view = numpy_view(x)
     flags = view.flags
     return view if flags.c_contiguous and flags.writeable and view.size else None
 
