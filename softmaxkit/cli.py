@@ -227,7 +227,7 @@ def _short(reason: str) -> str:
 
 def _verify(args: argparse.Namespace) -> int:
     from .registry import backends, failed_to_load
-    from .testing import STATUSES, check_backend, target
+    from .testing import STATUSES, cases, run_cases, target
 
     try:
         t = target(args.target)
@@ -244,23 +244,31 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"backend(s) {unknown} are not installed; installed: {sorted(installed)}",
               file=sys.stderr)
         return 2
-    rows = [("backend", "case", "dtype", "status", "checks", "detail")]
+    selected = cases(t, args.ops)
+    head = ("backend", "case", "dtype", "status", "checks")
+    widths = [max(len(head[0]), *map(len, names)),
+              max([len(head[1]), *(len(c.name) for c in selected)]),
+              max([len(head[2]), *(len(c.dtype) for c in selected)]),
+              max(len(head[3]), *map(len, STATUSES)), len(head[4])]
+
+    def line(cells: tuple[str, ...], detail: str) -> None:
+        # each row as its case ends: a GPU backend compiling its kernels takes minutes
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
+              + "  " + detail, flush=True)
+
+    print(f"conformance on target {t.name} (device {t.device}); checks: the backend's results "
+          "each case compared with the spec", flush=True)
+    line(head, "detail")
     counts: dict[str, dict[str, int]] = {}
     for name in names:
         tally = counts.setdefault(name, dict.fromkeys(STATUSES, 0))
-        for r in check_backend(name, target=t, ops=args.ops):
+        for r in run_cases(name, selected):
             tally[r.status] += 1
             if r.status in ("unsupported", "ran nothing") and not args.verbose:
                 continue
             detail = r.message.splitlines()[0][:100] if r.message else ""
-            rows.append((name, r.case, r.dtype, r.status.upper() if not r.passed else r.status,
-                         str(r.checks), detail))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    print(f"conformance on target {t.name} (device {t.device}); checks: the backend's results "
-          "each case compared with the spec")
-    for row in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  "
-              + row[5])
+            line((name, r.case, r.dtype, r.status.upper() if not r.passed else r.status,
+                  str(r.checks)), detail)
     for name, tally in counts.items():
         hidden = tally["unsupported"] + tally["ran nothing"]
         print(f"{name}: " + ", ".join(f"{tally[s]} {s}" for s in STATUSES)

@@ -33,8 +33,9 @@ from .kit import (
     case,
     cases,
     check_backend,
+    run_cases,
     target,
 )
 
 __all__ = ["STATUSES", "CaseResult", "RanNothing", "Target", "Unsupported", "case", "cases",
-           "check_backend", "target"]
+           "check_backend", "run_cases", "target"]

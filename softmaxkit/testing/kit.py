@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,27 +373,31 @@ def check_backend(
         One result per case: passed, failed (with the message), unsupported (with the
         backend's reason) or ran nothing, each with the number of checks it ran.
     """
+    return list(run_cases(backend, cases(target, ops, dtypes, head_dims)))
+
+
+def run_cases(backend: str, selected: Iterable[Case]) -> Iterator[CaseResult]:
+    """:func:`check_backend` over the cases ``selected``, each outcome given as soon as its
+    case has run (a GPU backend compiling its kernels takes minutes over the whole kit)."""
     from ..registry import failed_to_load
 
     unloaded = failed_to_load().get(backend)
-    results = []
-    for c in cases(target, ops, dtypes, head_dims):
+    for c in selected:
         if unloaded is not None:
-            results.append(CaseResult(c.name, c.ops, c.dtype, "failed",
-                                      f"the backend failed to load: {unloaded}"))
+            yield CaseResult(c.name, c.ops, c.dtype, "failed",
+                             f"the backend failed to load: {unloaded}")
             continue
         try:
             checks = c.run(backend)
         except RanNothing as exc:
-            results.append(CaseResult(c.name, c.ops, c.dtype, "ran nothing", str(exc)))
+            yield CaseResult(c.name, c.ops, c.dtype, "ran nothing", str(exc))
         except Unsupported as exc:
-            results.append(CaseResult(c.name, c.ops, c.dtype, "unsupported", str(exc)))
+            yield CaseResult(c.name, c.ops, c.dtype, "unsupported", str(exc))
         except Exception as exc:
             # a crash is a failure too, reported with its type
             message = str(exc) if isinstance(exc, AssertionError) else (
                 f"{type(exc).__name__}: {exc}")
-            results.append(CaseResult(c.name, c.ops, c.dtype, "failed", message,
-                                      getattr(exc, "checks", 0)))
+            yield CaseResult(c.name, c.ops, c.dtype, "failed", message,
+                             getattr(exc, "checks", 0))
         else:
-            results.append(CaseResult(c.name, c.ops, c.dtype, "passed", checks=checks))
-    return results
+            yield CaseResult(c.name, c.ops, c.dtype, "passed", checks=checks)
