@@ -7,7 +7,6 @@ the caller's library.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable
@@ -198,25 +197,35 @@ def run_rows(name: str, ser: Any, par: Any, x2: np.ndarray, *args: Any) -> None:
     argument; ``args`` the rest): on one thread, on the threads, or as :class:`Threads`
     decides for a mid-size input."""
     nbytes = x2.nbytes
-    if x2.shape[0] < 2 or nbytes < SPLIT_BYTES:
+    if nbytes < SPLIT_BYTES or x2.shape[0] < 2:
         ser(x2, *args)
         return
-    threads = num_threads()
+    threads = (_read_threads or num_threads)()
     if threads < 2:
         ser(x2, *args)
     elif x2.size >= PARALLEL_MIN_ELEMENTS:
         par(x2, *args, threads)
     else:
-        key = (name, nbytes.bit_length())  # one estimate per size within a factor of two
-        chooser = _THREADS.get(key) or _THREADS.setdefault(key, Threads())
+        # one estimate per size within a factor of two
+        chooser = _THREADS.get((name, nbytes.bit_length())) or _chooser(name, nbytes)
         use, timed = chooser.choose()
-        start = time.perf_counter() if timed else 0.0
+        if not timed:  # the common call: nothing to time
+            if use:
+                par(x2, *args, threads)
+            else:
+                ser(x2, *args)
+            return
+        start = time.perf_counter()
         if use:
             par(x2, *args, threads)
         else:
             ser(x2, *args)
-        if timed:
-            chooser.record(use, time.perf_counter() - start, nbytes)
+        chooser.record(use, time.perf_counter() - start, nbytes)
+
+
+def _chooser(name: str, nbytes: int) -> Threads:
+    """The :class:`Threads` of kernel ``name`` for inputs of about ``nbytes``, made once."""
+    return _THREADS.setdefault((name, nbytes.bit_length()), Threads())
 
 
 def _plan(x: Any, out_dtype: Any) -> tuple[np.ndarray, np.ndarray, np.dtype]:
@@ -245,36 +254,46 @@ def _direct(x: Any, where: Any, out_dtype: Any) -> np.ndarray | None:
         if dtype not in _DIRECT or (out_dtype is not dtype and numpy_dtype(out_dtype) != dtype):
             return None
     else:  # a torch CPU tensor: its own dtype objects tell, before any view is made
-        if x.dtype is not out_dtype or out_dtype not in _torch_direct():
+        if x.dtype is not out_dtype or out_dtype not in (_TORCH_DIRECT or _torch_direct()):
             return None
-        view = numpy_view(x)
+        view = numpy_view(x) if x.requires_grad else _tensor_view(x)
     flags = view.flags
     return view if flags.c_contiguous and flags.writeable and view.size else None
 
 
-@functools.cache
+def _tensor_view(x: Any) -> np.ndarray:
+    """:func:`~.adapters.numpy_view` of a float32 or float64 tensor that requires no grad,
+    with the checks it makes already made."""
+    try:
+        return x.numpy()
+    except (RuntimeError, TypeError):  # a negative bit
+        return numpy_view(x)
+
+
+_TORCH_DIRECT: frozenset[Any] = frozenset()
+"""The torch dtypes of :data:`_DIRECT`, once a tensor has been seen (:func:`_torch_direct`)."""
+_from_numpy: Callable[[np.ndarray], Any] | None = None
+"""``torch.from_numpy``, likewise."""
+
+
 def _torch_direct() -> frozenset[Any]:
-    """The torch dtypes of :data:`_DIRECT` (torch is imported by whoever passed a tensor)."""
+    """Fill :data:`_TORCH_DIRECT` and :data:`_from_numpy` (torch is imported by whoever
+    passed a tensor); module globals, read without a call on every later one."""
+    global _TORCH_DIRECT, _from_numpy
     import torch
 
-    return frozenset((torch.float32, torch.float64))
+    _from_numpy = torch.from_numpy
+    _TORCH_DIRECT = frozenset((torch.float32, torch.float64))
+    return _TORCH_DIRECT
 
 
 def _result(like: Any, view: np.ndarray, shape: tuple[int, ...],
             small: bool) -> tuple[Any, np.ndarray]:
     """A result of ``view``'s dtype in ``like``'s library, and its numpy view; ``small``
     says it is below :data:`~.buffers.ALIGN_FROM` bytes, so plain ``np.empty`` is what
-    :func:`~.buffers.result_array` would give."""
+    :func:`~.buffers.result_array` would give.  ``like`` is an array :func:`_direct` took."""
     out = np.empty(shape, view.dtype) if small else result_array(shape, view.dtype)
-    return (out if type(like) is np.ndarray else _torch_from_numpy()(out)), out
-
-
-@functools.cache
-def _torch_from_numpy() -> Any:
-    """``torch.from_numpy`` (looked up once: torch is imported by whoever passed a tensor)."""
-    import torch
-
-    return torch.from_numpy
+    return (out if type(like) is np.ndarray else _from_numpy(out)), out  # type: ignore[misc]
 
 
 _KERNELS = {"softmax": (k.softmax_ser, k.softmax_par),
