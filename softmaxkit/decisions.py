@@ -117,7 +117,12 @@ def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
             elif kind == _NUMPY_ARRAY and numpy_inline:
                 out.append((t, v.dtype))
             elif kind == _TORCH_ARRAY and torch_inline:
-                d: Any = ((t, v.dtype), (v.layout, v.is_quantized, v.is_conj()))
+                dtype = v.dtype
+                # a real floating tensor is neither quantized (those have their own dtypes)
+                # nor conjugated (complex only): two reads less
+                flags = ((v.layout, False, False) if dtype.is_floating_point
+                         else (v.layout, v.is_quantized, v.is_conj()))
+                d: Any = ((t, dtype), flags)
                 if chunks:
                     d = (d, None)
                 out.append((d, v.device) if devices else d)

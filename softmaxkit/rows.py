@@ -137,7 +137,8 @@ def _normalize(
         ran = _run_bound(key, x, where=None, masked=masked)
         if ran is not None:
             xp, layout, y = ran
-            return scalar_result(xp, layout.from_rows(xp, y))
+            y = layout.from_rows(xp, y)
+            return y if layout.shape else scalar_result(xp, y)  # 0-d only for a 0-d x
     masked = args.masked_policy(masked)
     given = x
     xp, x, layout, w = _prepare(x, axis, where)
