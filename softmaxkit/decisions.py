@@ -61,15 +61,9 @@ def _kind(t: type, v: Any) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
-    """A function reading the named properties of a call from its kernel arguments
-    (:attr:`Call.args <softmaxkit.ops.Call.args>`), as one hashable tuple.
-
-    One pass over the arguments: each is described by the parts of it the properties ask
-    for, so a call on numpy arrays costs a few attribute lookups.  It takes the arguments,
-    not the :class:`~softmaxkit.ops.Call`, so a cached decision is found before any
-    ``Call`` is built.
-    """
+def value_reader(names: frozenset[str]) -> Callable[[Any], Any]:
+    """A function giving what :func:`reader` reads of one kernel argument: its element of the
+    tuple, from the parts of it the named properties ask for."""
     arrays, shapes, options = "arrays" in names, "shapes" in names, "options" in names
     layout, chunks, devices = "layout" in names, "chunks" in names, "devices" in names
 
@@ -81,7 +75,7 @@ def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
             d = (d, tuple(v.shape))
         if kind == _TORCH_ARRAY:
             if layout:
-                d = (d, (v.layout, v.is_quantized, v.is_conj()))
+                d = (d, _torch_flags(v, v.dtype))
             if chunks:
                 d = (d, None)
             if devices:
@@ -103,35 +97,54 @@ def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
     numpy_inline = arrays and not shapes
     torch_inline = arrays and layout and not shapes
 
+    def value(v: Any) -> Any:
+        t = type(v)
+        kind = kinds.get(t) or _kind(t, v)
+        if kind == _PLAIN_VALUE:
+            return v if options else None
+        if kind == _OTHER:
+            return t if options else None
+        if kind == _NUMPY_ARRAY and numpy_inline:
+            return (t, v.dtype)
+        if kind == _TORCH_ARRAY and torch_inline:
+            dtype = v.dtype
+            d: Any = ((t, dtype), _torch_flags(v, dtype))
+            if chunks:
+                d = (d, None)
+            return (d, v.device) if devices else d
+        return describe(v, t, kind)
+
+    return value
+
+
+def _torch_flags(v: Any, dtype: Any) -> tuple[Any, bool, bool]:
+    """A torch tensor's layout, quantization and conjugation.  A real floating tensor is
+    neither quantized (those have their own dtypes) nor conjugated (complex only): two reads
+    less."""
+    if dtype.is_floating_point:
+        return v.layout, False, False
+    return v.layout, v.is_quantized, v.is_conj()
+
+
+@functools.lru_cache(maxsize=64)
+def reader(names: frozenset[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """A function reading the named properties of a call from its kernel arguments
+    (:attr:`Call.args <softmaxkit.ops.Call.args>`), as one hashable tuple.
+
+    One pass over the arguments: each is described by the parts of it the properties ask
+    for (:func:`value_reader`), so a call on numpy arrays costs a few attribute lookups.  It
+    takes the arguments, not the :class:`~softmaxkit.ops.Call`, so a cached decision is
+    found before any ``Call`` is built.
+    """
+    if not names:
+        return lambda args: ()
+    value = value_reader(names)
     out_dtype = "out_dtype" in names
 
     def read(args: dict[str, Any]) -> tuple[Any, ...]:
-        out = []
-        for v in args.values():
-            t = type(v)
-            kind = kinds.get(t) or _kind(t, v)
-            if kind == _PLAIN_VALUE:
-                out.append(v if options else None)
-            elif kind == _OTHER:
-                out.append(t if options else None)
-            elif kind == _NUMPY_ARRAY and numpy_inline:
-                out.append((t, v.dtype))
-            elif kind == _TORCH_ARRAY and torch_inline:
-                dtype = v.dtype
-                # a real floating tensor is neither quantized (those have their own dtypes)
-                # nor conjugated (complex only): two reads less
-                flags = ((v.layout, False, False) if dtype.is_floating_point
-                         else (v.layout, v.is_quantized, v.is_conj()))
-                d: Any = ((t, dtype), flags)
-                if chunks:
-                    d = (d, None)
-                out.append((d, v.device) if devices else d)
-            else:
-                out.append(describe(v, t, kind))
+        out = [value(v) for v in args.values()]
         if out_dtype:  # the argument itself, where the operation has one
             out.append(args.get("out_dtype"))
         return tuple(out)
 
-    if not names:
-        return lambda args: ()
     return read

@@ -334,6 +334,7 @@ class _Plan:
     left_out: tuple[tuple[str, str], ...]
     cut: int
     read: Callable[[dict[str, Any]], tuple[Any, ...]]
+    value: Callable[[Any], Any]  # what read reads of one argument
 
 
 @dataclass(frozen=True)
@@ -357,8 +358,9 @@ def _plan(op: str, device: str, dtype: str, prioritize: tuple[str, ...],
         ordered, left_out = _candidates(op, device, dtype, prioritize, disable, precision)
         cut = next((i for i, b in enumerate(ordered) if b.has_hooks and b.hook_keys is None),
                    len(ordered))
-        names = set().union(*(b.hook_keys or () for b in ordered[:cut]))
-        plan = _plans[key] = _Plan(ordered, left_out, cut, decisions.reader(frozenset(names)))
+        names = frozenset().union(*(b.hook_keys or () for b in ordered[:cut]))
+        plan = _plans[key] = _Plan(ordered, left_out, cut, decisions.reader(names),
+                                   decisions.value_reader(names))
     return plan
 
 
@@ -475,7 +477,14 @@ class Binding:
     :meth:`kernel_for` gives the kernel again without a lookup while the decision stands: the
     cache not emptied since (registration, unregistration, :func:`reload`), the same
     ``backend_opts`` in force, the DEBUG log off (it reports every decision) and the same
-    values of the properties the candidates' hooks declare.
+    values of the properties the candidates' hooks declare.  :meth:`kernel_for_array` does the
+    same for a call whose arguments are the first call's but for its array ``x`` (reading
+    that argument's properties alone).
+
+    :attr:`repeat` is the kernel's own form for the later calls of this kind, where it has one
+    (a kernel's optional ``repeat`` attribute, see docs/backends.md): a function of the array
+    argument ``x`` alone, the other arguments being the first call's, giving the kernel's
+    result or None where the kernel itself must run.
     """
 
     op: str
@@ -487,12 +496,23 @@ class Binding:
     read: Callable[[dict[str, Any]], tuple[Any, ...]]
     props: tuple[Any, ...]
     kernel: Callable[..., Any]
+    value: Callable[[Any], Any]
+    x_props: Any  # the element of props that is x's
+    repeat: Callable[[Any], Any] | None = None
 
     def kernel_for(self, args: dict[str, Any]) -> Callable[..., Any] | None:
         """The kernel for kernel arguments ``args`` of a call of this kind, or None when the
         decision may have changed (then :func:`bind` decides again)."""
         if (self.generation != _generation or self.opts is not _options.get()
                 or logger.isEnabledFor(logging.DEBUG) or self.read(args) != self.props):
+            return None
+        return self.kernel
+
+    def kernel_for_array(self, x: Any) -> Callable[..., Any] | None:
+        """:meth:`kernel_for` a call whose kernel arguments equal the first call's but for
+        its array ``x`` (the caller's key holds the others)."""
+        if (self.generation != _generation or self.opts is not _options.get()
+                or logger.isEnabledFor(logging.DEBUG) or self.value(x) != self.x_props):
             return None
         return self.kernel
 
@@ -514,7 +534,10 @@ def bind(
     _, hit = _lookup((plan, xp, props))
     if hit is None or hit.kernel is not kernel:
         return kernel, None
-    return kernel, Binding(op, xp, device, dtype, _generation, opts, plan.read, props, kernel)
+    make = getattr(kernel, "repeat", None)
+    return kernel, Binding(op, xp, device, dtype, _generation, opts, plan.read, props, kernel,
+                           plan.value, props[list(args).index("x")] if "x" in args else None,
+                           None if make is None else make(xp, args))
 
 
 def _choose_strict(

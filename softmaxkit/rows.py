@@ -80,9 +80,10 @@ def _run_bound(key: tuple[Any, ...] | None, x: Any,
     """A repeated call kept under ``key``: no checks, and its kernel if the decision stands.
 
     Returns the namespace, layout and the kernel's result on ``x``'s rows, the kernel
-    arguments being ``x``'s rows, ``options`` and the kept result dtype, in the order of the
-    first call's (the binding reads them so); None where nothing is kept or the binding says
-    the decision may have changed (the call then goes the whole way).
+    arguments being ``x``'s rows, ``options`` and the kept result dtype (all but the rows
+    held by ``key``, so the binding reads the rows alone); the kernel's ``repeat`` form runs
+    it where the backend gave one.  None where nothing is kept or the binding says the
+    decision may have changed (the call then goes the whole way).
     """
     try:
         bound = _BOUND.get(key) if key is not None else None
@@ -91,11 +92,15 @@ def _run_bound(key: tuple[Any, ...] | None, x: Any,
     if bound is None:
         return None
     xp, layout, out_dtype, binding = bound
-    kernel_args = {"x": layout.to_rows(xp, x), **options, "out_dtype": out_dtype}
-    kernel = binding.kernel_for(kernel_args)
+    rows = layout.to_rows(xp, x)
+    kernel = binding.kernel_for_array(rows)  # the other arguments are in the key
     if kernel is None:
         return None
-    return xp, layout, kernel(xp=xp, **kernel_args)
+    repeat = binding.repeat
+    y = None if repeat is None else repeat(rows)
+    if y is None:
+        y = kernel(xp=xp, x=rows, **options, out_dtype=out_dtype)
+    return xp, layout, y
 
 
 def _keep_bound(key: tuple[Any, ...] | None, xp: Any, x: Any, given: Any, layout: RowLayout,

@@ -72,19 +72,24 @@ def compared(monkeypatch):
         seen["hits"] += len(registry._decisions) == before
         return got_kernel
 
+    others = {}  # each binding's first call's arguments but x, which a kept call shares
+
     def checked_bind(op, xp, like, args):
         kernel, binding = registry.bind(op, xp, like, args)
         call = Call(op, xp, registry.device_type(like), dtype_name(like.dtype), args)
         assert kernel == registry.choose(call, cached=False)[1], op
         seen["calls"] += 1
+        if binding is not None:
+            others[id(binding)] = (binding, {k: v for k, v in args.items() if k != "x"})
         return kernel, binding
 
-    kept = registry.Binding.kernel_for
+    kept = registry.Binding.kernel_for_array
 
-    def checked_binding(binding, args):
+    def checked_binding(binding, x):
         """A kept decision, used again: the kernel a fresh dispatch chooses."""
-        kernel = kept(binding, args)
+        kernel = kept(binding, x)
         if kernel is not None:
+            args = {"x": x, **others[id(binding)][1]}
             call = Call(binding.op, binding.xp, binding.device, binding.dtype, args)
             assert kernel == registry.choose(call, cached=False)[1], binding.op
             seen["calls"] += 1
@@ -93,7 +98,7 @@ def compared(monkeypatch):
 
     monkeypatch.setattr(dispatch, "kernel_for", checked)
     monkeypatch.setattr(dispatch, "bind", checked_bind)
-    monkeypatch.setattr(registry.Binding, "kernel_for", checked_binding)
+    monkeypatch.setattr(registry.Binding, "kernel_for_array", checked_binding)
     return seen
 
 
@@ -330,10 +335,13 @@ def test_a_binding_goes_stale_when_a_declared_property_changes(fresh):
     assert binding is not None and binding.kernel_for(args) is kernel
     again = dict(args, x=torch.zeros(4, 4))
     assert binding.kernel_for(again) is kernel
+    assert binding.kernel_for_array(again["x"]) is kernel
     sparse = dict(args, x=torch.ones(4, 4).to_sparse())
     assert binding.kernel_for(sparse) is None
+    assert binding.kernel_for_array(sparse["x"]) is None
     registry.reload()
     assert binding.kernel_for(again) is None  # the registry was reset: decide again
+    assert binding.kernel_for_array(again["x"]) is None
     with sk.backend_opts(trace=True):
         assert registry.bind("softmax", xp, dense, args)[1] is None  # traced: not kept
 
@@ -342,20 +350,20 @@ def test_a_binding_goes_stale_when_a_declared_property_changes(fresh):
                          ids=["numpy", "torch"])
 def test_repeated_plain_calls_are_served_by_their_binding(fresh, monkeypatch, x):
     """After its first call, each kind of unmasked row call (softmax, log_softmax, logsumexp
-    with and without signs) runs on the kept binding's kernel: the kernel arguments it builds
-    read as the first call's did."""
+    with and without signs) runs on the kept binding's kernel: the rows it passes read as the
+    first call's did."""
     from softmaxkit import rows
 
     monkeypatch.setattr(rows, "_BOUND", {})  # kept by earlier tests: stale after `fresh`
     served = []
-    kept = registry.Binding.kernel_for
+    kept = registry.Binding.kernel_for_array
 
-    def counted(binding, args):
-        kernel = kept(binding, args)
+    def counted(binding, x):
+        kernel = kept(binding, x)
         served.append(kernel is not None)
         return kernel
 
-    monkeypatch.setattr(registry.Binding, "kernel_for", counted)
+    monkeypatch.setattr(registry.Binding, "kernel_for_array", counted)
     calls = (lambda: sk.softmax(x, axis=-1), lambda: sk.log_softmax(x, axis=-1),
              lambda: sk.logsumexp(x, axis=-1), lambda: sk.logsumexp(x, axis=-1, return_sign=True))
     for call in calls:

@@ -301,16 +301,20 @@ _KERNELS = {"softmax": (k.softmax_ser, k.softmax_par),
 """The one-thread and threaded kernels of each normalization."""
 
 
+def _normalize_direct(which: str, like: Any, view: np.ndarray, nan: bool) -> Any:
+    """The normalization ``which`` of a view :func:`_direct` took, straight to its kernel."""
+    shape = view.shape
+    x2 = view if len(shape) == 2 else view.reshape(-1, shape[-1])
+    result, out = _result(like, view, shape, view.nbytes < ALIGN_FROM)
+    o2 = out if len(shape) == 2 else out.reshape(x2.shape)
+    run_rows(which, *_KERNELS[which], x2, _NO_MASK, 0, False, nan, o2)
+    return result
+
+
 def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
     view = _direct(x, where, out_dtype)
     if view is not None:  # the common call, straight to its kernel
-        shape = view.shape
-        x2 = view if len(shape) == 2 else view.reshape(-1, shape[-1])
-        result, out = _result(x, view, shape, view.nbytes < ALIGN_FROM)
-        o2 = out if len(shape) == 2 else out.reshape(x2.shape)
-        nan = masked == "nan"
-        run_rows(which, *_KERNELS[which], x2, _NO_MASK, 0, False, nan, o2)
-        return result
+        return _normalize_direct(which, x, view, masked == "nan")
     view, x2, compute = _plan(x, out_dtype)
     w2, wstep, has_where = mask_rows(where)
     out = Output(view.shape, out_dtype, x, compute)
@@ -330,19 +334,24 @@ def log_softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> 
     return _normalize("log_softmax", x, where, masked, out_dtype)
 
 
+def _logsumexp_direct(like: Any, view: np.ndarray, return_sign: bool) -> Any:
+    """Unweighted logsumexp of a view :func:`_direct` took, straight to its kernel."""
+    x2 = view.reshape(-1, view.shape[-1])
+    small = view.nbytes < ALIGN_FROM  # the results are smaller than the input
+    (lse, lse_s), (sign, sign_s) = (_result(like, view, view.shape[:-1], small)
+                                    for _ in range(2))
+    run_rows("logsumexp", k.logsumexp_ser, k.logsumexp_par, x2, _NO_MASK, 0, False,
+             lse_s.reshape(-1), sign_s.reshape(-1))
+    return (lse, sign) if return_sign else lse
+
+
 def logsumexp(
     xp: Any, *, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
 ) -> Any:
     """``log |sum b exp(x)|`` along the last axis, and its sign when ``return_sign``."""
     view = _direct(x, where, out_dtype) if b is None else None
     if view is not None:  # the common call, straight to its kernel
-        x2 = view.reshape(-1, view.shape[-1])
-        small = view.nbytes < ALIGN_FROM  # the results are smaller than the input
-        (lse, lse_s), (sign, sign_s) = (_result(x, view, view.shape[:-1], small)
-                                        for _ in range(2))
-        run_rows("logsumexp", k.logsumexp_ser, k.logsumexp_par, x2, _NO_MASK, 0, False,
-                 lse_s.reshape(-1), sign_s.reshape(-1))
-        return (lse, sign) if return_sign else lse
+        return _logsumexp_direct(x, view, return_sign)
     w2, wstep, has_where = mask_rows(where)
     if b is None:
         view, x2, compute = _plan(x, out_dtype)
@@ -362,6 +371,56 @@ def logsumexp(
     else:
         k.logsumexp_b_ser(x2, b2, w2, wstep, has_where, bool(return_sign), lse_s, sign_s)
     return (lse.finish(), sign.finish()) if return_sign else lse.finish()
+
+
+# -- repeated calls (registry.Binding.repeat): the direct path, its checks of the kind made once
+
+
+def _kept_view(x: Any) -> np.ndarray | None:
+    """The numpy view of ``x``, of a kind of call :func:`_direct` took, when it is
+    C-contiguous and writable as that call's was (its strides may differ; ``None``: the
+    kernel's own path then runs, which copies)."""
+    if type(x) is np.ndarray:
+        view = x
+    else:
+        try:
+            view = x.numpy()
+        except RuntimeError:  # a negative bit (or a grad): numpy_view's work, in the kernel
+            return None
+    flags = view.flags
+    return view if flags.c_contiguous and flags.writeable else None
+
+
+def _repeat_normalize(which: str) -> Callable[[Any, dict[str, Any]], Any]:
+    def repeat(xp: Any, args: dict[str, Any]) -> Callable[[Any], Any] | None:
+        if _direct(args["x"], args["where"], args["out_dtype"]) is None:
+            return None
+        nan = args["masked"] == "nan"
+
+        def call(x: Any) -> Any:
+            view = _kept_view(x)
+            return None if view is None else _normalize_direct(which, x, view, nan)
+
+        return call
+
+    return repeat
+
+
+def _repeat_logsumexp(xp: Any, args: dict[str, Any]) -> Callable[[Any], Any] | None:
+    if args["b"] is not None or _direct(args["x"], args["where"], args["out_dtype"]) is None:
+        return None
+    return_sign = args["return_sign"]
+
+    def call(x: Any) -> Any:
+        view = _kept_view(x)
+        return None if view is None else _logsumexp_direct(x, view, return_sign)
+
+    return call
+
+
+softmax.repeat = _repeat_normalize("softmax")  # type: ignore[attr-defined]
+log_softmax.repeat = _repeat_normalize("log_softmax")  # type: ignore[attr-defined]
+logsumexp.repeat = _repeat_logsumexp  # type: ignore[attr-defined]
 
 
 def _scale(grad_scale: Any, acc: Any) -> Any:
