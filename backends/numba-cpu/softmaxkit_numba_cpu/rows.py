@@ -17,6 +17,7 @@ import numpy as np
 
 from softmaxkit.dtypes import accumulator_dtype
 
+from . import addresses as a
 from . import row_kernels as k
 from .adapters import (
     _NO_MASK,
@@ -192,34 +193,36 @@ class Threads:
 _THREADS: dict[tuple[str, int], Threads] = {}
 
 
-def run_rows(name: str, ser: Any, par: Any, x2: np.ndarray, *args: Any) -> None:
-    """Run streamed kernel ``name`` over the ``[R, N]`` storage rows ``x2`` (its first
-    argument; ``args`` the rest): on one thread, on the threads, or as :class:`Threads`
-    decides for a mid-size input."""
-    nbytes = x2.nbytes
-    if nbytes < SPLIT_BYTES or x2.shape[0] < 2:
-        ser(x2, *args)
+def run_rows(name: str, ser: Any, par: Any, r: int, size: int, itemsize: int,
+             *args: Any) -> None:
+    """Run streamed kernel ``name`` with arguments ``args`` over ``r`` rows of ``size``
+    elements in all, of ``itemsize`` bytes: on one thread (``ser``), on the threads
+    (``par``, which takes their count last), or as :class:`Threads` decides for a mid-size
+    input."""
+    nbytes = size * itemsize
+    if nbytes < SPLIT_BYTES or r < 2:
+        ser(*args)
         return
     threads = (_read_threads or num_threads)()
     if threads < 2:
-        ser(x2, *args)
-    elif x2.size >= PARALLEL_MIN_ELEMENTS:
-        par(x2, *args, threads)
+        ser(*args)
+    elif size >= PARALLEL_MIN_ELEMENTS:
+        par(*args, threads)
     else:
         # one estimate per size within a factor of two
         chooser = _THREADS.get((name, nbytes.bit_length())) or _chooser(name, nbytes)
         use, timed = chooser.choose()
         if not timed:  # the common call: nothing to time
             if use:
-                par(x2, *args, threads)
+                par(*args, threads)
             else:
-                ser(x2, *args)
+                ser(*args)
             return
         start = time.perf_counter()
         if use:
-            par(x2, *args, threads)
+            par(*args, threads)
         else:
-            ser(x2, *args)
+            ser(*args)
         chooser.record(use, time.perf_counter() - start, nbytes)
 
 
@@ -270,21 +273,47 @@ def _tensor_view(x: Any) -> np.ndarray:
         return numpy_view(x)
 
 
-_TORCH_DIRECT: frozenset[Any] = frozenset()
-"""The torch dtypes of :data:`_DIRECT`, once a tensor has been seen (:func:`_torch_direct`)."""
+_TORCH_DIRECT: dict[Any, np.dtype] = {}
+"""The torch dtypes of :data:`_DIRECT` and their numpy dtypes, once a tensor has been seen
+(:func:`_torch_direct`)."""
 _from_numpy: Callable[[np.ndarray], Any] | None = None
-"""``torch.from_numpy``, likewise."""
+_empty_like: Callable[..., Any] | None = None
+_empty: Callable[..., Any] | None = None
+"""``torch.from_numpy``, ``torch.empty_like`` and ``torch.empty``, likewise."""
 
 
-def _torch_direct() -> frozenset[Any]:
-    """Fill :data:`_TORCH_DIRECT` and :data:`_from_numpy` (torch is imported by whoever
+def _torch_direct() -> dict[Any, np.dtype]:
+    """Fill :data:`_TORCH_DIRECT` and torch's functions above (torch is imported by whoever
     passed a tensor); module globals, read without a call on every later one."""
-    global _TORCH_DIRECT, _from_numpy
+    global _TORCH_DIRECT, _from_numpy, _empty_like, _empty
     import torch
 
-    _from_numpy = torch.from_numpy
-    _TORCH_DIRECT = frozenset((torch.float32, torch.float64))
+    _from_numpy, _empty_like, _empty = torch.from_numpy, torch.empty_like, torch.empty
+    _TORCH_DIRECT = {torch.float32: _DIRECT[0], torch.float64: _DIRECT[1]}
     return _TORCH_DIRECT
+
+
+def _addressed(x: Any, where: Any, out_dtype: Any) -> bool:
+    """Whether ``x``, a torch tensor, goes to its kernel by address (:mod:`.addresses`): the
+    direct path's float32 or float64 rows of the result's dtype with no mask, C-contiguous
+    with no negative bit, and a result below :data:`~.buffers.ALIGN_FROM` bytes (a larger
+    one takes a line-aligned, reused buffer through numpy, :func:`_result`)."""
+    if (where is not None or type(x) is np.ndarray or x.dtype is not out_dtype
+            or out_dtype not in (_TORCH_DIRECT or _torch_direct())):
+        return False
+    return 0 < x.numel() * x.element_size() < ALIGN_FROM and _contiguous(x)
+
+
+def _contiguous(x: Any) -> bool:
+    """Whether torch tensor ``x`` is C-contiguous with no negative bit (its memory holds its
+    values in order)."""
+    return x.is_contiguous() and not x.is_neg()
+
+
+def _rows_of(x: Any) -> tuple[int, int, np.dtype]:
+    """Rows, row length and numpy dtype of a tensor :func:`_addressed` took."""
+    n = x.shape[-1]
+    return x.numel() // n, n, _TORCH_DIRECT[x.dtype]
 
 
 def _result(like: Any, view: np.ndarray, shape: tuple[int, ...],
@@ -307,11 +336,28 @@ def _normalize_direct(which: str, like: Any, view: np.ndarray, nan: bool) -> Any
     x2 = view if len(shape) == 2 else view.reshape(-1, shape[-1])
     result, out = _result(like, view, shape, view.nbytes < ALIGN_FROM)
     o2 = out if len(shape) == 2 else out.reshape(x2.shape)
-    run_rows(which, *_KERNELS[which], x2, _NO_MASK, 0, False, nan, o2)
+    run_rows(which, *_KERNELS[which], x2.shape[0], x2.size, x2.itemsize, x2, _NO_MASK, 0,
+             False, nan, o2)
     return result
 
 
+_ADDRESSED = {"softmax": (a.softmax_ser, a.softmax_par),
+              "log_softmax": (a.log_softmax_ser, a.log_softmax_par)}
+""":data:`_KERNELS` by address."""
+
+
+def _normalize_at(which: str, x: Any, nan: bool, r: int, n: int, dtype: np.dtype) -> Any:
+    """The normalization ``which`` of a tensor :func:`_addressed` took, of ``r`` rows of
+    ``n`` elements of ``dtype``, into ``torch.empty_like(x)``."""
+    out = _empty_like(x)  # type: ignore[misc]
+    run_rows(which, *_ADDRESSED[which], r, r * n, dtype.itemsize, x.data_ptr(), out.data_ptr(),
+             r, n, dtype, _NO_MASK, nan)
+    return out
+
+
 def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
+    if _addressed(x, where, out_dtype):
+        return _normalize_at(which, x, masked == "nan", *_rows_of(x))
     view = _direct(x, where, out_dtype)
     if view is not None:  # the common call, straight to its kernel
         return _normalize_direct(which, x, view, masked == "nan")
@@ -320,7 +366,8 @@ def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> A
     out = Output(view.shape, out_dtype, x, compute)
     o2 = out.storage.reshape(x2.shape)
     nan = masked == "nan"
-    run_rows(which, *_KERNELS[which], x2, w2, wstep, has_where, nan, o2)
+    run_rows(which, *_KERNELS[which], x2.shape[0], x2.size, x2.itemsize, x2, w2, wstep,
+             has_where, nan, o2)
     return out.finish()
 
 
@@ -340,8 +387,17 @@ def _logsumexp_direct(like: Any, view: np.ndarray, return_sign: bool) -> Any:
     small = view.nbytes < ALIGN_FROM  # the results are smaller than the input
     (lse, lse_s), (sign, sign_s) = (_result(like, view, view.shape[:-1], small)
                                     for _ in range(2))
-    run_rows("logsumexp", k.logsumexp_ser, k.logsumexp_par, x2, _NO_MASK, 0, False,
-             lse_s.reshape(-1), sign_s.reshape(-1))
+    run_rows("logsumexp", k.logsumexp_ser, k.logsumexp_par, x2.shape[0], x2.size, x2.itemsize,
+             x2, _NO_MASK, 0, False, lse_s.reshape(-1), sign_s.reshape(-1))
+    return (lse, sign) if return_sign else lse
+
+
+def _logsumexp_at(x: Any, return_sign: bool, r: int, n: int, dtype: np.dtype) -> Any:
+    """Unweighted logsumexp of a tensor :func:`_addressed` took, as :func:`_normalize_at`."""
+    batch = x.shape[:-1]
+    lse, sign = _empty(batch, dtype=x.dtype), _empty(batch, dtype=x.dtype)  # type: ignore[misc]
+    run_rows("logsumexp", a.logsumexp_ser, a.logsumexp_par, r, r * n, dtype.itemsize,
+             x.data_ptr(), lse.data_ptr(), sign.data_ptr(), r, n, dtype, _NO_MASK)
     return (lse, sign) if return_sign else lse
 
 
@@ -349,6 +405,8 @@ def logsumexp(
     xp: Any, *, x: Any, b: Any, where: Any, return_sign: bool, out_dtype: Any
 ) -> Any:
     """``log |sum b exp(x)|`` along the last axis, and its sign when ``return_sign``."""
+    if b is None and _addressed(x, where, out_dtype):
+        return _logsumexp_at(x, return_sign, *_rows_of(x))
     view = _direct(x, where, out_dtype) if b is None else None
     if view is not None:  # the common call, straight to its kernel
         return _logsumexp_direct(x, view, return_sign)
@@ -366,8 +424,8 @@ def logsumexp(
     sign = Output(batch, out_dtype, x, compute)
     lse_s, sign_s = lse.storage.reshape(-1), sign.storage.reshape(-1)
     if b is None:
-        run_rows("logsumexp", k.logsumexp_ser, k.logsumexp_par, x2, w2, wstep, has_where,
-                 lse_s, sign_s)
+        run_rows("logsumexp", k.logsumexp_ser, k.logsumexp_par, x2.shape[0], x2.size,
+                 x2.itemsize, x2, w2, wstep, has_where, lse_s, sign_s)
     else:
         k.logsumexp_b_ser(x2, b2, w2, wstep, has_where, bool(return_sign), lse_s, sign_s)
     return (lse.finish(), sign.finish()) if return_sign else lse.finish()
@@ -393,29 +451,47 @@ def _kept_view(x: Any) -> np.ndarray | None:
 
 def _repeat_normalize(which: str) -> Callable[[Any, dict[str, Any]], Any]:
     def repeat(xp: Any, args: dict[str, Any]) -> Callable[[Any], Any] | None:
-        if _direct(args["x"], args["where"], args["out_dtype"]) is None:
-            return None
+        x, where, out_dtype = args["x"], args["where"], args["out_dtype"]
         nan = args["masked"] == "nan"
+        if _addressed(x, where, out_dtype):
+            r, n, dtype = _rows_of(x)
 
-        def call(x: Any) -> Any:
+            def at(x: Any) -> Any:
+                return _normalize_at(which, x, nan, r, n, dtype) if _contiguous(x) else None
+
+            return at
+        if _direct(x, where, out_dtype) is None:
+            return None
+
+        def viewed(x: Any) -> Any:
             view = _kept_view(x)
             return None if view is None else _normalize_direct(which, x, view, nan)
 
-        return call
+        return viewed
 
     return repeat
 
 
 def _repeat_logsumexp(xp: Any, args: dict[str, Any]) -> Callable[[Any], Any] | None:
-    if args["b"] is not None or _direct(args["x"], args["where"], args["out_dtype"]) is None:
-        return None
+    x, where, out_dtype = args["x"], args["where"], args["out_dtype"]
     return_sign = args["return_sign"]
+    if args["b"] is not None:
+        return None
+    if _addressed(x, where, out_dtype):
+        r, n, dtype = _rows_of(x)
 
-    def call(x: Any) -> Any:
+        def at(x: Any) -> Any:
+            return _logsumexp_at(x, return_sign, r, n, dtype) if _contiguous(x) else None
+
+        return at
+    if _direct(x, where, out_dtype) is None:
+        return None
+
+    def viewed(x: Any) -> Any:
         view = _kept_view(x)
         return None if view is None else _logsumexp_direct(x, view, return_sign)
 
-    return call
+    return viewed
 
 
 softmax.repeat = _repeat_normalize("softmax")  # type: ignore[attr-defined]

@@ -18,7 +18,9 @@ from softmaxkit import registry
 from softmaxkit import rows as frontend
 from softmaxkit.testing.tolerance import assert_within, log_bound, softmax_bound
 
-SHAPES = [(8,), (64, 1024), (3, 4, 33)]
+SHAPES = [(8,), (64, 1024), (3, 4, 33), (1024, 1024)]
+"""Torch tensors of results below 4 MiB go by address (addresses.py), larger ones through a
+numpy view into a reused buffer: (1024, 1024) float32 is the first of those."""
 
 
 def softmax64(x):
@@ -59,7 +61,7 @@ def _bindings(op):
 @pytest.fixture
 def counted(monkeypatch):
     """Count the repeated forms' answers: a result, or None (the kernel then ran)."""
-    seen = {"served": 0, "declined": 0}
+    seen = {"served": 0, "declined": 0, "forms": set()}
     made = {}
     for op in ("softmax", "log_softmax", "logsumexp"):
         kernel = getattr(rows, op)
@@ -69,6 +71,7 @@ def counted(monkeypatch):
             form = make(xp, args)
             if form is None:
                 return None
+            seen["forms"].add(form.__name__)  # "at" (by address) or "viewed" (numpy view)
 
             def call(x):
                 y = form(x)
@@ -103,6 +106,8 @@ def test_repeated_calls_run_the_kept_form_within_the_spec(counted, lib, shape):
             assert type(y) is type(x) and y.dtype == x.dtype
         assert lse.dtype == x.dtype and lse.shape == shape[:-1]  # a numpy scalar for (8,)
     assert counted["served"] == 3 * 3 and counted["declined"] == 0  # calls 2-4 of each op
+    by_address = lib == "torch" and np.prod(shape) * 4 < rows.ALIGN_FROM
+    assert counted["forms"] == {"at" if by_address else "viewed"}
     assert all(b.repeat is not None for op in ("softmax", "log_softmax", "logsumexp")
                for b in _bindings(op))
 
@@ -126,7 +131,22 @@ def test_other_layouts_of_the_kept_shape_run_the_kernel(counted):
     negative = torch.from_numpy(-x)._neg_view()  # a negative bit: values of x, lazily
     assert negative.is_neg()
     check_softmax(sk.softmax(negative, axis=-1).numpy(), x, "float32")
-    assert counted["declined"] == 3
+    t_transposed = torch.from_numpy(np.ascontiguousarray(x.T)).T
+    assert not t_transposed.is_contiguous()
+    check_softmax(sk.softmax(t_transposed, axis=-1).numpy(), x, "float32")
+    assert counted["declined"] == 4
+
+
+def test_a_tensor_inside_another_goes_by_its_own_address():
+    """Rows 1 to 31 of a tensor (contiguous, 4 KiB into its storage), by address."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((32, 256)) * 4).astype(np.float32)
+    inner = torch.from_numpy(x)[1:]
+    assert inner.is_contiguous() and inner.storage_offset() == 256
+    for _ in range(3):
+        check_softmax(sk.softmax(inner, axis=-1).numpy(), x[1:], "float32")
+        check_log(sk.logsumexp(inner, axis=-1).numpy(), lse64(x[1:]), 256, "float32")
+    assert np.array_equal(inner.numpy(), x[1:])  # the input is left as it was
 
 
 def test_no_form_where_the_first_call_is_not_direct(counted):
@@ -139,4 +159,4 @@ def test_no_form_where_the_first_call_is_not_direct(counted):
         check_softmax(sk.softmax(x16, axis=-1), x32, "float16")
         check_softmax(sk.softmax(x32, axis=-1, dtype=np.float64), x32, "float32")
     assert [b.repeat for b in _bindings("softmax")] == [None, None]
-    assert counted == {"served": 0, "declined": 0}
+    assert counted["served"] == counted["declined"] == 0
