@@ -325,6 +325,70 @@ def test_repeated_plain_calls_follow_every_change_of_the_decision(fresh, caplog)
     assert "ran on numba-cpu" in caplog.text  # the DEBUG log reports a kept decision
 
 
+FORMED: list[str] = []
+DECLINE: list[bool] = [False]
+
+
+def formed_softmax(xp, *, x, where, masked, out_dtype):
+    """The reference softmax, noting that the kernel ran; it gives a repeated form."""
+    from softmaxkit.reference.rows import softmax
+
+    FORMED.append("kernel")
+    return softmax(xp, x=x, where=where, masked=masked, out_dtype=out_dtype)
+
+
+def _formed_repeat(xp, args):
+    """The form of a kind of call: the reference on the new ``x`` and the first call's other
+    arguments, or None (the kernel then runs) while ``DECLINE[0]``."""
+    from softmaxkit.reference.rows import softmax
+
+    FORMED.append("made")
+    others = {k: v for k, v in args.items() if k != "x"}
+
+    def form(x):
+        if DECLINE[0]:
+            return None
+        FORMED.append("form")
+        return softmax(xp, x=x, **others)
+
+    return form
+
+
+formed_softmax.repeat = _formed_repeat  # type: ignore[attr-defined]
+
+
+def test_a_kernels_repeated_form_serves_the_kept_calls(fresh, monkeypatch):
+    """A kernel's ``repeat`` is asked once per binding; the form it gives runs the later calls
+    of that kind (each result the spec's), and where it declines the kernel runs."""
+    from softmaxkit import rows
+
+    monkeypatch.setattr(rows, "_BOUND", {})
+    registry.register(_backend("formed", kernels={"softmax": f"{__name__}:formed_softmax"},
+                               hook_keys=[]))
+    FORMED.clear()
+    rng = np.random.default_rng(5)
+
+    def call() -> None:
+        x = (rng.standard_normal(8) * 4).astype(np.float32)
+        e = np.exp(x.astype(np.float64) - x.max())
+        np.testing.assert_allclose(sk.softmax(x), e / e.sum(), rtol=1e-6)
+
+    for _ in range(3):
+        call()
+    assert FORMED == ["made", "kernel", "form", "form"]
+    DECLINE[0] = True
+    try:
+        call()
+    finally:
+        DECLINE[0] = False
+    assert FORMED[-1] == "kernel"
+    registry.register(_backend("last", priority=-500))  # decide again: a new binding
+    FORMED.clear()
+    for _ in range(2):
+        call()
+    assert FORMED == ["made", "kernel", "form"]
+
+
 def test_a_binding_goes_stale_when_a_declared_property_changes(fresh):
     """A kept decision stands only for calls whose declared properties read the same: a
     sparse tensor of the dense one's shape and dtype is another decision."""
