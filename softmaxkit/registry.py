@@ -472,14 +472,13 @@ def kernel_for(
 class Binding:
     """A cached decision, kept by a caller for one kind of call (:func:`bind`).
 
-    The caller keeps it under what selected the decision's plan: the operation, namespace,
-    device type and dtype of the call (the precision too, for an operation that has one).
-    :meth:`kernel_for` gives the kernel again without a lookup while the decision stands: the
-    cache not emptied since (registration, unregistration, :func:`reload`), the same
-    ``backend_opts`` in force, the DEBUG log off (it reports every decision) and the same
-    values of the properties the candidates' hooks declare.  :meth:`kernel_for_array` does the
-    same for a call whose arguments are the first call's but for its array ``x`` (reading
-    that argument's properties alone).
+    The caller keeps it under what selected the decision's plan and every kernel argument but
+    the array ``x``: the operation, namespace, device type and dtype of the call (the
+    precision too, for an operation that has one) and the other arguments' values.
+    :meth:`kernel_for_array` gives the kernel again without a lookup while the decision
+    stands: the cache not emptied since (registration, unregistration, :func:`reload`), the
+    same ``backend_opts`` in force, the DEBUG log off (it reports every decision) and the same
+    values of the properties the candidates' hooks declare, read of ``x`` alone.
 
     :attr:`repeat` is the kernel's own form for the later calls of this kind, where it has one
     (a kernel's optional ``repeat`` attribute, see docs/backends.md): a function of the array
@@ -493,24 +492,15 @@ class Binding:
     dtype: str
     generation: int
     opts: _Options
-    read: Callable[[dict[str, Any]], tuple[Any, ...]]
-    props: tuple[Any, ...]
     kernel: Callable[..., Any]
-    value: Callable[[Any], Any]
-    x_props: Any  # the element of props that is x's
+    value: Callable[[Any], Any]  # the plan's reading of one argument
+    x_props: Any  # its reading of the first call's x
     repeat: Callable[[Any], Any] | None = None
 
-    def kernel_for(self, args: dict[str, Any]) -> Callable[..., Any] | None:
-        """The kernel for kernel arguments ``args`` of a call of this kind, or None when the
-        decision may have changed (then :func:`bind` decides again)."""
-        if (self.generation != _generation or self.opts is not _options.get()
-                or logger.isEnabledFor(logging.DEBUG) or self.read(args) != self.props):
-            return None
-        return self.kernel
-
     def kernel_for_array(self, x: Any) -> Callable[..., Any] | None:
-        """:meth:`kernel_for` a call whose kernel arguments equal the first call's but for
-        its array ``x`` (the caller's key holds the others)."""
+        """The kernel for a call of this kind whose array is ``x`` (its other kernel
+        arguments the first call's), or None when the decision may have changed (then
+        :func:`bind` decides again)."""
         if (self.generation != _generation or self.opts is not _options.get()
                 or logger.isEnabledFor(logging.DEBUG) or self.value(x) != self.x_props):
             return None
@@ -528,15 +518,15 @@ def bind(
         return kernel, None
     device, dtype = device_type(like), dtype_name(like.dtype)
     plan = _plans.get((op, device, dtype, opts.prioritize, opts.disable, _precision(args)))
-    if plan is None or not plan.cut:
+    if plan is None or not plan.cut or "x" not in args:
         return kernel, None
     props = plan.read(args)
     _, hit = _lookup((plan, xp, props))
     if hit is None or hit.kernel is not kernel:
         return kernel, None
     make = getattr(kernel, "repeat", None)
-    return kernel, Binding(op, xp, device, dtype, _generation, opts, plan.read, props, kernel,
-                           plan.value, props[list(args).index("x")] if "x" in args else None,
+    return kernel, Binding(op, xp, device, dtype, _generation, opts, kernel, plan.value,
+                           props[list(args).index("x")],
                            None if make is None else make(xp, args))
 
 

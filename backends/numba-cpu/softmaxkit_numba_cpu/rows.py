@@ -7,6 +7,7 @@ the caller's library.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -257,11 +258,21 @@ def _direct(x: Any, where: Any, out_dtype: Any) -> np.ndarray | None:
         if dtype not in _DIRECT or (out_dtype is not dtype and numpy_dtype(out_dtype) != dtype):
             return None
     else:  # a torch CPU tensor: its own dtype objects tell, before any view is made
-        if x.dtype is not out_dtype or out_dtype not in (_TORCH_DIRECT or _torch_direct()):
+        if not _direct_dtype(x, out_dtype):
             return None
         view = numpy_view(x) if x.requires_grad else _tensor_view(x)
+    return view if view.size and _in_place(view) else None
+
+
+def _in_place(view: np.ndarray) -> bool:
+    """Whether the kernel reads numpy view ``view`` as it is: C-contiguous and writable."""
     flags = view.flags
-    return view if flags.c_contiguous and flags.writeable and view.size else None
+    return flags.c_contiguous and flags.writeable
+
+
+def _direct_dtype(x: Any, out_dtype: Any) -> bool:
+    """Whether torch tensor ``x`` is float32 or float64 and its result of its own dtype."""
+    return x.dtype is out_dtype and out_dtype in (_TORCH_DIRECT or _torch_direct())
 
 
 def _tensor_view(x: Any) -> np.ndarray:
@@ -298,8 +309,7 @@ def _addressed(x: Any, where: Any, out_dtype: Any) -> bool:
     direct path's float32 or float64 rows of the result's dtype with no mask, C-contiguous
     with no negative bit, and a result below :data:`~.buffers.ALIGN_FROM` bytes (a larger
     one takes a line-aligned, reused buffer through numpy, :func:`_result`)."""
-    if (where is not None or type(x) is np.ndarray or x.dtype is not out_dtype
-            or out_dtype not in (_TORCH_DIRECT or _torch_direct())):
+    if where is not None or type(x) is np.ndarray or not _direct_dtype(x, out_dtype):
         return False
     return 0 < x.numel() * x.element_size() < ALIGN_FROM and _contiguous(x)
 
@@ -330,7 +340,7 @@ _KERNELS = {"softmax": (k.softmax_ser, k.softmax_par),
 """The one-thread and threaded kernels of each normalization."""
 
 
-def _normalize_direct(which: str, like: Any, view: np.ndarray, nan: bool) -> Any:
+def _normalize_direct(which: str, nan: bool, like: Any, view: np.ndarray) -> Any:
     """The normalization ``which`` of a view :func:`_direct` took, straight to its kernel."""
     shape = view.shape
     x2 = view if len(shape) == 2 else view.reshape(-1, shape[-1])
@@ -346,7 +356,7 @@ _ADDRESSED = {"softmax": (a.softmax_ser, a.softmax_par),
 """:data:`_KERNELS` by address."""
 
 
-def _normalize_at(which: str, x: Any, nan: bool, r: int, n: int, dtype: np.dtype) -> Any:
+def _normalize_at(which: str, nan: bool, x: Any, r: int, n: int, dtype: np.dtype) -> Any:
     """The normalization ``which`` of a tensor :func:`_addressed` took, of ``r`` rows of
     ``n`` elements of ``dtype``, into ``torch.empty_like(x)``."""
     out = _empty_like(x)  # type: ignore[misc]
@@ -357,10 +367,10 @@ def _normalize_at(which: str, x: Any, nan: bool, r: int, n: int, dtype: np.dtype
 
 def _normalize(which: str, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
     if _addressed(x, where, out_dtype):
-        return _normalize_at(which, x, masked == "nan", *_rows_of(x))
+        return _normalize_at(which, masked == "nan", x, *_rows_of(x))
     view = _direct(x, where, out_dtype)
     if view is not None:  # the common call, straight to its kernel
-        return _normalize_direct(which, x, view, masked == "nan")
+        return _normalize_direct(which, masked == "nan", x, view)
     view, x2, compute = _plan(x, out_dtype)
     w2, wstep, has_where = mask_rows(where)
     out = Output(view.shape, out_dtype, x, compute)
@@ -381,7 +391,7 @@ def log_softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> 
     return _normalize("log_softmax", x, where, masked, out_dtype)
 
 
-def _logsumexp_direct(like: Any, view: np.ndarray, return_sign: bool) -> Any:
+def _logsumexp_direct(return_sign: bool, like: Any, view: np.ndarray) -> Any:
     """Unweighted logsumexp of a view :func:`_direct` took, straight to its kernel."""
     x2 = view.reshape(-1, view.shape[-1])
     small = view.nbytes < ALIGN_FROM  # the results are smaller than the input
@@ -392,7 +402,7 @@ def _logsumexp_direct(like: Any, view: np.ndarray, return_sign: bool) -> Any:
     return (lse, sign) if return_sign else lse
 
 
-def _logsumexp_at(x: Any, return_sign: bool, r: int, n: int, dtype: np.dtype) -> Any:
+def _logsumexp_at(return_sign: bool, x: Any, r: int, n: int, dtype: np.dtype) -> Any:
     """Unweighted logsumexp of a tensor :func:`_addressed` took, as :func:`_normalize_at`."""
     batch = x.shape[:-1]
     lse, sign = _empty(batch, dtype=x.dtype), _empty(batch, dtype=x.dtype)  # type: ignore[misc]
@@ -406,10 +416,10 @@ def logsumexp(
 ) -> Any:
     """``log |sum b exp(x)|`` along the last axis, and its sign when ``return_sign``."""
     if b is None and _addressed(x, where, out_dtype):
-        return _logsumexp_at(x, return_sign, *_rows_of(x))
+        return _logsumexp_at(return_sign, x, *_rows_of(x))
     view = _direct(x, where, out_dtype) if b is None else None
     if view is not None:  # the common call, straight to its kernel
-        return _logsumexp_direct(x, view, return_sign)
+        return _logsumexp_direct(return_sign, x, view)
     w2, wstep, has_where = mask_rows(where)
     if b is None:
         view, x2, compute = _plan(x, out_dtype)
@@ -435,9 +445,9 @@ def logsumexp(
 
 
 def _kept_view(x: Any) -> np.ndarray | None:
-    """The numpy view of ``x``, of a kind of call :func:`_direct` took, when it is
-    C-contiguous and writable as that call's was (its strides may differ; ``None``: the
-    kernel's own path then runs, which copies)."""
+    """The numpy view of ``x``, of a kind of call :func:`_direct` took, when the kernel reads
+    it as it is, as that call's (its strides may differ; ``None``: the kernel's own path then
+    runs, which copies)."""
     if type(x) is np.ndarray:
         view = x
     else:
@@ -445,53 +455,47 @@ def _kept_view(x: Any) -> np.ndarray | None:
             view = x.numpy()
         except RuntimeError:  # a negative bit (or a grad): numpy_view's work, in the kernel
             return None
-    flags = view.flags
-    return view if flags.c_contiguous and flags.writeable else None
+    return view if _in_place(view) else None
+
+
+def _repeat_form(args: dict[str, Any], at: Callable[..., Any],
+                 viewed: Callable[..., Any]) -> Callable[[Any], Any] | None:
+    """The repeated form of the kind of call whose first call had kernel arguments ``args``:
+    by address where :func:`_addressed` took it (``at(x, r, n, dtype)`` runs a call), through
+    a numpy view where :func:`_direct` did (``viewed(x, view)``), else None."""
+    x, where, out_dtype = args["x"], args["where"], args["out_dtype"]
+    if _addressed(x, where, out_dtype):
+        r, n, dtype = _rows_of(x)
+
+        def by_address(x: Any) -> Any:
+            return at(x, r, n, dtype) if _contiguous(x) else None
+
+        return by_address
+    if _direct(x, where, out_dtype) is None:
+        return None
+
+    def by_view(x: Any) -> Any:
+        view = _kept_view(x)
+        return None if view is None else viewed(x, view)
+
+    return by_view
 
 
 def _repeat_normalize(which: str) -> Callable[[Any, dict[str, Any]], Any]:
     def repeat(xp: Any, args: dict[str, Any]) -> Callable[[Any], Any] | None:
-        x, where, out_dtype = args["x"], args["where"], args["out_dtype"]
         nan = args["masked"] == "nan"
-        if _addressed(x, where, out_dtype):
-            r, n, dtype = _rows_of(x)
-
-            def at(x: Any) -> Any:
-                return _normalize_at(which, x, nan, r, n, dtype) if _contiguous(x) else None
-
-            return at
-        if _direct(x, where, out_dtype) is None:
-            return None
-
-        def viewed(x: Any) -> Any:
-            view = _kept_view(x)
-            return None if view is None else _normalize_direct(which, x, view, nan)
-
-        return viewed
+        return _repeat_form(args, functools.partial(_normalize_at, which, nan),
+                            functools.partial(_normalize_direct, which, nan))
 
     return repeat
 
 
 def _repeat_logsumexp(xp: Any, args: dict[str, Any]) -> Callable[[Any], Any] | None:
-    x, where, out_dtype = args["x"], args["where"], args["out_dtype"]
-    return_sign = args["return_sign"]
     if args["b"] is not None:
         return None
-    if _addressed(x, where, out_dtype):
-        r, n, dtype = _rows_of(x)
-
-        def at(x: Any) -> Any:
-            return _logsumexp_at(x, return_sign, r, n, dtype) if _contiguous(x) else None
-
-        return at
-    if _direct(x, where, out_dtype) is None:
-        return None
-
-    def viewed(x: Any) -> Any:
-        view = _kept_view(x)
-        return None if view is None else _logsumexp_direct(x, view, return_sign)
-
-    return viewed
+    sign = args["return_sign"]
+    return _repeat_form(args, functools.partial(_logsumexp_at, sign),
+                        functools.partial(_logsumexp_direct, sign))
 
 
 softmax.repeat = _repeat_normalize("softmax")  # type: ignore[attr-defined]

@@ -71,7 +71,7 @@ def counted(monkeypatch):
             form = make(xp, args)
             if form is None:
                 return None
-            seen["forms"].add(form.__name__)  # "at" (by address) or "viewed" (numpy view)
+            seen["forms"].add(form.__name__)  # "by_address" or "by_view"
 
             def call(x):
                 y = form(x)
@@ -107,7 +107,7 @@ def test_repeated_calls_run_the_kept_form_within_the_spec(counted, lib, shape):
         assert lse.dtype == x.dtype and lse.shape == shape[:-1]  # a numpy scalar for (8,)
     assert counted["served"] == 3 * 3 and counted["declined"] == 0  # calls 2-4 of each op
     by_address = lib == "torch" and np.prod(shape) * 4 < rows.ALIGN_FROM
-    assert counted["forms"] == {"at" if by_address else "viewed"}
+    assert counted["forms"] == {"by_address" if by_address else "by_view"}
     assert all(b.repeat is not None for op in ("softmax", "log_softmax", "logsumexp")
                for b in _bindings(op))
 
