@@ -876,9 +876,81 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention_bwd_sm90.cu", list(sm90_backward_names())))
     modules.append(("attention_sm90.cu", list(sm90_varlen_names())))
     modules.append(("attention_bwd_sm90.cu", list(sm90_varlen_backward_names())))
+    modules.append(("attention_f32.cu", list(f32_names())))
     modules.append(("attention_tf32.cu", list(tf32_names())))
     modules.append(("attention_tf32.cu", list(tf32_backward_names())))
     return modules
+
+
+@dataclass(frozen=True)
+class F32Config:
+    """One tile shape of the exact float32 forward on CUDA cores (kernels/attention_f32.cu):
+    ``warps`` warps of 16 query rows, ``block_n`` keys per tile, key head dimension
+    ``head_dim`` and value head dimension ``value_dim``; ``mask=False`` builds it without
+    boolean-mask support."""
+
+    head_dim: int
+    value_dim: int
+    warps: int = 4
+    block_n: int = 32
+    mask: bool = True
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per block."""
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 32 * self.warps
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: the Q tile, two stages of K and V tiles (rows padded by 4
+        floats) and the warps' probability tiles (rows of ``block_n + 8`` floats)."""
+        d, dv, bm, bn = self.head_dim, self.value_dim, self.block_m, self.block_n
+        return 4 * ((bm + 2 * bn) * (d + 4) + 2 * bn * (dv + 4) + bm * (bn + 8))
+
+    def name(self) -> str:
+        """The C++ name expression of the kernel."""
+        return (f"sk_attn_fwd_f32<{self.head_dim}, {self.value_dim}, {self.warps}, "
+                f"{self.block_n}, {'true' if self.mask else 'false'}>")
+
+
+F32_CONFIGS = {
+    (32, 32): F32Config(32, 32, warps=4, block_n=64),
+    (64, 64): F32Config(64, 64, warps=4, block_n=64),
+    (96, 96): F32Config(96, 96, warps=4, block_n=32),
+    (128, 128): F32Config(128, 128, warps=4, block_n=32),
+    (160, 160): F32Config(160, 160, warps=4, block_n=32),
+    (192, 128): F32Config(192, 128, warps=4, block_n=32),
+    (192, 192): F32Config(192, 192, warps=4, block_n=32),
+    (256, 256): F32Config(256, 256, warps=4, block_n=32),
+}
+"""The exact float32 forward for each (key, value) head dimension pair it is built for, with
+the boolean mask's code and without it on the same tiles.  Other pairs run on copies
+zero-padded to the smallest square pair that holds them (:func:`f32_shape`)."""
+
+
+def f32_shape(d: int, dv: int) -> tuple[int, int] | None:
+    """The (key, value) head dimensions of ``F32_CONFIGS`` a float32 call of ``d`` and ``dv``
+    runs at: its own pair where one is built, else the smallest square pair that holds both
+    (on zero-padded copies); None where none does."""
+    if (d, dv) in F32_CONFIGS:
+        return d, dv
+    return next(((w, w) for w, x in sorted(F32_CONFIGS) if w == x and w >= max(d, dv)), None)
+
+
+def f32_config(d: int, dv: int, masked: bool) -> F32Config | None:
+    """The exact float32 forward configuration built for (``d``, ``dv``), or None."""
+    found = F32_CONFIGS.get((d, dv))
+    return found if found is None or masked else replace(found, mask=False)
+
+
+def f32_names() -> tuple[str, ...]:
+    """The name expressions of kernels/attention_f32.cu (one module holds them all)."""
+    return tuple(c.name() for d, dv in F32_CONFIGS for masked in (True, False)
+                 if (c := f32_config(d, dv, masked)) is not None)
 
 
 TF32_PRECISIONS = {"tf32": 1, "tf32x3": 3}

@@ -319,17 +319,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
 // extra bytes a row put the 8 rows an ldmatrix reads, and the rows 2t, 2t + 1 and columns
 // g that a warp's scalar reads take, in distinct banks, and every address is a lane's base
 // plus a constant.
-template <int ROWS, int D, int THREADS>
-__device__ __forceinline__ void sk_load_padded(float* smem, const float* g, long long ld,
-                                               int valid) {
-    constexpr int CHUNKS = D / 4;
-#pragma unroll
-    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
-        const int r = c / CHUNKS, ch = c % CHUNKS;
-        const bool ok = r < valid;
-        sk_cp_async16(smem + r * (D + 4) + ch * 4, g + (ok ? r : 0) * ld + ch * 4, ok);
-    }
-}
+// (sk_load_padded, kernels/mma.cuh, copies them.)
 
 // The SK_A or SK_B fragment of an m16n8k8 TF32 product (as sk_frag's) from a padded tile of
 // width D: rows r0.., floats c0..c0 + 7.

@@ -108,6 +108,21 @@ __device__ __forceinline__ void sk_load_tile(T* smem, const T* g, long long ld, 
     }
 }
 
+// Copy rows [0, ROWS) of a float32 tile (row stride ld elements) into shared memory as rows
+// of D + 4 floats, unswizzled; rows at or past `valid` are zero-filled.  All THREADS threads
+// take part.  D is a multiple of 4 and the source rows are 16-byte aligned.
+template <int ROWS, int D, int THREADS>
+__device__ __forceinline__ void sk_load_padded(float* smem, const float* g, long long ld,
+                                               int valid) {
+    constexpr int CHUNKS = D / 4;
+#pragma unroll
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, ch = c % CHUNKS;
+        const bool ok = r < valid;
+        sk_cp_async16(smem + r * (D + 4) + ch * 4, g + (ok ? r : 0) * ld + ch * 4, ok);
+    }
+}
+
 // The fragments an m16n8k16 product takes from a swizzled tile of width W, each the 16 x 16
 // block at rows r0.., columns c0.. as ldmatrix's four 8 x 8 matrices:
 //   SK_A   A (rows m, columns k) of an [m x k] tile (e.g. queries);

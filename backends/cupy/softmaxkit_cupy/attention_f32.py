@@ -1,0 +1,83 @@
+"""Adapter from the attention contract (softmaxkit/ops.py) to ``kernels/attention_f32.cu``:
+float32 inputs in float32 arithmetic on CUDA cores, the default ``precision="float32"`` (spec
+"Attention", "Precision").
+
+:func:`softmaxkit_cupy.manifest.can_run` has accepted the call
+(:func:`softmaxkit_cupy.manifest.f32_reason`: head dimensions, launch limits, the device's
+shared memory), so every call with work has a kernel, at its own head dimensions or on
+zero-padded copies (:func:`.configs.f32_shape`); calls with no query row or no key get the
+spec's fixed results without a launch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from softmaxkit.options import note_kernel
+
+from . import compiler, head_dims, interop
+from .attention import FORWARD_PARAMS, _forward_without_work, _rows_ready, kernel_options
+from .configs import F32Config, f32_config, f32_names, f32_shape
+
+
+@functools.cache
+def _kernel(name: str) -> Any:
+    """The kernel ``name`` of kernels/attention_f32.cu, built on first use with the module of
+    every declared configuration (any other configuration: alone)."""
+    names = f32_names() if name in f32_names() else (name,)
+    return compiler.function("attention_f32.cu", names, name)
+
+
+def attention(
+    xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
+    mask: Any, softcap: Any, return_lse: bool, config: F32Config | None = None,
+) -> tuple[Any, Any]:
+    """Attention forward of float32 q, k, v in float32 arithmetic; (out, lse or None).
+
+    ``config`` overrides the tile configuration (by default :func:`.configs.f32_config` of
+    the head dimensions).  A call whose (D, Dv) is not a built pair runs on copies of q, k, v
+    zero-padded to :func:`.configs.f32_shape` (zero columns add nothing to a score, and the
+    output's extra columns are dropped).
+    """
+    fixed = _forward_without_work(q, k, v)
+    if fixed is not None:
+        return fixed[0], (fixed[1] if return_lse else None)
+    d, dv = int(q.shape[3]), int(v.shape[3])
+    shape = (config.head_dim, config.value_dim) if config is not None else f32_shape(d, dv)
+    if shape is None or (shape != (d, dv) and shape[0] != shape[1]):
+        raise ValueError(f"no float32 attention kernel for D={d}, Dv={dv}")
+    with interop.on_device(q):
+        return head_dims.forward_padded(
+            xp, None if shape == (d, dv) else shape[0], lambda q, k, v: _attention(
+                xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window, mask=mask,
+                softcap=softcap, return_lse=return_lse, config=config),
+            q, k, v)
+
+
+def _attention(
+    xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
+    mask: Any, softcap: Any, return_lse: bool, config: F32Config | None,
+) -> tuple[Any, Any]:
+    """:func:`attention` of a call with work at a built pair of head dimensions."""
+    b, hq, lq, d = (int(s) for s in q.shape)
+    hk, lk, dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    config = config or f32_config(d, dv, mask is not None)
+    if config is None or (config.head_dim, config.value_dim) != (d, dv):
+        raise ValueError(f"no float32 attention kernel for D={d}, Dv={dv}")
+    if mask is not None and not config.mask:
+        raise ValueError(f"{config} is built without boolean-mask support")
+    q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
+    _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
+                                                      lq, lk)
+    qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
+    out = interop.empty(q, (b, hq, lq, dv), "float32")
+    lse = interop.empty(q, (b, hq, lq), "float32")
+    name = config.name()
+    note_kernel(name)
+    args = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr,
+            interop.pointer(out), interop.pointer(lse), *qs[:3], *ks[:3], *vs[:3],
+            *m_strides, hq, hk, lq, lk, *options)
+    interop.launch(_kernel(name), q, (-(-lq // config.block_m), hq, b), config.threads,
+                   FORWARD_PARAMS, args, config.shared_bytes())
+    return out, (lse if return_lse else None)
