@@ -230,8 +230,9 @@ def attention(
 ) -> tuple[Any, Any]:
     """Exact attention forward on tensor cores; (out, lse or None).
 
-    A float32 call (served at ``precision`` "tf32" or "tf32x3" only) runs on the TF32 kernels
-    of :mod:`.attention_tf32`.
+    A float32 call runs on the TF32 kernels of :mod:`.attention_tf32` at ``precision``
+    "tf32" or "tf32x3", and on the exact float32 kernels of :mod:`.attention_f32` at the
+    default "float32".
 
     ``config`` overrides the forward tile configuration (an :class:`AttentionConfig` or, on a
     device of compute capability 9.0, a :class:`Sm90Config`, at the head dimension the call
@@ -249,6 +250,11 @@ def attention(
         return tf32_attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
                               mask=mask, softcap=softcap, return_lse=return_lse,
                               precision=precision, config=config)
+    if interop.name(q) == "float32":
+        from .attention_f32 import attention as f32_attention
+
+        return f32_attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
+                             mask=mask, softcap=softcap, return_lse=return_lse, config=config)
     fixed = _forward_without_work(q, k, v)
     if fixed is not None:
         return fixed[0], (fixed[1] if return_lse else None)
@@ -309,6 +315,31 @@ def kernel_options(mask: Any, causal: Any, window: tuple[int, int], softcap: Any
     offset = 0 if causal == "top_left" else lk - lq
     return bits, m_ptr, m_strides, (scale, softcap if softcap is not None else 0.0, offset,
                                     causal is not None, left, right)
+
+
+def float32_forward(
+    xp: Any, kernel: Any, name: str, config: Any, *, q: Any, k: Any, v: Any, scale: float,
+    causal: Any, window: tuple[int, int], mask: Any, softcap: Any, return_lse: bool,
+) -> tuple[Any, Any]:
+    """Launch the float32 forward ``kernel`` (``name`` for the trace), whose parameters are
+    :data:`FORWARD_PARAMS`, one block of ``config.threads`` threads and
+    ``config.shared_bytes()`` bytes per ``config.block_m`` query rows of each (head, batch);
+    (out ``[B, Hq, Lq, Dv]`` float32, lse or None)."""
+    b, hq, lq, _ = (int(s) for s in q.shape)
+    hk, lk, dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
+    _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
+                                                      lq, lk)
+    qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
+    out = interop.empty(q, (b, hq, lq, dv), "float32")
+    lse = interop.empty(q, (b, hq, lq), "float32")
+    note_kernel(name)
+    args = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr,
+            interop.pointer(out), interop.pointer(lse), *qs[:3], *ks[:3], *vs[:3],
+            *m_strides, hq, hk, lq, lk, *options)
+    interop.launch(kernel, q, (-(-lq // config.block_m), hq, b), config.threads,
+                   FORWARD_PARAMS, args, config.shared_bytes())
+    return out, (lse if return_lse else None)
 
 
 def _attention(

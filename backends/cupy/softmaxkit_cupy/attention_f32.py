@@ -1,8 +1,9 @@
 """Adapter from the attention contract (softmaxkit/ops.py) to ``kernels/attention_f32.cu``:
 float32 inputs in float32 arithmetic on CUDA cores, the default ``precision="float32"`` (spec
-"Attention", "Precision").
+"Attention", "Precision"); served once :data:`.configs.F32_SERVED` says so, and callable
+here with any tile (``config=``) before.
 
-:func:`softmaxkit_cupy.manifest.can_run` has accepted the call
+When served, :func:`softmaxkit_cupy.manifest.can_run` has accepted the call
 (:func:`softmaxkit_cupy.manifest.f32_reason`: head dimensions, launch limits, the device's
 shared memory), so every call with work has a kernel, at its own head dimensions or on
 zero-padded copies (:func:`.configs.f32_shape`); calls with no query row or no key get the
@@ -14,19 +15,20 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from softmaxkit.options import note_kernel
-
 from . import compiler, head_dims, interop
-from .attention import FORWARD_PARAMS, _forward_without_work, _rows_ready, kernel_options
-from .configs import F32Config, f32_config, f32_names, f32_shape
+from .attention import _forward_without_work, float32_forward
+from .configs import F32Config, f32_alternative_names, f32_config, f32_names, f32_shape
 
 
 @functools.cache
 def _kernel(name: str) -> Any:
     """The kernel ``name`` of kernels/attention_f32.cu, built on first use with the module of
-    every declared configuration (any other configuration: alone)."""
-    names = f32_names() if name in f32_names() else (name,)
-    return compiler.function("attention_f32.cu", names, name)
+    every declared configuration (an alternative: with the module of the alternatives; any
+    other configuration: alone)."""
+    for names in (f32_names(), f32_alternative_names()):
+        if name in names:
+            return compiler.function("attention_f32.cu", names, name)
+    return compiler.function("attention_f32.cu", (name,), name)
 
 
 def attention(
@@ -60,24 +62,13 @@ def _attention(
     mask: Any, softcap: Any, return_lse: bool, config: F32Config | None,
 ) -> tuple[Any, Any]:
     """:func:`attention` of a call with work at a built pair of head dimensions."""
-    b, hq, lq, d = (int(s) for s in q.shape)
-    hk, lk, dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    d, dv = int(q.shape[3]), int(v.shape[3])
     config = config or f32_config(d, dv, mask is not None)
     if config is None or (config.head_dim, config.value_dim) != (d, dv):
         raise ValueError(f"no float32 attention kernel for D={d}, Dv={dv}")
     if mask is not None and not config.mask:
         raise ValueError(f"{config} is built without boolean-mask support")
-    q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
-    _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
-                                                      lq, lk)
-    qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
-    out = interop.empty(q, (b, hq, lq, dv), "float32")
-    lse = interop.empty(q, (b, hq, lq), "float32")
     name = config.name()
-    note_kernel(name)
-    args = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr,
-            interop.pointer(out), interop.pointer(lse), *qs[:3], *ks[:3], *vs[:3],
-            *m_strides, hq, hk, lq, lk, *options)
-    interop.launch(_kernel(name), q, (-(-lq // config.block_m), hq, b), config.threads,
-                   FORWARD_PARAMS, args, config.shared_bytes())
-    return out, (lse if return_lse else None)
+    return float32_forward(xp, _kernel(name), name, config, q=q, k=k, v=v, scale=scale,
+                           causal=causal, window=window, mask=mask, softcap=softcap,
+                           return_lse=return_lse)

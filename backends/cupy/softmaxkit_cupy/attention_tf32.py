@@ -24,10 +24,10 @@ from softmaxkit.options import note_kernel
 from . import compiler, head_dims, interop
 from .attention import (
     BACKWARD_PARAMS,
-    FORWARD_PARAMS,
     _backward_without_work,
     _forward_without_work,
     _rows_ready,
+    float32_forward,
     kernel_options,
 )
 from .configs import (
@@ -87,27 +87,16 @@ def _attention(
     mask: Any, softcap: Any, return_lse: bool, precision: str, config: Tf32Config | None,
 ) -> tuple[Any, Any]:
     """:func:`attention` of a call with work at a built head dimension (D = Dv)."""
-    b, hq, lq, d = (int(s) for s in q.shape)
-    hk, lk = int(k.shape[1]), int(k.shape[2])
+    d = int(q.shape[3])
     config = config or tf32_config(d, mask is not None)
     if config is None or config.head_dim != d or int(v.shape[3]) != d:
         raise ValueError(f"no TF32 attention kernel for D={d}, Dv={int(v.shape[3])}")
     if mask is not None and not config.mask:
         raise ValueError(f"{config} is built without boolean-mask support")
-    q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
-    _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
-                                                      lq, lk)
-    qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
-    out = interop.empty(q, (b, hq, lq, d), "float32")
-    lse = interop.empty(q, (b, hq, lq), "float32")
     name = config.name(precision)
-    note_kernel(name)
-    args = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr,
-            interop.pointer(out), interop.pointer(lse), *qs[:3], *ks[:3], *vs[:3],
-            *m_strides, hq, hk, lq, lk, *options)
-    interop.launch(_kernel(name), q, (-(-lq // config.block_m), hq, b), config.threads,
-                   FORWARD_PARAMS, args, config.shared_bytes())
-    return out, (lse if return_lse else None)
+    return float32_forward(xp, _kernel(name), name, config, q=q, k=k, v=v, scale=scale,
+                           causal=causal, window=window, mask=mask, softcap=softcap,
+                           return_lse=return_lse)
 
 
 LOG2E = 1.4426950408889634

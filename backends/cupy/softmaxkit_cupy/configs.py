@@ -932,6 +932,24 @@ the boolean mask's code and without it on the same tiles.  Other pairs run on co
 zero-padded to the smallest square pair that holds them (:func:`f32_shape`)."""
 
 
+F32_ALTERNATIVES = (
+    F32Config(64, 64, warps=4, block_n=32, mask=False),
+    F32Config(64, 64, warps=8, block_n=64, mask=False),
+    F32Config(128, 128, warps=8, block_n=32, mask=False),
+    F32Config(128, 128, warps=4, block_n=64, mask=False),
+)
+"""Other exact float32 forward tiles, built on request only (``config=``), for
+tools/tf32_timing.py to time beside the declared ones."""
+
+F32_SERVED = False
+"""Whether the manifest serves float32 attention at ``precision="float32"`` on these
+kernels.  They are built, checked for registers and spills (tests/test_f32_nvcc.py) and
+checked against float64 on the CPU (tests/test_f32_host.py, the kernel run by
+tests/host/emulation.h); they are served once a device run has checked them against float64
+(tests/test_f32_gpu.py) and timed them faster than numba-cuda's exact kernels, which serve
+those calls until then (tools/tf32_timing.py)."""
+
+
 def f32_shape(d: int, dv: int) -> tuple[int, int] | None:
     """The (key, value) head dimensions of ``F32_CONFIGS`` a float32 call of ``d`` and ``dv``
     runs at: its own pair where one is built, else the smallest square pair that holds both
@@ -951,6 +969,13 @@ def f32_names() -> tuple[str, ...]:
     """The name expressions of kernels/attention_f32.cu (one module holds them all)."""
     return tuple(c.name() for d, dv in F32_CONFIGS for masked in (True, False)
                  if (c := f32_config(d, dv, masked)) is not None)
+
+
+def f32_alternative_names() -> tuple[str, ...]:
+    """The name expressions of the exact float32 alternatives (a module of their own)."""
+    declared = set(f32_names())
+    return tuple(n for n in dict.fromkeys(c.name() for c in F32_ALTERNATIVES)
+                 if n not in declared)
 
 
 TF32_PRECISIONS = {"tf32": 1, "tf32x3": 3}

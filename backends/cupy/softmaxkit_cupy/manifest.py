@@ -14,6 +14,8 @@ from typing import Any
 
 from .configs import (
     ATTENTION_DTYPES,
+    F32_CONFIGS,
+    F32_SERVED,
     GRAD_CONFIGS,
     GRAD_OPS,
     ITEMSIZE,
@@ -24,6 +26,7 @@ from .configs import (
     TF32_PRECISIONS,
     attention_shared_bytes,
     decode_holds,
+    f32_shape,
     max_row_length,
     row_lean,
     tf32_width,
@@ -71,10 +74,11 @@ def manifest() -> dict[str, Any]:
             {"ops": sorted((*ROW_OPS, *GRAD_OPS)), "devices": ["cuda"], "dtypes": list(DTYPES)},
             {"ops": ["attention", "attention_vjp"], "devices": ["cuda"],
              "dtypes": list(ATTENTION_DTYPES)},
-            # float32 on TF32 tensor cores: at the reduced precisions only (the exact
-            # float32 kernels are numba-cuda's)
+            # float32 on TF32 tensor cores at the reduced precisions and, once served
+            # (configs.F32_SERVED), exact on CUDA cores; the rest of float32 attention and
+            # every float32 gradient are numba-cuda's
             {"ops": ["attention"], "devices": ["cuda"], "dtypes": ["float32"],
-             "precisions": list(TF32_PRECISIONS)},
+             "precisions": [*(["float32"] if F32_SERVED else []), *TF32_PRECISIONS]},
             {"ops": ["merge_attention"], "devices": ["cuda"], "dtypes": list(MERGE_DTYPES)},
             {"ops": list(VARLEN_OPS), "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
             {"ops": ["paged_attention"], "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
@@ -160,7 +164,10 @@ def _can_run_attention(call: Any) -> bool | str:
     if any(_library(a) != lib for a in (k, v) + ((mask,) if mask is not None else ())):
         return "q, k, v and mask must live in one library"
     if _name(q.dtype) == "float32":
-        return tf32_reason(tuple(q.shape), tuple(k.shape), tuple(v.shape)) or True
+        shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        if args.get("precision", "float32") == "float32":
+            return f32_reason(*shapes, _shared_limit(q)) or True
+        return tf32_reason(*shapes) or True
     return attention_reason(
         _name(q.dtype), tuple(q.shape), tuple(k.shape), tuple(v.shape), _shared_limit(q)
     ) or True
@@ -344,6 +351,39 @@ def merge_reason(dtype: str, lse_dtype: str, shape: tuple[int, ...]) -> str | No
     return None
 
 
+def f32_reason(
+    q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...],
+    shared_limit: int | None = None,
+) -> str | None:
+    """Why the exact float32 forward (kernels/attention_f32.cu) cannot run these inputs on a
+    device whose blocks may take ``shared_limit`` bytes of shared memory, or None when it can:
+    it is built for the (D, Dv) pairs of ``F32_CONFIGS`` and runs others up to 256 on
+    zero-padded copies (:func:`.configs.f32_shape`); larger ones, and tiles the device's
+    shared memory cannot hold, run on numba-cuda's exact kernels.  Calls with no query row or
+    no key run without a launch."""
+    b, hq, lq, d = q_shape
+    shape = f32_shape(d, v_shape[-1])
+    if shape is None:
+        return (f"the float32 attention kernels take D and Dv up to {max(F32_CONFIGS)[0]}, "
+                f"not D={d}, Dv={v_shape[-1]}")
+    if b * hq * lq == 0 or k_shape[2] == 0:
+        return None
+    need = F32_CONFIGS[shape].shared_bytes()
+    if shared_limit is not None and need > shared_limit:
+        return (f"the float32 attention kernel at D={shape[0]}, Dv={shape[1]} takes {need} "
+                f"bytes of shared memory a block; this device gives {shared_limit}")
+    return _launch_reason(b, hq, lq, k_shape[2])
+
+
+def _launch_reason(b: int, hq: int, lq: int, lk: int) -> str | None:
+    """Why one launch of the float32 forwards cannot address these sizes, or None."""
+    if b > 65535 or hq > 65535:
+        return "more than 65535 batches or heads per launch"
+    if max(lq, lk) >= 2**31 // 256:
+        return "sequences too long for 32-bit indexing"
+    return None
+
+
 def tf32_reason(
     q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...]
 ) -> str | None:
@@ -357,11 +397,7 @@ def tf32_reason(
                 f"not D={d}, Dv={v_shape[-1]}")
     if b * hq * lq == 0 or k_shape[2] == 0:
         return None
-    if b > 65535 or hq > 65535:
-        return "more than 65535 batches or heads per launch"
-    if max(lq, k_shape[2]) >= 2**31 // 256:
-        return "sequences too long for 32-bit indexing"
-    return None
+    return _launch_reason(b, hq, lq, k_shape[2])
 
 
 def attention_reason(

@@ -1,16 +1,20 @@
 """Tests marked ``gpu`` need a CUDA device that CuPy sees; without one they are skipped.
-The fixture ``ptxas`` builds kernel instantiations with nvcc and reads ptxas's report."""
+The fixture ``ptxas`` builds kernel instantiations with nvcc and reads ptxas's report;
+``host_kernels`` builds them for the CPU (tests/host/emulation.h) and returns launchers."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,5 +79,82 @@ def ptxas(tmp_path: Path) -> Callable[[str, Sequence[str], str], PtxasBuild]:
         failed = [err[-3000:] for rc, err, _ in results if rc != 0]
         assert not failed, "\n".join(failed)
         return PtxasBuild("".join(err for _, err, _ in results), [c for _, _, c in results])
+
+    return build
+
+
+HOST = HERE / "host"
+HOST_PRIMITIVES = ("sk_cp_async16", "sk_cp_async_commit", "sk_cp_async_wait", "sk_ex2")
+"""Device functions written in PTX that tests/host/primitives.h gives a host meaning."""
+_CTYPES = {"Q": ctypes.c_void_p, "q": ctypes.c_longlong, "i": ctypes.c_int,
+           "f": ctypes.c_float}
+_CNAMES = {"Q": "void*", "q": "long long", "i": "int", "f": "float"}
+
+
+def host_source(filename: str) -> str:
+    """The kernel source (local includes inlined) with the definitions of
+    :data:`HOST_PRIMITIVES` it has taken out, for a host build beside tests/host/primitives.h
+    (a primitive left in would fail the build: g++ takes no PTX)."""
+    from softmaxkit_cupy.compiler import source
+
+    text = source(filename)
+    for name in HOST_PRIMITIVES:
+        found = re.search(r"(template\s*<[^>]*>\s*)?__device__ __forceinline__ [\w:<>]+ "
+                          + name + r"\s*\(", text)
+        if found is None:
+            continue  # not used by this source
+        depth, end = 0, text.index("{", found.end())
+        while True:  # to the brace that closes the body
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+            end += 1
+        text = text[:found.start()] + text[end + 1:]
+    return text
+
+
+@pytest.fixture(scope="session")
+def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
+    """``build(filename, names, codes)``: kernels ``names`` of kernels/``filename`` (their
+    parameters as the launch codes ``codes`` of :mod:`softmaxkit_cupy.launches` say) built
+    for the CPU with g++; returns ``{name: launch}``, where ``launch(grid, threads, shared,
+    *args)`` runs the kernel over the grid, its pointer arguments given as addresses.
+    Skips without g++."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed")
+    folder = tmp_path_factory.mktemp("host")
+
+    def build(filename: str, names: Sequence[str], codes: str) -> dict[str, Any]:
+        params = ", ".join(f"{_CNAMES[c]} a{j}" for j, c in enumerate(codes))
+        call = ", ".join(f"sk_host_ptr{{a{j}}}" if c == "Q" else f"a{j}"
+                         for j, c in enumerate(codes))
+        wrappers = "\n".join(
+            f'extern "C" void sk_host_{i}(unsigned gx, unsigned gy, unsigned gz, '
+            f"unsigned threads, unsigned long long shared, {params}) {{ "
+            f"sk_host_launch({{gx, gy, gz}}, threads, shared, [&] {{ {name}({call}); }}); }}"
+            for i, name in enumerate(names))
+        unit = folder / f"{filename}.{len(list(folder.iterdir()))}.cpp"
+        unit.write_text(host_source(filename) + "\n" + wrappers + "\n")
+        library = unit.with_suffix(".so")
+        done = subprocess.run(
+            [gxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-w", f"-I{HOST}",
+             "-include", "emulation.h", "-include", "primitives.h", str(unit), "-o",
+             str(library)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-5000:]
+        loaded = ctypes.CDLL(str(library))
+        launches = {}
+        for i, name in enumerate(names):
+            function = getattr(loaded, f"sk_host_{i}")
+            function.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong] + [
+                _CTYPES[c] for c in codes]
+            function.restype = None
+
+            def launch(grid: tuple[int, int, int], threads: int, shared: int, *args: Any,
+                       function: Any = function) -> None:
+                function(*grid, threads, shared, *args)
+
+            launches[name] = launch
+        return launches
 
     return build

@@ -1,22 +1,24 @@
-"""The cupy backend serves float32 attention at precisions "tf32" and "tf32x3" only (its TF32
-kernels), leaves "float32" and every float32 gradient to the exact kernels, and declines the
-head dimensions its TF32 kernels are not built for, with the reason."""
+"""The cupy backend serves float32 attention at precisions "tf32" and "tf32x3" (its TF32
+kernels) and, once ``configs.F32_SERVED`` says so, at "float32" (its exact CUDA-core
+kernels), leaves every other float32 call and every float32 gradient to numba-cuda's exact
+kernels, and declines the head dimensions its kernels are not built for, and tiles the
+device's shared memory cannot hold, with the reason."""
 
 from __future__ import annotations
 
 import pytest
 from softmaxkit_cupy import manifest as mf
-from softmaxkit_cupy.configs import TF32_CONFIGS, tf32_config, tf32_names
+from softmaxkit_cupy.configs import F32_SERVED, TF32_CONFIGS, tf32_config, tf32_names
 
 from softmaxkit import registry
 from softmaxkit.backend import Backend
 
 
-def test_float32_attention_is_served_at_the_tf32_precisions_only() -> None:
+def test_float32_attention_is_served_at_the_declared_precisions() -> None:
     backend = Backend.from_manifest(mf.manifest())
     assert backend.takes_precision("attention")
     assert not backend.takes_precision("attention_vjp")
-    for precision, served in (("float32", False), ("tf32x3", True), ("tf32", True)):
+    for precision, served in (("float32", F32_SERVED), ("tf32x3", True), ("tf32", True)):
         assert backend.serves_key("attention", "cuda", "float32", precision) is served
         assert not backend.serves_key("attention_vjp", "cuda", "float32", precision)
         assert not backend.serves_key("varlen_attention", "cuda", "float32", precision)
@@ -24,14 +26,19 @@ def test_float32_attention_is_served_at_the_tf32_precisions_only() -> None:
         assert backend.serves_key("attention", "cuda", dtype, "float32")
 
 
-def test_dispatch_orders_cupy_first_at_tf32_and_leaves_it_out_at_float32() -> None:
+def test_dispatch_orders_cupy_first_where_it_serves() -> None:
     registry.reload()
     try:
-        order, left_out = registry.candidates("attention", "cuda", "float32", "tf32x3")
+        order, _ = registry.candidates("attention", "cuda", "float32", "tf32x3")
         exact = [name for name in ("numba-cuda", "reference") if name in order]
         assert exact and all(order.index("cupy") < order.index(name) for name in exact)
         order, left_out = registry.candidates("attention", "cuda", "float32")
-        assert "cupy" not in order and "at precision 'float32'" in left_out["cupy"]
+        if F32_SERVED:
+            assert all(order.index("cupy") < order.index(name) for name in exact)
+        else:
+            assert "cupy" not in order and "at precision 'float32'" in left_out["cupy"]
+        order, _ = registry.candidates("attention_vjp", "cuda", "float32")
+        assert "cupy" not in order
     finally:
         registry.reload()
 
@@ -72,7 +79,7 @@ def test_head_dims_run_at_the_smallest_built_width_that_holds_them() -> None:
 def test_float32_calls_at_the_tf32_precisions_are_taken(monkeypatch) -> None:
     """``can_run`` takes float32 attention its TF32 kernels are built for (D, Dv up to 128)
     and declines larger head dimensions with the reason; the registry offers cupy float32
-    attention at ``"tf32"`` and ``"tf32x3"`` only (the exact kernels are numba-cuda's)."""
+    attention at every precision and no float32 gradient."""
     torch = pytest.importorskip("torch")
 
     from softmaxkit.ops import Call
@@ -91,5 +98,43 @@ def test_float32_calls_at_the_tf32_precisions_are_taken(monkeypatch) -> None:
     cupy = registry()["cupy"]
     assert cupy.serves_key("attention", "cuda", "float32", "tf32")
     assert cupy.serves_key("attention", "cuda", "float32", "tf32x3")
-    assert not cupy.serves_key("attention", "cuda", "float32", "float32")
+    assert cupy.serves_key("attention", "cuda", "float32", "float32") is F32_SERVED
     assert not cupy.serves_key("attention_vjp", "cuda", "float32", "tf32")
+
+
+@pytest.mark.parametrize(("q", "k", "v", "limit", "declined"), [
+    ((2, 8, 300, 64), (2, 2, 400, 64), (2, 2, 400, 64), None, False),
+    ((1, 4, 16, 80), (1, 4, 16, 80), (1, 4, 16, 80), None, False),  # padded to 96
+    ((1, 4, 16, 192), (1, 4, 16, 192), (1, 4, 16, 128), None, False),  # its own pair
+    ((1, 4, 16, 256), (1, 4, 16, 256), (1, 4, 16, 256), 227 * 1024, False),
+    ((1, 4, 16, 256), (1, 4, 16, 256), (1, 4, 16, 256), 163 * 1024, True),  # sm_80
+    ((1, 4, 16, 128), (1, 4, 16, 128), (1, 4, 16, 128), 99 * 1024, True),  # sm_86
+    ((1, 4, 16, 32), (1, 4, 16, 32), (1, 4, 16, 32), 99 * 1024, False),
+    ((1, 4, 0, 256), (1, 4, 10, 256), (1, 4, 10, 256), 1024, False),  # no launch
+    ((1, 4, 16, 264), (1, 4, 16, 264), (1, 4, 16, 264), None, True),
+    ((1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 300), None, True),
+    ((70000, 1, 16, 64), (70000, 1, 16, 64), (70000, 1, 16, 64), None, True),
+])
+def test_f32_reasons(q, k, v, limit, declined) -> None:
+    reason = mf.f32_reason(q, k, v, limit)
+    assert (reason is not None) is declined, reason
+
+
+def test_exact_float32_calls_are_taken_with_their_precision(monkeypatch) -> None:
+    """A float32 call at the default precision goes to the exact kernels' reason (asked once
+    they are served): head dimensions up to 256 (128 for the TF32 kernels)."""
+    torch = pytest.importorskip("torch")
+
+    from softmaxkit.ops import Call
+
+    monkeypatch.setattr(mf, "_library", lambda a: "torch")  # CPU tensors stand in for CUDA
+    monkeypatch.setattr(mf, "_shared_limit", lambda a: 227 * 1024)
+    wide = torch.zeros(1, 4, 16, 160)
+    for precision, taken in (("float32", True), ("tf32", False)):
+        call = Call("attention", None, "cuda", "float32",
+                    {"q": wide, "k": wide, "v": wide, "mask": None, "precision": precision})
+        assert (mf.can_run(call) is True) is taken
+    huge = torch.zeros(1, 4, 16, 320)
+    call = Call("attention", None, "cuda", "float32",
+                {"q": huge, "k": huge, "v": huge, "mask": None, "precision": "float32"})
+    assert "up to 256" in mf.can_run(call)

@@ -1,12 +1,14 @@
 """Time float32 attention at each ``precision=`` beside torch SDPA's memory-efficient backend.
 
 Eager forward calls, float32 B2 H16 at L1024 and L4096, D 64 and 128, causal and not:
-``sk.attention`` at ``"float32"`` (the exact kernels), ``"tf32x3"`` and ``"tf32"`` (the TF32
-tensor-core kernels) and ``torch.nn.functional.scaled_dot_product_attention`` under
+``sk.attention`` at ``"float32"`` (the exact kernels the dispatch picks), ``"tf32x3"`` and
+``"tf32"`` (the TF32 tensor-core kernels), the cupy backend's exact CUDA-core kernels
+(kernels/attention_f32.cu) through their adapter whether served or not (``f32 cupy``), and
+``torch.nn.functional.scaled_dot_product_attention`` under
 ``sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)``, each the median of
-``triton.testing.do_bench``; TFLOP/s count 4 B H L^2 D, halved for causal.  The TF32
-kernels' other tile configurations (``configs.TF32_ALTERNATIVES``) are checked and timed too,
-through the adapter, so one run says which tiles to declare.  torch's
+``triton.testing.do_bench``; TFLOP/s count 4 B H L^2 D, halved for causal.  The other tile
+configurations (``configs.TF32_ALTERNATIVES``, ``configs.F32_ALTERNATIVES``) are checked and
+timed too, through the adapters, so one run says which tiles to declare.  torch's
 ``allow_tf32`` is set False: it does not reach the efficient backend, whose float32 kernels
 use CUTLASS's 3xTF32 products on sm_80 and later whatever it says.
 
@@ -30,6 +32,7 @@ B, H = 2, 16
 LENGTHS = (1024, 4096)
 HEAD_DIMS = (64, 128)
 PRECISIONS = ("float32", "tf32x3", "tf32")
+EXACT = "f32 cupy"
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,8 +71,9 @@ def measure(length: int, d: int, causal: bool) -> dict:
     """One configuration: each call checked (at the first length) and timed."""
     import array_api_compat.torch as xp
     import triton.testing
+    from softmaxkit_cupy.attention_f32 import attention as f32_attention
     from softmaxkit_cupy.attention_tf32 import attention as tf32_attention
-    from softmaxkit_cupy.configs import TF32_ALTERNATIVES, tf32_names
+    from softmaxkit_cupy.configs import F32_ALTERNATIVES, TF32_ALTERNATIVES, f32_config, tf32_names
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -92,8 +96,17 @@ def measure(length: int, d: int, causal: bool) -> dict:
                               mask=None, softcap=None, return_lse=True, precision=precision,
                               config=config)
 
+    def exact(config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return f32_attention(xp, q=q, k=k, v=v, scale=d ** -0.5,
+                             causal="bottom_right" if causal else None, window=(-1, -1),
+                             mask=None, softcap=None, return_lse=True, config=config)
+
     calls = {p: (lambda p=p: ours(p)) for p in PRECISIONS}
+    calls[EXACT] = lambda: exact(f32_config(d, d, False))
     calls["torch-efficient"] = efficient
+    for c in F32_ALTERNATIVES:
+        if c.head_dim == d:
+            calls[f"{EXACT} {c.warps}w n{c.block_n}"] = lambda c=c: exact(c)
     declared = set(tf32_names())
     for c in TF32_ALTERNATIVES:  # other tiles, through the adapter
         if c.head_dim == d:
@@ -142,7 +155,7 @@ def main() -> int:
                 print(f"L{length} D{d} {'causal' if causal else 'full'}: " + "; ".join(
                     f"{n} {row['tflops'][n]:.1f} TFLOP/s, err {row['errors'][n]} "
                     f"({row['ran'][n]})" for n in row["times"]), flush=True)
-    names = (*PRECISIONS, "torch-efficient")
+    names = (*PRECISIONS, EXACT, "torch-efficient")
     print(f"\n({time.perf_counter() - started:.0f} s) float32 B{B} H{H}, eager forward: "
           "TFLOP/s (ratio to torch-efficient)")
     print("     L    D causal | " + " | ".join(f"{n:>17}" for n in names))
@@ -157,14 +170,14 @@ def main() -> int:
         if row["length"] == LENGTHS[0]:
             print(f"{row['length']:>6} {row['d']:>4} {str(row['causal']):>6} | "
                   + " | ".join(f"{row['errors'][n]:>17}" for n in names))
-    print("\nother TF32 tiles (tools: configs.TF32_ALTERNATIVES), TF32 tiles declared first: "
-          "TFLOP/s, error at L1024")
+    print("\nother tiles (configs.TF32_ALTERNATIVES, configs.F32_ALTERNATIVES), the declared "
+          "ones first: TFLOP/s, error at L1024")
     for row in rows:
         others = [n for n in row["times"] if n not in names]
         if others:
             print(f"{row['length']:>6} {row['d']:>4} {str(row['causal']):>6} | " + "; ".join(
                 f"{n}: {row['tflops'][n]:.1f} ({row['errors'][n]})"
-                for n in (*PRECISIONS[1:], *others)))
+                for n in (*PRECISIONS[1:], EXACT, *others)))
     bad = [r for r in rows if "NaN" in r["errors"].values()]
     return 1 if bad else 0
 

@@ -1,0 +1,145 @@
+// CUDA C++ on the host, for the tests: a kernel's source compiles with g++ and runs one
+// block at a time, each of its threads a std::thread, so its indexing, tiling, exclusions and
+// online softmax are checked against float64 on a machine without a GPU.
+//
+// __syncthreads and __syncwarp are barriers; a warp shuffle is a store, a barrier, a load
+// and a barrier; the block's dynamic shared memory is one buffer, filled with NaN before
+// each block, so a read of anything not written first shows.  Primitives written in PTX are
+// replaced by their host meaning (tests/conftest.py, host_kernel): cp.async copies at once
+// (stricter than the device about a copy into memory other threads still read), ex2.approx
+// is exp2f.  What this cannot show: timing, bank conflicts, races the barriers hide.
+#pragma once
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __cluster_dims__(...)
+#define __restrict__ __restrict
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
+
+struct sk_host_dim3 {
+    unsigned x = 0, y = 0, z = 0;
+};
+inline thread_local sk_host_dim3 threadIdx, blockIdx;
+inline sk_host_dim3 gridDim, blockDim;
+
+struct __attribute__((aligned(16))) float4 {
+    float x, y, z, w;
+};
+struct __attribute__((aligned(8))) float2 {
+    float x, y;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
+
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __logf(float x) { return std::log(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline unsigned __cvta_generic_to_shared(const void*) { return 0u; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+[[noreturn]] inline void __trap() { std::abort(); }
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+
+// The block's barriers and the warps' exchange slots (one block runs at a time).
+struct sk_host_block {
+    std::barrier<> block;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    std::vector<unsigned long long> slots;
+    explicit sk_host_block(unsigned threads)
+        : block(static_cast<std::ptrdiff_t>(threads)), slots(threads) {
+        for (unsigned w = 0; w < (threads + 31) / 32; ++w)
+            warps.push_back(std::make_unique<std::barrier<>>(
+                static_cast<std::ptrdiff_t>(threads - 32 * w < 32 ? threads - 32 * w : 32)));
+    }
+};
+inline sk_host_block* sk_host_current = nullptr;
+
+inline void __syncthreads() { sk_host_current->block.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) {
+    sk_host_current->warps[threadIdx.x / 32]->arrive_and_wait();
+}
+template <typename T> inline T sk_host_shuffle(T v, unsigned from) {
+    static_assert(sizeof(T) <= 8, "one slot a lane");
+    const unsigned me = threadIdx.x, base = me & ~31u;
+    unsigned long long bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    sk_host_current->slots[me] = bits;
+    __syncwarp();
+    bits = sk_host_current->slots[base + (from & 31u)];
+    __syncwarp();
+    T r;
+    std::memcpy(&r, &bits, sizeof(T));
+    return r;
+}
+inline unsigned __ballot_sync(unsigned, int predicate) {
+    const unsigned me = threadIdx.x, base = me & ~31u;
+    auto& slots = sk_host_current->slots;
+    slots[me] = predicate != 0;
+    __syncwarp();
+    unsigned word = 0;
+    for (unsigned l = 0; l < 32 && base + l < slots.size(); ++l)
+        word |= static_cast<unsigned>(slots[base + l] != 0) << l;
+    __syncwarp();
+    return word;
+}
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
+    return sk_host_shuffle(v, (threadIdx.x & 31u) ^ static_cast<unsigned>(mask));
+}
+template <typename T> inline T __shfl_sync(unsigned, T v, int lane) {
+    return sk_host_shuffle(v, static_cast<unsigned>(lane));
+}
+
+// The dynamic shared memory of the block running now (the kernels name it sk_smem).
+alignas(16) inline unsigned char sk_smem[256 * 1024];
+
+// Run `kernel` (a callable of no arguments) over a grid of blocks of `threads` threads.
+inline void sk_host_launch(sk_host_dim3 grid, unsigned threads, std::size_t shared,
+                           const std::function<void()>& kernel) {
+    if (shared > sizeof(sk_smem)) std::abort();
+    gridDim = grid;
+    blockDim = {threads, 1, 1};
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                const float nan = std::nanf("");
+                for (std::size_t i = 0; i + 4 <= sizeof(sk_smem); i += 4)
+                    std::memcpy(sk_smem + i, &nan, 4);
+                sk_host_block block(threads);
+                sk_host_current = &block;
+                std::vector<std::thread> team;
+                for (unsigned t = 0; t < threads; ++t)
+                    team.emplace_back([=, &kernel] {
+                        threadIdx = {t, 0, 0};
+                        blockIdx = {x, y, z};
+                        kernel();
+                    });
+                for (auto& th : team) th.join();
+                sk_host_current = nullptr;
+            }
+}
+
+// A kernel's pointer parameter from an address.
+struct sk_host_ptr {
+    void* p;
+    template <typename T> operator T*() const { return static_cast<T*>(p); }
+};

@@ -1,0 +1,230 @@
+"""The exact float32 attention forward on CUDA cores (kernels/attention_f32.cu) through its
+adapter: against the float64 definition on fresh random inputs, on memory that held NaN just
+before the call, within the float32 row of spec "Attention tolerances" and, elementwise,
+within the bound of spec "Precision" at ``"tf32x3"`` (float32 products are more exact than
+its split ones, and the sums are the same float32 sums); every declared tile and every
+alternative, every forward feature, head dimensions built and padded.  Through the default
+dispatch, float32 calls reach it once it is served (``configs.F32_SERVED``), numba-cuda's
+exact kernels before, and the gradient through torch autograd runs on numba-cuda's kernels.
+Skipped without a CUDA device of compute capability 8.0 or more.
+
+Run: ``python -m pytest -q backends/cupy/tests/test_f32_gpu.py`` (``-s`` prints each case's
+errors).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device (conftest.py)
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ampere_or_later() -> None:
+    import cupy
+
+    if int(cupy.cuda.Device().compute_capability) < 80:
+        pytest.skip("the cupy kernels need compute capability 8.0 or more")
+
+
+CASES = [
+    dict(b=2, hq=4, hk=4, lq=257, lk=300),
+    dict(b=1, hq=4, hk=4, lq=300, lk=300, causal="bottom_right"),
+    dict(b=1, hq=8, hk=2, lq=200, lk=333, causal="bottom_right"),  # GQA
+    dict(b=1, hq=4, hk=2, lq=333, lk=150, causal="bottom_right"),  # rows with no key
+    dict(b=1, hq=4, hk=1, lq=333, lk=150, causal="top_left"),
+    dict(b=1, hq=4, hk=2, lq=300, lk=400, window=(70, 20)),
+    dict(b=1, hq=4, hk=2, lq=260, lk=260, causal="bottom_right", window=(90, -1),
+         softcap=5.0),
+    dict(b=1, hq=4, hk=2, lq=200, lk=250, causal="bottom_right", mask=True),
+    dict(b=1, hq=2, hk=2, lq=130, lk=170, mask=True),
+    dict(b=1, hq=2, hk=2, lq=1, lk=1000),  # one query row: a block of padding rows
+]
+
+
+def _case_id(c: dict) -> str:
+    return "-".join(f"{k}{v}" for k, v in c.items())
+
+
+def _inputs(d: int, dv: int, case: dict, seed: int):
+    """q, k, v (float32, CUDA, scaled so scores reach a few units) and the mask or None."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b, hq, hk, lq, lk = (case[n] for n in ("b", "hq", "hk", "lq", "lk"))
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", generator=gen) * scale
+
+    q, k, v = randn(b, hq, lq, d, scale=1.5), randn(b, hk, lk, d, scale=1.5), randn(b, hk, lk, dv)
+    mask = None
+    if case.get("mask"):
+        mask = torch.rand(b, hq, lq, lk, device="cuda", generator=gen) > 0.3
+        mask[:, :, 5, :] = False  # a row with no allowed key
+    return q, k, v, mask
+
+
+def _options(case: dict) -> dict:
+    return {"causal": case.get("causal"), "window": case.get("window"),
+            "softcap": case.get("softcap")}
+
+
+def _numpy(a):
+    return None if a is None else a.cpu().numpy()
+
+
+def _check(got: tuple, q, k, v, mask, case: dict, what: str) -> None:
+    """``got`` = (out, lse) against float64: the tolerance table and the elementwise bound."""
+    from softmaxkit.testing import materialized as ref
+    from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
+    from softmaxkit.testing.precision import attention_bound
+
+    opts = _options(case)
+    qn, kn, vn, mn = (_numpy(a) for a in (q, k, v, mask))
+    want, want_lse = ref.attention(qn, kn, vn, mask=mn, **opts)
+    out_bound, lse_bound = attention_bound(qn, kn, vn, precision="tf32x3", mask=mn, **opts)
+    out, lse = (_numpy(a).astype(np.float64) for a in got)
+    empty = want_lse == -np.inf
+    assert np.all(lse[empty] == -np.inf) and np.all(out[empty] == 0), f"{what}: empty rows"
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), f"{what}: NaN left"
+    err, lerr = np.abs(out - want), np.abs(lse[~empty] - want_lse[~empty])
+    rel = ref.rel_frobenius(out, want)
+    out_tol, lse_tol, _ = ATTENTION_TOLERANCES["float32"]
+    report = (f"{what}: out relative Frobenius {rel:.3g}, max error {err.max():.3g} (worst "
+              f"error/bound {np.max(err / np.maximum(out_bound, 1e-300)):.3g}); lse max error "
+              f"{lerr.max() if lerr.size else 0.0:.3g}")
+    print(report)
+    assert rel <= out_tol and (lerr.size == 0 or lerr.max() <= lse_tol), report
+    assert np.all(err <= out_bound) and np.all(lerr <= lse_bound[~empty]), report
+
+
+def _forward(d: int, dv: int, case: dict, config=None):
+    """(out, lse) of the adapter on fresh inputs, into memory that held NaN; the inputs."""
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy.attention_f32 import attention
+
+    q, k, v, mask = _inputs(d, dv, case, seed=d * 1000 + dv + case["lq"])
+    b, hq, lq = case["b"], case["hq"], case["lq"]
+    junk = [torch.full(s, math.nan, device="cuda") for s in ((b, hq, lq, dv), (b, hq, lq))]
+    del junk  # the results' memory held NaN
+    opts = _options(case)
+    got = attention(xp, q=q, k=k, v=v, scale=d ** -0.5, causal=opts["causal"],
+                    window=opts["window"] or (-1, -1), mask=mask, softcap=opts["softcap"],
+                    return_lse=True, config=config)
+    torch.cuda.synchronize()
+    return got, (q, k, v, mask)
+
+
+def _fits(config) -> bool:
+    import cupy
+    from softmaxkit_cupy.interop import shared_limit
+
+    return config.shared_bytes() <= shared_limit(cupy.cuda.runtime.getDevice())
+
+
+@pytest.mark.parametrize(("d", "dv"), [(32, 32), (64, 64), (96, 96), (128, 128), (160, 160),
+                                       (192, 128), (192, 192), (256, 256)])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_forward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
+    from softmaxkit_cupy.configs import f32_config
+
+    if not _fits(f32_config(d, dv, True)):
+        pytest.skip("the tiles do not fit this device's shared memory")
+    got, arrays = _forward(d, dv, case)
+    _check(got, *arrays, case, f"D={d} Dv={dv} {_case_id(case)}")
+
+
+@pytest.mark.parametrize(("d", "dv"), [(16, 16), (48, 48), (80, 80), (64, 32), (40, 112),
+                                       (136, 136), (248, 248)])
+@pytest.mark.parametrize("case", [CASES[1], CASES[7]], ids=_case_id)
+def test_padded_head_dims_within_float32_bounds(d: int, dv: int, case: dict) -> None:
+    """Head dims the kernels are not built for run on zero-padded copies of a built pair."""
+    from softmaxkit_cupy.configs import f32_config, f32_shape
+
+    if not _fits(f32_config(*f32_shape(d, dv), True)):
+        pytest.skip("the tiles do not fit this device's shared memory")
+    got, arrays = _forward(d, dv, case)
+    _check(got, *arrays, case, f"D={d} Dv={dv} {_case_id(case)}")
+
+
+def _alternatives() -> list:
+    from softmaxkit_cupy.configs import F32_ALTERNATIVES
+
+    return list(F32_ALTERNATIVES)
+
+
+@pytest.mark.parametrize("config", _alternatives(), ids=str)
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=_case_id)
+def test_alternative_tiles_within_float32_bounds(config, case: dict) -> None:
+    if not _fits(config):
+        pytest.skip("the tiles do not fit this device's shared memory")
+    got, arrays = _forward(config.head_dim, config.value_dim, case, config=config)
+    _check(got, *arrays, case, f"{config} {_case_id(case)}")
+
+
+def test_default_dispatch_of_float32_calls() -> None:
+    """Served: the default float32 call runs here on the declared tile; not yet: on
+    numba-cuda's exact kernels (or whatever leads them), never on the TF32 kernels."""
+    from softmaxkit_cupy.configs import F32_SERVED, f32_config
+
+    import softmaxkit as sk
+
+    case = CASES[1]
+    q, k, v, _ = _inputs(64, 64, case, seed=3)
+    with sk.backend_opts(trace=True) as trace:
+        out, lse = sk.attention(q, k, v, return_lse=True, **_options(case))
+    record = trace[-1]
+    if F32_SERVED:
+        assert record.backend == "cupy" and record.kernel == f32_config(64, 64, False).name()
+    else:
+        assert record.backend != "cupy", record
+    _check((out, lse), q, k, v, None, case, f"default dispatch on {record.backend}")
+
+
+def test_long_rows_and_non_finite_inputs() -> None:
+    """Rows of 4096 keys stay within the bounds; a NaN in q makes its row NaN, an infinite
+    key the rows whose score with it is +inf or NaN, as in the float64 definition."""
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy.attention_f32 import attention
+
+    from softmaxkit.testing import materialized as ref
+
+    case = dict(b=1, hq=2, hk=2, lq=64, lk=4096)
+    got, arrays = _forward(64, 64, case)
+    _check(got, *arrays, case, "L4096")
+    q, k, v, _ = _inputs(64, 64, dict(b=1, hq=1, hk=1, lq=70, lk=90), seed=7)
+    q[0, 0, 3, 5] = math.nan
+    k[0, 0, 40, 0] = math.inf
+    out, lse = attention(xp, q=q, k=k, v=v, scale=0.125, causal="bottom_right",
+                         window=(-1, -1), mask=None, softcap=None, return_lse=True)
+    out, lse = _numpy(out), _numpy(lse)
+    with np.errstate(invalid="ignore"):
+        want, want_lse = ref.attention(_numpy(q), _numpy(k), _numpy(v), causal="bottom_right")
+    nan_rows = np.isnan(want_lse[0, 0])
+    assert nan_rows[3] and nan_rows.sum() > 1 and not nan_rows.all()
+    assert np.array_equal(np.isnan(lse[0, 0]), nan_rows)
+    assert np.isnan(out[0, 0, nan_rows]).all() and np.isfinite(out[0, 0, ~nan_rows]).all()
+
+
+def test_gradient_through_autograd_is_exact() -> None:
+    """Through the default dispatch (this forward once served) and numba-cuda's backward:
+    gradients within the float32 row of the tolerances."""
+    import softmaxkit as sk
+    from softmaxkit.testing import materialized as ref
+    from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
+
+    case = dict(b=1, hq=4, hk=2, lq=150, lk=170, causal="bottom_right")
+    q, k, v, _ = _inputs(64, 64, case, seed=11)
+    q, k, v = (a.requires_grad_() for a in (q, k, v))
+    out = sk.attention(q, k, v, causal="bottom_right")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want = ref.attention_vjp(*(_numpy(a.detach()) for a in (q, k, v)), _numpy(dout),
+                             causal="bottom_right")
+    tol = ATTENTION_TOLERANCES["float32"][2]
+    for name, got, w in zip("qkv", (q.grad, k.grad, v.grad), want, strict=True):
+        err = ref.rel_frobenius(_numpy(got).astype(np.float64), w)
+        assert err <= tol, f"d{name}: {err:.3g}"
