@@ -25,6 +25,8 @@ import math
 from collections.abc import Callable, Collection
 from typing import Any
 
+import array_api_compat
+
 from softmaxkit.options import note_kernel
 
 from . import compiler, head_dims, interop
@@ -340,6 +342,57 @@ def float32_forward(
     interop.launch(kernel, q, (-(-lq // config.block_m), hq, b), config.threads,
                    FORWARD_PARAMS, args, config.shared_bytes())
     return out, (lse if return_lse else None)
+
+
+LOG2E = 1.4426950408889634
+
+
+def float32_backward(
+    xp: Any, kernel: Any, name: str, config: Any, *, q: Any, k: Any, v: Any, out: Any,
+    lse: Any, dout: Any, scale: float, causal: Any, window: tuple[int, int], mask: Any,
+    softcap: Any, dlse: Any,
+) -> tuple[Any, Any, Any]:
+    """Launch the float32 backward ``kernel`` (``name`` for the trace), whose parameters are
+    :data:`BACKWARD_PARAMS`, one block of ``config.threads`` threads and
+    ``config.shared_bytes()`` bytes per ``config.block_n`` keys of each (key head, batch);
+    (dq, dk, dv) in float32.
+
+    The rows' lse in log2 units (+inf where there is no allowed key, and on the rows padding
+    the queries to whole tiles of ``config.block_m``) and ``delta = rowsum(dout * out) -
+    dlse`` are array operations; the kernel writes dk and dv and adds dq's products into a
+    zeroed float32 buffer, which is scaled here.
+    """
+    b, hq, lq, d = (int(s) for s in q.shape)
+    hk, lk, dv_dim = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    q, k, v, dout = (_rows_ready(xp, a) for a in (q, k, v, dout))
+    lq_pad = -(-lq // config.block_m) * config.block_m
+    # per row: lse in log2 units (+inf: P = 0) and delta, padded rows +inf and 0
+    delta = xp.sum(out * dout, axis=-1)
+    if dlse is not None:
+        delta = delta - dlse
+    lse2 = xp.where(lse == -math.inf, math.inf, lse * LOG2E)
+    delta = xp.where(lse == -math.inf, 0.0, delta)
+    if lq_pad != lq:
+        device = array_api_compat.device(q)
+        lse2 = xp.concat([lse2, xp.full((b, hq, lq_pad - lq), math.inf, dtype=lse2.dtype,
+                                        device=device)], axis=-1)
+        delta = xp.concat([delta, xp.zeros((b, hq, lq_pad - lq), dtype=delta.dtype,
+                                           device=device)], axis=-1)
+    lse2, delta = (interop.contiguous(xp.astype(a, xp.float32)) for a in (lse2, delta))
+    dq_acc = interop.zeros(q, (b, hq, lq_pad, d), "float32")
+    dk = interop.empty(q, (b, hk, lk, d), "float32")
+    dv = interop.empty(q, (b, hk, lk, dv_dim), "float32")
+    _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
+                                                      lq, lk)
+    qs, ks, vs, gs = (interop.element_strides(a) for a in (q, k, v, dout))
+    note_kernel(name)
+    ptr = interop.pointer
+    interop.launch(kernel, q, (-(-lk // config.block_n), hk, b), config.threads,
+                   BACKWARD_PARAMS, (
+                       ptr(q), ptr(k), ptr(v), ptr(dout), m_ptr, ptr(lse2), ptr(delta),
+                       ptr(dq_acc), ptr(dk), ptr(dv), *qs[:3], *ks[:3], *vs[:3], *gs[:3],
+                       *m_strides, hq, hk, lq, lk, lq_pad, *options), config.shared_bytes())
+    return dq_acc[:, :, :lq, :] * scale, dk, dv
 
 
 def _attention(

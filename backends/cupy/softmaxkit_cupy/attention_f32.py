@@ -16,8 +16,23 @@ import functools
 from typing import Any
 
 from . import compiler, head_dims, interop
-from .attention import _forward_without_work, float32_forward
-from .configs import F32Config, f32_alternative_names, f32_config, f32_names, f32_shape
+from .attention import (
+    _backward_without_work,
+    _forward_without_work,
+    float32_backward,
+    float32_forward,
+)
+from .configs import (
+    F32BackwardConfig,
+    F32Config,
+    f32_alternative_names,
+    f32_backward_config,
+    f32_backward_names,
+    f32_backward_shape,
+    f32_config,
+    f32_names,
+    f32_shape,
+)
 
 
 @functools.cache
@@ -25,7 +40,7 @@ def _kernel(name: str) -> Any:
     """The kernel ``name`` of kernels/attention_f32.cu, built on first use with the module of
     every declared configuration (an alternative: with the module of the alternatives; any
     other configuration: alone)."""
-    for names in (f32_names(), f32_alternative_names()):
+    for names in (f32_names(), f32_alternative_names(), f32_backward_names()):
         if name in names:
             return compiler.function("attention_f32.cu", names, name)
     return compiler.function("attention_f32.cu", (name,), name)
@@ -72,3 +87,46 @@ def _attention(
     return float32_forward(xp, _kernel(name), name, config, q=q, k=k, v=v, scale=scale,
                            causal=causal, window=window, mask=mask, softcap=softcap,
                            return_lse=return_lse)
+
+
+def attention_vjp(
+    xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
+    causal: Any, window: tuple[int, int], mask: Any, softcap: Any, dlse: Any = None,
+    config: F32BackwardConfig | None = None,
+) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) of float32 attention in float32 arithmetic, recomputing P from ``lse``
+    (:func:`.attention.float32_backward`: sk_attn_bwd_f32).  A call whose (D, Dv) is not a
+    built pair runs on zero-padded copies (:func:`.configs.f32_backward_shape`), as in
+    :func:`attention`."""
+    fixed = _backward_without_work(q, k, v)
+    if fixed is not None:
+        return fixed
+    d, dv = int(q.shape[3]), int(v.shape[3])
+    shape = ((config.head_dim, config.value_dim) if config is not None
+             else f32_backward_shape(d, dv))
+    if shape is None or (shape != (d, dv) and shape[0] != shape[1]):
+        raise ValueError(f"no float32 attention backward for D={d}, Dv={dv}")
+    with interop.on_device(q):
+        return head_dims.gradients_padded(
+            xp, None if shape == (d, dv) else shape[0], lambda q, k, v, out, dout: _vjp(
+                xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale, causal=causal,
+                window=window, mask=mask, softcap=softcap, dlse=dlse, config=config),
+            q, k, v, out, dout)
+
+
+def _vjp(
+    xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
+    causal: Any, window: tuple[int, int], mask: Any, softcap: Any, dlse: Any,
+    config: F32BackwardConfig | None,
+) -> tuple[Any, Any, Any]:
+    """:func:`attention_vjp` of a call with work at a built pair of head dimensions."""
+    d, dv = int(q.shape[3]), int(v.shape[3])
+    config = config or f32_backward_config(d, dv, mask is not None)
+    if config is None or (config.head_dim, config.value_dim) != (d, dv):
+        raise ValueError(f"no float32 attention backward for D={d}, Dv={dv}")
+    if mask is not None and not config.mask:
+        raise ValueError(f"{config} is built without boolean-mask support")
+    name = config.name()
+    return float32_backward(xp, _kernel(name), name, config, q=q, k=k, v=v, out=out, lse=lse,
+                            dout=dout, scale=scale, causal=causal, window=window, mask=mask,
+                            softcap=softcap, dlse=dlse)

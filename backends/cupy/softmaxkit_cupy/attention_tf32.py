@@ -14,21 +14,14 @@ key get the spec's fixed results without a launch.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
-
-import array_api_compat
-
-from softmaxkit.options import note_kernel
 
 from . import compiler, head_dims, interop
 from .attention import (
-    BACKWARD_PARAMS,
     _backward_without_work,
     _forward_without_work,
-    _rows_ready,
+    float32_backward,
     float32_forward,
-    kernel_options,
 )
 from .configs import (
     Tf32BackwardConfig,
@@ -99,9 +92,6 @@ def _attention(
                            return_lse=return_lse)
 
 
-LOG2E = 1.4426950408889634
-
-
 def attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
     causal: Any, window: tuple[int, int], mask: Any, softcap: Any, precision: str,
@@ -137,39 +127,13 @@ def _vjp(
     config: Tf32BackwardConfig | None,
 ) -> tuple[Any, Any, Any]:
     """:func:`attention_vjp` of a call with work at a built head dimension (D = Dv)."""
-    b, hq, lq, d = (int(s) for s in q.shape)
-    hk, lk = int(k.shape[1]), int(k.shape[2])
+    d = int(q.shape[3])
     config = config or tf32_backward_config(d, mask is not None)
     if config is None or config.head_dim != d or int(v.shape[3]) != d:
         raise ValueError(f"no TF32 attention backward for D={d}, Dv={int(v.shape[3])}")
     if mask is not None and not config.mask:
         raise ValueError(f"{config} is built without boolean-mask support")
-    q, k, v, dout = (_rows_ready(xp, a) for a in (q, k, v, dout))
-    lq_pad = -(-lq // config.block_m) * config.block_m
-    # per row: lse in log2 units (+inf: P = 0) and delta, padded rows +inf and 0
-    delta = xp.sum(out * dout, axis=-1)
-    if dlse is not None:
-        delta = delta - dlse
-    lse2 = xp.where(lse == -math.inf, math.inf, lse * LOG2E)
-    delta = xp.where(lse == -math.inf, 0.0, delta)
-    if lq_pad != lq:
-        lse2 = xp.concat([lse2, xp.full((b, hq, lq_pad - lq), math.inf, dtype=lse2.dtype,
-                                        device=array_api_compat.device(q))], axis=-1)
-        delta = xp.concat([delta, xp.zeros((b, hq, lq_pad - lq), dtype=delta.dtype,
-                                           device=array_api_compat.device(q))], axis=-1)
-    lse2, delta = (interop.contiguous(xp.astype(a, xp.float32)) for a in (lse2, delta))
-    dq_acc = interop.zeros(q, (b, hq, lq_pad, d), "float32")
-    dk = interop.empty(q, (b, hk, lk, d), "float32")
-    dv = interop.empty(q, (b, hk, lk, d), "float32")
-    _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
-                                                      lq, lk)
-    qs, ks, vs, gs = (interop.element_strides(a) for a in (q, k, v, dout))
     name = config.name(precision)
-    note_kernel(name)
-    ptr = interop.pointer
-    interop.launch(_kernel(name), q, (-(-lk // config.block_n), hk, b), config.threads,
-                   BACKWARD_PARAMS, (
-                       ptr(q), ptr(k), ptr(v), ptr(dout), m_ptr, ptr(lse2), ptr(delta),
-                       ptr(dq_acc), ptr(dk), ptr(dv), *qs[:3], *ks[:3], *vs[:3], *gs[:3],
-                       *m_strides, hq, hk, lq, lk, lq_pad, *options), config.shared_bytes())
-    return dq_acc[:, :, :lq, :] * scale, dk, dv
+    return float32_backward(xp, _kernel(name), name, config, q=q, k=k, v=v, out=out, lse=lse,
+                            dout=dout, scale=scale, causal=causal, window=window, mask=mask,
+                            softcap=softcap, dlse=dlse)

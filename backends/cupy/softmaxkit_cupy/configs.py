@@ -877,6 +877,7 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention_sm90.cu", list(sm90_varlen_names())))
     modules.append(("attention_bwd_sm90.cu", list(sm90_varlen_backward_names())))
     modules.append(("attention_f32.cu", list(f32_names())))
+    modules.append(("attention_f32.cu", list(f32_backward_names())))
     modules.append(("attention_tf32.cu", list(tf32_names())))
     modules.append(("attention_tf32.cu", list(tf32_backward_names())))
     return modules
@@ -941,13 +942,82 @@ F32_ALTERNATIVES = (
 """Other exact float32 forward tiles, built on request only (``config=``), for
 tools/tf32_timing.py to time beside the declared ones."""
 
+@dataclass(frozen=True)
+class F32BackwardConfig:
+    """The exact float32 backward's tile shape (kernels/attention_f32.cu, sk_attn_bwd_f32):
+    ``warps`` warps of 16 keys each, query tiles of ``block_m`` rows; ``mask=False`` builds it
+    without the boolean mask's code."""
+
+    head_dim: int
+    value_dim: int
+    warps: int = 4
+    block_m: int = 32
+    mask: bool = True
+
+    @property
+    def block_n(self) -> int:
+        """Keys per block (16 a warp)."""
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 32 * self.warps
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: K and V, two stages of Q and dO (rows padded by 4 floats),
+        P^T / dS^T (rows of ``block_m + 8``) and two stages of the rows' lse2 and delta."""
+        d, dv, bm, bn = self.head_dim, self.value_dim, self.block_m, self.block_n
+        return 4 * ((bn + 2 * bm) * (d + dv + 8) + bn * (bm + 8) + 4 * bm)
+
+    def name(self) -> str:
+        """The C++ name expression of the kernel."""
+        return (f"sk_attn_bwd_f32<{self.head_dim}, {self.value_dim}, {self.warps}, "
+                f"{self.block_m}, {'true' if self.mask else 'false'}>")
+
+
+F32_BACKWARD_CONFIGS = {
+    (32, 32): F32BackwardConfig(32, 32, warps=4, block_m=32),
+    (64, 64): F32BackwardConfig(64, 64, warps=4, block_m=32),
+    (96, 96): F32BackwardConfig(96, 96, warps=4, block_m=32),
+    (128, 128): F32BackwardConfig(128, 128, warps=4, block_m=16),
+}
+"""The exact float32 backward for each (key, value) head dimension pair it is built for,
+with the boolean mask's code and without it (dK and dV of a lane's four keys take
+16 (D + Dv) / 32 registers: up to 128, two blocks a multiprocessor share its shared memory).
+Other pairs up to 128 run zero-padded to the next square pair (:func:`f32_backward_shape`);
+larger ones on numba-cuda's exact kernels."""
+
+
+def f32_backward_shape(d: int, dv: int) -> tuple[int, int] | None:
+    """The (key, value) head dimensions of ``F32_BACKWARD_CONFIGS`` a float32 gradient of
+    ``d`` and ``dv`` runs at (as :func:`f32_shape`), or None."""
+    if (d, dv) in F32_BACKWARD_CONFIGS:
+        return d, dv
+    return next(((w, w) for w, x in sorted(F32_BACKWARD_CONFIGS)
+                 if w == x and w >= max(d, dv)), None)
+
+
+def f32_backward_config(d: int, dv: int, masked: bool) -> F32BackwardConfig | None:
+    """The exact float32 backward configuration built for (``d``, ``dv``), or None."""
+    found = F32_BACKWARD_CONFIGS.get((d, dv))
+    return found if found is None or masked else replace(found, mask=False)
+
+
+def f32_backward_names() -> tuple[str, ...]:
+    """The name expressions of the exact float32 backward (a module of their own)."""
+    return tuple(c.name() for d, dv in F32_BACKWARD_CONFIGS for masked in (True, False)
+                 if (c := f32_backward_config(d, dv, masked)) is not None)
+
+
 F32_SERVED = False
-"""Whether the manifest serves float32 attention at ``precision="float32"`` on these
-kernels.  They are built, checked for registers and spills (tests/test_f32_nvcc.py) and
-checked against float64 on the CPU (tests/test_f32_host.py, the kernel run by
-tests/host/emulation.h); they are served once a device run has checked them against float64
-(tests/test_f32_gpu.py) and timed them faster than numba-cuda's exact kernels, which serve
-those calls until then (tools/tf32_timing.py)."""
+"""Whether the manifest serves float32 attention (and its gradient, at the head dimensions
+``F32_BACKWARD_CONFIGS`` holds) at ``precision="float32"`` on these kernels.  They are
+built and checked for registers and spills (tests/test_f32_nvcc.py) and checked against
+float64 on the CPU (tests/test_f32_host.py, the kernels run by tests/host/emulation.h); they
+are served once a device run has checked them against float64 (tests/test_f32_gpu.py) and
+timed them faster than numba-cuda's exact kernels, which serve those calls until then
+(tools/tf32_timing.py)."""
 
 
 def f32_shape(d: int, dv: int) -> tuple[int, int] | None:

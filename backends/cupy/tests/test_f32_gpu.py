@@ -3,9 +3,10 @@ adapter: against the float64 definition on fresh random inputs, on memory that h
 before the call, within the float32 row of spec "Attention tolerances" and, elementwise,
 within the bound of spec "Precision" at ``"tf32x3"`` (float32 products are more exact than
 its split ones, and the sums are the same float32 sums); every declared tile and every
-alternative, every forward feature, head dimensions built and padded.  Through the default
-dispatch, float32 calls reach it once it is served (``configs.F32_SERVED``), numba-cuda's
-exact kernels before, and the gradient through torch autograd runs on numba-cuda's kernels.
+alternative, every forward feature, head dimensions built and padded.  The backward
+(sk_attn_bwd_f32) through its adapter, each gradient against float64.  Through the default
+dispatch, float32 calls reach them once they are served (``configs.F32_SERVED``), numba-cuda's
+exact kernels before.
 Skipped without a CUDA device of compute capability 8.0 or more.
 
 Run: ``python -m pytest -q backends/cupy/tests/test_f32_gpu.py`` (``-s`` prints each case's
@@ -210,7 +211,7 @@ def test_long_rows_and_non_finite_inputs() -> None:
 
 
 def test_gradient_through_autograd_is_exact() -> None:
-    """Through the default dispatch (this forward once served) and numba-cuda's backward:
+    """Through the default dispatch (these kernels once served, numba-cuda's before):
     gradients within the float32 row of the tolerances."""
     import softmaxkit as sk
     from softmaxkit.testing import materialized as ref
@@ -228,3 +229,36 @@ def test_gradient_through_autograd_is_exact() -> None:
     for name, got, w in zip("qkv", (q.grad, k.grad, v.grad), want, strict=True):
         err = ref.rel_frobenius(_numpy(got).astype(np.float64), w)
         assert err <= tol, f"d{name}: {err:.3g}"
+
+
+@pytest.mark.parametrize(("d", "dv"), [(32, 32), (64, 64), (96, 96), (128, 128), (48, 80)])
+@pytest.mark.parametrize("case", CASES[:9], ids=_case_id)
+def test_backward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
+    """The backward's adapter (sk_attn_bwd_f32) from the forward's out and lse, with an lse
+    cotangent, its results on memory that held NaN: each gradient within the float32 row of
+    the tolerances against float64 (spec "Gradients")."""
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy.attention_f32 import attention_vjp
+
+    from softmaxkit.testing import materialized as ref
+    from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
+
+    (out, lse), (q, k, v, mask) = _forward(d, dv, case)
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    dout = torch.randn(out.shape, device="cuda", generator=gen)
+    dlse = torch.where(lse == -math.inf, 0.0, torch.randn(lse.shape, device="cuda",
+                                                          generator=gen))
+    junk = [torch.full(a.shape, math.nan, device="cuda") for a in (q, k, v)]
+    del junk  # the gradients' memory held NaN
+    opts = _options(case)
+    got = attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse,
+                        scale=d ** -0.5, causal=opts["causal"],
+                        window=opts["window"] or (-1, -1), mask=mask, softcap=opts["softcap"])
+    torch.cuda.synchronize()
+    want = ref.attention_vjp(*(_numpy(a) for a in (q, k, v, dout)), dlse=_numpy(dlse),
+                             mask=_numpy(mask), **opts)
+    tol = ATTENTION_TOLERANCES["float32"][2]
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        err = ref.rel_frobenius(_numpy(g).astype(np.float64), w)
+        print(f"D={d} Dv={dv} {_case_id(case)} {name}: {err:.3g}")
+        assert err <= tol, f"{name}: relative Frobenius {err:.3g}"

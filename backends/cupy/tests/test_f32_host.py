@@ -15,12 +15,13 @@ import math
 
 import numpy as np
 import pytest
-from softmaxkit_cupy.attention import FORWARD_PARAMS
+from softmaxkit_cupy.attention import BACKWARD_PARAMS, FORWARD_PARAMS
 from softmaxkit_cupy.configs import (
     F32_ALTERNATIVES,
     F32_CONFIGS,
     F32Config,
     f32_alternative_names,
+    f32_backward_names,
     f32_config,
     f32_names,
 )
@@ -162,14 +163,20 @@ def test_non_finite_inputs(kernels) -> None:
     assert np.abs(lse[0, 0, finite] - want_lse[0, 0, finite]).max() <= 1e-5
 
 
+@pytest.fixture(scope="module")
+def backward_kernels(host_kernels):
+    """Every declared backward tile, built once for the host."""
+    return host_kernels("attention_f32.cu", f32_backward_names(), BACKWARD_PARAMS)
+
+
 @pytest.fixture
-def host_launches(kernels, host_kernels, monkeypatch):
-    """The adapter's device boundary moved to the host: ``_kernel`` names the host build and
-    ``interop.launch`` runs it (the mask's packing kernel built on first use)."""
+def host_launches(kernels, backward_kernels, host_kernels, monkeypatch):
+    """The adapters' device boundary moved to the host: ``_kernel`` names the host build and
+    ``interop.launch`` runs it (the mask's packing kernel built on first use); the module."""
     from softmaxkit_cupy import attention_f32, compiler, interop
     from softmaxkit_cupy.mask_bits import MASK_BITS_PARAMS
 
-    built: dict[str, object] = dict(kernels)
+    built: dict[str, object] = {**kernels, **backward_kernels}
 
     def function(filename: str, names: tuple[str, ...], name: str) -> object:
         if name not in built:
@@ -184,7 +191,7 @@ def host_launches(kernels, host_kernels, monkeypatch):
     monkeypatch.setattr(attention_f32, "_kernel", lambda name: function("", (), name))
     monkeypatch.setattr(compiler, "function", function)
     monkeypatch.setattr(interop, "launch", launch)
-    return attention_f32.attention
+    return attention_f32
 
 
 @pytest.mark.parametrize(("d", "dv"), [(64, 64), (80, 80), (40, 112), (192, 128)])
@@ -201,9 +208,10 @@ def test_adapter_on_the_host(host_launches, d: int, dv: int, case: dict) -> None
     tq = wide[..., :d]  # rows 16-byte aligned, strides not C order
     tk, tv = torch.from_numpy(k), torch.from_numpy(v)
     tm = None if mask is None else torch.from_numpy(mask)
-    out, lse = host_launches(xp, q=tq, k=tk, v=tv, scale=d ** -0.5,
-                             causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
-                             mask=tm, softcap=opts.get("softcap"), return_lse=True)
+    out, lse = host_launches.attention(xp, q=tq, k=tk, v=tv, scale=d ** -0.5,
+                                       causal=opts.get("causal"),
+                                       window=opts.get("window", (-1, -1)), mask=tm,
+                                       softcap=opts.get("softcap"), return_lse=True)
     want, want_lse = ref.attention(q, k, v, mask=mask, **opts)
     got, got_lse = out.numpy().astype(np.float64), lse.numpy().astype(np.float64)
     empty = want_lse == -np.inf
@@ -212,3 +220,40 @@ def test_adapter_on_the_host(host_launches, d: int, dv: int, case: dict) -> None
     out_tol, lse_tol, _ = ATTENTION_TOLERANCES["float32"]
     assert ref.rel_frobenius(got, want) <= out_tol
     assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol
+
+
+BACKWARD_CASES = [(d, dv, c) for d, dv in ((64, 64), (128, 128)) for c in CASES[:8]] + [
+    (d, dv, c) for d, dv in ((32, 32), (96, 96), (48, 80)) for c in (CASES[2], CASES[7])]
+"""Every feature at 64 and 128 (the two query tiles of the declared backward), and the other
+built head dims and a padded pair on grouped queries and a mask."""
+
+
+@pytest.mark.parametrize(("d", "dv", "case"), BACKWARD_CASES,
+                         ids=[f"{d}-{dv}-{_case_id(c)}" for d, dv, c in BACKWARD_CASES])
+def test_backward_on_the_host(host_launches, d: int, dv: int, case: dict) -> None:
+    """The backward's adapter and kernel (sk_attn_bwd_f32) on torch CPU tensors, from the
+    forward's out and lse, with an lse cotangent: each gradient within the float32 row of
+    the tolerances against float64 (spec "Gradients")."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+
+    q, k, v, mask = _inputs(d, dv, case, seed=d + dv + 1)
+    opts = _options(case)
+    kw = dict(scale=d ** -0.5, causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
+              mask=None if mask is None else torch.from_numpy(mask),
+              softcap=opts.get("softcap"))
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    out, lse = host_launches.attention(xp, q=tq, k=tk, v=tv, return_lse=True, **kw)
+    rng = np.random.default_rng(d)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dlse = rng.standard_normal(lse.shape).astype(np.float32)
+    dlse[lse.numpy() == -np.inf] = 0.0
+    got = host_launches.attention_vjp(xp, q=tq, k=tk, v=tv, out=out, lse=lse,
+                                      dout=torch.from_numpy(dout), dlse=torch.from_numpy(dlse),
+                                      **kw)
+    want = ref.attention_vjp(q, k, v, dout, dlse=dlse, mask=mask, **opts)
+    tol = ATTENTION_TOLERANCES["float32"][2]
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert tuple(g.shape) == w.shape, name
+        err = ref.rel_frobenius(g.numpy().astype(np.float64), w)
+        assert err <= tol, f"{name}: relative Frobenius {err:.3g}"

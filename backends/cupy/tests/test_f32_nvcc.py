@@ -1,5 +1,6 @@
-"""The exact float32 forward (kernels/attention_f32.cu) builds for sm_80 and sm_90a with no
-register spills, its tiles fit a sm_90 block's shared memory, and its code (the PTX) takes
+"""The exact float32 forward and backward (kernels/attention_f32.cu) build for sm_80 and
+sm_90a with no register spills, their tiles fit a sm_90 block's shared memory (the
+backward's two blocks a multiprocessor), and its code (the PTX) takes
 no tensor-core product and rounds nothing to TF32: its products are float32 fma.  Skipped
 where nvcc is absent."""
 
@@ -15,9 +16,12 @@ from typing import Any
 import pytest
 from softmaxkit_cupy.configs import (
     F32_ALTERNATIVES,
+    F32_BACKWARD_CONFIGS,
     F32_CONFIGS,
     all_modules,
     f32_alternative_names,
+    f32_backward_config,
+    f32_backward_names,
     f32_config,
     f32_names,
     f32_shape,
@@ -28,6 +32,8 @@ NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nv
 
 SM90_SHARED = 227 * 1024
 """The most dynamic shared memory a block may take on sm_90."""
+SM90_HALF = 228 * 1024 // 2 - 1024
+"""Half a sm_90 multiprocessor's shared memory, less the 1 KB the system keeps per block."""
 
 
 def test_every_configuration_fits_sm90() -> None:
@@ -37,6 +43,10 @@ def test_every_configuration_fits_sm90() -> None:
             assert config is not None and config.shared_bytes() <= SM90_SHARED, config
     for config in F32_ALTERNATIVES:
         assert config.shared_bytes() <= SM90_SHARED, config
+    for d, dv in F32_BACKWARD_CONFIGS:
+        for masked in (True, False):  # two blocks a multiprocessor
+            config = f32_backward_config(d, dv, masked)
+            assert config is not None and config.shared_bytes() <= SM90_HALF, config
 
 
 def test_every_pair_of_head_dims_has_a_kernel() -> None:
@@ -55,7 +65,8 @@ def test_every_pair_of_head_dims_has_a_kernel() -> None:
 def test_f32_kernels_build_without_spills(
         ptxas: Callable[[str, Sequence[str], str], Any], arch: str, tmp_path: Path) -> None:
     # the alternatives are timed on a sm_90 device (tools/tf32_timing.py): built for it only
-    names = (*f32_names(), *(f32_alternative_names() if arch == "90a" else ()))
+    names = (*f32_names(), *f32_backward_names(),
+             *(f32_alternative_names() if arch == "90a" else ()))
     declared = {n for f, ns in all_modules() if f == "attention_f32.cu" for n in ns}
     assert declared <= set(names), "every declared instantiation goes through ptxas here"
     build = ptxas("attention_f32.cu", names, f"-gencode=arch=compute_{arch},code=sm_{arch}")

@@ -251,3 +251,302 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         }
     }
 }
+
+// --- backward -------------------------------------------------------------------------------
+//
+// The gradient of attention (spec "Gradients") in float32 arithmetic, in kernels/attention_bwd.cu's
+// order: block (key tile, key head, batch) holds BN = 16 * WARPS keys' K and V in shared memory
+// while the query tiles of BM rows of every query head of the group stream through two
+// stages; lane (ty, tx) of warp w owns the keys 16 w + ty + 4 i (i < 4) and, of each query
+// tile, the queries tx + 8 j (j < BM / 8) of S^T and dP^T, and the float4 columns 4 tx + 32 c
+// of dK and dV, accumulated in registers.  P^T and then dS^T go through shared memory (rows
+// of BM + 8 floats): a warp's own rows for dV = P^T dO and dK = dS^T Q, the whole tile for
+// dQ = dS K, whose [BM x D] partial product (warp w: queries BM / WARPS w + ty + 4 i, the
+// float4 columns 4 tx + 32 c) is added into a float32 buffer.  The adapter gives lse2 = lse
+// log2 e (+inf for a row with no allowed key and for padding rows, so their P is 0) and
+// delta = rowsum(dO O) - dlse, both [B * Hq, lq_pad], and scales dQ's buffer.
+
+// acc[i][c] += sum over n < N of a[(ty + 4 i) * AW + n] * b[n * BW + 4 tx + 32 c .. + 3]: the
+// lane's four rows of a shared [rows x N] tile times a shared [N x 32 NC] tile, float4 reads.
+template <int N, int NC, int AW, int BW>
+__device__ __forceinline__ void sk_f32_rows_times(float (&acc)[4][NC][4], const float* a,
+                                                  const float* b, int ty, int tx) {
+#pragma unroll
+    for (int n = 0; n < N; n += 4) {
+        float4 p[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            p[i] = *reinterpret_cast<const float4*>(a + (ty + 4 * i) * AW + n);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const float4 bv = *reinterpret_cast<const float4*>(b + (n + u) * BW + 4 * tx + 32 * c);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float pu = u == 0 ? p[i].x : u == 1 ? p[i].y : u == 2 ? p[i].z : p[i].w;
+                    acc[i][c][0] = fmaf(pu, bv.x, acc[i][c][0]);
+                    acc[i][c][1] = fmaf(pu, bv.y, acc[i][c][1]);
+                    acc[i][c][2] = fmaf(pu, bv.z, acc[i][c][2]);
+                    acc[i][c][3] = fmaf(pu, bv.w, acc[i][c][3]);
+                }
+            }
+        }
+    }
+}
+
+// acc[i][j] += a[(ty + 4 i) * W + .] . b[(tx + 8 j) * W + .] over the K columns of two shared
+// tiles of row width W: the lane's four rows of one against its NJ rows of the other.
+template <int K, int NJ, int W>
+__device__ __forceinline__ void sk_f32_rows_dot(float (&acc)[4][NJ], const float* a,
+                                                const float* b, int ty, int tx) {
+#pragma unroll
+    for (int d = 0; d < K; d += 4) {
+        float4 av[4], bv[NJ];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) av[i] = *reinterpret_cast<const float4*>(a + (ty + 4 * i) * W + d);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) bv[j] = *reinterpret_cast<const float4*>(b + (tx + 8 * j) * W + d);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                acc[i][j] = fmaf(av[i].x, bv[j].x, acc[i][j]);
+                acc[i][j] = fmaf(av[i].y, bv[j].y, acc[i][j]);
+                acc[i][j] = fmaf(av[i].z, bv[j].z, acc[i][j]);
+                acc[i][j] = fmaf(av[i].w, bv[j].w, acc[i][j]);
+            }
+        }
+    }
+}
+
+// q [B, Hq, Lq, D], dO [B, Hq, Lq, DV], k [B, Hk, Lk, D], v [B, Hk, Lk, DV] float32 by element
+// strides (16-byte aligned rows); lse2, delta [B * Hq, lq_pad], dq_acc [B * Hq, lq_pad, D]
+// (zeroed); dk [B, Hk, Lk, D], dv [B, Hk, Lk, DV] contiguous.
+template <int D, int DV, int WARPS, int BM, bool MASK>
+__global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ dout, const unsigned* __restrict__ mask,
+    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    float* __restrict__ dk, float* __restrict__ dv, long long q_sb, long long q_sh,
+    long long q_sl, long long k_sb, long long k_sh, long long k_sl, long long v_sb,
+    long long v_sh, long long v_sl, long long g_sb, long long g_sh, long long g_sl,
+    long long m_sb, long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
+    int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
+    static_assert(D % 32 == 0 && DV % 32 == 0, "eight lanes cover 32 columns");
+    static_assert(BM % 8 == 0 && BM % (4 * WARPS) == 0, "whole query groups a lane and warp");
+    constexpr int BN = 16 * WARPS;
+    constexpr int THREADS = 32 * WARPS;
+    constexpr int KW = D + 4, VW = DV + 4, SW = BM + 8;  // row widths in shared memory
+    constexpr int NJ = BM / 8;                           // a lane's queries of a tile
+    constexpr int NK = D / 32, NV = DV / 32;             // a lane's float4 columns of dK, dV
+    constexpr int QI = BM / (4 * WARPS);                 // a lane's queries of dQ
+    extern __shared__ __align__(16) unsigned char sk_smem[];
+    float* sk = reinterpret_cast<float*>(sk_smem);
+    float* sv = sk + BN * KW;
+    float* sq = sv + BN * VW;        // 2 stages
+    float* sg = sq + 2 * BM * KW;    // dO, 2 stages
+    float* sds = sg + 2 * BM * VW;   // P^T, then dS^T [BN x SW]
+    float* sl = sds + BN * SW;       // lse2, 2 stages
+    float* sd = sl + 2 * BM;         // delta, 2 stages
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int ty = lane / 8, tx = lane % 8;
+    const int n0 = blockIdx.x * BN, kh = blockIdx.y, b = blockIdx.z;
+    const int group = hq / hk;
+    const float* kb = k + b * k_sb + kh * k_sh + static_cast<long long>(n0) * k_sl;
+    const float* vb = v + b * v_sb + kh * v_sh + static_cast<long long>(n0) * v_sl;
+
+    int m_lo, m_hi;  // query rows any key of this tile may be seen by
+    sk_seeing_queries(n0, min(n0 + BN, lk), lq, offset, causal, left, right, m_lo, m_hi);
+    const int t_lo = m_lo / BM;
+    const int tiles = m_hi > m_lo ? (m_hi + BM - 1) / BM - t_lo : 0;
+    const int total = group * tiles;
+
+    auto load_stage = [&](int it, int st) {
+        const int h = kh * group + it / tiles;
+        const int m0 = (t_lo + it % tiles) * BM;
+        const long long qo = b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
+        const long long go = b * g_sb + h * g_sh + static_cast<long long>(m0) * g_sl;
+        sk_load_padded<BM, D, THREADS>(sq + st * BM * KW, q + qo, q_sl, lq - m0);
+        sk_load_padded<BM, DV, THREADS>(sg + st * BM * VW, dout + go, g_sl, lq - m0);
+        const long long ro = (static_cast<long long>(b) * hq + h) * lq_pad + m0;
+        for (int c = threadIdx.x; c < BM / 2; c += THREADS) {  // BM / 4 chunks of each
+            const bool is_l = c < BM / 4;
+            const int cc = is_l ? c : c - BM / 4;
+            sk_cp_async16((is_l ? sl : sd) + st * BM + 4 * cc, (is_l ? lse2 : delta) + ro + 4 * cc,
+                          true);
+        }
+    };
+
+    float dk_acc[4][NK][4], dv_acc[4][NV][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int c = 0; c < NK; ++c) dk_acc[i][c][0] = dk_acc[i][c][1] = dk_acc[i][c][2] = dk_acc[i][c][3] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < NV; ++c) dv_acc[i][c][0] = dv_acc[i][c][1] = dv_acc[i][c][2] = dv_acc[i][c][3] = 0.0f;
+    }
+    const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
+    const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
+    const float th_scale = softcap > 0.0f ? 1.0f / (softcap * SK_LOG2E) : 0.0f;
+    int rel_lo, rel_hi;
+    sk_relative_limits(causal, left, right, rel_lo, rel_hi);
+    const int w0 = 16 * warp;          // this warp's first key in the tile
+    const float* kw = sk + w0 * KW;    // the warp's rows of K, V and of P^T / dS^T
+    const float* vw = sv + w0 * VW;
+    float* dsw = sds + w0 * SW;
+
+    if (total > 0) {
+        sk_load_padded<BN, D, THREADS>(sk, kb, k_sl, lk - n0);
+        sk_load_padded<BN, DV, THREADS>(sv, vb, v_sl, lk - n0);
+        load_stage(0, 0);
+    }
+    sk_cp_async_commit();
+
+    for (int it = 0; it < total; ++it) {
+        const int st = it & 1;
+        if (it + 1 < total) load_stage(it + 1, st ^ 1);
+        sk_cp_async_commit();
+        sk_cp_async_wait<1>();  // this stage (and, the first time, K and V) has landed
+        __syncthreads();
+        const int h = kh * group + it / tiles;
+        const int m0 = (t_lo + it % tiles) * BM;
+        const float* sqs = sq + st * BM * KW;
+        const float* sgs = sg + st * BM * VW;
+        const float* sls = sl + st * BM;
+        const float* sdl = sd + st * BM;
+
+        // S^T = K_w Q^T and dP^T = V_w dO^T: the lane's 4 keys x NJ queries
+        float s[4][NJ], dp[4][NJ];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) s[i][j] = dp[i][j] = 0.0f;
+        sk_f32_rows_dot<D, NJ, KW>(s, kw, sqs, ty, tx);
+        sk_f32_rows_dot<DV, NJ, VW>(dp, vw, sgs, ty, tx);
+
+        // scores in log2 units (softcapped: softcap tanh(s / softcap)), exclusions as -inf
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                float x = s[i][j] * qk_scale;
+                if (softcap > 0.0f) x = sk_softcap_log2(x, softcap, inv_cap);
+                s[i][j] = x;
+            }
+        }
+        const unsigned* mh = MASK && mask ? mask + b * m_sb + h * m_sh : nullptr;
+        const bool edge = n0 + BN > lk || n0 + BN - 1 > m0 + offset + rel_hi ||
+                          n0 < m0 + BM - 1 + offset + rel_lo || mh != nullptr;
+        if (edge) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int key = n0 + w0 + ty + 4 * i;
+                // this key's mask word for the tile's queries: one per query row
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    const int row = m0 + tx + 8 * j;
+                    const int rel = key - row - offset;
+                    bool out = key >= lk || rel > rel_hi || rel < rel_lo;
+                    if (MASK && mh != nullptr && !out) {
+                        const unsigned word = mh[min(row, lq - 1) * m_sq + (key >> 5)];
+                        out = !((word >> (key & 31)) & 1u);
+                    }
+                    if (out) s[i][j] = -SK_INF;
+                }
+            }
+        }
+        // P^T = exp2(S^T - lse2) and dS^T = P^T (dP^T - delta), times 1 - tanh^2 under
+        // softcap (tanh clamped so excluded scores, -inf, give 0, not 0 * inf)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const int c = tx + 8 * j;  // query column in the tile
+                const float p = sk_ex2(s[i][j] - sls[c]);
+                const float th = fmaxf(s[i][j] * th_scale, -1.0f);
+                s[i][j] = p;
+                dp[i][j] = p * (dp[i][j] - sdl[c]) * (1.0f - th * th);
+            }
+        }
+
+        // dV_w += P^T dO, through the warp's rows of the shared tile
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) dsw[(ty + 4 * i) * SW + tx + 8 * j] = s[i][j];
+        __syncwarp();
+        sk_f32_rows_times<BM, NV, SW, VW>(dv_acc, dsw, sgs, ty, tx);
+        __syncwarp();  // every lane has read P^T
+        // dK_w += dS^T Q, and dS^T stays for dQ
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) dsw[(ty + 4 * i) * SW + tx + 8 * j] = dp[i][j];
+        __syncthreads();  // every warp's dS^T is stored
+        sk_f32_rows_times<BM, NK, SW, KW>(dk_acc, dsw, sqs, ty, tx);
+
+        // dQ[BM x D] += dS K (unscaled) over the tile's BN keys, added into the float32
+        // buffer: warp w's queries BM / WARPS w + ty + 4 i, the lane's float4 columns
+        {
+            float acc[QI][NK][4];
+#pragma unroll
+            for (int i = 0; i < QI; ++i)
+#pragma unroll
+                for (int c = 0; c < NK; ++c) acc[i][c][0] = acc[i][c][1] = acc[i][c][2] = acc[i][c][3] = 0.0f;
+            const int r0 = warp * (BM / WARPS) + ty;
+#pragma unroll 4
+            for (int n = 0; n < BN; ++n) {
+                float dsv[QI];
+#pragma unroll
+                for (int i = 0; i < QI; ++i) dsv[i] = sds[n * SW + r0 + 4 * i];
+#pragma unroll
+                for (int c = 0; c < NK; ++c) {
+                    const float4 kv = *reinterpret_cast<const float4*>(sk + n * KW + 4 * tx + 32 * c);
+#pragma unroll
+                    for (int i = 0; i < QI; ++i) {
+                        acc[i][c][0] = fmaf(dsv[i], kv.x, acc[i][c][0]);
+                        acc[i][c][1] = fmaf(dsv[i], kv.y, acc[i][c][1]);
+                        acc[i][c][2] = fmaf(dsv[i], kv.z, acc[i][c][2]);
+                        acc[i][c][3] = fmaf(dsv[i], kv.w, acc[i][c][3]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < QI; ++i) {
+                float* qrow = dq_acc + ((static_cast<long long>(b) * hq + h) * lq_pad + m0 + r0 +
+                                        4 * i) * D;
+#pragma unroll
+                for (int c = 0; c < NK; ++c) {
+                    const int col = 4 * tx + 32 * c;
+                    sk_red_add2(qrow + col, acc[i][c][0], acc[i][c][1]);
+                    sk_red_add2(qrow + col + 2, acc[i][c][2], acc[i][c][3]);
+                }
+            }
+        }
+        __syncthreads();  // dS^T and this stage are read before they are written again
+    }
+    sk_cp_async_wait<0>();
+
+    // dK (scaled) and dV of the lane's keys; keys of a tile no query sees get zeros
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int j = n0 + w0 + ty + 4 * i;
+        if (j < lk) {
+            const long long row = (static_cast<long long>(b) * hk + kh) * lk + j;
+#pragma unroll
+            for (int c = 0; c < NK; ++c) {
+                *reinterpret_cast<float4*>(dk + row * D + 4 * tx + 32 * c) =
+                    make_float4(dk_acc[i][c][0] * scale, dk_acc[i][c][1] * scale,
+                                dk_acc[i][c][2] * scale, dk_acc[i][c][3] * scale);
+            }
+#pragma unroll
+            for (int c = 0; c < NV; ++c) {
+                *reinterpret_cast<float4*>(dv + row * DV + 4 * tx + 32 * c) =
+                    make_float4(dv_acc[i][c][0], dv_acc[i][c][1], dv_acc[i][c][2],
+                                dv_acc[i][c][3]);
+            }
+        }
+    }
+}
