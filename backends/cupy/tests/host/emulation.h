@@ -5,9 +5,10 @@
 // __syncthreads and __syncwarp are barriers; a warp shuffle is a store, a barrier, a load
 // and a barrier; the block's dynamic shared memory is one buffer, filled with NaN before
 // each block, so a read of anything not written first shows.  Primitives written in PTX are
-// replaced by their host meaning (tests/conftest.py, host_kernel): cp.async copies at once
-// (stricter than the device about a copy into memory other threads still read), ex2.approx
-// is exp2f.  What this cannot show: timing, bank conflicts, races the barriers hide.
+// replaced by their host meaning (tests/host/primitives.h): cp.async poisons its destination
+// when issued and copies when its group is waited for, so a read on the wrong side of a
+// wait or a barrier sees NaN; ex2.approx is exp2f.  What this cannot show: timing, bank
+// conflicts, and orderings the host threads happen not to take.
 #pragma once
 #include <atomic>
 #include <barrier>
@@ -112,6 +113,9 @@ template <typename T> inline T __shfl_sync(unsigned, T v, int lane) {
 // The dynamic shared memory of the block running now (the kernels name it sk_smem).
 alignas(16) inline unsigned char sk_smem[256 * 1024];
 
+// Called as each thread ends: a hook primitives.h defines (copies left pending are dropped).
+inline void sk_host_end_thread();
+
 // Run `kernel` (a callable of no arguments) over a grid of blocks of `threads` threads.
 inline void sk_host_launch(sk_host_dim3 grid, unsigned threads, std::size_t shared,
                            const std::function<void()>& kernel) {
@@ -132,6 +136,7 @@ inline void sk_host_launch(sk_host_dim3 grid, unsigned threads, std::size_t shar
                         threadIdx = {t, 0, 0};
                         blockIdx = {x, y, z};
                         kernel();
+                        sk_host_end_thread();
                     });
                 for (auto& th : team) th.join();
                 sk_host_current = nullptr;
