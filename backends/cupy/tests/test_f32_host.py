@@ -6,9 +6,9 @@ GPU test's checks, backends/cupy/tests/test_f32_gpu.py), over causal alignments,
 queries, windows, soft caps, boolean masks, rows with no key, ragged tiles, and non-finite
 inputs; and the adapters (``softmaxkit_cupy.attention_f32``), forward and backward, on
 torch CPU tensors, their launches (the mask's packing, kernels/mask_bits.cu, too) run on the
-host, so that what they pack is what the kernels read.  cp.async poisons its destination when issued and lands
-at the wait (tests/host/primitives.h), so a missing wait or barrier shows as NaN; what the
-device adds (timing, the device's own orderings) is that test's."""
+host, so that what they pack is what the kernels read.  cp.async poisons its destination
+when issued and lands at the wait (tests/host/primitives.h), so a missing wait or barrier
+shows as NaN; what the device adds (timing, the device's own orderings) is that test's."""
 
 from __future__ import annotations
 
