@@ -20,6 +20,63 @@
 #define SK_LN2 0.6931471805599453f
 #define SK_LOG2E 1.4426950408889634f
 
+// acc[i][c] += sum over n < N of a[(ty + 4 i) * AW + n] * b[n * BW + 4 tx + 32 c .. + 3]: the
+// lane's four rows of a shared [rows x N] tile times a shared [N x 32 NC] tile, float4 reads.
+template <int N, int NC, int AW, int BW>
+__device__ __forceinline__ void sk_f32_rows_times(float (&acc)[4][NC][4], const float* a,
+                                                  const float* b, int ty, int tx) {
+#pragma unroll
+    for (int n = 0; n < N; n += 4) {
+        float4 p[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            p[i] = *reinterpret_cast<const float4*>(a + (ty + 4 * i) * AW + n);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const float4 bv =
+                    *reinterpret_cast<const float4*>(b + (n + u) * BW + 4 * tx + 32 * c);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float pu = u == 0 ? p[i].x : u == 1 ? p[i].y : u == 2 ? p[i].z : p[i].w;
+                    acc[i][c][0] = fmaf(pu, bv.x, acc[i][c][0]);
+                    acc[i][c][1] = fmaf(pu, bv.y, acc[i][c][1]);
+                    acc[i][c][2] = fmaf(pu, bv.z, acc[i][c][2]);
+                    acc[i][c][3] = fmaf(pu, bv.w, acc[i][c][3]);
+                }
+            }
+        }
+    }
+}
+
+// acc[i][j] += a[(ty + 4 i) * W + .] . b[(tx + 8 j) * W + .] over the K columns of two shared
+// tiles of row width W: the lane's four rows of one against its NJ rows of the other.
+template <int K, int NJ, int W>
+__device__ __forceinline__ void sk_f32_rows_dot(float (&acc)[4][NJ], const float* a,
+                                                const float* b, int ty, int tx) {
+#pragma unroll
+    for (int d = 0; d < K; d += 4) {
+        float4 av[4], bv[NJ];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            av[i] = *reinterpret_cast<const float4*>(a + (ty + 4 * i) * W + d);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+            bv[j] = *reinterpret_cast<const float4*>(b + (tx + 8 * j) * W + d);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                acc[i][j] = fmaf(av[i].x, bv[j].x, acc[i][j]);
+                acc[i][j] = fmaf(av[i].y, bv[j].y, acc[i][j]);
+                acc[i][j] = fmaf(av[i].z, bv[j].z, acc[i][j]);
+                acc[i][j] = fmaf(av[i].w, bv[j].w, acc[i][j]);
+            }
+        }
+    }
+}
+
 // Forward: q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, DV] float32 by element strides
 // (16-byte aligned rows), out [B, Hq, Lq, DV] and lse [B, Hq, Lq] contiguous; the parameters
 // are sk_attn_fwd's.  Two blocks of four warps share a multiprocessor (eight warps: one
@@ -102,27 +159,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int j = 0; j < NJ; ++j) s[i][j] = 0.0f;
-        const float* ks = sk + stage * BN * QW;
-#pragma unroll
-        for (int d = 0; d < D; d += 4) {
-            float4 qv[4], kv[NJ];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                qv[i] = *reinterpret_cast<const float4*>(sq + (r0 + 4 * i) * QW + d);
-#pragma unroll
-            for (int j = 0; j < NJ; ++j)
-                kv[j] = *reinterpret_cast<const float4*>(ks + (tx + 8 * j) * QW + d);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-#pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    s[i][j] = fmaf(qv[i].x, kv[j].x, s[i][j]);
-                    s[i][j] = fmaf(qv[i].y, kv[j].y, s[i][j]);
-                    s[i][j] = fmaf(qv[i].z, kv[j].z, s[i][j]);
-                    s[i][j] = fmaf(qv[i].w, kv[j].w, s[i][j]);
-                }
-            }
-        }
+        sk_f32_rows_dot<D, NJ, QW>(s, sq + 16 * warp * QW, sk + stage * BN * QW, ty, tx);
 
         // scores in log2 units, exclusions as -inf
 #pragma unroll
@@ -201,31 +238,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         sk_cp_async_commit();
 
         // O += P V: per four keys, four float4 of P and 4 NC of v, 64 NC fma
-        const float* vs = sv + stage * BN * VW;
-#pragma unroll
-        for (int n = 0; n < BN; n += 4) {
-            float4 p[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                p[i] = *reinterpret_cast<const float4*>(pw + (ty + 4 * i) * PW + n);
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-#pragma unroll
-                for (int c = 0; c < NC; ++c) {
-                    const float4 vv =
-                        *reinterpret_cast<const float4*>(vs + (n + u) * VW + 4 * tx + 32 * c);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const float pu = u == 0 ? p[i].x : u == 1 ? p[i].y : u == 2 ? p[i].z
-                                                                                    : p[i].w;
-                        o[i][c][0] = fmaf(pu, vv.x, o[i][c][0]);
-                        o[i][c][1] = fmaf(pu, vv.y, o[i][c][1]);
-                        o[i][c][2] = fmaf(pu, vv.z, o[i][c][2]);
-                        o[i][c][3] = fmaf(pu, vv.w, o[i][c][3]);
-                    }
-                }
-            }
-        }
+        sk_f32_rows_times<BN, NC, PW, VW>(o, pw, sv + stage * BN * VW, ty, tx);
     }
     sk_cp_async_wait<0>();
 
@@ -265,60 +278,6 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
 // float4 columns 4 tx + 32 c) is added into a float32 buffer.  The adapter gives lse2 = lse
 // log2 e (+inf for a row with no allowed key and for padding rows, so their P is 0) and
 // delta = rowsum(dO O) - dlse, both [B * Hq, lq_pad], and scales dQ's buffer.
-
-// acc[i][c] += sum over n < N of a[(ty + 4 i) * AW + n] * b[n * BW + 4 tx + 32 c .. + 3]: the
-// lane's four rows of a shared [rows x N] tile times a shared [N x 32 NC] tile, float4 reads.
-template <int N, int NC, int AW, int BW>
-__device__ __forceinline__ void sk_f32_rows_times(float (&acc)[4][NC][4], const float* a,
-                                                  const float* b, int ty, int tx) {
-#pragma unroll
-    for (int n = 0; n < N; n += 4) {
-        float4 p[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            p[i] = *reinterpret_cast<const float4*>(a + (ty + 4 * i) * AW + n);
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-#pragma unroll
-            for (int c = 0; c < NC; ++c) {
-                const float4 bv = *reinterpret_cast<const float4*>(b + (n + u) * BW + 4 * tx + 32 * c);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float pu = u == 0 ? p[i].x : u == 1 ? p[i].y : u == 2 ? p[i].z : p[i].w;
-                    acc[i][c][0] = fmaf(pu, bv.x, acc[i][c][0]);
-                    acc[i][c][1] = fmaf(pu, bv.y, acc[i][c][1]);
-                    acc[i][c][2] = fmaf(pu, bv.z, acc[i][c][2]);
-                    acc[i][c][3] = fmaf(pu, bv.w, acc[i][c][3]);
-                }
-            }
-        }
-    }
-}
-
-// acc[i][j] += a[(ty + 4 i) * W + .] . b[(tx + 8 j) * W + .] over the K columns of two shared
-// tiles of row width W: the lane's four rows of one against its NJ rows of the other.
-template <int K, int NJ, int W>
-__device__ __forceinline__ void sk_f32_rows_dot(float (&acc)[4][NJ], const float* a,
-                                                const float* b, int ty, int tx) {
-#pragma unroll
-    for (int d = 0; d < K; d += 4) {
-        float4 av[4], bv[NJ];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) av[i] = *reinterpret_cast<const float4*>(a + (ty + 4 * i) * W + d);
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) bv[j] = *reinterpret_cast<const float4*>(b + (tx + 8 * j) * W + d);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                acc[i][j] = fmaf(av[i].x, bv[j].x, acc[i][j]);
-                acc[i][j] = fmaf(av[i].y, bv[j].y, acc[i][j]);
-                acc[i][j] = fmaf(av[i].z, bv[j].z, acc[i][j]);
-                acc[i][j] = fmaf(av[i].w, bv[j].w, acc[i][j]);
-            }
-        }
-    }
-}
 
 // q [B, Hq, Lq, D], dO [B, Hq, Lq, DV], k [B, Hk, Lk, D], v [B, Hk, Lk, DV] float32 by element
 // strides (16-byte aligned rows); lse2, delta [B * Hq, lq_pad], dq_acc [B * Hq, lq_pad, D]
@@ -383,9 +342,11 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
-        for (int c = 0; c < NK; ++c) dk_acc[i][c][0] = dk_acc[i][c][1] = dk_acc[i][c][2] = dk_acc[i][c][3] = 0.0f;
+        for (int c = 0; c < NK; ++c)
+            dk_acc[i][c][0] = dk_acc[i][c][1] = dk_acc[i][c][2] = dk_acc[i][c][3] = 0.0f;
 #pragma unroll
-        for (int c = 0; c < NV; ++c) dv_acc[i][c][0] = dv_acc[i][c][1] = dv_acc[i][c][2] = dv_acc[i][c][3] = 0.0f;
+        for (int c = 0; c < NV; ++c)
+            dv_acc[i][c][0] = dv_acc[i][c][1] = dv_acc[i][c][2] = dv_acc[i][c][3] = 0.0f;
     }
     const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
     const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
@@ -494,7 +455,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
 #pragma unroll
             for (int i = 0; i < QI; ++i)
 #pragma unroll
-                for (int c = 0; c < NK; ++c) acc[i][c][0] = acc[i][c][1] = acc[i][c][2] = acc[i][c][3] = 0.0f;
+                for (int c = 0; c < NK; ++c)
+                    acc[i][c][0] = acc[i][c][1] = acc[i][c][2] = acc[i][c][3] = 0.0f;
             const int r0 = warp * (BM / WARPS) + ty;
 #pragma unroll 4
             for (int n = 0; n < BN; ++n) {
@@ -503,7 +465,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
                 for (int i = 0; i < QI; ++i) dsv[i] = sds[n * SW + r0 + 4 * i];
 #pragma unroll
                 for (int c = 0; c < NK; ++c) {
-                    const float4 kv = *reinterpret_cast<const float4*>(sk + n * KW + 4 * tx + 32 * c);
+                    const float4 kv =
+                        *reinterpret_cast<const float4*>(sk + n * KW + 4 * tx + 32 * c);
 #pragma unroll
                     for (int i = 0; i < QI; ++i) {
                         acc[i][c][0] = fmaf(dsv[i], kv.x, acc[i][c][0]);
