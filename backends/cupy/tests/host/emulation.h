@@ -1,6 +1,7 @@
 // CUDA C++ on the host, for the tests: a kernel's source compiles with g++ and runs one
-// block at a time, each of its threads a std::thread, so its indexing, tiling, exclusions and
-// online softmax are checked against float64 on a machine without a GPU.
+// block at a time, each of its threads a std::thread (one team walks the grid), so its
+// indexing, tiling, exclusions and online softmax are checked against float64 on a machine
+// without a GPU.
 //
 // __syncthreads and __syncwarp are barriers; a warp shuffle is a store, a barrier, a load
 // and a barrier; the block's dynamic shared memory is one buffer, filled with NaN before
@@ -10,6 +11,7 @@
 // wait or a barrier sees NaN; ex2.approx is exp2f.  What this cannot show: timing, bank
 // conflicts, and orderings the host threads happen not to take.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <cmath>
@@ -116,31 +118,35 @@ alignas(16) inline unsigned char sk_smem[256 * 1024];
 // Called as each thread ends: a hook primitives.h defines (copies left pending are dropped).
 inline void sk_host_end_thread();
 
-// Run `kernel` (a callable of no arguments) over a grid of blocks of `threads` threads.
+// Run `kernel` (a callable of no arguments) over a grid of blocks of `threads` threads: one
+// team of host threads walks the blocks in order.  The shared memory is NaN at the launch,
+// and the block's `shared` bytes are NaN again before each block.
 inline void sk_host_launch(sk_host_dim3 grid, unsigned threads, std::size_t shared,
                            const std::function<void()>& kernel) {
     if (shared > sizeof(sk_smem)) std::abort();
     gridDim = grid;
     blockDim = {threads, 1, 1};
-    for (unsigned z = 0; z < grid.z; ++z)
-        for (unsigned y = 0; y < grid.y; ++y)
-            for (unsigned x = 0; x < grid.x; ++x) {
-                const float nan = std::nanf("");
-                for (std::size_t i = 0; i + 4 <= sizeof(sk_smem); i += 4)
-                    std::memcpy(sk_smem + i, &nan, 4);
-                sk_host_block block(threads);
-                sk_host_current = &block;
-                std::vector<std::thread> team;
-                for (unsigned t = 0; t < threads; ++t)
-                    team.emplace_back([=, &kernel] {
-                        threadIdx = {t, 0, 0};
+    float* words = reinterpret_cast<float*>(sk_smem);
+    std::fill(words, words + sizeof(sk_smem) / 4, std::nanf(""));
+    sk_host_block block(threads);
+    sk_host_current = &block;
+    std::vector<std::thread> team;
+    for (unsigned t = 0; t < threads; ++t)
+        team.emplace_back([=, &kernel, &block] {
+            threadIdx = {t, 0, 0};
+            for (unsigned z = 0; z < grid.z; ++z)
+                for (unsigned y = 0; y < grid.y; ++y)
+                    for (unsigned x = 0; x < grid.x; ++x) {
+                        if (t == 0) std::fill(words, words + (shared + 3) / 4, std::nanf(""));
+                        block.block.arrive_and_wait();  // the block's memory is NaN
                         blockIdx = {x, y, z};
                         kernel();
                         sk_host_end_thread();
-                    });
-                for (auto& th : team) th.join();
-                sk_host_current = nullptr;
-            }
+                        block.block.arrive_and_wait();  // the block is done
+                    }
+        });
+    for (auto& th : team) th.join();
+    sk_host_current = nullptr;
 }
 
 // A kernel's pointer parameter from an address.
