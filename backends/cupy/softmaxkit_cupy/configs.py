@@ -992,53 +992,72 @@ larger ones on numba-cuda's exact kernels."""
 def f32_backward_shape(d: int, dv: int) -> tuple[int, int] | None:
     """The (key, value) head dimensions of ``F32_BACKWARD_CONFIGS`` a float32 gradient of
     ``d`` and ``dv`` runs at (as :func:`f32_shape`), or None."""
-    if (d, dv) in F32_BACKWARD_CONFIGS:
-        return d, dv
-    return next(((w, w) for w, x in sorted(F32_BACKWARD_CONFIGS)
-                 if w == x and w >= max(d, dv)), None)
+    return _pair_shape(F32_BACKWARD_CONFIGS, d, dv)
 
 
 def f32_backward_config(d: int, dv: int, masked: bool) -> F32BackwardConfig | None:
     """The exact float32 backward configuration built for (``d``, ``dv``), or None."""
-    found = F32_BACKWARD_CONFIGS.get((d, dv))
-    return found if found is None or masked else replace(found, mask=False)
+    return _pair_config(F32_BACKWARD_CONFIGS, d, dv, masked)
 
 
 def f32_backward_names() -> tuple[str, ...]:
     """The name expressions of the exact float32 backward (a module of their own)."""
-    return tuple(c.name() for d, dv in F32_BACKWARD_CONFIGS for masked in (True, False)
-                 if (c := f32_backward_config(d, dv, masked)) is not None)
+    return _pair_names(F32_BACKWARD_CONFIGS)
+
+
+_Pair = TypeVar("_Pair", F32Config, F32BackwardConfig)
+
+
+def _pair_shape(table: dict[tuple[int, int], _Pair], d: int, dv: int
+                ) -> tuple[int, int] | None:
+    """The (key, value) pair of ``table`` a call of ``d`` and ``dv`` runs at: its own where
+    built, else the smallest square pair that holds both (zero-padded); None where none."""
+    if (d, dv) in table:
+        return d, dv
+    return next(((w, w) for w, x in sorted(table) if w == x and w >= max(d, dv)), None)
+
+
+def _pair_config(table: dict[tuple[int, int], _Pair], d: int, dv: int,
+                 masked: bool) -> _Pair | None:
+    """The configuration of ``table`` built for (``d``, ``dv``), without the boolean mask's
+    code unless ``masked``; None where none is built."""
+    found = table.get((d, dv))
+    return found if found is None or masked else replace(found, mask=False)
+
+
+def _pair_names(table: dict[tuple[int, int], _Pair]) -> tuple[str, ...]:
+    """The name expressions of ``table``'s configurations, with and without the mask."""
+    return tuple(c.name() for d, dv in table for masked in (True, False)
+                 if (c := _pair_config(table, d, dv, masked)) is not None)
 
 
 F32_SERVED = False
-"""Whether the manifest serves float32 attention (and its gradient, at the head dimensions
-``F32_BACKWARD_CONFIGS`` holds) at ``precision="float32"`` on these kernels.  They are
-built and checked for registers and spills (tests/test_f32_nvcc.py) and checked against
-float64 on the CPU (tests/test_f32_host.py, the kernels run by tests/host/emulation.h); they
-are served once a device run has checked them against float64 (tests/test_f32_gpu.py) and
-timed them faster than numba-cuda's exact kernels, which serve those calls until then
-(tools/tf32_timing.py)."""
+"""Whether the manifest serves float32 attention at ``precision="float32"`` on the forward
+kernels here.  They and the backward (``F32_BACKWARD_CONFIGS``, called through
+``attention_f32.attention_vjp``) are built and checked for registers and spills
+(tests/test_f32_nvcc.py) and checked against float64 on the CPU (tests/test_f32_host.py, the
+kernels run by tests/host/emulation.h); the forward is served once a device run has checked
+it against float64 (tests/test_f32_gpu.py) and timed it faster than numba-cuda's exact
+kernels (tools/tf32_timing.py), which serve those calls until then.  Serving the backward
+also takes a manifest entry for float32 ``attention_vjp``, after
+tools/f32_backward_timing.py; until then every float32 gradient is numba-cuda's."""
 
 
 def f32_shape(d: int, dv: int) -> tuple[int, int] | None:
     """The (key, value) head dimensions of ``F32_CONFIGS`` a float32 call of ``d`` and ``dv``
     runs at: its own pair where one is built, else the smallest square pair that holds both
     (on zero-padded copies); None where none does."""
-    if (d, dv) in F32_CONFIGS:
-        return d, dv
-    return next(((w, w) for w, x in sorted(F32_CONFIGS) if w == x and w >= max(d, dv)), None)
+    return _pair_shape(F32_CONFIGS, d, dv)
 
 
 def f32_config(d: int, dv: int, masked: bool) -> F32Config | None:
     """The exact float32 forward configuration built for (``d``, ``dv``), or None."""
-    found = F32_CONFIGS.get((d, dv))
-    return found if found is None or masked else replace(found, mask=False)
+    return _pair_config(F32_CONFIGS, d, dv, masked)
 
 
 def f32_names() -> tuple[str, ...]:
     """The name expressions of kernels/attention_f32.cu (one module holds them all)."""
-    return tuple(c.name() for d, dv in F32_CONFIGS for masked in (True, False)
-                 if (c := f32_config(d, dv, masked)) is not None)
+    return _pair_names(F32_CONFIGS)
 
 
 def f32_alternative_names() -> tuple[str, ...]:

@@ -376,7 +376,7 @@ def f32_reason(
 
 
 def _launch_reason(b: int, hq: int, lq: int, lk: int) -> str | None:
-    """Why one launch of the float32 forwards cannot address these sizes, or None."""
+    """Why one launch of the dense attention kernels cannot address these sizes, or None."""
     if b > 65535 or hq > 65535:
         return "more than 65535 batches or heads per launch"
     if max(lq, lk) >= 2**31 // 256:
@@ -424,14 +424,7 @@ def attention_reason(
         return None  # no launch, so no launch limit applies
     # the widest block of value columns (value_blocks) decides the width
     width = served_head_dim(d, min(v_shape[-1], LARGEST))
-    reason = shared_reason(width, kind, shared_limit)
-    if reason:
-        return reason
-    if b > 65535 or hq > 65535:
-        return "more than 65535 batches or heads per launch"
-    if max(lq, k_shape[2]) >= 2**31 // 256:
-        return "sequences too long for 32-bit indexing"
-    return None
+    return shared_reason(width, kind, shared_limit) or _launch_reason(b, hq, lq, k_shape[2])
 
 
 def _can_run_rows(call: Any) -> bool | str:

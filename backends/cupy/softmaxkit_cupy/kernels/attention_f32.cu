@@ -180,8 +180,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
                     const int key = n0 + tx + 8 * j;
-                    const int rel = key - row - offset;
-                    if (key >= lk || rel > rel_hi || rel < rel_lo) s[i][j] = -SK_INF;
+                    if (sk_outside(key, lk, key - row - offset, rel_lo, rel_hi)) s[i][j] = -SK_INF;
                 }
                 if (MASK && mb != nullptr && row < lq) {  // a row past lq is never stored
                     const unsigned* bits = mb + row * m_sq + n0 / 32;
@@ -408,8 +407,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
                     const int row = m0 + tx + 8 * j;
-                    const int rel = key - row - offset;
-                    bool out = key >= lk || rel > rel_hi || rel < rel_lo;
+                    bool out = sk_outside(key, lk, key - row - offset, rel_lo, rel_hi);
                     if (MASK && mh != nullptr && !out) {
                         const unsigned word = mh[min(row, lq - 1) * m_sq + (key >> 5)];
                         out = !((word >> (key & 31)) & 1u);

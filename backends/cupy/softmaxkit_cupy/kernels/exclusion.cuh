@@ -12,6 +12,12 @@ __device__ __forceinline__ void sk_relative_limits(int causal, int left, int rig
     lo = left >= 0 ? -left : -0x3fffffff;
 }
 
+// Whether key j (of lk) is excluded for a query, rel = j - (query + offset) against the limits
+// of sk_relative_limits (the boolean mask aside).
+__device__ __forceinline__ bool sk_outside(int j, int lk, int rel, int lo, int hi) {
+    return j >= lk || rel > hi || rel < lo;
+}
+
 // The keys [lo, hi) that any query of rows [m0, m_end) may see, by causal and window alone
 // (a forward block skips the key tiles outside them).
 __device__ __forceinline__ void sk_visible_keys(int m0, int m_end, int lk, int offset,
