@@ -540,9 +540,12 @@ def launch_backward_pre(kernel: Any, like: Any, rows: int, d: int, codes: str,
 def attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
     causal: Any, window: tuple[int, int], mask: Any, softcap: Any, dlse: Any = None,
-    config: BackwardConfig | Sm90BackwardConfig | None = None,
+    config: BackwardConfig | Sm90BackwardConfig | None = None, precision: str = "float32",
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) of exact attention on tensor cores, recomputing P from ``lse``.
+
+    A float32 call runs on the exact float32 kernels of :mod:`.attention_f32` at every
+    ``precision`` (exact products meet each one's bound).
 
     Three launches: the rows' lse (log2 units) and ``delta = rowsum(dout * out)`` (less the
     lse's cotangent ``dlse``, where given, by one elementwise operation); the main
@@ -557,6 +560,12 @@ def attention_vjp(
     results, dv the first Dv.  A value dimension above 256 runs in blocks of columns, dq and dk
     summed over them (:mod:`.head_dims`).
     """
+    if interop.name(q) == "float32":
+        from .attention_f32 import attention_vjp as f32_attention_vjp
+
+        return f32_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
+                                 causal=causal, window=window, mask=mask, softcap=softcap,
+                                 dlse=dlse, config=config)
     fixed = _backward_without_work(q, k, v)
     if fixed is not None:
         return fixed

@@ -1033,13 +1033,12 @@ def _pair_names(table: dict[tuple[int, int], _Pair]) -> tuple[str, ...]:
 
 F32_SERVED = True
 """Whether the manifest serves float32 attention at ``precision="float32"`` on the forward
-kernels here: on an H100 (tests/test_f32_gpu.py against float64 on poisoned memory, every
-tile forward and backward: 154 passed; tools/tf32_timing.py, B2 H16 eager) the forward ran at
-21.6-36.7 TFLOP/s against numba-cuda's 13.2-17.3, 2.1-2.5x, and 1.04-1.31x torch's
-efficient backend at head dim 64 (0.70-0.79x at 128).  The backward
-(``F32_BACKWARD_CONFIGS``, ``attention_f32.attention_vjp``) ran at 1.4-2.1x numba-cuda's
-(tools/f32_backward_timing.py); serving it takes a manifest entry for float32
-``attention_vjp``, so until then every float32 gradient is numba-cuda's."""
+kernels here, and float32 ``attention_vjp`` at every precision on the backward kernels: on
+an H100 (tests/test_f32_gpu.py against float64 on poisoned memory, every tile forward and
+backward: 154 passed; B2 H16 eager) the forward ran at 21.6-36.7 TFLOP/s against
+numba-cuda's 13.2-17.3, 2.1-2.5x, and 1.04-1.31x torch's efficient backend at head dim 64
+(0.70-0.79x at 128, tools/tf32_timing.py); the backward at 1.4-2.1x numba-cuda's
+(tools/f32_backward_timing.py)."""
 
 
 def f32_shape(d: int, dv: int) -> tuple[int, int] | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from .configs import (
     ATTENTION_DTYPES,
+    F32_BACKWARD_CONFIGS,
     F32_CONFIGS,
     F32_SERVED,
     GRAD_CONFIGS,
@@ -26,6 +27,7 @@ from .configs import (
     TF32_PRECISIONS,
     attention_shared_bytes,
     decode_holds,
+    f32_backward_shape,
     f32_shape,
     max_row_length,
     row_lean,
@@ -75,10 +77,12 @@ def manifest() -> dict[str, Any]:
             {"ops": ["attention", "attention_vjp"], "devices": ["cuda"],
              "dtypes": list(ATTENTION_DTYPES)},
             # float32 on TF32 tensor cores at the reduced precisions and, once served
-            # (configs.F32_SERVED), exact on CUDA cores; the rest of float32 attention and
-            # every float32 gradient are numba-cuda's
+            # (configs.F32_SERVED), exact on CUDA cores; the exact gradient serves every
+            # precision (none asks for more); the rest of float32 attention is numba-cuda's
             {"ops": ["attention"], "devices": ["cuda"], "dtypes": ["float32"],
              "precisions": [*(["float32"] if F32_SERVED else []), *TF32_PRECISIONS]},
+            *([{"ops": ["attention_vjp"], "devices": ["cuda"], "dtypes": ["float32"],
+                "precisions": ["float32", *TF32_PRECISIONS]}] if F32_SERVED else []),
             {"ops": ["merge_attention"], "devices": ["cuda"], "dtypes": list(MERGE_DTYPES)},
             {"ops": list(VARLEN_OPS), "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
             {"ops": ["paged_attention"], "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
@@ -228,10 +232,10 @@ def _can_run_attention_vjp(call: Any) -> bool | str:
     if reason:
         return reason
     dtype = _name(args["q"].dtype)
-    return attention_vjp_reason(
-        dtype, tuple(args["q"].shape), tuple(args["k"].shape), tuple(args["v"].shape),
-        _shared_limit(args["q"])
-    ) or True
+    shapes = (tuple(args["q"].shape), tuple(args["k"].shape), tuple(args["v"].shape))
+    if dtype == "float32":  # exact at every precision
+        return f32_reason(*shapes, _shared_limit(args["q"]), backward=True) or True
+    return attention_vjp_reason(dtype, *shapes, _shared_limit(args["q"])) or True
 
 
 def attention_vjp_reason(
@@ -353,24 +357,27 @@ def merge_reason(dtype: str, lse_dtype: str, shape: tuple[int, ...]) -> str | No
 
 def f32_reason(
     q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...],
-    shared_limit: int | None = None,
+    shared_limit: int | None = None, backward: bool = False,
 ) -> str | None:
-    """Why the exact float32 forward (kernels/attention_f32.cu) cannot run these inputs on a
-    device whose blocks may take ``shared_limit`` bytes of shared memory, or None when it can:
-    it is built for the (D, Dv) pairs of ``F32_CONFIGS`` and runs others up to 256 on
-    zero-padded copies (:func:`.configs.f32_shape`); larger ones, and tiles the device's
-    shared memory cannot hold, run on numba-cuda's exact kernels.  Calls with no query row or
-    no key run without a launch."""
+    """Why the exact float32 forward (kernels/attention_f32.cu), or its backward, cannot run
+    these inputs on a device whose blocks may take ``shared_limit`` bytes of shared memory,
+    or None when it can: each is built for the (D, Dv) pairs of its table (``F32_CONFIGS``,
+    ``F32_BACKWARD_CONFIGS``) and runs other pairs within the largest on zero-padded copies
+    (:func:`.configs.f32_shape`); larger ones, and tiles the device's shared memory cannot
+    hold, run on numba-cuda's exact kernels.  Calls with no query row or no key run without
+    a launch."""
     b, hq, lq, d = q_shape
-    shape = f32_shape(d, v_shape[-1])
+    table, kind = ((F32_BACKWARD_CONFIGS, "backward") if backward else
+                   (F32_CONFIGS, "forward"))
+    shape = (f32_backward_shape if backward else f32_shape)(d, v_shape[-1])
     if shape is None:
-        return (f"the float32 attention kernels take D and Dv up to {max(F32_CONFIGS)[0]}, "
+        return (f"the float32 attention {kind} takes D and Dv up to {max(table)[0]}, "
                 f"not D={d}, Dv={v_shape[-1]}")
     if b * hq * lq == 0 or k_shape[2] == 0:
         return None
-    need = F32_CONFIGS[shape].shared_bytes()
+    need = table[shape].shared_bytes()
     if shared_limit is not None and need > shared_limit:
-        return (f"the float32 attention kernel at D={shape[0]}, Dv={shape[1]} takes {need} "
+        return (f"the float32 attention {kind} at D={shape[0]}, Dv={shape[1]} takes {need} "
                 f"bytes of shared memory a block; this device gives {shared_limit}")
     return _launch_reason(b, hq, lq, k_shape[2])
 

@@ -210,9 +210,13 @@ def test_long_rows_and_non_finite_inputs() -> None:
     assert np.isnan(out[0, 0, nan_rows]).all() and np.isfinite(out[0, 0, ~nan_rows]).all()
 
 
-def test_gradient_through_autograd_is_exact() -> None:
-    """Through the default dispatch (these kernels once served, numba-cuda's before):
-    gradients within the float32 row of the tolerances."""
+@pytest.mark.parametrize("precision", ["float32", "tf32"])
+def test_gradient_through_autograd_is_exact(precision: str) -> None:
+    """Through the default dispatch and autograd (these kernels once served, forward and
+    backward; numba-cuda's before), at each precision of the forward: gradients within the
+    float32 row of the tolerances, the backward on sk_attn_bwd_f32 whatever the precision."""
+    from softmaxkit_cupy.configs import F32_SERVED, f32_backward_config
+
     import softmaxkit as sk
     from softmaxkit.testing import materialized as ref
     from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
@@ -220,13 +224,40 @@ def test_gradient_through_autograd_is_exact() -> None:
     case = dict(b=1, hq=4, hk=2, lq=150, lk=170, causal="bottom_right")
     q, k, v, _ = _inputs(64, 64, case, seed=11)
     q, k, v = (a.requires_grad_() for a in (q, k, v))
-    out = sk.attention(q, k, v, causal="bottom_right")
-    dout = torch.randn_like(out)
-    out.backward(dout)
+    with sk.backend_opts(trace=True) as trace:
+        out = sk.attention(q, k, v, causal="bottom_right", precision=precision)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+    backward = [r for r in trace if r.op == "attention_vjp"]
+    assert backward, [r.op for r in trace]
+    if F32_SERVED:
+        assert backward[-1].backend == "cupy"
+        assert backward[-1].kernel == f32_backward_config(64, 64, False).name()
     want = ref.attention_vjp(*(_numpy(a.detach()) for a in (q, k, v)), _numpy(dout),
                              causal="bottom_right")
     tol = ATTENTION_TOLERANCES["float32"][2]
     for name, got, w in zip("qkv", (q.grad, k.grad, v.grad), want, strict=True):
+        err = ref.rel_frobenius(_numpy(got).astype(np.float64), w)
+        assert err <= tol, f"d{name}: {err:.3g}"
+
+
+def test_wide_gradients_stay_exact_elsewhere() -> None:
+    """A float32 gradient wider than the backward's tiles (D = 160) is declined with the
+    reason and computed exactly by the next backend."""
+    import softmaxkit as sk
+    from softmaxkit.testing import materialized as ref
+    from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
+
+    case = dict(b=1, hq=2, hk=2, lq=40, lk=50)
+    q, k, v, _ = _inputs(160, 160, case, seed=5)
+    out, lse = sk.attention(q, k, v, return_lse=True)
+    dout = torch.randn_like(out)
+    with sk.backend_opts(trace=True) as trace:
+        grads = sk.attention_vjp(q, k, v, out, lse, dout)
+    assert trace[-1].backend != "cupy" and "up to 128" in trace[-1].declined["cupy"]
+    want = ref.attention_vjp(*(_numpy(a) for a in (q, k, v)), _numpy(dout))
+    tol = ATTENTION_TOLERANCES["float32"][2]
+    for name, got, w in zip("qkv", grads, want, strict=True):
         err = ref.rel_frobenius(_numpy(got).astype(np.float64), w)
         assert err <= tol, f"d{name}: {err:.3g}"
 

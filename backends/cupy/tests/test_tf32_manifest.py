@@ -1,8 +1,8 @@
 """The cupy backend serves float32 attention at precisions "tf32" and "tf32x3" (its TF32
-kernels) and, once ``configs.F32_SERVED`` says so, at "float32" (its exact CUDA-core
-kernels), leaves every other float32 call and every float32 gradient to numba-cuda's exact
-kernels, and declines the head dimensions its kernels are not built for, and tiles the
-device's shared memory cannot hold, with the reason."""
+kernels) and, once ``configs.F32_SERVED`` says so, at "float32" and float32 gradients at
+every precision (its exact CUDA-core kernels), leaves every other float32 call to
+numba-cuda's exact kernels, and declines the head dimensions its kernels are not built for,
+and tiles the device's shared memory cannot hold, with the reason."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from softmaxkit.backend import Backend
 def test_float32_attention_is_served_at_the_declared_precisions() -> None:
     backend = Backend.from_manifest(mf.manifest())
     assert backend.takes_precision("attention")
-    assert not backend.takes_precision("attention_vjp")
+    assert backend.takes_precision("attention_vjp") is F32_SERVED
     for precision, served in (("float32", F32_SERVED), ("tf32x3", True), ("tf32", True)):
         assert backend.serves_key("attention", "cuda", "float32", precision) is served
-        assert not backend.serves_key("attention_vjp", "cuda", "float32", precision)
+        assert backend.serves_key("attention_vjp", "cuda", "float32", precision) is F32_SERVED
         assert not backend.serves_key("varlen_attention", "cuda", "float32", precision)
     for dtype in ("float16", "bfloat16"):  # 16-bit calls always carry "float32"
         assert backend.serves_key("attention", "cuda", dtype, "float32")
+        assert backend.serves_key("attention_vjp", "cuda", dtype, "float32")
 
 
 def test_dispatch_orders_cupy_first_where_it_serves() -> None:
@@ -37,8 +38,12 @@ def test_dispatch_orders_cupy_first_where_it_serves() -> None:
             assert all(order.index("cupy") < order.index(name) for name in exact)
         else:
             assert "cupy" not in order and "at precision 'float32'" in left_out["cupy"]
-        order, _ = registry.candidates("attention_vjp", "cuda", "float32")
-        assert "cupy" not in order
+        for precision in ("float32", "tf32"):
+            order, _ = registry.candidates("attention_vjp", "cuda", "float32", precision)
+            if F32_SERVED:
+                assert all(order.index("cupy") < order.index(name) for name in exact)
+            else:
+                assert "cupy" not in order
     finally:
         registry.reload()
 
@@ -99,7 +104,7 @@ def test_float32_calls_at_the_tf32_precisions_are_taken(monkeypatch) -> None:
     assert cupy.serves_key("attention", "cuda", "float32", "tf32")
     assert cupy.serves_key("attention", "cuda", "float32", "tf32x3")
     assert cupy.serves_key("attention", "cuda", "float32", "float32") is F32_SERVED
-    assert not cupy.serves_key("attention_vjp", "cuda", "float32", "tf32")
+    assert cupy.serves_key("attention_vjp", "cuda", "float32", "tf32") is F32_SERVED
 
 
 @pytest.mark.parametrize(("q", "k", "v", "limit", "declined"), [
@@ -120,6 +125,25 @@ def test_f32_reasons(q, k, v, limit, declined) -> None:
     assert (reason is not None) is declined, reason
 
 
+@pytest.mark.parametrize(("q", "k", "v", "limit", "declined"), [
+    ((2, 8, 300, 64), (2, 2, 400, 64), (2, 2, 400, 64), None, False),
+    ((1, 4, 16, 80), (1, 4, 16, 80), (1, 4, 16, 80), None, False),  # padded to 96
+    ((1, 4, 16, 128), (1, 4, 16, 128), (1, 4, 16, 64), None, False),  # padded to 128
+    ((1, 4, 16, 128), (1, 4, 16, 128), (1, 4, 16, 128), 99 * 1024, True),  # sm_86
+    ((1, 4, 16, 32), (1, 4, 16, 32), (1, 4, 16, 32), 48 * 1024, False),
+    ((1, 4, 16, 160), (1, 4, 16, 160), (1, 4, 16, 160), None, True),  # numba-cuda's
+    ((1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 136), None, True),
+    ((1, 4, 0, 160), (1, 4, 10, 160), (1, 4, 10, 160), None, True),  # no such kernel
+    ((1, 4, 0, 128), (1, 4, 10, 128), (1, 4, 10, 128), 1024, False),  # no launch
+    ((70000, 1, 16, 64), (70000, 1, 16, 64), (70000, 1, 16, 64), None, True),
+])
+def test_f32_backward_reasons(q, k, v, limit, declined) -> None:
+    reason = mf.f32_reason(q, k, v, limit, backward=True)
+    assert (reason is not None) is declined, reason
+    if declined and q[3] > 128:
+        assert "backward takes D and Dv up to 128" in reason
+
+
 def test_exact_float32_calls_are_taken_with_their_precision(monkeypatch) -> None:
     """A float32 call at the default precision goes to the exact kernels' reason (asked once
     they are served): head dimensions up to 256 (128 for the TF32 kernels)."""
@@ -138,3 +162,25 @@ def test_exact_float32_calls_are_taken_with_their_precision(monkeypatch) -> None
     call = Call("attention", None, "cuda", "float32",
                 {"q": huge, "k": huge, "v": huge, "mask": None, "precision": "float32"})
     assert "up to 256" in mf.can_run(call)
+
+
+def test_exact_float32_gradients_are_taken_at_every_precision(monkeypatch) -> None:
+    """A float32 gradient goes to the exact backward's reason whatever its precision: head
+    dimensions up to 128, wider ones declined for numba-cuda's kernels."""
+    torch = pytest.importorskip("torch")
+
+    from softmaxkit.ops import Call
+
+    monkeypatch.setattr(mf, "_library", lambda a: "torch")  # CPU tensors stand in for CUDA
+    monkeypatch.setattr(mf, "_shared_limit", lambda a: 227 * 1024)
+    for d, taken in ((96, True), (160, False)):
+        x = torch.zeros(1, 4, 16, d)
+        lse = torch.zeros(1, 4, 16)
+        for precision in ("float32", "tf32x3", "tf32"):
+            call = Call("attention_vjp", None, "cuda", "float32", {
+                "q": x, "k": x, "v": x, "out": x, "lse": lse, "dout": x, "mask": None,
+                "precision": precision})
+            reason = mf.can_run(call)
+            assert (reason is True) is taken, reason
+            if not taken:
+                assert "backward takes D and Dv up to 128" in reason
