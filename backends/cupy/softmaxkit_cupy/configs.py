@@ -886,20 +886,21 @@ def all_modules() -> list[tuple[str, list[str]]]:
 @dataclass(frozen=True)
 class F32Config:
     """One tile shape of the exact float32 forward on CUDA cores (kernels/attention_f32.cu):
-    ``warps`` warps of 16 query rows, ``block_n`` keys per tile, key head dimension
-    ``head_dim`` and value head dimension ``value_dim``; ``mask=False`` builds it without
-    boolean-mask support."""
+    ``warps`` warps of 4 ``rows`` query rows (a lane's ``rows`` rows), ``block_n`` keys per
+    tile, key head dimension ``head_dim`` and value head dimension ``value_dim``;
+    ``mask=False`` builds it without boolean-mask support."""
 
     head_dim: int
     value_dim: int
     warps: int = 4
     block_n: int = 32
     mask: bool = True
+    rows: int = 4
 
     @property
     def block_m(self) -> int:
         """Query rows per block."""
-        return 16 * self.warps
+        return 4 * self.rows * self.warps
 
     @property
     def threads(self) -> int:
@@ -914,8 +915,9 @@ class F32Config:
 
     def name(self) -> str:
         """The C++ name expression of the kernel."""
+        rows = "" if self.rows == 4 else f", {self.rows}"
         return (f"sk_attn_fwd_f32<{self.head_dim}, {self.value_dim}, {self.warps}, "
-                f"{self.block_n}, {'true' if self.mask else 'false'}>")
+                f"{self.block_n}, {'true' if self.mask else 'false'}{rows}>")
 
 
 F32_CONFIGS = {
@@ -934,13 +936,15 @@ zero-padded to the smallest square pair that holds them (:func:`f32_shape`)."""
 
 
 F32_ALTERNATIVES = (
-    F32Config(64, 64, warps=4, block_n=32, mask=False),
-    F32Config(64, 64, warps=8, block_n=64, mask=False),
-    F32Config(128, 128, warps=8, block_n=32, mask=False),
-    F32Config(128, 128, warps=4, block_n=64, mask=False),
+    F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),
+    F32Config(64, 64, warps=2, block_n=64, mask=False, rows=8),
+    F32Config(128, 128, warps=2, block_n=32, mask=False, rows=8),
+    F32Config(128, 128, warps=4, block_n=32, mask=False, rows=8),
 )
 """Other exact float32 forward tiles, built on request only (``config=``), for
-tools/tf32_timing.py to time beside the declared ones."""
+tools/tf32_timing.py to time beside the declared ones: eight rows a lane, 12.8-16 fma per
+shared-memory read against 9.8-10.7 (docs/benchmarks-attention.md), at fewer warps a
+multiprocessor.  (8 warps, and 64-key tiles at 128, were no faster on an H100.)"""
 
 @dataclass(frozen=True)
 class F32BackwardConfig:

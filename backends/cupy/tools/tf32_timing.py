@@ -106,7 +106,7 @@ def measure(length: int, d: int, causal: bool) -> dict:
     calls["torch-efficient"] = efficient
     for c in F32_ALTERNATIVES:
         if c.head_dim == d:
-            calls[f"{EXACT} {c.warps}w n{c.block_n}"] = lambda c=c: exact(c)
+            calls[f"{EXACT} {c.warps}w n{c.block_n} r{c.rows}"] = lambda c=c: exact(c)
     declared = set(tf32_names())
     for c in TF32_ALTERNATIVES:  # other tiles, through the adapter
         if c.head_dim == d:

@@ -6,8 +6,9 @@
 // BM = 16 * WARPS query rows of one (batch, head) against key tiles of BN keys,
 // double-buffered in shared memory by cp.async, with the online softmax in registers.  The
 // two products are register-tiled as a SIMT matrix product is: lane (ty, tx) = (lane / 8,
-// lane % 8) of warp w owns the four rows 16 w + ty + 4 i (i < 4) and, of each key tile, the
-// keys tx + 8 j (j < BN / 8), and of the output the float4 columns 4 tx + 32 c (c < Dv / 32).
+// lane % 8) of warp w owns the R rows 4 R w + ty + 4 i (i < R; R = 4, or 8 for twice the
+// fma per shared-memory read) and, of each key tile, the keys tx + 8 j (j < BN / 8), and of
+// the output the float4 columns 4 tx + 32 c (c < Dv / 32).
 // So a row's keys lie in the eight lanes of its ty (maxima and sums take three shuffles), a
 // score takes D / 4 float4 reads of q and k for D fma, and P V takes its probabilities back
 // through a warp's own shared-memory tile (rows of BN + 8 floats: the lanes' scalar stores
@@ -21,15 +22,15 @@
 #define SK_LOG2E 1.4426950408889634f
 
 // acc[i][c] += sum over n < N of a[(ty + 4 i) * AW + n] * b[n * BW + 4 tx + 32 c .. + 3]: the
-// lane's four rows of a shared [rows x N] tile times a shared [N x 32 NC] tile, float4 reads.
-template <int N, int NC, int AW, int BW>
-__device__ __forceinline__ void sk_f32_rows_times(float (&acc)[4][NC][4], const float* a,
+// lane's R rows of a shared [rows x N] tile times a shared [N x 32 NC] tile, float4 reads.
+template <int N, int NC, int AW, int BW, int R>
+__device__ __forceinline__ void sk_f32_rows_times(float (&acc)[R][NC][4], const float* a,
                                                   const float* b, int ty, int tx) {
 #pragma unroll
     for (int n = 0; n < N; n += 4) {
-        float4 p[4];
+        float4 p[R];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < R; ++i)
             p[i] = *reinterpret_cast<const float4*>(a + (ty + 4 * i) * AW + n);
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -38,7 +39,7 @@ __device__ __forceinline__ void sk_f32_rows_times(float (&acc)[4][NC][4], const 
                 const float4 bv =
                     *reinterpret_cast<const float4*>(b + (n + u) * BW + 4 * tx + 32 * c);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
+                for (int i = 0; i < R; ++i) {
                     const float pu = u == 0 ? p[i].x : u == 1 ? p[i].y : u == 2 ? p[i].z : p[i].w;
                     acc[i][c][0] = fmaf(pu, bv.x, acc[i][c][0]);
                     acc[i][c][1] = fmaf(pu, bv.y, acc[i][c][1]);
@@ -51,21 +52,21 @@ __device__ __forceinline__ void sk_f32_rows_times(float (&acc)[4][NC][4], const 
 }
 
 // acc[i][j] += a[(ty + 4 i) * W + .] . b[(tx + 8 j) * W + .] over the K columns of two shared
-// tiles of row width W: the lane's four rows of one against its NJ rows of the other.
-template <int K, int NJ, int W>
-__device__ __forceinline__ void sk_f32_rows_dot(float (&acc)[4][NJ], const float* a,
+// tiles of row width W: the lane's R rows of one against its NJ rows of the other.
+template <int K, int NJ, int W, int R>
+__device__ __forceinline__ void sk_f32_rows_dot(float (&acc)[R][NJ], const float* a,
                                                 const float* b, int ty, int tx) {
 #pragma unroll
     for (int d = 0; d < K; d += 4) {
-        float4 av[4], bv[NJ];
+        float4 av[R], bv[NJ];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < R; ++i)
             av[i] = *reinterpret_cast<const float4*>(a + (ty + 4 * i) * W + d);
 #pragma unroll
         for (int j = 0; j < NJ; ++j)
             bv[j] = *reinterpret_cast<const float4*>(b + (tx + 8 * j) * W + d);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < R; ++i) {
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 acc[i][j] = fmaf(av[i].x, bv[j].x, acc[i][j]);
@@ -81,7 +82,7 @@ __device__ __forceinline__ void sk_f32_rows_dot(float (&acc)[4][NJ], const float
 // (16-byte aligned rows), out [B, Hq, Lq, DV] and lse [B, Hq, Lq] contiguous; the parameters
 // are sk_attn_fwd's.  Two blocks of four warps share a multiprocessor (eight warps: one
 // block), each lane with the registers its tiles need.
-template <int D, int DV, int WARPS, int BN, bool MASK>
+template <int D, int DV, int WARPS, int BN, bool MASK, int R = 4>
 __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const unsigned* __restrict__ mask, float* __restrict__ out, float* __restrict__ lse,
@@ -91,7 +92,8 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
     float scale, float softcap, int offset, int causal, int left, int right) {
     static_assert(D % 4 == 0 && DV % 32 == 0, "float4 rows; eight lanes cover 32 columns");
     static_assert(BN % 32 == 0, "a key tile covers whole 32-key mask words");
-    constexpr int BM = 16 * WARPS;
+    constexpr int WR = 4 * R;  // a warp's query rows
+    constexpr int BM = WR * WARPS;
     constexpr int THREADS = 32 * WARPS;
     constexpr int QW = D + 4, VW = DV + 4, PW = BN + 8;  // row widths in shared memory
     constexpr int NJ = BN / 8;                           // a lane's keys of a tile
@@ -100,7 +102,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
     float* sq = reinterpret_cast<float*>(sk_smem);
     float* sk = sq + BM * QW;      // 2 stages
     float* sv = sk + 2 * BN * QW;  // 2 stages
-    float* sp = sv + 2 * BN * VW;  // a [16 x PW] tile of probabilities a warp
+    float* sp = sv + 2 * BN * VW;  // a [WR x PW] tile of probabilities a warp
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int ty = lane / 8, tx = lane % 8;
@@ -122,11 +124,11 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
     int rel_lo, rel_hi;
     sk_relative_limits(causal, left, right, rel_lo, rel_hi);
 
-    const int r0 = 16 * warp + ty;  // the lane's first row in the block; rows r0 + 4 i
-    float o[4][NC][4];
-    float row_max[4], row_sum[4];
+    const int r0 = WR * warp + ty;  // the lane's first row in the block; rows r0 + 4 i
+    float o[R][NC][4];
+    float row_max[R], row_sum[R];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < R; ++i) {
 #pragma unroll
         for (int c = 0; c < NC; ++c) o[i][c][0] = o[i][c][1] = o[i][c][2] = o[i][c][3] = 0.0f;
         row_max[i] = -SK_INF;
@@ -140,7 +142,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         sk_load_padded<BN, DV, THREADS>(sv, vb + tile_lo * BN * v_sl, v_sl, lk - tile_lo * BN);
         sk_cp_async_commit();
     }
-    float* pw = sp + warp * 16 * PW;
+    float* pw = sp + warp * WR * PW;
 
     for (int tile = tile_lo; tile < tile_hi; ++tile) {
         const int stage = (tile - tile_lo) & 1;
@@ -154,16 +156,16 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         sk_cp_async_commit();
 
         // S = Q K^T: per four columns of the head, four float4 of q and NJ of k, 16 NJ fma
-        float s[4][NJ];
+        float s[R][NJ];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < R; ++i)
 #pragma unroll
             for (int j = 0; j < NJ; ++j) s[i][j] = 0.0f;
-        sk_f32_rows_dot<D, NJ, QW>(s, sq + 16 * warp * QW, sk + stage * BN * QW, ty, tx);
+        sk_f32_rows_dot<D, NJ, QW>(s, sq + WR * warp * QW, sk + stage * BN * QW, ty, tx);
 
         // scores in log2 units, exclusions as -inf
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < R; ++i) {
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 float x = s[i][j] * qk_scale;
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
                           n0 < m0 + BM - 1 + offset + rel_lo || mb != nullptr;
         if (edge) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
+            for (int i = 0; i < R; ++i) {
                 const int row = m0 + r0 + 4 * i;
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
 
         // online softmax: new maxima (over the eight lanes of each row), rescale, exponentiate
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < R; ++i) {
             float mx = row_max[i];
 #pragma unroll
             for (int j = 0; j < NJ; ++j) mx = fmaxf(mx, s[i][j]);
@@ -224,7 +226,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         }
         __syncwarp();  // the last tile's reads of this warp's probabilities are done
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < R; ++i)
 #pragma unroll
             for (int j = 0; j < NJ; ++j) pw[(ty + 4 * i) * PW + tx + 8 * j] = s[i][j];
 
@@ -243,7 +245,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
 
     // finish: the row's sum over its eight lanes, normalize, store out and lse
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < R; ++i) {
         float l = row_sum[i];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
