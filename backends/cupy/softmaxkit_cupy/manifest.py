@@ -367,9 +367,9 @@ def f32_reason(
     hold, run on numba-cuda's exact kernels.  Calls with no query row or no key run without
     a launch."""
     b, hq, lq, d = q_shape
-    table, kind = ((F32_BACKWARD_CONFIGS, "backward") if backward else
-                   (F32_CONFIGS, "forward"))
-    shape = (f32_backward_shape if backward else f32_shape)(d, v_shape[-1])
+    table, shape_of, kind = ((F32_BACKWARD_CONFIGS, f32_backward_shape, "backward")
+                             if backward else (F32_CONFIGS, f32_shape, "forward"))
+    shape = shape_of(d, v_shape[-1])
     if shape is None:
         return (f"the float32 attention {kind} takes D and Dv up to {max(table)[0]}, "
                 f"not D={d}, Dv={v_shape[-1]}")

@@ -77,6 +77,19 @@ def _numpy(a):
     return None if a is None else a.cpu().numpy()
 
 
+def _check_gradients(got, want, what: str) -> None:
+    """(dq, dk, dv) against float64 ``want``: each within the float32 row of the tolerances
+    (spec "Gradients")."""
+    from softmaxkit.testing import materialized as ref
+    from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
+
+    tol = ATTENTION_TOLERANCES["float32"][2]
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        err = ref.rel_frobenius(_numpy(g).astype(np.float64), w)
+        print(f"{what} {name}: {err:.3g}")
+        assert err <= tol, f"{what} {name}: relative Frobenius {err:.3g}"
+
+
 def _check(got: tuple, q, k, v, mask, case: dict, what: str) -> None:
     """``got`` = (out, lse) against float64: the tolerance table and the elementwise bound."""
     from softmaxkit.testing import materialized as ref
@@ -219,7 +232,6 @@ def test_gradient_through_autograd_is_exact(precision: str) -> None:
 
     import softmaxkit as sk
     from softmaxkit.testing import materialized as ref
-    from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
 
     case = dict(b=1, hq=4, hk=2, lq=150, lk=170, causal="bottom_right")
     q, k, v, _ = _inputs(64, 64, case, seed=11)
@@ -235,10 +247,7 @@ def test_gradient_through_autograd_is_exact(precision: str) -> None:
         assert backward[-1].kernel == f32_backward_config(64, 64, False).name()
     want = ref.attention_vjp(*(_numpy(a.detach()) for a in (q, k, v)), _numpy(dout),
                              causal="bottom_right")
-    tol = ATTENTION_TOLERANCES["float32"][2]
-    for name, got, w in zip("qkv", (q.grad, k.grad, v.grad), want, strict=True):
-        err = ref.rel_frobenius(_numpy(got).astype(np.float64), w)
-        assert err <= tol, f"d{name}: {err:.3g}"
+    _check_gradients((q.grad, k.grad, v.grad), want, f"autograd at {precision}")
 
 
 def test_wide_gradients_stay_exact_elsewhere() -> None:
@@ -246,7 +255,6 @@ def test_wide_gradients_stay_exact_elsewhere() -> None:
     reason and computed exactly by the next backend."""
     import softmaxkit as sk
     from softmaxkit.testing import materialized as ref
-    from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
 
     case = dict(b=1, hq=2, hk=2, lq=40, lk=50)
     q, k, v, _ = _inputs(160, 160, case, seed=5)
@@ -256,10 +264,7 @@ def test_wide_gradients_stay_exact_elsewhere() -> None:
         grads = sk.attention_vjp(q, k, v, out, lse, dout)
     assert trace[-1].backend != "cupy" and "up to 128" in trace[-1].declined["cupy"]
     want = ref.attention_vjp(*(_numpy(a) for a in (q, k, v)), _numpy(dout))
-    tol = ATTENTION_TOLERANCES["float32"][2]
-    for name, got, w in zip("qkv", grads, want, strict=True):
-        err = ref.rel_frobenius(_numpy(got).astype(np.float64), w)
-        assert err <= tol, f"d{name}: {err:.3g}"
+    _check_gradients(grads, want, f"D=160 on {trace[-1].backend}")
 
 
 @pytest.mark.parametrize(("d", "dv"), [(32, 32), (64, 64), (96, 96), (128, 128), (48, 80)])
@@ -272,7 +277,6 @@ def test_backward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
     from softmaxkit_cupy.attention_f32 import attention_vjp
 
     from softmaxkit.testing import materialized as ref
-    from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
 
     (out, lse), (q, k, v, mask) = _forward(d, dv, case)
     gen = torch.Generator(device="cuda").manual_seed(d)
@@ -288,8 +292,4 @@ def test_backward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
     torch.cuda.synchronize()
     want = ref.attention_vjp(*(_numpy(a) for a in (q, k, v, dout)), dlse=_numpy(dlse),
                              mask=_numpy(mask), **opts)
-    tol = ATTENTION_TOLERANCES["float32"][2]
-    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
-        err = ref.rel_frobenius(_numpy(g).astype(np.float64), w)
-        print(f"D={d} Dv={dv} {_case_id(case)} {name}: {err:.3g}")
-        assert err <= tol, f"{name}: relative Frobenius {err:.3g}"
+    _check_gradients(got, want, f"D={d} Dv={dv} {_case_id(case)}")

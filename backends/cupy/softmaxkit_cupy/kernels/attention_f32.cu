@@ -3,7 +3,7 @@
 // sum float32, no tensor-core mode.
 //
 // The order of work is kernels/attention.cu's (FlashAttention-2): one block computes
-// BM = 16 * WARPS query rows of one (batch, head) against key tiles of BN keys,
+// BM = 4 R WARPS query rows of one (batch, head) against key tiles of BN keys,
 // double-buffered in shared memory by cp.async, with the online softmax in registers.  The
 // two products are register-tiled as a SIMT matrix product is: lane (ty, tx) = (lane / 8,
 // lane % 8) of warp w owns the R rows 4 R w + ty + 4 i (i < R; R = 4, or 8 for twice the
@@ -80,8 +80,8 @@ __device__ __forceinline__ void sk_f32_rows_dot(float (&acc)[R][NJ], const float
 
 // Forward: q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, DV] float32 by element strides
 // (16-byte aligned rows), out [B, Hq, Lq, DV] and lse [B, Hq, Lq] contiguous; the parameters
-// are sk_attn_fwd's.  Two blocks of four warps share a multiprocessor (eight warps: one
-// block), each lane with the registers its tiles need.
+// are sk_attn_fwd's.  Two blocks of up to four warps share a multiprocessor (eight warps:
+// one block), each lane with the registers its tiles need.
 template <int D, int DV, int WARPS, int BN, bool MASK, int R = 4>
 __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         }
         sk_cp_async_commit();
 
-        // S = Q K^T: per four columns of the head, four float4 of q and NJ of k, 16 NJ fma
+        // S = Q K^T: per four columns of the head, R float4 of q and NJ of k, 4 R NJ fma
         float s[R][NJ];
 #pragma unroll
         for (int i = 0; i < R; ++i)
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         }
         sk_cp_async_commit();
 
-        // O += P V: per four keys, four float4 of P and 4 NC of v, 64 NC fma
+        // O += P V: per four keys, R float4 of P and 4 NC of v, 16 R NC fma
         sk_f32_rows_times<BN, NC, PW, VW>(o, pw, sv + stage * BN * VW, ty, tx);
     }
     sk_cp_async_wait<0>();
