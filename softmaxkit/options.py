@@ -7,10 +7,11 @@ context.  :mod:`softmaxkit.registry` turns both into each call's ordered candida
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +104,10 @@ class backend_opts:  # noqa: N801 - used as a function, like contextlib's manage
     way round).  They take precedence over ``SOFTMAXKIT_PRIORITIZE`` / ``SOFTMAXKIT_BLOCK``
     but never over an explicit ``backend=``.
 
+    A gradient taken through the PyTorch operators runs under the options of the forward call
+    it differentiates, whichever thread autograd runs it on and whatever options surround
+    ``backward()``: its records join the forward's trace.
+
     Examples
     --------
     >>> import numpy as np, softmaxkit as sk
@@ -153,6 +158,26 @@ class backend_opts:  # noqa: N801 - used as a function, like contextlib's manage
                 return fn(*args, **kwargs)
 
         return wrapper
+
+
+def captured() -> _Options:
+    """The options in force where this is called, for :func:`applied` to restore elsewhere.
+
+    An autograd backward may run on a thread of its own (PyTorch's engine runs CUDA work on a
+    device thread), where the context of the forward call is absent.
+    """
+    return _options.get()
+
+
+@contextlib.contextmanager
+def applied(opts: _Options) -> Iterator[None]:
+    """Run a block under options :func:`captured` elsewhere (the same object, so a cached
+    dispatch decision stays valid)."""
+    token = _options.set(opts)
+    try:
+        yield
+    finally:
+        _options.reset(token)
 
 
 @functools.lru_cache(maxsize=1)

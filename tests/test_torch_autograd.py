@@ -294,6 +294,42 @@ def test_requires_grad_is_kept_and_plain_calls_stay_plain():
     assert sk.softmax(x.detach()).grad_fn is None
 
 
+_FORWARDS_AND_VJPS = {
+    "softmax": (lambda x: sk.softmax(x, -1), "softmax_vjp"),
+    "log_softmax": (lambda x: sk.log_softmax(x, -1), "log_softmax_vjp"),
+    "logsumexp": (lambda x: sk.logsumexp(x, -1), "softmax"),  # its gradient is a softmax
+    "attention": (lambda x: sk.attention(x[None], x[None], x[None]), "attention_vjp"),
+    "merge_attention": (lambda x: sk.merge_attention(x, x[:, 0], x, x[:, 1])[0],
+                        "merge_attention_vjp"),
+    "varlen_attention": (lambda x: sk.varlen_attention(
+        x[:, None], x[:, None], x[:, None], torch.tensor([0, 1, 4]), torch.tensor([0, 2, 4])),
+        "varlen_attention_vjp"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_FORWARDS_AND_VJPS))
+def test_the_backward_runs_under_the_options_of_its_forward(op):
+    """Autograd runs a CUDA backward on a device thread, where the caller's context is absent;
+    a backward run on another thread, outside any context, must still obey (and be traced by)
+    the options of its forward call, and compute the same gradient."""
+    import threading
+
+    forward, vjp = _FORWARDS_AND_VJPS[op]
+    x = _randn(4, 3, seed=5)
+    (want,) = torch.autograd.grad(forward(x).square().sum(), x)
+    with sk.backend_opts(prioritize="reference", trace=True) as trace:
+        loss = forward(x).square().sum()
+    forward_records = len(trace)
+    got = []
+    thread = threading.Thread(target=lambda: got.extend(torch.autograd.grad(loss, x)))
+    thread.start()
+    thread.join()
+    backward = trace[forward_records:]
+    assert [r.op for r in backward] == [vjp]
+    assert {r.backend for r in trace} == {"reference"}
+    torch.testing.assert_close(got[0], want, rtol=1e-12, atol=1e-12)
+
+
 def test_double_backward_raises_naming_the_operation():
     x = _randn(2, 3)
     (g,) = torch.autograd.grad(sk.softmax(x, -1)[:, 0].sum(), x, create_graph=True)

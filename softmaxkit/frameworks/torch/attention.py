@@ -19,6 +19,7 @@ from .common import (
     acc_dtype,
     no_double_backward,
     no_setup,
+    register_autograd,
     result_like,
     tensor_or_none,
 )
@@ -104,7 +105,7 @@ def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> t
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+register_autograd(attention_op, _attention_backward, setup_context=_attention_setup)
 
 
 def attention(
@@ -186,7 +187,7 @@ def _merge_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple
     return douts, dlses, None, None
 
 
-merge_attention_op.register_autograd(_merge_backward, setup_context=_merge_setup)
+register_autograd(merge_attention_op, _merge_backward, setup_context=_merge_setup)
 
 
 def _states(outs: Any, lses: Any, axis: int, empty_lse: float) -> tuple[Tensor, Tensor, int]:
@@ -339,7 +340,7 @@ def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tupl
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-varlen_attention_op.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+register_autograd(varlen_attention_op, _varlen_backward, setup_context=_varlen_setup)
 
 
 def _seqlens(value: Any, like: Tensor, name: str) -> Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ...dtypes import accumulator_dtype
+from ...options import applied, captured
 
 LN2 = math.log(2.0)
 
@@ -28,6 +29,24 @@ def no_double_backward(name: str):
 
 def no_setup(ctx: Any, inputs: Any, output: Any) -> None:
     pass
+
+
+def register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
+    """``op.register_autograd``, the backward run under the backend options of its forward.
+
+    Autograd runs a CUDA backward on a device thread, where the caller's ``backend_opts``
+    context is absent; captured at the forward, the options (and trace) hold for the gradient
+    on every device.
+    """
+    def setup(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.backend_options = captured()
+        setup_context(ctx, inputs, output)
+
+    def run(ctx: Any, *grads: Any) -> Any:
+        with applied(ctx.backend_options):
+            return backward(ctx, *grads)
+
+    op.register_autograd(run, setup_context=setup)
 
 
 def axis_list(axis: Any, ndim: int) -> list[int] | None:

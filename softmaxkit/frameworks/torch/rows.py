@@ -13,6 +13,7 @@ from .common import (
     float_dtype,
     no_double_backward,
     no_setup,
+    register_autograd,
     result_like,
     tensor_or_none,
 )
@@ -79,10 +80,8 @@ def _normalize_backward(vjp: Any):
     return backward
 
 
-softmax_op.register_autograd(_normalize_backward(softmax_vjp_op), setup_context=_normalize_setup)
-log_softmax_op.register_autograd(
-    _normalize_backward(log_softmax_vjp_op), setup_context=_normalize_setup
-)
+register_autograd(softmax_op, _normalize_backward(softmax_vjp_op), _normalize_setup)
+register_autograd(log_softmax_op, _normalize_backward(log_softmax_vjp_op), _normalize_setup)
 
 
 def softmax(
@@ -182,7 +181,7 @@ def _logsumexp_backward(ctx: Any, grad: Tensor) -> tuple:
     return ga, None, gb, None, None, None
 
 
-logsumexp_op.register_autograd(_logsumexp_backward, setup_context=_logsumexp_setup)
+register_autograd(logsumexp_op, _logsumexp_backward, setup_context=_logsumexp_setup)
 
 
 def logsumexp(
@@ -247,7 +246,7 @@ def _cross_entropy_backward(ctx: Any, grad_loss: Tensor, grad_grad: Any) -> tupl
     return (dlogits * g).to(dlogits.dtype), None, None, None, None, None, None, None, None
 
 
-cross_entropy_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+register_autograd(cross_entropy_op, _cross_entropy_backward, setup_context=_cross_entropy_setup)
 
 
 def cross_entropy(
