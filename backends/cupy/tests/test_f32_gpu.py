@@ -90,6 +90,27 @@ def _check_gradients(got, want, what: str) -> None:
         assert err <= tol, f"{what} {name}: relative Frobenius {err:.3g}"
 
 
+def _vjp_of_forward(q, k, v, out, lse, dout, causal: str | None):
+    """float64 (dq, dk, dv) by exact arithmetic on a forward's own ``out`` and ``lse``: what
+    spec "Precision" asks of a gradient of a reduced-precision forward, which inherits that
+    forward's error through ``P = exp(S - lse)`` and ``rowsum(dout * out)``."""
+    from softmaxkit.testing import materialized as ref
+
+    q, k, v, out, lse, dout = (_numpy(a).astype(np.float64) for a in (q, k, v, out, lse, dout))
+    scale = q.shape[-1] ** -0.5
+    ke, ve, g = ref._expand(q, k, v)
+    _, s = ref._scores(q, ke, scale, causal, None, None, None)
+    p = np.exp(s - lse[..., None])  # excluded scores are -inf: p = 0
+    dp = dout @ np.swapaxes(ve, -1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdims=True)) * scale
+    dq, dk, dv = ds @ ke, np.swapaxes(ds, -1, -2) @ q, np.swapaxes(p, -1, -2) @ dout
+
+    def fold(a):  # each group of query heads summed onto its key head
+        return a.reshape(a.shape[:-3] + (a.shape[-3] // g, g) + a.shape[-2:]).sum(axis=-3)
+
+    return dq, fold(dk), fold(dv)
+
+
 def _check(got: tuple, q, k, v, mask, case: dict, what: str) -> None:
     """``got`` = (out, lse) against float64: the tolerance table and the elementwise bound."""
     from softmaxkit.testing import materialized as ref
@@ -226,8 +247,10 @@ def test_long_rows_and_non_finite_inputs() -> None:
 @pytest.mark.parametrize("precision", ["float32", "tf32"])
 def test_gradient_through_autograd_is_exact(precision: str) -> None:
     """Through the default dispatch and autograd (these kernels once served, forward and
-    backward; numba-cuda's before), at each precision of the forward: gradients within the
-    float32 row of the tolerances, the backward on sk_attn_bwd_f32 whatever the precision."""
+    backward; numba-cuda's before), at each precision of the forward: the backward on
+    sk_attn_bwd_f32 whatever the precision, its gradients within the float32 row of the
+    tolerances of exact arithmetic on the forward's own out and lse, and at "float32" of the
+    definition too (a "tf32" forward's error passes into its gradient, spec "Precision")."""
     from softmaxkit_cupy.configs import F32_SERVED, f32_backward_config
 
     import softmaxkit as sk
@@ -237,7 +260,8 @@ def test_gradient_through_autograd_is_exact(precision: str) -> None:
     q, k, v, _ = _inputs(64, 64, case, seed=11)
     q, k, v = (a.requires_grad_() for a in (q, k, v))
     with sk.backend_opts(trace=True) as trace:
-        out = sk.attention(q, k, v, causal="bottom_right", precision=precision)
+        out, lse = sk.attention(q, k, v, causal="bottom_right", precision=precision,
+                                return_lse=True)
         dout = torch.randn_like(out)
         out.backward(dout)
     backward = [r for r in trace if r.op == "attention_vjp"]
@@ -245,9 +269,13 @@ def test_gradient_through_autograd_is_exact(precision: str) -> None:
     if F32_SERVED:
         assert backward[-1].backend == "cupy"
         assert backward[-1].kernel == f32_backward_config(64, 64, False).name()
-    want = ref.attention_vjp(*(_numpy(a.detach()) for a in (q, k, v)), _numpy(dout),
-                             causal="bottom_right")
-    _check_gradients((q.grad, k.grad, v.grad), want, f"autograd at {precision}")
+    grads = (q.grad, k.grad, v.grad)
+    own = _vjp_of_forward(*(a.detach() for a in (q, k, v, out, lse)), dout, "bottom_right")
+    _check_gradients(grads, own, f"autograd at {precision}, on its forward's out and lse")
+    if precision == "float32":
+        want = ref.attention_vjp(*(_numpy(a.detach()) for a in (q, k, v)), _numpy(dout),
+                                 causal="bottom_right")
+        _check_gradients(grads, want, "autograd at float32")
 
 
 def test_wide_gradients_stay_exact_elsewhere() -> None:
