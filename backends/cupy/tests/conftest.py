@@ -44,18 +44,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @dataclasses.dataclass
 class PtxasBuild:
-    """What :func:`ptxas` built: ptxas's report (``-v``) of every instantiation, and the
-    machine code files."""
+    """What :func:`ptxas` built: ptxas's report (``-v``) of every instantiation, the machine
+    code files, and the PTX they were assembled from."""
 
     report: str
     cubins: list[Path]
+    ptx: str
 
 
 @pytest.fixture
 def ptxas(tmp_path: Path) -> Callable[[str, Sequence[str], str], PtxasBuild]:
     """Build instantiations ``names`` of kernel source ``filename`` (local includes inlined,
     the text NVRTC compiles) to machine code for ``gencode`` with ptxas's report, split into
-    one translation unit per CPU and compiled side by side; fails on a compiler error."""
+    one translation unit per CPU and compiled side by side (nvcc keeps each unit's PTX);
+    fails on a compiler error."""
     nvcc = shutil.which("nvcc") or "/usr/local/bin/nvcc"
 
     def build(filename: str, names: Sequence[str], gencode: str) -> PtxasBuild:
@@ -64,21 +66,25 @@ def ptxas(tmp_path: Path) -> Callable[[str, Sequence[str], str], PtxasBuild]:
         text = source(filename)
         parts = max(1, min(len(names), os.cpu_count() or 1))
 
-        def one(index: int) -> tuple[int, str, Path]:
+        def one(index: int) -> tuple[int, str, Path, Path]:
             unit = tmp_path / f"{filename}.{index}.cu"
             cubin = unit.with_suffix(".cubin")
+            keep = tmp_path / f"keep{index}"
+            keep.mkdir(exist_ok=True)
             unit.write_text(text + "\n" + "\n".join(
                 f"void* sk_instance_{i} = (void*)&{name};"
                 for i, name in enumerate(names[index::parts])) + "\n")
             done = subprocess.run([nvcc, "-std=c++17", gencode, "-cubin", "-Xptxas", "-v",
-                                   str(unit), "-o", str(cubin)], capture_output=True, text=True)
-            return done.returncode, done.stderr, cubin
+                                   "-keep", "-keep-dir", str(keep), str(unit), "-o", str(cubin)],
+                                  capture_output=True, text=True)
+            return done.returncode, done.stderr, cubin, keep / unit.with_suffix(".ptx").name
 
         with ThreadPoolExecutor(max_workers=parts) as pool:
             results = list(pool.map(one, range(parts)))
-        failed = [err[-3000:] for rc, err, _ in results if rc != 0]
+        failed = [err[-3000:] for rc, err, _, _ in results if rc != 0]
         assert not failed, "\n".join(failed)
-        return PtxasBuild("".join(err for _, err, _ in results), [c for _, _, c in results])
+        return PtxasBuild("".join(err for _, err, _, _ in results), [r[2] for r in results],
+                          "".join(r[3].read_text() for r in results))
 
     return build
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,14 +75,7 @@ def test_f32_kernels_build_without_spills(
     assert len(spills) == len(names) and set(spills) == {"0"}, report[-3000:]
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert len(registers) == len(names) and max(registers) <= 255, registers
-    from softmaxkit_cupy.compiler import source
-
-    unit = tmp_path / "f32.cu"
-    unit.write_text(source("attention_f32.cu") + "\n" + "\n".join(
-        f"void* sk_instance_{i} = (void*)&{name};" for i, name in enumerate(names)) + "\n")
-    subprocess.run([NVCC, "-std=c++17", f"-arch=compute_{arch}", "-ptx", str(unit), "-o",
-                    str(unit.with_suffix(".ptx"))], capture_output=True, check=True)
-    ptx = unit.with_suffix(".ptx").read_text()
+    ptx = build.ptx
     entries = re.split(r"\.visible \.entry ", ptx)[1:]
     assert len(entries) == len(names)
     for body in entries:
