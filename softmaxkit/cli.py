@@ -5,11 +5,11 @@
     backend serves), the backend a small call of each operation and dtype gets; then the
     installed backends (and those that failed to load) and the dispatch table: the backends
     tried in order, and why the rest are not tried.
-``softmaxkit verify [--backend NAME] [--target numpy|array_api_strict|torch-cpu|...]``
-    the conformance kit against one backend (or every installed one): each case's status and
-    how many checks it ran, then a count of passed, failed, unsupported and "ran nothing"
-    cases per backend; the exit status is 1 when a case fails (a backend that fails to load
-    fails every case).
+``softmaxkit verify [--backend NAME] [--target numpy|array_api_strict|...] [--jobs N]``
+    the conformance kit against one backend (or every installed one), in this process or in
+    N fresh ones: each case's status and how many checks it ran, then a count of passed,
+    failed, unsupported and "ran nothing" cases per backend; the exit status is 1 when a
+    case fails (a backend that fails to load fails every case).
 ``softmaxkit bench [--quick] [--ops ...] [--dtype ...] [--shapes ...] [--device cpu|cuda]
 [--backends NAME ...]``
     times the operations on the default path next to the installed peers (see
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .dtypes import FLOAT_DTYPES
@@ -225,6 +225,44 @@ def _short(reason: str) -> str:
     return "opt-in only" if reason.startswith("requires opt-in") else reason
 
 
+def _kit_part(target_name: str, ops: list[str] | None, backend: str,
+              indices: list[int]) -> list[Any]:
+    """The results of the kit's cases ``indices`` for ``backend``, in a worker process."""
+    from .testing import cases, run_cases, target
+
+    selected = cases(target(target_name), ops)
+    return list(run_cases(backend, [selected[i] for i in indices]))
+
+
+def _kit_in_processes(names: list[str], selected: list[Any], target_name: str,
+                      ops: list[str] | None, jobs: int) -> Iterator[tuple[str, Any]]:
+    """``(backend, result)`` of every case, run in ``jobs`` fresh processes, each case's
+    dtypes in one (so they share its compiled kernels), as each such group ends."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from .testing import CaseResult
+
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(selected):
+        groups.setdefault(c.name, []).append(i)
+    # spawned, not forked: a CUDA context does not survive a fork
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        futures = {pool.submit(_kit_part, target_name, ops, name, indices): (name, indices)
+                   for name in names for indices in groups.values()}
+        for future in as_completed(futures):
+            name, indices = futures[future]
+            try:
+                part = future.result()
+            except Exception as exc:  # the worker died: its cases fail, the others go on
+                part = [CaseResult(selected[i].name, selected[i].ops, selected[i].dtype,
+                                   "failed", f"its worker process died: {exc!r}")
+                        for i in indices]
+            for r in part:
+                yield name, r
+
+
 def _verify(args: argparse.Namespace) -> int:
     from .registry import backends, failed_to_load
     from .testing import STATUSES, cases, run_cases, target
@@ -259,16 +297,18 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"conformance on target {t.name} (device {t.device}); checks: the backend's results "
           "each case compared with the spec", flush=True)
     line(head, "detail")
-    counts: dict[str, dict[str, int]] = {}
-    for name in names:
-        tally = counts.setdefault(name, dict.fromkeys(STATUSES, 0))
-        for r in run_cases(name, selected):
-            tally[r.status] += 1
-            if r.status in ("unsupported", "ran nothing") and not args.verbose:
-                continue
-            detail = r.message.splitlines()[0][:100] if r.message else ""
-            line((name, r.case, r.dtype, r.status.upper() if not r.passed else r.status,
-                  str(r.checks)), detail)
+    counts = {name: dict.fromkeys(STATUSES, 0) for name in names}
+    if args.jobs > 1:
+        results = _kit_in_processes(names, selected, args.target, args.ops, args.jobs)
+    else:
+        results = ((name, r) for name in names for r in run_cases(name, selected))
+    for name, r in results:
+        counts[name][r.status] += 1
+        if r.status in ("unsupported", "ran nothing") and not args.verbose:
+            continue
+        detail = r.message.splitlines()[0][:100] if r.message else ""
+        line((name, r.case, r.dtype, r.status.upper() if not r.passed else r.status,
+              str(r.checks)), detail)
     for name, tally in counts.items():
         hidden = tally["unsupported"] + tally["ran nothing"]
         print(f"{name}: " + ", ".join(f"{tally[s]} {s}" for s in STATUSES)
@@ -278,6 +318,16 @@ def _verify(args: argparse.Namespace) -> int:
         elif not tally["passed"] and not tally["failed"]:
             print(f"  nothing ran: {name} serves none of these cases on target {t.name}")
     return 1 if any(tally["failed"] for tally in counts.values()) else 0
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -387,6 +437,10 @@ def parser() -> argparse.ArgumentParser:
                         help="only cases of these operations")
     verify.add_argument("-v", "--verbose", action="store_true",
                         help="also list the unsupported cases and those that ran nothing")
+    verify.add_argument("--jobs", type=_positive, default=1, metavar="N",
+                        help="run the cases in N fresh processes (a GPU backend's kernels "
+                             "compile side by side; rows come as each case ends, in any "
+                             "order; default 1: in this process)")
     verify.set_defaults(func=_verify)
 
     b = sub.add_parser("bench", help="time the operations next to the installed peers")

@@ -103,11 +103,36 @@ def test_verify_reports_a_wrong_backend_and_exits_1(wrong, capsys):
     assert "FAILED" in out and "wrong:" in out
 
 
+def test_verify_in_processes_gives_the_same_results(capsys):
+    args = ["verify", "--backend", "numba-cpu", "reference", "--ops", "softmax", "logsumexp"]
+    assert main(args) == 0
+    alone = capsys.readouterr().out.splitlines()
+    assert main([*args, "--jobs", "2"]) == 0
+    spread = capsys.readouterr().out.splitlines()
+    assert sorted(spread) == sorted(alone)  # the rows in any order, the counts last
+    assert spread[-2:] == alone[-2:] and " 0 failed" in alone[-1]
+
+
+def test_a_dead_worker_fails_its_cases_and_the_rest_go_on():
+    from softmaxkit.cli import _kit_in_processes
+    from softmaxkit.testing import cases
+
+    selected = cases("numpy", ["softmax"])[:3]
+    # a target the workers cannot make: each part raises there, as a crashed worker would
+    got = list(_kit_in_processes(["reference"], selected, "no-such-target", ["softmax"], 2))
+    assert sorted((r.case, r.dtype) for _, r in got) == sorted(
+        (c.name, c.dtype) for c in selected)
+    assert all(r.status == "failed" and "worker process died" in r.message for _, r in got)
+
+
 def test_verify_rejects_unknown_backend_and_target(capsys):
     assert main(["verify", "--backend", "no-such-backend"]) == 2
     assert main(["verify", "--target", "no-such-target"]) == 2
     err = capsys.readouterr().err
     assert "not installed" in err and "no-such-target" in err
+    with pytest.raises(SystemExit):
+        main(["verify", "--jobs", "0"])
+    assert "'0' is not a positive integer" in capsys.readouterr().err
 
 
 def test_bench_quick_table_and_plot(tmp_path, capsys):
