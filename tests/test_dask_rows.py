@@ -184,3 +184,15 @@ def test_scaling_page_examples_run():
     result = doctest.testfile(str(page), module_relative=False,
                               optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted and result.failed == 0
+
+
+def test_the_threaded_scheduler_runs_each_chunk_under_the_options_of_compute():
+    """Dask's threads run the tasks in the context of ``compute()``: its options choose (and
+    trace) every chunk's backend."""
+    x = da.from_array(np.linspace(-3.0, 3.0, 40, dtype=np.float32), chunks=10)
+    with dask.config.set(scheduler="threads"), sk.backend_opts(
+            disable="numba-cpu", trace=True) as trace:
+        got = sk.softmax(x).compute()
+    per_chunk = [r for r in trace if r.backend != "dask"]
+    assert len(per_chunk) == 8 and {r.backend for r in per_chunk} == {"reference"}
+    np.testing.assert_allclose(got, sk.softmax(np.asarray(x), backend="reference"), rtol=1e-6)
