@@ -7,8 +7,9 @@ inline-PTX typo or a resource overflow shows up here, on a machine with no GPU. 
 CI budget, instantiations go through the whole device toolchain (PTX and ptxas machine code,
 no host compiler) for every attention kernel and every bfloat16 row kernel, and through the
 C++ front end and PTX generation for the other row dtypes, whose inline PTX is the same text
-as bfloat16's.  The Hopper attention sources and the TF32 kernels go through ptxas once, in
-the tests that read ptxas's report of them (below, and test_tf32_nvcc.py), not again here.
+as bfloat16's.  The Hopper attention sources and the TF32 and exact float32 kernels go through
+ptxas once, in the tests that read ptxas's report of them (below, test_tf32_nvcc.py and
+test_f32_nvcc.py), not again here.
 Skipped only where nvcc is absent.
 """
 
@@ -38,7 +39,7 @@ def _full(filename: str, name: str) -> bool:
     return filename.startswith("attention") or "<sk_bf16," in name
 
 
-REPORTED_SOURCES = SM90_SOURCES | {"attention_tf32.cu"}
+REPORTED_SOURCES = SM90_SOURCES | {"attention_tf32.cu", "attention_f32.cu"}
 """Sources built, every instantiation through ptxas, by the tests that read ptxas's report
 (spills, registers, serialized warpgroup products): compiled there only."""
 
