@@ -255,9 +255,9 @@ def _kit_in_processes(names: list[str], selected: list[Any], target_name: str,
             name, indices = futures[future]
             try:
                 part = future.result()
-            except Exception as exc:  # the worker died: its cases fail, the others go on
+            except Exception as exc:  # the worker raised or died: its cases fail, the rest go on
                 part = [CaseResult(selected[i].name, selected[i].ops, selected[i].dtype,
-                                   "failed", f"its worker process died: {exc!r}")
+                                   "failed", f"its worker process failed: {exc!r}")
                         for i in indices]
             for r in part:
                 yield name, r

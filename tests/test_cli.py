@@ -122,7 +122,7 @@ def test_a_dead_worker_fails_its_cases_and_the_rest_go_on():
     got = list(_kit_in_processes(["reference"], selected, "no-such-target", ["softmax"], 2))
     assert sorted((r.case, r.dtype) for _, r in got) == sorted(
         (c.name, c.dtype) for c in selected)
-    assert all(r.status == "failed" and "worker process died" in r.message for _, r in got)
+    assert all(r.status == "failed" and "worker process failed" in r.message for _, r in got)
 
 
 def test_verify_rejects_unknown_backend_and_target(capsys):
