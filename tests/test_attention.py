@@ -347,6 +347,30 @@ def test_attention_vjp_unbroadcasts_leading_dims():
     np.testing.assert_allclose(dk, e[1].sum(0, keepdims=True), rtol=1e-11, atol=1e-13)
 
 
+def test_the_reference_gradient_of_a_forward_s_own_out_and_lse():
+    """``materialized.attention_vjp(..., out=, lse=)``: with the exact forward's out and lse it
+    is the definition's gradient; with a perturbed forward's it is the backend's gradient of
+    that forward (float64 arithmetic both), not the definition's; a row with no key stays 0."""
+    q, k, v = _qkv(19, (1, 4, 9, 8), (1, 2, 11, 8))
+    dout = np.random.default_rng(20).normal(size=(1, 4, 9, 8))
+    mask = np.ones((9, 11), dtype=bool)
+    mask[3] = False
+    out, lse = ref.attention(q, k, v, mask=mask)
+    for got, want in zip(ref.attention_vjp(q, k, v, dout, mask=mask, out=out, lse=lse),
+                         ref.attention_vjp(q, k, v, dout, mask=mask), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    rng = np.random.default_rng(21)
+    out2 = out * (1 + 1e-3 * rng.normal(size=out.shape))
+    lse2 = lse + 1e-3 * rng.normal(size=lse.shape)
+    own = ref.attention_vjp(q, k, v, dout, mask=mask, out=out2, lse=lse2)
+    backend = sk.attention_vjp(q, k, v, out2, lse2, dout, mask=mask, backend="reference")
+    definition = ref.attention_vjp(q, k, v, dout, mask=mask)
+    for got, o, d in zip(backend, own, definition, strict=True):
+        np.testing.assert_allclose(got, o, rtol=1e-11, atol=1e-13)
+        assert np.abs(got - d).max() > 1e-5
+    assert not own[0][:, :, 3].any()
+
+
 @pytest.mark.parametrize("base", ["e", 2])
 def test_merge_attention_vjp_matches_finite_differences(base):
     rng = np.random.default_rng(19)

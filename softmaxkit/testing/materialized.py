@@ -93,20 +93,34 @@ def attention_vjp(
     window: tuple[int, int] | None = None,
     mask: np.ndarray | None = None,
     softcap: float | None = None,
+    out: np.ndarray | None = None,
+    lse: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dq, dk, dv) in float64 by the chain rule through the materialized probabilities;
-    ``dlse`` (natural log) is the lse's cotangent, whose score gradient is ``dlse * p``."""
+    ``dlse`` (natural log) is the lse's cotangent, whose score gradient is ``dlse * p``.
+
+    Given a forward's own ``out`` and ``lse`` (both or neither), the probabilities are
+    ``exp(S - lse)`` and the row term ``rowsum(dout * out)``, as a backend's backward takes
+    them: the exact gradient of that forward, whose error it inherits (spec "Precision")."""
     q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     ke, ve, g = _expand(q, k, v)
     raw, s = _scores(q, ke, scale, causal, window, mask, softcap)
-    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    empty = m == -np.inf
-    p = np.exp(s - np.where(empty, 0.0, m))
-    p = np.where(empty, 0.0, p / np.where(empty, 1.0, p.sum(-1, keepdims=True)))
+    if lse is None:
+        m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        empty = m == -np.inf
+        p = np.exp(s - np.where(empty, 0.0, m))
+        p = np.where(empty, 0.0, p / np.where(empty, 1.0, p.sum(-1, keepdims=True)))
+    else:
+        shift = np.asarray(lse, dtype=np.float64)[..., None]
+        p = np.where(shift == -np.inf, 0.0, np.exp(s - np.where(shift == -np.inf, 0.0, shift)))
     dv = np.swapaxes(p, -1, -2) @ dout
     dp = dout @ np.swapaxes(ve, -1, -2)
-    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    if out is None:
+        row = (p * dp).sum(-1, keepdims=True)
+    else:
+        row = (dout * np.asarray(out, dtype=np.float64)).sum(-1, keepdims=True)
+    ds = p * (dp - row)
     if dlse is not None:
         ds = ds + p * np.asarray(dlse, dtype=np.float64)[..., None]
     if softcap:

@@ -935,16 +935,12 @@ the boolean mask's code and without it on the same tiles.  Other pairs run on co
 zero-padded to the smallest square pair that holds them (:func:`f32_shape`)."""
 
 
-F32_ALTERNATIVES = (
-    F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),
-    F32Config(64, 64, warps=2, block_n=64, mask=False, rows=8),
-    F32Config(128, 128, warps=2, block_n=32, mask=False, rows=8),
-    F32Config(128, 128, warps=4, block_n=32, mask=False, rows=8),
-)
+F32_ALTERNATIVES = (F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),)
 """Other exact float32 forward tiles, built on request only (``config=``), for
-tools/tf32_timing.py to time beside the declared ones: eight rows a lane, 12.8-16 fma per
-shared-memory read against 9.8-10.7 (docs/benchmarks-attention.md), at fewer warps a
-multiprocessor.  (8 warps, and 64-key tiles at 128, were no faster on an H100.)"""
+tools/tf32_timing.py to time beside the declared ones.  Eight rows a lane at head dim 64:
+12.8 fma per shared-memory read against 10.7, 8% faster than the declared tile without
+causality and 6-12% slower with it on an H100 (docs/benchmarks-attention.md).  Eight-row
+tiles at 128 and of 2 warps, 8 warps, and 64-key tiles at 128 were slower there."""
 
 @dataclass(frozen=True)
 class F32BackwardConfig:

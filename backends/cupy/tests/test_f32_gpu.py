@@ -90,27 +90,6 @@ def _check_gradients(got, want, what: str) -> None:
         assert err <= tol, f"{what} {name}: relative Frobenius {err:.3g}"
 
 
-def _vjp_of_forward(q, k, v, out, lse, dout, causal: str | None):
-    """float64 (dq, dk, dv) by exact arithmetic on a forward's own ``out`` and ``lse``: what
-    spec "Precision" asks of a gradient of a reduced-precision forward, which inherits that
-    forward's error through ``P = exp(S - lse)`` and ``rowsum(dout * out)``."""
-    from softmaxkit.testing import materialized as ref
-
-    q, k, v, out, lse, dout = (_numpy(a).astype(np.float64) for a in (q, k, v, out, lse, dout))
-    scale = q.shape[-1] ** -0.5
-    ke, ve, g = ref._expand(q, k, v)
-    _, s = ref._scores(q, ke, scale, causal, None, None, None)
-    p = np.exp(s - lse[..., None])  # excluded scores are -inf: p = 0
-    dp = dout @ np.swapaxes(ve, -1, -2)
-    ds = p * (dp - (dout * out).sum(-1, keepdims=True)) * scale
-    dq, dk, dv = ds @ ke, np.swapaxes(ds, -1, -2) @ q, np.swapaxes(p, -1, -2) @ dout
-
-    def fold(a):  # each group of query heads summed onto its key head
-        return a.reshape(a.shape[:-3] + (a.shape[-3] // g, g) + a.shape[-2:]).sum(axis=-3)
-
-    return dq, fold(dk), fold(dv)
-
-
 def _check(got: tuple, q, k, v, mask, case: dict, what: str) -> None:
     """``got`` = (out, lse) against float64: the tolerance table and the elementwise bound."""
     from softmaxkit.testing import materialized as ref
@@ -270,11 +249,11 @@ def test_gradient_through_autograd_is_exact(precision: str) -> None:
         assert backward[-1].backend == "cupy"
         assert backward[-1].kernel == f32_backward_config(64, 64, False).name()
     grads = (q.grad, k.grad, v.grad)
-    own = _vjp_of_forward(*(a.detach() for a in (q, k, v, out, lse)), dout, "bottom_right")
+    qn, kn, vn, on, ln = (_numpy(a.detach()) for a in (q, k, v, out, lse))
+    own = ref.attention_vjp(qn, kn, vn, _numpy(dout), causal="bottom_right", out=on, lse=ln)
     _check_gradients(grads, own, f"autograd at {precision}, on its forward's out and lse")
     if precision == "float32":
-        want = ref.attention_vjp(*(_numpy(a.detach()) for a in (q, k, v)), _numpy(dout),
-                                 causal="bottom_right")
+        want = ref.attention_vjp(qn, kn, vn, _numpy(dout), causal="bottom_right")
         _check_gradients(grads, want, "autograd at float32")
 
 
