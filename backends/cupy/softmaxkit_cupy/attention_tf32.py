@@ -2,13 +2,13 @@
 float32 inputs on TF32 tensor cores at ``precision="tf32"`` or ``"tf32x3"`` (spec "Attention",
 "Precision").
 
-The manifest serves float32 attention at those two precisions only; float32 calls at the
-default ``"float32"`` and every float32 gradient stay on the exact kernels of the numba-cuda
-backend.  :func:`softmaxkit_cupy.manifest.can_run` has accepted the call
-(:func:`softmaxkit_cupy.manifest.tf32_reason`: D and Dv up to the largest head dimension of
-``TF32_CONFIGS``, launch limits), so every call with work has a kernel, at its own head
-dimension or on zero-padded copies; calls with no query row or no
-key get the spec's fixed results without a launch.
+Float32 calls at the default ``"float32"`` and every float32 gradient run on the exact
+kernels instead (:mod:`.attention_f32`).  :func:`softmaxkit_cupy.manifest.can_run` has
+accepted the call (:func:`softmaxkit_cupy.manifest.tf32_reason`: D and Dv up to the largest
+head dimension of ``TF32_CONFIGS``, launch limits), so every call with work has a kernel, at
+its own head dimension or on zero-padded copies; calls with no query row or no key get the
+spec's fixed results without a launch.  The tile comes from :func:`.configs.tf32_config`,
+within the device's shared memory.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def attention(
 
     ``precision`` is ``"tf32"`` (one product of TF32-rounded operands per product) or
     ``"tf32x3"`` (three products of split operands); ``config`` overrides the tile
-    configuration (by default :func:`.configs.tf32_config` of the head dimension).  A call
+    configuration (by default :func:`.configs.tf32_config` of the head dimension and the
+    device's shared memory).  A call
     whose D and Dv are not one built head dimension runs on copies of q, k, v zero-padded to
     :func:`.configs.tf32_width` (zero columns add nothing to a score, and the output's extra
     columns are dropped).
@@ -81,7 +82,8 @@ def _attention(
 ) -> tuple[Any, Any]:
     """:func:`attention` of a call with work at a built head dimension (D = Dv)."""
     d = int(q.shape[3])
-    config = config or tf32_config(d, mask is not None)
+    config = config or tf32_config(d, mask is not None,
+                                   interop.shared_limit(interop.device_index(q)))
     if config is None or config.head_dim != d or int(v.shape[3]) != d:
         raise ValueError(f"no TF32 attention kernel for D={d}, Dv={int(v.shape[3])}")
     if mask is not None and not config.mask:

@@ -1107,36 +1107,34 @@ class Tf32Config:
 
 TF32_CONFIGS = {
     32: Tf32Config(32, warps=4, block_n=64, m_tiles=1, staged=True),
-    64: Tf32Config(64, warps=4, block_n=64, m_tiles=1, staged=True),
+    64: Tf32Config(64, warps=4, block_n=32, m_tiles=2, staged=True),
     96: Tf32Config(96, warps=4, block_n=32, m_tiles=1, staged=True),
+    128: Tf32Config(128, warps=8, block_n=32, m_tiles=1, staged=True),
+}
+"""The float32 TF32 forward for each head dimension it is built for (D = Dv), each tile with
+the boolean mask's code and without it.  Float32 tiles take twice the shared memory of 16-bit
+ones, so the tiles are smaller than the 16-bit kernels': eight warps a multiprocessor, as two
+blocks of four warps (up to 96 KB a block) or one of eight (head dim 128: 128 KB, where the
+device's blocks may take it, :data:`FITTING_TF32_CONFIGS` otherwise).  On an H100 (B2 H16,
+L1024 / L4096, eager, tools/tf32_timing.py, 2026-12-06) the tiles of 64 and 128 took
+95.9 / 111.6 and 92.9 / 101.5 TFLOP/s at "tf32" against 73.7 / 82.6 (64: 64-key tiles, one
+16-row tile a warp) and 78.9 / 86.0 (128: four warps).  ``"tf32x3"`` sums each key tile
+apart (``staged``): on the H100 (D64 / D128, L1024) its relative error against float64 is
+8.1e-7 / 1.3e-6 against 7.6e-6 / 7.9e-6 summing in place (float32 exact: 6.5e-7 / 7.0e-7),
+at 1.03x / 0.97x the in-place time."""
+
+FITTING_TF32_CONFIGS = {
     128: Tf32Config(128, warps=4, block_n=32, m_tiles=1, staged=True),
 }
-"""The float32 TF32 forward for each head dimension it is built for (D = Dv), with the
-boolean mask's code and, unless :data:`TF32_UNMASKED_CONFIGS` says otherwise, without it on
-the same tiles.  Float32 tiles take twice the shared memory of 16-bit ones, so the tiles are
-smaller than the 16-bit kernels': at most 96 KB a block, so two blocks share a
-multiprocessor (sm_80's 164 KB included).  ``"tf32x3"`` sums each key tile apart
-(``staged``): on the H100 (B2 H16 D64 / D128, L1024, tools/tf32_timing.py) its relative
-error against float64 is 8.1e-7 / 1.3e-6 against 7.6e-6 / 7.9e-6 summing in place (float32
-exact: 6.5e-7 / 7.0e-7), at 1.03x / 0.97x the in-place time."""
-
-TF32_UNMASKED_CONFIGS = {
-    64: Tf32Config(64, warps=4, block_n=32, m_tiles=2, mask=False, staged=True),
-}
-"""Calls without a boolean mask on tiles of their own: at 64, two 16-row tiles a warp and 32
-keys a tile, on the H200 (B2 H16 L4096, eager) 92.5 TFLOP/s at "tf32" and 42.4 at "tf32x3"
-against 71.5 and 32.9 on the masked kernel's tiles (tools/tf32_timing.py).  Masked calls
-keep the tiles that were checked on a device with mask bits."""
+"""The TF32 forward tiles for devices whose blocks may take less shared memory than
+:data:`TF32_CONFIGS`' need (99 KB on compute capability 8.6, 8.9 and 12.0): 96 KB."""
 
 TF32_ALTERNATIVES = (
     Tf32Config(64, warps=4, block_n=64, m_tiles=1, mask=False, staged=True),
-    Tf32Config(64, warps=4, block_n=32, m_tiles=2, mask=True, staged=True),
     Tf32Config(64, warps=8, block_n=64, m_tiles=1, mask=False, staged=True),
-    Tf32Config(128, warps=8, block_n=32, m_tiles=1, mask=False, staged=True),
-    Tf32Config(128, warps=4, block_n=64, m_tiles=1, mask=False, staged=True),
     # the served tiles summing in place at "tf32x3", for the cost and error of staging
     Tf32Config(64, warps=4, block_n=32, m_tiles=2, mask=False),
-    Tf32Config(128, warps=4, block_n=32, m_tiles=1, mask=False),
+    Tf32Config(128, warps=8, block_n=32, m_tiles=1, mask=False),
 )
 """Other TF32 forward configurations, built on request only (``config=``), for
 tools/tf32_timing.py to time beside the declared ones."""
@@ -1149,18 +1147,25 @@ def tf32_width(d: int, dv: int) -> int | None:
     return next((w for w in sorted(TF32_CONFIGS) if w >= max(d, dv)), None)
 
 
-def tf32_config(head_dim: int, masked: bool) -> Tf32Config | None:
-    """The TF32 forward configuration for ``head_dim``, or None where none is built."""
+def tf32_config(head_dim: int, masked: bool,
+                shared_limit: int | None = None) -> Tf32Config | None:
+    """The TF32 forward configuration for ``head_dim`` on a device whose blocks may take
+    ``shared_limit`` bytes of shared memory (None: no limit), with the boolean mask's code
+    where ``masked``; None where none is built."""
     found = TF32_CONFIGS.get(head_dim)
-    if found is None or masked:
-        return found
-    return TF32_UNMASKED_CONFIGS.get(head_dim) or replace(found, mask=False)
+    if found is None:
+        return None
+    found = fitting(found, FITTING_TF32_CONFIGS.get(head_dim), shared_limit)
+    return found if masked else replace(found, mask=False)
 
 
 def tf32_names() -> tuple[str, ...]:
-    """The name expressions of kernels/attention_tf32.cu (one module holds them all)."""
-    return tuple(c.name(p) for d in TF32_CONFIGS for masked in (True, False)
-                 if (c := tf32_config(d, masked)) is not None for p in TF32_PRECISIONS)
+    """The name expressions of kernels/attention_tf32.cu (one module holds them all): every
+    tile of :data:`TF32_CONFIGS` and :data:`FITTING_TF32_CONFIGS`, with and without the
+    mask's code, at each precision."""
+    tiles = (*TF32_CONFIGS.values(), *FITTING_TF32_CONFIGS.values())
+    return tuple(dict.fromkeys(replace(c, mask=masked).name(p) for c in tiles
+                               for masked in (True, False) for p in TF32_PRECISIONS))
 
 
 def tf32_alternative_names() -> tuple[str, ...]:

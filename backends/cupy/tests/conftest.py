@@ -1,6 +1,7 @@
 """Tests marked ``gpu`` need a CUDA device that CuPy sees; without one they are skipped.
 The fixture ``ptxas`` builds kernel instantiations with nvcc and reads ptxas's report;
-``host_kernels`` builds them for the CPU (tests/host/emulation.h) and returns launchers."""
+``host_kernels`` builds them for the CPU (tests/host/emulation.h) and returns launchers;
+``host_snippet`` builds other C++ the same way (e.g. checks of the emulated primitives)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,9 @@ def ptxas(tmp_path: Path) -> Callable[[str, Sequence[str], str], PtxasBuild]:
 
 
 HOST = HERE / "host"
-HOST_PRIMITIVES = ("sk_cp_async16", "sk_cp_async_commit", "sk_cp_async_wait", "sk_ex2")
+HOST_PRIMITIVES = ("sk_cp_async16", "sk_cp_async_commit", "sk_cp_async_wait", "sk_ex2",
+                   "sk_red_add2", "sk_tf32", "sk_mma_tf32", "sk_ldmatrix_x4",
+                   "sk_ldmatrix_x4_trans")
 """Device functions written in PTX that tests/host/primitives.h gives a host meaning."""
 _CTYPES = {"Q": ctypes.c_void_p, "q": ctypes.c_longlong, "i": ctypes.c_int,
            "f": ctypes.c_float}
@@ -119,6 +122,20 @@ def host_source(filename: str) -> str:
     return text
 
 
+def _host_library(gxx: str, unit: Path, text: str) -> ctypes.CDLL:
+    """``text`` written to ``unit`` and built with g++ into a shared library beside it, with
+    tests/host/emulation.h and primitives.h included first; loaded.  Fails on a compiler
+    error."""
+    unit.write_text(text)
+    library = unit.with_suffix(".so")
+    done = subprocess.run(
+        [gxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-w", f"-I{HOST}",
+         "-include", "emulation.h", "-include", "primitives.h", str(unit), "-o",
+         str(library)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-5000:]
+    return ctypes.CDLL(str(library))
+
+
 @pytest.fixture(scope="session")
 def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
     """``build(filename, names, codes)``: kernels ``names`` of kernels/``filename`` (their
@@ -141,14 +158,7 @@ def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict
             f"sk_host_launch({{gx, gy, gz}}, threads, shared, [&] {{ {name}({call}); }}); }}"
             for i, name in enumerate(names))
         unit = folder / f"{filename}.{len(list(folder.iterdir()))}.cpp"
-        unit.write_text(host_source(filename) + "\n" + wrappers + "\n")
-        library = unit.with_suffix(".so")
-        done = subprocess.run(
-            [gxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-w", f"-I{HOST}",
-             "-include", "emulation.h", "-include", "primitives.h", str(unit), "-o",
-             str(library)], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-5000:]
-        loaded = ctypes.CDLL(str(library))
+        loaded = _host_library(gxx, unit, host_source(filename) + "\n" + wrappers + "\n")
         launches = {}
         for i, name in enumerate(names):
             function = getattr(loaded, f"sk_host_{i}")
@@ -162,5 +172,22 @@ def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict
 
             launches[name] = launch
         return launches
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def host_snippet(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], ctypes.CDLL]:
+    """``build(text)``: C++ source ``text`` (CUDA C++ as the kernels write it, its entry points
+    ``extern "C"`` functions that call ``sk_host_launch``) built for the CPU with g++ as
+    :func:`host_kernels` builds kernels, beside tests/host/emulation.h and primitives.h;
+    returns the loaded library.  Skips without g++."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed")
+    folder = tmp_path_factory.mktemp("snippet")
+
+    def build(text: str) -> ctypes.CDLL:
+        return _host_library(gxx, folder / f"snippet{len(list(folder.iterdir()))}.cpp", text)
 
     return build

@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 import pytest
+from host_attention import CASES, case_id, inputs, launch_forward, move_to_host, options
 from softmaxkit_cupy.attention import BACKWARD_PARAMS, FORWARD_PARAMS
 from softmaxkit_cupy.configs import (
     F32_ALTERNATIVES,
@@ -31,22 +32,6 @@ from softmaxkit.testing import materialized as ref
 from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
 from softmaxkit.testing.precision import attention_bound
 
-CASES = [
-    dict(b=1, hq=2, hk=2, lq=70, lk=100),
-    dict(b=1, hq=2, hk=2, lq=90, lk=90, causal="bottom_right"),
-    dict(b=1, hq=4, hk=2, lq=40, lk=111, causal="bottom_right"),  # GQA
-    dict(b=2, hq=2, hk=1, lq=100, lk=50, causal="bottom_right"),  # rows with no key
-    dict(b=1, hq=2, hk=1, lq=100, lk=50, causal="top_left"),
-    dict(b=1, hq=2, hk=2, lq=80, lk=130, window=(30, 10)),
-    dict(b=1, hq=2, hk=1, lq=90, lk=90, causal="bottom_right", window=(40, -1), softcap=5.0),
-    dict(b=1, hq=2, hk=2, lq=70, lk=97, causal="bottom_right", mask=True),
-    dict(b=1, hq=1, hk=1, lq=1, lk=200, mask=True),
-]
-
-
-def _case_id(c: dict) -> str:
-    return "-".join(f"{k}{v}" for k, v in c.items())
-
 
 @pytest.fixture(scope="module")
 def kernels(host_kernels):
@@ -55,63 +40,15 @@ def kernels(host_kernels):
     return host_kernels("attention_f32.cu", names, FORWARD_PARAMS)
 
 
-def _mask_bits(mask: np.ndarray) -> np.ndarray:
-    """``mask`` [B, H, Lq, Lk] packed as the kernels read it: bit j % 32 of word j // 32."""
-    lk = mask.shape[-1]
-    words = max(1, -(-lk // 32))
-    padded = np.zeros(mask.shape[:-1] + (words * 32,), dtype=np.uint64)
-    padded[..., :lk] = mask
-    weights = np.uint64(1) << np.arange(32, dtype=np.uint64)
-    packed = (padded.reshape(*mask.shape[:-1], words, 32) * weights).sum(axis=-1)
-    return np.ascontiguousarray(packed.astype(np.uint32))
-
-
 def run(kernels: dict, config: F32Config, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-        mask: np.ndarray | None = None, causal: str | None = None,
-        window: tuple[int, int] | None = None, softcap: float | None = None,
-        ) -> tuple[np.ndarray, np.ndarray]:
-    """(out, lse) of the kernel of ``config``, launched as the adapter launches it, into
-    results that held NaN."""
-    b, hq, lq, d = q.shape
-    hk, lk, dv = k.shape[1], k.shape[2], v.shape[3]
-    q, k, v = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
-    out = np.full((b, hq, lq, dv), np.nan, dtype=np.float32)
-    lse = np.full((b, hq, lq), np.nan, dtype=np.float32)
-    bits, m_strides = None, (0, 0, 0)
-    if mask is not None:
-        bits = _mask_bits(mask)
-        m_strides = tuple(s // 4 for s in bits.strides[:3])
-    left, right = window if window is not None else (-1, -1)
-    args = (q.ctypes.data, k.ctypes.data, v.ctypes.data, 0 if bits is None else bits.ctypes.data,
-            out.ctypes.data, lse.ctypes.data,
-            *(s // 4 for a in (q, k, v) for s in a.strides[:3]), *m_strides, hq, hk, lq, lk,
-            d ** -0.5, softcap or 0.0, 0 if causal == "top_left" else lk - lq,
-            int(causal is not None), left, right)
-    kernels[config.name()]((-(-lq // config.block_m), hq, b), config.threads,
-                           config.shared_bytes(), *args)
-    return out, lse
-
-
-def _inputs(d: int, dv: int, case: dict, seed: int):
-    rng = np.random.default_rng(seed)
-    b, hq, hk, lq, lk = (case[n] for n in ("b", "hq", "hk", "lq", "lk"))
-    q = (rng.standard_normal((b, hq, lq, d)) * 1.5).astype(np.float32)
-    k = (rng.standard_normal((b, hk, lk, d)) * 1.5).astype(np.float32)
-    v = rng.standard_normal((b, hk, lk, dv)).astype(np.float32)
-    mask = None
-    if case.get("mask"):
-        mask = rng.random((b, hq, lq, lk)) > 0.3
-        mask[:, :, min(5, lq - 1), :] = False  # a row with no allowed key
-    return q, k, v, mask
-
-
-def _options(case: dict) -> dict:
-    return {n: case[n] for n in ("causal", "window", "softcap") if n in case}
+        **kw) -> tuple[np.ndarray, np.ndarray]:
+    """(out, lse) of the kernel of ``config`` (:func:`host_attention.launch_forward`)."""
+    return launch_forward(kernels, config.name(), config, q, k, v, **kw)
 
 
 def _cases_of(pairs: list[tuple[int, int, dict]]) -> dict:
     """``parametrize`` arguments for (d, dv, case) triples, with readable ids."""
-    return dict(argvalues=pairs, ids=[f"{d}-{dv}-{_case_id(c)}" for d, dv, c in pairs])
+    return dict(argvalues=pairs, ids=[f"{d}-{dv}-{case_id(c)}" for d, dv, c in pairs])
 
 
 FEATURES = (CASES[2], CASES[6], CASES[7])
@@ -128,7 +65,7 @@ def test_every_tile_within_float32_bounds(kernels, d: int, dv: int, case: dict) 
         _check(kernels, config, case)
 
 
-@pytest.mark.parametrize("case", [CASES[3], CASES[6]], ids=_case_id)
+@pytest.mark.parametrize("case", [CASES[3], CASES[6]], ids=case_id)
 @pytest.mark.parametrize("config", F32_ALTERNATIVES, ids=str)
 def test_alternative_tiles_within_float32_bounds(kernels, config: F32Config,
                                                  case: dict) -> None:
@@ -137,8 +74,8 @@ def test_alternative_tiles_within_float32_bounds(kernels, config: F32Config,
 
 def _check(kernels: dict, config: F32Config, case: dict) -> None:
     d, dv = config.head_dim, config.value_dim
-    q, k, v, mask = _inputs(d, dv, case, seed=d * 100 + dv + case["lq"])
-    opts = _options(case)
+    q, k, v, mask = inputs(d, dv, case, seed=d * 100 + dv + case["lq"])
+    opts = options(case)
     out, lse = run(kernels, config, q, k, v, mask=mask, **opts)
     want, want_lse = ref.attention(q, k, v, mask=mask, **opts)
     out_bound, lse_bound = attention_bound(q, k, v, precision="tf32x3", mask=mask, **opts)
@@ -154,12 +91,12 @@ def _check(kernels: dict, config: F32Config, case: dict) -> None:
     assert np.all(err <= out_bound) and np.all(lerr <= lse_bound[~empty]), what
 
 
-def test_non_finite_inputs(kernels) -> None:
+def test_non_finiteinputs(kernels) -> None:
     """A NaN in q makes its row NaN (out and lse); an infinite key makes NaN the rows whose
     score with it is +inf or NaN, as in the float64 definition, and the others stay finite
     and within the bounds (spec "Attention": non-finite inputs are not sanitized)."""
     case = dict(b=1, hq=1, hk=1, lq=70, lk=90)
-    q, k, v, _ = _inputs(64, 64, case, seed=7)
+    q, k, v, _ = inputs(64, 64, case, seed=7)
     q[0, 0, 3, 5] = math.nan
     k[0, 0, 40, 0] = math.inf
     out, lse = run(kernels, f32_config(64, 64, False), q, k, v, causal="bottom_right")
@@ -185,24 +122,9 @@ def backward_kernels(host_kernels):
 def host_launches(kernels, backward_kernels, host_kernels, monkeypatch):
     """The adapters' device boundary moved to the host: ``_kernel`` names the host build and
     ``interop.launch`` runs it (the mask's packing kernel built on first use); the module."""
-    from softmaxkit_cupy import attention_f32, compiler, interop
-    from softmaxkit_cupy.mask_bits import MASK_BITS_PARAMS
+    from softmaxkit_cupy import attention_f32
 
-    built: dict[str, object] = {**kernels, **backward_kernels}
-
-    def function(filename: str, names: tuple[str, ...], name: str) -> object:
-        if name not in built:
-            assert filename == "mask_bits.cu", filename
-            built.update(host_kernels(filename, names, MASK_BITS_PARAMS))
-        return built[name]
-
-    def launch(kernel, like, grid, block, codes, args, shared=0) -> None:
-        grid = (grid, 1, 1) if isinstance(grid, int) else grid
-        kernel(grid, block, shared, *args)
-
-    monkeypatch.setattr(attention_f32, "_kernel", lambda name: function("", (), name))
-    monkeypatch.setattr(compiler, "function", function)
-    monkeypatch.setattr(interop, "launch", launch)
+    move_to_host(monkeypatch, attention_f32, {**kernels, **backward_kernels}, host_kernels)
     return attention_f32
 
 
@@ -214,8 +136,8 @@ def test_adapter_on_the_host(host_launches, d: int, dv: int, case: dict) -> None
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as xp
 
-    q, k, v, mask = _inputs(d, dv, case, seed=d + dv)
-    opts = _options(case)
+    q, k, v, mask = inputs(d, dv, case, seed=d + dv)
+    opts = options(case)
     wide = torch.from_numpy(np.concatenate([q, q], axis=-1))
     tq = wide[..., :d]  # rows 16-byte aligned, strides not C order
     tk, tv = torch.from_numpy(k), torch.from_numpy(v)
@@ -251,8 +173,8 @@ def test_backward_on_the_host(host_launches, d: int, dv: int, case: dict) -> Non
     import array_api_compat.torch as xp
     from softmaxkit_cupy import attention as entry
 
-    q, k, v, mask = _inputs(d, dv, case, seed=d + dv + 1)
-    opts = _options(case)
+    q, k, v, mask = inputs(d, dv, case, seed=d + dv + 1)
+    opts = options(case)
     kw = dict(scale=d ** -0.5, causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
               mask=None if mask is None else torch.from_numpy(mask),
               softcap=opts.get("softcap"))

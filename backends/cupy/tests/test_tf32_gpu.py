@@ -99,6 +99,7 @@ def test_padded_head_dims_within_the_precision_bound(precision: str, d: int, dv:
 
 def _check_forward(precision: str, d: int, dv: int, case: dict) -> None:
     from softmaxkit_cupy.configs import tf32_config, tf32_width
+    from softmaxkit_cupy.interop import shared_limit
 
     import softmaxkit as sk
     from softmaxkit.testing import materialized as ref
@@ -115,7 +116,8 @@ def _check_forward(precision: str, d: int, dv: int, case: dict) -> None:
     record = trace[-1]
     assert record.backend == "cupy", record
     assert record.kernel.startswith(f"sk_attn_fwd_tf32<{tf32_width(d, dv)},"), record.kernel
-    assert record.kernel == tf32_config(tf32_width(d, dv), mask is not None).name(precision)
+    config = tf32_config(tf32_width(d, dv), mask is not None, shared_limit(q.device.index))
+    assert record.kernel == config.name(precision)
 
     qn, kn, vn, mn = (_numpy(a) for a in (q, k, v, mask))
     want, want_lse = ref.attention(qn, kn, vn, mask=mn, **opts)
@@ -146,9 +148,12 @@ def test_exact_float32_calls_stay_off_the_tf32_kernels() -> None:
 
 
 def _served_tiles() -> list:
-    from softmaxkit_cupy.configs import TF32_CONFIGS, tf32_config
+    from dataclasses import replace
 
-    return [tf32_config(d, masked) for d in TF32_CONFIGS for masked in (True, False)]
+    from softmaxkit_cupy.configs import FITTING_TF32_CONFIGS, TF32_CONFIGS
+
+    tiles = (*TF32_CONFIGS.values(), *FITTING_TF32_CONFIGS.values())
+    return [replace(c, mask=masked) for c in tiles for masked in (True, False)]
 
 
 @pytest.mark.parametrize("config", _served_tiles(), ids=str)

@@ -1,8 +1,9 @@
 """The float32 TF32 forward and backward (kernels/attention_tf32.cu) build for sm_80 and
 sm_90a with no register spills (the forward's alternatives too), within sm_80's shared memory
-(the forward: two blocks a multiprocessor on sm_90), and the forward takes one tensor-core
-product per product of the definition at "tf32" and three at "tf32x3" (counted in the machine
-code where cuobjdump is installed).  Skipped where nvcc is absent."""
+(the forward: eight warps a multiprocessor on sm_90, and a tile within 99 KB for compute
+capability 8.6 and 8.9), and the forward takes one tensor-core product per product of the
+definition at "tf32" and three at "tf32x3" (counted in the machine code where cuobjdump is
+installed).  Skipped where nvcc is absent."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import re
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from softmaxkit_cupy.configs import (
+    FITTING_TF32_CONFIGS,
     TF32_BACKWARD_CONFIGS,
     TF32_CONFIGS,
     TF32_PRECISIONS,
@@ -33,15 +36,21 @@ CUOBJDUMP = shutil.which("cuobjdump") or next(
 
 SM80_SHARED = 163 * 1024
 """The most dynamic shared memory a block may take on sm_80 (A100)."""
-SM90_HALF = 228 * 1024 // 2 - 1024
-"""Half a sm_90 multiprocessor's shared memory, less the 1 KB the system keeps per block."""
+SM90_SHARED = 228 * 1024
+"""A sm_90 multiprocessor's shared memory; the system keeps 1 KB of it per block."""
+SM86_SHARED = 99 * 1024
+"""The most shared memory a block may take on compute capability 8.6, 8.9 and 12.0."""
 
 
-def test_every_configuration_fits_sm80_and_two_blocks_fit_sm90() -> None:
+def test_every_configuration_fits_sm80_and_eight_warps_fit_sm90() -> None:
     for d in TF32_CONFIGS:
         for masked in (True, False):
             config = tf32_config(d, masked)
-            assert config.shared_bytes() <= min(SM80_SHARED, SM90_HALF), config
+            assert config.shared_bytes() <= SM80_SHARED, config
+            blocks = SM90_SHARED // (config.shared_bytes() + 1024)
+            assert blocks * config.warps >= 8, config
+            small = tf32_config(d, masked, SM86_SHARED)
+            assert small.shared_bytes() <= SM86_SHARED, small
     for d in TF32_BACKWARD_CONFIGS:
         for masked in (True, False):
             config = tf32_backward_config(d, masked)
@@ -78,9 +87,9 @@ def test_tf32_kernels_build_without_spills(
             assert ".TF32" in line, line  # every tensor-core product takes TF32 operands
             counts[function] = counts.get(function, 0) + 1
     # a fully unrolled key tile: (D / 8) (BN / 8) products for S = Q K^T and as many for P V
-    for d in TF32_CONFIGS:
+    for tile in (*TF32_CONFIGS.values(), *FITTING_TF32_CONFIGS.values()):
         for masked in (True, False):
-            config = tf32_config(d, masked)
+            config, d = replace(tile, mask=masked), tile.head_dim
             per_tile = 2 * (d // 8) * (config.block_n // 8) * config.m_tiles
             for precision, products in TF32_PRECISIONS.items():
                 stage = config.staged and precision == "tf32x3"

@@ -15,16 +15,18 @@
 // The order of work is kernels/attention.cu's (FlashAttention-2): one block computes
 // BM = 16 * MT * WARPS query rows of one (batch, head), each warp 16 MT rows, with the scores
 // S = Q K^T and the output accumulator in registers and K, V tiles of BN keys double-buffered
-// in shared memory by cp.async.  The float32 tiles sit in shared memory as rows of 2 D 16-bit
-// units under kernels/mma.cuh's swizzle, so ldmatrix reads the A fragments of Q and the B
-// fragments of K (an 8 x 8 matrix of 16-bit units is 8 rows of 4 floats: lane (g, t) gets
-// row g, float t, which is the m16n8k8 TF32 A and B layout).  Fragments are split in
-// registers as they are read (Q's too: a second Q tile of small parts would cost the shared
-// memory that lets two blocks share a multiprocessor).  P feeds P V without leaving registers: the C fragment of a score
-// tile gives lane (g, t) keys 2t and 2t + 1 of each 8, and the A fragment of m16n8k8 wants
-// k-indices t and t + 4, so k-index t stands for key 2t and t + 4 for key 2t + 1 (the keys are
-// summed over, so their order is free) and V's B fragment is read in that order: lane (g, t)
-// loads v[2t][g] and v[2t + 1][g] of each 8 x 8 block (conflict-free under the swizzle).
+// in shared memory by cp.async.  At three products (tf32x3) the float32 tiles sit in shared
+// memory as rows of 2 D 16-bit units under kernels/mma.cuh's swizzle, so ldmatrix reads the
+// A fragments of Q and the B fragments of K (an 8 x 8 matrix of 16-bit units is 8 rows of 4
+// floats: lane (g, t) gets row g, float t, which is the m16n8k8 TF32 A and B layout), and
+// fragments are split in registers as they are read (Q's too: a second Q tile of small parts
+// would cost the shared memory that lets two blocks share a multiprocessor); at one product
+// the operands are rounded once a block (ROUNDED, at the kernel).  P feeds P V without
+// leaving registers: the C fragment of a score tile gives lane (g, t) keys 2t and 2t + 1 of
+// each 8, and the A fragment of m16n8k8 wants k-indices t and t + 4, so k-index t stands for
+// key 2t and t + 4 for key 2t + 1 (the keys are summed over, so their order is free) and V's
+// B fragment is read in that order: lane (g, t) loads v[2t][g] and v[2t + 1][g] of each
+// 8 x 8 block (conflict-free under the swizzle).
 #include "mma.cuh"
 #include "exclusion.cuh"
 
@@ -73,8 +75,60 @@ __device__ __forceinline__ void sk_split4(const unsigned (&raw)[4], unsigned (&b
     for (int i = 0; i < 4; ++i) sk_tf32_split(__uint_as_float(raw[i]), big[i], small[i]);
 }
 
+// The floats of rows [0, ROWS) of a shared tile of row width PW, columns [0, D), rounded to
+// TF32 in place; the float4 chunks shared among THREADS threads.
+template <int ROWS, int D, int PW, int THREADS>
+__device__ __forceinline__ void sk_round_rows(float* tile) {
+    constexpr int CHUNKS = ROWS * D / 4;
+    static_assert(CHUNKS % THREADS == 0, "as many chunks a thread");
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+        const int c = threadIdx.x + i * THREADS;
+        float4* at = reinterpret_cast<float4*>(tile + (c / (D / 4)) * PW + 4 * (c % (D / 4)));
+        float4 x = *at;
+        x.x = __uint_as_float(sk_tf32(x.x));
+        x.y = __uint_as_float(sk_tf32(x.y));
+        x.z = __uint_as_float(sk_tf32(x.z));
+        x.w = __uint_as_float(sk_tf32(x.w));
+        *at = x;
+    }
+}
+
+// dst [D x TP] = src [ROWS x SP] (columns [0, D)) transposed and rounded to TF32.  Consecutive
+// threads take consecutive rows of one float4 column chunk: their float4 reads start 4 banks
+// apart (SP = 4 mod 32) and their scalar writes fall in consecutive banks.
+template <int ROWS, int D, int SP, int TP, int THREADS>
+__device__ __forceinline__ void sk_round_transposed(float* dst, const float* src) {
+    constexpr int CHUNKS = ROWS * D / 4;
+    static_assert(CHUNKS % THREADS == 0, "as many chunks a thread");
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+        const int c = threadIdx.x + i * THREADS;
+        const int r = c % ROWS, col = 4 * (c / ROWS);
+        const float4 x = *reinterpret_cast<const float4*>(src + r * SP + col);
+        dst[(col + 0) * TP + r] = __uint_as_float(sk_tf32(x.x));
+        dst[(col + 1) * TP + r] = __uint_as_float(sk_tf32(x.y));
+        dst[(col + 2) * TP + r] = __uint_as_float(sk_tf32(x.z));
+        dst[(col + 3) * TP + r] = __uint_as_float(sk_tf32(x.w));
+    }
+}
+
 // Forward: q [B, Hq, Lq, D], k, v [B, Hk, Lk, D] float32 by element strides (16-byte aligned
 // rows), out [B, Hq, Lq, D] and lse [B, Hq, Lq] contiguous; the parameters are sk_attn_fwd's.
+//
+// At one product (ROUNDED) every operand is rounded to TF32 once a block, where the split
+// path rounds Q, K and V in every warp and for every tile (cvt.rna.tf32 is three instructions
+// on sm_80 and sm_90): a warp's Q fragments are rounded into registers at the first tile and
+// held there; each K tile is rounded in place and each V tile rounded into V^T, over Q's
+// rows, by the whole block as it lands.  The tiles are then unswizzled rows of padded floats
+// and every fragment one 64-bit read at a lane's base plus a constant: the product over the
+// head dimension takes k-index t as column 2t and t + 4 as 2t + 1 of each eight (Q's and
+// K's, so the sum is the same), so lane (g, t) reads Q[g][2t, 2t + 1] and K[g][2t, 2t + 1],
+// and P V reads V^T[g][2t, 2t + 1], the keys 2t and 2t + 1 that P's fragment stands for.
+// Rows of D + 8 floats (Q, K) and BN + 8 (V^T) put the sixteen lanes of a 64-bit read in
+// distinct banks.  V lands in one stage of rows of D + 4 floats: its next tile is copied once
+// the block has transposed this one, and the layout fits in the split path's shared memory.
+//
 // At least one block a multiprocessor: ptxas may then take the registers the split operands
 // need (it otherwise held some builds to 168 and spilled); two blocks of four warps still fit.
 template <int D, int WARPS, int BN, int MT, bool MASK, int PRECISION, bool STAGE>
@@ -87,6 +141,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
     float scale, float softcap, int offset, int causal, int left, int right) {
     static_assert(PRECISION == 1 || PRECISION == 3, "one product (tf32) or three (tf32x3)");
     static_assert(!STAGE || PRECISION == 3, "staged sums are for the three-product precision");
+    constexpr bool ROUNDED = PRECISION == 1;
     typedef unsigned short u16;  // the tiles' unit for the swizzle, cp.async and ldmatrix
     constexpr int W = 2 * D;     // a float row in 16-bit units
     constexpr int BM = 16 * MT * WARPS;
@@ -98,17 +153,25 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
     u16* sq = reinterpret_cast<u16*>(sk_smem);
     u16* sk = sq + BM * W;      // 2 stages
     u16* sv = sk + 2 * BN * W;  // 2 stages
+    constexpr int QP = D + 8, VP = D + 4, TP = BN + 8;  // ROUNDED: row widths in floats
+    static_assert(!ROUNDED || ((BM + 2 * BN) * QP + BN * VP <= (BM + 4 * BN) * D &&
+                               D * TP <= BM * QP), "the rounded layout in the split one's bytes");
+    float* fq = reinterpret_cast<float*>(sk_smem);  // ROUNDED: Q, then V^T [D x TP]
+    float* fk = fq + BM * QP;                        // 2 stages
+    float* fv = fk + 2 * BN * QP;                    // 1 stage
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the most keys under causal first
     const int h = blockIdx.y, b = blockIdx.z;
     const int kh = h / (hq / hk);
+    const float* qf = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
+    const float* kf = k + b * k_sb + kh * k_sh;
+    const float* vf = v + b * v_sb + kh * v_sh;
     // as 16-bit units: element strides double
-    const u16* qb = reinterpret_cast<const u16*>(q + b * q_sb + h * q_sh +
-                                                 static_cast<long long>(m0) * q_sl);
-    const u16* kb = reinterpret_cast<const u16*>(k + b * k_sb + kh * k_sh);
-    const u16* vb = reinterpret_cast<const u16*>(v + b * v_sb + kh * v_sh);
+    const u16* qb = reinterpret_cast<const u16*>(qf);
+    const u16* kb = reinterpret_cast<const u16*>(kf);
+    const u16* vb = reinterpret_cast<const u16*>(vf);
     const long long ql = 2 * q_sl, kl = 2 * k_sl, vl = 2 * v_sl;
     const unsigned* mb = MASK && mask ? mask + b * m_sb + h * m_sh : nullptr;
 
@@ -132,24 +195,66 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
     }
 
     if (tile_lo < tile_hi) {
-        sk_load_tile<u16, BM, W, THREADS>(sq, qb, ql, lq - m0);
-        sk_load_tile<u16, BN, W, THREADS>(sk, kb + tile_lo * BN * kl, kl, lk - tile_lo * BN);
-        sk_cp_async_commit();
-        sk_load_tile<u16, BN, W, THREADS>(sv, vb + tile_lo * BN * vl, vl, lk - tile_lo * BN);
+        if constexpr (ROUNDED) {
+            const long long n = static_cast<long long>(tile_lo) * BN;
+            sk_load_padded<BM, D, THREADS, QP>(fq, qf, q_sl, lq - m0);
+            sk_load_padded<BN, D, THREADS, QP>(fk, kf + n * k_sl, k_sl, lk - tile_lo * BN);
+            sk_load_padded<BN, D, THREADS, VP>(fv, vf + n * v_sl, v_sl, lk - tile_lo * BN);
+        } else {
+            sk_load_tile<u16, BM, W, THREADS>(sq, qb, ql, lq - m0);
+            sk_load_tile<u16, BN, W, THREADS>(sk, kb + tile_lo * BN * kl, kl, lk - tile_lo * BN);
+            sk_cp_async_commit();
+            sk_load_tile<u16, BN, W, THREADS>(sv, vb + tile_lo * BN * vl, vl, lk - tile_lo * BN);
+        }
         sk_cp_async_commit();
     }
     const int w0 = warp * 16 * MT;  // this warp's first row in the block
+    unsigned qr[ROUNDED ? MT : 1][ROUNDED ? DK : 1][4];  // ROUNDED: Q's fragments, as TF32
 
     for (int tile = tile_lo; tile < tile_hi; ++tile) {
         const int stage = (tile - tile_lo) & 1;
         const int n0 = tile * BN;
-        sk_cp_async_wait<1>();  // this tile's K (and, the first time, Q) has landed
-        __syncthreads();
-        if (tile + 1 < tile_hi) {
-            sk_load_tile<u16, BN, W, THREADS>(sk + (stage ^ 1) * BN * W, kb + (n0 + BN) * kl,
-                                              kl, lk - n0 - BN);
+        if constexpr (ROUNDED) {
+            sk_cp_async_wait<0>();  // this tile's K and V (and, the first time, Q) have landed
+            __syncthreads();        // for every thread, and the last tile's reads are done
+            if (tile == tile_lo) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                    for (int kk = 0; kk < DK; ++kk) {
+                        const float* at = fq + (w0 + 16 * mt + g) * QP + kk * 8 + 2 * t;
+                        const float2 lo = *reinterpret_cast<const float2*>(at);
+                        const float2 hi = *reinterpret_cast<const float2*>(at + 8 * QP);
+                        qr[mt][kk][0] = sk_tf32(lo.x);  // (g, column 2t): k-index t
+                        qr[mt][kk][1] = sk_tf32(hi.x);  // (g + 8, 2t)
+                        qr[mt][kk][2] = sk_tf32(lo.y);  // (g, 2t + 1): k-index t + 4
+                        qr[mt][kk][3] = sk_tf32(hi.y);  // (g + 8, 2t + 1)
+                    }
+                }
+                __syncthreads();  // every warp holds its Q: V^T may take Q's rows
+            }
+            if (tile + 1 < tile_hi) {
+                sk_load_padded<BN, D, THREADS, QP>(fk + (stage ^ 1) * BN * QP,
+                                                   kf + (n0 + BN) * k_sl, k_sl, lk - n0 - BN);
+            }
+            sk_cp_async_commit();
+            sk_round_rows<BN, D, QP, THREADS>(fk + stage * BN * QP);
+            sk_round_transposed<BN, D, VP, TP, THREADS>(fq, fv);
+            __syncthreads();  // K and V^T are TF32, and V's stage is free
+            if (tile + 1 < tile_hi) {
+                sk_load_padded<BN, D, THREADS, VP>(fv, vf + (n0 + BN) * v_sl, v_sl,
+                                                   lk - n0 - BN);
+            }
+            sk_cp_async_commit();
+        } else {
+            sk_cp_async_wait<1>();  // this tile's K (and, the first time, Q) has landed
+            __syncthreads();
+            if (tile + 1 < tile_hi) {
+                sk_load_tile<u16, BN, W, THREADS>(sk + (stage ^ 1) * BN * W,
+                                                  kb + (n0 + BN) * kl, kl, lk - n0 - BN);
+            }
+            sk_cp_async_commit();
         }
-        sk_cp_async_commit();
 
         float s[MT][NB][4];
 #pragma unroll
@@ -157,8 +262,21 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
 #pragma unroll
             for (int i = 0; i < NB; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
         const u16* ks = sk + stage * BN * W;
+        const float* kt = fk + stage * BN * QP;
 #pragma unroll
         for (int kk = 0; kk < DK; ++kk) {
+            if constexpr (ROUNDED) {
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb) {
+                    const float2 kr =
+                        *reinterpret_cast<const float2*>(kt + (nb * 8 + g) * QP + kk * 8 + 2 * t);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        sk_mma_tf32(s[mt][nb], qr[mt][kk], __float_as_uint(kr.x),
+                                    __float_as_uint(kr.y));
+                }
+                continue;
+            }
             unsigned qa[MT][4], qs[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
@@ -227,13 +345,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
             for (int i = 0; i < DB; ++i) sk_scale_rows(o[mt][i], scale_old);
         }
 
-        sk_cp_async_wait<1>();  // this tile's V has landed
-        __syncthreads();
-        if (tile + 1 < tile_hi) {
-            sk_load_tile<u16, BN, W, THREADS>(sv + (stage ^ 1) * BN * W, vb + (n0 + BN) * vl,
-                                              vl, lk - n0 - BN);
+        if constexpr (!ROUNDED) {
+            sk_cp_async_wait<1>();  // this tile's V has landed
+            __syncthreads();
+            if (tile + 1 < tile_hi) {
+                sk_load_tile<u16, BN, W, THREADS>(sv + (stage ^ 1) * BN * W,
+                                                  vb + (n0 + BN) * vl, vl, lk - n0 - BN);
+            }
+            sk_cp_async_commit();
         }
-        sk_cp_async_commit();
 
         const float* vs = reinterpret_cast<const float*>(sv + stage * BN * W);
         float pv[MT][DB][4] = {};  // this tile's P V, from zero (STAGE; unused otherwise)
@@ -252,9 +372,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
 #pragma unroll
             for (int db = 0; db < DB; ++db) {
                 const int c = 2 * (db * 8 + g);  // the value column, in 16-bit units
-                unsigned vb0, vb1, vs0, vs1;
-                sk_tf32_split(vs[sk_swz<W>(r0, c) / 2], vb0, vs0);
-                sk_tf32_split(vs[sk_swz<W>(r0 + 1, c) / 2], vb1, vs1);
+                unsigned vb0, vb1, vs0 = 0u, vs1 = 0u;
+                if constexpr (ROUNDED) {  // V^T[column][keys 2t, 2t + 1], already TF32
+                    const float2 vr =
+                        *reinterpret_cast<const float2*>(fq + (db * 8 + g) * TP + r0);
+                    vb0 = __float_as_uint(vr.x);
+                    vb1 = __float_as_uint(vr.y);
+                } else {
+                    sk_tf32_split(vs[sk_swz<W>(r0, c) / 2], vb0, vs0);
+                    sk_tf32_split(vs[sk_swz<W>(r0 + 1, c) / 2], vb1, vs1);
+                }
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     sk_mma_split<PRECISION>(STAGE ? pv[mt][db] : o[mt][db], pa[mt], ps[mt], vb0,

@@ -109,9 +109,10 @@ __device__ __forceinline__ void sk_load_tile(T* smem, const T* g, long long ld, 
 }
 
 // Copy rows [0, ROWS) of a float32 tile (row stride ld elements) into shared memory as rows
-// of D + 4 floats, unswizzled; rows at or past `valid` are zero-filled.  All THREADS threads
-// take part.  D is a multiple of 4 and the source rows are 16-byte aligned.
-template <int ROWS, int D, int THREADS>
+// of PW floats (D + 4 unless given), unswizzled; rows at or past `valid` are zero-filled.
+// All THREADS threads take part.  D and PW are multiples of 4 and the source rows are 16-byte
+// aligned.
+template <int ROWS, int D, int THREADS, int PW = D + 4>
 __device__ __forceinline__ void sk_load_padded(float* smem, const float* g, long long ld,
                                                int valid) {
     constexpr int CHUNKS = D / 4;
@@ -119,7 +120,7 @@ __device__ __forceinline__ void sk_load_padded(float* smem, const float* g, long
     for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
         const int r = c / CHUNKS, ch = c % CHUNKS;
         const bool ok = r < valid;
-        sk_cp_async16(smem + r * (D + 4) + ch * 4, g + (ok ? r : 0) * ld + ch * 4, ok);
+        sk_cp_async16(smem + r * PW + ch * 4, g + (ok ? r : 0) * ld + ch * 4, ok);
     }
 }
 

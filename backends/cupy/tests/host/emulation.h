@@ -8,8 +8,10 @@
 // each block, so a read of anything not written first shows.  Primitives written in PTX are
 // replaced by their host meaning (tests/host/primitives.h): cp.async poisons its destination
 // when issued and copies when its group is waited for, so a read on the wrong side of a
-// wait or a barrier sees NaN; ex2.approx is exp2f.  What this cannot show: timing, bank
-// conflicts, and orderings the host threads happen not to take.
+// wait or a barrier sees NaN; ex2.approx is exp2f; cvt.rna.tf32, the TF32 mma.sync and
+// ldmatrix take the PTX ISA's roundings and fragment layouts, the warp's lanes exchanging
+// their operands.  What this cannot show: timing, bank conflicts, the tensor cores' own
+// rounding of their sums, and orderings the host threads happen not to take.
 #pragma once
 #include <algorithm>
 #include <atomic>

@@ -43,7 +43,135 @@ inline float sk_ex2(float x) {
     return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
 }
 
+// red.global.add.v2.f32 (sm_90; two atomicAdd before): p[0] += a and p[1] += b, each element
+// added atomically, as two atomicAdd (the host build never takes the PTX branch, which this
+// replaces so that both branches mean the same here).
+inline void sk_red_add2(float* p, float a, float b) {
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+}
+
+// --- TF32 tensor cores (kernels/attention_tf32.cu, kernels/mma.cuh) ----------------------------
+//
+// The warp-collective primitives exchange their operands through a staging area of 16 words a
+// thread of the block running now (a lane's slot in emulation.h holds 8 bytes; an mma takes
+// 40): each lane publishes its part, the warp meets (__syncwarp), and each lane reads what it
+// receives.  The collectives use two such areas in turn (sk_host_stage), so one barrier each
+// suffices: a lane publishes into an area again only after the barrier of the collective in
+// between, which every lane reaches after its reads of the area (the lanes of a warp run the
+// same collectives in the same order, so they agree on the turn).  Since every lane must
+// reach the barrier, a collective that a lane skips deadlocks here (the device's .aligned
+// makes it undefined).  Layouts are the PTX ISA's ("Matrix Fragments for mma.m16n8k8",
+// "Warp-level matrix load instruction: ldmatrix"); g = lane / 4, t = lane % 4.
+alignas(16) inline std::uint32_t sk_host_stages[2][1024][16];
+inline thread_local unsigned sk_host_turn = 0;  // this lane's collectives so far, mod 2
+inline std::uint32_t (&sk_host_stage())[1024][16] {
+    sk_host_turn ^= 1u;
+    return sk_host_stages[sk_host_turn];
+}
+
+// cvt.rna.tf32.f32: x rounded to TF32 (10 explicit mantissa bits) to nearest, ties away from
+// zero, as a .b32 whose low 13 bits are 0.  A finite x takes half a TF32 ulp (0x1000) on its
+// magnitude bits and drops the low 13, which rounds subnormals too and carries into the
+// exponent (up to inf past the largest TF32); inf and NaN are only masked, as ptxas lowers it
+// (|x| >= inf or unordered skips the addition), so they stay inf and NaN (a NaN whose payload
+// lies only in the low 13 bits would become inf; the kernels make none).
+inline unsigned sk_tf32(float x) {
+    unsigned u = __float_as_uint(x);
+    if (std::isfinite(x)) u += 0x1000u;
+    return u & 0xffffe000u;
+}
+
+// A float32 rounded toward zero from a double (the tensor cores truncate their float32 sums).
+inline float sk_host_f32_toward_zero(double s) {
+    float f = static_cast<float>(s);  // to nearest
+    if (std::isfinite(s) && std::fabs(static_cast<double>(f)) > std::fabs(s))
+        f = std::nextafter(f, 0.0f);
+    return f;
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, D = A B + C in place of C, for the warp:
+//   A [16 x 8]: a0 = A[g][t], a1 = A[g + 8][t], a2 = A[g][t + 4], a3 = A[g + 8][t + 4];
+//   B [8 x 8]:  b0 = B[t][g], b1 = B[t + 4][g];
+//   C, D [16 x 8]: c0 = C[g][2t], c1 = C[g][2t + 1], c2 = C[g + 8][2t], c3 = C[g + 8][2t + 1].
+// Each operand is read as TF32 (the top 19 bits of its register; the low 13 are ignored, as the
+// tensor cores ignore them).  Emulated in double: the products are exact (11-bit significands),
+// the eight products and C are summed in double and the sum is rounded once toward zero to
+// float32.  The device sums in float32 with truncation, step by step, so its result may lie
+// further from the exact one than this emulation's; inf and NaN propagate as in IEEE
+// arithmetic (inf * 0 is NaN).
+inline void sk_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    const unsigned me = threadIdx.x, base = me & ~31u, lane = me & 31u;
+    const unsigned g = lane / 4, t = lane % 4;
+    auto& stage = sk_host_stage();
+    std::uint32_t* mine = stage[me];
+    for (int i = 0; i < 4; ++i) mine[i] = a[i];
+    mine[4] = b0;
+    mine[5] = b1;
+    for (int i = 0; i < 4; ++i) mine[6 + i] = __float_as_uint(c[i]);
+    __syncwarp();
+    auto tf32 = [](std::uint32_t bits) {
+        return static_cast<double>(__uint_as_float(bits & 0xffffe000u));
+    };
+    auto A = [&](unsigned r, unsigned k) {  // held by lane 4 (r % 8) + k % 4
+        return tf32(stage[base + 4 * (r % 8) + k % 4][(r >= 8) + 2 * (k >= 4)]);
+    };
+    auto B = [&](unsigned k, unsigned n) {  // held by lane 4 n + k % 4
+        return tf32(stage[base + 4 * n + k % 4][4 + (k >= 4)]);
+    };
+    auto C = [&](unsigned r, unsigned n) {  // held by lane 4 (r % 8) + n / 2
+        return __uint_as_float(stage[base + 4 * (r % 8) + n / 2][6 + n % 2 + 2 * (r >= 8)]);
+    };
+    float d[4];
+    for (unsigned i = 0; i < 4; ++i) {
+        const unsigned r = g + 8 * (i / 2), n = 2 * t + i % 2;
+        double s = C(r, n);
+        for (unsigned k = 0; k < 8; ++k) s += A(r, k) * B(k, n);
+        d[i] = sk_host_f32_toward_zero(s);
+    }
+    for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: four 8 x 8 matrices of 16-bit elements,
+// lanes 8 i .. 8 i + 7 giving the addresses of rows 0..7 of matrix i (16-byte aligned, in the
+// block's shared memory, else abort).  Lane l receives in r[i] the 32-bit word of elements
+// 2 (l % 4) (low half) and 2 (l % 4) + 1 (high half) of row l / 4 of matrix i; with .trans, of
+// the transposed matrix: elements l / 4 of rows 2 (l % 4) (low half) and 2 (l % 4) + 1.
+template <bool TRANS> inline void sk_host_ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+    const unsigned me = threadIdx.x, base = me & ~31u, lane = me & 31u;
+    const auto at = reinterpret_cast<std::uintptr_t>(smem);
+    const auto lo = reinterpret_cast<std::uintptr_t>(sk_smem);
+    if (at % 16 != 0 || at < lo || at + 16 > lo + sizeof(sk_smem)) std::abort();
+    auto& stage = sk_host_stage();
+    std::memcpy(stage[me], &at, sizeof at);
+    __syncwarp();
+    auto row = [&](unsigned m, unsigned i) {  // row i of matrix m
+        std::uintptr_t p;
+        std::memcpy(&p, stage[base + 8 * m + i], sizeof p);
+        return reinterpret_cast<const unsigned char*>(p);
+    };
+    unsigned out[4];
+    for (unsigned m = 0; m < 4; ++m) {
+        if (TRANS) {
+            std::uint16_t low, high;
+            std::memcpy(&low, row(m, 2 * (lane % 4)) + 2 * (lane / 4), 2);
+            std::memcpy(&high, row(m, 2 * (lane % 4) + 1) + 2 * (lane / 4), 2);
+            out[m] = low | static_cast<unsigned>(high) << 16;
+        } else {
+            std::memcpy(&out[m], row(m, lane / 4) + 4 * (lane % 4), 4);
+        }
+    }
+    for (int i = 0; i < 4; ++i) r[i] = out[i];
+}
+inline void sk_ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+    sk_host_ldmatrix_x4<false>(r, smem);
+}
+inline void sk_ldmatrix_x4_trans(unsigned (&r)[4], const void* smem) {
+    sk_host_ldmatrix_x4<true>(r, smem);
+}
+
 inline void sk_host_end_thread() {
+    sk_host_turn = 0;
     sk_host_open.clear();
     sk_host_groups.clear();
 }
