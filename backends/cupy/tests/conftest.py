@@ -8,11 +8,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import itertools
 import os
 import re
 import shutil
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,9 @@ HOST_PRIMITIVES = ("sk_cp_async16", "sk_cp_async_commit", "sk_cp_async_wait", "s
                    "sk_red_add2", "sk_tf32", "sk_mma_tf32", "sk_ldmatrix_x4",
                    "sk_ldmatrix_x4_trans")
 """Device functions written in PTX that tests/host/primitives.h gives a host meaning."""
+HOST_SPECIALIZATIONS = ("SkMma<sk_bf16>", "SkMma<__half>")
+"""Explicit specializations of class templates whose members are written in PTX (the
+16-bit mma.sync of kernels/mma.cuh): taken out whole, tests/host/primitives.h defines them."""
 _CTYPES = {"Q": ctypes.c_void_p, "q": ctypes.c_longlong, "i": ctypes.c_int,
            "f": ctypes.c_float}
 _CNAMES = {"Q": "void*", "q": "long long", "i": "int", "f": "float"}
@@ -110,28 +114,40 @@ def host_source(filename: str) -> str:
     for name in HOST_PRIMITIVES:
         found = re.search(r"(template\s*<[^>]*>\s*)?__device__ __forceinline__ [\w:<>]+ "
                           + name + r"\s*\(", text)
-        if found is None:
-            continue  # not used by this source
-        depth, end = 0, text.index("{", found.end())
-        while True:  # to the brace that closes the body
-            depth += {"{": 1, "}": -1}.get(text[end], 0)
-            if depth == 0:
-                break
-            end += 1
-        text = text[:found.start()] + text[end + 1:]
+        if found is not None:  # else not used by this source
+            end = _closing_brace(text, text.index("{", found.end()))
+            text = text[:found.start()] + text[end + 1:]
+    for name in HOST_SPECIALIZATIONS:
+        found = re.search(r"template\s*<>\s*struct\s+" + re.escape(name) + r"\s*\{", text)
+        if found is not None:
+            end = _closing_brace(text, found.end() - 1)
+            semicolon = re.compile(r"\s*;").match(text, end + 1)
+            assert semicolon is not None, name
+            text = text[:found.start()] + text[semicolon.end():]
     return text
+
+
+def _closing_brace(text: str, start: int) -> int:
+    """The index of the brace that closes the one at ``start``."""
+    depth, end = 0, start
+    while True:
+        depth += {"{": 1, "}": -1}.get(text[end], 0)
+        if depth == 0:
+            return end
+        end += 1
 
 
 def _host_library(gxx: str, unit: Path, text: str) -> ctypes.CDLL:
     """``text`` written to ``unit`` and built with g++ into a shared library beside it, with
     tests/host/emulation.h and primitives.h included first; loaded.  Fails on a compiler
-    error."""
+    error.  Strict aliasing is off: the kernels pun types through ``reinterpret_cast`` as
+    CUDA C++ lets them (two 16-bit values stored as one word, a ``uint4`` read as eight)."""
     unit.write_text(text)
     library = unit.with_suffix(".so")
     done = subprocess.run(
-        [gxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-w", f"-I{HOST}",
-         "-include", "emulation.h", "-include", "primitives.h", str(unit), "-o",
-         str(library)], capture_output=True, text=True)
+        [gxx, "-std=c++20", "-O2", "-fno-strict-aliasing", "-shared", "-fPIC", "-pthread",
+         "-w", f"-I{HOST}", "-include", "emulation.h", "-include", "primitives.h", str(unit),
+         "-o", str(library)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-5000:]
     return ctypes.CDLL(str(library))
 
@@ -139,41 +155,59 @@ def _host_library(gxx: str, unit: Path, text: str) -> ctypes.CDLL:
 @pytest.fixture(scope="session")
 def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
     """``build(filename, names, codes)``: kernels ``names`` of kernels/``filename`` (their
-    parameters as the launch codes ``codes`` of :mod:`softmaxkit_cupy.launches` say) built
-    for the CPU with g++; returns ``{name: launch}``, where ``launch(grid, threads, shared,
-    *args)`` runs the kernel over the grid, its pointer arguments given as addresses.
-    Skips without g++."""
+    parameters as the launch codes ``codes`` of :mod:`softmaxkit_cupy.launches` say: one
+    string for all, or a mapping of each name to its own) built for the CPU with g++, split
+    into one library per CPU compiled side by side; returns ``{name: launch}``, where
+    ``launch(grid, threads, shared, *args)`` runs the kernel over the grid, its pointer
+    arguments given as addresses.  Skips without g++."""
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ is not installed")
     folder = tmp_path_factory.mktemp("host")
+    builds = itertools.count()
 
-    def build(filename: str, names: Sequence[str], codes: str) -> dict[str, Any]:
-        params = ", ".join(f"{_CNAMES[c]} a{j}" for j, c in enumerate(codes))
-        call = ", ".join(f"sk_host_ptr{{a{j}}}" if c == "Q" else f"a{j}"
-                         for j, c in enumerate(codes))
-        wrappers = "\n".join(
-            f'extern "C" void sk_host_{i}(unsigned gx, unsigned gy, unsigned gz, '
-            f"unsigned threads, unsigned long long shared, {params}) {{ "
-            f"sk_host_launch({{gx, gy, gz}}, threads, shared, [&] {{ {name}({call}); }}); }}"
-            for i, name in enumerate(names))
-        unit = folder / f"{filename}.{len(list(folder.iterdir()))}.cpp"
-        loaded = _host_library(gxx, unit, host_source(filename) + "\n" + wrappers + "\n")
-        launches = {}
-        for i, name in enumerate(names):
-            function = getattr(loaded, f"sk_host_{i}")
-            function.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong] + [
-                _CTYPES[c] for c in codes]
-            function.restype = None
+    def build(filename: str, names: Sequence[str],
+              codes: str | Mapping[str, str]) -> dict[str, Any]:
+        code_of = {name: codes if isinstance(codes, str) else codes[name] for name in names}
+        parts = max(1, min(len(names), os.cpu_count() or 1))
+        stem = f"{filename}.{next(builds)}"
 
-            def launch(grid: tuple[int, int, int], threads: int, shared: int, *args: Any,
-                       function: Any = function) -> None:
-                function(*grid, threads, shared, *args)
+        def one(index: int) -> dict[str, Any]:
+            chunk = names[index::parts]
+            wrappers = "\n".join(_host_wrapper(i, name, code_of[name])
+                                  for i, name in enumerate(chunk))
+            loaded = _host_library(gxx, folder / f"{stem}.{index}.cpp",
+                                   host_source(filename) + "\n" + wrappers + "\n")
+            return {name: _host_launcher(getattr(loaded, f"sk_host_{i}"), code_of[name])
+                    for i, name in enumerate(chunk)}
 
-            launches[name] = launch
-        return launches
+        with ThreadPoolExecutor(max_workers=parts) as pool:
+            found = list(pool.map(one, range(parts)))
+        return {name: launch for launches in found for name, launch in launches.items()}
 
     return build
+
+
+def _host_wrapper(i: int, name: str, codes: str) -> str:
+    """The C entry point ``sk_host_{i}`` that launches kernel ``name`` (parameters ``codes``)
+    on the host: the grid, the threads a block, the shared bytes, then its arguments."""
+    params = ", ".join(f"{_CNAMES[c]} a{j}" for j, c in enumerate(codes))
+    call = ", ".join(f"sk_host_ptr{{a{j}}}" if c == "Q" else f"a{j}"
+                     for j, c in enumerate(codes))
+    return (f'extern "C" void sk_host_{i}(unsigned gx, unsigned gy, unsigned gz, '
+            f"unsigned threads, unsigned long long shared, {params}) {{ "
+            f"sk_host_launch({{gx, gy, gz}}, threads, shared, [&] {{ {name}({call}); }}); }}")
+
+
+def _host_launcher(function: Any, codes: str) -> Callable[..., None]:
+    """``launch(grid, threads, shared, *args)`` of a :func:`_host_wrapper` entry point."""
+    function.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong] + [_CTYPES[c] for c in codes]
+    function.restype = None
+
+    def launch(grid: tuple[int, int, int], threads: int, shared: int, *args: Any) -> None:
+        function(*grid, threads, shared, *args)
+
+    return launch
 
 
 @pytest.fixture(scope="session")

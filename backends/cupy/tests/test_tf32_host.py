@@ -26,12 +26,22 @@ Run: ``python -m pytest -q backends/cupy/tests/test_tf32_host.py``.
 from __future__ import annotations
 
 import ctypes
-import math
 import re
 
 import numpy as np
 import pytest
-from host_attention import CASES, case_id, inputs, launch_forward, move_to_host, options
+from host_attention import (
+    BACKWARD_CASES,
+    CASES,
+    address,
+    case_id,
+    cotangents,
+    inputs,
+    launch_forward,
+    move_to_host,
+    options,
+    rounded_by_value,
+)
 from softmaxkit_cupy.attention import FORWARD_PARAMS
 from softmaxkit_cupy.configs import (
     TF32_PRECISIONS,
@@ -104,23 +114,12 @@ def primitives(host_snippet):
     return host_snippet(SNIPPET)
 
 
-def _address(a: np.ndarray) -> ctypes.c_void_p:
-    return ctypes.c_void_p(a.ctypes.data)
-
-
 def _tf32_by_value(x: np.ndarray) -> np.ndarray:
-    """The bits of ``x`` (float32) rounded to TF32 by value, in float64: to the multiple of
-    ``2^(e - 11)`` (``2^(e-1) <= |x| < 2^e``; ``2^-136`` below the normal range) nearest
-    ``|x|``, ties away from zero, the sign kept, past the largest float32 inf; inf and NaN
+    """The bits of ``x`` (float32) rounded to TF32 by value (ties away from zero); inf and NaN
     unchanged."""
     out = x.copy()
     finite = np.isfinite(x)
-    value = x[finite].astype(np.float64)
-    _, e = np.frexp(value)
-    quantum = np.ldexp(1.0, np.maximum(e - 11, -136))
-    magnitude = np.floor(np.abs(value) / quantum + 0.5) * quantum
-    with np.errstate(over="ignore"):
-        out[finite] = np.copysign(magnitude, value).astype(np.float32)
+    out[finite] = rounded_by_value(x[finite], 10, ties_away=True)
     return out.view(np.uint32)
 
 
@@ -171,14 +170,14 @@ def _sk_tf32(primitives, x: np.ndarray) -> np.ndarray:
     """``sk_tf32`` of every element of ``x`` (float32), as bits."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     y = np.zeros(x.shape, dtype=np.uint32)
-    primitives.check_tf32(_address(x), _address(y), ctypes.c_int(x.size))
+    primitives.check_tf32(address(x), address(y), ctypes.c_int(x.size))
     return y
 
 
 def _mma(primitives, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     a, b, c = (np.ascontiguousarray(m, dtype=np.float32) for m in (a, b, c))
     d = np.full((16, 8), np.nan, dtype=np.float32)
-    primitives.check_mma(*(_address(m) for m in (a, b, c, d)))
+    primitives.check_mma(*(address(m) for m in (a, b, c, d)))
     return d
 
 
@@ -232,7 +231,7 @@ def test_ldmatrix_layout(primitives, trans: bool) -> None:
     src = rng.integers(0, 2**16, (4, 8, 8)).astype(np.uint16)
     place = rng.permutation(64)[:32].astype(np.int32)
     out = np.zeros((32, 4), dtype=np.uint32)
-    primitives.check_ldmatrix(_address(src), _address(place), _address(out),
+    primitives.check_ldmatrix(address(src), address(place), address(out),
                               ctypes.c_int(int(trans)))
     lane = np.arange(32)[:, None]
     i = np.arange(4)[None, :]
@@ -338,29 +337,11 @@ def host_launches(backward_kernels, host_kernels, monkeypatch):
     of the backward (the mask's packing kernel, kernels/mask_bits.cu, built on first use),
     ``interop.launch`` runs it, and ``interop.empty`` gives NaN-filled float memory; the
     module."""
-    from softmaxkit_cupy import attention_tf32, interop
+    from softmaxkit_cupy import attention_tf32
 
     move_to_host(monkeypatch, attention_tf32, dict(backward_kernels), host_kernels)
-    empty, full = interop.empty, interop.full
-
-    def poisoned(like, shape: tuple[int, ...], dtype: str):
-        if dtype.startswith("float"):
-            return full(like, shape, math.nan, dtype)
-        return empty(like, shape, dtype)
-
-    monkeypatch.setattr(interop, "empty", poisoned)
     return attention_tf32
 
-
-BACKWARD = [
-    dict(b=1, hq=2, hk=2, lq=50, lk=70),
-    dict(b=1, hq=4, hk=2, lq=40, lk=75, causal="bottom_right", dlse=True),  # GQA
-    dict(b=1, hq=2, hk=1, lq=70, lk=40, causal="bottom_right"),  # rows with no key
-    dict(b=1, hq=2, hk=1, lq=60, lk=45, causal="top_left"),
-    dict(b=1, hq=2, hk=2, lq=60, lk=60, causal="bottom_right", window=(20, -1), softcap=5.0),
-    dict(b=1, hq=2, hk=2, lq=40, lk=55, mask=True),
-]
-"""Smaller cases of backends/cupy/tests/test_tf32_gpu.py's BACKWARD."""
 
 _BACKWARD_NAME = re.compile(r"sk_attn_bwd_tf32<(\d+), (\d+), (\d+), (true|false), (\d+)>")
 
@@ -386,19 +367,19 @@ def _backward_cases() -> list[tuple[str, int, dict]]:
         config, _ = backward_tile(name)
         d = config.head_dim
         if d == 64:
-            pairs += [(name, d, c) for c in BACKWARD if bool(c.get("mask")) == config.mask]
+            pairs += [(name, d, c) for c in BACKWARD_CASES if bool(c.get("mask")) == config.mask]
             if not config.mask:
-                pairs.append((name, 48, BACKWARD[2]))
+                pairs.append((name, 48, BACKWARD_CASES[2]))
         else:
-            pairs.append((name, d, BACKWARD[5] if config.mask else BACKWARD[1]))
+            pairs.append((name, d, BACKWARD_CASES[5] if config.mask else BACKWARD_CASES[1]))
     return pairs
 
 
-BACKWARD_CASES = _backward_cases()
+BACKWARD_RUNS = _backward_cases()
 
 
-@pytest.mark.parametrize(("name", "d", "case"), BACKWARD_CASES,
-                         ids=[f"{_tile_id(n)}-d{d}-{case_id(c)}" for n, d, c in BACKWARD_CASES])
+@pytest.mark.parametrize(("name", "d", "case"), BACKWARD_RUNS,
+                         ids=[f"{_tile_id(n)}-d{d}-{case_id(c)}" for n, d, c in BACKWARD_RUNS])
 def test_backward_against_float64(host_launches, name: str, d: int, case: dict) -> None:
     """The backward kernel ``name`` through its adapter (``attention_vjp`` given its tile) on
     torch CPU tensors, from the float64 forward's out and lse rounded to float32, against the
@@ -412,12 +393,7 @@ def test_backward_against_float64(host_launches, name: str, d: int, case: dict) 
     q, k, v, mask = inputs(d, d, case, seed=d * 101 + case["lq"])
     opts = options(case)
     out64, lse64 = ref.attention(q, k, v, mask=mask, **opts)
-    rng = np.random.default_rng(3)
-    dout = rng.standard_normal(out64.shape).astype(np.float32)
-    dlse = None
-    if case.get("dlse"):
-        dlse = np.where(lse64 == -np.inf, 0.0, rng.standard_normal(lse64.shape)).astype(
-            np.float32)
+    dout, dlse = cotangents(out64, lse64, case)
     want = ref.attention_vjp(q, k, v, dout, dlse=dlse, mask=mask, **opts)
     grads = host_launches.attention_vjp(
         xp, q=torch.from_numpy(q), k=torch.from_numpy(k), v=torch.from_numpy(v),

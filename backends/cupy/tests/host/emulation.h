@@ -8,10 +8,11 @@
 // each block, so a read of anything not written first shows.  Primitives written in PTX are
 // replaced by their host meaning (tests/host/primitives.h): cp.async poisons its destination
 // when issued and copies when its group is waited for, so a read on the wrong side of a
-// wait or a barrier sees NaN; ex2.approx is exp2f; cvt.rna.tf32, the TF32 mma.sync and
-// ldmatrix take the PTX ISA's roundings and fragment layouts, the warp's lanes exchanging
-// their operands.  What this cannot show: timing, bank conflicts, the tensor cores' own
-// rounding of their sums, and orderings the host threads happen not to take.
+// wait or a barrier sees NaN; ex2.approx is exp2f; cvt.rna.tf32, the TF32 and 16-bit
+// (bfloat16, float16) mma.sync and ldmatrix take the PTX ISA's roundings and fragment
+// layouts, the warp's lanes exchanging their operands.  What this cannot show: timing, bank
+// conflicts, the tensor cores' own rounding of their sums, and orderings the host threads
+// happen not to take.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -46,6 +47,9 @@ struct __attribute__((aligned(16))) float4 {
 };
 struct __attribute__((aligned(8))) float2 {
     float x, y;
+};
+struct __attribute__((aligned(16))) uint4 {
+    unsigned x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline float2 make_float2(float x, float y) { return {x, y}; }
@@ -107,6 +111,10 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
     __syncwarp();
     return word;
 }
+inline int __any_sync(unsigned mask, int predicate) {
+    return __ballot_sync(mask, predicate) != 0;
+}
+template <typename T> inline T __ldg(const T* p) { return *p; }
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
     return sk_host_shuffle(v, (threadIdx.x & 31u) ^ static_cast<unsigned>(mask));
 }

@@ -1,6 +1,10 @@
 // The host meaning of the device functions the kernels write in PTX (tests/conftest.py takes
-// their definitions out of the source and includes this instead).
+// their definitions out of the source and includes this instead): the functions of
+// HOST_PRIMITIVES, and the class template specializations of HOST_SPECIALIZATIONS (SkMma<T>,
+// the 16-bit mma.sync of kernels/mma.cuh), taken out whole and defined here.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <deque>
 
 // cp.async of 16 bytes, asynchronous as the device may make it at either extreme: the
@@ -100,9 +104,17 @@ inline float sk_host_f32_toward_zero(double s) {
 // float32.  The device sums in float32 with truncation, step by step, so its result may lie
 // further from the exact one than this emulation's; inf and NaN propagate as in IEEE
 // arithmetic (inf * 0 is NaN).
-inline void sk_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+// The warp's D = A B + C of m16n8 tiles K deep (the registers a, b0, b1, c in the layouts
+// above): each lane publishes its registers, and element(word, k) reads element k of a
+// register as a double; the K products and C are summed in double and the sum is rounded
+// once toward zero to float32.
+template <unsigned K, typename Element>
+inline void sk_host_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1,
+                        Element element) {
     const unsigned me = threadIdx.x, base = me & ~31u, lane = me & 31u;
     const unsigned g = lane / 4, t = lane % 4;
+    constexpr unsigned H = K / 2;  // k at or past H: the second register of a row's pair
+    constexpr unsigned P = K / 8;  // consecutive k a register holds
     auto& stage = sk_host_stage();
     std::uint32_t* mine = stage[me];
     for (int i = 0; i < 4; ++i) mine[i] = a[i];
@@ -110,14 +122,11 @@ inline void sk_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsi
     mine[5] = b1;
     for (int i = 0; i < 4; ++i) mine[6 + i] = __float_as_uint(c[i]);
     __syncwarp();
-    auto tf32 = [](std::uint32_t bits) {
-        return static_cast<double>(__uint_as_float(bits & 0xffffe000u));
+    auto A = [&](unsigned r, unsigned k) {  // held by lane 4 (r % 8) + (k % H) / P
+        return element(stage[base + 4 * (r % 8) + (k % H) / P][(r >= 8) + 2 * (k >= H)], k);
     };
-    auto A = [&](unsigned r, unsigned k) {  // held by lane 4 (r % 8) + k % 4
-        return tf32(stage[base + 4 * (r % 8) + k % 4][(r >= 8) + 2 * (k >= 4)]);
-    };
-    auto B = [&](unsigned k, unsigned n) {  // held by lane 4 n + k % 4
-        return tf32(stage[base + 4 * n + k % 4][4 + (k >= 4)]);
+    auto B = [&](unsigned k, unsigned n) {  // held by lane 4 n + (k % H) / P
+        return element(stage[base + 4 * n + (k % H) / P][4 + (k >= H)], k);
     };
     auto C = [&](unsigned r, unsigned n) {  // held by lane 4 (r % 8) + n / 2
         return __uint_as_float(stage[base + 4 * (r % 8) + n / 2][6 + n % 2 + 2 * (r >= 8)]);
@@ -126,10 +135,16 @@ inline void sk_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsi
     for (unsigned i = 0; i < 4; ++i) {
         const unsigned r = g + 8 * (i / 2), n = 2 * t + i % 2;
         double s = C(r, n);
-        for (unsigned k = 0; k < 8; ++k) s += A(r, k) * B(k, n);
+        for (unsigned k = 0; k < K; ++k) s += A(r, k) * B(k, n);
         d[i] = sk_host_f32_toward_zero(s);
     }
     for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+
+inline void sk_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    sk_host_mma<8>(c, a, b0, b1, [](std::uint32_t bits, unsigned) {
+        return static_cast<double>(__uint_as_float(bits & 0xffffe000u));
+    });
 }
 
 // ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: four 8 x 8 matrices of 16-bit elements,
@@ -169,6 +184,53 @@ inline void sk_ldmatrix_x4(unsigned (&r)[4], const void* smem) {
 inline void sk_ldmatrix_x4_trans(unsigned (&r)[4], const void* smem) {
     sk_host_ldmatrix_x4<true>(r, smem);
 }
+
+// --- 16-bit tensor cores (kernels/attention.cu, kernels/attention_bwd.cu, kernels/mma.cuh) ----
+//
+// SkMma<T>::run, mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32 (T bf16 or f16), D = A B + C in
+// place of C, for the warp; each 32-bit A and B register holds two 16-bit elements, the first
+// in its low half (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"):
+//   A [16 x 16]: a[0] = A[g][2t, 2t + 1], a[1] = A[g + 8][2t, 2t + 1],
+//                a[2] = A[g][2t + 8, 2t + 9], a[3] = A[g + 8][2t + 8, 2t + 9];
+//   B [16 x 8]:  b0 = B[2t, 2t + 1][g], b1 = B[2t + 8, 2t + 9][g];
+//   C, D [16 x 8]: c0 = C[g][2t], c1 = C[g][2t + 1], c2 = C[g + 8][2t], c3 = C[g + 8][2t + 1].
+// Emulated in double: the products of two 16-bit values are exact (8- or 11-bit significands,
+// so exact in float32 too), the sixteen products and C are summed in double (exact but for
+// terms of widely different exponents) and the sum is rounded once toward zero to float32, as
+// the TF32 emulation does (sk_mma_tf32).  The device sums in float32 with truncation, step by
+// step, so its result may lie further from the exact one than this emulation's; inf and NaN
+// propagate as in IEEE arithmetic.  SkMma<T>::pack rounds two floats to T (to nearest even)
+// into one register, the first in the low half, as kernels/mma.cuh does.
+template <double (*WIDEN)(std::uint16_t)>
+inline void sk_host_mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                 unsigned b1) {
+    sk_host_mma<16>(c, a, b0, b1, [](std::uint32_t word, unsigned k) {  // its half k % 2
+        return WIDEN(static_cast<std::uint16_t>(k % 2 ? word >> 16 : word & 0xffffu));
+    });
+}
+inline double sk_host_widen_bf16(std::uint16_t bits) {
+    return __bfloat162float(__nv_bfloat16{bits});
+}
+inline double sk_host_widen_f16(std::uint16_t bits) { return __half2float(__half{bits}); }
+
+// SkMma<T> of kernels/mma.cuh for T whose bits WIDEN reads and whose pairs PAIR rounds two
+// floats to (the first in the low half).
+template <double (*WIDEN)(std::uint16_t), typename Pair, Pair (*PAIR)(float, float)>
+struct sk_host_mma16 {
+    static void run(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        sk_host_mma_m16n8k16<WIDEN>(d, a, b0, b1);
+    }
+    static unsigned pack(float lo, float hi) {
+        const Pair v = PAIR(lo, hi);
+        unsigned r;
+        std::memcpy(&r, &v, 4);
+        return r;
+    }
+};
+template <typename T> struct SkMma;
+template <> struct SkMma<__nv_bfloat16>
+    : sk_host_mma16<sk_host_widen_bf16, __nv_bfloat162, __floats2bfloat162_rn> {};
+template <> struct SkMma<__half> : sk_host_mma16<sk_host_widen_f16, __half2, __floats2half2_rn> {};
 
 inline void sk_host_end_thread() {
     sk_host_turn = 0;

@@ -1,0 +1,507 @@
+"""The 16-bit (bfloat16, float16) attention on mma.sync tensor cores (kernels/attention.cu,
+kernels/attention_bwd.cu) run on the CPU (tests/host/emulation.h: each CUDA thread a host
+thread, shared memory filled with NaN first; tests/host/primitives.h: mma.sync m16n8k16 with
+bfloat16 and float16 operands and ldmatrix emulated, the warp's lanes exchanging their
+operands in the PTX ISA's fragment layouts; tests/host/cuda_bf16.h and cuda_fp16.h: the
+16-bit types and their conversions).
+
+Checked here: the emulated primitives against numpy (the conversions to and from 16 bits
+against numpy's float16 and a rounding by value, the mma against a float64 product of its
+operands given in the PTX layout); the declared forward tiles (``sk_attn_fwd``,
+:data:`~softmaxkit_cupy.configs.ATTENTION_CONFIGS` and
+:data:`~softmaxkit_cupy.configs.UNMASKED_CONFIGS`) in both dtypes, launched as the adapter
+launches them into results that held NaN, against the float64 definition on the represented
+inputs within the tolerances of the GPU test (the conformance kit, backends/cupy/tests/
+test_gpu.py: :data:`softmaxkit.testing.attention_cases.ATTENTION_TOLERANCES`), over causal
+alignments, grouped queries, rows with no key, windows, soft caps, boolean masks and ragged
+tiles; the forward and the packed variable-length forward (``sk_attn_fwd_varlen``) through
+their adapters on torch CPU tensors; and the backward (``sk_attn_bwd_pre``, ``sk_attn_bwd``,
+``sk_attn_bwd_dq``) through its adapter on torch CPU tensors, against the float64 gradients
+within the kit's tolerances.  The adapters see a device of compute capability 8.0 with 163 KB
+of shared memory a block (an A100), so they pick the mma.sync kernels; the Hopper kernels
+(sm_90a wgmma) are not run here.
+
+The emulated mma sums in double and rounds once toward zero, where the device truncates its
+float32 sums step by step: the results are held to the tolerances the device's are held to,
+but are not the device's bit for bit; what the device adds (its sums' rounding, timing, its
+own orderings) is the GPU test's.
+
+Run: ``python -m pytest -q backends/cupy/tests/test_attention_host.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from host_attention import (
+    BACKWARD_CASES,
+    CASES,
+    address,
+    bits16,
+    case_id,
+    cotangents,
+    inputs,
+    launch_forward,
+    move_to_host,
+    options,
+    represented,
+    rounded_by_value,
+    widen16,
+)
+from softmaxkit_cupy.attention import (
+    BACKWARD_DQ_PARAMS,
+    BACKWARD_PARAMS,
+    BACKWARD_PRE_PARAMS,
+    FORWARD_PARAMS,
+)
+from softmaxkit_cupy.configs import (
+    ATTENTION_CONFIGS,
+    ATTENTION_DTYPES,
+    BACKWARD_CONFIGS,
+    UNMASKED_CONFIGS,
+    AttentionConfig,
+    backward_dq_name,
+    backward_pre_name,
+    varlen_config,
+)
+from softmaxkit_cupy.varlen import VARLEN_PARAMS
+
+from softmaxkit.testing import materialized as ref
+from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
+
+A100 = (80, 163 * 1024)
+"""The device the adapters see: compute capability 8.0 (the mma.sync kernels), and the shared
+memory a block may take there."""
+
+# --- the primitives ---------------------------------------------------------------------------
+
+SNIPPET = r"""
+// One warp: d = a b + c, a [16 x 16] and b [16 x 8] row-major 16-bit bits, c, d [16 x 8]
+// row-major float, given to SkMma<T>::run in the fragments of the PTX ISA's m16n8k16 layout
+// (each register two elements, the first in its low half).
+template <typename T>
+__global__ void sk_check_mma(const unsigned short* a, const unsigned short* b, const float* c,
+                             float* d) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    auto pair = [](const unsigned short* m, int lo, int hi) {
+        return static_cast<unsigned>(m[lo]) | static_cast<unsigned>(m[hi]) << 16;
+    };
+    const unsigned af[4] = {pair(a, g * 16 + 2 * t, g * 16 + 2 * t + 1),
+                            pair(a, (g + 8) * 16 + 2 * t, (g + 8) * 16 + 2 * t + 1),
+                            pair(a, g * 16 + 2 * t + 8, g * 16 + 2 * t + 9),
+                            pair(a, (g + 8) * 16 + 2 * t + 8, (g + 8) * 16 + 2 * t + 9)};
+    const unsigned b0 = pair(b, 2 * t * 8 + g, (2 * t + 1) * 8 + g);
+    const unsigned b1 = pair(b, (2 * t + 8) * 8 + g, (2 * t + 9) * 8 + g);
+    float cf[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
+                   c[(g + 8) * 8 + 2 * t + 1]};
+    SkMma<T>::run(cf, af, b0, b1);
+    d[g * 8 + 2 * t] = cf[0];
+    d[g * 8 + 2 * t + 1] = cf[1];
+    d[(g + 8) * 8 + 2 * t] = cf[2];
+    d[(g + 8) * 8 + 2 * t + 1] = cf[3];
+}
+extern "C" void check_mma_bf16(const unsigned short* a, const unsigned short* b, const float* c,
+                               float* d) {
+    sk_host_launch({1, 1, 1}, 32, 0, [&] { sk_check_mma<__nv_bfloat16>(a, b, c, d); });
+}
+extern "C" void check_mma_f16(const unsigned short* a, const unsigned short* b, const float* c,
+                              float* d) {
+    sk_host_launch({1, 1, 1}, 32, 0, [&] { sk_check_mma<__half>(a, b, c, d); });
+}
+// The conversions of cuda_bf16.h and cuda_fp16.h, and SkMma<T>::pack, element by element.
+extern "C" void check_round(const float* x, unsigned short* bf, unsigned short* hf, int n) {
+    for (int i = 0; i < n; ++i) {
+        bf[i] = __float2bfloat16_rn(x[i]).x;
+        hf[i] = __float2half_rn(x[i]).x;
+    }
+}
+extern "C" void check_widen(const unsigned short* bits, float* bf, float* hf, int n) {
+    for (int i = 0; i < n; ++i) {
+        bf[i] = __bfloat162float(__nv_bfloat16{bits[i]});
+        hf[i] = __half2float(__half{bits[i]});
+    }
+}
+extern "C" void check_pack(const float* lo, const float* hi, unsigned* bf, unsigned* hf, int n) {
+    for (int i = 0; i < n; ++i) {
+        bf[i] = SkMma<__nv_bfloat16>::pack(lo[i], hi[i]);
+        hf[i] = SkMma<__half>::pack(lo[i], hi[i]);
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def primitives(host_snippet):
+    """The checks of the emulated primitives (:data:`SNIPPET`), built once for the host."""
+    return host_snippet(SNIPPET)
+
+
+def _bf16_by_value(x: np.ndarray) -> np.ndarray:
+    """The bits of ``x`` (finite float32) rounded to bfloat16 by value (ties to even)."""
+    return (rounded_by_value(x, 7, ties_away=False).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def test_conversions(primitives) -> None:
+    """cuda_bf16.h's and cuda_fp16.h's conversions: every 16-bit pattern widened exactly (the
+    bfloat16 bits as a float32's top half, float16 as numpy's float16, NaN payloads
+    included); float32 rounded to bfloat16 against a rounding by value and to float16 against
+    numpy's cast (to nearest, ties to even; random bit patterns of every binade, subnormals,
+    exact ties, the overflow edges; NaN to a NaN); and ``SkMma<T>::pack``, its first value in
+    the low half."""
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    bf, hf = (np.zeros(every.shape, np.float32) for _ in range(2))
+    primitives.check_widen(address(every), address(bf), address(hf), ctypes.c_int(every.size))
+    assert np.array_equal(bf.view(np.uint32), every.astype(np.uint32) << 16)
+    assert np.array_equal(hf.view(np.uint32), every.view(np.float16).astype(np.float32)
+                          .view(np.uint32))
+
+    rng = np.random.default_rng(5)
+    patterns = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32)
+    patterns = patterns[(patterns & 0x7F800000) != 0x7F800000]  # finite
+    small = ((rng.integers(0, 2**32, 4000, dtype=np.uint64).astype(np.uint32)
+              & np.uint32(0x807FFFFF))
+             | rng.integers(100, 116, 4000).astype(np.uint32) << 23)  # float16's subnormals
+    ties = np.concatenate([(patterns & np.uint32(0xFFFF0000)) | np.uint32(0x8000),
+                           (patterns & np.uint32(0xFFFFE000)) | np.uint32(0x1000)])
+    edges = np.array([0.0, -0.0, 1.0, 65504.0, 65519.99, 65520.0, -65520.0, 2.0**-24,
+                      2.0**-25, 2.0**-25 * 1.0001, 3 * 2.0**-25, 2.0**-14, 2.0**-14 - 2.0**-25,
+                      np.finfo(np.float32).max, -np.finfo(np.float32).max,
+                      np.finfo(np.float32).tiny, 2.0**-149, np.inf, -np.inf], np.float32)
+    x = np.concatenate([patterns.view(np.float32), small.view(np.float32),
+                        ties.view(np.float32), edges])
+    x = np.concatenate([x, np.float32([np.nan])])
+    b16, h16 = (np.zeros(x.shape, np.uint16) for _ in range(2))
+    primitives.check_round(address(x), address(b16), address(h16), ctypes.c_int(x.size))
+    finite = np.isfinite(x)
+    with np.errstate(over="ignore"):
+        want_h = x.astype(np.float16).view(np.uint16)
+    wrong = np.flatnonzero((h16 != want_h) & ~np.isnan(x))
+    assert wrong.size == 0, [(repr(x[i]), hex(h16[i]), hex(want_h[i])) for i in wrong[:8]]
+    wrong = np.flatnonzero((b16 != _bf16_by_value(np.where(finite, x, 0))) & finite)
+    assert wrong.size == 0, [(repr(x[i]), hex(b16[i])) for i in wrong[:8]]
+    assert np.array_equal(b16[np.isinf(x)], (x[np.isinf(x)].view(np.uint32) >> 16)
+                          .astype(np.uint16))
+    assert np.isnan(widen16(b16[np.isnan(x)], "bfloat16")).all()
+    assert np.isnan(widen16(h16[np.isnan(x)], "float16")).all()
+    assert np.array_equal(b16[finite], bits16(x[finite], "bfloat16"))  # host_attention's too
+
+    lo, hi = x[:1000], x[1000:2000]
+    pb, ph = (np.zeros(lo.shape, np.uint32) for _ in range(2))
+    primitives.check_pack(address(lo), address(hi), address(pb), address(ph),
+                          ctypes.c_int(lo.size))
+    assert np.array_equal(pb, b16[:1000].astype(np.uint32)
+                          | b16[1000:2000].astype(np.uint32) << 16)
+    assert np.array_equal(ph, h16[:1000].astype(np.uint32)
+                          | h16[1000:2000].astype(np.uint32) << 16)
+
+
+def _mma(primitives, dtype: str, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``SkMma<T>::run`` of a [16 x 16], b [16 x 8] (float values rounded to ``dtype``) and c
+    [16 x 8] (float32), through :data:`SNIPPET`'s PTX-layout fragments."""
+    a16, b16 = bits16(a, dtype), bits16(b, dtype)
+    c = np.ascontiguousarray(c, dtype=np.float32)
+    d = np.full((16, 8), np.nan, dtype=np.float32)
+    run = primitives.check_mma_bf16 if dtype == "bfloat16" else primitives.check_mma_f16
+    run(*(address(m) for m in (a16, b16, c, d)))
+    return d
+
+
+def _toward_zero(exact: np.ndarray) -> np.ndarray:
+    near = exact.astype(np.float32)
+    return np.where(np.abs(near) > np.abs(exact), np.nextafter(near, np.float32(0)), near)
+
+
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+def test_mma_is_the_product_of_the_fragments(primitives, dtype: str) -> None:
+    """``SkMma<T>::run`` given the PTX ISA's m16n8k16 fragments of A, B and C returns D = A B
+    + C in its accumulator layout: on distinct small integers (every element of A and B a
+    different weight, so a misplaced one shows; D is exact), on normal random values (D is the
+    float64 product of the 16-bit operands plus C, rounded toward zero to float32: their
+    products and the sums of 16 of them are exact in float64 here), and with infinities and
+    NaN (D is NaN or infinite where the float64 product is)."""
+    rng = np.random.default_rng(13)
+    a = rng.permutation(256).reshape(16, 16).astype(np.float32) - 128
+    b = rng.permutation(128).reshape(16, 8).astype(np.float32) / 8 - 8
+    c = rng.integers(-50, 51, (16, 8)).astype(np.float32)
+    assert np.array_equal(represented(a, dtype), a) and np.array_equal(represented(b, dtype), b)
+    want = a.astype(np.float64) @ b + c
+    assert np.array_equal(_mma(primitives, dtype, a, b, c), want)
+
+    a, b, c = (rng.standard_normal(s).astype(np.float32) for s in ((16, 16), (16, 8), (16, 8)))
+    a, b = represented(a, dtype), represented(b, dtype)
+    exact = a.astype(np.float64) @ b + c.astype(np.float64)
+    assert np.array_equal(_mma(primitives, dtype, a, b, c), _toward_zero(exact))
+
+    a[3, 5], b[2, 6], c[9, 1] = np.inf, -np.inf, np.nan
+    b[5, 0] = 0.0  # inf * 0
+    with np.errstate(invalid="ignore"):
+        exact = a.astype(np.float64) @ b + c.astype(np.float64)
+    got = _mma(primitives, dtype, a, b, c)
+    assert np.array_equal(np.isnan(got), np.isnan(exact))
+    assert np.array_equal(np.isinf(got), np.isinf(exact))
+    assert np.isnan(exact).any() and np.isinf(exact).any()
+
+
+# --- the forward ------------------------------------------------------------------------------
+
+FORWARD_TILES = tuple(dict.fromkeys([*ATTENTION_CONFIGS.values(), *UNMASKED_CONFIGS.values()]))
+"""Every declared forward tile (with and without the mask's code)."""
+
+
+VARLEN_DIMS = (64, 96, 128)
+"""Head dims of the packed variable-length forward run here."""
+
+
+@pytest.fixture(scope="module")
+def kernels(host_kernels):
+    """Every declared forward tile, and the packed forward's tiles at :data:`VARLEN_DIMS`, in
+    both dtypes, built once for the host."""
+    codes = {c.name(t): FORWARD_PARAMS for c in FORWARD_TILES for t in ATTENTION_DTYPES}
+    codes |= {varlen_config(d).varlen_name(t): VARLEN_PARAMS for d in VARLEN_DIMS
+              for t in ATTENTION_DTYPES}
+    return host_kernels("attention.cu", list(codes), codes)
+
+
+def _forward_cases() -> list[tuple[AttentionConfig, str, dict]]:
+    """(tile, dtype, case): at head dim 64 (one tile, with the mask's code) every case of
+    :data:`host_attention.CASES` (causal alignments, grouped queries, rows with no key,
+    windows, a soft cap, masks, a single query row), the dtypes in turn; at every other head
+    dim a mask on the tile with the mask's code, and rows with no key and a window with causal
+    and soft cap on the tile without it, the dtypes in turn."""
+    pairs = []
+    for i, c in enumerate((CASES[1], CASES[4], CASES[2], CASES[3], CASES[6], CASES[7],
+                           CASES[8], CASES[5], CASES[0])):
+        pairs.append((ATTENTION_CONFIGS[64], ATTENTION_DTYPES[i % 2], c))
+    turn = 0
+    for config in FORWARD_TILES:
+        if config.head_dim == 64:
+            continue
+        chosen = [CASES[7]] if config.mask else [CASES[3], CASES[6]]
+        for c in chosen:
+            pairs.append((config, ATTENTION_DTYPES[turn % 2], c))
+            turn += 1
+    return pairs
+
+
+FORWARD_CASES = _forward_cases()
+
+
+def _tile_id(config: AttentionConfig) -> str:
+    return (f"d{config.head_dim}-w{config.warps}-n{config.block_n}-m{config.m_tiles}"
+            f"{'-mask' if config.mask else ''}")
+
+
+@pytest.mark.parametrize(("config", "dtype", "case"), FORWARD_CASES,
+                         ids=[f"{_tile_id(t)}-{d}-{case_id(c)}" for t, d, c in FORWARD_CASES])
+def test_forward_within_tolerances(kernels, config: AttentionConfig, dtype: str,
+                                   case: dict) -> None:
+    """The forward tile ``config`` in ``dtype`` against the float64 definition on the
+    represented inputs: relative Frobenius error of out and the largest error of lse within
+    the kit's tolerances, rows with no allowed key (0, -inf), no NaN left."""
+    d = config.head_dim
+    q, k, v, mask = inputs(d, d, case, seed=d * 100 + case["lq"] + case["lk"])
+    q, k, v = (represented(a, dtype) for a in (q, k, v))
+    opts = options(case)
+    out, lse = launch_forward(kernels, config.name(dtype), config, q, k, v, mask=mask,
+                              dtype=dtype, **opts)
+    want, want_lse = ref.attention(q, k, v, mask=mask, **opts)
+    _check_forward(dtype, out, lse, want, want_lse, config.name(dtype))
+
+
+def _check_forward(dtype: str, out, lse, want: np.ndarray, want_lse: np.ndarray,
+                   what: str) -> None:
+    """The kit's checks of a forward (``check_forward``), and no NaN left."""
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    empty = want_lse == -np.inf
+    assert np.all(lse[empty] == -np.inf) and np.all(out[empty] == 0), f"{what}: empty rows"
+    assert not np.isnan(out).any() and np.isfinite(lse[~empty]).all(), f"{what}: NaN left"
+    out_tol, lse_tol, _ = ATTENTION_TOLERANCES[dtype]
+    err = ref.rel_frobenius(out, want)
+    lerr = np.abs(lse[~empty] - want_lse[~empty])
+    lerr = float(lerr.max()) if lerr.size else 0.0
+    message = f"{what}: out relative Frobenius {err:.3g}, lse max error {lerr:.3g}"
+    assert err <= out_tol and lerr <= lse_tol, message
+
+
+# --- through the adapters -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def backward_kernels(host_kernels):
+    """Every declared backward tile, and the row preprocessing and dQ conversion of each head
+    dim, in both dtypes, built once for the host."""
+    codes = {}
+    for d in sorted(BACKWARD_CONFIGS):
+        for t in ATTENTION_DTYPES:
+            codes[BACKWARD_CONFIGS[d].name(t)] = BACKWARD_PARAMS
+            codes[backward_pre_name(t, d)] = BACKWARD_PRE_PARAMS
+            codes[backward_dq_name(t, d)] = BACKWARD_DQ_PARAMS
+    return host_kernels("attention_bwd.cu", list(codes), codes)
+
+
+@pytest.fixture
+def host_launches(kernels, backward_kernels, host_kernels, monkeypatch):
+    """The 16-bit adapter's device boundary moved to the host (:func:`host_attention.
+    move_to_host`: the host builds, the mask's packing kernel built on first use), on a
+    device it takes for an A100 (:data:`A100`), ``interop.empty`` giving NaN-filled float
+    memory; the module (``softmaxkit_cupy.attention``)."""
+    from softmaxkit_cupy import attention, interop, varlen
+
+    move_to_host(monkeypatch, attention, {**kernels, **backward_kernels}, host_kernels)
+    monkeypatch.setattr(varlen, "_kernel", attention._kernel)  # imported from attention
+    capability, shared = A100
+    for module in (attention, varlen):
+        monkeypatch.setattr(module, "_capability_of", lambda device: capability)
+    monkeypatch.setattr(interop, "shared_limit", lambda device: shared)
+    return attention
+
+
+def _torch(a: np.ndarray, dtype: str):
+    """``a`` (values ``dtype`` holds, or booleans) as a torch CPU tensor of ``dtype``."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a)).to(getattr(torch, dtype))
+
+
+ADAPTER_CASES = [("bfloat16", 64, 64, CASES[7]), ("float16", 40, 40, CASES[2]),
+                 ("bfloat16", 128, 96, CASES[6]), ("float16", 96, 96, CASES[3])]
+"""(dtype, D, Dv, case): a mask at a built head dim, grouped queries zero-padded from 40 to
+64, a window with causal and soft cap at D != Dv (run at 128 on the tile without the mask's
+code), rows with no key."""
+
+
+@pytest.mark.parametrize(("dtype", "d", "dv", "case"), ADAPTER_CASES,
+                         ids=[f"{t}-{d}-{dv}-{case_id(c)}" for t, d, dv, c in ADAPTER_CASES])
+def test_forward_through_the_adapter(host_launches, dtype: str, d: int, dv: int,
+                                     case: dict) -> None:
+    """The adapter's padding, mask packing (kernels/mask_bits.cu, on the host too) and launch
+    (``attention``) on torch CPU tensors, q a view with strides of its own, within the kit's
+    tolerances of the float64 definition."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+
+    q, k, v, mask = inputs(d, dv, case, seed=d + dv)
+    q, k, v = (represented(a, dtype) for a in (q, k, v))
+    opts = options(case)
+    tq = _torch(np.concatenate([q, q], axis=-1), dtype)[..., :d]  # rows 16-byte aligned
+    assert not tq.is_contiguous()
+    out, lse = host_launches.attention(
+        xp, q=tq, k=_torch(k, dtype), v=_torch(v, dtype), scale=d ** -0.5,
+        causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
+        mask=None if mask is None else torch.from_numpy(mask), softcap=opts.get("softcap"),
+        return_lse=True)
+    assert out.dtype == getattr(torch, dtype) and lse.dtype == torch.float32
+    want, want_lse = ref.attention(q, k, v, mask=mask, **opts)
+    assert tuple(out.shape) == want.shape and tuple(lse.shape) == want_lse.shape
+    _check_forward(dtype, out.float().numpy(), lse.numpy(), want, want_lse,
+                   f"attention {dtype} D={d} Dv={dv}")
+
+
+VARLEN_CASES = [
+    ("bfloat16", 64, [(70, 100), (0, 30), (33, 33), (90, 20)], {}),
+    ("float16", 64, [(40, 60), (100, 50), (1, 80)], dict(causal="bottom_right")),
+    ("bfloat16", 96, [(60, 45), (20, 90)], dict(causal="top_left")),
+    ("float16", 128, [(80, 80), (35, 130)], dict(causal="bottom_right", window=(30, 5),
+                                                  softcap=5.0)),
+]
+"""(dtype, head dim, per-sequence (Lq, Lk), options): ragged sequences (one without
+queries) in one launch, causal in both alignments (rows with no key among them), a window
+with a soft cap."""
+
+
+@pytest.mark.parametrize(("dtype", "d", "lengths", "opts"), VARLEN_CASES,
+                         ids=[f"{t}-d{d}-{len(s)}seqs-{case_id(o) or 'plain'}"
+                              for t, d, s, o in VARLEN_CASES])
+def test_varlen_forward_through_the_adapter(host_launches, dtype: str, d: int,
+                                            lengths: list[tuple[int, int]],
+                                            opts: dict) -> None:
+    """The packed variable-length forward (sk_attn_fwd_varlen, through
+    ``softmaxkit_cupy.varlen.varlen_attention``) on torch CPU tensors, grouped queries (Hq 4,
+    Hk 2): each sequence's rows within the kit's tolerances of the float64 definition on the
+    sequence alone, its causal diagonal and window aligned to its own lengths."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import varlen
+
+    hq, hk = 4, 2
+    rng = np.random.default_rng(d + len(lengths))
+    tq, tk = (sum(n[i] for n in lengths) for i in (0, 1))
+    q = represented((rng.standard_normal((tq, hq, d)) * 1.5).astype(np.float32), dtype)
+    k = represented((rng.standard_normal((tk, hk, d)) * 1.5).astype(np.float32), dtype)
+    v = represented(rng.standard_normal((tk, hk, d)).astype(np.float32), dtype)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum([n[i] for n in lengths])]) for i in (0, 1))
+    out, lse = varlen.varlen_attention(
+        xp, q=_torch(q, dtype), k=_torch(k, dtype), v=_torch(v, dtype),
+        cu_seqlens_q=torch.from_numpy(cu_q), cu_seqlens_k=torch.from_numpy(cu_k),
+        scale=d ** -0.5, causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
+        softcap=opts.get("softcap"), return_lse=True)
+    assert out.dtype == getattr(torch, dtype) and tuple(out.shape) == (tq, hq, d)
+    out, lse = out.float().numpy(), lse.numpy()
+    for b in range(len(lengths)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if cu_q[b] == cu_q[b + 1]:
+            continue
+        want, want_lse = ref.attention(*(np.moveaxis(a[None], 2, 1) for a in (
+            q[rows], k[keys], v[keys])), **opts)
+        _check_forward(dtype, np.moveaxis(out[rows], 1, 0)[None],
+                       np.moveaxis(lse[rows], 1, 0)[None], want, want_lse,
+                       f"varlen {dtype} d={d} sequence {b}")
+
+
+def _backward_cases() -> list[tuple[str, int, dict]]:
+    """(dtype, head dim, case): at 64 every case, the dtypes in turn; at every other built
+    head dim, and at 48 (zero-padded to 64 by the adapter), one case, the dtypes in turn,
+    above 128 (eight warps, two on each 16 keys) on half the rows and keys."""
+    pairs = [(ATTENTION_DTYPES[i % 2], 64, c) for i, c in enumerate(BACKWARD_CASES)]
+    others = [d for d in sorted(BACKWARD_CONFIGS) if d != 64] + [48]
+    for i, d in enumerate(others):
+        case = BACKWARD_CASES[(i + 1) % len(BACKWARD_CASES)]
+        if d > 128:
+            case = dict(case, lq=case["lq"] // 2, lk=case["lk"] // 2)
+        pairs.append((ATTENTION_DTYPES[i % 2], d, case))
+    return pairs
+
+
+BACKWARD_RUNS = _backward_cases()
+
+
+@pytest.mark.parametrize(("dtype", "d", "case"), BACKWARD_RUNS,
+                         ids=[f"{t}-d{d}-{case_id(c)}" for t, d, c in BACKWARD_RUNS])
+def test_backward_against_float64(host_launches, dtype: str, d: int, case: dict) -> None:
+    """The backward through its adapter (``attention_vjp``: sk_attn_bwd_pre, the tile of
+    :data:`~softmaxkit_cupy.configs.BACKWARD_CONFIGS`, sk_attn_bwd_dq) on torch CPU tensors,
+    from the float64 forward's out rounded to ``dtype`` and lse in float32 (as the kit's
+    ``attention_vjp`` case gives them), against the float64 gradient on the represented
+    inputs: relative Frobenius error of each gradient within the kit's tolerance, no NaN
+    left (dq, dk, dv, lse2 and delta made in NaN-filled memory), zero dq on rows with no
+    allowed key."""
+    pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+
+    q, k, v, mask = inputs(d, d, case, seed=d * 101 + case["lq"])
+    q, k, v = (represented(a, dtype) for a in (q, k, v))
+    opts = options(case)
+    out64, lse64 = ref.attention(q, k, v, mask=mask, **opts)
+    dout, dlse = cotangents(out64, lse64, case)
+    dout = represented(dout, dtype)
+    want = ref.attention_vjp(q, k, v, dout, dlse=dlse, mask=mask, **opts)
+    grads = host_launches.attention_vjp(
+        xp, q=_torch(q, dtype), k=_torch(k, dtype), v=_torch(v, dtype),
+        out=_torch(represented(out64.astype(np.float32), dtype), dtype),
+        lse=_torch(lse64.astype(np.float32), "float32"), dout=_torch(dout, dtype),
+        dlse=None if dlse is None else _torch(dlse, "float32"), scale=d ** -0.5,
+        causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
+        mask=None if mask is None else _torch(mask, "bool"), softcap=opts.get("softcap"))
+    tol = ATTENTION_TOLERANCES[dtype][2]
+    for what, got, w in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        assert str(got.dtype) == f"torch.{dtype}", (what, got.dtype)
+        got = got.float().numpy().astype(np.float64)
+        assert got.shape == w.shape, (what, got.shape, w.shape)
+        assert not np.isnan(got).any(), f"{what}: NaN left in the result"
+        err = ref.rel_frobenius(got, w)
+        assert err <= tol, f"{dtype} d={d} {case_id(case)} {what}: {err:.3g} > {tol}"
+    empty = lse64 == -np.inf
+    if empty.any():
+        assert np.all(grads[0].float().numpy()[empty] == 0), "dq of a row with no allowed key"
