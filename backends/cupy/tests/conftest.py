@@ -100,8 +100,8 @@ HOST_SPECIALIZATIONS = ("SkMma<sk_bf16>", "SkMma<__half>")
 """Explicit specializations of class templates whose members are written in PTX (the
 16-bit mma.sync of kernels/mma.cuh): taken out whole, tests/host/primitives.h defines them."""
 _CTYPES = {"Q": ctypes.c_void_p, "q": ctypes.c_longlong, "i": ctypes.c_int,
-           "f": ctypes.c_float}
-_CNAMES = {"Q": "void*", "q": "long long", "i": "int", "f": "float"}
+           "I": ctypes.c_uint, "f": ctypes.c_float}
+_CNAMES = {"Q": "void*", "q": "long long", "i": "int", "I": "unsigned", "f": "float"}
 
 
 def host_source(filename: str) -> str:

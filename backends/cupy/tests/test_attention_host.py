@@ -15,11 +15,18 @@ inputs within the tolerances of the GPU test (the conformance kit, backends/cupy
 test_gpu.py: :data:`softmaxkit.testing.attention_cases.ATTENTION_TOLERANCES`), over causal
 alignments, grouped queries, rows with no key, windows, soft caps, boolean masks and ragged
 tiles; the forward and the packed variable-length forward (``sk_attn_fwd_varlen``) through
-their adapters on torch CPU tensors; and the backward (``sk_attn_bwd_pre``, ``sk_attn_bwd``,
-``sk_attn_bwd_dq``) through its adapter on torch CPU tensors, against the float64 gradients
-within the kit's tolerances.  The adapters see a device of compute capability 8.0 with 163 KB
-of shared memory a block (an A100), so they pick the mma.sync kernels; the Hopper kernels
-(sm_90a wgmma) are not run here.
+their adapters on torch CPU tensors; split-KV decoding, dense (``sk_attn_decode``, through
+``attention``) and paged (``sk_attn_decode_paged``, through ``paged_attention``, pages at
+shuffled places of a pool whose unused slots hold NaN), each with two splits merged by
+``sk_merge_attn``, and a long chunked prefill on the dense kernels over the gathered pages;
+``merge_attention`` (``sk_merge_attn``) of 16-bit and float32 partial states against the
+float64 merge; the backward (``sk_attn_bwd_pre``, ``sk_attn_bwd``, ``sk_attn_bwd_dq``) and
+the packed variable-length backward (``sk_attn_bwd_pre_varlen``, ``sk_attn_bwd_varlen``,
+``sk_attn_bwd_dq_varlen``) through their adapters on torch CPU tensors, against the float64
+gradients within the kit's tolerances.  The adapters see a device of compute capability 8.0
+with 163 KB of shared memory a block and 108 multiprocessors (an A100), so they pick the
+mma.sync kernels and split-KV decoding splits as it would there; the Hopper kernels (sm_90a
+wgmma) are not run here.
 
 The emulated mma sums in double and rounds once toward zero, where the device truncates its
 float32 sums step by step: the results are held to the tolerances the device's are held to,
@@ -74,6 +81,9 @@ from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
 A100 = (80, 163 * 1024)
 """The device the adapters see: compute capability 8.0 (the mma.sync kernels), and the shared
 memory a block may take there."""
+
+A100_MULTIPROCESSORS = 108
+"""The A100's multiprocessors, from which the split-KV decode chooses its splits."""
 
 # --- the primitives ---------------------------------------------------------------------------
 
@@ -341,21 +351,30 @@ def backward_kernels(host_kernels):
     return host_kernels("attention_bwd.cu", list(codes), codes)
 
 
-@pytest.fixture
-def host_launches(kernels, backward_kernels, host_kernels, monkeypatch):
-    """The 16-bit adapter's device boundary moved to the host (:func:`host_attention.
-    move_to_host`: the host builds, the mask's packing kernel built on first use), on a
-    device it takes for an A100 (:data:`A100`), ``interop.empty`` giving NaN-filled float
-    memory; the module (``softmaxkit_cupy.attention``)."""
+def _adapters_on_host(monkeypatch, built: dict, host_kernels):
+    """The 16-bit adapters' device boundary moved to the host (:func:`host_attention.
+    move_to_host`: the host builds ``built``, the mask's packing kernel built on first use),
+    on a device they take for an A100 (:data:`A100`, :data:`A100_MULTIPROCESSORS`),
+    ``interop.empty`` giving NaN-filled float memory; the module
+    ``softmaxkit_cupy.attention`` (the packed and paged adapters launch through its
+    ``_kernel``, ``split_decode`` and ``_merge``)."""
     from softmaxkit_cupy import attention, interop, varlen
 
-    move_to_host(monkeypatch, attention, {**kernels, **backward_kernels}, host_kernels)
+    move_to_host(monkeypatch, attention, built, host_kernels)
     monkeypatch.setattr(varlen, "_kernel", attention._kernel)  # imported from attention
     capability, shared = A100
     for module in (attention, varlen):
         monkeypatch.setattr(module, "_capability_of", lambda device: capability)
+    monkeypatch.setattr(attention, "_multiprocessors_of", lambda device: A100_MULTIPROCESSORS)
     monkeypatch.setattr(interop, "shared_limit", lambda device: shared)
     return attention
+
+
+@pytest.fixture
+def host_launches(kernels, backward_kernels, host_kernels, monkeypatch):
+    """:func:`_adapters_on_host` with the dense and packed forward's tiles and the dense
+    backward's kernels; the module ``softmaxkit_cupy.attention``."""
+    return _adapters_on_host(monkeypatch, {**kernels, **backward_kernels}, host_kernels)
 
 
 def _torch(a: np.ndarray, dtype: str):
@@ -467,6 +486,22 @@ def _backward_cases() -> list[tuple[str, int, dict]]:
 BACKWARD_RUNS = _backward_cases()
 
 
+
+def _check_gradients(dtype: str, grads, want, label: str) -> list[np.ndarray]:
+    """dq, dk, dv (torch tensors of ``dtype``) within the 16-bit gradient tolerance of the
+    float64 ``want`` in relative Frobenius norm, with no NaN left; as float64 arrays."""
+    tol = ATTENTION_TOLERANCES[dtype][2]
+    got = []
+    for what, g, w in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        assert str(g.dtype) == f"torch.{dtype}", (what, g.dtype)
+        g = g.float().numpy().astype(np.float64)
+        assert g.shape == w.shape, (what, g.shape, w.shape)
+        assert not np.isnan(g).any(), f"{label} {what}: NaN left in the result"
+        err = ref.rel_frobenius(g, w)
+        assert err <= tol, f"{label} {what}: {err:.3g} > {tol}"
+        got.append(g)
+    return got
+
 @pytest.mark.parametrize(("dtype", "d", "case"), BACKWARD_RUNS,
                          ids=[f"{t}-d{d}-{case_id(c)}" for t, d, c in BACKWARD_RUNS])
 def test_backward_against_float64(host_launches, dtype: str, d: int, case: dict) -> None:
@@ -494,14 +529,305 @@ def test_backward_against_float64(host_launches, dtype: str, d: int, case: dict)
         dlse=None if dlse is None else _torch(dlse, "float32"), scale=d ** -0.5,
         causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
         mask=None if mask is None else _torch(mask, "bool"), softcap=opts.get("softcap"))
-    tol = ATTENTION_TOLERANCES[dtype][2]
-    for what, got, w in zip(("dq", "dk", "dv"), grads, want, strict=True):
-        assert str(got.dtype) == f"torch.{dtype}", (what, got.dtype)
-        got = got.float().numpy().astype(np.float64)
-        assert got.shape == w.shape, (what, got.shape, w.shape)
-        assert not np.isnan(got).any(), f"{what}: NaN left in the result"
-        err = ref.rel_frobenius(got, w)
-        assert err <= tol, f"{dtype} d={d} {case_id(case)} {what}: {err:.3g} > {tol}"
+    _check_gradients(dtype, grads, want, f"{dtype} d={d} {case_id(case)}")
     empty = lse64 == -np.inf
     if empty.any():
         assert np.all(grads[0].float().numpy()[empty] == 0), "dq of a row with no allowed key"
+
+
+# --- split-KV decoding, paged attention, merges and the packed backward ------------------
+
+DECODE_CASES = [
+    ("bfloat16", 64, dict(b=2, hq=4, hk=1, lq=4, lk=600, causal="bottom_right", mask=True)),
+    ("float16", 128, dict(b=1, hq=2, hk=1, lq=3, lk=530, causal="bottom_right",
+                          window=(300, -1), softcap=5.0)),
+    ("bfloat16", 64, dict(b=1, hq=4, hk=2, lq=2, lk=520, causal="top_left")),
+]
+"""(dtype, head dim, case) of dense split-KV decoding (sk_attn_decode: at most 16 query rows
+per key head, at least 256 keys), two splits each: grouped queries with a mask (a row with
+no allowed key) and bottom-right causal, a window with a soft cap, top-left causal (the
+second split's keys excluded for every row: an empty partial state)."""
+
+PAGE_SIZE = 16
+"""The page size of the paged cases."""
+
+PAGED_CASES = [
+    ("bfloat16", 64, 4, 2, 1, [600, 0, 37, 16], {}, "int32"),
+    ("float16", 64, 4, 2, 1, [5, 600, 0, 31], dict(causal="bottom_right"), "int64"),
+    ("float16", 128, 4, 1, 3, [2, 560, 45, 0], dict(causal="bottom_right"), "int32"),
+    ("bfloat16", 128, 2, 1, 4, [20, 700], dict(causal="bottom_right", window=(520, -1),
+                                               softcap=5.0), "int32"),
+    ("bfloat16", 64, 4, 1, 5, [3, 70, 0, 41], dict(causal="bottom_right"), "int32"),
+]
+"""(dtype, head dim, Hq, Hk, Lq, seqlens, options, the metadata's dtype): decoding (Lq = 1)
+with and without causal, grouped queries, chunked prefill (Lq > 1, bottom-right causal; a
+sequence shorter than Lq has rows with no key) up to 12 query rows per key head, a sliding
+window with a soft cap (the kernel starts the sequence at the first query's window); a
+sequence with no key in most; in the first four (sk_attn_decode_paged) one sequence long
+enough to take two splits of the split-KV decode, merged by sk_merge_attn.  The last has 20
+query rows per key head, more than the decode kernel holds: the dense kernels on the pages
+gathered, each sequence's length and alignment a mask (the adapter's ``_prefill``)."""
+
+
+@pytest.fixture(scope="module")
+def decode_kernels(host_kernels):
+    """The dense and paged decode kernels the cases run (:data:`DECODE_CASES`,
+    :data:`PAGED_CASES`), the merges of their float32 partials, and the merges of
+    ``merge_attention`` in every dtype, built once for the host."""
+    from softmaxkit_cupy.attention import _MERGE_PARAMS, DECODE_PARAMS
+    from softmaxkit_cupy.configs import MERGE_DTYPES, decode_config, decode_holds, merge_name
+    from softmaxkit_cupy.paged import _PAGED_PARAMS
+
+    codes = {decode_config(d, A100[1]).name(t): DECODE_PARAMS for t, d, _ in DECODE_CASES}
+    codes |= {decode_config(d, A100[1]).name(t, paged=True): _PAGED_PARAMS
+              for t, d, hq, hk, lq, *_ in PAGED_CASES if decode_holds(hq, hk, lq)}
+    codes |= {merge_name("float32", t): _MERGE_PARAMS for t in ATTENTION_DTYPES}
+    codes |= {merge_name(t, t): _MERGE_PARAMS for t in MERGE_DTYPES}
+    return host_kernels("attention.cu", list(codes), codes)
+
+
+@pytest.fixture
+def decode_launches(decode_kernels, kernels, host_kernels, monkeypatch):
+    """:func:`_adapters_on_host` with the decode kernels, the merges and the dense forward's
+    tiles (a long chunked prefill runs on them); a list that gathers the split-KV decode
+    launches, ``(grid, keys per split)`` each."""
+    from softmaxkit_cupy import interop
+    from softmaxkit_cupy.attention import DECODE_PARAMS
+    from softmaxkit_cupy.paged import _PAGED_PARAMS
+
+    _adapters_on_host(monkeypatch, {**kernels, **decode_kernels}, host_kernels)
+    chunk_at = {DECODE_PARAMS: 22, _PAGED_PARAMS: 23}  # the position of `chunk`
+    decodes = []
+    launch = interop.launch
+
+    def recorded(kernel, like, grid, block, codes, args, shared=0) -> None:
+        if codes in chunk_at:
+            decodes.append((grid, args[chunk_at[codes]]))
+        launch(kernel, like, grid, block, codes, args, shared)
+
+    monkeypatch.setattr(interop, "launch", recorded)
+    return decodes
+
+
+@pytest.mark.parametrize(("dtype", "d", "case"), DECODE_CASES,
+                         ids=[f"{t}-d{d}-{case_id(c)}" for t, d, c in DECODE_CASES])
+def test_decode_through_the_adapter(decode_launches, dtype: str, d: int, case: dict) -> None:
+    """Dense split-KV decoding (``attention`` with few query rows per key head and at least
+    256 keys: sk_attn_decode on a (splits, Hk, B) grid, then sk_merge_attn of the float32
+    partials) on torch CPU tensors, against the float64 definition on the represented
+    inputs: the kit's tolerances, rows with no allowed key (0, -inf), no NaN left; the keys
+    span two splits."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import attention
+
+    q, k, v, mask = inputs(d, d, case, seed=d + case["lk"])
+    q, k, v = (represented(a, dtype) for a in (q, k, v))
+    opts = options(case)
+    out, lse = attention.attention(
+        xp, q=_torch(q, dtype), k=_torch(k, dtype), v=_torch(v, dtype), scale=d ** -0.5,
+        causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
+        mask=None if mask is None else torch.from_numpy(mask), softcap=opts.get("softcap"),
+        return_lse=True)
+    ((splits, heads, batch), chunk), = decode_launches
+    assert (heads, batch) == (case["hk"], case["b"]) and splits > 1 and case["lk"] > chunk
+    assert out.dtype == getattr(torch, dtype) and lse.dtype == torch.float32
+    want, want_lse = ref.attention(q, k, v, mask=mask, **opts)
+    assert tuple(out.shape) == want.shape and tuple(lse.shape) == want_lse.shape
+    _check_forward(dtype, out.float().numpy(), lse.numpy(), want, want_lse,
+                   f"decode {dtype} d={d} {case_id(case)}")
+
+
+@pytest.mark.parametrize(("dtype", "d", "hq", "hk", "lq", "seqlens", "opts", "index"),
+                         PAGED_CASES,
+                         ids=[f"{t}-d{d}-hq{hq}-hk{hk}-lq{lq}-{case_id(o) or 'plain'}-{i}"
+                              for t, d, hq, hk, lq, _, o, i in PAGED_CASES])
+def test_paged_attention_through_the_adapter(decode_launches, dtype: str, d: int, hq: int,
+                                             hk: int, lq: int, seqlens: list[int],
+                                             opts: dict, index: str) -> None:
+    """Paged attention (``softmaxkit_cupy.paged.paged_attention``: sk_attn_decode_paged on a
+    (splits, Hk, B) grid, then sk_merge_attn of the float32 partials; more query rows per
+    key head than it holds, the dense kernels on the gathered pages) on torch CPU tensors,
+    pages of 16 at shuffled places of the pool (the kit's ``make_cache``: NaN in the slots
+    past each sequence's end and in the unused pages, -1 or an index past the pool in the
+    unused table entries), against the float64 definition on each sequence's gathered
+    represented keys and values: the kit's tolerances, rows with no allowed key (0, -inf),
+    no NaN left; on the decode kernel, the longest sequence's keys span two splits."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import paged
+    from softmaxkit_cupy.configs import decode_holds
+
+    from softmaxkit.testing.paged_cases import make_cache, paged_definition
+
+    rng = np.random.default_rng(d + lq + sum(seqlens))
+    k64, v64, table, lens = make_cache(rng, seqlens, PAGE_SIZE, hk, d, d)
+    q = represented((rng.standard_normal((len(seqlens), hq, lq, d)) * 1.5).astype(np.float32),
+                    dtype)
+    kp, vp = (represented((a * s).astype(np.float32), dtype) for a, s in ((k64, 1.5), (v64, 1)))
+    out, lse = paged.paged_attention(
+        xp, q=_torch(q, dtype), k_pages=_torch(kp, dtype), v_pages=_torch(vp, dtype),
+        block_table=torch.from_numpy(table.astype(index)),
+        seqlens=torch.from_numpy(lens.astype(index)), scale=d ** -0.5,
+        causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
+        softcap=opts.get("softcap"), return_lse=True)
+    if decode_holds(hq, hk, lq):
+        ((splits, heads, batch), chunk), = decode_launches
+        assert (heads, batch) == (hk, len(seqlens)) and splits > 1
+        left = opts.get("window", (-1, -1))[0]
+        longest = max(n - max(0, n - lq - left) if left >= 0 else n for n in seqlens)
+        assert longest > chunk, (longest, chunk)  # its keys reach a second split
+    else:
+        assert not decode_launches
+    assert out.dtype == getattr(torch, dtype) and lse.dtype == torch.float32
+    want, want_lse = paged_definition(q, kp, vp, table, lens, opts.get("causal"),
+                                      scale=d ** -0.5, window=opts.get("window"),
+                                      softcap=opts.get("softcap"))
+    assert tuple(out.shape) == want.shape and tuple(lse.shape) == want_lse.shape
+    _check_forward(dtype, out.float().numpy(), lse.numpy(), want, want_lse,
+                   f"paged {dtype} d={d} seqlens={seqlens}")
+
+
+MERGE_CASES = [("bfloat16", 5), ("float16", 37), ("float32", 37), ("float32", 5)]
+"""(dtype, parts): a few parts, and more than a warp's 32 lanes."""
+
+
+@pytest.mark.parametrize(("dtype", "parts"), MERGE_CASES,
+                         ids=[f"{t}-{s}parts" for t, s in MERGE_CASES])
+def test_merge_attention_through_the_adapter(decode_launches, dtype: str,
+                                             parts: int) -> None:
+    """``merge_attention`` (sk_merge_attn, through ``softmaxkit_cupy.attention.
+    merge_attention``) on torch CPU tensors: the float64 partial states of attention over
+    ``parts`` chunks of the keys (one chunk empty), their outs rounded to ``dtype`` and their
+    lses to float32, against the float64 merge of those represented states (the kit's
+    tolerances; 42 rows, Dv 40); an empty part's out is NaN and never read, a row whose parts
+    are all empty gives (0, -inf), a NaN lse makes its row NaN."""
+    pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+
+    rng = np.random.default_rng(parts)
+    b, h, lq, lk, dv = 2, 3, 7, 150, 40
+    q, k = ((rng.standard_normal((b, h, n, 32)) * 1.5).astype(np.float32) for n in (lq, lk))
+    v = rng.standard_normal((b, h, lk, dv)).astype(np.float32)
+    bounds = np.linspace(0, lk, parts, dtype=int)
+    bounds = np.concatenate([bounds[:2], bounds[1:]])  # chunk 1 empty
+    outs, lses = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        o, s = ref.attention(q, k[..., lo:hi, :], v[..., lo:hi, :])
+        outs.append(o.reshape(-1, dv))
+        lses.append(s.reshape(-1))
+    outs, lses = np.stack(outs).astype(np.float32), np.stack(lses).astype(np.float32)
+    rows = outs.shape[1]
+    lses[:, 3] = -np.inf  # every part empty
+    lses[2:, 10] = -np.inf  # the first two parts only (the second is the empty chunk)
+    lses[parts - 1, 20] = np.nan  # a NaN part
+    lses[[0, 1], 30] = np.nan, -np.inf  # a NaN part beside an empty one
+    outs[lses == -np.inf] = np.nan  # an empty part's out is never read
+    if dtype != "float32":
+        outs = represented(outs, dtype)
+    from softmaxkit_cupy import attention
+
+    out, lse = attention.merge_attention(xp, outs=_torch(outs, dtype),
+                                         lses=_torch(lses, "float32"))
+    assert str(out.dtype) == f"torch.{dtype}" and str(lse.dtype) == "torch.float32"
+    out, lse = out.float().numpy(), lse.numpy()
+    assert out.shape == (rows, dv) and lse.shape == (rows,)
+    nan_rows = np.isnan(lses).any(axis=0)
+    assert np.isnan(out[nan_rows]).all() and np.isnan(lse[nan_rows]).all(), "NaN rows"
+    want, want_lse = ref.merge_states(outs[:, ~nan_rows], lses[:, ~nan_rows])
+    assert want_lse[3] == -np.inf
+    _check_forward(dtype, out[~nan_rows], lse[~nan_rows], want, want_lse,
+                   f"merge {dtype} of {parts} parts")
+
+
+VARLEN_BACKWARD_CASES = [
+    ("bfloat16", 64, [(50, 70), (0, 30), (33, 33), (20, 0), (70, 45)], {}, True),
+    ("float16", 128, [(40, 60), (70, 35), (0, 20), (1, 80)],
+     dict(causal="bottom_right", window=(30, -1), softcap=5.0), False),
+]
+"""(dtype, head dim, per-sequence (Lq, Lk), options, with an lse cotangent): ragged
+sequences (one without queries in both, one without keys in the first), the lse in the loss;
+bottom-right causal (rows with no key) with a window and a soft cap."""
+
+
+@pytest.fixture(scope="module")
+def varlen_backward_kernels(host_kernels):
+    """The packed backward's kernels (sk_attn_bwd_pre_varlen, sk_attn_bwd_varlen,
+    sk_attn_bwd_dq_varlen) at the dtypes and head dims of :data:`VARLEN_BACKWARD_CASES`,
+    built once for the host."""
+    from softmaxkit_cupy.configs import (
+        backward_config,
+        backward_dq_varlen_name,
+        backward_pre_varlen_name,
+    )
+    from softmaxkit_cupy.varlen import (
+        VARLEN_BACKWARD_PARAMS,
+        VARLEN_DQ_PARAMS,
+        VARLEN_PRE_PARAMS,
+    )
+
+    codes = {}
+    for t, d, *_ in VARLEN_BACKWARD_CASES:
+        codes[backward_config(d, A100[1]).varlen_name(t)] = VARLEN_BACKWARD_PARAMS
+        codes[backward_pre_varlen_name(t, d)] = VARLEN_PRE_PARAMS
+        codes[backward_dq_varlen_name(t, d)] = VARLEN_DQ_PARAMS
+    return host_kernels("attention_bwd.cu", list(codes), codes)
+
+
+@pytest.mark.parametrize(("dtype", "d", "lengths", "opts", "with_dlse"),
+                         VARLEN_BACKWARD_CASES,
+                         ids=[f"{t}-d{d}-{len(s)}seqs-{case_id(o) or 'plain'}"
+                              f"{'-dlse' if w else ''}"
+                              for t, d, s, o, w in VARLEN_BACKWARD_CASES])
+def test_varlen_backward_through_the_adapter(varlen_backward_kernels, host_kernels,
+                                             monkeypatch, dtype: str, d: int,
+                                             lengths: list[tuple[int, int]], opts: dict,
+                                             with_dlse: bool) -> None:
+    """The packed backward (``softmaxkit_cupy.varlen.varlen_attention_vjp``:
+    sk_attn_bwd_pre_varlen, sk_attn_bwd_varlen, sk_attn_bwd_dq_varlen) on torch CPU tensors,
+    grouped queries (Hq 4, Hk 2), from the float64 forward's out rounded to ``dtype`` and lse
+    in float32, against the float64 gradients of attention on each sequence alone: the
+    kit's tolerance on each gradient packed and on each sequence with queries and keys, no
+    NaN left (dq, dk, dv, lse2 and delta made in NaN-filled memory), zero dk and dv on the
+    keys of a sequence without queries, zero dq on rows with no allowed key."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import varlen
+
+    from softmaxkit.testing.varlen_cases import packed_reference, packed_vjp_reference
+
+    _adapters_on_host(monkeypatch, dict(varlen_backward_kernels), host_kernels)
+    hq, hk = 4, 2
+    rng = np.random.default_rng(d + len(lengths))
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum([n[i] for n in lengths])]) for i in (0, 1))
+    q = represented((rng.standard_normal((cu_q[-1], hq, d)) * 1.5).astype(np.float32), dtype)
+    k = represented((rng.standard_normal((cu_k[-1], hk, d)) * 1.5).astype(np.float32), dtype)
+    v = represented(rng.standard_normal((cu_k[-1], hk, d)).astype(np.float32), dtype)
+    kw = dict(scale=d ** -0.5, **opts)
+    out64, lse64 = packed_reference(q, k, v, cu_q, cu_k, **kw)
+    dout = represented(rng.standard_normal(out64.shape).astype(np.float32), dtype)
+    dlse = None
+    if with_dlse:  # 0 on the rows with no allowed key, as the frontend hands it
+        dlse = np.where(lse64 == -np.inf, 0.0, rng.standard_normal(lse64.shape))
+        dlse = dlse.astype(np.float32)
+    grads = varlen.varlen_attention_vjp(
+        xp, q=_torch(q, dtype), k=_torch(k, dtype), v=_torch(v, dtype),
+        out=_torch(represented(out64.astype(np.float32), dtype), dtype),
+        lse=_torch(lse64.astype(np.float32), "float32"), dout=_torch(dout, dtype),
+        cu_seqlens_q=torch.from_numpy(cu_q), cu_seqlens_k=torch.from_numpy(cu_k),
+        scale=d ** -0.5, causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
+        softcap=opts.get("softcap"), dlse=None if dlse is None else _torch(dlse, "float32"))
+    want = packed_vjp_reference(q, k, v, dout, cu_q, cu_k, dlse, **kw)
+    dq, dk, dv = _check_gradients(dtype, grads, want, f"varlen {dtype} d={d}")
+    for b in range(len(lengths)):
+        (q0, q1), (k0, k1) = (cu_q[b], cu_q[b + 1]), (cu_k[b], cu_k[b + 1])
+        if q0 == q1:
+            assert np.all(dk[k0:k1] == 0) and np.all(dv[k0:k1] == 0), (
+                f"sequence {b}: keys of a sequence without queries have a gradient")
+        elif k0 < k1:
+            for what, g, w in zip(("dq", "dk", "dv"), (dq[q0:q1], dk[k0:k1], dv[k0:k1]),
+                                  (want[0][q0:q1], want[1][k0:k1], want[2][k0:k1]),
+                                  strict=True):
+                err, tol = ref.rel_frobenius(g, w), ATTENTION_TOLERANCES[dtype][2]
+                assert err <= tol, f"varlen {dtype} d={d} sequence {b} {what}: {err:.3g}"
+    assert np.all(dq[lse64 == -np.inf] == 0), "dq of a row with no allowed key"
