@@ -350,7 +350,8 @@ def test_attention_vjp_unbroadcasts_leading_dims():
 def test_the_reference_gradient_of_a_forward_s_own_out_and_lse():
     """``materialized.attention_vjp(..., out=, lse=)``: with the exact forward's out and lse it
     is the definition's gradient; with a perturbed forward's it is the backend's gradient of
-    that forward (float64 arithmetic both), not the definition's; a row with no key stays 0."""
+    that forward (float64 arithmetic both), not the definition's; a row with no key stays 0;
+    one of the two alone is refused."""
     q, k, v = _qkv(19, (1, 4, 9, 8), (1, 2, 11, 8))
     dout = np.random.default_rng(20).normal(size=(1, 4, 9, 8))
     mask = np.ones((9, 11), dtype=bool)
@@ -369,6 +370,8 @@ def test_the_reference_gradient_of_a_forward_s_own_out_and_lse():
         np.testing.assert_allclose(got, o, rtol=1e-11, atol=1e-13)
         assert np.abs(got - d).max() > 1e-5
     assert not own[0][:, :, 3].any()
+    with pytest.raises(ValueError, match="out and lse"):
+        ref.attention_vjp(q, k, v, dout, mask=mask, out=out)
 
 
 @pytest.mark.parametrize("base", ["e", 2])

@@ -102,6 +102,8 @@ def attention_vjp(
     Given a forward's own ``out`` and ``lse`` (both or neither), the probabilities are
     ``exp(S - lse)`` and the row term ``rowsum(dout * out)``, as a backend's backward takes
     them: the exact gradient of that forward, whose error it inherits (spec "Precision")."""
+    if (out is None) != (lse is None):
+        raise ValueError("out and lse: give a forward's both or neither")
     q, k, v, dout = (np.asarray(a, dtype=np.float64) for a in (q, k, v, dout))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     ke, ve, g = _expand(q, k, v)

@@ -127,6 +127,14 @@ def host_source(filename: str) -> str:
     return text
 
 
+def _gxx() -> str:
+    """The path of g++; skips the test where it is not installed."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed")
+    return gxx
+
+
 def _closing_brace(text: str, start: int) -> int:
     """The index of the brace that closes the one at ``start``."""
     depth, end = 0, start
@@ -160,9 +168,7 @@ def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict
     into one library per CPU compiled side by side; returns ``{name: launch}``, where
     ``launch(grid, threads, shared, *args)`` runs the kernel over the grid, its pointer
     arguments given as addresses.  Skips without g++."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ is not installed")
+    gxx = _gxx()
     folder = tmp_path_factory.mktemp("host")
     builds = itertools.count()
 
@@ -216,9 +222,7 @@ def host_snippet(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], ct
     ``extern "C"`` functions that call ``sk_host_launch``) built for the CPU with g++ as
     :func:`host_kernels` builds kernels, beside tests/host/emulation.h and primitives.h;
     returns the loaded library.  Skips without g++."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ is not installed")
+    gxx = _gxx()
     folder = tmp_path_factory.mktemp("snippet")
 
     def build(text: str) -> ctypes.CDLL:

@@ -116,6 +116,12 @@ def cotangents(out: np.ndarray, lse: np.ndarray, case: dict):
     return dout, dlse
 
 
+def toward_zero(exact: np.ndarray) -> np.ndarray:
+    """float64 ``exact`` rounded toward zero to float32 (as the emulated mma rounds its sums)."""
+    near = exact.astype(np.float32)
+    return np.where(np.abs(near) > np.abs(exact), np.nextafter(near, np.float32(0)), near)
+
+
 def rounded_by_value(x: np.ndarray, explicit: int, ties_away: bool) -> np.ndarray:
     """Finite float32 ``x`` rounded by value, in float64, to a float of ``explicit`` explicit
     significand bits and float32's exponent range: to the multiple of ``2^(e - explicit - 1)``

@@ -91,7 +91,7 @@ def _check(kernels: dict, config: F32Config, case: dict) -> None:
     assert np.all(err <= out_bound) and np.all(lerr <= lse_bound[~empty]), what
 
 
-def test_non_finiteinputs(kernels) -> None:
+def test_non_finite_inputs(kernels) -> None:
     """A NaN in q makes its row NaN (out and lse); an infinite key makes NaN the rows whose
     score with it is +inf or NaN, as in the float64 definition, and the others stay finite
     and within the bounds (spec "Attention": non-finite inputs are not sanitized)."""
@@ -156,13 +156,13 @@ def test_adapter_on_the_host(host_launches, d: int, dv: int, case: dict) -> None
     assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol
 
 
-BACKWARD_CASES = [(64, 64, c) for c in CASES[:8]] + [(128, 128, c) for c in FEATURES] + [
+BACKWARD_RUNS = [(64, 64, c) for c in CASES[:8]] + [(128, 128, c) for c in FEATURES] + [
     (d, dv, CASES[7]) for d, dv in ((32, 32), (96, 96), (48, 80))]
 """Every feature at 64, the features at 128 (the other query tile), a mask at the other
 built head dims and at a padded pair."""
 
 
-@pytest.mark.parametrize(("d", "dv", "case"), **_cases_of(BACKWARD_CASES))
+@pytest.mark.parametrize(("d", "dv", "case"), **_cases_of(BACKWARD_RUNS))
 def test_backward_on_the_host(host_launches, d: int, dv: int, case: dict) -> None:
     """The backward's adapter and kernel (sk_attn_bwd_f32) on torch CPU tensors, from the
     forward's out and lse, with an lse cotangent, called as the manifest calls them

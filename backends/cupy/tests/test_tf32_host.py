@@ -41,6 +41,7 @@ from host_attention import (
     move_to_host,
     options,
     rounded_by_value,
+    toward_zero,
 )
 from softmaxkit_cupy.attention import FORWARD_PARAMS
 from softmaxkit_cupy.configs import (
@@ -207,10 +208,7 @@ def test_mma_is_the_product_of_the_fragments(primitives) -> None:
 
     a, b, c = (rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (8, 8), (16, 8)))
     exact = _top19(a) @ _top19(b) + c.astype(np.float64)
-    near = exact.astype(np.float32)
-    toward_zero = np.where(np.abs(near) > np.abs(exact), np.nextafter(near, np.float32(0)),
-                           near)
-    assert np.array_equal(_mma(primitives, a, b, c), toward_zero)
+    assert np.array_equal(_mma(primitives, a, b, c), toward_zero(exact))
 
     a[3, 5], b[2, 6], c[9, 1] = np.inf, -np.inf, np.nan
     b[5, 0] = 0.0  # inf * 0

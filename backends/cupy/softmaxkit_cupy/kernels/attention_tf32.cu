@@ -75,6 +75,12 @@ __device__ __forceinline__ void sk_split4(const unsigned (&raw)[4], unsigned (&b
     for (int i = 0; i < 4; ++i) sk_tf32_split(__uint_as_float(raw[i]), big[i], small[i]);
 }
 
+// x's four floats rounded to TF32.
+__device__ __forceinline__ float4 sk_tf32_4(float4 x) {
+    return make_float4(__uint_as_float(sk_tf32(x.x)), __uint_as_float(sk_tf32(x.y)),
+                       __uint_as_float(sk_tf32(x.z)), __uint_as_float(sk_tf32(x.w)));
+}
+
 // The floats of rows [0, ROWS) of a shared tile of row width PW, columns [0, D), rounded to
 // TF32 in place; the float4 chunks shared among THREADS threads.
 template <int ROWS, int D, int PW, int THREADS>
@@ -85,12 +91,7 @@ __device__ __forceinline__ void sk_round_rows(float* tile) {
     for (int i = 0; i < CHUNKS / THREADS; ++i) {
         const int c = threadIdx.x + i * THREADS;
         float4* at = reinterpret_cast<float4*>(tile + (c / (D / 4)) * PW + 4 * (c % (D / 4)));
-        float4 x = *at;
-        x.x = __uint_as_float(sk_tf32(x.x));
-        x.y = __uint_as_float(sk_tf32(x.y));
-        x.z = __uint_as_float(sk_tf32(x.z));
-        x.w = __uint_as_float(sk_tf32(x.w));
-        *at = x;
+        *at = sk_tf32_4(*at);
     }
 }
 
@@ -105,11 +106,11 @@ __device__ __forceinline__ void sk_round_transposed(float* dst, const float* src
     for (int i = 0; i < CHUNKS / THREADS; ++i) {
         const int c = threadIdx.x + i * THREADS;
         const int r = c % ROWS, col = 4 * (c / ROWS);
-        const float4 x = *reinterpret_cast<const float4*>(src + r * SP + col);
-        dst[(col + 0) * TP + r] = __uint_as_float(sk_tf32(x.x));
-        dst[(col + 1) * TP + r] = __uint_as_float(sk_tf32(x.y));
-        dst[(col + 2) * TP + r] = __uint_as_float(sk_tf32(x.z));
-        dst[(col + 3) * TP + r] = __uint_as_float(sk_tf32(x.w));
+        const float4 x = sk_tf32_4(*reinterpret_cast<const float4*>(src + r * SP + col));
+        dst[(col + 0) * TP + r] = x.x;
+        dst[(col + 1) * TP + r] = x.y;
+        dst[(col + 2) * TP + r] = x.z;
+        dst[(col + 3) * TP + r] = x.w;
     }
 }
 
