@@ -78,7 +78,8 @@ def _attention(
 ) -> tuple[Any, Any]:
     """:func:`attention` of a call with work at a built pair of head dimensions."""
     d, dv = int(q.shape[3]), int(v.shape[3])
-    config = config or f32_config(d, dv, mask is not None)
+    config = config or f32_config(d, dv, mask is not None,
+                                  interop.shared_limit(interop.device_index(q)))
     if config is None or (config.head_dim, config.value_dim) != (d, dv):
         raise ValueError(f"no float32 attention kernel for D={d}, Dv={dv}")
     if mask is not None and not config.mask:

@@ -886,9 +886,11 @@ def all_modules() -> list[tuple[str, list[str]]]:
 @dataclass(frozen=True)
 class F32Config:
     """One tile shape of the exact float32 forward on CUDA cores (kernels/attention_f32.cu):
-    ``warps`` warps of 4 ``rows`` query rows (a lane's ``rows`` rows), ``block_n`` keys per
-    tile, key head dimension ``head_dim`` and value head dimension ``value_dim``;
-    ``mask=False`` builds it without boolean-mask support."""
+    ``warps`` warps of row groups of ``lanes`` lanes (8 or 16), each lane ``rows`` query rows
+    (a warp's rows: ``32 / lanes * rows``), ``block_n`` keys per tile, key head dimension
+    ``head_dim`` and value head dimension ``value_dim``, ``v_stages`` stages of the value tile
+    (one: a tile's V loads over its scores, two: over the last tile's P V); ``mask=False``
+    builds it without boolean-mask support."""
 
     head_dim: int
     value_dim: int
@@ -896,11 +898,13 @@ class F32Config:
     block_n: int = 32
     mask: bool = True
     rows: int = 4
+    lanes: int = 8
+    v_stages: int = 2
 
     @property
     def block_m(self) -> int:
         """Query rows per block."""
-        return 4 * self.rows * self.warps
+        return 32 // self.lanes * self.rows * self.warps
 
     @property
     def threads(self) -> int:
@@ -908,23 +912,28 @@ class F32Config:
         return 32 * self.warps
 
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: the Q tile, two stages of K and V tiles (rows padded by 4
-        floats) and the warps' probability tiles (rows of ``block_n + 8`` floats)."""
+        """Dynamic shared memory: the Q tile, two stages of K tiles and ``v_stages`` of V tiles
+        (rows padded by 4 floats) and the warps' probability tiles (rows of ``block_n +
+        lanes`` floats)."""
         d, dv, bm, bn = self.head_dim, self.value_dim, self.block_m, self.block_n
-        return 4 * ((bm + 2 * bn) * (d + 4) + 2 * bn * (dv + 4) + bm * (bn + 8))
+        return 4 * ((bm + 2 * bn) * (d + 4) + self.v_stages * bn * (dv + 4)
+                    + bm * (bn + self.lanes))
 
     def name(self) -> str:
         """The C++ name expression of the kernel."""
-        rows = "" if self.rows == 4 else f", {self.rows}"
+        extra = [self.rows, self.lanes, self.v_stages]
+        while extra and extra[-1] == (4, 8, 2)[len(extra) - 1]:
+            extra.pop()  # the template's defaults
+        tail = "".join(f", {x}" for x in extra)
         return (f"sk_attn_fwd_f32<{self.head_dim}, {self.value_dim}, {self.warps}, "
-                f"{self.block_n}, {'true' if self.mask else 'false'}{rows}>")
+                f"{self.block_n}, {'true' if self.mask else 'false'}{tail}>")
 
 
 F32_CONFIGS = {
     (32, 32): F32Config(32, 32, warps=4, block_n=64),
     (64, 64): F32Config(64, 64, warps=4, block_n=64),
     (96, 96): F32Config(96, 96, warps=4, block_n=32),
-    (128, 128): F32Config(128, 128, warps=4, block_n=32),
+    (128, 128): F32Config(128, 128, warps=8, block_n=64, rows=8, lanes=16, v_stages=1),
     (160, 160): F32Config(160, 160, warps=4, block_n=32),
     (192, 128): F32Config(192, 128, warps=4, block_n=32),
     (192, 192): F32Config(192, 192, warps=4, block_n=32),
@@ -932,7 +941,17 @@ F32_CONFIGS = {
 }
 """The exact float32 forward for each (key, value) head dimension pair it is built for, with
 the boolean mask's code and without it on the same tiles.  Other pairs run on copies
-zero-padded to the smallest square pair that holds them (:func:`f32_shape`)."""
+zero-padded to the smallest square pair that holds them (:func:`f32_shape`).  At 128 a
+block is eight warps of 16 rows, a lane 8 rows of 4 keys and 8 output columns (rows of 16
+lanes): 12.8 fma per shared-memory read against the four-row tile's 9.8, one block of 205 KB
+a multiprocessor; on an H100 1.10-1.15x the four-row tile (docs/benchmarks-attention.md,
+"Eight rows a lane at head dim 128")."""
+
+FITTING_F32_CONFIGS = {
+    (128, 128): F32Config(128, 128, warps=4, block_n=32),
+}
+"""The exact float32 forward tiles for devices whose blocks may take less shared memory than
+:data:`F32_CONFIGS`' need (compute capability 8.0's 163 KB and less): 109 KB at 128."""
 
 
 F32_ALTERNATIVES = (F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),)
@@ -1048,14 +1067,21 @@ def f32_shape(d: int, dv: int) -> tuple[int, int] | None:
     return _pair_shape(F32_CONFIGS, d, dv)
 
 
-def f32_config(d: int, dv: int, masked: bool) -> F32Config | None:
-    """The exact float32 forward configuration built for (``d``, ``dv``), or None."""
-    return _pair_config(F32_CONFIGS, d, dv, masked)
+def f32_config(d: int, dv: int, masked: bool,
+               shared_limit: int | None = None) -> F32Config | None:
+    """The exact float32 forward configuration built for (``d``, ``dv``) on a device whose
+    blocks may take ``shared_limit`` bytes of shared memory (None: no limit), or None."""
+    found = _pair_config(F32_CONFIGS, d, dv, masked)
+    smaller = FITTING_F32_CONFIGS.get((d, dv))
+    if found is None or smaller is None:
+        return found
+    return fitting(found, smaller if masked else replace(smaller, mask=False), shared_limit)
 
 
 def f32_names() -> tuple[str, ...]:
-    """The name expressions of kernels/attention_f32.cu (one module holds them all)."""
-    return _pair_names(F32_CONFIGS)
+    """The name expressions of kernels/attention_f32.cu (one module holds them all): the
+    tiles of :data:`F32_CONFIGS` and :data:`FITTING_F32_CONFIGS`."""
+    return _pair_names(F32_CONFIGS) + _pair_names(FITTING_F32_CONFIGS)
 
 
 def f32_alternative_names() -> tuple[str, ...]:

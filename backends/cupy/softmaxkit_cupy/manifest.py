@@ -28,6 +28,7 @@ from .configs import (
     attention_shared_bytes,
     decode_holds,
     f32_backward_shape,
+    f32_config,
     f32_shape,
     max_row_length,
     row_lean,
@@ -375,7 +376,9 @@ def f32_reason(
                 f"not D={d}, Dv={v_shape[-1]}")
     if b * hq * lq == 0 or k_shape[2] == 0:
         return None
-    need = table[shape].shared_bytes()
+    tile = (table[shape] if backward
+            else f32_config(*shape, masked=True, shared_limit=shared_limit))
+    need = tile.shared_bytes()
     if shared_limit is not None and need > shared_limit:
         return (f"the float32 attention {kind} at D={shape[0]}, Dv={shape[1]} takes {need} "
                 f"bytes of shared memory a block; this device gives {shared_limit}")

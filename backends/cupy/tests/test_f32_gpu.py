@@ -164,15 +164,15 @@ def test_padded_head_dims_within_float32_bounds(d: int, dv: int, case: dict) -> 
     _check(got, *arrays, case, f"D={d} Dv={dv} {_case_id(case)}")
 
 
-def _alternatives() -> list:
-    from softmaxkit_cupy.configs import F32_ALTERNATIVES
+def _other_tiles() -> list:
+    from softmaxkit_cupy.configs import F32_ALTERNATIVES, FITTING_F32_CONFIGS
 
-    return list(F32_ALTERNATIVES)
+    return [*FITTING_F32_CONFIGS.values(), *F32_ALTERNATIVES]
 
 
-@pytest.mark.parametrize("config", _alternatives(), ids=str)
+@pytest.mark.parametrize("config", _other_tiles(), ids=str)
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=_case_id)
-def test_alternative_tiles_within_float32_bounds(config, case: dict) -> None:
+def test_fitting_and_alternative_tiles_within_float32_bounds(config, case: dict) -> None:
     if not _fits(config):
         pytest.skip("the tiles do not fit this device's shared memory")
     got, arrays = _forward(config.head_dim, config.value_dim, case, config=config)

@@ -21,6 +21,7 @@ from softmaxkit_cupy.attention import BACKWARD_PARAMS, FORWARD_PARAMS
 from softmaxkit_cupy.configs import (
     F32_ALTERNATIVES,
     F32_CONFIGS,
+    FITTING_F32_CONFIGS,
     F32Config,
     f32_alternative_names,
     f32_backward_names,
@@ -65,10 +66,18 @@ def test_every_tile_within_float32_bounds(kernels, d: int, dv: int, case: dict) 
         _check(kernels, config, case)
 
 
-@pytest.mark.parametrize("case", [CASES[3], CASES[6]], ids=case_id)
-@pytest.mark.parametrize("config", F32_ALTERNATIVES, ids=str)
-def test_alternative_tiles_within_float32_bounds(kernels, config: F32Config,
-                                                 case: dict) -> None:
+LONG = dict(b=2, hq=2, hk=1, lq=300, lk=270, causal="bottom_right", mask=True)
+"""Several blocks of rows and tiles of keys, past the diagonal, under a mask: the 128-row
+tiles' longest-first order over three row blocks, two heads and two batches."""
+OTHER_RUNS = [(c, case) for c in (*FITTING_F32_CONFIGS.values(), *F32_ALTERNATIVES)
+              for case in (CASES[3], CASES[6]) if c.mask or not case.get("mask")]
+OTHER_RUNS += [(c, LONG) for c in (f32_config(128, 128, True), *F32_ALTERNATIVES) if c.mask]
+
+
+@pytest.mark.parametrize(("config", "case"), OTHER_RUNS,
+                         ids=[f"{c}-{case_id(case)}" for c, case in OTHER_RUNS])
+def test_fitting_alternative_and_long_within_float32_bounds(kernels, config: F32Config,
+                                                            case: dict) -> None:
     _check(kernels, config, case)
 
 
@@ -122,9 +131,10 @@ def backward_kernels(host_kernels):
 def host_launches(kernels, backward_kernels, host_kernels, monkeypatch):
     """The adapters' device boundary moved to the host: ``_kernel`` names the host build and
     ``interop.launch`` runs it (the mask's packing kernel built on first use); the module."""
-    from softmaxkit_cupy import attention_f32
+    from softmaxkit_cupy import attention_f32, interop
 
     move_to_host(monkeypatch, attention_f32, {**kernels, **backward_kernels}, host_kernels)
+    monkeypatch.setattr(interop, "shared_limit", lambda device: 227 * 1024)  # sm_90's
     return attention_f32
 
 

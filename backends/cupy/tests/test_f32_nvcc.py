@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from softmaxkit_cupy.configs import (
     F32_ALTERNATIVES,
     F32_BACKWARD_CONFIGS,
     F32_CONFIGS,
+    FITTING_F32_CONFIGS,
     all_modules,
     f32_alternative_names,
     f32_backward_config,
@@ -29,8 +31,8 @@ from softmaxkit_cupy.configs import (
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists()
                                 else None)
 
-SM90_SHARED = 227 * 1024
-"""The most dynamic shared memory a block may take on sm_90."""
+SM90_SHARED, SM80_SHARED, SM86_SHARED = 227 * 1024, 163 * 1024, 99 * 1024
+"""The most dynamic shared memory a block may take by compute capability (9.0, 8.0, 8.6)."""
 SM90_HALF = 228 * 1024 // 2 - 1024
 """Half a sm_90 multiprocessor's shared memory, less the 1 KB the system keeps per block."""
 
@@ -46,6 +48,27 @@ def test_every_configuration_fits_sm90() -> None:
         for masked in (True, False):  # two blocks a multiprocessor
             config = f32_backward_config(d, dv, masked)
             assert config is not None and config.shared_bytes() <= SM90_HALF, config
+
+
+def test_the_fitting_tiles_serve_devices_of_less_shared_memory() -> None:
+    """The declared tiles wherever they fit a device's blocks; the fitting tiles (and the
+    manifest's reason, its bytes) where not: 163 KB at compute capability 8.0, 99 KB at 8.6."""
+    from softmaxkit_cupy.manifest import f32_reason
+
+    for (d, dv), smaller in FITTING_F32_CONFIGS.items():
+        declared = F32_CONFIGS[(d, dv)]
+        assert declared.shared_bytes() > SM80_SHARED >= smaller.shared_bytes() > SM86_SHARED
+        for masked in (True, False):
+            assert f32_config(d, dv, masked, SM90_SHARED).name() == replace(
+                declared, mask=masked).name()
+            assert f32_config(d, dv, masked, SM80_SHARED).name() == replace(
+                smaller, mask=masked).name()
+            assert f32_config(d, dv, masked).name() == replace(declared, mask=masked).name()
+        shapes = ((1, 2, 256, d), (1, 2, 256, d), (1, 2, 256, dv))
+        assert f32_reason(*shapes, SM90_SHARED) is None
+        assert f32_reason(*shapes, SM80_SHARED) is None
+        reason = f32_reason(*shapes, SM86_SHARED)
+        assert reason is not None and f"takes {smaller.shared_bytes()} bytes" in reason
 
 
 def test_every_pair_of_head_dims_has_a_kernel() -> None:

@@ -8,7 +8,8 @@ Eager forward calls, float32 B2 H16 at L1024 and L4096, D 64 and 128, causal and
 ``sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)``, each the median of
 ``triton.testing.do_bench``; TFLOP/s count 4 B H L^2 D, halved for causal.  The other tile
 configurations (``configs.TF32_ALTERNATIVES``, ``configs.F32_ALTERNATIVES``) are checked and
-timed too, through the adapters, so one run says which tiles to declare.  torch's
+timed too, through the adapters, so one run says which tiles to declare, and so are the tiles
+for devices of less shared memory (``configs.FITTING_*``).  torch's
 ``allow_tf32`` is set False: it does not reach the efficient backend, whose float32 kernels
 use CUTLASS's 3xTF32 products on sm_80 and later whatever it says.
 
@@ -76,6 +77,7 @@ def measure(length: int, d: int, causal: bool) -> dict:
     from softmaxkit_cupy.attention_tf32 import attention as tf32_attention
     from softmaxkit_cupy.configs import (
         F32_ALTERNATIVES,
+        FITTING_F32_CONFIGS,
         FITTING_TF32_CONFIGS,
         TF32_ALTERNATIVES,
         f32_config,
@@ -111,9 +113,11 @@ def measure(length: int, d: int, causal: bool) -> dict:
     calls = {p: (lambda p=p: ours(p)) for p in PRECISIONS}
     calls[EXACT] = lambda: exact(f32_config(d, d, False))
     calls["torch-efficient"] = efficient
-    for c in F32_ALTERNATIVES:
+    for c in (*FITTING_F32_CONFIGS.values(), *F32_ALTERNATIVES):
+        c = replace(c, mask=False)  # as the dispatch takes an unmasked call
         if c.head_dim == d:
-            calls[f"{EXACT} {c.warps}w n{c.block_n} r{c.rows}"] = lambda c=c: exact(c)
+            calls[f"{EXACT} {c.warps}w n{c.block_n} r{c.rows} x{c.lanes} v{c.v_stages}"] = (
+                lambda c=c: exact(c))
     served = tf32_config(d, False)  # timed above as "tf32x3" and "tf32"
     fitting = [replace(c, mask=False) for c in FITTING_TF32_CONFIGS.values()]
     for c in (*fitting, *TF32_ALTERNATIVES):  # other tiles, through the adapter

@@ -3,41 +3,43 @@
 // sum float32, no tensor-core mode.
 //
 // The order of work is kernels/attention.cu's (FlashAttention-2): one block computes
-// BM = 4 R WARPS query rows of one (batch, head) against key tiles of BN keys,
+// BM = TY R WARPS query rows of one (batch, head) against key tiles of BN keys,
 // double-buffered in shared memory by cp.async, with the online softmax in registers.  The
-// two products are register-tiled as a SIMT matrix product is: lane (ty, tx) = (lane / 8,
-// lane % 8) of warp w owns the R rows 4 R w + ty + 4 i (i < R; R = 4, or 8 for twice the
-// fma per shared-memory read) and, of each key tile, the keys tx + 8 j (j < BN / 8), and of
-// the output the float4 columns 4 tx + 32 c (c < Dv / 32).
-// So a row's keys lie in the eight lanes of its ty (maxima and sums take three shuffles), a
+// two products are register-tiled as a SIMT matrix product is: in row groups of TX = 8 (or
+// 16) lanes, lane (ty, tx) = (lane / TX, lane % TX) of warp w owns the R rows
+// TY R w + ty + TY i (i < R, TY = 32 / TX) and, of each key tile, the keys tx + TX j
+// (j < BN / TX), and of the output the float4 columns 4 tx + 4 TX c (c < Dv / (4 TX)).
+// So a row's keys lie in the TX lanes of its ty (maxima and sums take log2 TX shuffles), a
 // score takes D / 4 float4 reads of q and k for D fma, and P V takes its probabilities back
-// through a warp's own shared-memory tile (rows of BN + 8 floats: the lanes' scalar stores
+// through a warp's own shared-memory tile (rows of BN + TX floats: the lanes' scalar stores
 // and float4 reads fall in distinct banks) and the values as float4 along their columns.
-// Q, K and V tiles are rows of D + 4 (Dv + 4) floats: the four rows and eight keys a warp
-// reads at once start four banks apart.
+// Q, K and V tiles are rows of D + 4 (Dv + 4) floats: the rows and the eight keys a quarter
+// warp reads at once start four banks apart.
 #include "mma.cuh"
 #include "exclusion.cuh"
 
 #define SK_LN2 0.6931471805599453f
 #define SK_LOG2E 1.4426950408889634f
 
-// acc[i][c] += sum over n < N of a[(ty + 4 i) * AW + n] * b[n * BW + 4 tx + 32 c .. + 3]: the
-// lane's R rows of a shared [rows x N] tile times a shared [N x 32 NC] tile, float4 reads.
-template <int N, int NC, int AW, int BW, int R>
+// acc[i][c] += sum over n < N of a[(ty + TY i) * AW + n] * b[n * BW + 4 tx + 4 TX c .. + 3]:
+// the lane's R rows of a shared [rows x N] tile times a shared [N x 4 TX NC] tile, float4
+// reads, for lanes (ty, tx) of TX lanes a row group and TY = 32 / TX groups a warp.
+template <int N, int NC, int AW, int BW, int R, int TX = 8>
 __device__ __forceinline__ void sk_f32_rows_times(float (&acc)[R][NC][4], const float* a,
                                                   const float* b, int ty, int tx) {
+    constexpr int TY = 32 / TX;
 #pragma unroll
     for (int n = 0; n < N; n += 4) {
         float4 p[R];
 #pragma unroll
         for (int i = 0; i < R; ++i)
-            p[i] = *reinterpret_cast<const float4*>(a + (ty + 4 * i) * AW + n);
+            p[i] = *reinterpret_cast<const float4*>(a + (ty + TY * i) * AW + n);
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
                 const float4 bv =
-                    *reinterpret_cast<const float4*>(b + (n + u) * BW + 4 * tx + 32 * c);
+                    *reinterpret_cast<const float4*>(b + (n + u) * BW + 4 * tx + 4 * TX * c);
 #pragma unroll
                 for (int i = 0; i < R; ++i) {
                     const float pu = u == 0 ? p[i].x : u == 1 ? p[i].y : u == 2 ? p[i].z : p[i].w;
@@ -51,20 +53,21 @@ __device__ __forceinline__ void sk_f32_rows_times(float (&acc)[R][NC][4], const 
     }
 }
 
-// acc[i][j] += a[(ty + 4 i) * W + .] . b[(tx + 8 j) * W + .] over the K columns of two shared
-// tiles of row width W: the lane's R rows of one against its NJ rows of the other.
-template <int K, int NJ, int W, int R>
+// acc[i][j] += a[(ty + TY i) * W + .] . b[(tx + TX j) * W + .] over the K columns of two
+// shared tiles of row width W: the lane's R rows of one against its NJ rows of the other.
+template <int K, int NJ, int W, int R, int TX = 8>
 __device__ __forceinline__ void sk_f32_rows_dot(float (&acc)[R][NJ], const float* a,
                                                 const float* b, int ty, int tx) {
+    constexpr int TY = 32 / TX;
 #pragma unroll
     for (int d = 0; d < K; d += 4) {
         float4 av[R], bv[NJ];
 #pragma unroll
         for (int i = 0; i < R; ++i)
-            av[i] = *reinterpret_cast<const float4*>(a + (ty + 4 * i) * W + d);
+            av[i] = *reinterpret_cast<const float4*>(a + (ty + TY * i) * W + d);
 #pragma unroll
         for (int j = 0; j < NJ; ++j)
-            bv[j] = *reinterpret_cast<const float4*>(b + (tx + 8 * j) * W + d);
+            bv[j] = *reinterpret_cast<const float4*>(b + (tx + TX * j) * W + d);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
 #pragma unroll
@@ -81,8 +84,12 @@ __device__ __forceinline__ void sk_f32_rows_dot(float (&acc)[R][NJ], const float
 // Forward: q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, DV] float32 by element strides
 // (16-byte aligned rows), out [B, Hq, Lq, DV] and lse [B, Hq, Lq] contiguous; the parameters
 // are sk_attn_fwd's.  Two blocks of up to four warps share a multiprocessor (eight warps:
-// one block), each lane with the registers its tiles need.
-template <int D, int DV, int WARPS, int BN, bool MASK, int R = 4>
+// one block), each lane with the registers its tiles need.  TX = 16 lanes a row group halve
+// a lane's output columns (and keys of a tile), so that eight rows a lane fit its registers
+// with eight warps a multiprocessor.  VS stages of V: with two, the next tile's V loads over
+// this tile's P V; with one (the block's shared memory within a multiprocessor's at eight
+// rows a lane), a tile's V loads over its scores.
+template <int D, int DV, int WARPS, int BN, bool MASK, int R = 4, int TX = 8, int VS = 2>
 __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const unsigned* __restrict__ mask, float* __restrict__ out, float* __restrict__ lse,
@@ -90,24 +97,30 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
     long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
     long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
     float scale, float softcap, int offset, int causal, int left, int right) {
-    static_assert(D % 4 == 0 && DV % 32 == 0, "float4 rows; eight lanes cover 32 columns");
-    static_assert(BN % 32 == 0, "a key tile covers whole 32-key mask words");
-    constexpr int WR = 4 * R;  // a warp's query rows
+    static_assert(TX == 8 || TX == 16, "a row group of eight or sixteen lanes");
+    constexpr int TY = 32 / TX;  // row groups a warp
+    static_assert(D % 4 == 0 && DV % (4 * TX) == 0,
+                  "float4 rows; a row group's lanes cover 4 TX columns");
+    static_assert(BN % 32 == 0 && BN % TX == 0, "a key tile covers whole 32-key mask words");
+    static_assert(VS == 1 || VS == 2, "one or two stages of V");
+    constexpr int WR = TY * R;  // a warp's query rows
     constexpr int BM = WR * WARPS;
     constexpr int THREADS = 32 * WARPS;
-    constexpr int QW = D + 4, VW = DV + 4, PW = BN + 8;  // row widths in shared memory
-    constexpr int NJ = BN / 8;                           // a lane's keys of a tile
-    constexpr int NC = DV / 32;                          // a lane's float4 output columns
+    // row widths in shared memory: PW = TX mod 32 puts a warp's scalar stores of P (rows
+    // ty + TY i, columns tx + TX j) in 32 distinct banks
+    constexpr int QW = D + 4, VW = DV + 4, PW = BN + TX;
+    constexpr int NJ = BN / TX;        // a lane's keys of a tile
+    constexpr int NC = DV / (4 * TX);  // a lane's float4 output columns
     extern __shared__ __align__(16) unsigned char sk_smem[];
     float* sq = reinterpret_cast<float*>(sk_smem);
     float* sk = sq + BM * QW;      // 2 stages
     float* sv = sk + 2 * BN * QW;  // 2 stages
-    float* sp = sv + 2 * BN * VW;  // a [WR x PW] tile of probabilities a warp
+    float* sp = sv + VS * BN * VW;  // a [WR x PW] tile of probabilities a warp
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int ty = lane / 8, tx = lane % 8;
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // the most keys under causal first
-    const int h = blockIdx.y, b = blockIdx.z;
+    const int ty = lane / TX, tx = lane % TX;
+    int m0, h, b;
+    sk_row_block(causal != 0, BM, m0, h, b);
     const int kh = h / (hq / hk);
     const float* qb = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
     const float* kb = k + b * k_sb + kh * k_sh;
@@ -124,7 +137,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
     int rel_lo, rel_hi;
     sk_relative_limits(causal, left, right, rel_lo, rel_hi);
 
-    const int r0 = WR * warp + ty;  // the lane's first row in the block; rows r0 + 4 i
+    const int r0 = WR * warp + ty;  // the lane's first row in the block; rows r0 + TY i
     float o[R][NC][4];
     float row_max[R], row_sum[R];
 #pragma unroll
@@ -139,7 +152,10 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         sk_load_padded<BM, D, THREADS>(sq, qb, q_sl, lq - m0);
         sk_load_padded<BN, D, THREADS>(sk, kb + tile_lo * BN * k_sl, k_sl, lk - tile_lo * BN);
         sk_cp_async_commit();
-        sk_load_padded<BN, DV, THREADS>(sv, vb + tile_lo * BN * v_sl, v_sl, lk - tile_lo * BN);
+        if (VS == 2) {
+            sk_load_padded<BN, DV, THREADS>(sv, vb + tile_lo * BN * v_sl, v_sl,
+                                            lk - tile_lo * BN);
+        }
         sk_cp_async_commit();
     }
     float* pw = sp + warp * WR * PW;
@@ -147,8 +163,14 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
     for (int tile = tile_lo; tile < tile_hi; ++tile) {
         const int stage = (tile - tile_lo) & 1;
         const int n0 = tile * BN;
-        sk_cp_async_wait<1>();  // this tile's K (and, the first time, Q) has landed
+        // this tile's K (and, the first time, Q) has landed, and every warp is done with the
+        // stages the loads below overwrite
+        sk_cp_async_wait<VS == 2 ? 1 : 0>();
         __syncthreads();
+        if (VS == 1) {
+            sk_load_padded<BN, DV, THREADS>(sv, vb + n0 * v_sl, v_sl, lk - n0);
+            sk_cp_async_commit();
+        }
         if (tile + 1 < tile_hi) {
             sk_load_padded<BN, D, THREADS>(sk + (stage ^ 1) * BN * QW, kb + (n0 + BN) * k_sl,
                                            k_sl, lk - n0 - BN);
@@ -161,7 +183,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         for (int i = 0; i < R; ++i)
 #pragma unroll
             for (int j = 0; j < NJ; ++j) s[i][j] = 0.0f;
-        sk_f32_rows_dot<D, NJ, QW>(s, sq + WR * warp * QW, sk + stage * BN * QW, ty, tx);
+        sk_f32_rows_dot<D, NJ, QW, R, TX>(s, sq + WR * warp * QW, sk + stage * BN * QW, ty, tx);
 
         // scores in log2 units, exclusions as -inf
 #pragma unroll
@@ -178,10 +200,10 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         if (edge) {
 #pragma unroll
             for (int i = 0; i < R; ++i) {
-                const int row = m0 + r0 + 4 * i;
+                const int row = m0 + r0 + TY * i;
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
-                    const int key = n0 + tx + 8 * j;
+                    const int key = n0 + tx + TX * j;
                     if (sk_outside(key, lk, key - row - offset, rel_lo, rel_hi)) s[i][j] = -SK_INF;
                 }
                 if (MASK && mb != nullptr && row < lq) {  // a row past lq is never stored
@@ -189,23 +211,23 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
 #pragma unroll
                     for (int w = 0; w < BN / 32; ++w) {
                         const unsigned word = n0 + 32 * w < lk ? bits[w] : 0u;
+                        constexpr int JW = 32 / TX;  // a lane's keys of a mask word
 #pragma unroll
-                        for (int j = 4 * w; j < 4 * w + 4; ++j)
-                            if (!((word >> (tx + 8 * (j - 4 * w))) & 1u)) s[i][j] = -SK_INF;
+                        for (int j = JW * w; j < JW * w + JW; ++j)
+                            if (!((word >> (tx + TX * (j - JW * w))) & 1u)) s[i][j] = -SK_INF;
                     }
                 }
             }
         }
 
-        // online softmax: new maxima (over the eight lanes of each row), rescale, exponentiate
+        // online softmax: new maxima (over the TX lanes of each row), rescale, exponentiate
 #pragma unroll
         for (int i = 0; i < R; ++i) {
             float mx = row_max[i];
 #pragma unroll
             for (int j = 0; j < NJ; ++j) mx = fmaxf(mx, s[i][j]);
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+#pragma unroll
+            for (int x = 1; x < TX; x *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
             const float use = mx == -SK_INF ? 0.0f : mx;  // nothing allowed yet: p = 0
             const float rescale = sk_ex2(row_max[i] - use);
             row_max[i] = mx;
@@ -228,36 +250,38 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
 #pragma unroll
         for (int i = 0; i < R; ++i)
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) pw[(ty + 4 * i) * PW + tx + 8 * j] = s[i][j];
+            for (int j = 0; j < NJ; ++j) pw[(ty + TY * i) * PW + tx + TX * j] = s[i][j];
 
-        sk_cp_async_wait<1>();  // this tile's V has landed
+        sk_cp_async_wait<1>();  // this tile's V has landed (the next K may not have)
         __syncthreads();        // (and every warp's probabilities are stored)
-        if (tile + 1 < tile_hi) {
-            sk_load_padded<BN, DV, THREADS>(sv + (stage ^ 1) * BN * VW, vb + (n0 + BN) * v_sl,
-                                            v_sl, lk - n0 - BN);
+        if (VS == 2) {
+            if (tile + 1 < tile_hi) {
+                sk_load_padded<BN, DV, THREADS>(sv + (stage ^ 1) * BN * VW,
+                                                vb + (n0 + BN) * v_sl, v_sl, lk - n0 - BN);
+            }
+            sk_cp_async_commit();
         }
-        sk_cp_async_commit();
 
         // O += P V: per four keys, R float4 of P and 4 NC of v, 16 R NC fma
-        sk_f32_rows_times<BN, NC, PW, VW>(o, pw, sv + stage * BN * VW, ty, tx);
+        sk_f32_rows_times<BN, NC, PW, VW, R, TX>(o, pw, sv + (VS == 2 ? stage : 0) * BN * VW,
+                                                  ty, tx);
     }
     sk_cp_async_wait<0>();
 
-    // finish: the row's sum over its eight lanes, normalize, store out and lse
+    // finish: the row's sum over its TX lanes, normalize, store out and lse
 #pragma unroll
     for (int i = 0; i < R; ++i) {
         float l = row_sum[i];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        l += __shfl_xor_sync(0xffffffffu, l, 4);
-        const int row = m0 + r0 + 4 * i;
+#pragma unroll
+        for (int x = 1; x < TX; x *= 2) l += __shfl_xor_sync(0xffffffffu, l, x);
+        const int row = m0 + r0 + TY * i;
         if (row < lq) {
             const float inv = l == 0.0f ? 0.0f : 1.0f / l;  // a NaN sum stays NaN
             const long long at = (static_cast<long long>(b) * hq + h) * lq + row;
             float* orow = out + at * DV;
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
-                *reinterpret_cast<float4*>(orow + 4 * tx + 32 * c) =
+                *reinterpret_cast<float4*>(orow + 4 * tx + 4 * TX * c) =
                     make_float4(o[i][c][0] * inv, o[i][c][1] * inv, o[i][c][2] * inv,
                                 o[i][c][3] * inv);
             }

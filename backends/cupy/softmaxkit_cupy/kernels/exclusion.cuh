@@ -31,6 +31,30 @@ __device__ __forceinline__ void sk_visible_keys(int m0, int m_end, int lk, int o
     if (left >= 0) lo = max(0, m0 + offset - left);
 }
 
+// The first row m0, head h and batch b of a forward block of BM rows in a grid of (row tiles,
+// heads, batches).  Blocks start in the order of their linear index, so a row tile's place
+// decides which blocks share a wave.  Under causal rows a head's last tiles see the most keys:
+// taking every head's last tile first (longest first, the row tile the slowest index) keeps
+// the short blocks for the end, where they fill the last wave's gaps.  Otherwise a head's row
+// tiles stay together, the last first, sharing its K and V in L2.
+__device__ __forceinline__ void sk_row_block(bool longest_first, int BM, int& m0, int& h,
+                                             int& b) {
+    const unsigned tiles = gridDim.x, heads = gridDim.y;
+    if (!longest_first) {
+        m0 = static_cast<int>(tiles - 1 - blockIdx.x) * BM;
+        h = blockIdx.y;
+        b = blockIdx.z;
+        return;
+    }
+    const unsigned long long pairs = static_cast<unsigned long long>(heads) * gridDim.z;
+    const unsigned long long id =
+        blockIdx.x + tiles * (blockIdx.y + static_cast<unsigned long long>(heads) * blockIdx.z);
+    const unsigned long long pair = id % pairs;
+    m0 = static_cast<int>(tiles - 1 - id / pairs) * BM;
+    h = static_cast<int>(pair % heads);
+    b = static_cast<int>(pair / heads);
+}
+
 // The queries [lo, hi) that may see any key of [n0, n_end), by causal and window alone (a
 // backward block skips the query tiles outside them).
 __device__ __forceinline__ void sk_seeing_queries(int n0, int n_end, int lq, int offset,
