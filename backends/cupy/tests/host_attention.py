@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from softmaxkit_cupy.attention import forward_grid
 
 CASES = [
     dict(b=1, hq=2, hk=2, lq=70, lk=100),
@@ -167,12 +168,14 @@ def launch_forward(kernels: dict, name: str, config: Any, q: np.ndarray, k: np.n
         bits = mask_bits(mask)
         m_strides = tuple(s // 4 for s in bits.strides[:3])
     left, right = window if window is not None else (-1, -1)
+    options = (d ** -0.5, softcap or 0.0, 0 if causal == "top_left" else lk - lq,
+               int(causal is not None), left, right)
+    grid, options = forward_grid(-(-lq // config.block_m), hq, b, options)
     args = (q.ctypes.data, k.ctypes.data, v.ctypes.data, 0 if bits is None else bits.ctypes.data,
             out.ctypes.data, lse.ctypes.data,
             *(s // a.itemsize for a in (q, k, v) for s in a.strides[:3]), *m_strides, hq, hk,
-            lq, lk, d ** -0.5, softcap or 0.0, 0 if causal == "top_left" else lk - lq,
-            int(causal is not None), left, right)
-    kernels[name]((-(-lq // config.block_m), hq, b), config.threads, config.shared_bytes(), *args)
+            lq, lk, *options)
+    kernels[name](grid, config.threads, config.shared_bytes(), *args)
     return (out if dtype == "float32" else widen16(out, dtype)), lse
 
 

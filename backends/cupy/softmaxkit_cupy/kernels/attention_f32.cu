@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int ty = lane / TX, tx = lane % TX;
     int m0, h, b;
-    sk_row_block(causal != 0, BM, m0, h, b);
+    sk_row_block(causal, BM, m0, h, b);
     const int kh = h / (hq / hk);
     const float* qb = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
     const float* kb = k + b * k_sb + kh * k_sh;

@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_fwd_sm90(
     long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
     float scale, float softcap, int offset, int causal, int left, int right) {
     int m0, h, b;
-    sk_row_block(causal != 0, 64 * WG, m0, h, b);
+    sk_row_block(causal, 64 * WG, m0, h, b);
     const int kh = h / (hq / hk);
     const long long row0 = (static_cast<long long>(b) * hq + h) * lq;
     sk_attn_fwd_sm90_body<T, D, BN, WG, MASK>(

@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_fwd_tf32(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     int m0, h, b;
-    sk_row_block(causal != 0, BM, m0, h, b);
+    sk_row_block(causal, BM, m0, h, b);
     const int kh = h / (hq / hk);
     const float* qf = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
     const float* kf = k + b * k_sb + kh * k_sh;

@@ -31,28 +31,23 @@ __device__ __forceinline__ void sk_visible_keys(int m0, int m_end, int lk, int o
     if (left >= 0) lo = max(0, m0 + offset - left);
 }
 
-// The first row m0, head h and batch b of a forward block of BM rows in a grid of (row tiles,
-// heads, batches).  Blocks start in the order of their linear index, so a row tile's place
-// decides which blocks share a wave.  Under causal rows a head's last tiles see the most keys:
-// taking every head's last tile first (longest first, the row tile the slowest index) keeps
-// the short blocks for the end, where they fill the last wave's gaps.  Otherwise a head's row
-// tiles stay together, the last first, sharing its K and V in L2.
-__device__ __forceinline__ void sk_row_block(bool longest_first, int BM, int& m0, int& h,
-                                             int& b) {
-    const unsigned tiles = gridDim.x, heads = gridDim.y;
-    if (!longest_first) {
-        m0 = static_cast<int>(tiles - 1 - blockIdx.x) * BM;
-        h = blockIdx.y;
-        b = blockIdx.z;
-        return;
-    }
-    const unsigned long long pairs = static_cast<unsigned long long>(heads) * gridDim.z;
-    const unsigned long long id =
-        blockIdx.x + tiles * (blockIdx.y + static_cast<unsigned long long>(heads) * blockIdx.z);
-    const unsigned long long pair = id % pairs;
-    m0 = static_cast<int>(tiles - 1 - id / pairs) * BM;
-    h = static_cast<int>(pair % heads);
-    b = static_cast<int>(pair / heads);
+// The causal argument of a dense forward whose grid is (heads, batches, row tiles) rather
+// than (row tiles, heads, batches): any nonzero value is causal, and this one also says the
+// row tile is the grid's slowest index (softmaxkit_cupy.attention.forward_grid).
+#define SK_LONGEST_FIRST 2
+
+// The first row m0, head h and batch b of a forward block of BM rows.  Blocks start in the
+// order of their linear index, and under causal rows a head's last row tiles see the most
+// keys: with the row tile the slowest index (SK_LONGEST_FIRST) every head's last tile starts
+// first and the short blocks fill the last wave's gaps.  Otherwise a head's row tiles run
+// together, the last first, sharing its K and V in L2.  (Selects of the block's indices, so
+// the compiler may read them again rather than hold them.)
+__device__ __forceinline__ void sk_row_block(int causal, int BM, int& m0, int& h, int& b) {
+    const bool by_tile = causal == SK_LONGEST_FIRST;
+    const unsigned tiles = by_tile ? gridDim.z : gridDim.x;
+    m0 = static_cast<int>(tiles - 1 - (by_tile ? blockIdx.z : blockIdx.x)) * BM;
+    h = by_tile ? blockIdx.x : blockIdx.y;
+    b = by_tile ? blockIdx.y : blockIdx.z;
 }
 
 // The queries [lo, hi) that may see any key of [n0, n_end), by causal and window alone (a
