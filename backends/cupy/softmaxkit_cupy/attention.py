@@ -320,17 +320,17 @@ def kernel_options(mask: Any, causal: Any, window: tuple[int, int], softcap: Any
 
 
 LONGEST_FIRST = 2
-"""The causal argument of a dense forward launched on :func:`forward_grid`'s row-tile-major
-grid (kernels/exclusion.cuh, ``SK_LONGEST_FIRST``)."""
+"""The causal argument of a float32 forward launched on :func:`forward_grid`'s
+row-tile-major grid (kernels/exclusion.cuh, ``SK_LONGEST_FIRST``)."""
 
 
 def forward_grid(tiles: int, hq: int, b: int, options: tuple[Any, ...]
                  ) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
-    """The grid of a dense forward of ``tiles`` row tiles a head and its options
-    (:func:`kernel_options`' last): under causal rows (heads, batches, row tiles), with the
-    causal argument ``LONGEST_FIRST``, so that every head's last row tile (the most keys)
-    starts first; otherwise, or past the grid's 65535 row tiles, (row tiles, heads,
-    batches)."""
+    """The grid of a float32 forward (kernels/attention_f32.cu, attention_tf32.cu) of
+    ``tiles`` row tiles a head and its options (:func:`kernel_options`' last): under causal
+    rows (heads, batches, row tiles), with the causal argument ``LONGEST_FIRST``, so that
+    every head's last row tile (the most keys) starts first; otherwise, or past the grid's
+    65535 row tiles, (row tiles, heads, batches)."""
     scale, softcap, offset, causal, left, right = options
     if causal and tiles <= 65535:
         return (hq, b, tiles), (scale, softcap, offset, LONGEST_FIRST, left, right)
@@ -451,10 +451,10 @@ def _attention(
         shared = config.shared_bytes()
         name = config.name(dtype)
         note_kernel(name)
-        grid, options = forward_grid(-(-lq // config.block_m), hq, b, options)
         args = (*pointers, interop.pointer(out), interop.pointer(lse), *strides, hq, hk, lq,
                 lk, *options)
-        interop.launch(_kernel(name), q, grid, config.threads, FORWARD_PARAMS, args, shared)
+        interop.launch(_kernel(name), q, (-(-lq // config.block_m), hq, b),
+                       config.threads, FORWARD_PARAMS, args, shared)
     return out, (lse if return_lse else None)
 
 

@@ -170,7 +170,9 @@ def launch_forward(kernels: dict, name: str, config: Any, q: np.ndarray, k: np.n
     left, right = window if window is not None else (-1, -1)
     options = (d ** -0.5, softcap or 0.0, 0 if causal == "top_left" else lk - lq,
                int(causal is not None), left, right)
-    grid, options = forward_grid(-(-lq // config.block_m), hq, b, options)
+    tiles = -(-lq // config.block_m)
+    grid, options = (forward_grid(tiles, hq, b, options) if dtype == "float32"  # as launched
+                     else ((tiles, hq, b), options))
     args = (q.ctypes.data, k.ctypes.data, v.ctypes.data, 0 if bits is None else bits.ctypes.data,
             out.ctypes.data, lse.ctypes.data,
             *(s // a.itemsize for a in (q, k, v) for s in a.strides[:3]), *m_strides, hq, hk,

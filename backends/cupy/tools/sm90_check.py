@@ -20,7 +20,6 @@ import traceback
 import numpy as np
 import torch
 from softmaxkit_cupy import compiler
-from softmaxkit_cupy.attention import forward_grid
 from softmaxkit_cupy.configs import (
     SM90_CONFIGS,
     SM90_MASKED_CONFIGS,
@@ -50,11 +49,10 @@ def launch(config, dtype, q, k, v, mask, out, lse, scale, causal, window, softca
     for a in (q, k, v):
         args += [np.int64(s) for s in a.stride()[:3]]
     args += [np.int64(s) for s in ms]
-    options = (scale, softcap or 0.0, 0 if causal == "top_left" else lk - lq,
-               int(causal is not None), window[0], window[1])
-    grid, options = forward_grid(-(-lq // config.block_m), hq, b, options)  # as the adapter
-    args += [np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), np.float32(options[0]),
-             np.float32(options[1]), *(np.int32(x) for x in options[2:])]
+    args += [np.int32(hq), np.int32(hk), np.int32(lq), np.int32(lk), np.float32(scale),
+             np.float32(softcap or 0.0), np.int32(0 if causal == "top_left" else lk - lq),
+             np.int32(causal is not None), np.int32(window[0]), np.int32(window[1])]
+    grid = (-(-lq // config.block_m), hq, b)
     kernel(grid, (config.threads,), tuple(args), shared_mem=shared)
 
 

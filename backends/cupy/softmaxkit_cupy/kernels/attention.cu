@@ -49,8 +49,9 @@ __device__ __forceinline__ void sk_attn_fwd_body(
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    int m0, h, b;  // a packed sequence's m0 is set below
-    sk_row_block(VARLEN ? 0 : causal, BM, m0, h, b);
+    // the last query blocks (the most keys under causal masks) start first
+    int m0 = VARLEN ? 0 : (gridDim.x - 1 - blockIdx.x) * BM;
+    const int h = blockIdx.y, b = blockIdx.z;
     const int kh = h / (hq / hk);
     const T *qb, *kb, *vb;
     if constexpr (VARLEN) {

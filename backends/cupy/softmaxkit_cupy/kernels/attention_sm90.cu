@@ -273,8 +273,8 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_fwd_sm90(
     long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
     long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
     float scale, float softcap, int offset, int causal, int left, int right) {
-    int m0, h, b;
-    sk_row_block(causal, 64 * WG, m0, h, b);
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * 64 * WG;
+    const int h = blockIdx.y, b = blockIdx.z;
     const int kh = h / (hq / hk);
     const long long row0 = (static_cast<long long>(b) * hq + h) * lq;
     sk_attn_fwd_sm90_body<T, D, BN, WG, MASK>(

@@ -31,9 +31,10 @@ __device__ __forceinline__ void sk_visible_keys(int m0, int m_end, int lk, int o
     if (left >= 0) lo = max(0, m0 + offset - left);
 }
 
-// The causal argument of a dense forward whose grid is (heads, batches, row tiles) rather
-// than (row tiles, heads, batches): any nonzero value is causal, and this one also says the
-// row tile is the grid's slowest index (softmaxkit_cupy.attention.forward_grid).
+// The causal argument of a float32 forward (attention_f32.cu, attention_tf32.cu) whose grid
+// is (heads, batches, row tiles) rather than (row tiles, heads, batches): any nonzero value is
+// causal, and this one also says the row tile is the grid's slowest index
+// (softmaxkit_cupy.attention.forward_grid).
 #define SK_LONGEST_FIRST 2
 
 // The first row m0, head h and batch b of a forward block of BM rows.  Blocks start in the
