@@ -944,8 +944,8 @@ the boolean mask's code and without it on the same tiles.  Other pairs run on co
 zero-padded to the smallest square pair that holds them (:func:`f32_shape`).  At 128 a
 block is eight warps of 16 rows, a lane 8 rows of 4 keys and 8 output columns (rows of 16
 lanes): 12.8 fma per shared-memory read against the four-row tile's 9.8, one block of 205 KB
-a multiprocessor; on an H100 1.10-1.15x the four-row tile (docs/benchmarks-attention.md,
-"Eight rows a lane at head dim 128")."""
+a multiprocessor; on an H100 1.13-1.17x the four-row tile (docs/benchmarks-attention.md,
+"float32: causal blocks longest first, eight rows a lane at head dim 128")."""
 
 FITTING_F32_CONFIGS = {
     (128, 128): F32Config(128, 128, warps=4, block_n=32),
@@ -1055,8 +1055,9 @@ F32_SERVED = True
 kernels here, and float32 ``attention_vjp`` at every precision on the backward kernels: on
 an H100 (tests/test_f32_gpu.py against float64 on poisoned memory, every tile forward and
 backward: 154 passed; B2 H16 eager) the forward ran at 21.6-36.7 TFLOP/s against
-numba-cuda's 13.2-17.3, 2.1-2.5x, and 1.04-1.31x torch's efficient backend at head dim 64
-(0.70-0.79x at 128, tools/tf32_timing.py); the backward at 1.4-2.1x numba-cuda's
+numba-cuda's 13.2-17.3, 2.1-2.5x; since the eight-row tile at 128 and causal blocks longest
+first, 1.06-1.56x torch's efficient backend at head dim 64 and 0.93-1.13x at 128
+(tools/tf32_timing.py); the backward at 1.4-2.1x numba-cuda's
 (tools/f32_backward_timing.py)."""
 
 
