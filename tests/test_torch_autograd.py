@@ -342,6 +342,51 @@ def test_double_backward_raises_naming_the_operation():
         gq.sum().backward()
 
 
+def test_eager_calls_record_the_operators_formula_and_match_the_operators():
+    """An eager differentiable call records its operator's formula as a
+    ``torch.autograd.Function`` (named ``<operator>_eager``), whose backward runs the vjp
+    operator's Function in turn; values and gradients equal those of the custom operator
+    called directly.  Under a dispatch mode (fake tensors) the custom operator itself runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from softmaxkit.frameworks import torch as ops
+
+    x, target = _randn(3, 5), torch.tensor([0, 4, 2])
+    calls = [
+        ("softmax", lambda: sk.softmax(x, -1), lambda: ops.softmax_op(
+            x, [1], None, None, "zero", None)),
+        ("log_softmax", lambda: sk.log_softmax(x, -1), lambda: ops.log_softmax_op(
+            x, [1], None, None, "zero", None)),
+        ("logsumexp", lambda: sk.logsumexp(x, -1), lambda: ops.logsumexp_op(
+            x, [1], None, False, None, None)),
+        ("cross_entropy", lambda: sk.cross_entropy(x, target), lambda: ops.cross_entropy_op(
+            x, target, 1, "mean", None, 0.0, None, True, None)[0]),
+    ]
+    for name, eager, operator in calls:
+        got, want = eager(), operator()
+        assert got.grad_fn.name() == f"{name}_eagerBackward"
+        assert want.grad_fn.name().startswith(f"GeneratedBackwardFor_softmaxkit_{name}")
+        cot = torch.randn_like(want)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(torch.autograd.grad(got, x, cot)[0],
+                                   torch.autograd.grad(want, x, cot)[0], rtol=0, atol=0)
+    q, k, v = _qkv(2, 1, 3, 4)
+    out = sk.attention(q, k, v, causal=True)
+    assert out.grad_fn.name() == "attention_eagerBackward"
+    gq, gk, gv = torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
+    assert gq.grad_fn.name() == "attention_vjp_eagerBackward"
+    want, _ = ops.attention_op(q, k, v, None, "bottom_right", [-1, -1], None, None, "float32",
+                               None, False)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for got_g, want_g in zip((gq, gk, gv), torch.autograd.grad(want.sum(), (q, k, v)),
+                             strict=True):
+        torch.testing.assert_close(got_g, want_g, rtol=0, atol=0)
+    with FakeTensorMode():
+        fake = torch.randn(3, 5, requires_grad=True)
+        assert sk.softmax(fake, -1).grad_fn.name().startswith(
+            "GeneratedBackwardFor_softmaxkit_softmax")
+
+
 def test_underivable_arguments_raise():
     x = _randn(2, 3)
     with pytest.raises(NotImplementedError, match="return_sign"):

@@ -87,7 +87,10 @@ def route(*arrays: Any) -> ModuleType | None:
             return _torch_module()
         return None
     torch = imported("torch")
-    jax = imported("jax")
+    if torch is not None and torch.compiler.is_compiling():
+        jax = _IMPORTED.get("jax")  # a trace reads no sys.modules (see _IMPORTED)
+    else:
+        jax = imported("jax")
     if torch is None and jax is None:
         return None
     tensor = torch.Tensor if torch is not None else ()

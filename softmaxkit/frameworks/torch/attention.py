@@ -17,6 +17,9 @@ from ...varlen import varlen_attention_vjp as _varlen_vjp_fn
 from .common import (
     LN2,
     acc_dtype,
+    call,
+    custom_op,
+    eager,
     no_double_backward,
     no_setup,
     register_autograd,
@@ -28,7 +31,7 @@ from .common import (
 # attention
 
 
-@torch.library.custom_op("softmaxkit::attention", mutates_args=())
+@custom_op("attention")
 def attention_op(
     q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: str | None,
     window: list[int], mask: Tensor | None, softcap: float | None, precision: str,
@@ -58,7 +61,7 @@ def _(q, k, v, scale, causal, window, mask, softcap, precision, backend, lse_use
     return out, result_like(q, lead + (hq, lq), acc_dtype(dtype))
 
 
-@torch.library.custom_op("softmaxkit::attention_vjp", mutates_args=())
+@custom_op("attention_vjp")
 def attention_vjp_op(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
     dlse: Tensor | None, scale: float | None, causal: str | None, window: list[int],
@@ -79,9 +82,7 @@ def _(q, k, v, out, lse, dout, dlse, scale, causal, window, mask, softcap, preci
     return tuple(result_like(a, a.shape, a.dtype) for a in (q, k, v))
 
 
-attention_vjp_op.register_autograd(
-    no_double_backward("attention_vjp"), setup_context=no_setup
-)
+register_autograd(attention_vjp_op, no_double_backward("attention_vjp"), no_setup)
 
 
 def _attention_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
@@ -101,7 +102,8 @@ def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> t
     if dout is None:
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.lse_used else None
-    dq, dk, dv = attention_vjp_op(q, k, v, out, lse, dout, dlse, *ctx.args, mask, *ctx.tail)
+    dq, dk, dv = call(attention_vjp_op, q, k, v, out, lse, dout, dlse, *ctx.args, mask,
+                      *ctx.tail, eager=eager(ctx))
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -120,8 +122,9 @@ def attention(
     (``attention_vjp``).  The returned ``lse`` is differentiable too.
     """
     base = _args.lse_base(lse_base)
-    out, lse = attention_op(
-        q, k, v, None if scale is None else _args.attention_scale(scale, q.shape[-1]),
+    out, lse = call(
+        attention_op, q, k, v,
+        None if scale is None else _args.attention_scale(scale, q.shape[-1]),
         _args.causal(causal), list(_args.window(window)),
         tensor_or_none(mask, q, "mask"), _args.softcap(softcap),
         _args.precision(precision, "float32"), backend, bool(return_lse),
@@ -135,7 +138,7 @@ def attention(
 # merge of partial attention states
 
 
-@torch.library.custom_op("softmaxkit::merge_attention", mutates_args=())
+@custom_op("merge_attention")
 def merge_attention_op(
     outs: Tensor, lses: Tensor, axis: int, backend: str | None
 ) -> tuple[Tensor, Tensor]:
@@ -152,7 +155,7 @@ def _(outs, lses, axis, backend):
             result_like(lses, shape, lses.dtype))
 
 
-@torch.library.custom_op("softmaxkit::merge_attention_vjp", mutates_args=())
+@custom_op("merge_attention_vjp")
 def merge_attention_vjp_op(
     outs: Tensor, lses: Tensor, dout: Tensor, dlse: Tensor | None, axis: int,
     backend: str | None,
@@ -168,9 +171,7 @@ def _(outs, lses, dout, dlse, axis, backend):
     return result_like(outs, outs.shape, outs.dtype), result_like(lses, lses.shape, lses.dtype)
 
 
-merge_attention_vjp_op.register_autograd(
-    no_double_backward("merge_attention_vjp"), setup_context=no_setup
-)
+register_autograd(merge_attention_vjp_op, no_double_backward("merge_attention_vjp"), no_setup)
 
 
 def _merge_setup(ctx: Any, inputs: Any, output: Any) -> None:
@@ -183,7 +184,8 @@ def _merge_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple
     outs, lses = ctx.saved_tensors
     if dout is None:
         dout = outs.new_zeros(outs.shape[:ctx.axis] + outs.shape[ctx.axis + 1:])
-    douts, dlses = merge_attention_vjp_op(outs, lses, dout, dlse, ctx.axis, ctx.backend)
+    douts, dlses = call(merge_attention_vjp_op, outs, lses, dout, dlse, ctx.axis, ctx.backend,
+                        eager=eager(ctx))
     return douts, dlses, None, None
 
 
@@ -227,7 +229,7 @@ def merge_attention_states(
     outs, lses, ax = _states(outs, lses, axis, empty_lse)
     if base == "2":
         lses = lses * LN2
-    out, lse = merge_attention_op(outs, lses, ax, backend)
+    out, lse = call(merge_attention_op, outs, lses, ax, backend)
     return out, (lse / LN2 if base == "2" else lse)
 
 
@@ -243,8 +245,8 @@ def attention_vjp(
         lse = lse * LN2
         dlse = None if dlse is None else dlse / LN2
     scale = None if scale is None else _args.attention_scale(scale, q.shape[-1])
-    return attention_vjp_op(
-        q, k, v, out, lse, dout, dlse, scale,
+    return call(
+        attention_vjp_op, q, k, v, out, lse, dout, dlse, scale,
         _args.causal(causal), list(_args.window(window)), tensor_or_none(mask, q, "mask"),
         _args.softcap(softcap), _args.precision(precision, "float32"), backend,
     )
@@ -261,8 +263,8 @@ def merge_attention_vjp(
         dlse = torch.as_tensor(tensor_or_none(dlse, outs, "dlse")).to(lses.dtype)
         if base == "2":
             dlse = dlse / LN2  # d/d lse_e of the base-2 lse
-    douts, dlses = merge_attention_vjp_op(
-        outs, lses * LN2 if base == "2" else lses, dout, dlse, ax, backend
+    douts, dlses = call(
+        merge_attention_vjp_op, outs, lses * LN2 if base == "2" else lses, dout, dlse, ax, backend
     )
     return douts, (dlses * LN2 if base == "2" else dlses)
 
@@ -271,7 +273,7 @@ def merge_attention_vjp(
 # packed variable-length attention
 
 
-@torch.library.custom_op("softmaxkit::varlen_attention", mutates_args=())
+@custom_op("varlen_attention")
 def varlen_attention_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
     scale: float | None, causal: str | None, window: list[int], softcap: float | None,
@@ -295,7 +297,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, preci
             result_like(q, (tq, hq), acc_dtype(dtype)))
 
 
-@torch.library.custom_op("softmaxkit::varlen_attention_vjp", mutates_args=())
+@custom_op("varlen_attention_vjp")
 def varlen_attention_vjp_op(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
     dlse: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float | None,
@@ -317,9 +319,7 @@ def _(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, scale, causal, 
     return tuple(result_like(a, a.shape, a.dtype) for a in (q, k, v))
 
 
-varlen_attention_vjp_op.register_autograd(
-    no_double_backward("varlen_attention_vjp"), setup_context=no_setup
-)
+register_autograd(varlen_attention_vjp_op, no_double_backward("varlen_attention_vjp"), no_setup)
 
 
 def _varlen_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
@@ -336,7 +336,8 @@ def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tupl
     if dout is None:
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.lse_used else None
-    dq, dk, dv = varlen_attention_vjp_op(q, k, v, out, lse, dout, dlse, cu_q, cu_k, *ctx.args)
+    dq, dk, dv = call(varlen_attention_vjp_op, q, k, v, out, lse, dout, dlse, cu_q, cu_k,
+                      *ctx.args, eager=eager(ctx))
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
@@ -362,8 +363,8 @@ def varlen_attention(
     ``softmaxkit::varlen_attention``; the backward recomputes from the saved ``out`` and
     ``lse`` (``varlen_attention_vjp``), and the returned ``lse`` is differentiable too."""
     base = _args.lse_base(lse_base)
-    out, lse = varlen_attention_op(
-        q, k, v, _seqlens(cu_seqlens_q, q, "cu_seqlens_q"),
+    out, lse = call(
+        varlen_attention_op, q, k, v, _seqlens(cu_seqlens_q, q, "cu_seqlens_q"),
         _seqlens(cu_seqlens_k, q, "cu_seqlens_k"),
         None if scale is None else _args.attention_scale(scale, q.shape[-1]),
         _args.causal(causal), list(_args.window(window)), _args.softcap(softcap),
@@ -385,9 +386,9 @@ def varlen_attention_vjp(
     if _args.lse_base(lse_base) == "2":
         lse = lse * LN2
         dlse = None if dlse is None else dlse / LN2
-    return varlen_attention_vjp_op(
-        q, k, v, out, lse, dout, dlse, _seqlens(cu_seqlens_q, q, "cu_seqlens_q"),
-        _seqlens(cu_seqlens_k, q, "cu_seqlens_k"),
+    return call(
+        varlen_attention_vjp_op, q, k, v, out, lse, dout, dlse,
+        _seqlens(cu_seqlens_q, q, "cu_seqlens_q"), _seqlens(cu_seqlens_k, q, "cu_seqlens_k"),
         None if scale is None else _args.attention_scale(scale, q.shape[-1]),
         _args.causal(causal), list(_args.window(window)), _args.softcap(softcap),
         _args.precision(precision, "float32"), backend,

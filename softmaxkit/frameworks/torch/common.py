@@ -1,8 +1,8 @@
-"""What the PyTorch operators share: their errors for second derivatives, dtype rules and
-the conversion of optional tensor arguments."""
+"""What the PyTorch operators share: their registration and eager calls, their errors for
+second derivatives, dtype rules and the conversion of optional tensor arguments."""
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import array_api_compat
@@ -31,8 +31,26 @@ def no_setup(ctx: Any, inputs: Any, output: Any) -> None:
     pass
 
 
+_IMPLEMENTATIONS: dict[Any, tuple[str, Callable[..., Any]]] = {}
+"""Each operator's name and implementation, the function :func:`custom_op` made it of."""
+
+_EAGER: dict[Any, type[torch.autograd.Function]] = {}
+"""Each operator's autograd formula as a ``torch.autograd.Function``, for :func:`call`."""
+
+
+def custom_op(name: str) -> Callable[[Callable[..., Any]], Any]:
+    """``torch.library.custom_op("softmaxkit::<name>")`` of the decorated function, which is
+    kept as the operator's implementation for :func:`call`'s eager path."""
+    def wrap(fn: Callable[..., Any]) -> Any:
+        op = torch.library.custom_op(f"softmaxkit::{name}", mutates_args=())(fn)
+        _IMPLEMENTATIONS[op] = (name, fn)
+        return op
+    return wrap
+
+
 def register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
-    """``op.register_autograd``, the backward run under the backend options of its forward.
+    """``op.register_autograd``, the backward run under the backend options of its forward,
+    and the same formula as a ``torch.autograd.Function`` for :func:`call`.
 
     Autograd runs a CUDA backward on a device thread, where the caller's ``backend_opts``
     context is absent; captured at the forward, the options (and trace) hold for the gradient
@@ -47,6 +65,41 @@ def register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
             return backward(ctx, *grads)
 
     op.register_autograd(run, setup_context=setup)
+    name, implementation = _IMPLEMENTATIONS[op]
+
+    def forward(ctx: Any, *inputs: Any) -> Any:  # autograd runs it without grad
+        output = implementation(*inputs)
+        setup(ctx, inputs, output)
+        ctx.eager = True  # its backward calls the eager formulas too
+        return output
+
+    # named at creation: autograd names its graph node ("<name>_eagerBackward") then
+    _EAGER[op] = type(f"{name}_eager", (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(run)})
+
+
+def call(op: Any, *args: Any, eager: bool = True) -> Any:
+    """``op(*args)`` as autograd records it.
+
+    The custom operator itself where something traces or transforms the call (``torch.compile``,
+    ``make_fx`` and other dispatch modes such as fake tensors, functorch transforms), or where
+    ``eager`` is false (a backward the operator's own formula runs: it may be traced);
+    otherwise the operator's ``torch.autograd.Function``, the same implementation and formula
+    without the operator's own eager dispatch (schema checks, defaults and aliasing checks,
+    the compiler's guards: about 100 us of a differentiable call on the CPU).
+    """
+    function = _EAGER.get(op) if eager else None
+    if (function is None or torch.compiler.is_compiling()
+            or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._are_functorch_transforms_active()):
+        return op(*args)
+    return function.apply(*args)
+
+
+def eager(ctx: Any) -> bool:
+    """Whether the backward of ``ctx`` runs for :func:`call`'s eager path (its vjp operators
+    may then run eagerly too)."""
+    return getattr(ctx, "eager", False)
 
 
 def axis_list(axis: Any, ndim: int) -> list[int] | None:

@@ -9,6 +9,9 @@ from torch import Tensor
 from ... import rows as _rows
 from .common import (
     axis_list,
+    call,
+    custom_op,
+    eager,
     expand_reduced,
     float_dtype,
     no_double_backward,
@@ -23,7 +26,7 @@ from .common import (
 
 
 def _normalize_op(name: str):
-    @torch.library.custom_op(f"softmaxkit::{name}", mutates_args=())
+    @custom_op(name)
     def op(
         x: Tensor, axis: list[int] | None, where: Tensor | None,
         dtype: torch.dtype | None, masked: str, backend: str | None,
@@ -42,7 +45,7 @@ def _normalize_op(name: str):
 
 
 def _vjp_op(name: str):
-    @torch.library.custom_op(f"softmaxkit::{name}", mutates_args=())
+    @custom_op(name)
     def op(
         y: Tensor, cotangent: Tensor, axis: list[int] | None, where: Tensor | None,
         backend: str | None,
@@ -56,7 +59,7 @@ def _vjp_op(name: str):
     def _(y, cotangent, axis, where, backend):
         return result_like(y, y.shape, torch.promote_types(y.dtype, cotangent.dtype))
 
-    op.register_autograd(no_double_backward(name), setup_context=no_setup)
+    register_autograd(op, no_double_backward(name), no_setup)
     return op
 
 
@@ -75,7 +78,7 @@ def _normalize_setup(ctx: Any, inputs: Any, output: Tensor) -> None:
 def _normalize_backward(vjp: Any):
     def backward(ctx: Any, grad: Tensor) -> tuple:
         y, where = ctx.saved_tensors
-        gx = vjp(y, grad, ctx.axis, where, ctx.backend)
+        gx = call(vjp, y, grad, ctx.axis, where, ctx.backend, eager=eager(ctx))
         return gx.to(ctx.x_dtype), None, None, None, None, None
     return backward
 
@@ -89,8 +92,9 @@ def softmax(
     masked: str = "zero", backend: str | None = None,
 ) -> Tensor:
     """:func:`softmaxkit.softmax` as the differentiable operator ``softmaxkit::softmax``."""
-    return softmax_op(
-        x, axis_list(axis, x.ndim), tensor_or_none(where, x, "where"), dtype, masked, backend
+    return call(
+        softmax_op, x, axis_list(axis, x.ndim), tensor_or_none(where, x, "where"), dtype, masked,
+        backend,
     )
 
 
@@ -99,8 +103,9 @@ def log_softmax(
     masked: str = "zero", backend: str | None = None,
 ) -> Tensor:
     """:func:`softmaxkit.log_softmax` as the differentiable operator ``softmaxkit::log_softmax``."""
-    return log_softmax_op(
-        x, axis_list(axis, x.ndim), tensor_or_none(where, x, "where"), dtype, masked, backend
+    return call(
+        log_softmax_op, x, axis_list(axis, x.ndim), tensor_or_none(where, x, "where"), dtype,
+        masked, backend,
     )
 
 
@@ -109,9 +114,9 @@ def softmax_vjp(
     backend: str | None = None,
 ) -> Tensor:
     """:func:`softmaxkit.softmax_vjp` as an operator (no second derivative)."""
-    return softmax_vjp_op(
-        probs, tensor_or_none(cotangent, probs, "cotangent"), axis_list(axis, probs.ndim),
-        tensor_or_none(where, probs, "where"), backend,
+    return call(
+        softmax_vjp_op, probs, tensor_or_none(cotangent, probs, "cotangent"),
+        axis_list(axis, probs.ndim), tensor_or_none(where, probs, "where"), backend,
     )
 
 
@@ -120,9 +125,9 @@ def log_softmax_vjp(
     backend: str | None = None,
 ) -> Tensor:
     """:func:`softmaxkit.log_softmax_vjp` as an operator (no second derivative)."""
-    return log_softmax_vjp_op(
-        logprobs, tensor_or_none(cotangent, logprobs, "cotangent"), axis_list(axis, logprobs.ndim),
-        tensor_or_none(where, logprobs, "where"), backend,
+    return call(
+        log_softmax_vjp_op, logprobs, tensor_or_none(cotangent, logprobs, "cotangent"),
+        axis_list(axis, logprobs.ndim), tensor_or_none(where, logprobs, "where"), backend,
     )
 
 
@@ -130,7 +135,7 @@ def log_softmax_vjp(
 # logsumexp
 
 
-@torch.library.custom_op("softmaxkit::logsumexp", mutates_args=())
+@custom_op("logsumexp")
 def logsumexp_op(
     a: Tensor, axis: list[int] | None, b: Tensor | None, keepdims: bool,
     where: Tensor | None, backend: str | None,
@@ -167,7 +172,7 @@ def _logsumexp_backward(ctx: Any, grad: Tensor) -> tuple:
     g = expand_reduced(grad, ctx.axis, a.ndim, ctx.keepdims)
     if b is None:
         # d lse / d a is the softmax of a over the reduced axes (0 on a fully masked row)
-        p = softmax_op(a, ctx.axis, where, None, "zero", ctx.backend)
+        p = call(softmax_op, a, ctx.axis, where, None, "zero", ctx.backend, eager=eager(ctx))
         return (p * g).to(a.dtype), None, None, None, None, None
     # with weights: d lse / d a = b exp(a - lse), d lse / d b = exp(a - lse); excluded
     # positions (where False, b == 0) and empty rows (lse = -inf) get 0, never NaN
@@ -197,8 +202,9 @@ def logsumexp(
         )
     b = tensor_or_none(b, a, "b")
     ndim = a.ndim if b is None else max(a.ndim, b.ndim)
-    return logsumexp_op(
-        a, axis_list(axis, ndim), b, bool(keepdims), tensor_or_none(where, a, "where"), backend
+    return call(
+        logsumexp_op, a, axis_list(axis, ndim), b, bool(keepdims),
+        tensor_or_none(where, a, "where"), backend,
     )
 
 
@@ -206,7 +212,7 @@ def logsumexp(
 # cross_entropy
 
 
-@torch.library.custom_op("softmaxkit::cross_entropy", mutates_args=())
+@custom_op("cross_entropy")
 def cross_entropy_op(
     logits: Tensor, target: Tensor, axis: int, reduction: str, ignore_index: int | None,
     label_smoothing: float, where: Tensor | None, need_grad: bool, backend: str | None,
@@ -267,8 +273,8 @@ def cross_entropy(
         )
     need_grad = return_grad or (logits.requires_grad and torch.is_grad_enabled())
     ax = int(axis)
-    loss, grad = cross_entropy_op(
-        logits, target, ax + logits.ndim if ax < 0 else ax, reduction,
+    loss, grad = call(
+        cross_entropy_op, logits, target, ax + logits.ndim if ax < 0 else ax, reduction,
         None if ignore_index is None else int(ignore_index), float(label_smoothing),
         tensor_or_none(where, logits, "where"), bool(need_grad), backend,
     )
