@@ -958,8 +958,9 @@ F32_ALTERNATIVES = (F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),)
 """Other exact float32 forward tiles, built on request only (``config=``), for
 tools/tf32_timing.py to time beside the declared ones.  Eight rows a lane at head dim 64:
 12.8 fma per shared-memory read against 10.7, 8% faster than the declared tile without
-causality and 6-12% slower with it on an H100 (docs/benchmarks-attention.md).  Eight-row
-tiles at 128 and of 2 warps, 8 warps, and 64-key tiles at 128 were slower there."""
+causality and 6-12% slower with it on an H100 (docs/benchmarks-attention.md).  At 128,
+eight-row tiles of 8-lane row groups (2 or 4 warps, 255 registers) and 64-key four-row tiles
+were slower there; the declared tile takes its eight rows a lane in 16-lane groups."""
 
 @dataclass(frozen=True)
 class F32BackwardConfig:
@@ -1072,11 +1073,11 @@ def f32_config(d: int, dv: int, masked: bool,
                shared_limit: int | None = None) -> F32Config | None:
     """The exact float32 forward configuration built for (``d``, ``dv``) on a device whose
     blocks may take ``shared_limit`` bytes of shared memory (None: no limit), or None."""
-    found = _pair_config(F32_CONFIGS, d, dv, masked)
-    smaller = FITTING_F32_CONFIGS.get((d, dv))
-    if found is None or smaller is None:
-        return found
-    return fitting(found, smaller if masked else replace(smaller, mask=False), shared_limit)
+    found = F32_CONFIGS.get((d, dv))
+    if found is None:
+        return None
+    found = fitting(found, FITTING_F32_CONFIGS.get((d, dv)), shared_limit)
+    return found if masked else replace(found, mask=False)
 
 
 def f32_names() -> tuple[str, ...]:

@@ -19,7 +19,6 @@ from .common import (
     acc_dtype,
     call,
     custom_op,
-    eager,
     no_double_backward,
     no_setup,
     register_autograd,
@@ -103,7 +102,7 @@ def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> t
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.lse_used else None
     dq, dk, dv = call(attention_vjp_op, q, k, v, out, lse, dout, dlse, *ctx.args, mask,
-                      *ctx.tail, eager=eager(ctx))
+                      *ctx.tail, eager=ctx.eager)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -185,7 +184,7 @@ def _merge_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple
     if dout is None:
         dout = outs.new_zeros(outs.shape[:ctx.axis] + outs.shape[ctx.axis + 1:])
     douts, dlses = call(merge_attention_vjp_op, outs, lses, dout, dlse, ctx.axis, ctx.backend,
-                        eager=eager(ctx))
+                        eager=ctx.eager)
     return douts, dlses, None, None
 
 
@@ -337,7 +336,7 @@ def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tupl
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.lse_used else None
     dq, dk, dv = call(varlen_attention_vjp_op, q, k, v, out, lse, dout, dlse, cu_q, cu_k,
-                      *ctx.args, eager=eager(ctx))
+                      *ctx.args, eager=ctx.eager)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 

@@ -58,6 +58,7 @@ def register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
     """
     def setup(ctx: Any, inputs: Any, output: Any) -> None:
         ctx.backend_options = captured()
+        ctx.eager = False  # the operator's own formula: its backward may be traced
         setup_context(ctx, inputs, output)
 
     def run(ctx: Any, *grads: Any) -> Any:
@@ -70,7 +71,7 @@ def register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
     def forward(ctx: Any, *inputs: Any) -> Any:  # autograd runs it without grad
         output = implementation(*inputs)
         setup(ctx, inputs, output)
-        ctx.eager = True  # its backward calls the eager formulas too
+        ctx.eager = True  # its backward calls the vjp operators' Functions too
         return output
 
     # named at creation: autograd names its graph node ("<name>_eagerBackward") then
@@ -83,7 +84,8 @@ def call(op: Any, *args: Any, eager: bool = True) -> Any:
 
     The custom operator itself where something traces or transforms the call (``torch.compile``,
     ``make_fx`` and other dispatch modes such as fake tensors, functorch transforms), or where
-    ``eager`` is false (a backward the operator's own formula runs: it may be traced);
+    ``eager`` is false (a backward of the operator's own formula, ``ctx.eager`` false: it may
+    be traced);
     otherwise the operator's ``torch.autograd.Function``, the same implementation and formula
     without the operator's own eager dispatch (schema checks, defaults and aliasing checks,
     the compiler's guards: about 100 us of a differentiable call on the CPU).
@@ -94,12 +96,6 @@ def call(op: Any, *args: Any, eager: bool = True) -> Any:
             or torch._C._are_functorch_transforms_active()):
         return op(*args)
     return function.apply(*args)
-
-
-def eager(ctx: Any) -> bool:
-    """Whether the backward of ``ctx`` runs for :func:`call`'s eager path (its vjp operators
-    may then run eagerly too)."""
-    return getattr(ctx, "eager", False)
 
 
 def axis_list(axis: Any, ndim: int) -> list[int] | None:

@@ -11,7 +11,6 @@ from .common import (
     axis_list,
     call,
     custom_op,
-    eager,
     expand_reduced,
     float_dtype,
     no_double_backward,
@@ -78,7 +77,7 @@ def _normalize_setup(ctx: Any, inputs: Any, output: Tensor) -> None:
 def _normalize_backward(vjp: Any):
     def backward(ctx: Any, grad: Tensor) -> tuple:
         y, where = ctx.saved_tensors
-        gx = call(vjp, y, grad, ctx.axis, where, ctx.backend, eager=eager(ctx))
+        gx = call(vjp, y, grad, ctx.axis, where, ctx.backend, eager=ctx.eager)
         return gx.to(ctx.x_dtype), None, None, None, None, None
     return backward
 
@@ -172,7 +171,7 @@ def _logsumexp_backward(ctx: Any, grad: Tensor) -> tuple:
     g = expand_reduced(grad, ctx.axis, a.ndim, ctx.keepdims)
     if b is None:
         # d lse / d a is the softmax of a over the reduced axes (0 on a fully masked row)
-        p = call(softmax_op, a, ctx.axis, where, None, "zero", ctx.backend, eager=eager(ctx))
+        p = call(softmax_op, a, ctx.axis, where, None, "zero", ctx.backend, eager=ctx.eager)
         return (p * g).to(a.dtype), None, None, None, None, None
     # with weights: d lse / d a = b exp(a - lse), d lse / d b = exp(a - lse); excluded
     # positions (where False, b == 0) and empty rows (lse = -inf) get 0, never NaN
