@@ -693,8 +693,9 @@ BACKWARD_CONFIGS = {
 (their 64-row tiles spill registers).  At 32, 32-row query tiles measured faster on an H100
 (bfloat16 B4 H32 L4096, dense only: 144 / 130 TFLOP/s plain / causal against 126 / 128 on
 these 64-row tiles; 8 warps on 128-row tiles 145 / 130 in four times the shared memory);
-they are among the alternatives until the conformance kit (the packed backward included)
-has run on them on a device."""
+a second run (6 December, tools/backward_tiles.py) gave 151 / 142 against 148 / 140, so they
+stay among the alternatives.  At 160 the four-warp tiles measured 23-25% slower than these
+(docs/benchmarks-attention.md, "Backward tiles at 32 and 192")."""
 
 BACKWARD_ALTERNATIVES = (
     BackwardConfig(32, warps=4, block_m=32),
@@ -702,6 +703,8 @@ BACKWARD_ALTERNATIVES = (
     BackwardConfig(64, warps=8, block_m=64),
     BackwardConfig(128, warps=4, block_m=64),
     BackwardConfig(128, warps=8, block_m=32),
+    BackwardConfig(160, warps=4, block_m=32),
+    BackwardConfig(160, warps=4, block_m=64),
 )
 """Other backward configurations, built on request only (gpu_check.py compares them)."""
 

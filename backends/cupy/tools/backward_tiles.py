@@ -1,0 +1,101 @@
+"""Time the 16-bit attention backward's tile configurations beside torch's flash and cuDNN.
+
+For each head dimension asked for (default 32 and 160), bfloat16 B4 H32 L4096, causal and
+not: the cupy adapter's ``attention_vjp`` as served (``served``) and with each
+``configs.BACKWARD_ALTERNATIVES`` entry of that head dimension (``4w/32``: warps / query
+rows), from the same forward's out and lse, and torch autograd's backward through
+``scaled_dot_product_attention`` under its flash and cuDNN backends (the graph kept), each the
+median of ``triton.testing.do_bench``; TFLOP/s count 10 B H L^2 D (five products), halved for
+causal.  Before timing, every configuration's gradients on a small problem of the same head
+dimension (on memory that held NaN) are compared with float64 autograd on the device; the
+worst relative Frobenius error of dq, dk, dv over bfloat16's bound fails the run.
+
+Usage: ``python backends/cupy/tools/backward_tiles.py [D ...]`` (from the repository root).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+B, H, L = 4, 32, 4096
+BOUND = 3e-2  # bfloat16 gradients against float64 (gpu_check's bound)
+
+
+def reference_grads(q, k, v, dout, causal: bool) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of float64 attention by autograd on the device."""
+    q, k, v = (a.detach().double().requires_grad_() for a in (q, k, v))
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1),
+                          -math.inf)
+    return torch.autograd.grad(torch.softmax(s, -1) @ v, (q, k, v), dout.double())
+
+
+def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> dict:
+    """Name -> a call giving (dq, dk, dv) of one problem, and the problem's tensors."""
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy.attention import attention, attention_vjp
+    from softmaxkit_cupy.configs import BACKWARD_ALTERNATIVES
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, dout = (torch.randn(b, h, length, d, device="cuda", generator=gen)
+                     .to(torch.bfloat16) for _ in range(4))
+    kw = dict(scale=d ** -0.5, causal="bottom_right" if causal else None, window=(-1, -1),
+              mask=None, softcap=None)
+    out, lse = attention(xp, q=q, k=k, v=v, return_lse=True, **kw)
+    named = {"served": None} | {f"{c.warps}w/{c.block_m}": c
+                                for c in BACKWARD_ALTERNATIVES if c.head_dim == d}
+    result = {n: (lambda c=c: attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
+                                            config=c, **kw)) for n, c in named.items()}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        leaves = [a.detach().clone().requires_grad_() for a in (q, k, v)]
+        try:
+            with sdpa_kernel(backend):
+                o = sdpa(*leaves, is_causal=causal)
+        except RuntimeError:
+            continue
+        result[name] = (lambda o=o, leaves=leaves: torch.autograd.grad(o, leaves, dout,
+                                                                       retain_graph=True))
+    return result, (q, k, v, dout)
+
+
+def main() -> int:
+    import triton.testing
+
+    dims = [int(a) for a in sys.argv[1:]] or [32, 160]
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; bfloat16 "
+          f"B{B} H{H} L{L}, backward alone, TFLOP/s (relative error on B1 H2 L300)",
+          flush=True)
+    failed = False
+    for d in dims:
+        for causal in (False, True):
+            small, (q, k, v, dout) = calls(d, 1, 2, 300, causal, seed=d)
+            want = reference_grads(q, k, v, dout, causal)
+            errors = {}
+            for name, fn in small.items():
+                junk = [torch.full(a.shape, math.nan, device="cuda") for a in (q, k, v)]
+                del junk
+                errors[name] = max(float(torch.linalg.vector_norm(g.double() - w)
+                                         / torch.linalg.vector_norm(w))
+                                   for g, w in zip(fn(), want, strict=True))
+            failed |= any(e > BOUND for e in errors.values())
+            timed, _ = calls(d, B, H, L, causal, seed=d + 1)
+            flops = 10 * B * H * L * L * d / (2 if causal else 1)
+            row = []
+            for name, fn in timed.items():
+                ms = float(triton.testing.do_bench(fn, warmup=10, rep=100,
+                                                   return_mode="median"))
+                row.append(f"{name} {flops / ms / 1e9:.0f} ({errors[name]:.1e})")
+            print(f"D{d} {'causal' if causal else 'plain '}: " + "; ".join(row), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
