@@ -146,6 +146,75 @@ def _prepare(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any] | None = N
     return xp, layout, (q, k, v), (qf, kf, vf, mf)
 
 
+class AttentionGradient:
+    """The gradient of one attention call whose operands are checked and laid out: what
+    :func:`attention_vjp` runs once it has validated its arguments, and what an autograd
+    backward runs directly with the forward's own ``out`` and ``lse`` and a cotangent of
+    ``out``'s shape and dtype (no argument checked again).
+
+    Parameters
+    ----------
+    xp, layout, operands, flat
+        :func:`_prepare`'s results for q, k, v and mask.
+    kernel_args : dict
+        The backend call's other arguments: ``scale``, ``causal``, ``window``, ``softcap``
+        (normalized) and ``precision`` (for the dtype).
+    backend : str or None
+        The ``backend=`` asked for.
+    """
+
+    __slots__ = ("xp", "layout", "operands", "flat", "kernel_args", "backend")
+
+    def __init__(self, xp: Any, layout: _Layout, operands: tuple, flat: tuple,
+                 kernel_args: dict[str, Any], backend: str | None) -> None:
+        self.xp, self.layout, self.operands, self.flat = xp, layout, operands, flat
+        self.kernel_args, self.backend = kernel_args, backend
+
+    def __call__(self, out: Any, lse: Any, dout: Any, dlse: Any = None) -> tuple[Any, Any, Any]:
+        """``(dq, dk, dv)`` for ``out`` and ``dout`` (``[..., Hq, Lq, Dv]``, the operands'
+        dtype), the natural-log ``lse`` in the accumulator dtype and ``dlse`` (its shape and
+        dtype, 0 where ``lse`` is -inf) or None; shaped and typed like q, k, v."""
+        xp, layout = self.xp, self.layout
+        qf, kf, vf, mf = self.flat
+        lead = len(layout.lead)
+        if lead != 1:  # the leading dimensions flattened into B, as the operands are
+            out, lse, dout, dlse = (
+                None if a is None else xp.reshape(a, (layout.b,) + tuple(a.shape[lead:]))
+                for a in (out, lse, dout, dlse))
+        dq, dk, dv = run("attention_vjp", xp, qf, self.backend, q=qf, k=kf, v=vf, out=out,
+                         lse=lse, dout=dout, dlse=dlse, mask=mf, **self.kernel_args)
+        grads = []
+        for g, a in ((dq, self.operands[0]), (dk, self.operands[1]), (dv, self.operands[2])):
+            g = _unbroadcast(xp, layout.unflat(xp, g), tuple(a.shape))
+            grads.append(args.cast(xp, g, a.dtype))
+        return tuple(grads)
+
+
+def _kernel_args(scale: Any, causal: Any, window: Any, softcap: Any, precision: Any,
+                 layout: _Layout, dtype: Any) -> dict[str, Any]:
+    """Attention's scalar arguments validated, as keywords of a backend call on ``dtype``."""
+    return {"scale": args.attention_scale(scale, layout.d),
+            **args.attention_options(causal, window, softcap),
+            "precision": args.precision(precision, dtype_name(dtype))}
+
+
+def attention_with_gradient(
+    q: Any, k: Any, v: Any, *, scale: float | None, causal: bool | str,
+    window: tuple[int, int] | None, mask: Any, softcap: float | None, precision: str,
+    backend: str | None,
+) -> tuple[Any, Any, AttentionGradient]:
+    """:func:`attention`'s ``out`` and natural-log ``lse`` on the plain path (no framework
+    routing), and the call's :class:`AttentionGradient`, for an autograd forward whose
+    backward then skips the checks already made."""
+    xp, layout, operands, flat = _prepare(q, k, v, mask)
+    kernel_args = _kernel_args(scale, causal, window, softcap, precision, layout, flat[0].dtype)
+    qf, kf, vf, mf = flat
+    out, lse = run("attention", xp, qf, backend, q=qf, k=kf, v=vf, mask=mf, return_lse=True,
+                   **kernel_args)
+    gradient = AttentionGradient(xp, layout, operands, flat, kernel_args, backend)
+    return layout.unflat(xp, out), layout.unflat(xp, lse), gradient
+
+
 def attention(
     q: Any,
     k: Any,
@@ -229,11 +298,9 @@ def attention(
     base = args.lse_base(lse_base)
     args.precision(precision, "float32")  # a bad value fails before any work
     xp, layout, _, (qf, kf, vf, mf) = _prepare(q, k, v, mask)
-    scale_f = args.attention_scale(scale, layout.d)
     out, lse = run(
-        "attention", xp, qf, backend, q=qf, k=kf, v=vf, scale=scale_f, mask=mf,
-        **args.attention_options(causal, window, softcap), return_lse=bool(return_lse),
-        precision=args.precision(precision, dtype_name(qf.dtype)),
+        "attention", xp, qf, backend, q=qf, k=kf, v=vf, mask=mf, return_lse=bool(return_lse),
+        **_kernel_args(scale, causal, window, softcap, precision, layout, qf.dtype),
     )
     out = layout.unflat(xp, out)
     if not return_lse:
@@ -304,26 +371,14 @@ def attention_vjp(
     base = args.lse_base(lse_base)
     args.precision(precision, "float32")
     extra = {"out": out, "lse": lse, "dout": dout} | ({} if dlse is None else {"dlse": dlse})
-    xp, layout, (q0, k0, v0), (qf, kf, vf, mf) = _prepare(q, k, v, mask, extra)
+    xp, layout, operands, flat = _prepare(q, k, v, mask, extra)
     out_shape = layout.lead + (layout.hq, layout.lq, layout.dv)
-    out_v, lse_v, dout_v = vjp_operands(xp, out, lse, dout, out_shape, qf, base)
-    dlse_v = None if dlse is None else lse_cotangent(xp, dlse, lse_v, out_shape[:-1], qf, base)
-    # the leading dimensions flattened into B, as the operands are
-    out_f, lse_f, dout_f, dlse_f = (
-        None if a is None else xp.reshape(a, (layout.b,) + tuple(a.shape[len(layout.lead):]))
-        for a in (out_v, lse_v, dout_v, dlse_v)
-    )
-    scale_f = args.attention_scale(scale, layout.d)
-    dq, dk, dv = run(
-        "attention_vjp", xp, qf, backend, q=qf, k=kf, v=vf, out=out_f, lse=lse_f, dout=dout_f,
-        dlse=dlse_f, scale=scale_f, mask=mf, **args.attention_options(causal, window, softcap),
-        precision=args.precision(precision, dtype_name(qf.dtype)),
-    )
-    grads = []
-    for g, a in ((dq, q0), (dk, k0), (dv, v0)):
-        g = _unbroadcast(xp, layout.unflat(xp, g), tuple(a.shape))
-        grads.append(xp.astype(g, a.dtype, copy=False))
-    return tuple(grads)
+    out_v, lse_v, dout_v = vjp_operands(xp, out, lse, dout, out_shape, flat[0], base)
+    dlse_v = (None if dlse is None
+              else lse_cotangent(xp, dlse, lse_v, out_shape[:-1], flat[0], base))
+    kernel_args = _kernel_args(scale, causal, window, softcap, precision, layout, flat[0].dtype)
+    gradient = AttentionGradient(xp, layout, operands, flat, kernel_args, backend)
+    return gradient(out_v, lse_v, dout_v, dlse_v)
 
 
 def _states(

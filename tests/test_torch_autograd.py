@@ -167,17 +167,21 @@ def test_split_kv_attention_trains_like_full_attention():
 @pytest.mark.parametrize("used", ["out", "lse", "both"])
 @pytest.mark.parametrize("op", ["attention", "varlen_attention"])
 def test_a_returned_lse_reaches_the_backward_only_when_the_loss_uses_it(monkeypatch, op, used):
-    """An lse that is returned but unused gives no cotangent (None, not zeros) and the VJP no
-    ``dlse``; a used one reaches the VJP as ``dlse``; the gradients equal the float64
-    definition's."""
+    """An lse that is returned but unused gives no cotangent (None, not zeros) and the
+    backend's VJP no ``dlse``; a used one reaches it as ``dlse``; the gradients equal the
+    float64 definition's."""
     import importlib
 
-    module = importlib.import_module("softmaxkit.frameworks.torch.attention")
+    module = importlib.import_module(f"softmaxkit.{op.split('_')[0]}")
     seen = []
-    name = f"{op}_vjp_op"
-    vjp = getattr(module, name)
-    monkeypatch.setattr(module, name,  # the 7th argument is dlse
-                        lambda *a: seen.append("dlse" if a[6] is not None else "") or vjp(*a))
+    run = module.run
+
+    def recorded(name, *a, **kw):
+        if name.endswith("_vjp"):
+            seen.append("dlse" if kw["dlse"] is not None else "")
+        return run(name, *a, **kw)
+
+    monkeypatch.setattr(module, "run", recorded)
     q, k, v = _qkv(2, 1, 5, 7)  # [H, L, D]
     if op == "attention":
         out, lse = sk.attention(q, k, v, causal=True, return_lse=True)
@@ -385,6 +389,40 @@ def test_eager_calls_record_the_operators_formula_and_match_the_operators():
         fake = torch.randn(3, 5, requires_grad=True)
         assert sk.softmax(fake, -1).grad_fn.name().startswith(
             "GeneratedBackwardFor_softmaxkit_softmax")
+
+
+def test_an_eager_backward_runs_the_forwards_checked_call(monkeypatch):
+    """Without ``create_graph`` an eager attention's backward runs the call its forward
+    checked and laid out, not the vjp operator; its gradients equal the operator path's for
+    broadcast leading dimensions, grouped heads, promoted dtypes, a mask with an empty row and
+    a used lse."""
+    import importlib
+
+    from softmaxkit.frameworks import torch as ops
+
+    module = importlib.import_module("softmaxkit.frameworks.torch.attention")
+    q = _randn(2, 1, 4, 5, 4, dtype=torch.float32)  # promoted with k, v to float64
+    _, k, v = _qkv(4, 2, 5, 6, lead=(3,))  # leading dims broadcast to (2, 3)
+    mask = torch.rand(5, 6, generator=torch.Generator().manual_seed(3)) > 0.4
+    mask[2] = False
+    args = (0.7, "top_left", [-1, -1], mask, 1.5, "float32", None, True)
+
+    def loss(out, lse):
+        return out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
+
+    want = torch.autograd.grad(loss(*ops.attention_op(q, k, v, *args)), (q, k, v))
+    vjp = module.attention_vjp_op
+    monkeypatch.setattr(module, "attention_vjp_op", lambda *a: pytest.fail("vjp operator ran"))
+    out, lse = sk.attention(q, k, v, scale=0.7, causal="top_left", mask=mask, softcap=1.5,
+                            return_lse=True)
+    got = torch.autograd.grad(loss(out, lse), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    monkeypatch.setattr(module, "attention_vjp_op", vjp)
+    out = sk.attention(q, k, v, mask=mask)  # a second derivative asked for: the operator
+    (gq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    assert gq.grad_fn.name() == "attention_vjp_eagerBackward"
 
 
 def test_underivable_arguments_raise():

@@ -10,6 +10,7 @@ from torch import Tensor
 from ... import arguments as _args
 from ...attention import attention as _attention_fn
 from ...attention import attention_vjp as _attention_vjp_fn
+from ...attention import attention_with_gradient as _attention_with_gradient
 from ...attention import merge_attention_states as _merge_fn
 from ...attention import merge_attention_vjp as _merge_vjp_fn
 from ...varlen import varlen_attention as _varlen_fn
@@ -42,6 +43,20 @@ def attention_op(
             softcap=softcap, return_lse=True, precision=precision, backend=backend,
         )
     return out.contiguous(), lse.contiguous()
+
+
+def _attention_eager(
+    q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: str | None,
+    window: list[int], mask: Tensor | None, softcap: float | None, precision: str,
+    backend: str | None, lse_used: bool,
+) -> tuple[tuple[Tensor, Tensor], Any]:
+    """:func:`attention_op`'s implementation for its eager Function, with the call's gradient
+    (its operands checked and laid out) kept for the backward."""
+    out, lse, gradient = _attention_with_gradient(
+        q, k, v, scale=scale, causal=causal or False, window=(window[0], window[1]), mask=mask,
+        softcap=softcap, precision=precision, backend=backend,
+    )
+    return (out.contiguous(), lse.contiguous()), gradient
 
 
 def _attention_lead(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple:
@@ -101,12 +116,20 @@ def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> t
     if dout is None:
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.lse_used else None
-    dq, dk, dv = call(attention_vjp_op, q, k, v, out, lse, dout, dlse, *ctx.args, mask,
-                      *ctx.tail, eager=ctx.eager)
+    if ctx.state is not None and not torch.is_grad_enabled():
+        # an eager forward's checked call, straight to the backend: no second derivative
+        # asked for; a row without keys (lse -inf) ignores its lse's cotangent
+        if dlse is not None:
+            dlse = dlse.masked_fill(lse == -math.inf, 0.0)
+        dq, dk, dv = ctx.state(out, lse, dout, dlse)
+    else:
+        dq, dk, dv = call(attention_vjp_op, q, k, v, out, lse, dout, dlse, *ctx.args, mask,
+                          *ctx.tail, eager=ctx.eager)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-register_autograd(attention_op, _attention_backward, setup_context=_attention_setup)
+register_autograd(attention_op, _attention_backward, setup_context=_attention_setup,
+                  eager_forward=_attention_eager)
 
 
 def attention(

@@ -48,17 +48,21 @@ def custom_op(name: str) -> Callable[[Callable[..., Any]], Any]:
     return wrap
 
 
-def register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
+def register_autograd(op: Any, backward: Any, setup_context: Any,
+                      eager_forward: Callable[..., Any] | None = None) -> None:
     """``op.register_autograd``, the backward run under the backend options of its forward,
     and the same formula as a ``torch.autograd.Function`` for :func:`call`.
 
     Autograd runs a CUDA backward on a device thread, where the caller's ``backend_opts``
     context is absent; captured at the forward, the options (and trace) hold for the gradient
-    on every device.
+    on every device.  ``eager_forward``, where given, is the Function's forward: a function of
+    the operator's inputs giving its output and a state the backward finds as ``ctx.state``
+    (None on the operator's own path, which may be traced).
     """
     def setup(ctx: Any, inputs: Any, output: Any) -> None:
         ctx.backend_options = captured()
         ctx.eager = False  # the operator's own formula: its backward may be traced
+        ctx.state = None
         setup_context(ctx, inputs, output)
 
     def run(ctx: Any, *grads: Any) -> Any:
@@ -69,9 +73,12 @@ def register_autograd(op: Any, backward: Any, setup_context: Any) -> None:
     name, implementation = _IMPLEMENTATIONS[op]
 
     def forward(ctx: Any, *inputs: Any) -> Any:  # autograd runs it without grad
-        output = implementation(*inputs)
+        if eager_forward is None:
+            output, state = implementation(*inputs), None
+        else:
+            output, state = eager_forward(*inputs)
         setup(ctx, inputs, output)
-        ctx.eager = True  # its backward calls the vjp operators' Functions too
+        ctx.eager, ctx.state = True, state  # its backward calls the vjp Functions too
         return output
 
     # named at creation: autograd names its graph node ("<name>_eagerBackward") then
@@ -88,13 +95,16 @@ def call(op: Any, *args: Any, eager: bool = True) -> Any:
     be traced);
     otherwise the operator's ``torch.autograd.Function``, the same implementation and formula
     without the operator's own eager dispatch (schema checks, defaults and aliasing checks,
-    the compiler's guards: about 100 us of a differentiable call on the CPU).
+    the compiler's guards: about 100 us of a differentiable call on the CPU), or, where grad
+    mode is off (a backward's vjp, inference), the implementation alone.
     """
     function = _EAGER.get(op) if eager else None
     if (function is None or torch.compiler.is_compiling()
             or torch._C._len_torch_dispatch_stack() > 0
             or torch._C._are_functorch_transforms_active()):
         return op(*args)
+    if not torch.is_grad_enabled():  # nothing to record: a backward's vjp, inference
+        return _IMPLEMENTATIONS[op][1](*args)
     return function.apply(*args)
 
 
