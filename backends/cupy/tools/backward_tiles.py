@@ -19,20 +19,10 @@ import math
 import sys
 
 import torch
+from f32_backward_timing import reference_grads  # this script's folder is on sys.path
 
 B, H, L = 4, 32, 4096
 BOUND = 3e-2  # bfloat16 gradients against float64 (gpu_check's bound)
-
-
-def reference_grads(q, k, v, dout, causal: bool) -> tuple[torch.Tensor, ...]:
-    """(dq, dk, dv) of float64 attention by autograd on the device."""
-    q, k, v = (a.detach().double().requires_grad_() for a in (q, k, v))
-    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1),
-                          -math.inf)
-    return torch.autograd.grad(torch.softmax(s, -1) @ v, (q, k, v), dout.double())
 
 
 def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> dict:
