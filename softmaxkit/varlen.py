@@ -140,6 +140,72 @@ def _prepare(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, extra: dict[str, Any]
     return xp, dims, (q, k, v), (qf, kf, vf), seqlens
 
 
+class VarlenGradient:
+    """The gradient of one packed attention call whose operands and cumulative lengths are
+    checked (and the lengths read to the host): what :func:`varlen_attention_vjp` runs once
+    it has validated its arguments, and what an autograd backward runs directly with the
+    forward's ``out`` and ``lse`` and a cotangent of ``out``'s shape and dtype, without
+    reading the lengths from the device again (as :class:`softmaxkit.attention.AttentionGradient`).
+
+    Parameters
+    ----------
+    xp, operands, flat, seqlens
+        :func:`_prepare`'s namespace, q, k, v, their common-dtype forms, and the cumulative
+        lengths with their host values.
+    kernel_args : dict
+        The backend call's ``scale``, ``causal``, ``window``, ``softcap`` and ``precision``.
+    backend : str or None
+        The ``backend=`` asked for.
+    """
+
+    __slots__ = ("xp", "operands", "flat", "seqlens", "kernel_args", "backend")
+
+    def __init__(self, xp: Any, operands: tuple, flat: tuple, seqlens: tuple,
+                 kernel_args: dict[str, Any], backend: str | None) -> None:
+        self.xp, self.operands, self.flat, self.seqlens = xp, operands, flat, seqlens
+        self.kernel_args, self.backend = kernel_args, backend
+
+    def __call__(self, out: Any, lse: Any, dout: Any, dlse: Any = None) -> tuple[Any, Any, Any]:
+        """``(dq, dk, dv)`` for ``out``, ``dout`` ``[Tq, Hq, Dv]`` (the operands' dtype), the
+        natural-log ``lse`` ``[Tq, Hq]`` in the accumulator dtype and ``dlse`` (its shape and
+        dtype, 0 where ``lse`` is -inf) or None; typed like q, k, v."""
+        qf, kf, vf = self.flat
+        (cq, _), (ck, _) = self.seqlens
+        with validated(*self.seqlens):
+            grads = run("varlen_attention_vjp", self.xp, qf, self.backend, q=qf, k=kf, v=vf,
+                        out=out, lse=lse, dout=dout, dlse=dlse, cu_seqlens_q=cq,
+                        cu_seqlens_k=ck, **self.kernel_args)
+        return tuple(args.cast(self.xp, g, a.dtype)
+                     for g, a in zip(grads, self.operands, strict=True))
+
+
+def _kernel_args(scale: Any, options: dict[str, Any], precision: Any, d: int,
+                 dtype: Any) -> dict[str, Any]:
+    """The scalar arguments of a backend call on ``dtype``, ``options`` already validated."""
+    return {"scale": args.attention_scale(scale, d), **options,
+            "precision": args.precision(precision, dtype_name(dtype))}
+
+
+def varlen_attention_with_gradient(
+    q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, scale: float | None,
+    causal: bool | str, window: tuple[int, int] | None, softcap: float | None,
+    precision: str, backend: str | None,
+) -> tuple[Any, Any, VarlenGradient]:
+    """:func:`varlen_attention`'s ``out`` and natural-log ``lse`` on the plain path (no
+    framework routing), and the call's :class:`VarlenGradient`, for an autograd forward
+    whose backward then skips the checks (and the reading of the lengths) already made."""
+    options = args.attention_options(causal, window, softcap)
+    args.precision(precision, "float32")
+    xp, dims, operands, flat, seqlens = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    kernel_args = _kernel_args(scale, options, precision, dims.d, flat[0].dtype)
+    qf, kf, vf = flat
+    (cq, _), (ck, _) = seqlens
+    with validated(*seqlens):
+        out, lse = run("varlen_attention", xp, qf, backend, q=qf, k=kf, v=vf,
+                       cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, **kernel_args)
+    return out, lse, VarlenGradient(xp, operands, flat, seqlens, kernel_args, backend)
+
+
 def varlen_attention(
     q: Any,
     k: Any,
@@ -244,9 +310,8 @@ def varlen_attention(
     with validated(*seqlens):  # a backend reading the lengths gets the values read here
         out, lse = run(
             "varlen_attention", xp, qf, backend, q=qf, k=kf, v=vf, cu_seqlens_q=cq,
-            cu_seqlens_k=ck, scale=args.attention_scale(scale, dims.d), **options,
-            return_lse=bool(return_lse),
-            precision=args.precision(precision, dtype_name(qf.dtype)),
+            cu_seqlens_k=ck, return_lse=bool(return_lse),
+            **_kernel_args(scale, options, precision, dims.d, qf.dtype),
         )
     if not return_lse:
         return out
@@ -326,20 +391,12 @@ def varlen_attention_vjp(
     options = args.attention_options(causal, window, softcap)
     args.precision(precision, "float32")
     extra = {"out": out, "lse": lse, "dout": dout} | ({} if dlse is None else {"dlse": dlse})
-    xp, dims, (q0, k0, v0), (qf, kf, vf), seqlens = _prepare(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, extra
-    )
-    (cq, _), (ck, _) = seqlens
+    xp, dims, operands, flat, seqlens = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, extra)
     out_f, lse_f, dout_f = vjp_operands(
-        xp, out, lse, dout, (dims.tq, dims.hq, dims.dv), qf, base
+        xp, out, lse, dout, (dims.tq, dims.hq, dims.dv), flat[0], base
     )
-    dlse_f = None if dlse is None else lse_cotangent(xp, dlse, lse_f, (dims.tq, dims.hq), qf,
-                                                     base)
-    with validated(*seqlens):
-        dq, dk, dv = run(
-            "varlen_attention_vjp", xp, qf, backend, q=qf, k=kf, v=vf, out=out_f, lse=lse_f,
-            dout=dout_f, dlse=dlse_f, cu_seqlens_q=cq, cu_seqlens_k=ck,
-            scale=args.attention_scale(scale, dims.d), **options,
-            precision=args.precision(precision, dtype_name(qf.dtype)),
-        )
-    return tuple(args.cast(xp, g, a.dtype) for g, a in ((dq, q0), (dk, k0), (dv, v0)))
+    dlse_f = None if dlse is None else lse_cotangent(xp, dlse, lse_f, (dims.tq, dims.hq),
+                                                     flat[0], base)
+    kernel_args = _kernel_args(scale, options, precision, dims.d, flat[0].dtype)
+    gradient = VarlenGradient(xp, operands, flat, seqlens, kernel_args, backend)
+    return gradient(out_f, lse_f, dout_f, dlse_f)

@@ -425,6 +425,40 @@ def test_an_eager_backward_runs_the_forwards_checked_call(monkeypatch):
     assert gq.grad_fn.name() == "attention_vjp_eagerBackward"
 
 
+def test_an_eager_packed_backward_reads_the_lengths_once(monkeypatch):
+    """An eager varlen_attention's backward runs its forward's checked call: the cumulative
+    lengths are read (on a GPU: copied to the host) by the forward alone, not the vjp
+    operator; its gradients equal the operator path's, a used lse and an empty sequence
+    included."""
+    import importlib
+
+    from softmaxkit.frameworks import torch as ops
+
+    module = importlib.import_module("softmaxkit.frameworks.torch.attention")
+    varlen = importlib.import_module("softmaxkit.varlen")
+    q = _randn(9, 4, 4, dtype=torch.float32)  # promoted with k, v to float64
+    k, v = _randn(11, 2, 4, seed=1), _randn(11, 2, 3, seed=2)
+    cu_q, cu_k = torch.tensor([0, 4, 4, 9]), torch.tensor([0, 3, 6, 11])
+    args = (cu_q, cu_k, 0.8, "bottom_right", [-1, -1], None, "float32", None, True)
+
+    def loss(out, lse):
+        return out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
+
+    want = torch.autograd.grad(loss(*ops.varlen_attention_op(q, k, v, *args)), (q, k, v))
+    reads = []
+    check = varlen.check_seqlens
+    monkeypatch.setattr(varlen, "check_seqlens", lambda *a: reads.append(1) or check(*a))
+    monkeypatch.setattr(module, "varlen_attention_vjp_op",
+                        lambda *a: pytest.fail("vjp operator ran"))
+    out, lse = sk.varlen_attention(q, k, v, cu_q, cu_k, scale=0.8, causal=True,
+                                   return_lse=True)
+    got = torch.autograd.grad(loss(out, lse), (q, k, v))
+    assert reads == [1]
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_underivable_arguments_raise():
     x = _randn(2, 3)
     with pytest.raises(NotImplementedError, match="return_sign"):

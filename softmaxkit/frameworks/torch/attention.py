@@ -15,6 +15,7 @@ from ...attention import merge_attention_states as _merge_fn
 from ...attention import merge_attention_vjp as _merge_vjp_fn
 from ...varlen import varlen_attention as _varlen_fn
 from ...varlen import varlen_attention_vjp as _varlen_vjp_fn
+from ...varlen import varlen_attention_with_gradient as _varlen_with_gradient
 from .common import (
     LN2,
     acc_dtype,
@@ -108,6 +109,12 @@ def _attention_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> No
     ctx.save_for_backward(q, k, v, mask, *output)  # out and lse: the backward recomputes
 
 
+def _lse_cotangent(dlse: Tensor | None, lse: Tensor) -> Tensor | None:
+    """An lse's cotangent from autograd (its shape and dtype) as the kernels take it: a row
+    without keys (lse -inf) ignores it (:func:`softmaxkit.attention.lse_cotangent`)."""
+    return None if dlse is None else dlse.masked_fill(lse == -math.inf, 0.0)
+
+
 def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple:
     """The VJP from the cotangents autograd gives, not materialized: an unused ``out`` comes
     as None (a zero ``dout``), an unused ``lse`` as None (no ``dlse`` term); a used lse's
@@ -118,10 +125,8 @@ def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> t
     dlse = dlse if ctx.lse_used else None
     if ctx.state is not None and not torch.is_grad_enabled():
         # an eager forward's checked call, straight to the backend: no second derivative
-        # asked for; a row without keys (lse -inf) ignores its lse's cotangent
-        if dlse is not None:
-            dlse = dlse.masked_fill(lse == -math.inf, 0.0)
-        dq, dk, dv = ctx.state(out, lse, dout, dlse)
+        # asked for
+        dq, dk, dv = ctx.state(out, lse, dout, _lse_cotangent(dlse, lse))
     else:
         dq, dk, dv = call(attention_vjp_op, q, k, v, out, lse, dout, dlse, *ctx.args, mask,
                           *ctx.tail, eager=ctx.eager)
@@ -310,6 +315,20 @@ def varlen_attention_op(
     return out.contiguous(), lse.contiguous()
 
 
+def _varlen_eager(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    scale: float | None, causal: str | None, window: list[int], softcap: float | None,
+    precision: str, backend: str | None, lse_used: bool,
+) -> tuple[tuple[Tensor, Tensor], Any]:
+    """:func:`varlen_attention_op`'s implementation for its eager Function, with the call's
+    gradient (operands checked, lengths read) kept for the backward."""
+    out, lse, gradient = _varlen_with_gradient(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal or False,
+        window=(window[0], window[1]), softcap=softcap, precision=precision, backend=backend,
+    )
+    return (out.contiguous(), lse.contiguous()), gradient
+
+
 @varlen_attention_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, precision, backend,
       lse_used):
@@ -358,12 +377,17 @@ def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tupl
     if dout is None:
         dout = torch.zeros_like(out)
     dlse = dlse if ctx.lse_used else None
-    dq, dk, dv = call(varlen_attention_vjp_op, q, k, v, out, lse, dout, dlse, cu_q, cu_k,
-                      *ctx.args, eager=ctx.eager)
+    if ctx.state is not None and not torch.is_grad_enabled():
+        # as for attention, and the lengths are not read from the device again
+        dq, dk, dv = ctx.state(out, lse, dout, _lse_cotangent(dlse, lse))
+    else:
+        dq, dk, dv = call(varlen_attention_vjp_op, q, k, v, out, lse, dout, dlse, cu_q, cu_k,
+                          *ctx.args, eager=ctx.eager)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-register_autograd(varlen_attention_op, _varlen_backward, setup_context=_varlen_setup)
+register_autograd(varlen_attention_op, _varlen_backward, setup_context=_varlen_setup,
+                  eager_forward=_varlen_eager)
 
 
 def _seqlens(value: Any, like: Tensor, name: str) -> Tensor:
