@@ -9,7 +9,8 @@ a flat view and four element strides (:func:`mask_view`).
 Threads: Numba's threads (``NUMBA_NUM_THREADS``, ``numba.set_num_threads``) share the tiles;
 the BLAS products inside them must then run on one thread each, or OpenBLAS's own threads
 would compete with Numba's for the same cores.  :func:`single_threaded_blas` limits every
-loaded BLAS library to one thread for the duration of a call and restores it after.  Which
+loaded BLAS library to one thread for the duration of a call on several threads and restores
+it after.  Which
 OpenBLAS kernel runs also matters: OpenBLAS picks it from the CPU unless the environment
 variable ``OPENBLAS_CORETYPE`` names one (docs/benchmarks-cpu.md, "Attention").
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import numba
@@ -36,9 +37,14 @@ _NO_MASK = (np.ones(1, dtype=np.bool_), (0, 0, 0, 0))
 _controller: Any = None
 
 
-def single_threaded_blas() -> AbstractContextManager:
-    """A context in which every loaded BLAS library (SciPy's included) runs on one thread."""
+def single_threaded_blas(workers: int) -> AbstractContextManager:
+    """A context in which every loaded BLAS library (SciPy's included) runs on one thread
+    while ``workers`` of Numba's threads run a kernel: nothing for one worker, whose products
+    compete with no other thread of the call (and setting the libraries' threads costs tens
+    of microseconds, as much as a small call's work)."""
     global _controller
+    if workers <= 1:
+        return nullcontext()
     if _controller is None:
         import scipy.linalg.cython_blas  # noqa: F401  (loads the BLAS the kernels call)
         from threadpoolctl import ThreadpoolController
@@ -156,7 +162,7 @@ def forward_into(
     kp = np.empty((heads, keys * d) if f32 and d else (0, 0), dtype=np.float32)
     vp = np.empty((heads, keys * dv) if f32 and dv and dv % 16 == 0 else (0, 0),
                   dtype=np.float32)
-    with single_threaded_blas(), numba_threads(workers):
+    with single_threaded_blas(workers), numba_threads(workers):
         kernels.forward(qn, kn, vn, out, lse, float(scale), offset, is_causal, left,
                         right, float(softcap or 0.0), flat, strides, mask is not None, workers,
                         tile_q, tile_k, kp, vp)
@@ -197,7 +203,7 @@ def attention_vjp(
     tile_q, tile_k = kernels.TILE_Q, kernels.TILE_K
     workers = workers_for(bsz * hk * math.ceil(lk / tile_k), bsz * hq * lq * lk)
     parts = np.zeros((workers, bsz, hq, lq, d), dtype=qn.dtype)
-    with single_threaded_blas(), numba_threads(workers):
+    with single_threaded_blas(workers), numba_threads(workers):
         kernels.backward(qn, kn, vn, don, lse_n, delta, parts, grads[1].storage,
                          grads[2].storage, float(scale), offset, is_causal, left, right,
                          float(softcap or 0.0), flat, strides, mask is not None, workers,
