@@ -119,6 +119,8 @@ def _unbroadcast(xp: Any, g: Any, shape: tuple[int, ...]) -> Any:
 
 
 def _prepare(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any] | None = None):
+    """The call's namespace and layout, its operands checked (q, k, v floating, mask boolean),
+    and those laid out for a backend (:func:`_laid_out`)."""
     arrays = {"q": q, "k": k, "v": v, "mask": mask, **(extra or {})}
     xp = args.namespace(**arrays)
     q, k, v = args.attention_operands(xp, q, k, v)
@@ -127,35 +129,51 @@ def _prepare(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any] | None = N
         if mask.ndim < 3:
             mask = xp.reshape(mask, (1,) * (3 - mask.ndim) + tuple(mask.shape))
     layout = _Layout(xp, q, k, v, mask)
+    if mask is not None:
+        full = tuple(mask.shape[:-3]) + (layout.hq, layout.lq, layout.lk)
+        try:
+            fits = np.broadcast_shapes(tuple(mask.shape), full) == full
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not broadcast to [..., Hq, Lq, Lk] = "
+                f"[..., {layout.hq}, {layout.lq}, {layout.lk}]"
+            )
+    return xp, layout, (q, k, v, mask), _laid_out(xp, layout, q, k, v, mask)
+
+
+def _laid_out(xp: Any, layout: _Layout, q: Any, k: Any, v: Any, mask: Any) -> tuple:
+    """``(qf, kf, vf, mf)``: checked q, k, v in their common dtype and a boolean mask (or
+    None) broadcast to ``[..., Hq, Lq, Lk]``, each flattened to ``[B, ...]`` as ``layout``
+    says, the layout of a backend call."""
     if q.dtype == k.dtype == v.dtype:  # the common case: no promotion to work out
         qf, kf, vf = (layout.flat(xp, a) for a in (q, k, v))
     else:
         common = xp.result_type(q.dtype, k.dtype, v.dtype)
         qf, kf, vf = (layout.flat(xp, xp.astype(a, common, copy=False)) for a in (q, k, v))
-    mf = None
-    if mask is not None:
-        full = (layout.hq, layout.lq, layout.lk)
-        try:
-            mask = xp.broadcast_to(mask, tuple(mask.shape[:-3]) + full)
-        except Exception:
-            raise ValueError(
-                f"mask of shape {tuple(mask.shape)} does not broadcast to [..., Hq, Lq, Lk] = "
-                f"[..., {layout.hq}, {layout.lq}, {layout.lk}]"
-            ) from None
-        mf = layout.flat(xp, mask)
-    return xp, layout, (q, k, v), (qf, kf, vf, mf)
+    if mask is None:
+        return qf, kf, vf, None
+    if mask.ndim < 3:
+        mask = xp.reshape(mask, (1,) * (3 - mask.ndim) + tuple(mask.shape))
+    full = (layout.hq, layout.lq, layout.lk)
+    return qf, kf, vf, layout.flat(xp, xp.broadcast_to(mask, tuple(mask.shape[:-3]) + full))
 
 
 class AttentionGradient:
-    """The gradient of one attention call whose operands are checked and laid out: what
-    :func:`attention_vjp` runs once it has validated its arguments, and what an autograd
-    backward runs directly with the forward's own ``out`` and ``lse`` and a cotangent of
-    ``out``'s shape and dtype (no argument checked again).
+    """The gradient of one attention call whose arguments are checked: what
+    :func:`attention_vjp` runs once it has validated its own, and what an autograd backward
+    runs directly with the forward's operands, ``out`` and ``lse`` and a cotangent of
+    ``out``'s shape and dtype (nothing checked again).
+
+    It holds no array of the call: the backward passes the operands again (autograd's saved
+    tensors, which activation checkpointing may have recomputed or offloading moved), so
+    that keeping the gradient keeps no memory alive.
 
     Parameters
     ----------
-    xp, layout, operands, flat
-        :func:`_prepare`'s results for q, k, v and mask.
+    xp, layout
+        :func:`_prepare`'s namespace and layout of the call.
     kernel_args : dict
         The backend call's other arguments: ``scale``, ``causal``, ``window``, ``softcap``
         (normalized) and ``precision`` (for the dtype).
@@ -163,19 +181,27 @@ class AttentionGradient:
         The ``backend=`` asked for.
     """
 
-    __slots__ = ("xp", "layout", "operands", "flat", "kernel_args", "backend")
+    __slots__ = ("xp", "layout", "kernel_args", "backend")
 
-    def __init__(self, xp: Any, layout: _Layout, operands: tuple, flat: tuple,
-                 kernel_args: dict[str, Any], backend: str | None) -> None:
-        self.xp, self.layout, self.operands, self.flat = xp, layout, operands, flat
-        self.kernel_args, self.backend = kernel_args, backend
+    def __init__(self, xp: Any, layout: _Layout, kernel_args: dict[str, Any],
+                 backend: str | None) -> None:
+        self.xp, self.layout, self.kernel_args, self.backend = xp, layout, kernel_args, backend
 
-    def __call__(self, out: Any, lse: Any, dout: Any, dlse: Any = None) -> tuple[Any, Any, Any]:
-        """``(dq, dk, dv)`` for ``out`` and ``dout`` (``[..., Hq, Lq, Dv]``, the operands'
-        dtype), the natural-log ``lse`` in the accumulator dtype and ``dlse`` (its shape and
-        dtype, 0 where ``lse`` is -inf) or None; shaped and typed like q, k, v."""
+    def __call__(self, q: Any, k: Any, v: Any, mask: Any, out: Any, lse: Any, dout: Any,
+                 dlse: Any = None) -> tuple[Any, Any, Any]:
+        """``(dq, dk, dv)`` for the checked operands (q, k, v floating, mask boolean or
+        None), ``out`` and ``dout`` (``[..., Hq, Lq, Dv]``, the operands' common dtype), the
+        natural-log ``lse`` in the accumulator dtype and ``dlse`` (its shape and dtype, 0
+        where ``lse`` is -inf) or None; shaped and typed like q, k, v."""
+        return self.laid_out((q, k, v), _laid_out(self.xp, self.layout, q, k, v, mask), out,
+                             lse, dout, dlse)
+
+    def laid_out(self, operands: tuple, flat: tuple, out: Any, lse: Any, dout: Any,
+                 dlse: Any) -> tuple[Any, Any, Any]:
+        """:meth:`__call__` of q, k, v (``operands``) already laid out (``flat``, of
+        :func:`_laid_out`)."""
         xp, layout = self.xp, self.layout
-        qf, kf, vf, mf = self.flat
+        qf, kf, vf, mf = flat
         lead = len(layout.lead)
         if lead != 1:  # the leading dimensions flattened into B, as the operands are
             out, lse, dout, dlse = (
@@ -184,7 +210,7 @@ class AttentionGradient:
         dq, dk, dv = run("attention_vjp", xp, qf, self.backend, q=qf, k=kf, v=vf, out=out,
                          lse=lse, dout=dout, dlse=dlse, mask=mf, **self.kernel_args)
         grads = []
-        for g, a in ((dq, self.operands[0]), (dk, self.operands[1]), (dv, self.operands[2])):
+        for g, a in zip((dq, dk, dv), operands, strict=True):
             g = _unbroadcast(xp, layout.unflat(xp, g), tuple(a.shape))
             grads.append(args.cast(xp, g, a.dtype))
         return tuple(grads)
@@ -206,12 +232,11 @@ def attention_with_gradient(
     """:func:`attention`'s ``out`` and natural-log ``lse`` on the plain path (no framework
     routing), and the call's :class:`AttentionGradient`, for an autograd forward whose
     backward then skips the checks already made."""
-    xp, layout, operands, flat = _prepare(q, k, v, mask)
-    kernel_args = _kernel_args(scale, causal, window, softcap, precision, layout, flat[0].dtype)
-    qf, kf, vf, mf = flat
+    xp, layout, _, (qf, kf, vf, mf) = _prepare(q, k, v, mask)
+    kernel_args = _kernel_args(scale, causal, window, softcap, precision, layout, qf.dtype)
     out, lse = run("attention", xp, qf, backend, q=qf, k=kf, v=vf, mask=mf, return_lse=True,
                    **kernel_args)
-    gradient = AttentionGradient(xp, layout, operands, flat, kernel_args, backend)
+    gradient = AttentionGradient(xp, layout, kernel_args, backend)
     return layout.unflat(xp, out), layout.unflat(xp, lse), gradient
 
 
@@ -377,8 +402,8 @@ def attention_vjp(
     dlse_v = (None if dlse is None
               else lse_cotangent(xp, dlse, lse_v, out_shape[:-1], flat[0], base))
     kernel_args = _kernel_args(scale, causal, window, softcap, precision, layout, flat[0].dtype)
-    gradient = AttentionGradient(xp, layout, operands, flat, kernel_args, backend)
-    return gradient(out_v, lse_v, dout_v, dlse_v)
+    gradient = AttentionGradient(xp, layout, kernel_args, backend)
+    return gradient.laid_out(operands[:3], flat, out_v, lse_v, dout_v, dlse_v)
 
 
 def _states(

@@ -132,51 +132,67 @@ def _prepare(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, extra: dict[str, Any]
     q, k, v = args.attention_operands(xp, q, k, v)
     dims = _Packed(q, k, v)
     seqlens = check_seqlens(xp, cu_q, cu_k, dims.tq, dims.tk, q)
+    return xp, dims, (q, k, v), _common(xp, q, k, v), seqlens
+
+
+def _common(xp: Any, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """q, k, v in their common dtype."""
     if q.dtype == k.dtype == v.dtype:  # the common case: no promotion to work out
-        qf, kf, vf = q, k, v
-    else:
-        common = xp.result_type(q.dtype, k.dtype, v.dtype)
-        qf, kf, vf = (xp.astype(a, common, copy=False) for a in (q, k, v))
-    return xp, dims, (q, k, v), (qf, kf, vf), seqlens
+        return q, k, v
+    common = xp.result_type(q.dtype, k.dtype, v.dtype)
+    return tuple(xp.astype(a, common, copy=False) for a in (q, k, v))
 
 
 class VarlenGradient:
-    """The gradient of one packed attention call whose operands and cumulative lengths are
-    checked (and the lengths read to the host): what :func:`varlen_attention_vjp` runs once
-    it has validated its arguments, and what an autograd backward runs directly with the
-    forward's ``out`` and ``lse`` and a cotangent of ``out``'s shape and dtype, without
-    reading the lengths from the device again (as :class:`softmaxkit.attention.AttentionGradient`).
+    """The gradient of one packed attention call whose arguments are checked and whose
+    cumulative lengths are read to the host: what :func:`varlen_attention_vjp` runs once it
+    has validated its own, and what an autograd backward runs directly with the forward's
+    operands, ``out`` and ``lse`` and a cotangent of ``out``'s shape and dtype, without
+    reading the lengths from the device again (as
+    :class:`softmaxkit.attention.AttentionGradient`, it holds no array of the call).
 
     Parameters
     ----------
-    xp, operands, flat, seqlens
-        :func:`_prepare`'s namespace, q, k, v, their common-dtype forms, and the cumulative
-        lengths with their host values.
+    xp : namespace
+        The call's array namespace.
+    host_lengths : tuple of numpy.ndarray
+        The host values of ``cu_seqlens_q`` and ``cu_seqlens_k`` (:func:`check_seqlens`).
     kernel_args : dict
         The backend call's ``scale``, ``causal``, ``window``, ``softcap`` and ``precision``.
     backend : str or None
         The ``backend=`` asked for.
     """
 
-    __slots__ = ("xp", "operands", "flat", "seqlens", "kernel_args", "backend")
+    __slots__ = ("xp", "host_lengths", "kernel_args", "backend")
 
-    def __init__(self, xp: Any, operands: tuple, flat: tuple, seqlens: tuple,
+    def __init__(self, xp: Any, host_lengths: tuple[np.ndarray, np.ndarray],
                  kernel_args: dict[str, Any], backend: str | None) -> None:
-        self.xp, self.operands, self.flat, self.seqlens = xp, operands, flat, seqlens
+        self.xp, self.host_lengths = xp, host_lengths
         self.kernel_args, self.backend = kernel_args, backend
 
-    def __call__(self, out: Any, lse: Any, dout: Any, dlse: Any = None) -> tuple[Any, Any, Any]:
-        """``(dq, dk, dv)`` for ``out``, ``dout`` ``[Tq, Hq, Dv]`` (the operands' dtype), the
-        natural-log ``lse`` ``[Tq, Hq]`` in the accumulator dtype and ``dlse`` (its shape and
-        dtype, 0 where ``lse`` is -inf) or None; typed like q, k, v."""
-        qf, kf, vf = self.flat
-        (cq, _), (ck, _) = self.seqlens
-        with validated(*self.seqlens):
+    def __call__(self, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                 out: Any, lse: Any, dout: Any, dlse: Any = None) -> tuple[Any, Any, Any]:
+        """``(dq, dk, dv)`` for the checked operands and lengths, ``out``, ``dout``
+        ``[Tq, Hq, Dv]`` (the operands' common dtype), the natural-log ``lse`` ``[Tq, Hq]``
+        in the accumulator dtype and ``dlse`` (its shape and dtype, 0 where ``lse`` is -inf)
+        or None; typed like q, k, v."""
+        xp = self.xp
+        seqlens = tuple((xp.astype(cu, xp.int64, copy=False), host) for cu, host
+                        in zip((cu_seqlens_q, cu_seqlens_k), self.host_lengths, strict=True))
+        return self.laid_out((q, k, v), _common(xp, q, k, v), seqlens, out, lse, dout, dlse)
+
+    def laid_out(self, operands: tuple, flat: tuple, seqlens: tuple, out: Any, lse: Any,
+                 dout: Any, dlse: Any) -> tuple[Any, Any, Any]:
+        """:meth:`__call__` of q, k, v (``operands``) in their common dtype (``flat``) and
+        the lengths as :func:`check_seqlens` gives them (``seqlens``)."""
+        qf, kf, vf = flat
+        (cq, _), (ck, _) = seqlens
+        with validated(*seqlens):  # a backend reading the lengths gets the host values
             grads = run("varlen_attention_vjp", self.xp, qf, self.backend, q=qf, k=kf, v=vf,
                         out=out, lse=lse, dout=dout, dlse=dlse, cu_seqlens_q=cq,
                         cu_seqlens_k=ck, **self.kernel_args)
         return tuple(args.cast(self.xp, g, a.dtype)
-                     for g, a in zip(grads, self.operands, strict=True))
+                     for g, a in zip(grads, operands, strict=True))
 
 
 def _kernel_args(scale: Any, options: dict[str, Any], precision: Any, d: int,
@@ -196,14 +212,13 @@ def varlen_attention_with_gradient(
     whose backward then skips the checks (and the reading of the lengths) already made."""
     options = args.attention_options(causal, window, softcap)
     args.precision(precision, "float32")
-    xp, dims, operands, flat, seqlens = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    kernel_args = _kernel_args(scale, options, precision, dims.d, flat[0].dtype)
-    qf, kf, vf = flat
-    (cq, _), (ck, _) = seqlens
+    xp, dims, _, (qf, kf, vf), seqlens = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    kernel_args = _kernel_args(scale, options, precision, dims.d, qf.dtype)
+    (cq, host_q), (ck, host_k) = seqlens
     with validated(*seqlens):
         out, lse = run("varlen_attention", xp, qf, backend, q=qf, k=kf, v=vf,
                        cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, **kernel_args)
-    return out, lse, VarlenGradient(xp, operands, flat, seqlens, kernel_args, backend)
+    return out, lse, VarlenGradient(xp, (host_q, host_k), kernel_args, backend)
 
 
 def varlen_attention(
@@ -398,5 +413,5 @@ def varlen_attention_vjp(
     dlse_f = None if dlse is None else lse_cotangent(xp, dlse, lse_f, (dims.tq, dims.hq),
                                                      flat[0], base)
     kernel_args = _kernel_args(scale, options, precision, dims.d, flat[0].dtype)
-    gradient = VarlenGradient(xp, operands, flat, seqlens, kernel_args, backend)
-    return gradient(out_f, lse_f, dout_f, dlse_f)
+    gradient = VarlenGradient(xp, (seqlens[0][1], seqlens[1][1]), kernel_args, backend)
+    return gradient.laid_out(operands, flat, seqlens, out_f, lse_f, dout_f, dlse_f)

@@ -391,6 +391,21 @@ def test_eager_calls_record_the_operators_formula_and_match_the_operators():
             "GeneratedBackwardFor_softmaxkit_softmax")
 
 
+def _holds_tensor(obj, depth=0):
+    """Whether ``obj`` (a gradient state: its slots, tuples, lists, dicts) refers to a
+    tensor, which would keep it alive until the backward whatever autograd saved."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    if depth > 3:
+        return False
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(a, depth + 1) for a in obj)
+    slots = getattr(type(obj), "__slots__", ())
+    return any(_holds_tensor(getattr(obj, n), depth + 1) for n in slots)
+
+
 def test_an_eager_backward_runs_the_forwards_checked_call(monkeypatch):
     """Without ``create_graph`` an eager attention's backward runs the call its forward
     checked and laid out, not the vjp operator; its gradients equal the operator path's for
@@ -418,6 +433,14 @@ def test_an_eager_backward_runs_the_forwards_checked_call(monkeypatch):
     got = torch.autograd.grad(loss(out, lse), (q, k, v))
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not _holds_tensor(out.grad_fn.state)  # the backward gets autograd's saved ones
+    # under activation checkpointing the backward gets recomputed operands, same gradients
+    checkpointed = torch.utils.checkpoint.checkpoint(
+        lambda q, k, v: loss(*sk.attention(q, k, v, scale=0.7, causal="top_left", mask=mask,
+                                           softcap=1.5, return_lse=True)),
+        q, k, v, use_reentrant=False)
+    for a, b in zip(torch.autograd.grad(checkpointed, (q, k, v)), want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     monkeypatch.setattr(module, "attention_vjp_op", vjp)
     out = sk.attention(q, k, v, mask=mask)  # a second derivative asked for: the operator
@@ -452,6 +475,7 @@ def test_an_eager_packed_backward_reads_the_lengths_once(monkeypatch):
                         lambda *a: pytest.fail("vjp operator ran"))
     out, lse = sk.varlen_attention(q, k, v, cu_q, cu_k, scale=0.8, causal=True,
                                    return_lse=True)
+    assert not _holds_tensor(out.grad_fn.state)
     got = torch.autograd.grad(loss(out, lse), (q, k, v))
     assert reads == [1]
     for a, b in zip(got, want, strict=True):

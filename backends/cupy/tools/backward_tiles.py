@@ -7,8 +7,9 @@ rows), from the same forward's out and lse, and torch autograd's backward throug
 ``scaled_dot_product_attention`` under its flash and cuDNN backends (the graph kept), each the
 median of ``triton.testing.do_bench``; TFLOP/s count 10 B H L^2 D (five products), halved for
 causal.  Before timing, every configuration's gradients on a small problem of the same head
-dimension (on memory that held NaN) are compared with float64 autograd on the device; the
-worst relative Frobenius error of dq, dk, dv over bfloat16's bound fails the run.
+dimension (on memory that held NaN) are compared with the float64 materialized definition
+(``softmaxkit.testing.materialized``); the worst relative Frobenius error of dq, dk, dv over
+bfloat16's bound fails the run.
 
 Usage: ``python backends/cupy/tools/backward_tiles.py [D ...]`` (from the repository root).
 """
@@ -19,7 +20,8 @@ import math
 import sys
 
 import torch
-from f32_backward_timing import reference_grads  # this script's folder is on sys.path
+
+from softmaxkit.testing import materialized as ref
 
 B, H, L = 4, 32, 4096
 BOUND = 3e-2  # bfloat16 gradients against float64 (gpu_check's bound)
@@ -67,13 +69,13 @@ def main() -> int:
     for d in dims:
         for causal in (False, True):
             small, (q, k, v, dout) = calls(d, 1, 2, 300, causal, seed=d)
-            want = reference_grads(q, k, v, dout, causal)
+            want = ref.attention_vjp(*(a.double().cpu().numpy() for a in (q, k, v, dout)),
+                                     causal="bottom_right" if causal else None)
             errors = {}
             for name, fn in small.items():
                 junk = [torch.full(a.shape, math.nan, device="cuda") for a in (q, k, v)]
                 del junk
-                errors[name] = max(float(torch.linalg.vector_norm(g.double() - w)
-                                         / torch.linalg.vector_norm(w))
+                errors[name] = max(ref.rel_frobenius(g.double().cpu().numpy(), w)
                                    for g, w in zip(fn(), want, strict=True))
             failed |= any(e > BOUND for e in errors.values())
             timed, _ = calls(d, B, H, L, causal, seed=d + 1)

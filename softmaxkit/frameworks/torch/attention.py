@@ -126,7 +126,7 @@ def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> t
     if ctx.state is not None and not torch.is_grad_enabled():
         # an eager forward's checked call, straight to the backend: no second derivative
         # asked for
-        dq, dk, dv = ctx.state(out, lse, dout, _lse_cotangent(dlse, lse))
+        dq, dk, dv = ctx.state(q, k, v, mask, out, lse, dout, _lse_cotangent(dlse, lse))
     else:
         dq, dk, dv = call(attention_vjp_op, q, k, v, out, lse, dout, dlse, *ctx.args, mask,
                           *ctx.tail, eager=ctx.eager)
@@ -379,7 +379,8 @@ def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tupl
     dlse = dlse if ctx.lse_used else None
     if ctx.state is not None and not torch.is_grad_enabled():
         # as for attention, and the lengths are not read from the device again
-        dq, dk, dv = ctx.state(out, lse, dout, _lse_cotangent(dlse, lse))
+        dq, dk, dv = ctx.state(q, k, v, cu_q, cu_k, out, lse, dout,
+                               _lse_cotangent(dlse, lse))
     else:
         dq, dk, dv = call(varlen_attention_vjp_op, q, k, v, out, lse, dout, dlse, cu_q, cu_k,
                           *ctx.args, eager=ctx.eager)
