@@ -133,7 +133,7 @@ def _prepare(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any] | None = N
         full = tuple(mask.shape[:-3]) + (layout.hq, layout.lq, layout.lk)
         try:
             fits = np.broadcast_shapes(tuple(mask.shape), full) == full
-        except ValueError:
+        except (ValueError, TypeError):  # TypeError: a length not known yet (Dask)
             fits = False
         if not fits:
             raise ValueError(
