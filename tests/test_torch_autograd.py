@@ -483,6 +483,60 @@ def test_an_eager_packed_backward_reads_the_lengths_once(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_torch_func_transforms_run_the_librarys_formulas():
+    """``torch.func.grad`` and ``torch.func.vjp`` through softmaxkit's operations give the
+    gradients autograd gives (torch's own where it has the operation, float64); ``vmap`` and
+    ``jacrev`` raise an error naming the operation, and a second derivative raises
+    ``DoubleBackwardError``."""
+    from softmaxkit.frameworks.torch import DoubleBackwardError
+
+    x, target = _randn(3, 5, grad=False), torch.tensor([0, 4, 2])
+    q, k, v = (a.detach() for a in _qkv(4, 2, 5, 6, lead=(2,)))
+    cu_q, cu_k = torch.tensor([0, 2, 5]), torch.tensor([0, 4, 6])
+
+    def lse_loss(out, lse):
+        return out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
+
+    cases = [
+        (lambda x: sk.softmax(x, -1).square().sum(),
+         lambda x: torch.softmax(x, -1).square().sum(), (x,)),
+        (lambda x: sk.log_softmax(x, -1).square().sum(),
+         lambda x: torch.log_softmax(x, -1).square().sum(), (x,)),
+        (lambda x: sk.logsumexp(x, -1).sum(), lambda x: torch.logsumexp(x, -1).sum(), (x,)),
+        (lambda x: sk.cross_entropy(x, target), lambda x: F.cross_entropy(x, target), (x,)),
+        (lambda q, k, v: sk.attention(q, k, v, causal=True).square().sum(),
+         lambda q, k, v: F.scaled_dot_product_attention(
+             q, k, v, is_causal=False, enable_gqa=True,
+             attn_mask=torch.ones(5, 6, dtype=torch.bool).tril(1)).square().sum(), (q, k, v)),
+        (lambda q, k, v: lse_loss(*sk.attention(q, k, v, causal=True, return_lse=True)),
+         None, (q, k, v)),
+        (lambda q, k, v: lse_loss(*sk.varlen_attention(q[0].transpose(0, 1), k[0].transpose(
+            0, 1), v[0].transpose(0, 1), cu_q, cu_k, causal=True, return_lse=True)),
+         None, (q, k, v)),
+    ]
+    for ours, theirs, inputs in cases:
+        argnums = tuple(range(len(inputs)))
+        got = torch.func.grad(ours, argnums=argnums)(*inputs)
+        if theirs is not None:
+            want = torch.func.grad(theirs, argnums=argnums)(*inputs)
+        else:  # the eager autograd path, itself checked against float64 above
+            leaves = tuple(a.clone().requires_grad_() for a in inputs)
+            want = torch.autograd.grad(ours(*leaves), leaves)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    out, pullback = torch.func.vjp(lambda x: sk.softmax(x, -1), x)
+    cot = torch.randn_like(out)
+    torch.testing.assert_close(pullback(cot)[0], torch.func.vjp(
+        lambda x: torch.softmax(x, -1), x)[1](cot)[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="softmaxkit.softmax has no vmap rule"):
+        torch.func.vmap(lambda x: sk.softmax(x, -1))(x)
+    with pytest.raises(NotImplementedError, match="softmaxkit.attention_vjp has no vmap rule"):
+        torch.func.jacrev(lambda q: sk.attention(q, k, v))(q)
+    with pytest.raises(DoubleBackwardError, match="softmax_vjp"):
+        torch.func.grad(lambda x: torch.func.grad(
+            lambda y: sk.softmax(y, -1).square().sum())(x).sum())(x)
+
+
 def test_underivable_arguments_raise():
     x = _randn(2, 3)
     with pytest.raises(NotImplementedError, match="return_sign"):

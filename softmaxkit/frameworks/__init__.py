@@ -3,8 +3,9 @@
 A public function asks :func:`route` whether its arrays need a framework's own operator:
 
 - a PyTorch tensor that autograd could record (grad mode on and some input requiring grad),
-  or any PyTorch tensor while ``torch.compile`` traces, goes to the custom operators of
-  :mod:`softmaxkit.frameworks.torch`, whose backward is the library's own VJP;
+  or any PyTorch tensor while ``torch.compile`` traces or a ``torch.func`` transform runs,
+  goes to the custom operators of :mod:`softmaxkit.frameworks.torch`, whose backward is the
+  library's own VJP;
 - a JAX array (concrete or traced) goes to the ``jax.custom_vjp`` wrappers of
   :mod:`softmaxkit.frameworks.jax`;
 - everything else takes the plain path, paying only this check.
@@ -83,8 +84,9 @@ def route(*arrays: Any) -> ModuleType | None:
             continue
         break
     else:  # the common call: one set lookup for each plain value or tensor
-        if tensors and _IMPORTED["torch"].compiler.is_compiling():
-            return _torch_module()
+        if tensors and (_IMPORTED["torch"].compiler.is_compiling()
+                        or _IMPORTED["torch"]._C._are_functorch_transforms_active()):
+            return _torch_module()  # a trace, or a transform's wrapped tensors (vmap)
         return None
     torch = imported("torch")
     if torch is not None and torch.compiler.is_compiling():
@@ -109,7 +111,8 @@ def route(*arrays: Any) -> ModuleType | None:
                 _PLAIN.add(type(a))
     if not seen or torch is None:
         return None
-    if (grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+    if ((grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()):
         return _torch_module()
     return None
 

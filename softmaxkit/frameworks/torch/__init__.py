@@ -6,9 +6,11 @@ and CUDA graphs see one opaque operator.  An eager call (nothing tracing or tran
 runs the same implementation and formula as a ``torch.autograd.Function``
 (``<operator>_eager``), without the custom operator's own dispatch: on the CPU a
 differentiable call and its backward cost 70-140 us less (a fifth to a third of a small
-call; :func:`.common.call`).  An operator's implementation calls the public
-function's plain path (dispatch through the registry, unchanged); its backward calls the
-library's own VJP operators on the same backend:
+call; :func:`.common.call`).  Under a ``torch.func`` transform (``grad``, ``vjp``) the
+formula runs as a Function of the form functorch takes; there is no vmap rule (``vmap``,
+``jacrev`` and ``jacfwd`` raise, naming the operation).  An operator's implementation calls
+the public function's plain path (dispatch through the registry, unchanged); its backward
+calls the library's own VJP operators on the same backend:
 
 - softmax, log_softmax: ``softmax_vjp`` / ``log_softmax_vjp`` from the saved output;
 - logsumexp: the softmax of the input (with weights ``b``: ``b * exp(a - lse)``);
@@ -24,7 +26,8 @@ the operation.  Arguments that have no gradient formula (for example probabiliti
 cross-entropy targets that require grad) raise at the call, never drop the gradient.
 
 The functions below take the public signatures; the public functions hand a call here when
-:func:`softmaxkit.frameworks.route` says autograd or ``torch.compile`` could record it.
+:func:`softmaxkit.frameworks.route` says autograd, ``torch.compile`` or a ``torch.func``
+transform could record it.
 """
 
 from .attention import (

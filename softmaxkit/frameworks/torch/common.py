@@ -37,6 +37,10 @@ _IMPLEMENTATIONS: dict[Any, tuple[str, Callable[..., Any]]] = {}
 _EAGER: dict[Any, type[torch.autograd.Function]] = {}
 """Each operator's autograd formula as a ``torch.autograd.Function``, for :func:`call`."""
 
+_TRANSFORMABLE: dict[Any, type[torch.autograd.Function]] = {}
+"""The same formulas as Functions of the form functorch transforms take (a ``setup_context`` of
+their own), for :func:`call` under ``torch.func.grad`` and the like."""
+
 
 def custom_op(name: str) -> Callable[[Callable[..., Any]], Any]:
     """``torch.library.custom_op("softmaxkit::<name>")`` of the decorated function, which is
@@ -85,23 +89,39 @@ def register_autograd(op: Any, backward: Any, setup_context: Any,
     _EAGER[op] = type(f"{name}_eager", (torch.autograd.Function,), {
         "forward": staticmethod(forward), "backward": staticmethod(run)})
 
+    def transformed(*inputs: Any) -> Any:  # functorch runs it on the level below's tensors
+        return implementation(*inputs)
+
+    def vmap(info: Any, in_dims: Any, *inputs: Any) -> Any:
+        raise NotImplementedError(
+            f"softmaxkit.{name} has no vmap rule (torch.func.vmap, jacrev, jacfwd): call it "
+            "on the batched tensor itself, whose leading dimensions are batch dimensions"
+        )
+
+    _TRANSFORMABLE[op] = type(f"{name}_transformable", (torch.autograd.Function,), {
+        "forward": staticmethod(transformed), "setup_context": staticmethod(setup),
+        "backward": staticmethod(run), "vmap": staticmethod(vmap)})
+
 
 def call(op: Any, *args: Any, eager: bool = True) -> Any:
     """``op(*args)`` as autograd records it.
 
-    The custom operator itself where something traces or transforms the call (``torch.compile``,
-    ``make_fx`` and other dispatch modes such as fake tensors, functorch transforms), or where
-    ``eager`` is false (a backward of the operator's own formula, ``ctx.eager`` false: it may
-    be traced);
+    The custom operator itself where something traces the call (``torch.compile``,
+    ``make_fx`` and other dispatch modes such as fake tensors), or where ``eager`` is false
+    (a backward of the operator's own formula, ``ctx.eager`` false: it may be traced); under a
+    functorch transform (``torch.func.grad``, ``vjp``), the operator's formula as a Function
+    of the form those take (the custom operator's own Function is not);
     otherwise the operator's ``torch.autograd.Function``, the same implementation and formula
     without the operator's own eager dispatch (schema checks, defaults and aliasing checks,
     the compiler's guards: about 100 us of a differentiable call on the CPU), or, where grad
     mode is off (a backward's vjp, inference), the implementation alone.
     """
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return op(*args)
+    if torch._C._are_functorch_transforms_active() and op in _TRANSFORMABLE:
+        return _TRANSFORMABLE[op].apply(*args)
     function = _EAGER.get(op) if eager else None
-    if (function is None or torch.compiler.is_compiling()
-            or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._are_functorch_transforms_active()):
+    if function is None or torch._C._are_functorch_transforms_active():
         return op(*args)
     if not torch.is_grad_enabled():  # nothing to record: a backward's vjp, inference
         return _IMPLEMENTATIONS[op][1](*args)
