@@ -52,14 +52,18 @@ def lse_cotangent(
 ) -> Any:
     """The lse's cotangent ``dlse`` (of ``shape``, given in ``base``) checked, in the
     accumulator dtype, for the natural-log ``lse`` the kernels take: ``d lse_2 = d lse_e /
-    ln 2`` turns a base-2 cotangent into ``dlse / ln 2``; rows whose ``lse`` is -inf (no
-    allowed key, so no score for it to reach) get 0, so a non-finite value there reads as
-    nothing."""
+    ln 2`` turns a base-2 cotangent into ``dlse / ln 2`` (rows without keys:
+    :func:`keyless_rows_ignore`, which the gradients apply)."""
     dlse = args.shaped_floating(xp, dlse, "dlse", shape, like)
     dlse = xp.astype(dlse, lse.dtype, copy=False)
-    if base == "2":
-        dlse = dlse / LN2
-    return xp.where(lse == -math.inf, xp.zeros_like(dlse), dlse)
+    return dlse / LN2 if base == "2" else dlse
+
+
+def keyless_rows_ignore(xp: Any, dlse: Any, lse: Any) -> Any:
+    """``dlse`` (or None) with 0 on the rows whose ``lse`` is -inf: a row with no allowed key
+    has no score for its lse's cotangent to reach, so a non-finite value there reads as
+    nothing (spec "Attention")."""
+    return None if dlse is None else xp.where(lse == -math.inf, xp.zeros_like(dlse), dlse)
 
 
 class _Layout:
@@ -125,9 +129,8 @@ def _prepare(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any] | None = N
     xp = args.namespace(**arrays)
     q, k, v = args.attention_operands(xp, q, k, v)
     if mask is not None:
-        mask = args.boolean(args.as_array(xp, mask, "mask", like=q), "mask", "True = attend")
-        if mask.ndim < 3:
-            mask = xp.reshape(mask, (1,) * (3 - mask.ndim) + tuple(mask.shape))
+        mask = _heads_rows_keys(xp, args.boolean(args.as_array(xp, mask, "mask", like=q), "mask",
+                                                 "True = attend"))
     layout = _Layout(xp, q, k, v, mask)
     if mask is not None:
         full = tuple(mask.shape[:-3]) + (layout.hq, layout.lq, layout.lk)
@@ -147,17 +150,27 @@ def _laid_out(xp: Any, layout: _Layout, q: Any, k: Any, v: Any, mask: Any) -> tu
     """``(qf, kf, vf, mf)``: checked q, k, v in their common dtype and a boolean mask (or
     None) broadcast to ``[..., Hq, Lq, Lk]``, each flattened to ``[B, ...]`` as ``layout``
     says, the layout of a backend call."""
-    if q.dtype == k.dtype == v.dtype:  # the common case: no promotion to work out
-        qf, kf, vf = (layout.flat(xp, a) for a in (q, k, v))
-    else:
-        common = xp.result_type(q.dtype, k.dtype, v.dtype)
-        qf, kf, vf = (layout.flat(xp, xp.astype(a, common, copy=False)) for a in (q, k, v))
+    qf, kf, vf = (layout.flat(xp, a) for a in in_common_dtype(xp, q, k, v))
     if mask is None:
         return qf, kf, vf, None
-    if mask.ndim < 3:
-        mask = xp.reshape(mask, (1,) * (3 - mask.ndim) + tuple(mask.shape))
+    mask = _heads_rows_keys(xp, mask)
     full = (layout.hq, layout.lq, layout.lk)
     return qf, kf, vf, layout.flat(xp, xp.broadcast_to(mask, tuple(mask.shape[:-3]) + full))
+
+
+def in_common_dtype(xp: Any, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """q, k, v in their promoted dtype (themselves when they share one)."""
+    if q.dtype == k.dtype == v.dtype:  # the common case: no promotion to work out
+        return q, k, v
+    common = xp.result_type(q.dtype, k.dtype, v.dtype)
+    return tuple(xp.astype(a, common, copy=False) for a in (q, k, v))
+
+
+def _heads_rows_keys(xp: Any, mask: Any) -> Any:
+    """A mask of fewer than three dimensions as ``[1.., Lq, Lk]`` (heads, rows, keys)."""
+    if mask.ndim >= 3:
+        return mask
+    return xp.reshape(mask, (1,) * (3 - mask.ndim) + tuple(mask.shape))
 
 
 class AttentionGradient:
@@ -174,25 +187,25 @@ class AttentionGradient:
     ----------
     xp, layout
         :func:`_prepare`'s namespace and layout of the call.
-    kernel_args : dict
-        The backend call's other arguments: ``scale``, ``causal``, ``window``, ``softcap``
-        (normalized) and ``precision`` (for the dtype).
+    scalars : dict
+        The backend call's other arguments (:func:`kernel_args`): ``scale``, ``causal``,
+        ``window``, ``softcap`` (normalized) and ``precision`` (for the dtype).
     backend : str or None
         The ``backend=`` asked for.
     """
 
-    __slots__ = ("xp", "layout", "kernel_args", "backend")
+    __slots__ = ("xp", "layout", "scalars", "backend")
 
-    def __init__(self, xp: Any, layout: _Layout, kernel_args: dict[str, Any],
+    def __init__(self, xp: Any, layout: _Layout, scalars: dict[str, Any],
                  backend: str | None) -> None:
-        self.xp, self.layout, self.kernel_args, self.backend = xp, layout, kernel_args, backend
+        self.xp, self.layout, self.scalars, self.backend = xp, layout, scalars, backend
 
     def __call__(self, q: Any, k: Any, v: Any, mask: Any, out: Any, lse: Any, dout: Any,
                  dlse: Any = None) -> tuple[Any, Any, Any]:
         """``(dq, dk, dv)`` for the checked operands (q, k, v floating, mask boolean or
         None), ``out`` and ``dout`` (``[..., Hq, Lq, Dv]``, the operands' common dtype), the
-        natural-log ``lse`` in the accumulator dtype and ``dlse`` (its shape and dtype, 0
-        where ``lse`` is -inf) or None; shaped and typed like q, k, v."""
+        natural-log ``lse`` in the accumulator dtype and ``dlse`` (its shape and dtype) or
+        None; shaped and typed like q, k, v."""
         return self.laid_out((q, k, v), _laid_out(self.xp, self.layout, q, k, v, mask), out,
                              lse, dout, dlse)
 
@@ -202,13 +215,14 @@ class AttentionGradient:
         :func:`_laid_out`)."""
         xp, layout = self.xp, self.layout
         qf, kf, vf, mf = flat
+        dlse = keyless_rows_ignore(xp, dlse, lse)
         lead = len(layout.lead)
         if lead != 1:  # the leading dimensions flattened into B, as the operands are
             out, lse, dout, dlse = (
                 None if a is None else xp.reshape(a, (layout.b,) + tuple(a.shape[lead:]))
                 for a in (out, lse, dout, dlse))
         dq, dk, dv = run("attention_vjp", xp, qf, self.backend, q=qf, k=kf, v=vf, out=out,
-                         lse=lse, dout=dout, dlse=dlse, mask=mf, **self.kernel_args)
+                         lse=lse, dout=dout, dlse=dlse, mask=mf, **self.scalars)
         grads = []
         for g, a in zip((dq, dk, dv), operands, strict=True):
             g = _unbroadcast(xp, layout.unflat(xp, g), tuple(a.shape))
@@ -216,11 +230,12 @@ class AttentionGradient:
         return tuple(grads)
 
 
-def _kernel_args(scale: Any, causal: Any, window: Any, softcap: Any, precision: Any,
-                 layout: _Layout, dtype: Any) -> dict[str, Any]:
-    """Attention's scalar arguments validated, as keywords of a backend call on ``dtype``."""
-    return {"scale": args.attention_scale(scale, layout.d),
-            **args.attention_options(causal, window, softcap),
+def kernel_args(scale: Any, options: dict[str, Any], precision: Any, d: int,
+                dtype: Any) -> dict[str, Any]:
+    """Attention's scalar arguments as keywords of a backend call on ``dtype`` of head dim
+    ``d``: the scale and precision validated here, ``options``
+    (:func:`.arguments.attention_options`) by the caller."""
+    return {"scale": args.attention_scale(scale, d), **options,
             "precision": args.precision(precision, dtype_name(dtype))}
 
 
@@ -233,10 +248,11 @@ def attention_with_gradient(
     routing), and the call's :class:`AttentionGradient`, for an autograd forward whose
     backward then skips the checks already made."""
     xp, layout, _, (qf, kf, vf, mf) = _prepare(q, k, v, mask)
-    kernel_args = _kernel_args(scale, causal, window, softcap, precision, layout, qf.dtype)
+    scalars = kernel_args(scale, args.attention_options(causal, window, softcap), precision,
+                          layout.d, qf.dtype)
     out, lse = run("attention", xp, qf, backend, q=qf, k=kf, v=vf, mask=mf, return_lse=True,
-                   **kernel_args)
-    gradient = AttentionGradient(xp, layout, kernel_args, backend)
+                   **scalars)
+    gradient = AttentionGradient(xp, layout, scalars, backend)
     return layout.unflat(xp, out), layout.unflat(xp, lse), gradient
 
 
@@ -325,7 +341,8 @@ def attention(
     xp, layout, _, (qf, kf, vf, mf) = _prepare(q, k, v, mask)
     out, lse = run(
         "attention", xp, qf, backend, q=qf, k=kf, v=vf, mask=mf, return_lse=bool(return_lse),
-        **_kernel_args(scale, causal, window, softcap, precision, layout, qf.dtype),
+        **kernel_args(scale, args.attention_options(causal, window, softcap), precision,
+                      layout.d, qf.dtype),
     )
     out = layout.unflat(xp, out)
     if not return_lse:
@@ -401,8 +418,9 @@ def attention_vjp(
     out_v, lse_v, dout_v = vjp_operands(xp, out, lse, dout, out_shape, flat[0], base)
     dlse_v = (None if dlse is None
               else lse_cotangent(xp, dlse, lse_v, out_shape[:-1], flat[0], base))
-    kernel_args = _kernel_args(scale, causal, window, softcap, precision, layout, flat[0].dtype)
-    gradient = AttentionGradient(xp, layout, kernel_args, backend)
+    scalars = kernel_args(scale, args.attention_options(causal, window, softcap), precision,
+                          layout.d, flat[0].dtype)
+    gradient = AttentionGradient(xp, layout, scalars, backend)
     return gradient.laid_out(operands[:3], flat, out_v, lse_v, dout_v, dlse_v)
 
 

@@ -16,9 +16,15 @@ from typing import Any
 import numpy as np
 
 from . import arguments as args
-from .attention import lse_cotangent, lse_in_base, vjp_operands
+from .attention import (
+    in_common_dtype,
+    kernel_args,
+    keyless_rows_ignore,
+    lse_cotangent,
+    lse_in_base,
+    vjp_operands,
+)
 from .dispatch import run
-from .dtypes import dtype_name
 from .frameworks import route
 from .metadata import host_integers, index_array, validated
 
@@ -132,15 +138,7 @@ def _prepare(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, extra: dict[str, Any]
     q, k, v = args.attention_operands(xp, q, k, v)
     dims = _Packed(q, k, v)
     seqlens = check_seqlens(xp, cu_q, cu_k, dims.tq, dims.tk, q)
-    return xp, dims, (q, k, v), _common(xp, q, k, v), seqlens
-
-
-def _common(xp: Any, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
-    """q, k, v in their common dtype."""
-    if q.dtype == k.dtype == v.dtype:  # the common case: no promotion to work out
-        return q, k, v
-    common = xp.result_type(q.dtype, k.dtype, v.dtype)
-    return tuple(xp.astype(a, common, copy=False) for a in (q, k, v))
+    return xp, dims, (q, k, v), in_common_dtype(xp, q, k, v), seqlens
 
 
 class VarlenGradient:
@@ -157,29 +155,30 @@ class VarlenGradient:
         The call's array namespace.
     host_lengths : tuple of numpy.ndarray
         The host values of ``cu_seqlens_q`` and ``cu_seqlens_k`` (:func:`check_seqlens`).
-    kernel_args : dict
-        The backend call's ``scale``, ``causal``, ``window``, ``softcap`` and ``precision``.
+    scalars : dict
+        The backend call's ``scale``, ``causal``, ``window``, ``softcap`` and ``precision``
+        (:func:`softmaxkit.attention.kernel_args`).
     backend : str or None
         The ``backend=`` asked for.
     """
 
-    __slots__ = ("xp", "host_lengths", "kernel_args", "backend")
+    __slots__ = ("xp", "host_lengths", "scalars", "backend")
 
     def __init__(self, xp: Any, host_lengths: tuple[np.ndarray, np.ndarray],
-                 kernel_args: dict[str, Any], backend: str | None) -> None:
+                 scalars: dict[str, Any], backend: str | None) -> None:
         self.xp, self.host_lengths = xp, host_lengths
-        self.kernel_args, self.backend = kernel_args, backend
+        self.scalars, self.backend = scalars, backend
 
     def __call__(self, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
                  out: Any, lse: Any, dout: Any, dlse: Any = None) -> tuple[Any, Any, Any]:
         """``(dq, dk, dv)`` for the checked operands and lengths, ``out``, ``dout``
         ``[Tq, Hq, Dv]`` (the operands' common dtype), the natural-log ``lse`` ``[Tq, Hq]``
-        in the accumulator dtype and ``dlse`` (its shape and dtype, 0 where ``lse`` is -inf)
-        or None; typed like q, k, v."""
+        in the accumulator dtype and ``dlse`` (its shape and dtype) or None; typed like q,
+        k, v."""
         xp = self.xp
         seqlens = tuple((xp.astype(cu, xp.int64, copy=False), host) for cu, host
                         in zip((cu_seqlens_q, cu_seqlens_k), self.host_lengths, strict=True))
-        return self.laid_out((q, k, v), _common(xp, q, k, v), seqlens, out, lse, dout, dlse)
+        return self.laid_out((q, k, v), in_common_dtype(xp, q, k, v), seqlens, out, lse, dout, dlse)
 
     def laid_out(self, operands: tuple, flat: tuple, seqlens: tuple, out: Any, lse: Any,
                  dout: Any, dlse: Any) -> tuple[Any, Any, Any]:
@@ -187,19 +186,13 @@ class VarlenGradient:
         the lengths as :func:`check_seqlens` gives them (``seqlens``)."""
         qf, kf, vf = flat
         (cq, _), (ck, _) = seqlens
+        dlse = keyless_rows_ignore(self.xp, dlse, lse)
         with validated(*seqlens):  # a backend reading the lengths gets the host values
             grads = run("varlen_attention_vjp", self.xp, qf, self.backend, q=qf, k=kf, v=vf,
                         out=out, lse=lse, dout=dout, dlse=dlse, cu_seqlens_q=cq,
-                        cu_seqlens_k=ck, **self.kernel_args)
+                        cu_seqlens_k=ck, **self.scalars)
         return tuple(args.cast(self.xp, g, a.dtype)
                      for g, a in zip(grads, operands, strict=True))
-
-
-def _kernel_args(scale: Any, options: dict[str, Any], precision: Any, d: int,
-                 dtype: Any) -> dict[str, Any]:
-    """The scalar arguments of a backend call on ``dtype``, ``options`` already validated."""
-    return {"scale": args.attention_scale(scale, d), **options,
-            "precision": args.precision(precision, dtype_name(dtype))}
 
 
 def varlen_attention_with_gradient(
@@ -213,12 +206,12 @@ def varlen_attention_with_gradient(
     options = args.attention_options(causal, window, softcap)
     args.precision(precision, "float32")
     xp, dims, _, (qf, kf, vf), seqlens = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    kernel_args = _kernel_args(scale, options, precision, dims.d, qf.dtype)
+    scalars = kernel_args(scale, options, precision, dims.d, qf.dtype)
     (cq, host_q), (ck, host_k) = seqlens
     with validated(*seqlens):
         out, lse = run("varlen_attention", xp, qf, backend, q=qf, k=kf, v=vf,
-                       cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, **kernel_args)
-    return out, lse, VarlenGradient(xp, (host_q, host_k), kernel_args, backend)
+                       cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, **scalars)
+    return out, lse, VarlenGradient(xp, (host_q, host_k), scalars, backend)
 
 
 def varlen_attention(
@@ -326,7 +319,7 @@ def varlen_attention(
         out, lse = run(
             "varlen_attention", xp, qf, backend, q=qf, k=kf, v=vf, cu_seqlens_q=cq,
             cu_seqlens_k=ck, return_lse=bool(return_lse),
-            **_kernel_args(scale, options, precision, dims.d, qf.dtype),
+            **kernel_args(scale, options, precision, dims.d, qf.dtype),
         )
     if not return_lse:
         return out
@@ -412,6 +405,6 @@ def varlen_attention_vjp(
     )
     dlse_f = None if dlse is None else lse_cotangent(xp, dlse, lse_f, (dims.tq, dims.hq),
                                                      flat[0], base)
-    kernel_args = _kernel_args(scale, options, precision, dims.d, flat[0].dtype)
-    gradient = VarlenGradient(xp, (seqlens[0][1], seqlens[1][1]), kernel_args, backend)
+    scalars = kernel_args(scale, options, precision, dims.d, flat[0].dtype)
+    gradient = VarlenGradient(xp, (seqlens[0][1], seqlens[1][1]), scalars, backend)
     return gradient.laid_out(operands, flat, seqlens, out_f, lse_f, dout_f, dlse_f)

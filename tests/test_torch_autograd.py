@@ -391,6 +391,11 @@ def test_eager_calls_record_the_operators_formula_and_match_the_operators():
             "GeneratedBackwardFor_softmaxkit_softmax")
 
 
+def _lse_loss(out, lse):
+    """A loss using both of attention's outputs (an empty row's lse, -inf, left out)."""
+    return out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
+
+
 def _holds_tensor(obj, depth=0):
     """Whether ``obj`` (a gradient state: its slots, tuples, lists, dicts) refers to a
     tensor, which would keep it alive until the backward whatever autograd saved."""
@@ -422,23 +427,31 @@ def test_an_eager_backward_runs_the_forwards_checked_call(monkeypatch):
     mask[2] = False
     args = (0.7, "top_left", [-1, -1], mask, 1.5, "float32", None, True)
 
-    def loss(out, lse):
-        return out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
-
-    want = torch.autograd.grad(loss(*ops.attention_op(q, k, v, *args)), (q, k, v))
+    want = torch.autograd.grad(_lse_loss(*ops.attention_op(q, k, v, *args)), (q, k, v))
     vjp = module.attention_vjp_op
     monkeypatch.setattr(module, "attention_vjp_op", lambda *a: pytest.fail("vjp operator ran"))
     out, lse = sk.attention(q, k, v, scale=0.7, causal="top_left", mask=mask, softcap=1.5,
                             return_lse=True)
-    got = torch.autograd.grad(loss(out, lse), (q, k, v))
+    got = torch.autograd.grad(_lse_loss(out, lse), (q, k, v))
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not _holds_tensor(out.grad_fn.state)  # the backward gets autograd's saved ones
+    # a NaN cotangent on the row with no key (lse -inf) is never read, on either path
+    cots = (torch.randn_like(out),
+            torch.randn_like(lse).index_fill(-1, torch.tensor([2]), math.nan))
+    monkeypatch.setattr(module, "attention_vjp_op", vjp)
+    want_nan = torch.autograd.grad(ops.attention_op(q, k, v, *args), (q, k, v), cots)
+    monkeypatch.setattr(module, "attention_vjp_op", lambda *a: pytest.fail("vjp operator ran"))
+    out, lse = sk.attention(q, k, v, scale=0.7, causal="top_left", mask=mask, softcap=1.5,
+                            return_lse=True)
+    for a, b in zip(torch.autograd.grad((out, lse), (q, k, v), cots), want_nan, strict=True):
+        assert bool(torch.isfinite(a).all())
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     # under activation checkpointing the backward gets recomputed operands, same gradients
     checkpointed = torch.utils.checkpoint.checkpoint(
-        lambda q, k, v: loss(*sk.attention(q, k, v, scale=0.7, causal="top_left", mask=mask,
-                                           softcap=1.5, return_lse=True)),
+        lambda q, k, v: _lse_loss(*sk.attention(q, k, v, scale=0.7, causal="top_left",
+                                                mask=mask, softcap=1.5, return_lse=True)),
         q, k, v, use_reentrant=False)
     for a, b in zip(torch.autograd.grad(checkpointed, (q, k, v)), want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -464,10 +477,7 @@ def test_an_eager_packed_backward_reads_the_lengths_once(monkeypatch):
     cu_q, cu_k = torch.tensor([0, 4, 4, 9]), torch.tensor([0, 3, 6, 11])
     args = (cu_q, cu_k, 0.8, "bottom_right", [-1, -1], None, "float32", None, True)
 
-    def loss(out, lse):
-        return out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
-
-    want = torch.autograd.grad(loss(*ops.varlen_attention_op(q, k, v, *args)), (q, k, v))
+    want = torch.autograd.grad(_lse_loss(*ops.varlen_attention_op(q, k, v, *args)), (q, k, v))
     reads = []
     check = varlen.check_seqlens
     monkeypatch.setattr(varlen, "check_seqlens", lambda *a: reads.append(1) or check(*a))
@@ -476,7 +486,7 @@ def test_an_eager_packed_backward_reads_the_lengths_once(monkeypatch):
     out, lse = sk.varlen_attention(q, k, v, cu_q, cu_k, scale=0.8, causal=True,
                                    return_lse=True)
     assert not _holds_tensor(out.grad_fn.state)
-    got = torch.autograd.grad(loss(out, lse), (q, k, v))
+    got = torch.autograd.grad(_lse_loss(out, lse), (q, k, v))
     assert reads == [1]
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -494,9 +504,6 @@ def test_torch_func_transforms_run_the_librarys_formulas():
     q, k, v = (a.detach() for a in _qkv(4, 2, 5, 6, lead=(2,)))
     cu_q, cu_k = torch.tensor([0, 2, 5]), torch.tensor([0, 4, 6])
 
-    def lse_loss(out, lse):
-        return out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
-
     cases = [
         (lambda x: sk.softmax(x, -1).square().sum(),
          lambda x: torch.softmax(x, -1).square().sum(), (x,)),
@@ -508,9 +515,9 @@ def test_torch_func_transforms_run_the_librarys_formulas():
          lambda q, k, v: F.scaled_dot_product_attention(
              q, k, v, is_causal=False, enable_gqa=True,
              attn_mask=torch.ones(5, 6, dtype=torch.bool).tril(1)).square().sum(), (q, k, v)),
-        (lambda q, k, v: lse_loss(*sk.attention(q, k, v, causal=True, return_lse=True)),
+        (lambda q, k, v: _lse_loss(*sk.attention(q, k, v, causal=True, return_lse=True)),
          None, (q, k, v)),
-        (lambda q, k, v: lse_loss(*sk.varlen_attention(q[0].transpose(0, 1), k[0].transpose(
+        (lambda q, k, v: _lse_loss(*sk.varlen_attention(q[0].transpose(0, 1), k[0].transpose(
             0, 1), v[0].transpose(0, 1), cu_q, cu_k, causal=True, return_lse=True)),
          None, (q, k, v)),
     ]

@@ -10,9 +10,8 @@ Threads: Numba's threads (``NUMBA_NUM_THREADS``, ``numba.set_num_threads``) shar
 the BLAS products inside them must then run on one thread each, or OpenBLAS's own threads
 would compete with Numba's for the same cores.  :func:`single_threaded_blas` limits every
 loaded BLAS library to one thread for the duration of a call on several threads and restores
-it after.  Which
-OpenBLAS kernel runs also matters: OpenBLAS picks it from the CPU unless the environment
-variable ``OPENBLAS_CORETYPE`` names one (docs/benchmarks-cpu.md, "Attention").
+it after.  Which OpenBLAS kernel runs also matters: OpenBLAS picks it from the CPU unless the
+environment variable ``OPENBLAS_CORETYPE`` names one (docs/benchmarks-cpu.md, "Attention").
 """
 
 from __future__ import annotations

@@ -8,12 +8,10 @@ import torch
 from torch import Tensor
 
 from ... import arguments as _args
-from ...attention import attention as _attention_fn
 from ...attention import attention_vjp as _attention_vjp_fn
 from ...attention import attention_with_gradient as _attention_with_gradient
 from ...attention import merge_attention_states as _merge_fn
 from ...attention import merge_attention_vjp as _merge_vjp_fn
-from ...varlen import varlen_attention as _varlen_fn
 from ...varlen import varlen_attention_vjp as _varlen_vjp_fn
 from ...varlen import varlen_attention_with_gradient as _varlen_with_gradient
 from .common import (
@@ -32,6 +30,21 @@ from .common import (
 # attention
 
 
+def _attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: str | None,
+    window: list[int], mask: Tensor | None, softcap: float | None, precision: str,
+    backend: str | None, lse_used: bool,
+) -> tuple[tuple[Tensor, Tensor], Any]:
+    """:func:`attention_op`'s computation, ``(out, lse)``, and the call's gradient
+    (:class:`softmaxkit.attention.AttentionGradient`), which the eager Function keeps for
+    its backward."""
+    out, lse, gradient = _attention_with_gradient(
+        q, k, v, scale=scale, causal=causal or False, window=(window[0], window[1]), mask=mask,
+        softcap=softcap, precision=precision, backend=backend,
+    )
+    return (out.contiguous(), lse.contiguous()), gradient
+
+
 @custom_op("attention")
 def attention_op(
     q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: str | None,
@@ -39,25 +52,8 @@ def attention_op(
     backend: str | None, lse_used: bool,
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
-        out, lse = _attention_fn(
-            q, k, v, scale=scale, causal=causal or False, window=(window[0], window[1]), mask=mask,
-            softcap=softcap, return_lse=True, precision=precision, backend=backend,
-        )
-    return out.contiguous(), lse.contiguous()
-
-
-def _attention_eager(
-    q: Tensor, k: Tensor, v: Tensor, scale: float | None, causal: str | None,
-    window: list[int], mask: Tensor | None, softcap: float | None, precision: str,
-    backend: str | None, lse_used: bool,
-) -> tuple[tuple[Tensor, Tensor], Any]:
-    """:func:`attention_op`'s implementation for its eager Function, with the call's gradient
-    (its operands checked and laid out) kept for the backward."""
-    out, lse, gradient = _attention_with_gradient(
-        q, k, v, scale=scale, causal=causal or False, window=(window[0], window[1]), mask=mask,
-        softcap=softcap, precision=precision, backend=backend,
-    )
-    return (out.contiguous(), lse.contiguous()), gradient
+        return _attention_forward(q, k, v, scale, causal, window, mask, softcap, precision,
+                                  backend, lse_used)[0]
 
 
 def _attention_lead(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple:
@@ -109,12 +105,6 @@ def _attention_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> No
     ctx.save_for_backward(q, k, v, mask, *output)  # out and lse: the backward recomputes
 
 
-def _lse_cotangent(dlse: Tensor | None, lse: Tensor) -> Tensor | None:
-    """An lse's cotangent from autograd (its shape and dtype) as the kernels take it: a row
-    without keys (lse -inf) ignores it (:func:`softmaxkit.attention.lse_cotangent`)."""
-    return None if dlse is None else dlse.masked_fill(lse == -math.inf, 0.0)
-
-
 def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple:
     """The VJP from the cotangents autograd gives, not materialized: an unused ``out`` comes
     as None (a zero ``dout``), an unused ``lse`` as None (no ``dlse`` term); a used lse's
@@ -126,7 +116,7 @@ def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> t
     if ctx.state is not None and not torch.is_grad_enabled():
         # an eager forward's checked call, straight to the backend: no second derivative
         # asked for
-        dq, dk, dv = ctx.state(q, k, v, mask, out, lse, dout, _lse_cotangent(dlse, lse))
+        dq, dk, dv = ctx.state(q, k, v, mask, out, lse, dout, dlse)
     else:
         dq, dk, dv = call(attention_vjp_op, q, k, v, out, lse, dout, dlse, *ctx.args, mask,
                           *ctx.tail, eager=ctx.eager)
@@ -134,7 +124,7 @@ def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> t
 
 
 register_autograd(attention_op, _attention_backward, setup_context=_attention_setup,
-                  eager_forward=_attention_eager)
+                  eager_forward=_attention_forward)
 
 
 def attention(
@@ -300,6 +290,21 @@ def merge_attention_vjp(
 # packed variable-length attention
 
 
+def _varlen_forward(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    scale: float | None, causal: str | None, window: list[int], softcap: float | None,
+    precision: str, backend: str | None, lse_used: bool,
+) -> tuple[tuple[Tensor, Tensor], Any]:
+    """:func:`varlen_attention_op`'s computation, ``(out, lse)``, and the call's gradient
+    (:class:`softmaxkit.varlen.VarlenGradient`: the lengths already read), which the eager
+    Function keeps for its backward."""
+    out, lse, gradient = _varlen_with_gradient(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal or False,
+        window=(window[0], window[1]), softcap=softcap, precision=precision, backend=backend,
+    )
+    return (out.contiguous(), lse.contiguous()), gradient
+
+
 @custom_op("varlen_attention")
 def varlen_attention_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -307,26 +312,8 @@ def varlen_attention_op(
     precision: str, backend: str | None, lse_used: bool,
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
-        out, lse = _varlen_fn(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal or False,
-            window=(window[0], window[1]), softcap=softcap, return_lse=True,
-            precision=precision, backend=backend,
-        )
-    return out.contiguous(), lse.contiguous()
-
-
-def _varlen_eager(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-    scale: float | None, causal: str | None, window: list[int], softcap: float | None,
-    precision: str, backend: str | None, lse_used: bool,
-) -> tuple[tuple[Tensor, Tensor], Any]:
-    """:func:`varlen_attention_op`'s implementation for its eager Function, with the call's
-    gradient (operands checked, lengths read) kept for the backward."""
-    out, lse, gradient = _varlen_with_gradient(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal or False,
-        window=(window[0], window[1]), softcap=softcap, precision=precision, backend=backend,
-    )
-    return (out.contiguous(), lse.contiguous()), gradient
+        return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window,
+                               softcap, precision, backend, lse_used)[0]
 
 
 @varlen_attention_op.register_fake
@@ -379,8 +366,7 @@ def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tupl
     dlse = dlse if ctx.lse_used else None
     if ctx.state is not None and not torch.is_grad_enabled():
         # as for attention, and the lengths are not read from the device again
-        dq, dk, dv = ctx.state(q, k, v, cu_q, cu_k, out, lse, dout,
-                               _lse_cotangent(dlse, lse))
+        dq, dk, dv = ctx.state(q, k, v, cu_q, cu_k, out, lse, dout, dlse)
     else:
         dq, dk, dv = call(varlen_attention_vjp_op, q, k, v, out, lse, dout, dlse, cu_q, cu_k,
                           *ctx.args, eager=ctx.eager)
@@ -388,7 +374,7 @@ def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tupl
 
 
 register_autograd(varlen_attention_op, _varlen_backward, setup_context=_varlen_setup,
-                  eager_forward=_varlen_eager)
+                  eager_forward=_varlen_forward)
 
 
 def _seqlens(value: Any, like: Tensor, name: str) -> Tensor:

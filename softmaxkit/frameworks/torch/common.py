@@ -89,9 +89,6 @@ def register_autograd(op: Any, backward: Any, setup_context: Any,
     _EAGER[op] = type(f"{name}_eager", (torch.autograd.Function,), {
         "forward": staticmethod(forward), "backward": staticmethod(run)})
 
-    def transformed(*inputs: Any) -> Any:  # functorch runs it on the level below's tensors
-        return implementation(*inputs)
-
     def vmap(info: Any, in_dims: Any, *inputs: Any) -> Any:
         raise NotImplementedError(
             f"softmaxkit.{name} has no vmap rule (torch.func.vmap, jacrev, jacfwd): call it "
@@ -99,7 +96,8 @@ def register_autograd(op: Any, backward: Any, setup_context: Any,
         )
 
     _TRANSFORMABLE[op] = type(f"{name}_transformable", (torch.autograd.Function,), {
-        "forward": staticmethod(transformed), "setup_context": staticmethod(setup),
+        # functorch runs the forward on the level below's tensors
+        "forward": staticmethod(implementation), "setup_context": staticmethod(setup),
         "backward": staticmethod(run), "vmap": staticmethod(vmap)})
 
 
@@ -109,8 +107,8 @@ def call(op: Any, *args: Any, eager: bool = True) -> Any:
     The custom operator itself where something traces the call (``torch.compile``,
     ``make_fx`` and other dispatch modes such as fake tensors), or where ``eager`` is false
     (a backward of the operator's own formula, ``ctx.eager`` false: it may be traced); under a
-    functorch transform (``torch.func.grad``, ``vjp``), the operator's formula as a Function
-    of the form those take (the custom operator's own Function is not);
+    functorch transform (``torch.func.grad``, ``vjp``), whatever ``eager``, the operator's
+    formula as a Function of the form those take (the custom operator's own Function is not);
     otherwise the operator's ``torch.autograd.Function``, the same implementation and formula
     without the operator's own eager dispatch (schema checks, defaults and aliasing checks,
     the compiler's guards: about 100 us of a differentiable call on the CPU), or, where grad
@@ -121,7 +119,7 @@ def call(op: Any, *args: Any, eager: bool = True) -> Any:
     if torch._C._are_functorch_transforms_active() and op in _TRANSFORMABLE:
         return _TRANSFORMABLE[op].apply(*args)
     function = _EAGER.get(op) if eager else None
-    if function is None or torch._C._are_functorch_transforms_active():
+    if function is None:
         return op(*args)
     if not torch.is_grad_enabled():  # nothing to record: a backward's vjp, inference
         return _IMPLEMENTATIONS[op][1](*args)
