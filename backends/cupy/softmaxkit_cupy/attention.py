@@ -25,8 +25,6 @@ import math
 from collections.abc import Callable, Collection
 from typing import Any
 
-import array_api_compat
-
 from softmaxkit.options import note_kernel
 
 from . import compiler, head_dims, interop
@@ -363,55 +361,45 @@ def float32_forward(
     return out, (lse if return_lse else None)
 
 
-LOG2E = 1.4426950408889634
-
-
 def float32_backward(
-    xp: Any, kernel: Any, name: str, config: Any, *, q: Any, k: Any, v: Any, out: Any,
-    lse: Any, dout: Any, scale: float, causal: Any, window: tuple[int, int], mask: Any,
-    softcap: Any, dlse: Any,
+    xp: Any, kernel: Any, name: str, config: Any, *, pre: Any, q: Any, k: Any, v: Any,
+    out: Any, lse: Any, dout: Any, scale: float, causal: Any, window: tuple[int, int],
+    mask: Any, softcap: Any, dlse: Any,
 ) -> tuple[Any, Any, Any]:
     """Launch the float32 backward ``kernel`` (``name`` for the trace), whose parameters are
     :data:`BACKWARD_PARAMS`, one block of ``config.threads`` threads and
     ``config.shared_bytes()`` bytes per ``config.block_n`` keys of each (key head, batch);
     (dq, dk, dv) in float32.
 
-    The rows' lse in log2 units (+inf where there is no allowed key, and on the rows padding
-    the queries to whole tiles of ``config.block_m``) and ``delta = rowsum(dout * out) -
-    dlse`` are array operations; the kernel writes dk and dv and adds dq's products into a
-    zeroed float32 buffer, which is scaled here.
+    ``pre``, the row preprocessing of the same module (``sk_attn_bwd_pre<float, Dv>``), first
+    writes each row's lse in log2 units and ``delta = rowsum(dout * out) - dlse`` (+inf and 0
+    on the rows with no allowed key and on those padding the queries to whole tiles of
+    ``config.block_m``); the kernel writes dk and dv and adds dq's products into a zeroed
+    float32 buffer, which is scaled here.
     """
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, lk, dv_dim = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
-    q, k, v, dout = (_rows_ready(xp, a) for a in (q, k, v, dout))
+    q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
+    lse, dlse = interop.contiguous(lse), row_cotangent(xp, dlse)
     lq_pad = -(-lq // config.block_m) * config.block_m
-    # per row: lse in log2 units (+inf: P = 0) and delta, padded rows +inf and 0
-    delta = xp.sum(out * dout, axis=-1)
-    if dlse is not None:
-        delta = delta - dlse
-    lse2 = xp.where(lse == -math.inf, math.inf, lse * LOG2E)
-    delta = xp.where(lse == -math.inf, 0.0, delta)
-    if lq_pad != lq:
-        device = array_api_compat.device(q)
-        lse2 = xp.concat([lse2, xp.full((b, hq, lq_pad - lq), math.inf, dtype=lse2.dtype,
-                                        device=device)], axis=-1)
-        delta = xp.concat([delta, xp.zeros((b, hq, lq_pad - lq), dtype=delta.dtype,
-                                           device=device)], axis=-1)
-    lse2, delta = (interop.contiguous(xp.astype(a, xp.float32)) for a in (lse2, delta))
-    dq_acc = interop.zeros(q, (b, hq, lq_pad, d), "float32")
+    rows = b * hq * lq_pad
+    lse2, delta, dq_acc = backward_buffers(q, rows, d)
     dk = interop.empty(q, (b, hk, lk, d), "float32")
     dv = interop.empty(q, (b, hk, lk, dv_dim), "float32")
     _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
                                                       lq, lk)
-    qs, ks, vs, gs = (interop.element_strides(a) for a in (q, k, v, dout))
-    note_kernel(name)
+    qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))
     ptr = interop.pointer
+    launch_backward_pre(pre, q, rows, dv_dim, BACKWARD_PRE_PARAMS,
+                        (ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
+                         ptr(lse2), ptr(delta), *os_[:3], *gs[:3], hq, lq, lq_pad, rows))
+    note_kernel(name)
     interop.launch(kernel, q, (-(-lk // config.block_n), hk, b), config.threads,
                    BACKWARD_PARAMS, (
                        ptr(q), ptr(k), ptr(v), ptr(dout), m_ptr, ptr(lse2), ptr(delta),
                        ptr(dq_acc), ptr(dk), ptr(dv), *qs[:3], *ks[:3], *vs[:3], *gs[:3],
                        *m_strides, hq, hk, lq, lk, lq_pad, *options), config.shared_bytes())
-    return dq_acc[:, :, :lq, :] * scale, dk, dv
+    return xp.reshape(dq_acc, (b, hq, lq_pad, d))[:, :, :lq, :] * scale, dk, dv
 
 
 def _attention(
@@ -533,9 +521,9 @@ def backward_buffers(q: Any, rows: int, d: int) -> tuple[Any, Any, Any]:
             interop.zeros(q, (rows * d,), "float32"))
 
 
-BACKWARD_PRE_PARAMS = "Q" * 5 + "q" * 6 + "iii" + "q"
-"""The backward's first kernel's parameters: the addresses of out, dout, lse, lse2 and delta;
-the strides of out and dout (three each); hq, lq, the padded lq; the rows."""
+BACKWARD_PRE_PARAMS = "Q" * 6 + "q" * 6 + "iii" + "q"
+"""The backward's first kernel's parameters: the addresses of out, dout, lse, dlse (0: none),
+lse2 and delta; the strides of out and dout (three each); hq, lq, the padded lq; the rows."""
 
 BACKWARD_PARAMS = "Q" * 10 + "q" * 15 + "i" * 5 + "ff" + "iiii"
 """The backward's main kernels' parameters (mma.sync and Hopper alike): the addresses of q, k,
@@ -545,6 +533,15 @@ left, right."""
 
 BACKWARD_DQ_PARAMS = "QQfiiq"
 """dQ's conversion's parameters: the sums, dq; scale, lq, the padded lq; the chunks."""
+
+
+def row_cotangent(xp: Any, dlse: Any) -> Any:
+    """The lse's cotangent as the row preprocessing reads it: float32 in C order (None: the
+    loss does not use the lse)."""
+    if dlse is None:
+        return None
+    return interop.contiguous(dlse if interop.name(dlse) == "float32"
+                              else xp.astype(dlse, xp.float32))
 
 
 def launch_backward_pre(kernel: Any, like: Any, rows: int, d: int, codes: str,
@@ -566,8 +563,8 @@ def attention_vjp(
     A float32 call runs on the exact float32 kernels of :mod:`.attention_f32` at every
     ``precision`` (exact products meet each one's bound).
 
-    Three launches: the rows' lse (log2 units) and ``delta = rowsum(dout * out)`` (less the
-    lse's cotangent ``dlse``, where given, by one elementwise operation); the main
+    Three launches: the rows' lse (log2 units) and ``delta = rowsum(dout * out) - dlse`` (the
+    lse's cotangent, where given); the main
     kernel, parallel over key tiles, which writes dk and dv and adds dq's partial products
     into a float32 buffer; and dq's conversion to the input dtype.  The main kernel is the
     Hopper one (:func:`backward_config_for`) on a device of compute capability 9.0 at a head
@@ -632,12 +629,10 @@ def _attention_vjp(
                                                       lq, lk)
     qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))
     ptr = interop.pointer
+    dlse = row_cotangent(xp, dlse)
     launch_backward_pre(_kernel(backward_pre_name(dtype, d)), q, rows, d, BACKWARD_PRE_PARAMS,
-                        (ptr(out), ptr(dout), ptr(lse), ptr(lse2), ptr(delta), *os_[:3],
-                         *gs[:3], hq, lq, lq_pad, rows))
-    if dlse is not None:  # D = rowsum(dout * out) - dlse, on the rows before the padding
-        rowwise = xp.reshape(delta, (b * hq, lq_pad))
-        rowwise[:, :lq] -= xp.reshape(dlse, (b * hq, lq))
+                        (ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
+                         ptr(lse2), ptr(delta), *os_[:3], *gs[:3], hq, lq, lq_pad, rows))
     shared = config.shared_bytes()
     name = config.name(dtype)
     note_kernel(name)

@@ -25,9 +25,11 @@ from .attention import (
 from .configs import (
     F32BackwardConfig,
     F32Config,
+    backward_pre_name,
     f32_alternative_names,
     f32_backward_config,
     f32_backward_names,
+    f32_backward_pre_names,
     f32_backward_shape,
     f32_config,
     f32_names,
@@ -40,7 +42,8 @@ def _kernel(name: str) -> Any:
     """The kernel ``name`` of kernels/attention_f32.cu, built on first use with the module of
     every declared configuration (an alternative: with the module of the alternatives; any
     other configuration: alone)."""
-    for names in (f32_names(), f32_alternative_names(), f32_backward_names()):
+    for names in (f32_names(), f32_alternative_names(), f32_backward_names(),
+                  f32_backward_pre_names()):
         if name in names:
             return compiler.function("attention_f32.cu", names, name)
     return compiler.function("attention_f32.cu", (name,), name)
@@ -128,6 +131,7 @@ def _vjp(
     if mask is not None and not config.mask:
         raise ValueError(f"{config} is built without boolean-mask support")
     name = config.name()
-    return float32_backward(xp, _kernel(name), name, config, q=q, k=k, v=v, out=out, lse=lse,
-                            dout=dout, scale=scale, causal=causal, window=window, mask=mask,
-                            softcap=softcap, dlse=dlse)
+    return float32_backward(xp, _kernel(name), name, config,
+                            pre=_kernel(backward_pre_name("float32", dv)), q=q, k=k, v=v,
+                            out=out, lse=lse, dout=dout, scale=scale, causal=causal,
+                            window=window, mask=mask, softcap=softcap, dlse=dlse)

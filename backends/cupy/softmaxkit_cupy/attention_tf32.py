@@ -26,9 +26,11 @@ from .attention import (
 from .configs import (
     Tf32BackwardConfig,
     Tf32Config,
+    backward_pre_name,
     tf32_alternative_names,
     tf32_backward_config,
     tf32_backward_names,
+    tf32_backward_pre_names,
     tf32_config,
     tf32_names,
     tf32_width,
@@ -40,7 +42,8 @@ def _kernel(name: str) -> Any:
     """The kernel ``name`` of kernels/attention_tf32.cu, built on first use with the module
     of every declared configuration (an alternative given explicitly: with the module of the
     alternatives; any other configuration: alone)."""
-    for names in (tf32_names(), tf32_backward_names(), tf32_alternative_names()):
+    for names in (tf32_names(), tf32_backward_names(), tf32_backward_pre_names(),
+                  tf32_alternative_names()):
         if name in names:
             return compiler.function("attention_tf32.cu", names, name)
     return compiler.function("attention_tf32.cu", (name,), name)
@@ -136,6 +139,7 @@ def _vjp(
     if mask is not None and not config.mask:
         raise ValueError(f"{config} is built without boolean-mask support")
     name = config.name(precision)
-    return float32_backward(xp, _kernel(name), name, config, q=q, k=k, v=v, out=out, lse=lse,
-                            dout=dout, scale=scale, causal=causal, window=window, mask=mask,
-                            softcap=softcap, dlse=dlse)
+    return float32_backward(xp, _kernel(name), name, config,
+                            pre=_kernel(backward_pre_name("float32", d)), q=q, k=k, v=v,
+                            out=out, lse=lse, dout=dout, scale=scale, causal=causal,
+                            window=window, mask=mask, softcap=softcap, dlse=dlse)

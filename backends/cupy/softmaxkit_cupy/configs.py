@@ -881,8 +881,10 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention_bwd_sm90.cu", list(sm90_varlen_backward_names())))
     modules.append(("attention_f32.cu", list(f32_names())))
     modules.append(("attention_f32.cu", list(f32_backward_names())))
+    modules.append(("attention_f32.cu", list(f32_backward_pre_names())))
     modules.append(("attention_tf32.cu", list(tf32_names())))
     modules.append(("attention_tf32.cu", list(tf32_backward_names())))
+    modules.append(("attention_tf32.cu", list(tf32_backward_pre_names())))
     return modules
 
 
@@ -1026,6 +1028,14 @@ def f32_backward_config(d: int, dv: int, masked: bool) -> F32BackwardConfig | No
 def f32_backward_names() -> tuple[str, ...]:
     """The name expressions of the exact float32 backward (a module of their own)."""
     return _pair_names(F32_BACKWARD_CONFIGS)
+
+
+def f32_backward_pre_names() -> tuple[str, ...]:
+    """The name expressions of the float32 backward's row preprocessing (lse in log2 units and
+    delta, kernels/bwd_pre.cuh) at each value head dim of ``F32_BACKWARD_CONFIGS``, a module of
+    kernels/attention_f32.cu of their own."""
+    return tuple(backward_pre_name("float32", dv)
+                 for dv in sorted({dv for _, dv in F32_BACKWARD_CONFIGS}))
 
 
 _Pair = TypeVar("_Pair", F32Config, F32BackwardConfig)
@@ -1266,3 +1276,9 @@ def tf32_backward_names() -> tuple[str, ...]:
     return tuple(c.name(p) for d in TF32_BACKWARD_CONFIGS for masked in (True, False)
                  if (c := tf32_backward_config(d, masked)) is not None
                  for p in TF32_PRECISIONS)
+
+
+def tf32_backward_pre_names() -> tuple[str, ...]:
+    """The TF32 backward's row preprocessing (as :func:`f32_backward_pre_names`), a module of
+    kernels/attention_tf32.cu of their own."""
+    return tuple(backward_pre_name("float32", d) for d in sorted(TF32_BACKWARD_CONFIGS))

@@ -13,7 +13,7 @@ are made without a launch.  Head dimensions the kernels are not built for (D != 
 outside ``ATTENTION_HEAD_DIMS``; both at most 256) run on zero-padded copies of the arrays,
 as dense attention's do (:mod:`.head_dims`).
 
-The backward's float32 work arrays (lse in log2 units, ``delta = rowsum(dout * out)`` and
+The backward's float32 work arrays (lse in log2 units, ``delta = rowsum(dout * out) - dlse`` and
 dq's sums) pad each sequence to whole query tiles, as the dense backward pads Lq: sequence b's
 rows start at its padded offset ``cu_pad[b]`` (the query lengths rounded up to the tile and
 summed, a multiple of the tile) within each query head's ``Tpad = cu_pad[B]`` rows, so
@@ -40,6 +40,7 @@ from .attention import (
     backward_buffers,
     hopper_width,
     launch_backward_pre,
+    row_cotangent,
 )
 from .configs import (
     SM90_CAPABILITY,
@@ -75,10 +76,10 @@ VARLEN_PARAMS = "Q" * 7 + "q" * 6 + "ii" + "ff" + "iiii"
 token and head strides of q, k and v; hq, hk; scale, softcap; bottom_right, causal, left,
 right."""
 
-VARLEN_PRE_PARAMS = "Q" * 7 + "q" * 4 + "iii" + "q"
-"""The packed backward's first kernel's parameters: the addresses of out, dout, lse, lse2,
-delta, cu_q and cu_pad; the token and head strides of out and dout; hq, batches, tpad; the
-rows."""
+VARLEN_PRE_PARAMS = "Q" * 8 + "q" * 4 + "iii" + "q"
+"""The packed backward's first kernel's parameters: the addresses of out, dout, lse, dlse
+(0: none), lse2, delta, cu_q and cu_pad; the token and head strides of out and dout; hq,
+batches, tpad; the rows."""
 
 VARLEN_BACKWARD_PARAMS = "Q" * 12 + "q" * 8 + "iii" + "ff" + "iiii"
 """The packed backward's main kernel's parameters: the addresses of q, k, v, dout, cu_q, cu_k,
@@ -186,14 +187,6 @@ def padded_offsets(cu_q: np.ndarray, block_m: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(-(-lengths // block_m) * block_m)]).astype(np.int64)
 
 
-def padded_rows(cu_q: np.ndarray, cu_pad: np.ndarray) -> np.ndarray:
-    """The row of each query token in the backward's padded layout: sequence b's tokens
-    ``cu_q[b] + i`` sit at ``cu_pad[b] + i`` (:func:`padded_offsets`)."""
-    lengths = np.diff(cu_q)
-    return (np.arange(int(cu_q[-1]) - int(cu_q[0]), dtype=np.int64)
-            + np.repeat(cu_pad[:-1] - (cu_q[:-1] - cu_q[0]), lengths))
-
-
 def varlen_attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, cu_seqlens_q: Any,
     cu_seqlens_k: Any, scale: float, causal: Any, window: tuple[int, int], softcap: Any,
@@ -203,8 +196,8 @@ def varlen_attention_vjp(
     ``lse``.
 
     Three launches, as for dense attention: the rows' lse2 and delta into the padded layout
-    (module docstring; delta less the lse's cotangent ``dlse`` where given, one indexed
-    subtraction); the main kernel over (key tiles of the longest sequence, Hk, B), which
+    (module docstring; delta less the lse's cotangent ``dlse`` where given); the main kernel
+    over (key tiles of the longest sequence, Hk, B), which
     writes dk and dv (zero for the keys of a sequence without queries) and adds dq's partial
     products into the float32 sums; and dq's conversion back to the packed layout.  The main
     kernel is the Hopper one on a device of compute capability 9.0 at the head dims
@@ -270,15 +263,13 @@ def _varlen_attention_vjp(
     dk = interop.empty(q, (tk, hk, d), dtype)
     dv = interop.empty(q, (tk, hk, d), dtype)
     ptr = interop.pointer
+    dlse = row_cotangent(xp, dlse)
     launch_backward_pre(_kernel(backward_pre_varlen_name(dtype, d)), q, rows, d,
                         VARLEN_PRE_PARAMS, (
-                            ptr(out), ptr(dout), ptr(lse), ptr(lse2), ptr(delta), ptr(cu_q),
-                            ptr(cu_pad), *_token_strides(out), *_token_strides(dout), hq,
-                            batches, tpad, rows))
-    if dlse is not None:  # D = rowsum(dout * out) - dlse, on each token's padded row
-        index = interop.from_host(cu_q, padded_rows(host_q, cu_pad_host))
-        rowwise = xp.reshape(delta, (hq, tpad))
-        rowwise[:, index] -= xp.permute_dims(dlse, (1, 0))
+                            ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
+                            ptr(lse2), ptr(delta), ptr(cu_q), ptr(cu_pad),
+                            *_token_strides(out), *_token_strides(dout), hq, batches, tpad,
+                            rows))
     shared = config.shared_bytes()
     name = config.varlen_name(dtype)
     note_kernel(name)

@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 from host_attention import CASES, case_id, inputs, launch_forward, move_to_host, options
-from softmaxkit_cupy.attention import BACKWARD_PARAMS, FORWARD_PARAMS
+from softmaxkit_cupy.attention import BACKWARD_PARAMS, BACKWARD_PRE_PARAMS, FORWARD_PARAMS
 from softmaxkit_cupy.configs import (
     F32_ALTERNATIVES,
     F32_CONFIGS,
@@ -25,6 +25,7 @@ from softmaxkit_cupy.configs import (
     F32Config,
     f32_alternative_names,
     f32_backward_names,
+    f32_backward_pre_names,
     f32_config,
     f32_names,
 )
@@ -123,8 +124,10 @@ def test_non_finite_inputs(kernels) -> None:
 
 @pytest.fixture(scope="module")
 def backward_kernels(host_kernels):
-    """Every declared backward tile, built once for the host."""
-    return host_kernels("attention_f32.cu", f32_backward_names(), BACKWARD_PARAMS)
+    """Every declared backward tile and the row preprocessing, built once for the host."""
+    codes = {**dict.fromkeys(f32_backward_names(), BACKWARD_PARAMS),
+             **dict.fromkeys(f32_backward_pre_names(), BACKWARD_PRE_PARAMS)}
+    return host_kernels("attention_f32.cu", list(codes), codes)
 
 
 @pytest.fixture

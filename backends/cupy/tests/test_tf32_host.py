@@ -49,6 +49,7 @@ from softmaxkit_cupy.configs import (
     Tf32BackwardConfig,
     Tf32Config,
     tf32_backward_names,
+    tf32_backward_pre_names,
     tf32_names,
 )
 
@@ -323,10 +324,12 @@ def test_forward_within_the_precision_bound(kernels, name: str, case: dict) -> N
 
 @pytest.fixture(scope="module")
 def backward_kernels(host_kernels):
-    """Every declared backward kernel, built once for the host."""
-    from softmaxkit_cupy.attention import BACKWARD_PARAMS
+    """Every declared backward kernel and its row preprocessing, built once for the host."""
+    from softmaxkit_cupy.attention import BACKWARD_PARAMS, BACKWARD_PRE_PARAMS
 
-    return host_kernels("attention_tf32.cu", tf32_backward_names(), BACKWARD_PARAMS)
+    codes = {**dict.fromkeys(tf32_backward_names(), BACKWARD_PARAMS),
+             **dict.fromkeys(tf32_backward_pre_names(), BACKWARD_PRE_PARAMS)}
+    return host_kernels("attention_tf32.cu", list(codes), codes)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from softmaxkit_cupy.configs import (
     tf32_alternative_names,
     tf32_backward_config,
     tf32_backward_names,
+    tf32_backward_pre_names,
     tf32_config,
     tf32_names,
 )
@@ -63,7 +64,7 @@ def test_tf32_kernels_build_without_spills(
         ptxas: Callable[[str, Sequence[str], str], Any], arch: str) -> None:
     # the alternatives are timed on the H200 (tools/tf32_timing.py): built for sm_90a only
     alternatives = tf32_alternative_names() if arch == "90a" else ()
-    names = (*tf32_names(), *alternatives, *tf32_backward_names())
+    names = (*tf32_names(), *alternatives, *tf32_backward_names(), *tf32_backward_pre_names())
     declared = {n for f, ns in all_modules() if f == "attention_tf32.cu" for n in ns}
     assert declared <= set(names), "every declared instantiation goes through ptxas here"
     build = ptxas("attention_tf32.cu", names, f"-gencode=arch=compute_{arch},code=sm_{arch}")

@@ -82,19 +82,3 @@ def test_padded_offsets_give_each_sequence_whole_tiles_of_its_own(block_m) -> No
     assert np.all(cu_pad % block_m == 0)
     assert np.all(rows >= lengths) and np.all(rows < lengths + block_m)
     assert np.all((rows == 0) == (lengths == 0))
-
-
-@pytest.mark.parametrize("block_m", [32, 64])
-def test_padded_rows_are_where_the_backward_keeps_each_token(block_m) -> None:
-    """The row of each token in the padded layout, as the backward's kernels read it
-    (kernels/attention_bwd.cu: padded row p of sequence b holds token cu_q[b] + p - cu_pad[b])."""
-    lengths = np.array([3, 0, 64, 65, 1, 0, 40])
-    cu_q = np.concatenate([[0], np.cumsum(lengths)])
-    cu_pad = adapter.padded_offsets(cu_q, block_m)
-    rows = adapter.padded_rows(cu_q, cu_pad)
-    assert rows.shape == (cu_q[-1],) and len(set(rows.tolist())) == cu_q[-1]
-    for b in range(len(lengths)):
-        for p in range(cu_pad[b], cu_pad[b + 1]):
-            token = cu_q[b] + p - cu_pad[b]
-            if token < cu_q[b + 1]:
-                assert rows[token] == p

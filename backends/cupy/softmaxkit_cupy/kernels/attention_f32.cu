@@ -17,6 +17,7 @@
 // warp reads at once start four banks apart.
 #include "mma.cuh"
 #include "exclusion.cuh"
+#include "bwd_pre.cuh"
 
 #define SK_LN2 0.6931471805599453f
 #define SK_LOG2E 1.4426950408889634f

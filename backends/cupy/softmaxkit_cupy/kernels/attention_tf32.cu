@@ -29,6 +29,7 @@
 // 8 x 8 block (conflict-free under the swizzle).
 #include "mma.cuh"
 #include "exclusion.cuh"
+#include "bwd_pre.cuh"
 
 #define SK_LN2 0.6931471805599453f
 #define SK_LOG2E 1.4426950408889634f
