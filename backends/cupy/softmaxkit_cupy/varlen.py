@@ -13,10 +13,10 @@ are made without a launch.  Head dimensions the kernels are not built for (D != 
 outside ``ATTENTION_HEAD_DIMS``; both at most 256) run on zero-padded copies of the arrays,
 as dense attention's do (:mod:`.head_dims`).
 
-The backward's float32 work arrays (lse in log2 units, ``delta = rowsum(dout * out) - dlse`` and
-dq's sums) pad each sequence to whole query tiles, as the dense backward pads Lq: sequence b's
-rows start at its padded offset ``cu_pad[b]`` (the query lengths rounded up to the tile and
-summed, a multiple of the tile) within each query head's ``Tpad = cu_pad[B]`` rows, so
+The backward's float32 work arrays (lse in log2 units, ``delta = rowsum(dout * out) - dlse``
+and dq's sums) pad each sequence to whole query tiles, as the dense backward pads Lq: sequence
+b's rows start at its padded offset ``cu_pad[b]`` (the query lengths rounded up to the tile
+and summed, a multiple of the tile) within each query head's ``Tpad = cu_pad[B]`` rows, so
 lse2 and delta are [Hq, Tpad] and the dq sums [Hq, Tpad, D].  A tile then never reaches into
 the next sequence's rows, and its padding rows (lse2 = +inf) contribute exactly 0.
 """
@@ -197,16 +197,15 @@ def varlen_attention_vjp(
 
     Three launches, as for dense attention: the rows' lse2 and delta into the padded layout
     (module docstring; delta less the lse's cotangent ``dlse`` where given); the main kernel
-    over (key tiles of the longest sequence, Hk, B), which
-    writes dk and dv (zero for the keys of a sequence without queries) and adds dq's partial
-    products into the float32 sums; and dq's conversion back to the packed layout.  The main
-    kernel is the Hopper one on a device of compute capability 9.0 at the head dims
-    :data:`.configs.SM90_VARLEN_BACKWARD_CONFIGS` holds (or zero-padded to them,
-    :func:`.attention.hopper_width`), the mma.sync one otherwise; ``config`` overrides its
-    tile configuration (for benchmarks).  Head dimensions the kernels are not built for run
-    on copies of q, k, v, out and dout zero-padded to the next built one; dq and dk are
-    sliced back to D, dv to Dv; a value dimension above 256 runs in blocks of columns, dq and
-    dk summed over them (:mod:`.head_dims`).
+    over (key tiles of the longest sequence, Hk, B), which writes dk and dv (zero for the keys
+    of a sequence without queries) and adds dq's partial products into the float32 sums; and
+    dq's conversion back to the packed layout.  The main kernel is the Hopper one on a device
+    of compute capability 9.0 at the head dims :data:`.configs.SM90_VARLEN_BACKWARD_CONFIGS`
+    holds (or zero-padded to them, :func:`.attention.hopper_width`), the mma.sync one
+    otherwise; ``config`` overrides its tile configuration (for benchmarks).  Head dimensions
+    the kernels are not built for run on copies of q, k, v, out and dout zero-padded to the
+    next built one; dq and dk are sliced back to D, dv to Dv; a value dimension above 256
+    runs in blocks of columns, dq and dk summed over them (:mod:`.head_dims`).
     """
     tq, hq, d = (int(s) for s in q.shape)
     tk, hk, dv = (int(s) for s in v.shape)
