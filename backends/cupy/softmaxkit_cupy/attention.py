@@ -380,7 +380,7 @@ def float32_backward(
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, lk, dv_dim = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
-    lse, dlse = interop.contiguous(lse), row_cotangent(xp, dlse)
+    lse, dlse = interop.contiguous(lse), row_cotangent(dlse)
     lq_pad = -(-lq // config.block_m) * config.block_m
     rows = b * hq * lq_pad
     lse2, delta, dq_acc = backward_buffers(q, rows, d)
@@ -535,13 +535,10 @@ BACKWARD_DQ_PARAMS = "QQfiiq"
 """dQ's conversion's parameters: the sums, dq; scale, lq, the padded lq; the chunks."""
 
 
-def row_cotangent(xp: Any, dlse: Any) -> Any:
-    """The lse's cotangent as the row preprocessing reads it: float32 in C order (None: the
-    loss does not use the lse)."""
-    if dlse is None:
-        return None
-    return interop.contiguous(dlse if interop.name(dlse) == "float32"
-                              else xp.astype(dlse, xp.float32))
+def row_cotangent(dlse: Any) -> Any:
+    """The lse's cotangent as the row preprocessing reads it, in C order (None: the loss does
+    not use the lse); float32 already, as the contract gives it (the lse's dtype)."""
+    return None if dlse is None else interop.contiguous(dlse)
 
 
 def launch_backward_pre(kernel: Any, like: Any, rows: int, d: int, codes: str,
@@ -629,7 +626,7 @@ def _attention_vjp(
                                                       lq, lk)
     qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))
     ptr = interop.pointer
-    dlse = row_cotangent(xp, dlse)
+    dlse = row_cotangent(dlse)
     launch_backward_pre(_kernel(backward_pre_name(dtype, d)), q, rows, d, BACKWARD_PRE_PARAMS,
                         (ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
                          ptr(lse2), ptr(delta), *os_[:3], *gs[:3], hq, lq, lq_pad, rows))

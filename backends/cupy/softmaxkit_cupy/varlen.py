@@ -262,7 +262,7 @@ def _varlen_attention_vjp(
     dk = interop.empty(q, (tk, hk, d), dtype)
     dv = interop.empty(q, (tk, hk, d), dtype)
     ptr = interop.pointer
-    dlse = row_cotangent(xp, dlse)
+    dlse = row_cotangent(dlse)
     launch_backward_pre(_kernel(backward_pre_varlen_name(dtype, d)), q, rows, d,
                         VARLEN_PRE_PARAMS, (
                             ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
