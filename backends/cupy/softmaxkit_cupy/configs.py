@@ -493,13 +493,22 @@ class Sm90BackwardConfig:
         return f"sk_attn_bwd_sm90_varlen<{CTYPES[dtype]}, {self.head_dim}, {self.warpgroups}>"
 
 
-SM90_BACKWARD_CONFIGS = {d: Sm90BackwardConfig(d) for d in (64, 128, 256)}
-"""The Hopper backward for each head dimension it is built for, without a boolean mask: two
-warpgroups, each with 64 keys of a 128-key block at 64 and 128, and at 256 (where a thread's
-dK and dV accumulators would take D floats each) with half the columns of one 64-key block."""
+SM90_BACKWARD_HEAD_DIMS = (32, 64, 128, 256)
+"""Head dims the Hopper backward is built for (32: one panel of 64-byte rows, wgmma.cuh)."""
 
-SM90_BACKWARD_MASKED_CONFIGS = {d: Sm90BackwardConfig(d, mask=True) for d in (64, 128, 256)}
+SM90_BACKWARD_CONFIGS = {d: Sm90BackwardConfig(d) for d in SM90_BACKWARD_HEAD_DIMS}
+"""The Hopper backward for each head dimension it is built for, without a boolean mask: two
+warpgroups, each with 64 keys of a 128-key block at 32, 64 and 128, and at 256 (where a
+thread's dK and dV accumulators would take D floats each) with half the columns of one 64-key
+block."""
+
+SM90_BACKWARD_MASKED_CONFIGS = {d: Sm90BackwardConfig(d, mask=True)
+                                for d in SM90_BACKWARD_HEAD_DIMS}
 """The Hopper backward for calls with a boolean mask."""
+
+SM90_BACKWARD_ALTERNATIVES = (Sm90BackwardConfig(32, warpgroups=1),)
+"""Other Hopper backward tiles, built on request only (tools/backward_tiles.py times them):
+at 32 one warpgroup of 64 keys a block, three blocks a multiprocessor."""
 
 SM90_VARLEN_BACKWARD_CONFIGS = SM90_BACKWARD_CONFIGS
 """The packed variable-length backward on the Hopper kernel: the dense tiles at every head

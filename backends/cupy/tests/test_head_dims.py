@@ -629,7 +629,8 @@ def test_kit_attention_cases_at_padded_head_dims_are_accepted(monkeypatch) -> No
 
 
 @pytest.mark.parametrize(("d", "dv", "plain", "masked", "backward"), [
-    (32, 32, None, None, None),   # mma.sync at 32
+    (16, 24, None, None, 32),     # forward mma.sync at 32, backward Hopper at 32
+    (32, 32, None, None, 32),     # forward mma.sync at 32, backward Hopper (64-byte rows)
     (40, 40, 64, 64, 64),         # mma.sync would pad to 64 too
     (80, 80, None, None, None),   # mma.sync at 80
     (96, 96, 128, 128, 128),      # faster padded

@@ -1,9 +1,11 @@
 """Time the 16-bit attention backward's tile configurations beside torch's flash and cuDNN.
 
 For each head dimension asked for (default 32 and 160), bfloat16 B4 H32 L4096, causal and
-not: the cupy adapter's ``attention_vjp`` as served (``served``) and with each
+not: the cupy adapter's ``attention_vjp`` as served (``served``), on the mma.sync kernel's
+declared tiles (``mma.sync``, where the Hopper kernel serves), with each
 ``configs.BACKWARD_ALTERNATIVES`` entry of that head dimension (``4w/32``: warps / query
-rows), from the same forward's out and lse, and torch autograd's backward through
+rows) and each ``configs.SM90_BACKWARD_ALTERNATIVES`` one (``1wg``: warpgroups), from the
+same forward's out and lse, and torch autograd's backward through
 ``scaled_dot_product_attention`` under its flash and cuDNN backends (the graph kept), each the
 median of ``triton.testing.do_bench``; TFLOP/s count 10 B H L^2 D (five products), halved for
 causal.  Before timing, every configuration's gradients on a small problem of the same head
@@ -30,8 +32,14 @@ BOUND = 3e-2  # bfloat16 gradients against float64 (gpu_check's bound)
 def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> dict:
     """Name -> a call giving (dq, dk, dv) of one problem, and the problem's tensors."""
     import array_api_compat.torch as xp
-    from softmaxkit_cupy.attention import attention, attention_vjp
-    from softmaxkit_cupy.configs import BACKWARD_ALTERNATIVES
+    from softmaxkit_cupy.attention import attention, attention_vjp, backward_config_for
+    from softmaxkit_cupy.configs import (
+        BACKWARD_ALTERNATIVES,
+        SM90_BACKWARD_ALTERNATIVES,
+        SM90_CAPABILITY,
+        Sm90BackwardConfig,
+        backward_config,
+    )
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -41,8 +49,15 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> dict:
     kw = dict(scale=d ** -0.5, causal="bottom_right" if causal else None, window=(-1, -1),
               mask=None, softcap=None)
     out, lse = attention(xp, q=q, k=k, v=v, return_lse=True, **kw)
-    named = {"served": None} | {f"{c.warps}w/{c.block_m}": c
-                                for c in BACKWARD_ALTERNATIVES if c.head_dim == d}
+    major, minor = torch.cuda.get_device_capability()
+    capability = 10 * major + minor
+    served = backward_config_for(capability, d, masked=False)
+    named = ({"served": None}
+             | ({"mma.sync": backward_config(d)} if isinstance(served, Sm90BackwardConfig)
+                else {})
+             | {f"{c.warps}w/{c.block_m}": c for c in BACKWARD_ALTERNATIVES if c.head_dim == d}
+             | {f"{c.warpgroups}wg": c for c in SM90_BACKWARD_ALTERNATIVES
+                if c.head_dim == d and capability == SM90_CAPABILITY})
     result = {n: (lambda c=c: attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
                                             config=c, **kw)) for n, c in named.items()}
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),

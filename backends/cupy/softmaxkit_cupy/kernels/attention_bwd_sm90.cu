@@ -63,9 +63,14 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
     constexpr bool QSPLIT = D == 64 * WG;
     constexpr int KQ = (QSPLIT || COLSPLIT ? BN : 64) / 16;  // k-slices of dQ's product
     constexpr int QPASSES = COLSPLIT ? DW / 64 : 1;            // dQ panels of a warpgroup
-    constexpr unsigned PANEL_Q = BM * 128, PANEL_K = BN * 128;  // bytes of a 64-column panel
+    constexpr int QN = D < 64 ? D : 64;                        // dQ's columns a product
+    // the operand tiles' panels (wgmma.cuh): 64 columns of 128-byte rows, or at D = 32 one
+    // panel of 64-byte rows; dS^T is one panel of BM = 64 queries, 128-byte rows, at every D
+    constexpr int RB = SkPanel<D>::ROW_BYTES;
+    constexpr int KSP = RB / 32;                                // k-slices of 16 in a panel
+    constexpr unsigned PANEL_Q = BM * RB, PANEL_K = BN * RB;    // bytes of a panel
     constexpr unsigned QTILE = BM * D * 2, KTILE = BN * D * 2;  // bytes of a tile
-    static_assert(D == 64 || D == 64 * WG || (COLSPLIT && DW % 64 == 0),
+    static_assert(D == 32 || D == 64 || D == 64 * WG || (COLSPLIT && DW % 64 == 0),
                   "dQ's warpgroup split");
     typedef SkMma<T> Mma;
 
@@ -149,20 +154,20 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
     // descriptors: K_w and V_w as K-major A (this warpgroup's 64 rows), Q and dO stage 0 as
     // K-major B (S^T, dP^T) and MN-major B (dK, dV), dS^T and K as MN-major A and B of dQ
     // (under COLSPLIT the keys are every warpgroup's, and dO and Q start at its columns' panels)
-    const unsigned key_rows = COLSPLIT ? 0u : wg * 64 * 128;
+    const unsigned key_rows = COLSPLIT ? 0u : wg * 64 * RB;
     const unsigned col_panels = COLSPLIT ? wg * (DW / 64) * PANEL_Q : 0u;
-    const unsigned long long d_k = sk_desc(ak + key_rows, 16, 1024);
-    const unsigned long long d_v = sk_desc(av + key_rows, 16, 1024);
-    const unsigned long long d_q = sk_desc(aq, 16, 1024);
-    const unsigned long long d_g = sk_desc(ag, 16, 1024);
-    const unsigned long long d_qt = sk_desc(aq + col_panels, PANEL_Q, 1024);
-    const unsigned long long d_gt = sk_desc(ag + col_panels, PANEL_Q, 1024);
+    const unsigned long long d_k = sk_desc(ak + key_rows, 16, 8 * RB, RB);
+    const unsigned long long d_v = sk_desc(av + key_rows, 16, 8 * RB, RB);
+    const unsigned long long d_q = sk_desc(aq, 16, 8 * RB, RB);
+    const unsigned long long d_g = sk_desc(ag, 16, 8 * RB, RB);
+    const unsigned long long d_qt = sk_desc(aq + col_panels, PANEL_Q, 8 * RB, RB);
+    const unsigned long long d_gt = sk_desc(ag + col_panels, PANEL_Q, 8 * RB, RB);
     const unsigned long long d_ds =
-        sk_desc(ads + (QSPLIT || COLSPLIT ? 0u : wg * 64 * 128), PANEL_K, 1024);
+        sk_desc(ads + (QSPLIT || COLSPLIT ? 0u : wg * 64 * 128), BN * 128, 1024);
     // K's panel of dQ's first (or only) 64 columns of this warpgroup
     const unsigned long long d_kt = sk_desc(
-        ak + (COLSPLIT ? wg * (DW / 64) * PANEL_K : QSPLIT ? wg * PANEL_K : wg * 64 * 128),
-        PANEL_K, 1024);
+        ak + (COLSPLIT ? wg * (DW / 64) * PANEL_K : QSPLIT ? wg * PANEL_K : key_rows),
+        PANEL_K, 8 * RB, RB);
 
     if (total > 0) {
         sk_load_panels<T, BN, D, THREADS>(sk, kb, k_sl, lk - n0);
@@ -171,7 +176,7 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
     }
     sk_cp_async_commit();
 
-    float s[NS], dp[NS], dq[32];
+    float s[NS], dp[NS], dq[QN / 2];
     unsigned pa[KM][4], da[KM][4];
     // dQ's partial product of query tile m0 of head h (its 64 columns from c0), added into
     // the float32 buffer
@@ -180,7 +185,7 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
         float* qrow = dq_acc +
             ((VARLEN ? h : static_cast<long long>(b) * hq + h) * lq_pad + p_row + m0 + row) * D;
 #pragma unroll
-        for (int nb = 0; nb < 8; ++nb) {
+        for (int nb = 0; nb < QN / 8; ++nb) {
             const int col = c0 + nb * 8 + 2 * t;
             sk_red_add2(qrow + col, dq[4 * nb], dq[4 * nb + 1]);
             sk_red_add2(qrow + 8 * D + col, dq[4 * nb + 2], dq[4 * nb + 3]);
@@ -203,15 +208,15 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
         sk_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
-            const unsigned at = ((kk / 4) * PANEL_K + (kk % 4) * 32) >> 4;
-            const unsigned bt = ((kk / 4) * PANEL_Q + (kk % 4) * 32) >> 4;
+            const unsigned at = ((kk / KSP) * PANEL_K + (kk % KSP) * 32) >> 4;
+            const unsigned bt = ((kk / KSP) * PANEL_Q + (kk % KSP) * 32) >> 4;
             SkWgmma<BM>::ss(s, d_k + at, d_q + qs + bt, kk > 0, T());
         }
         sk_wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
-            const unsigned at = ((kk / 4) * PANEL_K + (kk % 4) * 32) >> 4;
-            const unsigned bt = ((kk / 4) * PANEL_Q + (kk % 4) * 32) >> 4;
+            const unsigned at = ((kk / KSP) * PANEL_K + (kk % KSP) * 32) >> 4;
+            const unsigned bt = ((kk / KSP) * PANEL_Q + (kk % KSP) * 32) >> 4;
             SkWgmma<BM>::ss(dp, d_v + at, d_g + qs + bt, kk > 0, T());
         }
         sk_wgmma_commit();
@@ -271,10 +276,10 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
         sk_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KM; ++kk)
-            SkWgmma<DW>::rs(dv_acc, pa[kk], d_gt + qs + ((kk * 16 * 128) >> 4), 1, T());
+            SkWgmma<DW>::rs(dv_acc, pa[kk], d_gt + qs + ((kk * 16 * RB) >> 4), 1, T());
 #pragma unroll
         for (int kk = 0; kk < KM; ++kk)
-            SkWgmma<DW>::rs(dk_acc, da[kk], d_qt + qs + ((kk * 16 * 128) >> 4), 1, T());
+            SkWgmma<DW>::rs(dk_acc, da[kk], d_qt + qs + ((kk * 16 * RB) >> 4), 1, T());
         sk_wgmma_commit();
         sk_fence_proxy_async();
         __syncthreads();  // dS^T of every warpgroup
@@ -285,8 +290,8 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
             sk_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < KQ; ++kk)
-                SkWgmma<64>::sst(dq, d_ds + ((kk * 16 * 128) >> 4),
-                                 kt + ((kk * 16 * 128) >> 4), kk > 0, T());
+                SkWgmma<QN>::sst(dq, d_ds + ((kk * 16 * 128) >> 4),
+                                 kt + ((kk * 16 * RB) >> 4), kk > 0, T());
             sk_wgmma_commit();
             sk_wgmma_wait<0>();
             sk_fence_regs(dq);
@@ -320,7 +325,7 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
 }
 
 template <typename T, int D, int WG, bool MASK>
-__global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
+__global__ void __launch_bounds__(128 * WG, D == 32 && WG == 1 ? 3 : 1) sk_attn_bwd_sm90(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const unsigned* __restrict__ mask,
     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
@@ -338,7 +343,7 @@ __global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90(
 // Packed variable-length backward, the arguments of sk_attn_bwd_varlen (attention_bwd.cu):
 // grid (key tiles of the longest sequence, Hk, B).
 template <typename T, int D, int WG>
-__global__ void __launch_bounds__(128 * WG, 1) sk_attn_bwd_sm90_varlen(
+__global__ void __launch_bounds__(128 * WG, D == 32 && WG == 1 ? 3 : 1) sk_attn_bwd_sm90_varlen(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const long long* __restrict__ cu_q,
     const long long* __restrict__ cu_k, const long long* __restrict__ cu_pad,

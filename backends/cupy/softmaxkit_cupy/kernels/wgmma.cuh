@@ -6,7 +6,9 @@
 // panel at r * 128 bytes with its 16-byte chunk c at (c ^ (r % 8)) * 16.  Panels start on
 // 1024-byte boundaries, since the hardware applies the swizzle to address bits 4-6 from bits
 // 7-9.  The same bytes serve as a K-major operand (rows = M or N, columns = K: Q, K) and as
-// an MN-major one (rows = K, columns = N: V).
+// an MN-major one (rows = K, columns = N: V).  A tile of 32 columns is one panel of 64-byte
+// rows under the 64-byte swizzle: chunk c of row r at (c ^ (r / 2 % 4)) * 16 (address bits
+// 4-5 from bits 7-8), 8 rows every 512 bytes.
 //
 // Accumulator layout of m64nNk16 (g = lane / 4, t = lane % 4, warp w of the warpgroup owns
 // rows 16 w .. 16 w + 15): d[4 j + e] is row 16 w + g + 8 (e / 2), column 8 j + 2 t + (e % 2),
@@ -17,14 +19,24 @@
 #include "common.cuh"
 #include "mma.cuh"
 
-// The descriptor of a 128-byte-swizzled operand starting at shared address `addr` (bytes):
-// lbo and sbo in bytes.  K-major: sbo = 1024 (the next 8 rows), lbo unused (1).  MN-major:
-// lbo = the distance between 64-column panels, sbo = 1024 (the next 8 rows of K).
-__device__ __forceinline__ unsigned long long sk_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+// The descriptor of a swizzled operand starting at shared address `addr` (bytes): lbo and sbo
+// in bytes, rows of `row_bytes` (128, or 64 for the 64-byte swizzle).  K-major: sbo = 8 rows
+// (1024 bytes at 128), lbo unused (16).  MN-major: lbo = the distance between panels, sbo =
+// the next 8 rows of K.
+__device__ __forceinline__ unsigned long long sk_desc(unsigned addr, unsigned lbo, unsigned sbo,
+                                                      int row_bytes = 128) {
+    const unsigned long long mode = row_bytes == 128 ? 1ull : 2ull;  // the layout's swizzle
     return static_cast<unsigned long long>((addr & 0x3ffff) >> 4) |
            (static_cast<unsigned long long>(lbo >> 4) << 16) |
-           (static_cast<unsigned long long>(sbo >> 4) << 32) | (1ull << 62);
+           (static_cast<unsigned long long>(sbo >> 4) << 32) | (mode << 62);
 }
+
+// Bytes of a row of a tile's panels at head dimension D: 64-column panels, one 32-column one.
+template <int D> struct SkPanel {
+    static_assert(D == 32 || D % 64 == 0, "panels of 64 columns, or one of 32");
+    static constexpr int ROW_BYTES = D == 32 ? 64 : 128;
+    static constexpr int COLS = ROW_BYTES / 2;
+};
 
 __device__ __forceinline__ void sk_wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -63,6 +75,45 @@ template <int R> __device__ __forceinline__ void sk_fence_regs(unsigned (&d)[R][
 // K-major.  rs: A from registers, B from shared memory MN-major (transposed).  The last
 // argument picks the 16-bit input type.
 template <int N> struct SkWgmma;
+template <> struct SkWgmma<32> {
+    static __device__ __forceinline__ void rs(float (&d)[16], const unsigned (&a)[4],
+                                              unsigned long long b, int acc, sk_bf16) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "{%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"
+            : SK_F16(d, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+    }
+    static __device__ __forceinline__ void rs(float (&d)[16], const unsigned (&a)[4],
+                                              unsigned long long b, int acc, __half) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "{%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"
+            : SK_F16(d, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+    }
+    // A and B both MN-major (A stored as K rows of M columns, B as K rows of N columns).
+    static __device__ __forceinline__ void sst(float (&d)[16], unsigned long long a,
+                                               unsigned long long b, int acc, sk_bf16) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "%16, %17, p, 1, 1, 1, 1;\n}\n"
+            : SK_F16(d, 0) : "l"(a), "l"(b), "r"(acc));
+    }
+    static __device__ __forceinline__ void sst(float (&d)[16], unsigned long long a,
+                                               unsigned long long b, int acc, __half) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "%16, %17, p, 1, 1, 1, 1;\n}\n"
+            : SK_F16(d, 0) : "l"(a), "l"(b), "r"(acc));
+    }
+};
 template <> struct SkWgmma<64> {
     static __device__ __forceinline__ void ss(float (&d)[32], unsigned long long a,
                                               unsigned long long b, int acc, sk_bf16) {
@@ -269,14 +320,15 @@ template <> struct SkWgmma<256> {
     }
 };
 
-// Copy rows [0, ROWS) of a [rows x D] tile (row stride ld elements) into the 128-byte-swizzled
-// panels described above; rows at or past `valid` are zero-filled.  All THREADS threads take
-// part, thread `tid` (threadIdx.x: a caller in a loop may pass it through sk_opaque_tid, so that
-// the addresses are computed at each copy rather than hoisted out and held in registers).
+// Copy rows [0, ROWS) of a [rows x D] tile (row stride ld elements) into the swizzled panels
+// described above (SkPanel<D>); rows at or past `valid` are zero-filled.  All THREADS threads
+// take part, thread `tid` (threadIdx.x: a caller in a loop may pass it through sk_opaque_tid, so
+// that the addresses are computed at each copy rather than hoisted out and held in registers).
 template <typename T, int ROWS, int D, int THREADS>
 __device__ __forceinline__ void sk_load_panels(T* smem, const T* g, long long ld, int valid,
                                                int tid) {
     constexpr int CHUNKS = D / 8;
+    constexpr int PC = SkPanel<D>::COLS / 8;  // chunks of a panel's row
     static_assert(ROWS * CHUNKS % THREADS == 0, "whole steps of the tile's chunks");
 #pragma unroll
     for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
@@ -284,7 +336,8 @@ __device__ __forceinline__ void sk_load_panels(T* smem, const T* g, long long ld
         const int r = c / CHUNKS, ch = c % CHUNKS;
         const bool ok = r < valid;
         const T* src = g + static_cast<long long>(ok ? r : 0) * ld + ch * 8;
-        T* dst = smem + (ch / 8) * ROWS * 64 + r * 64 + (((ch % 8) ^ (r & 7)) * 8);
+        const int swz = PC == 8 ? (r & 7) : ((r >> 1) & 3);
+        T* dst = smem + (ch / PC) * ROWS * (PC * 8) + r * (PC * 8) + (((ch % PC) ^ swz) * 8);
         sk_cp_async16(dst, src, ok);
     }
 }
