@@ -300,6 +300,15 @@ def hopper_width(q: Any, d: int, dv: int, built: Collection[int],
     return None if hopper == d == dv else hopper
 
 
+def config_width(config: Any, d: int, dv: int) -> int | None:
+    """The head dimension a call of key dim ``d`` and value dim ``dv`` runs at on the tiles
+    ``config`` (one built for a head dimension at least ``max(d, dv)``), or None for its own:
+    the call is zero-padded to the tiles' head dimension."""
+    if config.head_dim < max(d, dv):
+        raise ValueError(f"tiles of head dim {config.head_dim} cannot run D={d}, Dv={dv}")
+    return None if config.head_dim == d == dv else config.head_dim
+
+
 def kernel_options(mask: Any, causal: Any, window: tuple[int, int], softcap: Any,
                    scale: float, lq: int, lk: int) -> tuple[Any, int, tuple[int, ...],
                                                           tuple[Any, ...]]:
@@ -567,7 +576,8 @@ def attention_vjp(
     Hopper one (:func:`backward_config_for`) on a device of compute capability 9.0 at a head
     dimension it is built for (or zero-padded to one, :func:`hopper_width`), the mma.sync one
     otherwise.  ``config`` overrides the tile
-    configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks).  Head dimensions
+    configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks; a call below its head
+    dimension runs zero-padded to it, :func:`config_width`).  Head dimensions
     the kernels are not built for run as in :func:`attention`, on copies of q, k, v, out and
     dout zero-padded to the next built one; dq and dk are the first D columns of the padded
     results, dv the first Dv.  A value dimension above 256 runs in blocks of columns, dq and dk
@@ -591,7 +601,7 @@ def attention_vjp(
                     xp, q=q, k=k, v=vb, out=ob, lse=lse, dout=db, scale=scale, causal=causal,
                     window=window, mask=mask, softcap=softcap,
                     dlse=dlse if first else None, config=config), v, out, dout)
-    width = head_dims.pad_width(d, dv) if config is not None else hopper_width(
+    width = config_width(config, d, dv) if config is not None else hopper_width(
         q, d, dv, SM90_BACKWARD_MASKED_CONFIGS if mask is not None else SM90_BACKWARD_CONFIGS,
         head_dims.SM90_BACKWARD_PADDED_FROM)
     with interop.on_device(q):

@@ -493,14 +493,15 @@ class Sm90BackwardConfig:
         return f"sk_attn_bwd_sm90_varlen<{CTYPES[dtype]}, {self.head_dim}, {self.warpgroups}>"
 
 
-SM90_BACKWARD_HEAD_DIMS = (32, 64, 128, 256)
-"""Head dims the Hopper backward is built for (32: one panel of 64-byte rows, wgmma.cuh)."""
+SM90_BACKWARD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+"""Head dims the Hopper backward is built for: panels of 64 columns (128-byte rows), or of 32
+(64-byte rows) where a warpgroup's columns are not whole 64-column panels, at 32, 96 and 192
+(kernels/wgmma.cuh)."""
 
 SM90_BACKWARD_CONFIGS = {d: Sm90BackwardConfig(d) for d in SM90_BACKWARD_HEAD_DIMS}
 """The Hopper backward for each head dimension it is built for, without a boolean mask: two
-warpgroups, each with 64 keys of a 128-key block at 32, 64 and 128, and at 256 (where a
-thread's dK and dV accumulators would take D floats each) with half the columns of one 64-key
-block."""
+warpgroups, each with 64 keys of a 128-key block up to 128, and above (where a thread's dK and
+dV accumulators would take D floats each) with half the columns of one 64-key block."""
 
 SM90_BACKWARD_MASKED_CONFIGS = {d: Sm90BackwardConfig(d, mask=True)
                                 for d in SM90_BACKWARD_HEAD_DIMS}

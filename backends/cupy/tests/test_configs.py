@@ -217,15 +217,14 @@ def test_hopper_backward_serves_capability_9_0_only_within_the_h200s_limits() ->
         sm90_backward_names,
     )
 
-    assert set(SM90_BACKWARD_CONFIGS) == set(SM90_BACKWARD_MASKED_CONFIGS) == {32, 64, 128, 256}
+    assert set(SM90_BACKWARD_CONFIGS) == set(SM90_BACKWARD_MASKED_CONFIGS) == {32, 64, 96, 128, 192, 256}
     assert "attention_bwd_sm90.cu" in SM90_SOURCES
     assert ("attention_bwd_sm90.cu", list(sm90_backward_names())) in all_modules()
     for configs, masked in ((SM90_BACKWARD_CONFIGS, False), (SM90_BACKWARD_MASKED_CONFIGS, True)):
         for d, c in configs.items():
             assert c.head_dim == d and c.mask == masked
-            if d <= 128:  # the kernel's dQ split: a 64-column panel per warpgroup, or all
-                # columns (64, or the one 32-column panel) over the warpgroup's own keys
-                assert d in (32, 64, 64 * c.warpgroups) and c.block_n == 64 * c.warpgroups
+            if d <= 128:  # 64 keys a warpgroup
+                assert c.block_n == 64 * c.warpgroups
             else:  # one tile of 64 keys, its columns split between the warpgroups
                 assert c.block_n == 64
             assert c.block_m == 64 and c.threads == 128 * c.warpgroups

@@ -73,7 +73,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [32, 64, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_hopper_backward_matches_float64(dtype: str, d: int, case: dict) -> None:
     from softmaxkit_cupy.configs import sm90_backward_config
@@ -155,7 +155,7 @@ VARLEN = [
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [32, 64, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize(("lens_q", "lens_k", "kw"), VARLEN, ids=str)
 def test_hopper_varlen_backward_matches_float64(dtype, d, lens_q, lens_k, kw) -> None:
     """The packed variable-length backward through ``sk.varlen_attention_vjp`` runs its main

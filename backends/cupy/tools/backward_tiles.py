@@ -2,7 +2,8 @@
 
 For each head dimension asked for (default 32 and 160), bfloat16 B4 H32 L4096, causal and
 not: the cupy adapter's ``attention_vjp`` as served (``served``), on the mma.sync kernel's
-declared tiles (``mma.sync``, where the Hopper kernel serves), with each
+declared tiles (``mma.sync``, where the Hopper kernel serves), zero-padded to the next
+Hopper tiles above it (``hopper@128``, on compute capability 9.0), with each
 ``configs.BACKWARD_ALTERNATIVES`` entry of that head dimension (``4w/32``: warps / query
 rows) and each ``configs.SM90_BACKWARD_ALTERNATIVES`` one (``1wg``: warpgroups), from the
 same forward's out and lse, and torch autograd's backward through
@@ -36,10 +37,12 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> dict:
     from softmaxkit_cupy.configs import (
         BACKWARD_ALTERNATIVES,
         SM90_BACKWARD_ALTERNATIVES,
+        SM90_BACKWARD_CONFIGS,
         SM90_CAPABILITY,
         Sm90BackwardConfig,
         backward_config,
     )
+    from softmaxkit_cupy.head_dims import served_head_dim
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -51,13 +54,18 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> dict:
     out, lse = attention(xp, q=q, k=k, v=v, return_lse=True, **kw)
     major, minor = torch.cuda.get_device_capability()
     capability = 10 * major + minor
-    served = backward_config_for(capability, d, masked=False)
+    width = served_head_dim(d, d)
+    served = backward_config_for(capability, width, masked=False)
+    hopper = capability == SM90_CAPABILITY
+    # on Hopper, the next Hopper tiles above the served width, the call zero-padded to them
+    wider = next((w for w in sorted(SM90_BACKWARD_CONFIGS) if w > width), None)
     named = ({"served": None}
-             | ({"mma.sync": backward_config(d)} if isinstance(served, Sm90BackwardConfig)
+             | ({"mma.sync": backward_config(width)} if isinstance(served, Sm90BackwardConfig)
                 else {})
+             | ({f"hopper@{wider}": SM90_BACKWARD_CONFIGS[wider]} if hopper and wider else {})
              | {f"{c.warps}w/{c.block_m}": c for c in BACKWARD_ALTERNATIVES if c.head_dim == d}
              | {f"{c.warpgroups}wg": c for c in SM90_BACKWARD_ALTERNATIVES
-                if c.head_dim == d and capability == SM90_CAPABILITY})
+                if c.head_dim == d and hopper})
     result = {n: (lambda c=c: attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
                                             config=c, **kw)) for n, c in named.items()}
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),

@@ -57,21 +57,24 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
     constexpr int NA = DW / 2;   // dK (and dV) accumulators per thread
     constexpr int KM = BM / 16;  // k-slices over the tile's queries
     constexpr int KD = D / 16;   // k-slices over the head dimension
-    // dQ: where D = 64 WG the warpgroups split its columns (a panel each) over every key of
-    // the block, at D = 64 each takes all columns over its own keys (dq_acc adds the halves);
-    // under COLSPLIT each takes its DW columns, a panel at a time, over the block's keys
-    constexpr bool QSPLIT = D == 64 * WG;
-    constexpr int KQ = (QSPLIT || COLSPLIT ? BN : 64) / 16;  // k-slices of dQ's product
-    constexpr int QPASSES = COLSPLIT ? DW / 64 : 1;            // dQ panels of a warpgroup
-    constexpr int QN = D < 64 ? D : 64;                        // dQ's columns a product
-    // the operand tiles' panels (wgmma.cuh): 64 columns of 128-byte rows, or at D = 32 one
-    // panel of 64-byte rows; dS^T is one panel of BM = 64 queries, 128-byte rows, at every D
-    constexpr int RB = SkPanel<D>::ROW_BYTES;
+    // the operand tiles' panels (wgmma.cuh): 64 columns of 128-byte rows, or 32 columns of
+    // 64-byte rows where a warpgroup's columns are not whole 64-column panels (D = 32, 96, and
+    // 192 split in two); dS^T is one panel of BM = 64 queries, 128-byte rows, at every D
+    constexpr int PC = D % 64 == 0 && DW % 64 == 0 ? 64 : 32;
+    constexpr int RB = 2 * PC;                                  // bytes of a panel's row
     constexpr int KSP = RB / 32;                                // k-slices of 16 in a panel
     constexpr unsigned PANEL_Q = BM * RB, PANEL_K = BN * RB;    // bytes of a panel
     constexpr unsigned QTILE = BM * D * 2, KTILE = BN * D * 2;  // bytes of a tile
-    static_assert(D == 32 || D == 64 || D == 64 * WG || (COLSPLIT && DW % 64 == 0),
-                  "dQ's warpgroup split");
+    // dQ: where D = 64 WG the warpgroups split its columns (a panel each) over every key of
+    // the block, elsewhere below COLSPLIT each takes all columns over its own keys (dq_acc
+    // adds the halves); under COLSPLIT each takes its DW columns over the block's keys.  A
+    // warpgroup's columns are QPASSES products of QN columns.
+    constexpr bool QSPLIT = D == 64 * WG;
+    constexpr int KQ = (QSPLIT || COLSPLIT ? BN : 64) / 16;  // k-slices of dQ's product
+    constexpr int DQ_COLS = COLSPLIT ? DW : QSPLIT ? 64 : D;
+    constexpr int QN = DQ_COLS % 64 == 0 ? 64 : DQ_COLS <= 96 ? DQ_COLS : 32;
+    constexpr int QPASSES = DQ_COLS / QN;
+    static_assert(DW % PC == 0 && DQ_COLS % QN == 0 && QN % PC == 0, "dQ's warpgroup split");
     typedef SkMma<T> Mma;
 
     extern __shared__ unsigned char sk_smem_raw[];
@@ -131,8 +134,8 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
             (VARLEN ? h : static_cast<long long>(b) * hq + h) * lq_pad + p_row + m0;
         // at D = 256 the copies' addresses, held across the loop, would spill registers
         const int tid = COLSPLIT ? sk_opaque_tid() : static_cast<int>(threadIdx.x);
-        sk_load_panels<T, BM, D, THREADS>(sq + st * BM * D, q + qo, q_sl, lq - m0, tid);
-        sk_load_panels<T, BM, D, THREADS>(sg + st * BM * D, dout + go, g_sl, lq - m0, tid);
+        sk_load_panels<T, BM, D, THREADS, PC>(sq + st * BM * D, q + qo, q_sl, lq - m0, tid);
+        sk_load_panels<T, BM, D, THREADS, PC>(sg + st * BM * D, dout + go, g_sl, lq - m0, tid);
         if (threadIdx.x < BM / 2) {  // BM / 4 chunks of each
             const int c = threadIdx.x;
             const bool is_l = c < BM / 4;
@@ -155,7 +158,7 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
     // K-major B (S^T, dP^T) and MN-major B (dK, dV), dS^T and K as MN-major A and B of dQ
     // (under COLSPLIT the keys are every warpgroup's, and dO and Q start at its columns' panels)
     const unsigned key_rows = COLSPLIT ? 0u : wg * 64 * RB;
-    const unsigned col_panels = COLSPLIT ? wg * (DW / 64) * PANEL_Q : 0u;
+    const unsigned col_panels = COLSPLIT ? wg * (DW / PC) * PANEL_Q : 0u;
     const unsigned long long d_k = sk_desc(ak + key_rows, 16, 8 * RB, RB);
     const unsigned long long d_v = sk_desc(av + key_rows, 16, 8 * RB, RB);
     const unsigned long long d_q = sk_desc(aq, 16, 8 * RB, RB);
@@ -164,14 +167,14 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
     const unsigned long long d_gt = sk_desc(ag + col_panels, PANEL_Q, 8 * RB, RB);
     const unsigned long long d_ds =
         sk_desc(ads + (QSPLIT || COLSPLIT ? 0u : wg * 64 * 128), BN * 128, 1024);
-    // K's panel of dQ's first (or only) 64 columns of this warpgroup
+    // K's panel of dQ's first (or only) QN columns of this warpgroup
     const unsigned long long d_kt = sk_desc(
-        ak + (COLSPLIT ? wg * (DW / 64) * PANEL_K : QSPLIT ? wg * PANEL_K : key_rows),
+        ak + (COLSPLIT ? wg * (DW / PC) * PANEL_K : QSPLIT ? wg * PANEL_K : key_rows),
         PANEL_K, 8 * RB, RB);
 
     if (total > 0) {
-        sk_load_panels<T, BN, D, THREADS>(sk, kb, k_sl, lk - n0);
-        sk_load_panels<T, BN, D, THREADS>(sv, vb, v_sl, lk - n0);
+        sk_load_panels<T, BN, D, THREADS, PC>(sk, kb, k_sl, lk - n0);
+        sk_load_panels<T, BN, D, THREADS, PC>(sv, vb, v_sl, lk - n0);
         load_stage(0, 0);
     }
     sk_cp_async_commit();
@@ -283,10 +286,10 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
         sk_wgmma_commit();
         sk_fence_proxy_async();
         __syncthreads();  // dS^T of every warpgroup
-        // dQ (BM x 64 columns at a time) = dS K, added into the float32 buffer
+        // dQ (BM x QN columns at a time) = dS K, added into the float32 buffer
 #pragma unroll
         for (int pass = 0; pass < QPASSES; ++pass) {
-            const unsigned long long kt = d_kt + ((pass * PANEL_K) >> 4);
+            const unsigned long long kt = d_kt + ((pass * (QN / PC) * PANEL_K) >> 4);
             sk_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < KQ; ++kk)
@@ -299,7 +302,7 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
             sk_fence_regs(dk_acc);
             sk_fence_regs(pa);
             sk_fence_regs(da);
-            add_dq(h, m0, COLSPLIT ? wg * DW + pass * 64 : QSPLIT ? wg * 64 : 0);
+            add_dq(h, m0, (COLSPLIT ? wg * DW : QSPLIT ? wg * 64 : 0) + pass * QN);
         }
     }
     sk_cp_async_wait<0>();

@@ -6,9 +6,9 @@
 // panel at r * 128 bytes with its 16-byte chunk c at (c ^ (r % 8)) * 16.  Panels start on
 // 1024-byte boundaries, since the hardware applies the swizzle to address bits 4-6 from bits
 // 7-9.  The same bytes serve as a K-major operand (rows = M or N, columns = K: Q, K) and as
-// an MN-major one (rows = K, columns = N: V).  A tile of 32 columns is one panel of 64-byte
-// rows under the 64-byte swizzle: chunk c of row r at (c ^ (r / 2 % 4)) * 16 (address bits
-// 4-5 from bits 7-8), 8 rows every 512 bytes.
+// an MN-major one (rows = K, columns = N: V).  Panels of 32 columns have 64-byte rows under the
+// 64-byte swizzle: chunk c of row r at (c ^ (r / 2 % 4)) * 16 (address bits 4-5 from bits
+// 7-8), 8 rows every 512 bytes, panel p at p * R * 64 bytes.
 //
 // Accumulator layout of m64nNk16 (g = lane / 4, t = lane % 4, warp w of the warpgroup owns
 // rows 16 w .. 16 w + 15): d[4 j + e] is row 16 w + g + 8 (e / 2), column 8 j + 2 t + (e % 2),
@@ -31,12 +31,7 @@ __device__ __forceinline__ unsigned long long sk_desc(unsigned addr, unsigned lb
            (static_cast<unsigned long long>(sbo >> 4) << 32) | (mode << 62);
 }
 
-// Bytes of a row of a tile's panels at head dimension D: 64-column panels, one 32-column one.
-template <int D> struct SkPanel {
-    static_assert(D == 32 || D % 64 == 0, "panels of 64 columns, or one of 32");
-    static constexpr int ROW_BYTES = D == 32 ? 64 : 128;
-    static constexpr int COLS = ROW_BYTES / 2;
-};
+
 
 __device__ __forceinline__ void sk_wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -183,6 +178,69 @@ template <> struct SkWgmma<64> {
             : SK_F32(d) : "l"(a), "l"(b), "r"(acc));
     }
 };
+template <> struct SkWgmma<96> {
+    static __device__ __forceinline__ void rs(float (&d)[48], const unsigned (&a)[4],
+                                              unsigned long long b, int acc, sk_bf16) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+            "{"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+            "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+            "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+            "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+            "}, "
+            "{%48, %49, %50, %51}, %52, p, 1, 1, 1;\n}\n"
+           
+            : SK_F32(d), SK_F16(d, 32)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+    }
+    static __device__ __forceinline__ void rs(float (&d)[48], const unsigned (&a)[4],
+                                              unsigned long long b, int acc, __half) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 "
+            "{"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+            "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+            "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+            "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+            "}, "
+            "{%48, %49, %50, %51}, %52, p, 1, 1, 1;\n}\n"
+           
+            : SK_F32(d), SK_F16(d, 32)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+    }
+    // A and B both MN-major (A stored as K rows of M columns, B as K rows of N columns).
+    static __device__ __forceinline__ void sst(float (&d)[48], unsigned long long a,
+                                               unsigned long long b, int acc, sk_bf16) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+            "{"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+            "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+            "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+            "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+            "}, "
+            "%48, %49, p, 1, 1, 1, 1;\n}\n"
+            : SK_F32(d), SK_F16(d, 32) : "l"(a), "l"(b), "r"(acc));
+    }
+    static __device__ __forceinline__ void sst(float (&d)[48], unsigned long long a,
+                                               unsigned long long b, int acc, __half) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 "
+            "{"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+            "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+            "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+            "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+            "}, "
+            "%48, %49, p, 1, 1, 1, 1;\n}\n"
+            : SK_F32(d), SK_F16(d, 32) : "l"(a), "l"(b), "r"(acc));
+    }
+};
 template <> struct SkWgmma<128> {
     static __device__ __forceinline__ void ss(float (&d)[64], unsigned long long a,
                                               unsigned long long b, int acc, sk_bf16) {
@@ -321,14 +379,16 @@ template <> struct SkWgmma<256> {
 };
 
 // Copy rows [0, ROWS) of a [rows x D] tile (row stride ld elements) into the swizzled panels
-// described above (SkPanel<D>); rows at or past `valid` are zero-filled.  All THREADS threads
+// of COLS columns described above (64: the 128-byte swizzle, 32: the 64-byte one); rows at or
+// past `valid` are zero-filled.  All THREADS threads
 // take part, thread `tid` (threadIdx.x: a caller in a loop may pass it through sk_opaque_tid, so
 // that the addresses are computed at each copy rather than hoisted out and held in registers).
-template <typename T, int ROWS, int D, int THREADS>
+template <typename T, int ROWS, int D, int THREADS, int COLS = 64>
 __device__ __forceinline__ void sk_load_panels(T* smem, const T* g, long long ld, int valid,
                                                int tid) {
     constexpr int CHUNKS = D / 8;
-    constexpr int PC = SkPanel<D>::COLS / 8;  // chunks of a panel's row
+    constexpr int PC = COLS / 8;  // chunks of a panel's row
+    static_assert((COLS == 64 || COLS == 32) && D % COLS == 0, "whole panels");
     static_assert(ROWS * CHUNKS % THREADS == 0, "whole steps of the tile's chunks");
 #pragma unroll
     for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
@@ -341,9 +401,10 @@ __device__ __forceinline__ void sk_load_panels(T* smem, const T* g, long long ld
         sk_cp_async16(dst, src, ok);
     }
 }
-template <typename T, int ROWS, int D, int THREADS>
+template <typename T, int ROWS, int D, int THREADS, int COLS = 64>
 __device__ __forceinline__ void sk_load_panels(T* smem, const T* g, long long ld, int valid) {
-    sk_load_panels<T, ROWS, D, THREADS>(smem, g, ld, valid, static_cast<int>(threadIdx.x));
+    sk_load_panels<T, ROWS, D, THREADS, COLS>(smem, g, ld, valid,
+                                              static_cast<int>(threadIdx.x));
 }
 
 // threadIdx.x, as a value the compiler cannot see is the same at each call
