@@ -9,19 +9,20 @@
 // One block owns BN = 64 WG keys of one (batch, key head) and streams the query tiles (BM = 64
 // rows) of every query head of the group through two cp.async stages.  Warpgroup w owns keys
 // [64 w, 64 w + 64): S^T = K_w Q^T and dP^T = V_w dO^T are wgmma products with both operands
-// in shared memory (128-byte-swizzled panels, wgmma.cuh), P^T and dS^T stay in registers as
-// the A operands of dV_w += P^T dO and dK_w += dS^T Q (dO and Q read MN-major), whose float32
-// accumulators live in registers across the query loop.  dS^T also goes to shared memory for
+// in shared memory (swizzled panels, wgmma.cuh: of 64 columns, or of 32 where a warpgroup's
+// columns are not whole 64-column panels, at D = 32, 96 and 192), P^T and dS^T stay in
+// registers as the A operands of dV_w += P^T dO and dK_w += dS^T Q (dO and Q read MN-major),
+// whose float32 accumulators live in registers across the query loop.  dS^T also goes to shared memory for
 // dQ = dS K (A and B read MN-major): at D = 128 warpgroup w computes dQ's 64 columns of panel w
-// over all BN keys, at D = 64 all columns over its own keys; the results are added into
-// dq_acc with vector reductions.
+// over all BN keys, at 32, 64 and 96 all columns over its own keys; the results are added
+// into dq_acc with vector reductions.
 //
 // Above D = 128 a warpgroup's dK and dV (D floats a thread each) would not fit in registers:
 // there (COLSPLIT) the warpgroups share one tile of 64 keys and split the head dimension,
 // warpgroup w owning columns [D / WG w, D / WG (w + 1)) of dK, dV and dQ.  Each computes the
 // whole S^T and dP^T of the 64 keys (the same products, so their registers stay those of
 // D = 128); warpgroup 0 writes dS^T for dQ, which each warpgroup computes for its columns
-// 64 at a time.
+// (64 at a time at 256, all 96 at once at 192).
 #include "wgmma.cuh"
 #include "mma.cuh"
 #include "exclusion.cuh"
