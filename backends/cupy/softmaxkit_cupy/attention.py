@@ -236,7 +236,8 @@ def attention(
 
     ``config`` overrides the forward tile configuration (an :class:`AttentionConfig` or, on a
     device of compute capability 9.0, a :class:`Sm90Config`, at the head dimension the call
-    runs at; by default :func:`forward_config` picks one); split-KV decoding is used instead
+    runs at or above it, the call then zero-padded to it, :func:`config_width`; by default
+    :func:`forward_config` picks one); split-KV decoding is used instead
     for few query rows per key head, with :func:`.configs.decode_config`'s tiles or a
     :class:`DecodeConfig` given as ``config``.  A call whose head dimensions the kernels are
     not built for (D != Dv, or D not in ``ATTENTION_HEAD_DIMS``) runs on copies of q, k, v
@@ -266,7 +267,7 @@ def attention(
                 xp, q=q, k=k, v=vb, scale=scale, causal=causal, window=window, mask=mask,
                 softcap=softcap, return_lse=return_lse, config=config), v)
     width = _forward_width(q, k, dv, mask is not None) if config is None else (
-        head_dims.pad_width(int(q.shape[3]), dv))
+        config_width(config, int(q.shape[3]), dv))
     with interop.on_device(q):
         return head_dims.forward_padded(xp, width, lambda q, k, v: _attention(
             xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window, mask=mask,

@@ -182,12 +182,13 @@ def test_hopper_forward_serves_capability_9_0_only_within_the_h200s_limits() -> 
         sm90_names,
     )
 
-    assert set(SM90_CONFIGS) == {64, 128, 256} and set(SM90_MASKED_CONFIGS) <= set(SM90_CONFIGS)
+    assert set(SM90_CONFIGS) == {32, 64, 96, 128, 256}
+    assert set(SM90_MASKED_CONFIGS) <= set(SM90_CONFIGS)
     assert set(SM90_CONFIGS) <= set(ATTENTION_HEAD_DIMS)
     for configs, masked in ((SM90_CONFIGS, False), (SM90_MASKED_CONFIGS, True)):
         for d, c in configs.items():
-            # whole 64-column panels of the 128-byte swizzle, wgmma's n of 64, 128 or 256
-            assert c.head_dim == d and c.mask == masked and d % 64 == 0
+            # whole panels: of 64 columns (the 128-byte swizzle) or of 32 (the 64-byte one)
+            assert c.head_dim == d and c.mask == masked and d % 32 == 0
             assert c.block_n % 64 == 0 and c.block_n in (64, 128, 256)
             assert c.shared_bytes() <= 227 * 1024 and c.threads == 128 * c.warpgroups
             assert c.name("bfloat16") in sm90_names()
@@ -217,7 +218,8 @@ def test_hopper_backward_serves_capability_9_0_only_within_the_h200s_limits() ->
         sm90_backward_names,
     )
 
-    assert set(SM90_BACKWARD_CONFIGS) == set(SM90_BACKWARD_MASKED_CONFIGS) == {32, 64, 96, 128, 192, 256}
+    assert (set(SM90_BACKWARD_CONFIGS) == set(SM90_BACKWARD_MASKED_CONFIGS)
+            == {32, 64, 96, 128, 192, 256})
     assert "attention_bwd_sm90.cu" in SM90_SOURCES
     assert ("attention_bwd_sm90.cu", list(sm90_backward_names())) in all_modules()
     for configs, masked in ((SM90_BACKWARD_CONFIGS, False), (SM90_BACKWARD_MASKED_CONFIGS, True)):

@@ -6,9 +6,9 @@
 //
 // One block computes BM = 64 WG query rows of one (batch, head) with WG warpgroups, each
 // owning 64 rows: its Q rows, the key tiles K and the value tiles V are read by wgmma straight
-// from shared memory (128-byte-swizzled panels, wgmma.cuh); the score tile S = Q K^T and the
-// output accumulator live in registers (float32), and the probabilities P, rounded to 16 bits
-// in registers, are the A operand of O += P V.  K and V tiles of BN keys are double-buffered
+// from shared memory (swizzled panels of 64 columns, of 32 at D = 32 and 96: wgmma.cuh); the
+// score tile S = Q K^T and the output accumulator live in registers (float32), and the
+// probabilities P, rounded to 16 bits in registers, are the A operand of O += P V.  K and V tiles of BN keys are double-buffered
 // and copied with cp.async by every thread.  Within a warpgroup the products of consecutive
 // tiles overlap the softmax: S of tile j + 1 and O += P_j V_j are issued together, the
 // softmax of tile j + 1 runs while the tensor cores finish P_j V_j, and O is rescaled after.
@@ -37,9 +37,14 @@ __device__ __forceinline__ void sk_attn_fwd_sm90_body(
     constexpr int NO = D / 2;    // output accumulators per thread
     constexpr int KS = BN / 16;  // k-slices of P V
     constexpr int DK = D / 16;   // k-slices of Q K^T
-    constexpr unsigned PANEL_Q = BM * 128, PANEL_KV = BN * 128;  // bytes of a 64-column panel
-    constexpr unsigned STAGE = BN * D * 2;                         // bytes of a K or V tile
-    static_assert(D % 64 == 0 && BN % 64 == 0, "whole 64-column panels");
+    // panels of 64 columns (128-byte rows), or of 32 (64-byte rows) where D is not a multiple
+    // of 64 (wgmma.cuh)
+    constexpr int PC = D % 64 == 0 ? 64 : 32;
+    constexpr int RB = 2 * PC;                                   // bytes of a panel's row
+    constexpr int KSP = RB / 32;                                 // k-slices of 16 in a panel
+    constexpr unsigned PANEL_Q = BM * RB, PANEL_KV = BN * RB;    // bytes of a panel
+    constexpr unsigned STAGE = BN * D * 2;                       // bytes of a K or V tile
+    static_assert(D % PC == 0 && BN % 64 == 0, "whole panels");
     typedef SkMma<T> Mma;
 
     extern __shared__ unsigned char sk_smem_raw[];
@@ -73,18 +78,18 @@ __device__ __forceinline__ void sk_attn_fwd_sm90_body(
 
     // descriptors of this warpgroup's Q rows and of stage 0 of K and V (K-major Q and K,
     // MN-major V); a k-slice or a stage moves the start address (16-byte units)
-    const unsigned long long dv = sk_desc(av, PANEL_KV, 1024);
-    const unsigned long long dq = sk_desc(aq + wg * 64 * 128, 16, 1024);
-    const unsigned long long dk = sk_desc(ak, 16, 1024);
+    const unsigned long long dv = sk_desc(av, PANEL_KV, 8 * RB, RB);
+    const unsigned long long dq = sk_desc(aq + wg * 64 * RB, 16, 8 * RB, RB);
+    const unsigned long long dk = sk_desc(ak, 16, 8 * RB, RB);
 
     // s = Q K^T for the K tile in `stage`
     auto qk = [&](int stage) {
         const unsigned long long kd = dk + stage * (STAGE >> 4);
 #pragma unroll
         for (int kk = 0; kk < DK; ++kk) {
-            const unsigned at = (kk % 4) * 32;
-            SkWgmma<BN>::ss(s, dq + (((kk / 4) * PANEL_Q + at) >> 4),
-                            kd + (((kk / 4) * PANEL_KV + at) >> 4), kk > 0, T());
+            const unsigned at = (kk % KSP) * 32;
+            SkWgmma<BN>::ss(s, dq + (((kk / KSP) * PANEL_Q + at) >> 4),
+                            kd + (((kk / KSP) * PANEL_KV + at) >> 4), kk > 0, T());
         }
     };
     // o += P V for the V tile in `stage`
@@ -92,7 +97,7 @@ __device__ __forceinline__ void sk_attn_fwd_sm90_body(
         const unsigned long long vd = dv + stage * (STAGE >> 4);
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
-            SkWgmma<D>::rs(o, p[kk], vd + ((kk * 16 * 128) >> 4), 1, T());
+            SkWgmma<D>::rs(o, p[kk], vd + ((kk * 16 * RB) >> 4), 1, T());
         }
     };
     // scores of key tile `tile` in log2 units with exclusions, the new row maxima and sums;
@@ -169,19 +174,19 @@ __device__ __forceinline__ void sk_attn_fwd_sm90_body(
         }
     };
     auto load_k = [&](int tile, int stage) {
-        sk_load_panels<T, BN, D, THREADS>(sk + stage * BN * D,
+        sk_load_panels<T, BN, D, THREADS, PC>(sk + stage * BN * D,
                                           kb + static_cast<long long>(tile) * BN * k_sl, k_sl,
                                           lk - tile * BN);
     };
     auto load_v = [&](int tile, int stage) {
-        sk_load_panels<T, BN, D, THREADS>(sv + stage * BN * D,
+        sk_load_panels<T, BN, D, THREADS, PC>(sv + stage * BN * D,
                                           vb + static_cast<long long>(tile) * BN * v_sl, v_sl,
                                           lk - tile * BN);
     };
 
     // K tile x and V tile x sit in stage (x - tile_lo) % 2
     if (tile_lo < tile_hi) {
-        sk_load_panels<T, BM, D, THREADS>(sq, qb, q_sl, lq - m0);
+        sk_load_panels<T, BM, D, THREADS, PC>(sq, qb, q_sl, lq - m0);
         load_k(tile_lo, 0);
         sk_cp_async_commit();
         load_v(tile_lo, 0);

@@ -1,0 +1,104 @@
+"""Time the 16-bit attention forward's tile configurations beside torch's flash and cuDNN.
+
+For each head dimension asked for (default 32 and 96), bfloat16 B4 H32 L4096, causal and not:
+the cupy adapter's ``attention`` as served (``served``), on the mma.sync kernel's declared
+tiles (``mma.sync``, where the Hopper kernel serves), and zero-padded to the next Hopper tiles
+above the served width (``hopper@128``, on compute capability 9.0), beside torch's
+``scaled_dot_product_attention`` under its flash and cuDNN backends, each the median of
+``triton.testing.do_bench``; TFLOP/s count 4 B H L^2 D (two products), halved for causal.
+Before timing, every configuration's output on a small problem of the same head dimension (on
+memory that held NaN) is compared with the float64 materialized definition
+(``softmaxkit.testing.materialized``); a relative Frobenius error over bfloat16's bound fails
+the run.
+
+Usage: ``python backends/cupy/tools/forward_tiles.py [D ...]`` (from the repository root).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from softmaxkit.testing import materialized as ref
+
+B, H, L = 4, 32, 4096
+BOUND = 3e-2  # bfloat16 against float64 (gpu_check's bound)
+
+
+def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> tuple[dict, tuple]:
+    """Name -> a call giving the output of one problem, and the problem's tensors."""
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy.attention import attention, forward_config
+    from softmaxkit_cupy.configs import (
+        SM90_CAPABILITY,
+        SM90_CONFIGS,
+        Sm90Config,
+        attention_config,
+    )
+    from softmaxkit_cupy.head_dims import served_head_dim
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, length, d, device="cuda", generator=gen).to(torch.bfloat16)
+               for _ in range(3))
+    kw = dict(scale=d ** -0.5, causal="bottom_right" if causal else None, window=(-1, -1),
+              mask=None, softcap=None, return_lse=False)
+    major, minor = torch.cuda.get_device_capability()
+    capability = 10 * major + minor
+    width = served_head_dim(d, d)
+    hopper = capability == SM90_CAPABILITY
+    served = forward_config(capability, width, masked=False)
+    wider = next((w for w in sorted(SM90_CONFIGS) if w > width), None)
+    named = ({"served": None}
+             | ({"mma.sync": attention_config(width, masked=False)}
+                if isinstance(served, Sm90Config) else {})
+             | ({f"hopper@{wider}": SM90_CONFIGS[wider]} if hopper and wider else {}))
+    result = {n: (lambda c=c: attention(xp, q=q, k=k, v=v, config=c, **kw)[0])
+              for n, c in named.items()}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def peer(backend: SDPBackend = backend) -> torch.Tensor:
+            with sdpa_kernel(backend):
+                return sdpa(q, k, v, is_causal=causal)
+        try:
+            peer()
+        except RuntimeError:
+            continue
+        result[name] = peer
+    return result, (q, k, v)
+
+
+def main() -> int:
+    import triton.testing
+
+    dims = [int(a) for a in sys.argv[1:]] or [32, 96]
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; bfloat16 "
+          f"B{B} H{H} L{L}, forward, TFLOP/s (relative error on B1 H2 L300)", flush=True)
+    failed = False
+    for d in dims:
+        for causal in (False, True):
+            small, (q, k, v) = calls(d, 1, 2, 300, causal, seed=d)
+            want = ref.attention(*(a.double().cpu().numpy() for a in (q, k, v)),
+                                 causal="bottom_right" if causal else None)[0]
+            errors = {}
+            for name, fn in small.items():
+                junk = torch.full((1, 2, 300, d), math.nan, device="cuda")
+                del junk
+                errors[name] = ref.rel_frobenius(fn().double().cpu().numpy(), want)
+            failed |= any(e > BOUND for e in errors.values())
+            timed, _ = calls(d, B, H, L, causal, seed=d + 1)
+            flops = 4 * B * H * L * L * d / (2 if causal else 1)
+            row = []
+            for name, fn in timed.items():
+                ms = float(triton.testing.do_bench(fn, warmup=10, rep=100,
+                                                   return_mode="median"))
+                row.append(f"{name} {flops / ms / 1e9:.0f} ({errors[name]:.1e})")
+            print(f"D{d} {'causal' if causal else 'plain '}: " + "; ".join(row), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
