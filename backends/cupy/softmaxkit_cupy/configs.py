@@ -415,9 +415,7 @@ class Sm90Config:
 
 
 SM90_CONFIGS = {
-    32: Sm90Config(32, block_n=128),
     64: Sm90Config(64, block_n=128),
-    96: Sm90Config(96, block_n=128),
     128: Sm90Config(128, block_n=128),
     256: Sm90Config(256, block_n=64),
 }
@@ -426,13 +424,15 @@ warpgroups (128 query rows), 128-key tiles (64 at 256, where the output accumula
 the registers).  128-key tiles beat 64-key ones at 128 on the H200 (docs/benchmarks-cupy.md)."""
 
 SM90_MASKED_CONFIGS = {
-    32: Sm90Config(32, block_n=128, mask=True),
     64: Sm90Config(64, block_n=128, mask=True),
-    96: Sm90Config(96, block_n=128, mask=True),
     128: Sm90Config(128, block_n=128, mask=True),
 }
 """The Hopper forward for calls with a boolean mask; at 256 the mask's code spills registers,
 so masked calls there keep the mma.sync kernel."""
+
+SM90_ALTERNATIVES = (Sm90Config(32, block_n=128), Sm90Config(96, block_n=128))
+"""Other Hopper forward tiles, built on request only (tools/forward_tiles.py times them): at
+32 and 96 on panels of 32 columns (64-byte rows)."""
 
 
 def sm90_config(head_dim: int, masked: bool) -> Sm90Config | None:

@@ -112,6 +112,9 @@ def test_kernels_of_other_gpus_compile_for_ampere_and_ada(tmp_path: Path) -> Non
 
 def _sm90_units() -> list[tuple[str, list[str]]]:
     from softmaxkit_cupy.configs import (
+        ATTENTION_DTYPES,
+        SM90_ALTERNATIVES,
+        SM90_BACKWARD_ALTERNATIVES,
         sm90_backward_names,
         sm90_names,
         sm90_varlen_backward_names,
@@ -119,11 +122,14 @@ def _sm90_units() -> list[tuple[str, list[str]]]:
     )
 
     # the forward with its data-path probe, which no module declares (a device check
-    # launches it)
+    # launches it), and the tiles built on request only
     return [("attention_sm90.cu",
              [*sm90_names(), "sk_wgmma_probe<sk_bf16>", "sk_wgmma_probe<__half>",
-              *sm90_varlen_names()]),
-            ("attention_bwd_sm90.cu", [*sm90_backward_names(), *sm90_varlen_backward_names()])]
+              *sm90_varlen_names(),
+              *(c.name(t) for c in SM90_ALTERNATIVES for t in ATTENTION_DTYPES)]),
+            ("attention_bwd_sm90.cu",
+             [*sm90_backward_names(), *sm90_varlen_backward_names(),
+              *(c.name(t) for c in SM90_BACKWARD_ALTERNATIVES for t in ATTENTION_DTYPES)])]
 
 
 @pytest.mark.parametrize("filename,names", _sm90_units(), ids=["forward", "backward"])

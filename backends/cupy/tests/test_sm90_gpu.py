@@ -68,7 +68,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_hopper_forward_matches_float64(dtype: str, d: int, case: dict) -> None:
     from softmaxkit_cupy.configs import sm90_config
@@ -120,7 +120,7 @@ VARLEN = [
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize(("lens_q", "lens_k", "kw"), VARLEN, ids=str)
 def test_hopper_varlen_forward_matches_float64(dtype, d, lens_q, lens_k, kw) -> None:
     """The packed variable-length forward through ``sk.varlen_attention`` runs on the Hopper

@@ -3,7 +3,8 @@
 For each head dimension asked for (default 32 and 96), bfloat16 B4 H32 L4096, causal and not:
 the cupy adapter's ``attention`` as served (``served``), on the mma.sync kernel's declared
 tiles (``mma.sync``, where the Hopper kernel serves), and zero-padded to the next Hopper tiles
-above the served width (``hopper@128``, on compute capability 9.0), beside torch's
+above the served width (``hopper@128``, on compute capability 9.0) and on each
+``configs.SM90_ALTERNATIVES`` entry of that head dimension (``hopper@96``), beside torch's
 ``scaled_dot_product_attention`` under its flash and cuDNN backends, each the median of
 ``triton.testing.do_bench``; TFLOP/s count 4 B H L^2 D (two products), halved for causal.
 Before timing, every configuration's output on a small problem of the same head dimension (on
@@ -32,6 +33,7 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> tuple
     import array_api_compat.torch as xp
     from softmaxkit_cupy.attention import attention, forward_config
     from softmaxkit_cupy.configs import (
+        SM90_ALTERNATIVES,
         SM90_CAPABILITY,
         SM90_CONFIGS,
         Sm90Config,
@@ -55,7 +57,9 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> tuple
     named = ({"served": None}
              | ({"mma.sync": attention_config(width, masked=False)}
                 if isinstance(served, Sm90Config) else {})
-             | ({f"hopper@{wider}": SM90_CONFIGS[wider]} if hopper and wider else {}))
+             | ({f"hopper@{wider}": SM90_CONFIGS[wider]} if hopper and wider else {})
+             | ({f"hopper@{d}": c for c in SM90_ALTERNATIVES if c.head_dim == d}
+                if hopper else {}))
     result = {n: (lambda c=c: attention(xp, q=q, k=k, v=v, config=c, **kw)[0])
               for n, c in named.items()}
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
