@@ -497,10 +497,8 @@ class Sm90BackwardConfig:
         return f"sk_attn_bwd_sm90_varlen<{CTYPES[dtype]}, {self.head_dim}, {self.warpgroups}>"
 
 
-SM90_BACKWARD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-"""Head dims the Hopper backward is built for: panels of 64 columns (128-byte rows), or of 32
-(64-byte rows) where a warpgroup's columns are not whole 64-column panels, at 32, 96 and 192
-(kernels/wgmma.cuh)."""
+SM90_BACKWARD_HEAD_DIMS = (64, 128, 256)
+"""Head dims the Hopper backward is declared for."""
 
 SM90_BACKWARD_CONFIGS = {d: Sm90BackwardConfig(d) for d in SM90_BACKWARD_HEAD_DIMS}
 """The Hopper backward for each head dimension it is built for, without a boolean mask: two
@@ -511,9 +509,16 @@ SM90_BACKWARD_MASKED_CONFIGS = {d: Sm90BackwardConfig(d, mask=True)
                                 for d in SM90_BACKWARD_HEAD_DIMS}
 """The Hopper backward for calls with a boolean mask."""
 
-SM90_BACKWARD_ALTERNATIVES = (Sm90BackwardConfig(32, warpgroups=1),)
-"""Other Hopper backward tiles, built on request only (tools/backward_tiles.py times them):
-at 32 one warpgroup of 64 keys a block, three blocks a multiprocessor."""
+SM90_BACKWARD_ALTERNATIVES = (
+    Sm90BackwardConfig(32),
+    Sm90BackwardConfig(32, warpgroups=1),
+    Sm90BackwardConfig(96),
+    Sm90BackwardConfig(192),
+)
+"""Other Hopper backward tiles, built on request only (tools/backward_tiles.py times them),
+on panels of 32 columns (64-byte rows, kernels/wgmma.cuh) where a warpgroup's columns are not
+whole 64-column panels: at 32 with two warpgroups or one (64 keys a block, three blocks a
+multiprocessor), at 96, and at 192 with the columns split between two warpgroups."""
 
 SM90_VARLEN_BACKWARD_CONFIGS = SM90_BACKWARD_CONFIGS
 """The packed variable-length backward on the Hopper kernel: the dense tiles at every head

@@ -5,7 +5,8 @@ not: the cupy adapter's ``attention_vjp`` as served (``served``), on the mma.syn
 declared tiles (``mma.sync``, where the Hopper kernel serves), zero-padded to the next
 Hopper tiles above it (``hopper@128``, on compute capability 9.0), with each
 ``configs.BACKWARD_ALTERNATIVES`` entry of that head dimension (``4w/32``: warps / query
-rows) and each ``configs.SM90_BACKWARD_ALTERNATIVES`` one (``1wg``: warpgroups), from the
+rows) and each ``configs.SM90_BACKWARD_ALTERNATIVES`` one (``hopper@32/1wg``: head dim and
+warpgroups), from the
 same forward's out and lse, and torch autograd's backward through
 ``scaled_dot_product_attention`` under its flash and cuDNN backends (the graph kept), each the
 median of ``triton.testing.do_bench``; TFLOP/s count 10 B H L^2 D (five products), halved for
@@ -64,7 +65,7 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> dict:
                 else {})
              | ({f"hopper@{wider}": SM90_BACKWARD_CONFIGS[wider]} if hopper and wider else {})
              | {f"{c.warps}w/{c.block_m}": c for c in BACKWARD_ALTERNATIVES if c.head_dim == d}
-             | {f"{c.warpgroups}wg": c for c in SM90_BACKWARD_ALTERNATIVES
+             | {f"hopper@{d}/{c.warpgroups}wg": c for c in SM90_BACKWARD_ALTERNATIVES
                 if c.head_dim == d and hopper})
     result = {n: (lambda c=c: attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
                                             config=c, **kw)) for n, c in named.items()}
