@@ -94,9 +94,12 @@ def ptxas(tmp_path: Path) -> Callable[[str, Sequence[str], str], PtxasBuild]:
 HOST = HERE / "host"
 HOST_PRIMITIVES = ("sk_cp_async16", "sk_cp_async_commit", "sk_cp_async_wait", "sk_ex2",
                    "sk_red_add2", "sk_tf32", "sk_mma_tf32", "sk_ldmatrix_x4",
-                   "sk_ldmatrix_x4_trans")
-"""Device functions written in PTX that tests/host/primitives.h gives a host meaning."""
-HOST_SPECIALIZATIONS = ("SkMma<sk_bf16>", "SkMma<__half>")
+                   "sk_ldmatrix_x4_trans", "sk_wgmma_fence", "sk_wgmma_commit",
+                   "sk_wgmma_wait", "sk_fence_proxy_async", "sk_fence_regs", "sk_opaque_tid")
+"""Device functions written in PTX that tests/host/primitives.h gives a host meaning (every
+overload of each)."""
+HOST_SPECIALIZATIONS = ("SkMma<sk_bf16>", "SkMma<__half>", "SkWgmma<32>", "SkWgmma<64>",
+                        "SkWgmma<96>", "SkWgmma<128>", "SkWgmma<256>")
 """Explicit specializations of class templates whose members are written in PTX (the
 16-bit mma.sync of kernels/mma.cuh): taken out whole, tests/host/primitives.h defines them."""
 _CTYPES = {"Q": ctypes.c_void_p, "q": ctypes.c_longlong, "i": ctypes.c_int,
@@ -112,9 +115,9 @@ def host_source(filename: str) -> str:
 
     text = source(filename)
     for name in HOST_PRIMITIVES:
-        found = re.search(r"(template\s*<[^>]*>\s*)?__device__ __forceinline__ [\w:<>]+ "
-                          + name + r"\s*\(", text)
-        if found is not None:  # else not used by this source
+        pattern = re.compile(r"(template\s*<[^>]*>\s*)?__device__ __forceinline__ [\w:<>]+ "
+                             + name + r"\s*\(")
+        while (found := pattern.search(text)) is not None:  # none: not used by this source
             end = _closing_brace(text, text.index("{", found.end()))
             text = text[:found.start()] + text[end + 1:]
     for name in HOST_SPECIALIZATIONS:

@@ -26,7 +26,7 @@ the packed variable-length backward (``sk_attn_bwd_pre_varlen``, ``sk_attn_bwd_v
 gradients within the kit's tolerances.  The adapters see a device of compute capability 8.0
 with 163 KB of shared memory a block and 108 multiprocessors (an A100), so they pick the
 mma.sync kernels and split-KV decoding splits as it would there; the Hopper kernels (sm_90a
-wgmma) are not run here.
+wgmma) run on the host in tests/test_sm90_host.py.
 
 The emulated mma sums in double and rounds once toward zero, where the device truncates its
 float32 sums step by step: the results are held to the tolerances the device's are held to,

@@ -1,7 +1,8 @@
 // The host meaning of the device functions the kernels write in PTX (tests/conftest.py takes
 // their definitions out of the source and includes this instead): the functions of
 // HOST_PRIMITIVES, and the class template specializations of HOST_SPECIALIZATIONS (SkMma<T>,
-// the 16-bit mma.sync of kernels/mma.cuh), taken out whole and defined here.
+// the 16-bit mma.sync of kernels/mma.cuh, and SkWgmma<N>, the warpgroup products of
+// kernels/wgmma.cuh), taken out whole and defined here.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -231,6 +232,128 @@ template <typename T> struct SkMma;
 template <> struct SkMma<__nv_bfloat16>
     : sk_host_mma16<sk_host_widen_bf16, __nv_bfloat162, __floats2bfloat162_rn> {};
 template <> struct SkMma<__half> : sk_host_mma16<sk_host_widen_f16, __half2, __floats2half2_rn> {};
+
+// --- Warpgroup matrix products (kernels/wgmma.cuh: the Hopper kernels, sm_90a) --------------
+//
+// The Hopper kernels name their dynamic shared memory sk_smem_raw and read its address as 0
+// (emulation.h's __cvta_generic_to_shared), so a descriptor's addresses are offsets into
+// sk_smem.  wgmma.mma_async runs when issued, each thread computing its own accumulator
+// elements, d[4 j + e] = D[16 w + g + 8 (e / 2)][8 j + 2 t + e % 2] (w the warp of its
+// warpgroup), from the operands in shared memory read through their descriptors, or, for A
+// from registers, from its warp's A fragments (the mma.sync layout above, exchanged as
+// SkMma's are): the fences, commits and waits have nothing left to order, and a product that
+// reads shared memory before the barrier or cp.async wait that fills it sees NaN.  Sums as
+// SkMma's: the sixteen exact products and D in double, rounded once toward zero to float32.
+#define sk_smem_raw sk_smem
+inline void sk_wgmma_fence() {}
+inline void sk_wgmma_commit() {}
+template <int N> inline void sk_wgmma_wait() {}
+inline void sk_fence_proxy_async() {}
+template <int R> inline void sk_fence_regs(float (&)[R]) {}
+template <int R> inline void sk_fence_regs(unsigned (&)[R][4]) {}
+inline int sk_opaque_tid() { return static_cast<int>(threadIdx.x); }
+
+// The byte offset in shared memory of element (r, c) of the operand `desc` describes (bits
+// 0-13 the start address, 16-29 the leading and 32-45 the stride byte offset, all in 16-byte
+// units; 62-63 the swizzle: 1 for 128-byte rows, 2 for 64-byte rows).  K-major (r an M or N
+// index, c a k < 16): rows of 8-row groups sbo apart; MN-major (r a k, c an M or N index):
+// the same rows, of rb / 2 columns a panel, panels lbo apart.  The swizzle XORs the 16-byte
+// chunk (address bits 4-6, or 4-5) with the row within its 1024- or 512-byte atom (bits 7-9,
+// or 7-8), of the address the offsets give.
+inline unsigned sk_host_operand(unsigned long long desc, unsigned r, unsigned c,
+                                bool mn_major) {
+    const unsigned start = static_cast<unsigned>(desc & 0x3fffu) << 4;
+    const unsigned lbo = static_cast<unsigned>((desc >> 16) & 0x3fffu) << 4;
+    const unsigned sbo = static_cast<unsigned>((desc >> 32) & 0x3fffu) << 4;
+    const unsigned mode = static_cast<unsigned>(desc >> 62);
+    if (mode != 1 && mode != 2) std::abort();  // the kernels use these two
+    const unsigned rb = mode == 1 ? 128u : 64u, cols = rb / 2;
+    const unsigned a = mn_major
+        ? start + (c / cols) * lbo + (r / 8) * sbo + (r % 8) * rb + (c % cols) * 2
+        : start + (r / 8) * sbo + (r % 8) * rb + c * 2;
+    return a ^ (((a >> 7) & (mode == 1 ? 7u : 3u)) << 4);
+}
+template <double (*WIDEN)(std::uint16_t)>
+inline double sk_host_operand_value(unsigned long long desc, unsigned r, unsigned c,
+                                    bool mn_major) {
+    std::uint16_t bits;
+    std::memcpy(&bits, sk_smem + sk_host_operand(desc, r, c, mn_major), 2);
+    return WIDEN(bits);
+}
+
+// D (64 x N) = A B (+ D where acc), A [64 x 16] by A(m, k), B [16 x N] by B(k, n).
+template <int N, typename AOf, typename BOf>
+inline void sk_host_wgmma(float (&d)[N / 2], int acc, AOf A, BOf B) {
+    const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const unsigned w = (threadIdx.x / 32) % 4;
+    float out[N / 2];
+    for (unsigned j = 0; j < N / 8; ++j)
+        for (unsigned e = 0; e < 4; ++e) {
+            const unsigned m = 16 * w + g + 8 * (e / 2), n = 8 * j + 2 * t + e % 2;
+            double s = acc ? d[4 * j + e] : 0.0;
+            for (unsigned k = 0; k < 16; ++k) s += A(m, k) * B(k, n);
+            out[4 * j + e] = sk_host_f32_toward_zero(s);
+        }
+    for (int i = 0; i < N / 2; ++i) d[i] = out[i];
+}
+template <double (*WIDEN)(std::uint16_t)> struct sk_host_wgmma16 {
+    // both from shared memory, K-major
+    template <int N> static void ss(float (&d)[N / 2], unsigned long long a,
+                                    unsigned long long b, int acc) {
+        sk_host_wgmma<N>(
+            d, acc,
+            [&](unsigned m, unsigned k) { return sk_host_operand_value<WIDEN>(a, m, k, false); },
+            [&](unsigned k, unsigned n) { return sk_host_operand_value<WIDEN>(b, n, k, false); });
+    }
+    // both from shared memory, MN-major
+    template <int N> static void sst(float (&d)[N / 2], unsigned long long a,
+                                     unsigned long long b, int acc) {
+        sk_host_wgmma<N>(
+            d, acc,
+            [&](unsigned m, unsigned k) { return sk_host_operand_value<WIDEN>(a, k, m, true); },
+            [&](unsigned k, unsigned n) { return sk_host_operand_value<WIDEN>(b, k, n, true); });
+    }
+    // A from the warp's registers (each lane's a[4] published to its slot), B MN-major
+    template <int N> static void rs(float (&d)[N / 2], const unsigned (&a)[4],
+                                    unsigned long long b, int acc) {
+        const unsigned me = threadIdx.x, base = me & ~31u;
+        auto& stage = sk_host_stage();
+        for (int i = 0; i < 4; ++i) stage[me][i] = a[i];
+        __syncwarp();
+        sk_host_wgmma<N>(
+            d, acc,
+            [&](unsigned m, unsigned k) {  // row m % 16 of the warp's, held by lane
+                // 4 (m % 8) + (k % 8) / 2
+                const unsigned r = m % 16;
+                const std::uint32_t word =
+                    stage[base + 4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
+                return WIDEN(static_cast<std::uint16_t>(k % 2 ? word >> 16 : word & 0xffffu));
+            },
+            [&](unsigned k, unsigned n) { return sk_host_operand_value<WIDEN>(b, k, n, true); });
+    }
+};
+template <int N> struct SkWgmma;
+template <int N> struct sk_host_wgmma_n {
+    using B16 = sk_host_wgmma16<sk_host_widen_bf16>;
+    using F16 = sk_host_wgmma16<sk_host_widen_f16>;
+    template <int R> static void ss(float (&d)[R], unsigned long long a, unsigned long long b,
+                                    int acc, __nv_bfloat16) { B16::template ss<N>(d, a, b, acc); }
+    template <int R> static void ss(float (&d)[R], unsigned long long a, unsigned long long b,
+                                    int acc, __half) { F16::template ss<N>(d, a, b, acc); }
+    template <int R> static void sst(float (&d)[R], unsigned long long a, unsigned long long b,
+                                     int acc, __nv_bfloat16) { B16::template sst<N>(d, a, b, acc); }
+    template <int R> static void sst(float (&d)[R], unsigned long long a, unsigned long long b,
+                                     int acc, __half) { F16::template sst<N>(d, a, b, acc); }
+    template <int R> static void rs(float (&d)[R], const unsigned (&a)[4], unsigned long long b,
+                                    int acc, __nv_bfloat16) { B16::template rs<N>(d, a, b, acc); }
+    template <int R> static void rs(float (&d)[R], const unsigned (&a)[4], unsigned long long b,
+                                    int acc, __half) { F16::template rs<N>(d, a, b, acc); }
+};
+template <> struct SkWgmma<32> : sk_host_wgmma_n<32> {};
+template <> struct SkWgmma<64> : sk_host_wgmma_n<64> {};
+template <> struct SkWgmma<96> : sk_host_wgmma_n<96> {};
+template <> struct SkWgmma<128> : sk_host_wgmma_n<128> {};
+template <> struct SkWgmma<256> : sk_host_wgmma_n<256> {};
 
 inline void sk_host_end_thread() {
     sk_host_turn = 0;

@@ -1,0 +1,160 @@
+"""The Hopper attention backward (kernels/attention_bwd_sm90.cu, sm_90a wgmma) run on the CPU
+(tests/host/primitives.h: wgmma.mma_async computed when issued, its shared-memory operands
+read through their matrix descriptors and swizzles, its register operand from the warp's
+fragments; the rest as in tests/test_attention_host.py).
+
+Checked here: every declared Hopper backward tile and every one built on request only
+(``configs.SM90_BACKWARD_CONFIGS``, ``SM90_BACKWARD_ALTERNATIVES``, the 64-byte rows of the
+tiles at 32, 96 and 192 among them), through the adapter's ``attention_vjp`` with
+``config=`` on torch CPU tensors, against the float64 gradients within the kit's
+tolerances: causal alignments, grouped queries with an lse cotangent, rows with no key, a
+window with a soft cap, a boolean mask.  The declared tiles, which the device runs and its
+tests check (tests/test_sm90_bwd_gpu.py), check the emulation's reading of the descriptors
+and the swizzle; the same reading then checks the tiles no device has run yet.  What the
+emulation cannot show is the GPU test's: timing, the hardware's own reading of a descriptor
+where it would differ from the PTX ISA's, and orderings the host threads do not take.
+
+Run: ``python -m pytest -q backends/cupy/tests/test_sm90_host.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from host_attention import (
+    BACKWARD_CASES,
+    CASES,
+    case_id,
+    cotangents,
+    inputs,
+    options,
+    represented,
+)
+from softmaxkit_cupy.attention import (
+    BACKWARD_DQ_PARAMS,
+    BACKWARD_PARAMS,
+    BACKWARD_PRE_PARAMS,
+    FORWARD_PARAMS,
+)
+from softmaxkit_cupy.configs import (
+    ATTENTION_DTYPES,
+    SM90_ALTERNATIVES,
+    SM90_BACKWARD_ALTERNATIVES,
+    SM90_BACKWARD_CONFIGS,
+    SM90_CONFIGS,
+    backward_dq_name,
+    backward_pre_name,
+)
+
+from softmaxkit.testing import materialized as ref
+
+TILES = [*SM90_BACKWARD_CONFIGS.values(), *SM90_BACKWARD_ALTERNATIVES]
+"""The Hopper backward tiles: declared, then built on request only."""
+
+RUNS = [(tile, ATTENTION_DTYPES[i % 2], BACKWARD_CASES[i % len(BACKWARD_CASES)])
+        for i, tile in enumerate(TILES)] + [
+    (SM90_BACKWARD_ALTERNATIVES[0], "float16", c) for c in BACKWARD_CASES[1:]]
+"""(tile, dtype, case): each tile on one case, the dtypes and cases in turn; the first
+alternative (32, two warpgroups) on every case (a mask among them)."""
+
+
+@pytest.fixture(scope="module")
+def sm90_kernels(host_kernels):
+    """The runs' Hopper backward kernels (masked builds where a case has a mask) and the row
+    preprocessing and dQ conversion of their head dims, built once for the host."""
+    codes = {}
+    for tile, dtype, case in RUNS:
+        built = dataclasses.replace(tile, mask=bool(case.get("mask")))
+        codes[built.name(dtype)] = BACKWARD_PARAMS
+    bwd = host_kernels("attention_bwd_sm90.cu", list(codes), codes)
+    rows = {}
+    for tile in TILES:
+        for t in ATTENTION_DTYPES:
+            rows[backward_pre_name(t, tile.head_dim)] = BACKWARD_PRE_PARAMS
+            rows[backward_dq_name(t, tile.head_dim)] = BACKWARD_DQ_PARAMS
+    return {**bwd, **host_kernels("attention_bwd.cu", list(rows), rows)}
+
+
+@pytest.mark.parametrize(("tile", "dtype", "case"), RUNS,
+                         ids=[f"{t.head_dim}-{t.warpgroups}wg-{d}-{case_id(c)}"
+                              for t, d, c in RUNS])
+def test_hopper_backward_against_float64(sm90_kernels, host_kernels, monkeypatch, tile,
+                                         dtype: str, case: dict) -> None:
+    """The Hopper backward tile through the adapter (``attention_vjp`` with ``config=``:
+    sk_attn_bwd_pre, the tile, sk_attn_bwd_dq) from the float64 forward's out rounded to
+    ``dtype`` and lse in float32, against the float64 gradient on the represented inputs:
+    each gradient within the kit's tolerance, no NaN left (the results made in NaN-filled
+    memory), zero dq on rows with no allowed key."""
+    pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from host_attention import move_to_host
+    from softmaxkit_cupy import attention
+    from test_attention_host import _check_gradients, _torch
+
+    move_to_host(monkeypatch, attention, sm90_kernels, host_kernels)
+    d = tile.head_dim
+    q, k, v, mask = inputs(d, d, case, seed=d * 7 + case["lq"])
+    q, k, v = (represented(a, dtype) for a in (q, k, v))
+    opts = options(case)
+    out64, lse64 = ref.attention(q, k, v, mask=mask, **opts)
+    dout, dlse = cotangents(out64, lse64, case)
+    dout = represented(dout, dtype)
+    want = ref.attention_vjp(q, k, v, dout, dlse=dlse, mask=mask, **opts)
+    grads = attention.attention_vjp(
+        xp, q=_torch(q, dtype), k=_torch(k, dtype), v=_torch(v, dtype),
+        out=_torch(represented(out64.astype(np.float32), dtype), dtype),
+        lse=_torch(lse64.astype(np.float32), "float32"), dout=_torch(dout, dtype),
+        dlse=None if dlse is None else _torch(dlse, "float32"), scale=d ** -0.5,
+        causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
+        mask=None if mask is None else _torch(mask, "bool"), softcap=opts.get("softcap"),
+        config=dataclasses.replace(tile, mask=mask is not None))
+    _check_gradients(dtype, grads, want, f"{dtype} tile {tile} {case_id(case)}")
+    empty = lse64 == -np.inf
+    if empty.any():
+        assert np.all(grads[0].float().numpy()[empty] == 0), "dq of a row with no allowed key"
+
+
+FORWARD_TILES = [*SM90_CONFIGS.values(), *SM90_ALTERNATIVES]
+"""The Hopper forward tiles: declared, then built on request only."""
+
+FORWARD_RUNS = [(tile, ATTENTION_DTYPES[i % 2], c)
+                for i, tile in enumerate(FORWARD_TILES)
+                for c in CASES[i % 3::3] if not c.get("mask")]
+"""(tile, dtype, case): each tile on every third unmasked case, the dtypes in turn."""
+
+
+@pytest.fixture(scope="module")
+def sm90_forward_kernels(host_kernels):
+    """The runs' Hopper forward kernels, built once for the host."""
+    codes = {tile.name(dtype): FORWARD_PARAMS for tile, dtype, _ in FORWARD_RUNS}
+    return host_kernels("attention_sm90.cu", list(codes), codes)
+
+
+@pytest.mark.parametrize(("tile", "dtype", "case"), FORWARD_RUNS,
+                         ids=[f"{t.head_dim}-{t.block_n}-{d}-{case_id(c)}"
+                              for t, d, c in FORWARD_RUNS])
+def test_hopper_forward_against_float64(sm90_forward_kernels, host_kernels, monkeypatch, tile,
+                                        dtype: str, case: dict) -> None:
+    """The Hopper forward tile through the adapter (``attention`` with ``config=``) into
+    results that held NaN, within the kit's tolerances of the float64 definition on the
+    represented inputs."""
+    pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from host_attention import move_to_host
+    from softmaxkit_cupy import attention
+    from test_attention_host import _check_forward, _torch
+
+    move_to_host(monkeypatch, attention, sm90_forward_kernels, host_kernels)
+    d = tile.head_dim
+    q, k, v, _ = inputs(d, d, case, seed=d * 5 + case["lq"])
+    q, k, v = (represented(a, dtype) for a in (q, k, v))
+    opts = options(case)
+    out, lse = attention.attention(
+        xp, q=_torch(q, dtype), k=_torch(k, dtype), v=_torch(v, dtype), scale=d ** -0.5,
+        causal=opts.get("causal"), window=opts.get("window", (-1, -1)), mask=None,
+        softcap=opts.get("softcap"), return_lse=True, config=tile)
+    want, want_lse = ref.attention(q, k, v, **opts)
+    _check_forward(dtype, out.float().numpy(), lse.numpy(), want, want_lse,
+                   f"{dtype} tile {tile} {case_id(case)}")
