@@ -505,27 +505,39 @@ def test_backward_against_float64(host_launches, dtype: str, d: int, case: dict)
     :data:`~softmaxkit_cupy.configs.BACKWARD_CONFIGS`, sk_attn_bwd_dq) on torch CPU tensors,
     from the float64 forward's out rounded to ``dtype`` and lse in float32 (as the kit's
     ``attention_vjp`` case gives them), against the float64 gradient on the represented
-    inputs: relative Frobenius error of each gradient within the kit's tolerance, no NaN
-    left (dq, dk, dv, lse2 and delta made in NaN-filled memory), zero dq on rows with no
-    allowed key."""
+    inputs (:func:`backward_against_float64`)."""
+    backward_against_float64(host_launches, dtype, d, case, seed=d * 101 + case["lq"])
+
+
+def backward_against_float64(adapter, dtype: str, d: int, case: dict, seed: int,
+                             config=None) -> None:
+    """``adapter.attention_vjp`` (a module on the host, :func:`_adapters_on_host` or
+    :func:`host_attention.move_to_host`) of ``case`` at head dim ``d`` on torch CPU tensors,
+    on the tiles ``config`` (None: the adapter's choice), from the float64 forward's out
+    rounded to ``dtype`` and lse in float32, against the float64 gradient on the represented
+    inputs: relative Frobenius error of each gradient within the kit's tolerance, no NaN left
+    (dq, dk, dv, lse2 and delta made in NaN-filled memory), zero dq on rows with no allowed
+    key."""
     pytest.importorskip("torch")
     import array_api_compat.torch as xp
 
-    q, k, v, mask = inputs(d, d, case, seed=d * 101 + case["lq"])
+    q, k, v, mask = inputs(d, d, case, seed=seed)
     q, k, v = (represented(a, dtype) for a in (q, k, v))
     opts = options(case)
     out64, lse64 = ref.attention(q, k, v, mask=mask, **opts)
     dout, dlse = cotangents(out64, lse64, case)
     dout = represented(dout, dtype)
     want = ref.attention_vjp(q, k, v, dout, dlse=dlse, mask=mask, **opts)
-    grads = host_launches.attention_vjp(
+    grads = adapter.attention_vjp(
         xp, q=_torch(q, dtype), k=_torch(k, dtype), v=_torch(v, dtype),
         out=_torch(represented(out64.astype(np.float32), dtype), dtype),
         lse=_torch(lse64.astype(np.float32), "float32"), dout=_torch(dout, dtype),
         dlse=None if dlse is None else _torch(dlse, "float32"), scale=d ** -0.5,
         causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
-        mask=None if mask is None else _torch(mask, "bool"), softcap=opts.get("softcap"))
-    _check_gradients(dtype, grads, want, f"{dtype} d={d} {case_id(case)}")
+        mask=None if mask is None else _torch(mask, "bool"), softcap=opts.get("softcap"),
+        config=config)
+    label = f"{dtype} d={d} {case_id(case)}" + ("" if config is None else f" {config}")
+    _check_gradients(dtype, grads, want, label)
     empty = lse64 == -np.inf
     if empty.any():
         assert np.all(grads[0].float().numpy()[empty] == 0), "dq of a row with no allowed key"

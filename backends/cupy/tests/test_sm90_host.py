@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 from host_attention import (
     BACKWARD_CASES,
     CASES,
     case_id,
-    cotangents,
     inputs,
     options,
     represented,
@@ -83,37 +81,17 @@ def sm90_kernels(host_kernels):
 def test_hopper_backward_against_float64(sm90_kernels, host_kernels, monkeypatch, tile,
                                          dtype: str, case: dict) -> None:
     """The Hopper backward tile through the adapter (``attention_vjp`` with ``config=``:
-    sk_attn_bwd_pre, the tile, sk_attn_bwd_dq) from the float64 forward's out rounded to
-    ``dtype`` and lse in float32, against the float64 gradient on the represented inputs:
-    each gradient within the kit's tolerance, no NaN left (the results made in NaN-filled
-    memory), zero dq on rows with no allowed key."""
-    pytest.importorskip("torch")
-    import array_api_compat.torch as xp
+    sk_attn_bwd_pre, the tile, sk_attn_bwd_dq) against the float64 gradient
+    (``test_attention_host.backward_against_float64``: each gradient within the kit's
+    tolerance, no NaN left, zero dq on rows with no allowed key)."""
     from host_attention import move_to_host
     from softmaxkit_cupy import attention
-    from test_attention_host import _check_gradients, _torch
+    from test_attention_host import backward_against_float64
 
     move_to_host(monkeypatch, attention, sm90_kernels, host_kernels)
     d = tile.head_dim
-    q, k, v, mask = inputs(d, d, case, seed=d * 7 + case["lq"])
-    q, k, v = (represented(a, dtype) for a in (q, k, v))
-    opts = options(case)
-    out64, lse64 = ref.attention(q, k, v, mask=mask, **opts)
-    dout, dlse = cotangents(out64, lse64, case)
-    dout = represented(dout, dtype)
-    want = ref.attention_vjp(q, k, v, dout, dlse=dlse, mask=mask, **opts)
-    grads = attention.attention_vjp(
-        xp, q=_torch(q, dtype), k=_torch(k, dtype), v=_torch(v, dtype),
-        out=_torch(represented(out64.astype(np.float32), dtype), dtype),
-        lse=_torch(lse64.astype(np.float32), "float32"), dout=_torch(dout, dtype),
-        dlse=None if dlse is None else _torch(dlse, "float32"), scale=d ** -0.5,
-        causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
-        mask=None if mask is None else _torch(mask, "bool"), softcap=opts.get("softcap"),
-        config=dataclasses.replace(tile, mask=mask is not None))
-    _check_gradients(dtype, grads, want, f"{dtype} tile {tile} {case_id(case)}")
-    empty = lse64 == -np.inf
-    if empty.any():
-        assert np.all(grads[0].float().numpy()[empty] == 0), "dq of a row with no allowed key"
+    backward_against_float64(attention, dtype, d, case, seed=d * 7 + case["lq"],
+                             config=dataclasses.replace(tile, mask=bool(case.get("mask"))))
 
 
 FORWARD_TILES = [*SM90_CONFIGS.values(), *SM90_ALTERNATIVES]
