@@ -20,7 +20,6 @@ Usage: ``python backends/cupy/tools/backward_tiles.py [D ...]`` (from the reposi
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -28,7 +27,6 @@ import torch
 from softmaxkit.testing import materialized as ref
 
 B, H, L = 4, 32, 4096
-BOUND = 3e-2  # bfloat16 gradients against float64 (gpu_check's bound)
 
 
 def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> dict:
@@ -83,34 +81,16 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> dict:
 
 
 def main() -> int:
-    import triton.testing
+    from tile_timing import run
 
     dims = [int(a) for a in sys.argv[1:]] or [32, 160]
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; bfloat16 "
           f"B{B} H{H} L{L}, backward alone, TFLOP/s (relative error on B1 H2 L300)",
           flush=True)
-    failed = False
-    for d in dims:
-        for causal in (False, True):
-            small, (q, k, v, dout) = calls(d, 1, 2, 300, causal, seed=d)
-            want = ref.attention_vjp(*(a.double().cpu().numpy() for a in (q, k, v, dout)),
-                                     causal="bottom_right" if causal else None)
-            errors = {}
-            for name, fn in small.items():
-                junk = [torch.full(a.shape, math.nan, device="cuda") for a in (q, k, v)]
-                del junk
-                errors[name] = max(ref.rel_frobenius(g.double().cpu().numpy(), w)
-                                   for g, w in zip(fn(), want, strict=True))
-            failed |= any(e > BOUND for e in errors.values())
-            timed, _ = calls(d, B, H, L, causal, seed=d + 1)
-            flops = 10 * B * H * L * L * d / (2 if causal else 1)
-            row = []
-            for name, fn in timed.items():
-                ms = float(triton.testing.do_bench(fn, warmup=10, rep=100,
-                                                   return_mode="median"))
-                row.append(f"{name} {flops / ms / 1e9:.0f} ({errors[name]:.1e})")
-            print(f"D{d} {'causal' if causal else 'plain '}: " + "; ".join(row), flush=True)
-    return 1 if failed else 0
+    return run(dims, calls,
+               lambda t, causal: ref.attention_vjp(*(a.double().cpu().numpy() for a in t),
+                                                   causal="bottom_right" if causal else None),
+               lambda d, causal: 10 * B * H * L * L * d / (2 if causal else 1), (B, H, L))
 
 
 if __name__ == "__main__":

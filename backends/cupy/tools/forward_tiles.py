@@ -17,7 +17,6 @@ Usage: ``python backends/cupy/tools/forward_tiles.py [D ...]`` (from the reposit
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -25,7 +24,6 @@ import torch
 from softmaxkit.testing import materialized as ref
 
 B, H, L = 4, 32, 4096
-BOUND = 3e-2  # bfloat16 against float64 (gpu_check's bound)
 
 
 def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> tuple[dict, tuple]:
@@ -76,32 +74,15 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> tuple
 
 
 def main() -> int:
-    import triton.testing
+    from tile_timing import run
 
     dims = [int(a) for a in sys.argv[1:]] or [32, 96]
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; bfloat16 "
           f"B{B} H{H} L{L}, forward, TFLOP/s (relative error on B1 H2 L300)", flush=True)
-    failed = False
-    for d in dims:
-        for causal in (False, True):
-            small, (q, k, v) = calls(d, 1, 2, 300, causal, seed=d)
-            want = ref.attention(*(a.double().cpu().numpy() for a in (q, k, v)),
-                                 causal="bottom_right" if causal else None)[0]
-            errors = {}
-            for name, fn in small.items():
-                junk = torch.full((1, 2, 300, d), math.nan, device="cuda")
-                del junk
-                errors[name] = ref.rel_frobenius(fn().double().cpu().numpy(), want)
-            failed |= any(e > BOUND for e in errors.values())
-            timed, _ = calls(d, B, H, L, causal, seed=d + 1)
-            flops = 4 * B * H * L * L * d / (2 if causal else 1)
-            row = []
-            for name, fn in timed.items():
-                ms = float(triton.testing.do_bench(fn, warmup=10, rep=100,
-                                                   return_mode="median"))
-                row.append(f"{name} {flops / ms / 1e9:.0f} ({errors[name]:.1e})")
-            print(f"D{d} {'causal' if causal else 'plain '}: " + "; ".join(row), flush=True)
-    return 1 if failed else 0
+    return run(dims, calls,
+               lambda t, causal: ref.attention(*(a.double().cpu().numpy() for a in t),
+                                               causal="bottom_right" if causal else None)[0],
+               lambda d, causal: 4 * B * H * L * L * d / (2 if causal else 1), (B, H, L))
 
 
 if __name__ == "__main__":
