@@ -58,6 +58,10 @@ RUNS = [(tile, ATTENTION_DTYPES[i % 2], BACKWARD_CASES[i % len(BACKWARD_CASES)])
 alternative (32, two warpgroups) on every case (a mask among them)."""
 
 
+PADDED = (next(t for t in SM90_BACKWARD_ALTERNATIVES if t.head_dim == 96), "bfloat16")
+"""The tile and dtype of a call zero-padded to its tiles (head dim 80 on the tiles of 96)."""
+
+
 @pytest.fixture(scope="module")
 def sm90_kernels(host_kernels):
     """The runs' Hopper backward kernels (masked builds where a case has a mask) and the row
@@ -66,6 +70,7 @@ def sm90_kernels(host_kernels):
     for tile, dtype, case in RUNS:
         built = dataclasses.replace(tile, mask=bool(case.get("mask")))
         codes[built.name(dtype)] = BACKWARD_PARAMS
+    codes[PADDED[0].name(PADDED[1])] = BACKWARD_PARAMS
     bwd = host_kernels("attention_bwd_sm90.cu", list(codes), codes)
     rows = {}
     for tile in TILES:
@@ -92,6 +97,22 @@ def test_hopper_backward_against_float64(sm90_kernels, host_kernels, monkeypatch
     d = tile.head_dim
     backward_against_float64(attention, dtype, d, case, seed=d * 7 + case["lq"],
                              config=dataclasses.replace(tile, mask=bool(case.get("mask"))))
+
+
+def test_config_pads_a_call_to_its_tiles(sm90_kernels, host_kernels, monkeypatch) -> None:
+    """A call below its tiles' head dim (80 on the tiles of 96) runs zero-padded to it and
+    gives the gradients of its own width (``attention.config_width``)."""
+    from host_attention import move_to_host
+    from softmaxkit_cupy import attention
+    from test_attention_host import backward_against_float64
+
+    tile, dtype = PADDED
+    move_to_host(monkeypatch, attention, sm90_kernels, host_kernels)
+    backward_against_float64(attention, dtype, 80, BACKWARD_CASES[0], seed=80, config=tile)
+    assert attention.config_width(tile, 80, 80) == 96
+    assert attention.config_width(tile, 96, 96) is None
+    with pytest.raises(ValueError, match="cannot run D=128"):
+        attention.config_width(tile, 128, 128)
 
 
 FORWARD_TILES = [*SM90_CONFIGS.values(), *SM90_ALTERNATIVES]
