@@ -798,13 +798,22 @@ def test_varlen_backward_through_the_adapter(varlen_backward_kernels, host_kerne
     kit's tolerance on each gradient packed and on each sequence with queries and keys, no
     NaN left (dq, dk, dv, lse2 and delta made in NaN-filled memory), zero dk and dv on the
     keys of a sequence without queries, zero dq on rows with no allowed key."""
+    _adapters_on_host(monkeypatch, dict(varlen_backward_kernels), host_kernels)
+    varlen_backward_against_float64(dtype, d, lengths, opts, with_dlse)
+
+
+def varlen_backward_against_float64(dtype: str, d: int, lengths: list[tuple[int, int]],
+                                    opts: dict, with_dlse: bool, config=None) -> None:
+    """``softmaxkit_cupy.varlen.varlen_attention_vjp`` (its kernels moved to the host) of
+    ragged sequences of ``lengths`` at head dim ``d``, grouped queries (Hq 4, Hk 2), on the
+    tiles ``config`` (None: the adapter's choice), against the float64 gradients of attention
+    on each sequence alone (:func:`test_varlen_backward_through_the_adapter`'s checks)."""
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as xp
     from softmaxkit_cupy import varlen
 
     from softmaxkit.testing.varlen_cases import packed_reference, packed_vjp_reference
 
-    _adapters_on_host(monkeypatch, dict(varlen_backward_kernels), host_kernels)
     hq, hk = 4, 2
     rng = np.random.default_rng(d + len(lengths))
     cu_q, cu_k = (np.concatenate([[0], np.cumsum([n[i] for n in lengths])]) for i in (0, 1))
@@ -824,7 +833,8 @@ def test_varlen_backward_through_the_adapter(varlen_backward_kernels, host_kerne
         lse=_torch(lse64.astype(np.float32), "float32"), dout=_torch(dout, dtype),
         cu_seqlens_q=torch.from_numpy(cu_q), cu_seqlens_k=torch.from_numpy(cu_k),
         scale=d ** -0.5, causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
-        softcap=opts.get("softcap"), dlse=None if dlse is None else _torch(dlse, "float32"))
+        softcap=opts.get("softcap"), dlse=None if dlse is None else _torch(dlse, "float32"),
+        config=config)
     want = packed_vjp_reference(q, k, v, dout, cu_q, cu_k, dlse, **kw)
     dq, dk, dv = _check_gradients(dtype, grads, want, f"varlen {dtype} d={d}")
     for b in range(len(lengths)):

@@ -8,9 +8,13 @@ Checked here: every declared Hopper backward tile and every one built on request
 tiles at 32, 96 and 192 among them), through the adapter's ``attention_vjp`` with
 ``config=`` on torch CPU tensors, against the float64 gradients within the kit's
 tolerances: causal alignments, grouped queries with an lse cotangent, rows with no key, a
-window with a soft cap, a boolean mask.  The declared tiles, which the device runs and its
-tests check (tests/test_sm90_bwd_gpu.py), check the emulation's reading of the descriptors
-and the swizzle; the same reading then checks the tiles no device has run yet.  What the
+window with a soft cap, a boolean mask; the packed backward on the same tiles
+(``varlen_attention_vjp``: ragged sequences, one without queries and one without keys); a
+call zero-padded to its tiles; and every Hopper forward tile, declared and alternative
+(``SM90_CONFIGS``, ``SM90_ALTERNATIVES``), through ``attention``.  The declared tiles,
+which the device runs and its tests check (tests/test_sm90_bwd_gpu.py, test_sm90_gpu.py),
+check the emulation's reading of the descriptors and the swizzle; the same reading then
+checks the tiles no device has run yet.  What the
 emulation cannot show is the GPU test's: timing, the hardware's own reading of a descriptor
 where it would differ from the PTX ISA's, and orderings the host threads do not take.
 
@@ -113,6 +117,41 @@ def test_config_pads_a_call_to_its_tiles(sm90_kernels, host_kernels, monkeypatch
     assert attention.config_width(tile, 96, 96) is None
     with pytest.raises(ValueError, match="cannot run D=128"):
         attention.config_width(tile, 128, 128)
+
+
+VARLEN_TILES = [SM90_BACKWARD_CONFIGS[64], *SM90_BACKWARD_ALTERNATIVES]
+"""The packed backward's Hopper tiles run here: a declared one, and every alternative."""
+
+
+@pytest.fixture(scope="module")
+def sm90_varlen_kernels(host_kernels):
+    """The packed Hopper backward of :data:`VARLEN_TILES` in bfloat16, with the packed row
+    preprocessing and dQ conversion of their head dims, built once for the host."""
+    from softmaxkit_cupy.configs import backward_dq_varlen_name, backward_pre_varlen_name
+    from softmaxkit_cupy.varlen import VARLEN_BACKWARD_PARAMS, VARLEN_DQ_PARAMS, VARLEN_PRE_PARAMS
+
+    codes = {t.varlen_name("bfloat16"): VARLEN_BACKWARD_PARAMS for t in VARLEN_TILES}
+    rows = {}
+    for t in VARLEN_TILES:
+        rows[backward_pre_varlen_name("bfloat16", t.head_dim)] = VARLEN_PRE_PARAMS
+        rows[backward_dq_varlen_name("bfloat16", t.head_dim)] = VARLEN_DQ_PARAMS
+    return {**host_kernels("attention_bwd_sm90.cu", list(codes), codes),
+            **host_kernels("attention_bwd.cu", list(rows), rows)}
+
+
+@pytest.mark.parametrize("tile", VARLEN_TILES, ids=lambda t: f"{t.head_dim}-{t.warpgroups}wg")
+def test_hopper_varlen_backward_against_float64(sm90_varlen_kernels, host_kernels,
+                                                monkeypatch, tile) -> None:
+    """The packed Hopper backward tile through ``varlen_attention_vjp`` with ``config=``:
+    ragged sequences (one without queries, one without keys) with an lse cotangent, against
+    the float64 gradients of each sequence (``test_attention_host.
+    varlen_backward_against_float64``)."""
+    from test_attention_host import _adapters_on_host, varlen_backward_against_float64
+
+    _adapters_on_host(monkeypatch, dict(sm90_varlen_kernels), host_kernels)
+    varlen_backward_against_float64(
+        "bfloat16", tile.head_dim, [(50, 70), (0, 30), (33, 33), (20, 0), (70, 45)],
+        dict(causal="bottom_right"), True, config=tile)
 
 
 FORWARD_TILES = [*SM90_CONFIGS.values(), *SM90_ALTERNATIVES]
