@@ -1,7 +1,7 @@
-"""The Hopper attention backward (kernels/attention_bwd_sm90.cu, sm_90a wgmma) run on the CPU
-(tests/host/primitives.h: wgmma.mma_async computed when issued, its shared-memory operands
-read through their matrix descriptors and swizzles, its register operand from the warp's
-fragments; the rest as in tests/test_attention_host.py).
+"""The Hopper attention kernels (kernels/attention_sm90.cu, attention_bwd_sm90.cu: sm_90a
+wgmma) run on the CPU (tests/host/primitives.h: wgmma.mma_async computed when issued, its
+shared-memory operands read through their matrix descriptors and swizzles, its register
+operand from the warp's fragments; the rest as in tests/test_attention_host.py).
 
 Checked here: every declared Hopper backward tile and every one built on request only
 (``configs.SM90_BACKWARD_CONFIGS``, ``SM90_BACKWARD_ALTERNATIVES``, the 64-byte rows of the
@@ -14,9 +14,9 @@ call zero-padded to its tiles; and every Hopper forward tile, declared and alter
 (``SM90_CONFIGS``, ``SM90_ALTERNATIVES``), through ``attention``.  The declared tiles,
 which the device runs and its tests check (tests/test_sm90_bwd_gpu.py, test_sm90_gpu.py),
 check the emulation's reading of the descriptors and the swizzle; the same reading then
-checks the tiles no device has run yet.  What the
-emulation cannot show is the GPU test's: timing, the hardware's own reading of a descriptor
-where it would differ from the PTX ISA's, and orderings the host threads do not take.
+checks the tiles no device has run yet.  What the emulation cannot show is the GPU test's:
+timing, the hardware's own reading of a descriptor where it would differ from the PTX ISA's,
+and orderings the host threads do not take.
 
 Run: ``python -m pytest -q backends/cupy/tests/test_sm90_host.py``.
 """
