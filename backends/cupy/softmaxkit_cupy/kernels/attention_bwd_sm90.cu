@@ -12,10 +12,10 @@
 // in shared memory (swizzled panels, wgmma.cuh: of 64 columns, or of 32 where a warpgroup's
 // columns are not whole 64-column panels, at D = 32, 96 and 192), P^T and dS^T stay in
 // registers as the A operands of dV_w += P^T dO and dK_w += dS^T Q (dO and Q read MN-major),
-// whose float32 accumulators live in registers across the query loop.  dS^T also goes to shared memory for
-// dQ = dS K (A and B read MN-major): at D = 128 warpgroup w computes dQ's 64 columns of panel w
-// over all BN keys, at 32, 64 and 96 all columns over its own keys; the results are added
-// into dq_acc with vector reductions.
+// whose float32 accumulators live in registers across the query loop.  dS^T also goes to
+// shared memory for dQ = dS K (A and B read MN-major): at D = 128 warpgroup w computes dQ's 64
+// columns of panel w over all BN keys, at 32, 64 and 96 all columns over its own keys; the
+// results are added into dq_acc with vector reductions.
 //
 // Above D = 128 a warpgroup's dK and dV (D floats a thread each) would not fit in registers:
 // there (COLSPLIT) the warpgroups share one tile of 64 keys and split the head dimension,
@@ -182,7 +182,7 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
 
     float s[NS], dp[NS], dq[QN / 2];
     unsigned pa[KM][4], da[KM][4];
-    // dQ's partial product of query tile m0 of head h (its 64 columns from c0), added into
+    // dQ's partial product of query tile m0 of head h (its QN columns from c0), added into
     // the float32 buffer
     auto add_dq = [&](int h, int m0, int c0) {
         const int row = (warp % 4) * 16 + g;

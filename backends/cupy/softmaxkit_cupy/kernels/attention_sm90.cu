@@ -8,10 +8,11 @@
 // owning 64 rows: its Q rows, the key tiles K and the value tiles V are read by wgmma straight
 // from shared memory (swizzled panels of 64 columns, of 32 at D = 32 and 96: wgmma.cuh); the
 // score tile S = Q K^T and the output accumulator live in registers (float32), and the
-// probabilities P, rounded to 16 bits in registers, are the A operand of O += P V.  K and V tiles of BN keys are double-buffered
-// and copied with cp.async by every thread.  Within a warpgroup the products of consecutive
-// tiles overlap the softmax: S of tile j + 1 and O += P_j V_j are issued together, the
-// softmax of tile j + 1 runs while the tensor cores finish P_j V_j, and O is rescaled after.
+// probabilities P, rounded to 16 bits in registers, are the A operand of O += P V.  K and V
+// tiles of BN keys are double-buffered and copied with cp.async by every thread.  Within a
+// warpgroup the products of consecutive tiles overlap the softmax: S of tile j + 1 and
+// O += P_j V_j are issued together, the softmax of tile j + 1 runs while the tensor cores
+// finish P_j V_j, and O is rescaled after.
 #include "wgmma.cuh"
 #include "mma.cuh"
 #include "exclusion.cuh"

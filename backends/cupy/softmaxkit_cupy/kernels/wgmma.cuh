@@ -31,8 +31,6 @@ __device__ __forceinline__ unsigned long long sk_desc(unsigned addr, unsigned lb
            (static_cast<unsigned long long>(sbo >> 4) << 32) | (mode << 62);
 }
 
-
-
 __device__ __forceinline__ void sk_wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 }
@@ -191,7 +189,6 @@ template <> struct SkWgmma<96> {
             "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
             "}, "
             "{%48, %49, %50, %51}, %52, p, 1, 1, 1;\n}\n"
-           
             : SK_F32(d), SK_F16(d, 32)
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
     }
@@ -207,7 +204,6 @@ template <> struct SkWgmma<96> {
             "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
             "}, "
             "{%48, %49, %50, %51}, %52, p, 1, 1, 1;\n}\n"
-           
             : SK_F32(d), SK_F16(d, 32)
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
     }
@@ -380,9 +376,9 @@ template <> struct SkWgmma<256> {
 
 // Copy rows [0, ROWS) of a [rows x D] tile (row stride ld elements) into the swizzled panels
 // of COLS columns described above (64: the 128-byte swizzle, 32: the 64-byte one); rows at or
-// past `valid` are zero-filled.  All THREADS threads
-// take part, thread `tid` (threadIdx.x: a caller in a loop may pass it through sk_opaque_tid, so
-// that the addresses are computed at each copy rather than hoisted out and held in registers).
+// past `valid` are zero-filled.  All THREADS threads take part, thread `tid` (threadIdx.x: a
+// caller in a loop may pass it through sk_opaque_tid, so that the addresses are computed at
+// each copy rather than hoisted out and held in registers).
 template <typename T, int ROWS, int D, int THREADS, int COLS = 64>
 __device__ __forceinline__ void sk_load_panels(T* smem, const T* g, long long ld, int valid,
                                                int tid) {
