@@ -232,3 +232,48 @@ def test_hopper_backward_alternatives_match_float64(dtype: str, config, case: di
     torch.cuda.synchronize()
     _check(grads, _reference(q, k, v, dout, scale, causal or False, window, softcap, mask),
            dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("config", SM90_BACKWARD_ALTERNATIVES,
+                         ids=lambda c: f"{c.head_dim}-{c.warpgroups}wg")
+@pytest.mark.parametrize(("lens_q", "lens_k", "kw"), VARLEN, ids=str)
+def test_hopper_varlen_backward_alternatives_match_float64(dtype, config, lens_q, lens_k,
+                                                           kw) -> None:
+    """Each Hopper backward tile built on request only, packed (``varlen_attention_vjp`` of
+    the adapter with ``config=``), against the float64 gradients of each sequence, its results
+    written over memory that held NaN; the keys of a sequence without queries get zeros."""
+    import array_api_compat.torch as xp
+    import numpy as np
+    from softmaxkit_cupy.varlen import varlen_attention_vjp
+
+    from softmaxkit.testing.varlen_cases import (
+        packed_arrays,
+        packed_reference,
+        packed_vjp_reference,
+    )
+
+    d, hq, hk = config.head_dim, 4, 2
+    q, k, v, cu_q, cu_k = packed_arrays(d + 3, lens_q, lens_k, hq, hk, d, d)
+    dt = getattr(torch, dtype)
+    tq, tk, tv = (torch.as_tensor(a, device="cuda").to(dt) for a in (q, k, v))
+    q64, k64, v64 = (a.double().cpu().numpy() for a in (tq, tk, tv))
+    dout = torch.as_tensor(np.random.default_rng(d + 3).normal(size=(q.shape[0], hq, d)),
+                           device="cuda").to(dt)
+    rkw = {"scale": d ** -0.5, "window": kw.get("window", (-1, -1)),
+           "softcap": kw.get("softcap"), "causal": kw.get("causal")}
+    out64, lse64 = packed_reference(q64, k64, v64, cu_q, cu_k, **rkw)
+    poison = [a.new_full(a.shape, math.nan) for a in (tq, tk, tv)]
+    del poison  # the caching allocator hands these blocks to the gradients
+    grads = varlen_attention_vjp(
+        xp, q=tq, k=tk, v=tv, out=torch.as_tensor(out64, device="cuda").to(dt),
+        lse=torch.as_tensor(lse64, device="cuda").float(), dout=dout,
+        cu_seqlens_q=torch.as_tensor(cu_q, device="cuda"),
+        cu_seqlens_k=torch.as_tensor(cu_k, device="cuda"), config=config, **rkw)
+    torch.cuda.synchronize()
+    want = packed_vjp_reference(q64, k64, v64, dout.double().cpu().numpy(), cu_q, cu_k, **rkw)
+    _check(grads, [torch.as_tensor(w, device="cuda") for w in want], dtype)
+    for b in range(len(lens_q)):
+        if lens_q[b] == 0:  # the keys of a sequence without queries
+            k0, k1 = int(cu_k[b]), int(cu_k[b + 1])
+            assert not grads[1][k0:k1].any() and not grads[2][k0:k1].any()
