@@ -236,9 +236,9 @@ def attention(
 
     ``config`` overrides the forward tile configuration (an :class:`AttentionConfig` or, on a
     device of compute capability 9.0, a :class:`Sm90Config`, at the head dimension the call
-    runs at or above it, the call then zero-padded to it, :func:`config_width`; by default
-    :func:`forward_config` picks one); split-KV decoding is used instead
-    for few query rows per key head, with :func:`.configs.decode_config`'s tiles or a
+    runs at or above it, the call then zero-padded to it, :func:`.head_dims.config_width`; by
+    default :func:`forward_config` picks one); split-KV decoding is used instead for few query
+    rows per key head, with :func:`.configs.decode_config`'s tiles or a
     :class:`DecodeConfig` given as ``config``.  A call whose head dimensions the kernels are
     not built for (D != Dv, or D not in ``ATTENTION_HEAD_DIMS``) runs on copies of q, k, v
     zero-padded to the next built one, and its output is the padded output's first Dv
@@ -267,7 +267,7 @@ def attention(
                 xp, q=q, k=k, v=vb, scale=scale, causal=causal, window=window, mask=mask,
                 softcap=softcap, return_lse=return_lse, config=config), v)
     width = _forward_width(q, k, dv, mask is not None) if config is None else (
-        config_width(config, int(q.shape[3]), dv))
+        head_dims.config_width(config, int(q.shape[3]), dv))
     with interop.on_device(q):
         return head_dims.forward_padded(xp, width, lambda q, k, v: _attention(
             xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window, mask=mask,
@@ -299,15 +299,6 @@ def hopper_width(q: Any, d: int, dv: int, built: Collection[int],
     if hopper is None:
         return width
     return None if hopper == d == dv else hopper
-
-
-def config_width(config: Any, d: int, dv: int) -> int | None:
-    """The head dimension a call of key dim ``d`` and value dim ``dv`` runs at on the tiles
-    ``config`` (one built for a head dimension at least ``max(d, dv)``), or None for its own:
-    the call is zero-padded to the tiles' head dimension."""
-    if config.head_dim < max(d, dv):
-        raise ValueError(f"tiles of head dim {config.head_dim} cannot run D={d}, Dv={dv}")
-    return None if config.head_dim == d == dv else config.head_dim
 
 
 def kernel_options(mask: Any, causal: Any, window: tuple[int, int], softcap: Any,
@@ -578,7 +569,7 @@ def attention_vjp(
     dimension it is built for (or zero-padded to one, :func:`hopper_width`), the mma.sync one
     otherwise.  ``config`` overrides the tile
     configuration (one of ``BACKWARD_ALTERNATIVES``, for benchmarks; a call below its head
-    dimension runs zero-padded to it, :func:`config_width`).  Head dimensions
+    dimension runs zero-padded to it, :func:`.head_dims.config_width`).  Head dimensions
     the kernels are not built for run as in :func:`attention`, on copies of q, k, v, out and
     dout zero-padded to the next built one; dq and dk are the first D columns of the padded
     results, dv the first Dv.  A value dimension above 256 runs in blocks of columns, dq and dk
@@ -602,7 +593,7 @@ def attention_vjp(
                     xp, q=q, k=k, v=vb, out=ob, lse=lse, dout=db, scale=scale, causal=causal,
                     window=window, mask=mask, softcap=softcap,
                     dlse=dlse if first else None, config=config), v, out, dout)
-    width = config_width(config, d, dv) if config is not None else hopper_width(
+    width = head_dims.config_width(config, d, dv) if config is not None else hopper_width(
         q, d, dv, SM90_BACKWARD_MASKED_CONFIGS if mask is not None else SM90_BACKWARD_CONFIGS,
         head_dims.SM90_BACKWARD_PADDED_FROM)
     with interop.on_device(q):

@@ -134,6 +134,21 @@ def pad_width(d: int, dv: int) -> int | None:
     return None if width == d == dv else width
 
 
+def config_width(config: Any, d: int, dv: int) -> int | None:
+    """The width a call of key dim ``d`` and value dim ``dv`` is padded to on the tiles
+    ``config`` asked for explicitly (an adapter's ``config=``: one built for a head dimension
+    at least ``max(d, dv)``), or None when it runs as it is: the tiles' head dimension.
+
+    Raises
+    ------
+    ValueError
+        If the tiles' head dimension is below ``max(d, dv)``.
+    """
+    if config.head_dim < max(d, dv):
+        raise ValueError(f"tiles of head dim {config.head_dim} cannot run D={d}, Dv={dv}")
+    return None if config.head_dim == d == dv else config.head_dim
+
+
 def pad(xp: Any, a: Any, width: int) -> Any:
     """``a`` with zero columns appended along its last axis up to ``width``.
 

@@ -116,8 +116,9 @@ def varlen_attention(
     sequence's last tile return at once.  On a device of compute capability 9.0 the kernel is
     the Hopper one (:data:`.configs.SM90_CONFIGS`' tiles) at the head dims it is built for or
     zero-padded to them (:func:`.attention.hopper_width`), the mma.sync one otherwise;
-    ``config`` overrides the tile configuration (for benchmarks).  Head dimensions the kernels
-    are not built for run on copies of q, k, v zero-padded to the next built one, the output
+    ``config`` overrides the tile configuration (for benchmarks; a call below its head
+    dimension runs zero-padded to it, :func:`.head_dims.config_width`).  Head dimensions the
+    kernels are not built for run on copies of q, k, v zero-padded to the next built one, the output
     sliced back to Dv; a value dimension above 256 runs in blocks of columns, a call each
     (:mod:`.head_dims`).
     """
@@ -137,7 +138,7 @@ def varlen_attention(
                 xp, q=q, k=k, v=vb, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 scale=scale, causal=causal, window=window, softcap=softcap,
                 return_lse=return_lse, config=config), v)
-    width = (head_dims.pad_width(d, dv) if config is not None
+    width = (head_dims.config_width(config, d, dv) if config is not None
              else hopper_width(q, d, dv, SM90_CONFIGS))
     with interop.on_device(q):
         return head_dims.forward_padded(xp, width, lambda q, k, v: (
@@ -202,7 +203,8 @@ def varlen_attention_vjp(
     dq's conversion back to the packed layout.  The main kernel is the Hopper one on a device
     of compute capability 9.0 at the head dims :data:`.configs.SM90_VARLEN_BACKWARD_CONFIGS`
     holds (or zero-padded to them, :func:`.attention.hopper_width`), the mma.sync one
-    otherwise; ``config`` overrides its tile configuration (for benchmarks).  Head dimensions
+    otherwise; ``config`` overrides its tile configuration (for benchmarks; a call below its
+    head dimension runs zero-padded to it, :func:`.head_dims.config_width`).  Head dimensions
     the kernels are not built for run on copies of q, k, v, out and dout zero-padded to the
     next built one; dq and dk are sliced back to D, dv to Dv; a value dimension above 256
     runs in blocks of columns, dq and dk summed over them (:mod:`.head_dims`).
@@ -222,7 +224,7 @@ def varlen_attention_vjp(
                     cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal, window=window,
                     softcap=softcap, dlse=dlse if first else None, config=config),
                 v, out, dout)
-    width = head_dims.pad_width(d, dv) if config is not None else hopper_width(
+    width = head_dims.config_width(config, d, dv) if config is not None else hopper_width(
         q, d, dv, SM90_VARLEN_BACKWARD_CONFIGS, head_dims.SM90_BACKWARD_PADDED_FROM)
     with interop.on_device(q):
         return head_dims.gradients_padded(

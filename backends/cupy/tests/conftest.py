@@ -101,7 +101,8 @@ overload of each)."""
 HOST_SPECIALIZATIONS = ("SkMma<sk_bf16>", "SkMma<__half>", "SkWgmma<32>", "SkWgmma<64>",
                         "SkWgmma<96>", "SkWgmma<128>", "SkWgmma<256>")
 """Explicit specializations of class templates whose members are written in PTX (the
-16-bit mma.sync of kernels/mma.cuh): taken out whole, tests/host/primitives.h defines them."""
+16-bit mma.sync of kernels/mma.cuh, the warpgroup products of kernels/wgmma.cuh): taken out
+whole, tests/host/primitives.h defines them."""
 _CTYPES = {"Q": ctypes.c_void_p, "q": ctypes.c_longlong, "i": ctypes.c_int,
            "I": ctypes.c_uint, "f": ctypes.c_float}
 _CNAMES = {"Q": "void*", "q": "long long", "i": "int", "I": "unsigned", "f": "float"}

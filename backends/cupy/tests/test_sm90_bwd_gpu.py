@@ -163,10 +163,28 @@ def test_hopper_varlen_backward_matches_float64(dtype, d, lens_q, lens_k, kw) ->
     kernel on the Hopper kernel (``SM90_VARLEN_BACKWARD_CONFIGS``, named in the trace), from
     the float64 definition's (out, lse), against the float64 gradients of each sequence; the
     keys of a sequence without queries get zeros."""
-    import numpy as np
     from softmaxkit_cupy.configs import SM90_VARLEN_BACKWARD_CONFIGS
 
     import softmaxkit as sk
+
+    def vjp(q, k, v, out, lse, dout, cu_q, cu_k, rkw):
+        with sk.backend_opts(trace=True) as trace:
+            grads = sk.varlen_attention_vjp(q, k, v, out, lse, dout, cu_q, cu_k,
+                                            **dict(rkw, causal=rkw["causal"] or False))
+        expected = SM90_VARLEN_BACKWARD_CONFIGS[d].varlen_name(dtype)
+        assert trace[-1].backend == "cupy" and trace[-1].kernel == expected
+        return grads
+
+    _varlen_against_float64(dtype, d, lens_q, lens_k, kw, d + 1, vjp)
+
+
+def _varlen_against_float64(dtype, d, lens_q, lens_k, kw, seed, vjp) -> None:
+    """``vjp(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, options)`` of packed
+    sequences of ``lens_q`` and ``lens_k`` (grouped queries, Hq 4, Hk 2) at head dim ``d``,
+    from the float64 definition's (out, lse), against the float64 gradients of each sequence;
+    the keys of a sequence without queries get zeros."""
+    import numpy as np
+
     from softmaxkit.testing.varlen_cases import (
         packed_arrays,
         packed_reference,
@@ -174,26 +192,20 @@ def test_hopper_varlen_backward_matches_float64(dtype, d, lens_q, lens_k, kw) ->
     )
 
     hq, hk = 4, 2
-    q, k, v, cu_q, cu_k = packed_arrays(d + 1, lens_q, lens_k, hq, hk, d, d)
+    q, k, v, cu_q, cu_k = packed_arrays(seed, lens_q, lens_k, hq, hk, d, d)
     dt = getattr(torch, dtype)
     tq, tk, tv = (torch.as_tensor(a, device="cuda").to(dt) for a in (q, k, v))
     q64, k64, v64 = (a.double().cpu().numpy() for a in (tq, tk, tv))
-    dout = torch.as_tensor(np.random.default_rng(d).normal(size=(q.shape[0], hq, d)),
+    dout = torch.as_tensor(np.random.default_rng(seed - 1).normal(size=(q.shape[0], hq, d)),
                            device="cuda").to(dt)
-    dout64 = dout.double().cpu().numpy()
     rkw = {"scale": d ** -0.5, "window": kw.get("window", (-1, -1)),
            "softcap": kw.get("softcap"), "causal": kw.get("causal")}
     out64, lse64 = packed_reference(q64, k64, v64, cu_q, cu_k, **rkw)
-    out = torch.as_tensor(out64, device="cuda").to(dt)
-    lse = torch.as_tensor(lse64, device="cuda").float()
-    mq, mk = (torch.as_tensor(a, device="cuda") for a in (cu_q, cu_k))
-    with sk.backend_opts(trace=True) as trace:
-        grads = sk.varlen_attention_vjp(tq, tk, tv, out, lse, dout, mq, mk,
-                                        **dict(rkw, causal=rkw["causal"] or False))
+    grads = vjp(tq, tk, tv, torch.as_tensor(out64, device="cuda").to(dt),
+                torch.as_tensor(lse64, device="cuda").float(), dout,
+                torch.as_tensor(cu_q, device="cuda"), torch.as_tensor(cu_k, device="cuda"), rkw)
     torch.cuda.synchronize()
-    expected = SM90_VARLEN_BACKWARD_CONFIGS[d].varlen_name(dtype)
-    assert trace[-1].backend == "cupy" and trace[-1].kernel == expected
-    want = packed_vjp_reference(q64, k64, v64, dout64, cu_q, cu_k, **rkw)
+    want = packed_vjp_reference(q64, k64, v64, dout.double().cpu().numpy(), cu_q, cu_k, **rkw)
     _check(grads, [torch.as_tensor(w, device="cuda") for w in want], dtype)
     for b in range(len(lens_q)):
         if lens_q[b] == 0:  # the keys of a sequence without queries
@@ -244,36 +256,13 @@ def test_hopper_varlen_backward_alternatives_match_float64(dtype, config, lens_q
     the adapter with ``config=``), against the float64 gradients of each sequence, its results
     written over memory that held NaN; the keys of a sequence without queries get zeros."""
     import array_api_compat.torch as xp
-    import numpy as np
     from softmaxkit_cupy.varlen import varlen_attention_vjp
 
-    from softmaxkit.testing.varlen_cases import (
-        packed_arrays,
-        packed_reference,
-        packed_vjp_reference,
-    )
+    def vjp(q, k, v, out, lse, dout, cu_q, cu_k, rkw):
+        poison = [a.new_full(a.shape, math.nan) for a in (q, k, v)]
+        del poison  # the caching allocator hands these blocks to the gradients
+        return varlen_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
+                                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, config=config, **rkw)
 
-    d, hq, hk = config.head_dim, 4, 2
-    q, k, v, cu_q, cu_k = packed_arrays(d + 3, lens_q, lens_k, hq, hk, d, d)
-    dt = getattr(torch, dtype)
-    tq, tk, tv = (torch.as_tensor(a, device="cuda").to(dt) for a in (q, k, v))
-    q64, k64, v64 = (a.double().cpu().numpy() for a in (tq, tk, tv))
-    dout = torch.as_tensor(np.random.default_rng(d + 3).normal(size=(q.shape[0], hq, d)),
-                           device="cuda").to(dt)
-    rkw = {"scale": d ** -0.5, "window": kw.get("window", (-1, -1)),
-           "softcap": kw.get("softcap"), "causal": kw.get("causal")}
-    out64, lse64 = packed_reference(q64, k64, v64, cu_q, cu_k, **rkw)
-    poison = [a.new_full(a.shape, math.nan) for a in (tq, tk, tv)]
-    del poison  # the caching allocator hands these blocks to the gradients
-    grads = varlen_attention_vjp(
-        xp, q=tq, k=tk, v=tv, out=torch.as_tensor(out64, device="cuda").to(dt),
-        lse=torch.as_tensor(lse64, device="cuda").float(), dout=dout,
-        cu_seqlens_q=torch.as_tensor(cu_q, device="cuda"),
-        cu_seqlens_k=torch.as_tensor(cu_k, device="cuda"), config=config, **rkw)
-    torch.cuda.synchronize()
-    want = packed_vjp_reference(q64, k64, v64, dout.double().cpu().numpy(), cu_q, cu_k, **rkw)
-    _check(grads, [torch.as_tensor(w, device="cuda") for w in want], dtype)
-    for b in range(len(lens_q)):
-        if lens_q[b] == 0:  # the keys of a sequence without queries
-            k0, k1 = int(cu_k[b]), int(cu_k[b + 1])
-            assert not grads[1][k0:k1].any() and not grads[2][k0:k1].any()
+    _varlen_against_float64(dtype, config.head_dim, lens_q, lens_k, kw, config.head_dim + 3,
+                            vjp)

@@ -105,18 +105,18 @@ def test_hopper_backward_against_float64(sm90_kernels, host_kernels, monkeypatch
 
 def test_config_pads_a_call_to_its_tiles(sm90_kernels, host_kernels, monkeypatch) -> None:
     """A call below its tiles' head dim (80 on the tiles of 96) runs zero-padded to it and
-    gives the gradients of its own width (``attention.config_width``)."""
+    gives the gradients of its own width (``head_dims.config_width``)."""
     from host_attention import move_to_host
-    from softmaxkit_cupy import attention
+    from softmaxkit_cupy import attention, head_dims
     from test_attention_host import backward_against_float64
 
     tile, dtype = PADDED
     move_to_host(monkeypatch, attention, sm90_kernels, host_kernels)
     backward_against_float64(attention, dtype, 80, BACKWARD_CASES[0], seed=80, config=tile)
-    assert attention.config_width(tile, 80, 80) == 96
-    assert attention.config_width(tile, 96, 96) is None
+    assert head_dims.config_width(tile, 80, 80) == 96
+    assert head_dims.config_width(tile, 96, 96) is None
     with pytest.raises(ValueError, match="cannot run D=128"):
-        attention.config_width(tile, 128, 128)
+        head_dims.config_width(tile, 128, 128)
 
 
 VARLEN_TILES = [SM90_BACKWARD_CONFIGS[64], *SM90_BACKWARD_ALTERNATIVES]

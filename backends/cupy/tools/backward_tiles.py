@@ -32,6 +32,7 @@ B, H, L = 4, 32, 4096
 def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> dict:
     """Name -> a call giving (dq, dk, dv) of one problem, and the problem's tensors."""
     import array_api_compat.torch as xp
+    from softmaxkit_cupy import interop
     from softmaxkit_cupy.attention import attention, attention_vjp, backward_config_for
     from softmaxkit_cupy.configs import (
         BACKWARD_ALTERNATIVES,
@@ -51,8 +52,7 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> dict:
     kw = dict(scale=d ** -0.5, causal="bottom_right" if causal else None, window=(-1, -1),
               mask=None, softcap=None)
     out, lse = attention(xp, q=q, k=k, v=v, return_lse=True, **kw)
-    major, minor = torch.cuda.get_device_capability()
-    capability = 10 * major + minor
+    capability = interop.capability(torch.cuda.current_device())
     width = served_head_dim(d, d)
     served = backward_config_for(capability, width, masked=False)
     hopper = capability == SM90_CAPABILITY

@@ -29,6 +29,7 @@ B, H, L = 4, 32, 4096
 def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> tuple[dict, tuple]:
     """Name -> a call giving the output of one problem, and the problem's tensors."""
     import array_api_compat.torch as xp
+    from softmaxkit_cupy import interop
     from softmaxkit_cupy.attention import attention, forward_config
     from softmaxkit_cupy.configs import (
         SM90_ALTERNATIVES,
@@ -46,8 +47,7 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> tuple
                for _ in range(3))
     kw = dict(scale=d ** -0.5, causal="bottom_right" if causal else None, window=(-1, -1),
               mask=None, softcap=None, return_lse=False)
-    major, minor = torch.cuda.get_device_capability()
-    capability = 10 * major + minor
+    capability = interop.capability(torch.cuda.current_device())
     width = served_head_dim(d, d)
     hopper = capability == SM90_CAPABILITY
     served = forward_config(capability, width, masked=False)

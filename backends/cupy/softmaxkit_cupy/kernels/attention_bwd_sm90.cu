@@ -61,7 +61,7 @@ __device__ __forceinline__ void sk_attn_bwd_sm90_body(
     // the operand tiles' panels (wgmma.cuh): 64 columns of 128-byte rows, or 32 columns of
     // 64-byte rows where a warpgroup's columns are not whole 64-column panels (D = 32, 96, and
     // 192 split in two); dS^T is one panel of BM = 64 queries, 128-byte rows, at every D
-    constexpr int PC = D % 64 == 0 && DW % 64 == 0 ? 64 : 32;
+    constexpr int PC = sk_panel_cols<DW>;
     constexpr int RB = 2 * PC;                                  // bytes of a panel's row
     constexpr int KSP = RB / 32;                                // k-slices of 16 in a panel
     constexpr unsigned PANEL_Q = BM * RB, PANEL_K = BN * RB;    // bytes of a panel

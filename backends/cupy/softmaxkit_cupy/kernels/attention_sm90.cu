@@ -39,8 +39,8 @@ __device__ __forceinline__ void sk_attn_fwd_sm90_body(
     constexpr int KS = BN / 16;  // k-slices of P V
     constexpr int DK = D / 16;   // k-slices of Q K^T
     // panels of 64 columns (128-byte rows), or of 32 (64-byte rows) where D is not a multiple
-    // of 64 (wgmma.cuh)
-    constexpr int PC = D % 64 == 0 ? 64 : 32;
+    // of 64 (wgmma.cuh): a warpgroup reads all D columns
+    constexpr int PC = sk_panel_cols<D>;
     constexpr int RB = 2 * PC;                                   // bytes of a panel's row
     constexpr int KSP = RB / 32;                                 // k-slices of 16 in a panel
     constexpr unsigned PANEL_Q = BM * RB, PANEL_KV = BN * RB;    // bytes of a panel

@@ -374,6 +374,10 @@ template <> struct SkWgmma<256> {
     }
 };
 
+// The panel width of a tile a warpgroup reads COLS columns of: 64 where they are whole
+// 64-column panels (the 128-byte swizzle), else 32 (the 64-byte one).
+template <int COLS> constexpr int sk_panel_cols = COLS % 64 == 0 ? 64 : 32;
+
 // Copy rows [0, ROWS) of a [rows x D] tile (row stride ld elements) into the swizzled panels
 // of COLS columns described above (64: the 128-byte swizzle, 32: the 64-byte one); rows at or
 // past `valid` are zero-filled.  All THREADS threads take part, thread `tid` (threadIdx.x: a

@@ -273,12 +273,18 @@ inline unsigned sk_host_operand(unsigned long long desc, unsigned r, unsigned c,
         : start + (r / 8) * sbo + (r % 8) * rb + c * 2;
     return a ^ (((a >> 7) & (mode == 1 ? 7u : 3u)) << 4);
 }
-template <double (*WIDEN)(std::uint16_t)>
+// The value of 16-bit `bits` of the type of the tag (bfloat16 or float16).
+inline double sk_host_widen(std::uint16_t bits, __nv_bfloat16) {
+    return sk_host_widen_bf16(bits);
+}
+inline double sk_host_widen(std::uint16_t bits, __half) { return sk_host_widen_f16(bits); }
+// The element of 16-bit type T at (r, c) of the operand `desc` describes, as a double.
+template <typename T>
 inline double sk_host_operand_value(unsigned long long desc, unsigned r, unsigned c,
                                     bool mn_major) {
     std::uint16_t bits;
     std::memcpy(&bits, sk_smem + sk_host_operand(desc, r, c, mn_major), 2);
-    return WIDEN(bits);
+    return sk_host_widen(bits, T());
 }
 
 // D (64 x N) = A B (+ D where acc), A [64 x 16] by A(m, k), B [16 x N] by B(k, n).
@@ -296,26 +302,27 @@ inline void sk_host_wgmma(float (&d)[N / 2], int acc, AOf A, BOf B) {
         }
     for (int i = 0; i < N / 2; ++i) d[i] = out[i];
 }
-template <double (*WIDEN)(std::uint16_t)> struct sk_host_wgmma16 {
+// SkWgmma<N> of kernels/wgmma.cuh, the 16-bit input type T picked by the last argument.
+template <int N> struct sk_host_wgmma_n {
     // both from shared memory, K-major
-    template <int N> static void ss(float (&d)[N / 2], unsigned long long a,
-                                    unsigned long long b, int acc) {
+    template <typename T> static void ss(float (&d)[N / 2], unsigned long long a,
+                                         unsigned long long b, int acc, T) {
         sk_host_wgmma<N>(
             d, acc,
-            [&](unsigned m, unsigned k) { return sk_host_operand_value<WIDEN>(a, m, k, false); },
-            [&](unsigned k, unsigned n) { return sk_host_operand_value<WIDEN>(b, n, k, false); });
+            [&](unsigned m, unsigned k) { return sk_host_operand_value<T>(a, m, k, false); },
+            [&](unsigned k, unsigned n) { return sk_host_operand_value<T>(b, n, k, false); });
     }
     // both from shared memory, MN-major
-    template <int N> static void sst(float (&d)[N / 2], unsigned long long a,
-                                     unsigned long long b, int acc) {
+    template <typename T> static void sst(float (&d)[N / 2], unsigned long long a,
+                                          unsigned long long b, int acc, T) {
         sk_host_wgmma<N>(
             d, acc,
-            [&](unsigned m, unsigned k) { return sk_host_operand_value<WIDEN>(a, k, m, true); },
-            [&](unsigned k, unsigned n) { return sk_host_operand_value<WIDEN>(b, k, n, true); });
+            [&](unsigned m, unsigned k) { return sk_host_operand_value<T>(a, k, m, true); },
+            [&](unsigned k, unsigned n) { return sk_host_operand_value<T>(b, k, n, true); });
     }
     // A from the warp's registers (each lane's a[4] published to its slot), B MN-major
-    template <int N> static void rs(float (&d)[N / 2], const unsigned (&a)[4],
-                                    unsigned long long b, int acc) {
+    template <typename T> static void rs(float (&d)[N / 2], const unsigned (&a)[4],
+                                         unsigned long long b, int acc, T) {
         const unsigned me = threadIdx.x, base = me & ~31u;
         auto& stage = sk_host_stage();
         for (int i = 0; i < 4; ++i) stage[me][i] = a[i];
@@ -327,28 +334,13 @@ template <double (*WIDEN)(std::uint16_t)> struct sk_host_wgmma16 {
                 const unsigned r = m % 16;
                 const std::uint32_t word =
                     stage[base + 4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
-                return WIDEN(static_cast<std::uint16_t>(k % 2 ? word >> 16 : word & 0xffffu));
+                return sk_host_widen(
+                    static_cast<std::uint16_t>(k % 2 ? word >> 16 : word & 0xffffu), T());
             },
-            [&](unsigned k, unsigned n) { return sk_host_operand_value<WIDEN>(b, k, n, true); });
+            [&](unsigned k, unsigned n) { return sk_host_operand_value<T>(b, k, n, true); });
     }
 };
 template <int N> struct SkWgmma;
-template <int N> struct sk_host_wgmma_n {
-    using B16 = sk_host_wgmma16<sk_host_widen_bf16>;
-    using F16 = sk_host_wgmma16<sk_host_widen_f16>;
-    template <int R> static void ss(float (&d)[R], unsigned long long a, unsigned long long b,
-                                    int acc, __nv_bfloat16) { B16::template ss<N>(d, a, b, acc); }
-    template <int R> static void ss(float (&d)[R], unsigned long long a, unsigned long long b,
-                                    int acc, __half) { F16::template ss<N>(d, a, b, acc); }
-    template <int R> static void sst(float (&d)[R], unsigned long long a, unsigned long long b,
-                                     int acc, __nv_bfloat16) { B16::template sst<N>(d, a, b, acc); }
-    template <int R> static void sst(float (&d)[R], unsigned long long a, unsigned long long b,
-                                     int acc, __half) { F16::template sst<N>(d, a, b, acc); }
-    template <int R> static void rs(float (&d)[R], const unsigned (&a)[4], unsigned long long b,
-                                    int acc, __nv_bfloat16) { B16::template rs<N>(d, a, b, acc); }
-    template <int R> static void rs(float (&d)[R], const unsigned (&a)[4], unsigned long long b,
-                                    int acc, __half) { F16::template rs<N>(d, a, b, acc); }
-};
 template <> struct SkWgmma<32> : sk_host_wgmma_n<32> {};
 template <> struct SkWgmma<64> : sk_host_wgmma_n<64> {};
 template <> struct SkWgmma<96> : sk_host_wgmma_n<96> {};
