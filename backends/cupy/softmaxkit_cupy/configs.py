@@ -415,24 +415,26 @@ class Sm90Config:
 
 
 SM90_CONFIGS = {
+    32: Sm90Config(32, block_n=128),
     64: Sm90Config(64, block_n=128),
+    96: Sm90Config(96, block_n=128),
     128: Sm90Config(128, block_n=128),
     256: Sm90Config(256, block_n=64),
 }
 """The Hopper forward for each head dimension it is built for, without a boolean mask: two
 warpgroups (128 query rows), 128-key tiles (64 at 256, where the output accumulator takes half
-the registers).  128-key tiles beat 64-key ones at 128 on the H200 (docs/benchmarks-cupy.md)."""
+the registers).  128-key tiles beat 64-key ones at 128 on the H200 (docs/benchmarks-cupy.md);
+at 32 and 96 (panels of 32 columns) they beat the mma.sync kernel (1.09-1.11x at 32) and 96
+zero-padded to 128 (1.32-1.52x; bfloat16 B4 H32 L4096 on an H100, tools/forward_tiles.py)."""
 
 SM90_MASKED_CONFIGS = {
-    64: Sm90Config(64, block_n=128, mask=True),
-    128: Sm90Config(128, block_n=128, mask=True),
+    d: replace(SM90_CONFIGS[d], mask=True) for d in (32, 64, 96, 128)
 }
 """The Hopper forward for calls with a boolean mask; at 256 the mask's code spills registers,
 so masked calls there keep the mma.sync kernel."""
 
-SM90_ALTERNATIVES = (Sm90Config(32, block_n=128), Sm90Config(96, block_n=128))
-"""Other Hopper forward tiles, built on request only (tools/forward_tiles.py times them): at
-32 and 96 on panels of 32 columns (64-byte rows)."""
+SM90_ALTERNATIVES: tuple[Sm90Config, ...] = ()
+"""Other Hopper forward tiles, built on request only (tools/forward_tiles.py times them)."""
 
 
 def sm90_config(head_dim: int, masked: bool) -> Sm90Config | None:
@@ -497,28 +499,32 @@ class Sm90BackwardConfig:
         return f"sk_attn_bwd_sm90_varlen<{CTYPES[dtype]}, {self.head_dim}, {self.warpgroups}>"
 
 
-SM90_BACKWARD_HEAD_DIMS = (64, 128, 256)
-"""Head dims the Hopper backward is declared for."""
-
-SM90_BACKWARD_CONFIGS = {d: Sm90BackwardConfig(d) for d in SM90_BACKWARD_HEAD_DIMS}
+SM90_BACKWARD_CONFIGS = {
+    32: Sm90BackwardConfig(32, warpgroups=1),
+    64: Sm90BackwardConfig(64),
+    96: Sm90BackwardConfig(96),
+    128: Sm90BackwardConfig(128),
+    192: Sm90BackwardConfig(192),
+    256: Sm90BackwardConfig(256),
+}
 """The Hopper backward for each head dimension it is built for, without a boolean mask: two
 warpgroups, each with 64 keys of a 128-key block up to 128, and above (where a thread's dK and
-dV accumulators would take D floats each) with half the columns of one 64-key block."""
+dV accumulators would take D floats each) with half the columns of one 64-key block; at 32 one
+warpgroup of 64 keys, three blocks a multiprocessor (1.2x two warpgroups).  At 32, 96 and 192
+(panels of 32 columns, kernels/wgmma.cuh) the tiles beat the mma.sync kernel and the next
+Hopper width zero-padded: 1.4x at 32, 1.03-1.15x at 96, 1.27-1.35x at 192 (bfloat16 B4 H32
+L4096 on an H100, tools/backward_tiles.py, docs/benchmarks-attention.md)."""
 
-SM90_BACKWARD_MASKED_CONFIGS = {d: Sm90BackwardConfig(d, mask=True)
-                                for d in SM90_BACKWARD_HEAD_DIMS}
+SM90_BACKWARD_HEAD_DIMS = tuple(SM90_BACKWARD_CONFIGS)
+"""Head dims the Hopper backward is declared for."""
+
+SM90_BACKWARD_MASKED_CONFIGS = {d: replace(c, mask=True)
+                                for d, c in SM90_BACKWARD_CONFIGS.items()}
 """The Hopper backward for calls with a boolean mask."""
 
-SM90_BACKWARD_ALTERNATIVES = (
-    Sm90BackwardConfig(32),
-    Sm90BackwardConfig(32, warpgroups=1),
-    Sm90BackwardConfig(96),
-    Sm90BackwardConfig(192),
-)
-"""Other Hopper backward tiles, built on request only (tools/backward_tiles.py times them),
-on panels of 32 columns (64-byte rows, kernels/wgmma.cuh) where a warpgroup's columns are not
-whole 64-column panels: at 32 with two warpgroups or one (64 keys a block, three blocks a
-multiprocessor), at 96, and at 192 with the columns split between two warpgroups."""
+SM90_BACKWARD_ALTERNATIVES = (Sm90BackwardConfig(32),)
+"""Other Hopper backward tiles, built on request only (tools/backward_tiles.py times them): at
+32 with two warpgroups of 64 keys."""
 
 SM90_VARLEN_BACKWARD_CONFIGS = SM90_BACKWARD_CONFIGS
 """The packed variable-length backward on the Hopper kernel: the dense tiles at every head

@@ -60,16 +60,15 @@ def served_head_dim(d: int, dv: int) -> int | None:
     return next((p for p in sorted(ATTENTION_HEAD_DIMS) if p >= max(d, dv)), None)
 
 
-SM90_PADDED_FROM = frozenset({96, 160, 192})
+SM90_PADDED_FROM = frozenset({160, 192})
 """Head dims the mma.sync kernels are built for whose calls run faster on the Hopper forward
-zero-padded to its next head dim (96 at 128, 160 and 192 at 256); at 32 and 80 the mma.sync
-kernels stay faster (docs/benchmarks-attention.md, the H200 grid)."""
+zero-padded to its next head dim (160 and 192 at 256); at 80 the mma.sync kernels stay faster
+(docs/benchmarks-attention.md, the H200 grid); 32 and 96 have Hopper tiles of their own."""
 
-SM90_BACKWARD_PADDED_FROM = frozenset({96, 192})
-"""The same for the Hopper backward (96 at 128, 192 at 256; bfloat16 B2 H16 L4096 on the
-H200, the backward padded against mma.sync at the call's width in one run: 96 1.07-1.15x,
-192 1.19-1.26x faster; 32 at 64 and 160 at 256 were slower, 0.70-0.75x and 0.91-0.96x, and
-stay on mma.sync; docs/benchmarks-attention.md)."""
+SM90_BACKWARD_PADDED_FROM = frozenset({160})
+"""The same for the Hopper backward: 160 at 192 (bfloat16 B4 H32 L4096 on an H100, the
+backward padded against mma.sync's best tiles at the call's width in one run: 1.30-1.40x;
+docs/benchmarks-attention.md).  32, 96 and 192 have Hopper tiles of their own."""
 
 
 def sm90_width(d: int, dv: int, built: Collection[int],

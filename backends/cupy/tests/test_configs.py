@@ -182,7 +182,7 @@ def test_hopper_forward_serves_capability_9_0_only_within_the_h200s_limits() -> 
         sm90_names,
     )
 
-    assert set(SM90_CONFIGS) == {64, 128, 256}
+    assert set(SM90_CONFIGS) == {32, 64, 96, 128, 256}
     assert set(SM90_MASKED_CONFIGS) <= set(SM90_CONFIGS)
     assert set(SM90_CONFIGS) <= set(ATTENTION_HEAD_DIMS)
     for configs, masked in ((SM90_CONFIGS, False), (SM90_MASKED_CONFIGS, True)):
@@ -218,7 +218,8 @@ def test_hopper_backward_serves_capability_9_0_only_within_the_h200s_limits() ->
         sm90_backward_names,
     )
 
-    assert set(SM90_BACKWARD_CONFIGS) == set(SM90_BACKWARD_MASKED_CONFIGS) == {64, 128, 256}
+    assert (set(SM90_BACKWARD_CONFIGS) == set(SM90_BACKWARD_MASKED_CONFIGS)
+            == {32, 64, 96, 128, 192, 256})
     assert "attention_bwd_sm90.cu" in SM90_SOURCES
     assert ("attention_bwd_sm90.cu", list(sm90_backward_names())) in all_modules()
     for configs, masked in ((SM90_BACKWARD_CONFIGS, False), (SM90_BACKWARD_MASKED_CONFIGS, True)):

@@ -629,14 +629,14 @@ def test_kit_attention_cases_at_padded_head_dims_are_accepted(monkeypatch) -> No
 
 
 @pytest.mark.parametrize(("d", "dv", "plain", "masked", "backward"), [
-    (16, 24, None, None, None),   # mma.sync at 32
-    (32, 32, None, None, None),   # mma.sync at 32
+    (16, 24, 32, 32, 32),         # Hopper tiles at 32 (panels of 32 columns)
+    (32, 32, 32, 32, 32),
     (40, 40, 64, 64, 64),         # mma.sync would pad to 64 too
     (80, 80, None, None, None),   # mma.sync at 80
-    (96, 96, 128, 128, 128),      # faster padded
+    (96, 96, 96, 96, 96),         # Hopper tiles at 96
     (112, 112, 128, 128, 128),
-    (160, 160, 256, None, None),  # no masked Hopper forward above 128; backward mma.sync
-    (192, 128, 256, None, 256),
+    (160, 160, 256, None, 192),   # no masked Hopper forward above 128; backward padded to 192
+    (192, 128, 256, None, 192),
     (256, 256, 256, None, 256),
 ])
 def test_sm90_width_pads_where_the_hopper_kernels_are_faster(d, dv, plain, masked,

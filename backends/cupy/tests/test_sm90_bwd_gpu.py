@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from softmaxkit_cupy.configs import SM90_BACKWARD_ALTERNATIVES
+from softmaxkit_cupy.configs import SM90_BACKWARD_ALTERNATIVES, SM90_BACKWARD_CONFIGS
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA device (conftest.py)
 
@@ -74,7 +74,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", sorted(SM90_BACKWARD_CONFIGS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_hopper_backward_matches_float64(dtype: str, d: int, case: dict) -> None:
     from softmaxkit_cupy.configs import sm90_backward_config
@@ -156,7 +156,7 @@ VARLEN = [
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", sorted(SM90_BACKWARD_CONFIGS))
 @pytest.mark.parametrize(("lens_q", "lens_k", "kw"), VARLEN, ids=str)
 def test_hopper_varlen_backward_matches_float64(dtype, d, lens_q, lens_k, kw) -> None:
     """The packed variable-length backward through ``sk.varlen_attention_vjp`` runs its main

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from softmaxkit_cupy.configs import SM90_ALTERNATIVES
+from softmaxkit_cupy.configs import SM90_ALTERNATIVES, SM90_CONFIGS
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA device (conftest.py)
 
@@ -69,7 +69,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", sorted(SM90_CONFIGS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_hopper_forward_matches_float64(dtype: str, d: int, case: dict) -> None:
     from softmaxkit_cupy.configs import sm90_config
@@ -121,7 +121,7 @@ VARLEN = [
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", sorted(SM90_CONFIGS))
 @pytest.mark.parametrize(("lens_q", "lens_k", "kw"), VARLEN, ids=str)
 def test_hopper_varlen_forward_matches_float64(dtype, d, lens_q, lens_k, kw) -> None:
     """The packed variable-length forward through ``sk.varlen_attention`` runs on the Hopper

@@ -11,10 +11,10 @@ tolerances: causal alignments, grouped queries with an lse cotangent, rows with 
 window with a soft cap, a boolean mask; the packed backward on the same tiles
 (``varlen_attention_vjp``: ragged sequences, one without queries and one without keys); a
 call zero-padded to its tiles; and every Hopper forward tile, declared and alternative
-(``SM90_CONFIGS``, ``SM90_ALTERNATIVES``), through ``attention``.  The declared tiles,
-which the device runs and its tests check (tests/test_sm90_bwd_gpu.py, test_sm90_gpu.py),
-check the emulation's reading of the descriptors and the swizzle; the same reading then
-checks the tiles no device has run yet.  What the emulation cannot show is the GPU test's:
+(``SM90_CONFIGS``, ``SM90_ALTERNATIVES``), through ``attention``.  The tiles the device runs
+and its tests check (tests/test_sm90_bwd_gpu.py, test_sm90_gpu.py), on panels of 64 columns
+and of 32, check the emulation's reading of the descriptors and both swizzles; the same
+reading then checks a tile before any device has run it.  What the emulation cannot show is the GPU test's:
 timing, the hardware's own reading of a descriptor where it would differ from the PTX ISA's,
 and orderings the host threads do not take.
 
@@ -62,7 +62,7 @@ RUNS = [(tile, ATTENTION_DTYPES[i % 2], BACKWARD_CASES[i % len(BACKWARD_CASES)])
 alternative (32, two warpgroups) on every case (a mask among them)."""
 
 
-PADDED = (next(t for t in SM90_BACKWARD_ALTERNATIVES if t.head_dim == 96), "bfloat16")
+PADDED = (SM90_BACKWARD_CONFIGS[96], "bfloat16")
 """The tile and dtype of a call zero-padded to its tiles (head dim 80 on the tiles of 96)."""
 
 
