@@ -23,11 +23,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from softmaxkit.options import note_kernel
 
-from . import compiler, head_dims, interop
+from . import compiler, head_dims, interop, kept
 from .configs import (
     SM90_BACKWARD_CONFIGS,
     SM90_BACKWARD_MASKED_CONFIGS,
@@ -243,8 +244,18 @@ def attention(
     not built for (D != Dv, or D not in ``ATTENTION_HEAD_DIMS``) runs on copies of q, k, v
     zero-padded to the next built one, and its output is the padded output's first Dv
     columns; a value dimension above 256 runs in blocks of columns, a call each
-    (:mod:`.head_dims`).
+    (:mod:`.head_dims`).  The launch of a call of PyTorch tensors without a mask or
+    ``config`` is kept for the next call of its kind (:mod:`.kept`).
     """
+    key = None
+    if mask is None and config is None and precision == "float32":
+        key = kept.torch_key(q, k, v)
+        if key is not None:
+            key = ("attention", scale, causal, tuple(window), softcap, *key)
+            forward = kept.kept(key)
+            if forward is not None and kept.aligned(q, k, v):
+                out, lse = forward(q, k, v, 0)
+                return out, (lse if return_lse else None)
     if precision != "float32":  # float32 inputs (the frontend gives others "float32")
         from .attention_tf32 import attention as tf32_attention
 
@@ -271,7 +282,8 @@ def attention(
     with interop.on_device(q):
         return head_dims.forward_padded(xp, width, lambda q, k, v: _attention(
             xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window, mask=mask,
-            softcap=softcap, return_lse=return_lse, config=config), q, k, v)
+            softcap=softcap, return_lse=return_lse, config=config,
+            keep=key if width is None else None), q, k, v)
 
 
 def _forward_width(q: Any, k: Any, dv: int, masked: bool) -> int | None:
@@ -292,8 +304,16 @@ def hopper_width(q: Any, d: int, dv: int, built: Collection[int],
     :func:`.head_dims.sm90_width` for a Hopper kernel built for ``built`` where that gives one
     (the head dims it is built for, and ``padded_from``, those the mma.sync kernels serve
     slower than its zero-padded next one); elsewhere :func:`.head_dims.pad_width`'s."""
+    return _width_on(_capability_of(interop.device_index(q)), d, dv, tuple(built),
+                     frozenset(padded_from))
+
+
+@functools.cache
+def _width_on(capability: int, d: int, dv: int, built: tuple[int, ...],
+              padded_from: frozenset[int]) -> int | None:
+    """:func:`hopper_width` on a device of ``capability`` (decided once per kind of call)."""
     width = head_dims.pad_width(d, dv)
-    if _capability_of(interop.device_index(q)) != SM90_CAPABILITY:
+    if capability != SM90_CAPABILITY:
         return width
     hopper = head_dims.sm90_width(d, dv, built, padded_from)
     if hopper is None:
@@ -403,22 +423,46 @@ def float32_backward(
     return xp.reshape(dq_acc, (b, hq, lq_pad, d))[:, :, :lq, :] * scale, dk, dv
 
 
+@dataclass(frozen=True)
+class _Forward:
+    """The forward's launch for a kind of call (:mod:`.kept`) and its results' shapes."""
+
+    launch: kept.Launch
+    name: str
+    out_shape: tuple[int, ...]
+    lse_shape: tuple[int, ...]
+    dtype: str
+
+    def __call__(self, q: Any, k: Any, v: Any, m_ptr: int) -> tuple[Any, Any]:
+        """``(out, lse)`` of q, k, v (and the mask's bits at ``m_ptr``, 0 for none)."""
+        out = interop.empty(q, self.out_shape, self.dtype)
+        lse = interop.empty(q, self.lse_shape, "float32")
+        note_kernel(self.name)
+        ptr = interop.pointer
+        self.launch(q, ptr(q), ptr(k), ptr(v), m_ptr, ptr(out), ptr(lse))
+        return out, lse
+
+
 def _attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
     mask: Any, softcap: Any, return_lse: bool,
-    config: AttentionConfig | Sm90Config | DecodeConfig | None,
+    config: AttentionConfig | Sm90Config | DecodeConfig | None, keep: tuple | None = None,
 ) -> tuple[Any, Any]:
-    """:func:`attention` of a call with work, at a built head dimension (D = Dv)."""
+    """:func:`attention` of a call with work, at a built head dimension (D = Dv); its launch
+    kept under ``keep`` (a key of :mod:`.kept`, or None) where it reads q, k, v in place."""
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, lk = int(k.shape[1]), int(k.shape[2])
-    q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
+    ready = tuple(_rows_ready(xp, a) for a in (q, k, v))
+    if any(r is not a for r, a in zip(ready, (q, k, v), strict=True)):
+        keep = None  # copies made for this call: a later one reads its own arrays
+    q, k, v = ready
     dtype = interop.name(q)
     _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
                                                       lq, lk)
     qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
     strides = (*qs[:3], *ks[:3], *vs[:3], *m_strides)
-    pointers = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr)
     if uses_decode(hq, hk, lq, lk):
+        pointers = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr)
 
         def decode_args(parts: Any, part_lses: Any, chunk: Any) -> tuple[Any, ...]:
             return (*pointers, parts, part_lses, *strides, hq, hk, lq, lk, chunk, *options)
@@ -435,15 +479,14 @@ def _attention(
                                           interop.shared_limit(device))
         if mask is not None and not config.mask:
             raise ValueError(f"{config} is built without boolean-mask support")
-        out = interop.empty(q, (b, hq, lq, d), dtype)
-        lse = interop.empty(q, (b, hq, lq), "float32")
-        shared = config.shared_bytes()
         name = config.name(dtype)
-        note_kernel(name)
-        args = (*pointers, interop.pointer(out), interop.pointer(lse), *strides, hq, hk, lq,
-                lk, *options)
-        interop.launch(_kernel(name), q, (-(-lq // config.block_m), hq, b),
-                       config.threads, FORWARD_PARAMS, args, shared)
+        forward = _Forward(kept.Launch(_kernel(name), (-(-lq // config.block_m), hq, b),
+                                       config.threads, FORWARD_PARAMS,
+                                       (*strides, hq, hk, lq, lk, *options),
+                                       config.shared_bytes()),
+                           name, (b, hq, lq, d), (b, hq, lq), dtype)
+        kept.keep(keep, forward)
+        out, lse = forward(q, k, v, m_ptr)
     return out, (lse if return_lse else None)
 
 
@@ -542,13 +585,17 @@ def row_cotangent(dlse: Any) -> Any:
     return None if dlse is None else interop.contiguous(dlse)
 
 
+def backward_pre_blocks(rows: int, d: int) -> int:
+    """Blocks of the backward's first kernel (lse2 and delta) over ``rows`` rows: ``d / 8``
+    threads a row rounded up to a power of two (:func:`backward_pre_group`), 256 a block."""
+    return -(-rows // (256 // backward_pre_group(d)))
+
+
 def launch_backward_pre(kernel: Any, like: Any, rows: int, d: int, codes: str,
                         args: tuple[Any, ...]) -> None:
-    """Launch the backward's first kernel (lse2 and delta) over ``rows`` rows on ``like``'s
-    device and current stream, ``args`` packed as ``codes``: ``d / 8`` threads a row rounded
-    up to a power of two (:func:`backward_pre_group`), 256 a block."""
-    per_block = 256 // backward_pre_group(d)
-    interop.launch(kernel, like, -(-rows // per_block), 256, codes, args)
+    """Launch the backward's first kernel over ``rows`` rows on ``like``'s device and current
+    stream, ``args`` packed as ``codes`` (:func:`backward_pre_blocks`)."""
+    interop.launch(kernel, like, backward_pre_blocks(rows, d), 256, codes, args)
 
 
 def attention_vjp(
@@ -573,8 +620,18 @@ def attention_vjp(
     the kernels are not built for run as in :func:`attention`, on copies of q, k, v, out and
     dout zero-padded to the next built one; dq and dk are the first D columns of the padded
     results, dv the first Dv.  A value dimension above 256 runs in blocks of columns, dq and dk
-    summed over them (:mod:`.head_dims`).
+    summed over them (:mod:`.head_dims`).  The launches of a call of PyTorch tensors without
+    a mask or ``config`` are kept for the next call of its kind (:mod:`.kept`).
     """
+    key = None
+    if mask is None and config is None:
+        key = kept.torch_key(q, k, v, out, dout, lse)
+        if key is not None:
+            key = ("attention_vjp", scale, causal, tuple(window), softcap,
+                   None if dlse is None else dlse.stride(), *key)
+            backward = kept.kept(key)
+            if backward is not None and kept.aligned(q, k, v, out, dout):
+                return backward(q, k, v, out, dout, lse, dlse, 0)
     if interop.name(q) == "float32":
         from .attention_f32 import attention_vjp as f32_attention_vjp
 
@@ -600,47 +657,76 @@ def attention_vjp(
         return head_dims.gradients_padded(
             xp, width, lambda q, k, v, out, dout: _attention_vjp(
                 xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale, causal=causal,
-                window=window, mask=mask, softcap=softcap, dlse=dlse, config=config),
+                window=window, mask=mask, softcap=softcap, dlse=dlse, config=config,
+                keep=key if width is None else None),
             q, k, v, out, dout)
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """The backward's three launches for a kind of call (:mod:`.kept`), its buffers' rows and
+    its gradients' shapes."""
+
+    pre: kept.Launch
+    main: kept.Launch
+    convert: kept.Launch
+    name: str
+    rows: int
+    dq_shape: tuple[int, ...]
+    dk_shape: tuple[int, ...]
+    dtype: str
+
+    def __call__(self, q: Any, k: Any, v: Any, out: Any, dout: Any, lse: Any, dlse: Any,
+                 m_ptr: int) -> tuple[Any, Any, Any]:
+        """``(dq, dk, dv)`` (the mask's bits at ``m_ptr``, 0 for none)."""
+        lse2, delta, dq_acc = backward_buffers(q, self.rows, self.dq_shape[3])
+        dq = interop.empty(q, self.dq_shape, self.dtype)
+        dk = interop.empty(q, self.dk_shape, self.dtype)
+        dv = interop.empty(q, self.dk_shape, self.dtype)
+        ptr = interop.pointer
+        self.pre(q, ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
+                 ptr(lse2), ptr(delta))
+        note_kernel(self.name)
+        self.main(q, ptr(q), ptr(k), ptr(v), ptr(dout), m_ptr, ptr(lse2), ptr(delta),
+                  ptr(dq_acc), ptr(dk), ptr(dv))
+        self.convert(q, ptr(dq_acc), ptr(dq))
+        return dq, dk, dv
 
 
 def _attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
     causal: Any, window: tuple[int, int], mask: Any, softcap: Any, dlse: Any,
-    config: BackwardConfig | Sm90BackwardConfig | None,
+    config: BackwardConfig | Sm90BackwardConfig | None, keep: tuple | None = None,
 ) -> tuple[Any, Any, Any]:
-    """:func:`attention_vjp` of a call with work, at a built head dimension (D = Dv)."""
+    """:func:`attention_vjp` of a call with work, at a built head dimension (D = Dv); its
+    launches kept under ``keep`` (a key of :mod:`.kept`, or None) where they read the arrays
+    in place."""
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, lk = int(k.shape[1]), int(k.shape[2])
+    given = (q, k, v, out, dout, lse, dlse)
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
-    lse = interop.contiguous(lse)
+    lse, dlse = interop.contiguous(lse), row_cotangent(dlse)
+    if any(a is not b for a, b in zip((q, k, v, out, dout, lse, dlse), given, strict=True)):
+        keep = None  # copies made for this call: a later one reads its own arrays
     dtype = interop.name(q)
     device = interop.device_index(q)
     config = config or backward_config_for(_capability_of(device), d, mask is not None,
                                            interop.shared_limit(device))
     lq_pad = -(-lq // config.block_m) * config.block_m
     rows = b * hq * lq_pad
-    lse2, delta, dq_acc = backward_buffers(q, rows, d)
-    dq = interop.empty(q, (b, hq, lq, d), dtype)
-    dk = interop.empty(q, (b, hk, lk, d), dtype)
-    dv = interop.empty(q, (b, hk, lk, d), dtype)
     _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
                                                       lq, lk)
     qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))
-    ptr = interop.pointer
-    dlse = row_cotangent(dlse)
-    launch_backward_pre(_kernel(backward_pre_name(dtype, d)), q, rows, d, BACKWARD_PRE_PARAMS,
-                        (ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
-                         ptr(lse2), ptr(delta), *os_[:3], *gs[:3], hq, lq, lq_pad, rows))
-    shared = config.shared_bytes()
     name = config.name(dtype)
-    note_kernel(name)
-    interop.launch(_kernel(name), q, (-(-lk // config.block_n), hk, b), config.threads,
-                   BACKWARD_PARAMS, (
-                       ptr(q), ptr(k), ptr(v), ptr(dout), m_ptr, ptr(lse2), ptr(delta),
-                       ptr(dq_acc), ptr(dk), ptr(dv), *qs[:3], *ks[:3], *vs[:3], *gs[:3],
-                       *m_strides, hq, hk, lq, lk, lq_pad, *options), shared)
     chunks = b * hq * lq * d // 8
-    interop.launch(_kernel(backward_dq_name(dtype, d)), q, -(-chunks // 256), 256,
-                   BACKWARD_DQ_PARAMS, (ptr(dq_acc), ptr(dq), scale, lq, lq_pad, chunks))
-    return dq, dk, dv
+    backward = _Backward(
+        kept.Launch(_kernel(backward_pre_name(dtype, d)), backward_pre_blocks(rows, d), 256,
+                    BACKWARD_PRE_PARAMS, (*os_[:3], *gs[:3], hq, lq, lq_pad, rows)),
+        kept.Launch(_kernel(name), (-(-lk // config.block_n), hk, b), config.threads,
+                    BACKWARD_PARAMS, (*qs[:3], *ks[:3], *vs[:3], *gs[:3], *m_strides, hq, hk,
+                                      lq, lk, lq_pad, *options), config.shared_bytes()),
+        kept.Launch(_kernel(backward_dq_name(dtype, d)), -(-chunks // 256), 256,
+                    BACKWARD_DQ_PARAMS, (scale, lq, lq_pad, chunks)),
+        name, rows, (b, hq, lq, d), (b, hk, lk, d), dtype)
+    kept.keep(keep, backward)
+    return backward(q, k, v, out, dout, lse, dlse, m_ptr)

@@ -21,11 +21,19 @@ from softmaxkit.dtypes import dtype_name
 from . import launches
 from .configs import CLUSTER_CAPABILITY
 
+_tensor_type: type | None = None
+"""``torch.Tensor`` once torch is imported (found then, not imported here)."""
+
 
 def is_torch(a: Any) -> bool:
     """Whether ``a`` is a PyTorch tensor (torch is imported by whoever made one)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(a, torch.Tensor)
+    global _tensor_type
+    if _tensor_type is None:  # a call on every launch: the module lookup done once
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        _tensor_type = torch.Tensor
+    return isinstance(a, _tensor_type)
 
 
 def pointer(a: Any) -> int:

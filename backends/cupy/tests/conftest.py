@@ -54,6 +54,16 @@ class PtxasBuild:
     ptx: str
 
 
+@pytest.fixture(autouse=True)
+def _no_kept_launches(monkeypatch) -> None:
+    """Each test starts with no launches kept (softmaxkit_cupy.kept): one that stands in for
+    another device, or runs kernels on the host, must not meet a launch an earlier test kept
+    for the same kind of call."""
+    from softmaxkit_cupy import kept
+
+    monkeypatch.setattr(kept, "_store", {})
+
+
 @pytest.fixture
 def ptxas(tmp_path: Path) -> Callable[[str, Sequence[str], str], PtxasBuild]:
     """Build instantiations ``names`` of kernel source ``filename`` (local includes inlined,

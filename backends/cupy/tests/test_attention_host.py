@@ -509,6 +509,37 @@ def test_backward_against_float64(host_launches, dtype: str, d: int, case: dict)
     backward_against_float64(host_launches, dtype, d, case, seed=d * 101 + case["lq"])
 
 
+def test_a_kind_of_call_runs_its_kept_launches_again(host_launches) -> None:
+    """A later call of one kind (shapes, strides, dtype, options; no mask) runs the launches
+    the first call kept (:mod:`softmaxkit_cupy.kept`) on its own fresh arrays, forward and
+    backward, each result within the kit's tolerances of float64; a call of another kind
+    keeps launches of its own."""
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import kept
+
+    case = dict(b=1, hq=4, hk=2, lq=70, lk=90, causal="bottom_right")
+    firsts = None
+    for seed in (1, 2, 3):
+        q, k, v, _ = inputs(64, 64, case, seed=seed)
+        q, k, v = (represented(a, "bfloat16") for a in (q, k, v))
+        out, lse = host_launches.attention(
+            xp, q=_torch(q, "bfloat16"), k=_torch(k, "bfloat16"), v=_torch(v, "bfloat16"),
+            scale=0.125, causal="bottom_right", window=(-1, -1), mask=None, softcap=None,
+            return_lse=True)
+        want, want_lse = ref.attention(q, k, v, causal="bottom_right")
+        _check_forward("bfloat16", out.float().numpy(), lse.numpy(), want, want_lse,
+                       f"kept forward, call {seed}")
+        backward_against_float64(host_launches, "bfloat16", 64, case, seed=seed)
+        if firsts is None:
+            firsts = dict(kept._store)
+            assert {key[0] for key in firsts} == {"attention", "attention_vjp"}
+        else:  # the same launches, none made again
+            assert kept._store.keys() == firsts.keys()
+            assert all(kept._store[key] is firsts[key] for key in firsts)
+    backward_against_float64(host_launches, "bfloat16", 64, dict(case, lq=71), seed=4)
+    assert len(kept._store) == len(firsts) + 1
+
+
 def backward_against_float64(adapter, dtype: str, d: int, case: dict, seed: int,
                              config=None) -> None:
     """``adapter.attention_vjp`` (a module on the host, :func:`_adapters_on_host` or

@@ -14,9 +14,9 @@ call zero-padded to its tiles; and every Hopper forward tile, declared and alter
 (``SM90_CONFIGS``, ``SM90_ALTERNATIVES``), through ``attention``.  The tiles the device runs
 and its tests check (tests/test_sm90_bwd_gpu.py, test_sm90_gpu.py), on panels of 64 columns
 and of 32, check the emulation's reading of the descriptors and both swizzles; the same
-reading then checks a tile before any device has run it.  What the emulation cannot show is the GPU test's:
-timing, the hardware's own reading of a descriptor where it would differ from the PTX ISA's,
-and orderings the host threads do not take.
+reading then checks a tile before any device has run it.  What the emulation cannot show is
+the GPU test's: timing, the hardware's own reading of a descriptor where it would differ from
+the PTX ISA's, and orderings the host threads do not take.
 
 Run: ``python -m pytest -q backends/cupy/tests/test_sm90_host.py``.
 """
