@@ -433,8 +433,11 @@ SM90_MASKED_CONFIGS = {
 """The Hopper forward for calls with a boolean mask; at 256 the mask's code spills registers,
 so masked calls there keep the mma.sync kernel."""
 
-SM90_ALTERNATIVES: tuple[Sm90Config, ...] = ()
-"""Other Hopper forward tiles, built on request only (tools/forward_tiles.py times them)."""
+SM90_ALTERNATIVES: tuple[Sm90Config, ...] = (Sm90Config(192, block_n=64),)
+"""Other Hopper forward tiles, built on request only (tools/forward_tiles.py times them): at
+192 with 64-key tiles (128-key ones take more than a block's 227 KB of shared memory), against
+192 zero-padded to the tiles of 256, which serve it today (head_dims.SM90_PADDED_FROM).  Its
+build spills no registers with the mask's code or without (ptxas, CUDA 13.0)."""
 
 
 def sm90_config(head_dim: int, masked: bool) -> Sm90Config | None:

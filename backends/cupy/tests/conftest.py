@@ -109,7 +109,7 @@ HOST_PRIMITIVES = ("sk_cp_async16", "sk_cp_async_commit", "sk_cp_async_wait", "s
 """Device functions written in PTX that tests/host/primitives.h gives a host meaning (every
 overload of each)."""
 HOST_SPECIALIZATIONS = ("SkMma<sk_bf16>", "SkMma<__half>", "SkWgmma<32>", "SkWgmma<64>",
-                        "SkWgmma<96>", "SkWgmma<128>", "SkWgmma<256>")
+                        "SkWgmma<96>", "SkWgmma<128>", "SkWgmma<192>", "SkWgmma<256>")
 """Explicit specializations of class templates whose members are written in PTX (the
 16-bit mma.sync of kernels/mma.cuh, the warpgroup products of kernels/wgmma.cuh): taken out
 whole, tests/host/primitives.h defines them."""

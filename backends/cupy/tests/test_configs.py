@@ -173,6 +173,7 @@ def test_hopper_forward_serves_capability_9_0_only_within_the_h200s_limits() -> 
     from softmaxkit_cupy.attention import forward_config
     from softmaxkit_cupy.configs import (
         ATTENTION_HEAD_DIMS,
+        SM90_ALTERNATIVES,
         SM90_CONFIGS,
         SM90_MASKED_CONFIGS,
         SM90_SOURCES,
@@ -192,6 +193,10 @@ def test_hopper_forward_serves_capability_9_0_only_within_the_h200s_limits() -> 
             assert c.block_n % 64 == 0 and c.block_n in (64, 128, 256)
             assert c.shared_bytes() <= 227 * 1024 and c.threads == 128 * c.warpgroups
             assert c.name("bfloat16") in sm90_names()
+    for c in SM90_ALTERNATIVES:  # built on request only, beside the declared tiles
+        assert c.head_dim in ATTENTION_HEAD_DIMS and c.head_dim % 32 == 0
+        assert c.block_n % 64 == 0 and c.shared_bytes() <= 227 * 1024
+        assert c.name("bfloat16") not in sm90_names()
     assert SM90_CONFIGS[128].name("bfloat16") == "sk_attn_fwd_sm90<sk_bf16, 128, 128, 2, false>"
     assert {filename for filename, _ in all_modules()} >= SM90_SOURCES
     for d in ATTENTION_HEAD_DIMS:

@@ -14,9 +14,11 @@ call zero-padded to its tiles; and every Hopper forward tile, declared and alter
 (``SM90_CONFIGS``, ``SM90_ALTERNATIVES``), through ``attention``.  The tiles the device runs
 and its tests check (tests/test_sm90_bwd_gpu.py, test_sm90_gpu.py), on panels of 64 columns
 and of 32, check the emulation's reading of the descriptors and both swizzles; the same
-reading then checks a tile before any device has run it.  What the emulation cannot show is
-the GPU test's: timing, the hardware's own reading of a descriptor where it would differ from
-the PTX ISA's, and orderings the host threads do not take.
+reading then checks a tile before any device has run it.  The inline PTX of the products,
+which the emulation replaces, is read apart: each binds its accumulators and inputs in order.
+What the emulation cannot show is the GPU test's: timing, the hardware's own reading of a
+descriptor where it would differ from the PTX ISA's, and orderings the host threads do not
+take.
 
 Run: ``python -m pytest -q backends/cupy/tests/test_sm90_host.py``.
 """
@@ -24,6 +26,9 @@ Run: ``python -m pytest -q backends/cupy/tests/test_sm90_host.py``.
 from __future__ import annotations
 
 import dataclasses
+import re
+import shutil
+import subprocess
 
 import pytest
 from host_attention import (
@@ -196,3 +201,50 @@ def test_hopper_forward_against_float64(sm90_forward_kernels, host_kernels, monk
     want, want_lse = ref.attention(q, k, v, **opts)
     _check_forward(dtype, out.float().numpy(), lse.numpy(), want, want_lse,
                    f"{dtype} tile {tile} {case_id(case)}")
+
+
+# a product of kernels/wgmma.cuh, preprocessed: name, accumulators, input type, asm body
+_PRODUCT = re.compile(r"static __device__ __forceinline__ void (\w+)\(float \(&d\)\[(\d+)\],"
+                      r".*?(sk_bf16|__half)\) \{\s*asm volatile\((.*?)\);", re.S)
+
+
+def test_wgmma_products_bind_their_operands_in_order() -> None:
+    """The inline PTX of each warpgroup product (kernels/wgmma.cuh), which the emulation
+    replaces and so cannot check: m64nNk16 of the overload's input type into N / 2
+    accumulators, its list %0 .. %(N / 2 - 1) bound to d[0] .. d[N / 2 - 1] in order, then
+    the inputs in order (A's registers or descriptor, B's descriptor), the predicate from the
+    last (acc), and the immediates of its operand layout."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed")
+    from softmaxkit_cupy.compiler import KERNELS
+
+    text = re.sub(r"^#(include|pragma).*$", "", (KERNELS / "wgmma.cuh").read_text(),
+                  flags=re.M)
+    done = subprocess.run([gxx, "-E", "-P", "-x", "c++", "-"], input=text,
+                          capture_output=True, text=True, check=True)
+    tails = {"ss": "1, 1, 0, 0", "rs": "1, 1, 1", "sst": "1, 1, 1, 1"}
+    inputs = {"ss": ["a", "b", "acc"], "sst": ["a", "b", "acc"],
+              "rs": ["a[0]", "a[1]", "a[2]", "a[3]", "b", "acc"]}
+    products = _PRODUCT.findall(done.stdout)
+    assert len(products) == done.stdout.count("wgmma.mma_async"), "each product read"
+    found = set()
+    for kind, count, tag, body in products:
+        ptx, constraints = body.split(":", 1)
+        ptx = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', ptx))
+        r = int(count)
+        kinds = "bf16" if tag == "sk_bf16" else "f16"
+        head = f"wgmma.mma_async.sync.aligned.m64n{2 * r}k16.f32.{kinds}.{kinds} "
+        assert head in ptx, (kind, r, tag)
+        operands = [int(x) for x in re.findall(r"%(\d+)", ptx.split(head)[1])]
+        n_in = len(inputs[kind])
+        assert operands == list(range(r + n_in - 1)), (kind, r, tag)
+        assert f"setp.ne.b32 p, %{r + n_in - 1}, 0;" in ptx, (kind, r, tag)
+        assert ptx.endswith(f"p, {tails[kind]};\\n}}\\n"), (kind, r, tag)
+        outs = re.findall(r'"\+f"\s*\(\s*d\s*\[([^\]]*)\]\s*\)', constraints)
+        assert [sum(int(x) for x in i.split("+")) for i in outs] == list(range(r)), (
+            kind, r, tag)
+        ins = re.findall(r'"[rl]"\s*\(([^)]*)\)', constraints)
+        assert [i.replace(" ", "") for i in ins] == inputs[kind], (kind, r, tag)
+        found.add((kind, 2 * r, tag))
+    assert {("rs", 192, "sk_bf16"), ("rs", 192, "__half")} <= found

@@ -1,12 +1,13 @@
 """Time the 16-bit attention forward's tile configurations beside torch's flash and cuDNN.
 
-For each head dimension asked for (default 32 and 96), bfloat16 B4 H32 L4096, causal and not:
-the cupy adapter's ``attention`` as served (``served``), on the mma.sync kernel's declared
-tiles (``mma.sync``, where the Hopper kernel serves), and zero-padded to the next Hopper tiles
-above the served width (``hopper@128``, on compute capability 9.0) and on each
-``configs.SM90_ALTERNATIVES`` entry of that head dimension (``hopper@96``), beside torch's
-``scaled_dot_product_attention`` under its flash and cuDNN backends, each the median of
-``triton.testing.do_bench``; TFLOP/s count 4 B H L^2 D (two products), halved for causal.
+For each head dimension asked for (default 32, 96 and 192), bfloat16 B4 H32 L4096, causal and
+not: the cupy adapter's ``attention`` as served (``served``), on the mma.sync kernel's declared
+tiles (``mma.sync``, where the Hopper kernel serves the call, at its width or zero-padded), and
+zero-padded to the next Hopper tiles above the served width (``hopper@256``, on compute
+capability 9.0) and on each ``configs.SM90_ALTERNATIVES`` entry of that head dimension
+(``hopper@192``), beside torch's ``scaled_dot_product_attention`` under its flash and cuDNN
+backends, each the median of ``triton.testing.do_bench``; TFLOP/s count 4 B H L^2 D (two
+products), halved for causal.
 Before timing, every configuration's output on a small problem of the same head dimension (on
 memory that held NaN) is compared with the float64 materialized definition
 (``softmaxkit.testing.materialized``); a relative Frobenius error over bfloat16's bound fails
@@ -30,15 +31,14 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> tuple
     """Name -> a call giving the output of one problem, and the problem's tensors."""
     import array_api_compat.torch as xp
     from softmaxkit_cupy import interop
-    from softmaxkit_cupy.attention import attention, forward_config
+    from softmaxkit_cupy.attention import attention
     from softmaxkit_cupy.configs import (
         SM90_ALTERNATIVES,
         SM90_CAPABILITY,
         SM90_CONFIGS,
-        Sm90Config,
         attention_config,
     )
-    from softmaxkit_cupy.head_dims import served_head_dim
+    from softmaxkit_cupy.head_dims import served_head_dim, sm90_width
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -50,11 +50,10 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> tuple
     capability = interop.capability(torch.cuda.current_device())
     width = served_head_dim(d, d)
     hopper = capability == SM90_CAPABILITY
-    served = forward_config(capability, width, masked=False)
+    on_hopper = hopper and sm90_width(d, d, SM90_CONFIGS) is not None  # the served call
     wider = next((w for w in sorted(SM90_CONFIGS) if w > width), None)
     named = ({"served": None}
-             | ({"mma.sync": attention_config(width, masked=False)}
-                if isinstance(served, Sm90Config) else {})
+             | ({"mma.sync": attention_config(width, masked=False)} if on_hopper else {})
              | ({f"hopper@{wider}": SM90_CONFIGS[wider]} if hopper and wider else {})
              | ({f"hopper@{d}": c for c in SM90_ALTERNATIVES if c.head_dim == d}
                 if hopper else {}))
@@ -76,7 +75,7 @@ def calls(d: int, b: int, h: int, length: int, causal: bool, seed: int) -> tuple
 def main() -> int:
     from tile_timing import run
 
-    dims = [int(a) for a in sys.argv[1:]] or [32, 96]
+    dims = [int(a) for a in sys.argv[1:]] or [32, 96, 192]
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; bfloat16 "
           f"B{B} H{H} L{L}, forward, TFLOP/s (relative error on B1 H2 L300)", flush=True)
     return run(dims, calls,

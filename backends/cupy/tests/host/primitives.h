@@ -345,6 +345,7 @@ template <> struct SkWgmma<32> : sk_host_wgmma_n<32> {};
 template <> struct SkWgmma<64> : sk_host_wgmma_n<64> {};
 template <> struct SkWgmma<96> : sk_host_wgmma_n<96> {};
 template <> struct SkWgmma<128> : sk_host_wgmma_n<128> {};
+template <> struct SkWgmma<192> : sk_host_wgmma_n<192> {};
 template <> struct SkWgmma<256> : sk_host_wgmma_n<256> {};
 
 inline void sk_host_end_thread() {
