@@ -419,25 +419,26 @@ SM90_CONFIGS = {
     64: Sm90Config(64, block_n=128),
     96: Sm90Config(96, block_n=128),
     128: Sm90Config(128, block_n=128),
+    192: Sm90Config(192, block_n=64),
     256: Sm90Config(256, block_n=64),
 }
 """The Hopper forward for each head dimension it is built for, without a boolean mask: two
-warpgroups (128 query rows), 128-key tiles (64 at 256, where the output accumulator takes half
-the registers).  128-key tiles beat 64-key ones at 128 on the H200 (docs/benchmarks-cupy.md);
-at 32 and 96 (panels of 32 columns) they beat the mma.sync kernel (1.09-1.11x at 32) and 96
-zero-padded to 128 (1.32-1.52x; bfloat16 B4 H32 L4096 on an H100, tools/forward_tiles.py)."""
+warpgroups (128 query rows), 128-key tiles (64 at 192 and 256, where the output accumulator
+takes more registers and 128-key tiles more than a block's 227 KB of shared memory).  128-key
+tiles beat 64-key ones at 128 on the H200 (docs/benchmarks-cupy.md); at 32 and 96 (panels of
+32 columns) the tiles beat the mma.sync kernel (1.09-1.11x at 32) and 96 zero-padded to 128
+(1.32-1.52x), at 192 the call zero-padded to 256 (1.48-1.73x; bfloat16 B4 H32 L4096 on an
+H100, tools/forward_tiles.py, docs/benchmarks-attention.md)."""
 
 SM90_MASKED_CONFIGS = {
     d: replace(SM90_CONFIGS[d], mask=True) for d in (32, 64, 96, 128)
 }
 """The Hopper forward for calls with a boolean mask; at 256 the mask's code spills registers,
-so masked calls there keep the mma.sync kernel."""
+so masked calls there keep the mma.sync kernel; at 192 its build spills nothing (ptxas, CUDA
+13.0) but has not run on a device, and masked calls keep the mma.sync kernel."""
 
-SM90_ALTERNATIVES: tuple[Sm90Config, ...] = (Sm90Config(192, block_n=64),)
-"""Other Hopper forward tiles, built on request only (tools/forward_tiles.py times them): at
-192 with 64-key tiles (128-key ones take more than a block's 227 KB of shared memory), against
-192 zero-padded to the tiles of 256, which serve it today (head_dims.SM90_PADDED_FROM).  Its
-build spills no registers with the mask's code or without (ptxas, CUDA 13.0)."""
+SM90_ALTERNATIVES: tuple[Sm90Config, ...] = ()
+"""Other Hopper forward tiles, built on request only (tools/forward_tiles.py times them)."""
 
 
 def sm90_config(head_dim: int, masked: bool) -> Sm90Config | None:

@@ -433,9 +433,18 @@ def test_varlen_forward_through_the_adapter(host_launches, dtype: str, d: int,
                                             lengths: list[tuple[int, int]],
                                             opts: dict) -> None:
     """The packed variable-length forward (sk_attn_fwd_varlen, through
-    ``softmaxkit_cupy.varlen.varlen_attention``) on torch CPU tensors, grouped queries (Hq 4,
-    Hk 2): each sequence's rows within the kit's tolerances of the float64 definition on the
-    sequence alone, its causal diagonal and window aligned to its own lengths."""
+    ``softmaxkit_cupy.varlen.varlen_attention``) on torch CPU tensors
+    (:func:`varlen_forward_against_float64`)."""
+    varlen_forward_against_float64(dtype, d, lengths, opts)
+
+
+def varlen_forward_against_float64(dtype: str, d: int, lengths: list[tuple[int, int]],
+                                   opts: dict, config=None) -> None:
+    """``softmaxkit_cupy.varlen.varlen_attention`` (on the host) of ragged sequences of
+    ``lengths`` at head dim ``d``, on the tiles ``config`` (None: the adapter's choice), grouped
+    queries (Hq 4, Hk 2): each sequence's rows within the kit's tolerances of the float64
+    definition on the sequence alone, its causal diagonal and window aligned to its own
+    lengths."""
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as xp
     from softmaxkit_cupy import varlen
@@ -451,7 +460,7 @@ def test_varlen_forward_through_the_adapter(host_launches, dtype: str, d: int,
         xp, q=_torch(q, dtype), k=_torch(k, dtype), v=_torch(v, dtype),
         cu_seqlens_q=torch.from_numpy(cu_q), cu_seqlens_k=torch.from_numpy(cu_k),
         scale=d ** -0.5, causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
-        softcap=opts.get("softcap"), return_lse=True)
+        softcap=opts.get("softcap"), return_lse=True, config=config)
     assert out.dtype == getattr(torch, dtype) and tuple(out.shape) == (tq, hq, d)
     out, lse = out.float().numpy(), lse.numpy()
     for b in range(len(lengths)):

@@ -183,7 +183,7 @@ def test_hopper_forward_serves_capability_9_0_only_within_the_h200s_limits() -> 
         sm90_names,
     )
 
-    assert set(SM90_CONFIGS) == {32, 64, 96, 128, 256}
+    assert set(SM90_CONFIGS) == {32, 64, 96, 128, 192, 256}
     assert set(SM90_MASKED_CONFIGS) <= set(SM90_CONFIGS)
     assert set(SM90_CONFIGS) <= set(ATTENTION_HEAD_DIMS)
     for configs, masked in ((SM90_CONFIGS, False), (SM90_MASKED_CONFIGS, True)):

@@ -635,8 +635,8 @@ def test_kit_attention_cases_at_padded_head_dims_are_accepted(monkeypatch) -> No
     (80, 80, None, None, None),   # mma.sync at 80
     (96, 96, 96, 96, 96),         # Hopper tiles at 96
     (112, 112, 128, 128, 128),
-    (160, 160, 256, None, 192),   # no masked Hopper forward above 128; backward padded to 192
-    (192, 128, 256, None, 192),
+    (160, 160, 192, None, 192),   # no masked Hopper forward above 128; padded to 192
+    (192, 128, 192, None, 192),
     (256, 256, 256, None, 256),
 ])
 def test_sm90_width_pads_where_the_hopper_kernels_are_faster(d, dv, plain, masked,

@@ -11,7 +11,8 @@ tolerances: causal alignments, grouped queries with an lse cotangent, rows with 
 window with a soft cap, a boolean mask; the packed backward on the same tiles
 (``varlen_attention_vjp``: ragged sequences, one without queries and one without keys); a
 call zero-padded to its tiles; and every Hopper forward tile, declared and alternative
-(``SM90_CONFIGS``, ``SM90_ALTERNATIVES``), through ``attention``.  The tiles the device runs
+(``SM90_CONFIGS``, ``SM90_ALTERNATIVES``), through ``attention``, and each declared one
+through the packed ``varlen_attention``.  The tiles the device runs
 and its tests check (tests/test_sm90_bwd_gpu.py, test_sm90_gpu.py), on panels of 64 columns
 and of 32, check the emulation's reading of the descriptors and both swizzles; the same
 reading then checks a tile before any device has run it.  The inline PTX of the products,
@@ -201,6 +202,41 @@ def test_hopper_forward_against_float64(sm90_forward_kernels, host_kernels, monk
     want, want_lse = ref.attention(q, k, v, **opts)
     _check_forward(dtype, out.float().numpy(), lse.numpy(), want, want_lse,
                    f"{dtype} tile {tile} {case_id(case)}")
+
+
+VARLEN_FORWARD_RUNS = [
+    (tile, ATTENTION_DTYPES[i % 2], lengths, opts)
+    for i, tile in enumerate(SM90_CONFIGS.values())
+    for lengths, opts in [[([(70, 100), (0, 30), (33, 33), (90, 20)], {}),
+                           ([(40, 60), (100, 50), (1, 80)], dict(causal="bottom_right")),
+                           ([(80, 80), (35, 130)], dict(causal="top_left", window=(30, 5),
+                                                         softcap=5.0))][i % 3]]]
+"""(tile, dtype, per-sequence (Lq, Lk), options): each declared Hopper forward tile on ragged
+sequences, the dtypes and options in turn."""
+
+
+@pytest.fixture(scope="module")
+def sm90_varlen_forward_kernels(host_kernels):
+    """The runs' packed Hopper forward kernels, built once for the host."""
+    from softmaxkit_cupy.varlen import VARLEN_PARAMS
+
+    codes = {tile.varlen_name(dtype): VARLEN_PARAMS for tile, dtype, _, _ in VARLEN_FORWARD_RUNS}
+    return host_kernels("attention_sm90.cu", list(codes), codes)
+
+
+@pytest.mark.parametrize(("tile", "dtype", "lengths", "opts"), VARLEN_FORWARD_RUNS,
+                         ids=[f"{t.head_dim}-{t.block_n}-{d}-{len(s)}seqs-{case_id(o) or 'plain'}"
+                              for t, d, s, o in VARLEN_FORWARD_RUNS])
+def test_hopper_varlen_forward_against_float64(sm90_varlen_forward_kernels, host_kernels,
+                                               monkeypatch, tile, dtype: str, lengths,
+                                               opts: dict) -> None:
+    """The packed Hopper forward tile through ``varlen_attention`` with ``config=``: each
+    sequence's rows within the kit's tolerances of the float64 definition on the sequence
+    alone (``test_attention_host.varlen_forward_against_float64``)."""
+    from test_attention_host import _adapters_on_host, varlen_forward_against_float64
+
+    _adapters_on_host(monkeypatch, dict(sm90_varlen_forward_kernels), host_kernels)
+    varlen_forward_against_float64(dtype, tile.head_dim, lengths, opts, config=tile)
 
 
 # a product of kernels/wgmma.cuh, preprocessed: name, accumulators, input type, asm body
