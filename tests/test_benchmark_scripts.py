@@ -95,3 +95,14 @@ def test_varlen_check_measures_the_error_against_float64():
     err = varlen.check("bfloat16", 64, True, device="cpu")
     assert 1e-4 < err <= varlen.BOUNDS["bfloat16"]
     assert varlen.check("float16", 32, False, device="cpu") < err
+
+
+def test_attention_calls_runs_and_checks(capsys):
+    """The host-cost benchmark checks softmaxkit against torch in float64 before it times,
+    and prints a row per head dim and kind of call."""
+    module = _load("attention_calls")
+    status = module.main(["--device", "cpu", "--dims", "16", "--calls", "4"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line for line in out.splitlines() if line.strip().startswith("D16")]
+    assert len(rows) == 2 and all(float(r.split("error")[1]) <= 1e-5 for r in rows), out
