@@ -50,7 +50,9 @@ PLAN_IDS = [f"plan[{p}]-{op}[{d}]" for p, (_, dtypes, ops) in PLANS.items() for 
 
 
 class SimulatedRuns:
-    """The simulated runs of :data:`JOBS`, two at a time (CI has two cores) in the background.
+    """The simulated runs of :data:`JOBS`, two at a time (CI has two cores) in the background,
+    at the lowest priority (nice 19, ``simulated.py``), so that the suite's own tests come
+    first.
 
     ``conftest.py`` starts them when this module's tests are collected and moves the tests to
     the end of the session, so the runs overlap the rest of the suite; :meth:`results` waits.
