@@ -63,8 +63,8 @@ def served_head_dim(d: int, dv: int) -> int | None:
 SM90_PADDED_FROM = frozenset({160, 192})
 """Head dims the mma.sync kernels are built for whose calls run faster on the Hopper forward
 zero-padded to its next head dim: 160 at 192 (on an H100, 160 zero-padded to 256 ran 1.02-1.19x
-the mma.sync kernel, and the tiles of 192 ran a call of 192 1.48-1.73x faster than those of
-256, so 160 takes the tiles of 192, untimed there; docs/benchmarks-attention.md); with a mask,
+the mma.sync kernel; on the tiles of 192 its forward ran at 1.09-1.21x torch's flash backend,
+against 0.90-1.00x padded to 256 in an earlier run; docs/benchmarks-attention.md); with a mask,
 at the next masked Hopper tiles where there are any.  At 80 the mma.sync kernels stay faster
 (the H200 grid).  32, 96 and 192 have Hopper tiles of their own."""
 
