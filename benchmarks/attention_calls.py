@@ -1,9 +1,9 @@
 """The host's cost of eager attention calls: where a call's GPU work is short, as at L1024.
 
 Each row is a loop of eager calls as a training step makes them (median of 7 loops of
-``--calls`` calls, wall clock after warm-up, the device synchronized at the end of each loop),
-side by side in one process with torch's ``scaled_dot_product_attention`` on the same tensors
-(its default backend choice):
+``--calls`` calls, wall clock, the device synchronized around each loop, softmaxkit's and
+torch's loops in turn: ``softmaxkit.callcost.per_call``), side by side in one process with
+torch's ``scaled_dot_product_attention`` on the same tensors (its default backend choice):
 
 * the forward without grad (inference) and the forward + backward through autograd;
 * ``floor``: a Python ``torch.autograd.Function`` whose forward is one copy and whose backward
@@ -20,14 +20,13 @@ and 128); ``--device cpu`` runs it small and in float32, as a check of the scrip
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
 import softmaxkit as sk
+from softmaxkit import callcost
 
 sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -44,21 +43,10 @@ class Floor(torch.autograd.Function):
         return g
 
 
-def per_call(fn: Callable[[], object], calls: int, device: str) -> float:
-    """Median microseconds of one call of ``fn`` in loops of ``calls``."""
-    for _ in range(max(10, calls // 4)):
-        fn()
-    runs = []
-    for _ in range(7):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        runs.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(runs)
+def per_call(fns: list[Callable[[], object]], calls: int, device: str) -> list[float]:
+    """Median microseconds of one call of each of ``fns`` (:func:`softmaxkit.callcost.per_call`:
+    loops of ``calls`` calls, each function's loop in turn)."""
+    return [t * 1e6 for t in callcost.per_call(fns, device, calls)]
 
 
 def check(q, k, v, dout) -> float:
@@ -114,12 +102,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows = calls(q, k, v, dout)
         for label, (ours, theirs) in rows.items():
-            mine, peer = per_call(ours, args.calls, args.device), per_call(
-                theirs, args.calls, args.device)
+            mine, peer = per_call([ours, theirs], args.calls, args.device)
             print(f"  D{d:<4d}{label:20s} softmaxkit {mine:8.1f}  torch {peer:8.1f}  "
                   f"({peer / mine:4.2f}x)   error {err:.1e}")
-    floor = per_call(lambda: torch.autograd.grad(Floor.apply(x), x, torch.ones_like(x)),
-                     args.calls, args.device)
+    floor, = per_call([lambda: torch.autograd.grad(Floor.apply(x), x, torch.ones_like(x))],
+                      args.calls, args.device)
     print(f"  floor: a Python autograd.Function, one copy, forward + backward {floor:8.1f}")
     return 1 if failed else 0
 

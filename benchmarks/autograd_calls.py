@@ -2,9 +2,10 @@
 
 For small inputs a training step's cost is the host's: each row below is one call of the
 operation on tensors that require grad and ``torch.autograd.grad`` of its result, timed as
-a loop of calls (median of 7 repeats of ``--calls`` calls, wall clock, after warm-up), next
-to torch's own operation where it has one.  Each softmaxkit call's value and gradient are
-first checked against torch in float64 on the same data (a failed check exits with 1).
+a loop of calls (median of 7 repeats of ``--calls`` calls, wall clock, softmaxkit's and
+torch's loops in turn: ``softmaxkit.callcost.per_call``), next to torch's own operation.
+Each softmaxkit call's value and gradient are first checked against torch in float64 on the
+same data (a failed check exits with 1).
 
 Run: ``python benchmarks/autograd_calls.py`` (CPU, about ten seconds), or
 ``--device cuda`` (on a GPU the host's time per call, with the device synchronized at the
@@ -14,15 +15,14 @@ end of each loop).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import softmaxkit as sk
+from softmaxkit import callcost
 
 
 def cases(device: str) -> dict[str, tuple[Callable[..., Any], Callable[..., Any] | None, tuple]]:
@@ -63,26 +63,13 @@ def check(ours: Callable[..., Any], theirs: Callable[..., Any], inputs: tuple,
                for a, b in zip(got, want, strict=True))
 
 
-def per_call(fn: Callable[..., Any], inputs: tuple, calls: int, device: str) -> float:
-    """Median microseconds of one forward and backward of ``fn`` on leaves of ``inputs``."""
+def per_call(fns: list[Callable[..., Any]], inputs: tuple, calls: int,
+             device: str) -> list[float]:
+    """Median microseconds of one forward and backward of each of ``fns`` on leaves of
+    ``inputs`` (:func:`softmaxkit.callcost.per_call`: loops of ``calls``, each in turn)."""
     leaves = tuple(a.detach().requires_grad_() for a in inputs)
-
-    def step() -> None:
-        torch.autograd.grad(fn(*leaves), leaves)
-
-    for _ in range(max(10, calls // 4)):
-        step()
-    runs = []
-    for _ in range(7):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        runs.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(runs)
+    steps = [lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves) for fn in fns]
+    return [t * 1e6 for t in callcost.per_call(steps, device, calls)]
 
 
 def main() -> int:
@@ -97,8 +84,7 @@ def main() -> int:
         err = check(ours, theirs, inputs, torch.float32)
         ok = err <= 1e-5
         failed |= not ok
-        mine = per_call(ours, inputs, args.calls, args.device)
-        peer = per_call(theirs, inputs, args.calls, args.device)
+        mine, peer = per_call([ours, theirs], inputs, args.calls, args.device)
         print(f"  {name:34s} {mine:8.1f} us   torch {peer:7.1f} us ({mine / peer:4.1f}x)   "
               f"error {err:.1e}{'' if ok else '  FAIL'}", flush=True)
     return 1 if failed else 0

@@ -68,7 +68,6 @@ against 0.90-1.00x padded to 256 in an earlier run; docs/benchmarks-attention.md
 at the next masked Hopper tiles where there are any.  At 80 the mma.sync kernels stay faster
 (the H200 grid).  32, 96 and 192 have Hopper tiles of their own."""
 
-
 SM90_BACKWARD_PADDED_FROM = frozenset({160})
 """The same for the Hopper backward: 160 at 192 (bfloat16 B4 H32 L4096 on an H100, the
 backward padded against mma.sync's best tiles at the call's width in one run: 1.30-1.40x;

@@ -25,6 +25,7 @@ dims 64 and 128 by default).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -153,8 +154,6 @@ def measure(length: int, d: int, causal: bool) -> dict:
 
 
 def main() -> int:
-    import sys
-
     import softmaxkit as sk
 
     dims = [int(a) for a in sys.argv[1:]] or HEAD_DIMS
