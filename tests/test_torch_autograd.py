@@ -495,8 +495,8 @@ def test_an_eager_packed_backward_reads_the_lengths_once(monkeypatch):
 
 def test_torch_func_transforms_run_the_librarys_formulas():
     """``torch.func.grad`` and ``torch.func.vjp`` through softmaxkit's operations give the
-    gradients autograd gives (torch's own where it has the operation, float64); ``vmap`` and
-    ``jacrev`` raise an error naming the operation, and a second derivative raises
+    gradients autograd gives (torch's own where it has the operation, float64); forward mode
+    (``jvp``, ``jacfwd``) raises an error naming the operation, and a second derivative raises
     ``DoubleBackwardError``."""
     from softmaxkit.frameworks.torch import DoubleBackwardError
 
@@ -535,13 +535,201 @@ def test_torch_func_transforms_run_the_librarys_formulas():
     cot = torch.randn_like(out)
     torch.testing.assert_close(pullback(cot)[0], torch.func.vjp(
         lambda x: torch.softmax(x, -1), x)[1](cot)[0], rtol=1e-12, atol=1e-12)
-    with pytest.raises(NotImplementedError, match="softmaxkit.softmax has no vmap rule"):
-        torch.func.vmap(lambda x: sk.softmax(x, -1))(x)
-    with pytest.raises(NotImplementedError, match="softmaxkit.attention_vjp has no vmap rule"):
-        torch.func.jacrev(lambda q: sk.attention(q, k, v))(q)
+    with pytest.raises(NotImplementedError, match="softmaxkit.softmax has no forward-mode"):
+        torch.func.jacfwd(lambda x: sk.softmax(x, -1))(x)
+    with pytest.raises(NotImplementedError, match="softmaxkit.attention has no forward-mode"):
+        torch.func.jvp(lambda q: sk.attention(q, k, v), (q,), (q,))
+    with pytest.raises(NotImplementedError, match="softmaxkit.varlen_attention has no vmap "
+                       "rule .*packed sequences are a batch already"):
+        torch.func.vmap(lambda q: sk.varlen_attention(
+            q.transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_q, cu_k))(q)
     with pytest.raises(DoubleBackwardError, match="softmax_vjp"):
         torch.func.grad(lambda x: torch.func.grad(
             lambda y: sk.softmax(y, -1).square().sum())(x).sum())(x)
+
+
+def _loop(fn, in_dims, *args):
+    """``fn`` example by example: the reference for ``torch.func.vmap(fn, in_dims)``."""
+    n = next(a.shape[d] for a, d in zip(args, in_dims, strict=True) if d is not None)
+    results = [fn(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims,
+                                                                        strict=True)))
+               for i in range(n)]
+    if isinstance(results[0], tuple):
+        return tuple(torch.stack(r) for r in zip(*results, strict=True))
+    return torch.stack(results)
+
+
+def _close(got, want, rtol=1e-10, atol=1e-12):
+    got, want = (g if isinstance(g, tuple) else (g,) for g in (got, want))
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def _vmap_cases():
+    """``(fn, inputs, in_dims)`` for every differentiable operation and its VJP: axes counted
+    from either end, in_dims other than 0, unbatched operands beside batched ones."""
+    x = _randn(4, 3, 5, grad=False)  # 4 examples of [3, 5] (or 3 of [4, 5] for in_dims 1)
+    where = torch.rand(4, 5, generator=torch.Generator().manual_seed(3)) > 0.3
+    where[0] = False  # a fully masked row in one example
+    b = torch.rand(4, 3, 5, generator=torch.Generator().manual_seed(4), dtype=f64)
+    labels = torch.tensor([[0, 4, 2], [-100, -100, -100], [3, -100, 1], [1, 1, 0]])
+    allowed = torch.rand(4, 5, generator=torch.Generator().manual_seed(5)) > 0.3
+    allowed[:, 0] = True  # target mass on allowed classes only: finite losses
+    probs = torch.softmax(_randn(4, 3, 5, seed=5, grad=False).masked_fill(
+        ~allowed[:, None], -math.inf), -1)
+    q, k, v = (a.detach() for a in _qkv(4, 2, 5, 6, lead=(3,)))  # 3 examples of q
+    out, lse = sk.attention(q, k[0], v[0], causal=True, return_lse=True)
+    mask = torch.rand(3, 5, 6, generator=torch.Generator().manual_seed(6)) > 0.3
+    outs, lses = _randn(3, 4, 2, 3, seed=7, grad=False), _randn(3, 4, 2, seed=8, grad=False)
+    return {
+        "softmax": (lambda x: sk.softmax(x, -1), (x,), (0,)),
+        "softmax-axis0-in_dims1": (lambda x: sk.softmax(x, 0), (x,), (1,)),
+        "log_softmax-all-where": (lambda x, w: sk.log_softmax(x, where=w), (x[0], where),
+                                  (None, 0)),
+        "softmax_vjp": (lambda p, g: sk.softmax_vjp(p, g, 1, where=where[1]),
+                        (torch.softmax(x, -1), b.permute(1, 2, 0)), (0, 2)),
+        "log_softmax_vjp": (lambda p, g: sk.log_softmax_vjp(p, g, -1),
+                            (torch.log_softmax(x[0], -1), b), (None, 0)),
+        "logsumexp-b": (lambda a, b: sk.logsumexp(a, 0, b=b, keepdims=True),
+                        (x[0], b.transpose(0, 1)), (None, 1)),
+        "logsumexp-all": (lambda a: sk.logsumexp(a), (x,), (2,)),
+        "cross_entropy-mean-ignored": (
+            lambda x, t: sk.cross_entropy(x, t, ignore_index=-100), (x, labels), (0, 0)),
+        "cross_entropy-axis0-grad": (
+            lambda x, t: sk.cross_entropy(x, t, 0, reduction="sum", label_smoothing=0.1,
+                                          return_grad=True),
+            (x.transpose(1, 2), labels.clamp(min=0)), (0, 0)),
+        "cross_entropy-probs-where": (
+            lambda x, p, w: sk.cross_entropy(x, p, where=w, reduction="none"),
+            (x[0], probs, allowed.T), (None, 0, 1)),
+        "attention-kv-unbatched": (
+            lambda q: sk.attention(q, k[0], v[0], causal=True, return_lse=True), (q,), (0,)),
+        "attention-mask-in_dims1": (
+            lambda k, m: sk.attention(q[0], k, v[0], mask=m), (k.transpose(0, 1), mask),
+            (1, 0)),
+        "attention_vjp": (
+            lambda q, out, lse, dout: sk.attention_vjp(q, k[0], v[0], out, lse, dout,
+                                                       dlse=lse.exp(), causal=True),
+            (q, out, lse, out.flip(0)), (0, 0, 0, 0)),
+        "merge_attention_states": (
+            lambda o, s: sk.merge_attention_states(o, s, axis=-1), (outs, lses), (0, 0)),
+        "merge_attention_vjp-axis1": (
+            lambda o, s, g: sk.merge_attention_vjp(o, s, g, s[:, 0], axis=1),
+            (outs[0], lses, outs[:, :, 0]), (None, 0, 0)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_vmap_cases()))
+def test_vmap_matches_a_loop(case):
+    """``torch.func.vmap`` of every operation equals the operation example by example (the
+    eager path, checked above against torch and finite differences)."""
+    fn, inputs, in_dims = _vmap_cases()[case]
+    _close(torch.func.vmap(fn, in_dims=in_dims)(*inputs), _loop(fn, in_dims, *inputs))
+
+
+def test_vmap_matches_torch_and_nests():
+    x = _randn(2, 3, 4, 5, grad=False)
+    _close(torch.func.vmap(lambda x: sk.softmax(x, 1), in_dims=1)(x),
+           torch.softmax(x, 2).movedim(1, 0))
+    _close(torch.func.vmap(torch.func.vmap(lambda x: sk.logsumexp(x, 0)), in_dims=(2,))(x),
+           torch.logsumexp(x, 1).permute(1, 0, 2))
+    q, k, v = (a.detach() for a in _qkv(4, 2, 5, 6, lead=(3,)))
+    _close(torch.func.vmap(lambda q, k, v: sk.attention(q, k, v), in_dims=(0, None, None))(
+        q, k[0], v[0]), F.scaled_dot_product_attention(q, k[0], v[0], enable_gqa=True))
+
+
+def _merge_reference(outs, lses, axis=0):
+    lse = torch.logsumexp(lses, axis)
+    return (torch.exp(lses - lse.unsqueeze(axis)).unsqueeze(-1) * outs).sum(axis), lse
+
+
+def _attention_lse_reference(q, k, v, mask):
+    """scaled_dot_product_attention and the rows' logsumexp of the masked scores (float64)."""
+    g = q.shape[-3] // k.shape[-3]
+    scores = q @ k.repeat_interleave(g, -3).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    lse = torch.logsumexp(scores.masked_fill(~mask, -math.inf), -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), lse
+
+
+def test_jacrev_matches_torchs_jacobian():
+    """``torch.func.jacrev`` (its backward vmapped over the Jacobian's rows) equals
+    ``torch.autograd.functional.jacobian`` of torch's own operation in float64."""
+    jacobian = torch.autograd.functional.jacobian
+    x = _randn(3, 4, grad=False)
+    target, probs = torch.tensor([1, 0, 3]), torch.softmax(_randn(3, 4, seed=1, grad=False), 0)
+    cases = [
+        (lambda x: sk.softmax(x, 0), lambda x: torch.softmax(x, 0)),
+        (lambda x: sk.log_softmax(x, -1), lambda x: torch.log_softmax(x, -1)),
+        (lambda x: sk.logsumexp(x, 1), lambda x: torch.logsumexp(x, 1)),
+        (lambda x: sk.cross_entropy(x, target), lambda x: F.cross_entropy(x, target)),
+        (lambda x: sk.cross_entropy(x, probs, 0, reduction="none"),
+         lambda x: F.cross_entropy(x.T, probs.T, reduction="none")),
+    ]
+    for ours, theirs in cases:
+        _close(torch.func.jacrev(ours)(x), jacobian(theirs, x))
+    q, k, v = (a.detach() for a in _qkv(4, 2, 3, 5, lead=(2,)))
+    mask = torch.ones(3, 5, dtype=torch.bool).tril(2)  # causal, bottom-right
+    got = torch.func.jacrev(lambda q, k, v: sk.attention(q, k, v, causal=True, return_lse=True),
+                            argnums=(0, 1, 2))(q, k, v)
+    want = jacobian(lambda q, k, v: _attention_lse_reference(q, k, v, mask), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        _close(a, b)
+    outs, lses = _randn(3, 2, 4, seed=2, grad=False), _randn(3, 2, seed=3, grad=False)
+    got = torch.func.jacrev(sk.merge_attention_states, argnums=(0, 1))(outs, lses)
+    for a, b in zip(got, jacobian(_merge_reference, (outs, lses)), strict=True):
+        _close(a, b)
+
+
+def test_per_sample_gradients_match_a_loop():
+    """``torch.func.vmap(torch.func.grad(loss))`` equals ``torch.autograd.grad`` example by
+    example: a mean of cross_entropy is each example's own (its own count of rows that are not
+    ignored), and an operand shared by all examples (in_dims None) gets each example's own
+    gradient, as it does with the gradient taken outside the vmap."""
+    def per_example(loss, inputs, in_dims, argnums=(0,)):
+        grads = []
+        for i in range(next(a.shape[d] for a, d in zip(inputs, in_dims, strict=True)
+                            if d is not None)):
+            args = [(a if d is None else a.select(d, i)).clone()
+                    for a, d in zip(inputs, in_dims, strict=True)]
+            leaves = [args[j].requires_grad_() for j in argnums]
+            grads.append(torch.autograd.grad(loss(*args), leaves))
+        return tuple(torch.stack(g) for g in zip(*grads, strict=True))
+
+    x = _randn(4, 3, 5, grad=False)
+    labels = torch.tensor([[0, 4, 2], [-100, -100, -100], [3, -100, 1], [1, 1, 0]])
+    q, k, v = (a.detach() for a in _qkv(4, 2, 5, 6, lead=(3,)))
+    every = slice(None)
+    cases = [  # (ours, torch's, inputs, in_dims, argnums, the examples torch's agrees on)
+        (lambda x, t: sk.cross_entropy(x, t, ignore_index=-100),
+         lambda x, t: F.cross_entropy(x, t, ignore_index=-100), (x, labels), (0, 0), (0,),
+         [0, 2, 3]),  # example 1 has no row counted: torch's mean is NaN, softmaxkit's 0
+        (lambda x, t: sk.cross_entropy(x, t, 0, label_smoothing=0.2),
+         lambda x, t: F.cross_entropy(x.T, t, label_smoothing=0.2),
+         (x, torch.randint(0, 4, (3, 5), generator=torch.Generator().manual_seed(1))), (1, 0),
+         (0,), every),
+        (lambda x: sk.logsumexp(x, (0, 1)), lambda x: torch.logsumexp(x, (0, 1)), (x,), (2,),
+         (0,), every),
+        (lambda q, k, v: _lse_loss(*sk.attention(q, k, v, causal=True, return_lse=True)),
+         lambda q, k, v: _lse_loss(*_attention_lse_reference(
+             q, k, v, torch.ones(5, 6, dtype=torch.bool).tril(1))),
+         (q, k[0], v[0]), (0, None, None), (0, 1, 2), every),
+    ]
+    for ours, theirs, inputs, in_dims, argnums, agreed in cases:
+        got = torch.func.vmap(torch.func.grad(ours, argnums=argnums), in_dims=in_dims)(*inputs)
+        want = per_example(ours, inputs, in_dims, argnums)
+        torchs = per_example(theirs, inputs, in_dims, argnums)
+        for a, b, c in zip(got, want, torchs, strict=True):
+            _close(a, b)
+            _close(a[agreed], c[agreed])
+
+    def batch_loss(x):  # the gradient outside the vmap: of the sum of per-example means
+        return torch.func.vmap(
+            lambda x, t: sk.cross_entropy(x, t, ignore_index=-100))(x, labels).sum()
+
+    _close(torch.func.grad(batch_loss)(x), per_example(
+        lambda x, t: sk.cross_entropy(x, t, ignore_index=-100), (x, labels), (0, 0))[0])
 
 
 def test_underivable_arguments_raise():

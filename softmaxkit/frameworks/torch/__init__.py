@@ -6,11 +6,16 @@ and CUDA graphs see one opaque operator.  An eager call (nothing tracing or tran
 runs the same implementation and formula as a ``torch.autograd.Function``
 (``<operator>_eager``), without the custom operator's own dispatch: on the CPU a
 differentiable call and its backward cost 70-140 us less (a fifth to a third of a small
-call; :func:`.common.call`).  Under a ``torch.func`` transform (``grad``, ``vjp``) the
-formula runs as a Function of the form functorch takes; there is no vmap rule (``vmap``,
-``jacrev`` and ``jacfwd`` raise, naming the operation).  An operator's implementation calls
-the public function's plain path (dispatch through the registry, unchanged); its backward
-calls the library's own VJP operators on the same backend:
+call; :func:`.common.call`).  Under a ``torch.func`` transform (``grad``, ``vjp``,
+``vmap``, ``jacrev``, ``vmap(grad(...))``) the formula runs as a Function of the form
+functorch takes.  Its vmap rule calls the operator once with the vmapped dimension as one
+more leading (batch) dimension of every operand, unbatched operands expanded where a result
+or gradient needs them per example, axes counted from the start shifted by one
+(:func:`.common.batch_first`); a mean of ``cross_entropy`` is each example's own.
+``varlen_attention`` has no vmap rule (its packing is the batch) and forward mode (``jvp``,
+``jacfwd``) raises, naming the operation.  An operator's implementation calls the public
+function's plain path (dispatch through the registry, unchanged); its backward calls the
+library's own VJP operators on the same backend:
 
 - softmax, log_softmax: ``softmax_vjp`` / ``log_softmax_vjp`` from the saved output;
 - logsumexp: the softmax of the input (with weights ``b``: ``b * exp(a - lse)``);

@@ -17,10 +17,13 @@ from ...varlen import varlen_attention_with_gradient as _varlen_with_gradient
 from .common import (
     LN2,
     acc_dtype,
+    batch_first,
     call,
     custom_op,
+    example_shape,
     no_double_backward,
     no_setup,
+    no_vmap,
     register_autograd,
     result_like,
     tensor_or_none,
@@ -93,7 +96,29 @@ def _(q, k, v, out, lse, dout, dlse, scale, causal, window, mask, softcap, preci
     return tuple(result_like(a, a.shape, a.dtype) for a in (q, k, v))
 
 
-register_autograd(attention_vjp_op, no_double_backward("attention_vjp"), no_setup)
+def _attention_vmap(info: Any, in_dims: Any, *inputs: Any) -> tuple[tuple, tuple]:
+    """The vmapped dimension as one more leading dimension of q, k, v and mask (a mask of
+    fewer than three dimensions has size-1 ones in front: heads, rows); k, v and mask
+    broadcast where unbatched."""
+    args, _ = batch_first(info, in_dims, inputs,
+                          {0: (3, True), 1: (3, False), 2: (3, False), 6: (3, False)})
+    return call(attention_op, *args), (0, 0)
+
+
+def _attention_vjp_vmap(info: Any, in_dims: Any, *inputs: Any) -> tuple[tuple, tuple]:
+    """As :func:`_attention_vmap`, every operand but the mask batched (expanded where it is
+    not: the VJP sums a gradient over broadcast leading dimensions, which must not mix the
+    examples), and each gradient shaped as its input's example."""
+    args, _ = batch_first(info, in_dims, inputs, {
+        0: (3, True), 1: (3, True), 2: (3, True), 3: (3, True), 4: (2, True), 5: (3, True),
+        6: (2, True), 10: (3, False)})
+    grads = call(attention_vjp_op, *args)
+    return tuple(g.reshape((info.batch_size,) + example_shape(x, d))
+                 for g, x, d in zip(grads, inputs[:3], in_dims[:3], strict=True)), (0, 0, 0)
+
+
+register_autograd(attention_vjp_op, no_double_backward("attention_vjp"), no_setup,
+                  vmap=_attention_vjp_vmap)
 
 
 def _attention_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
@@ -124,7 +149,7 @@ def _attention_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> t
 
 
 register_autograd(attention_op, _attention_backward, setup_context=_attention_setup,
-                  eager_forward=_attention_forward)
+                  eager_forward=_attention_forward, vmap=_attention_vmap)
 
 
 def attention(
@@ -188,7 +213,19 @@ def _(outs, lses, dout, dlse, axis, backend):
     return result_like(outs, outs.shape, outs.dtype), result_like(lses, lses.shape, lses.dtype)
 
 
-register_autograd(merge_attention_vjp_op, no_double_backward("merge_attention_vjp"), no_setup)
+def _merge_vmap(op: Any):
+    """The vmapped dimension first in every state and cotangent (batched, expanded where it
+    is not: their shapes are fixed by one another), ``axis`` shifted past it."""
+    def vmap(info: Any, in_dims: Any, *inputs: Any) -> tuple[tuple, tuple]:
+        tensors = {i: (None, True) for i, x in enumerate(inputs) if isinstance(x, Tensor)}
+        args, _ = batch_first(info, in_dims, inputs, tensors)
+        args[-2] = args[-2] + 1  # axis, before backend
+        return call(op, *args), (0, 0)
+    return vmap
+
+
+register_autograd(merge_attention_vjp_op, no_double_backward("merge_attention_vjp"), no_setup,
+                  vmap=_merge_vmap(merge_attention_vjp_op))
 
 
 def _merge_setup(ctx: Any, inputs: Any, output: Any) -> None:
@@ -206,7 +243,8 @@ def _merge_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple
     return douts, dlses, None, None
 
 
-register_autograd(merge_attention_op, _merge_backward, setup_context=_merge_setup)
+register_autograd(merge_attention_op, _merge_backward, setup_context=_merge_setup,
+                  vmap=_merge_vmap(merge_attention_op))
 
 
 def _states(outs: Any, lses: Any, axis: int, empty_lse: float) -> tuple[Tensor, Tensor, int]:
@@ -347,7 +385,13 @@ def _(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, scale, causal, 
     return tuple(result_like(a, a.shape, a.dtype) for a in (q, k, v))
 
 
-register_autograd(varlen_attention_vjp_op, no_double_backward("varlen_attention_vjp"), no_setup)
+_VARLEN_NO_VMAP = (
+    "the packed sequences are a batch already; pack the examples' sequences into one call "
+    "(concatenated, with their cumulative lengths) instead of vmapping"
+)
+
+register_autograd(varlen_attention_vjp_op, no_double_backward("varlen_attention_vjp"), no_setup,
+                  vmap=no_vmap("varlen_attention_vjp", _VARLEN_NO_VMAP))
 
 
 def _varlen_setup(ctx: Any, inputs: Any, output: tuple[Tensor, Tensor]) -> None:
@@ -374,7 +418,8 @@ def _varlen_backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tupl
 
 
 register_autograd(varlen_attention_op, _varlen_backward, setup_context=_varlen_setup,
-                  eager_forward=_varlen_forward)
+                  eager_forward=_varlen_forward,
+                  vmap=no_vmap("varlen_attention", _VARLEN_NO_VMAP))
 
 
 def _seqlens(value: Any, like: Tensor, name: str) -> Tensor:

@@ -8,7 +8,10 @@ from torch import Tensor
 
 from ... import rows as _rows
 from .common import (
+    acc_dtype,
     axis_list,
+    batch_axes,
+    batch_first,
     call,
     custom_op,
     expand_reduced,
@@ -58,7 +61,13 @@ def _vjp_op(name: str):
     def _(y, cotangent, axis, where, backend):
         return result_like(y, y.shape, torch.promote_types(y.dtype, cotangent.dtype))
 
-    register_autograd(op, no_double_backward(name), no_setup)
+    def vmap(info: Any, in_dims: Any, *inputs: Any) -> tuple[Tensor, int]:
+        # y and the cotangent: an example's shape; where broadcasts against them
+        (y, cot, axis, where, backend), ndim = batch_first(
+            info, in_dims, inputs, {0: (0, True), 1: (0, True), 3: (0, False)})
+        return call(op, y, cot, batch_axes(axis, ndim), where, backend), 0
+
+    register_autograd(op, no_double_backward(name), no_setup, vmap=vmap)
     return op
 
 
@@ -82,8 +91,18 @@ def _normalize_backward(vjp: Any):
     return backward
 
 
-register_autograd(softmax_op, _normalize_backward(softmax_vjp_op), _normalize_setup)
-register_autograd(log_softmax_op, _normalize_backward(log_softmax_vjp_op), _normalize_setup)
+def _normalize_vmap(op: Any):
+    def vmap(info: Any, in_dims: Any, *inputs: Any) -> tuple[Tensor, int]:
+        (x, axis, where, dtype, masked, backend), ndim = batch_first(
+            info, in_dims, inputs, {0: (0, True), 2: (0, False)})
+        return call(op, x, batch_axes(axis, ndim), where, dtype, masked, backend), 0
+    return vmap
+
+
+register_autograd(softmax_op, _normalize_backward(softmax_vjp_op), _normalize_setup,
+                  vmap=_normalize_vmap(softmax_op))
+register_autograd(log_softmax_op, _normalize_backward(log_softmax_vjp_op), _normalize_setup,
+                  vmap=_normalize_vmap(log_softmax_op))
 
 
 def softmax(
@@ -185,7 +204,15 @@ def _logsumexp_backward(ctx: Any, grad: Tensor) -> tuple:
     return ga, None, gb, None, None, None
 
 
-register_autograd(logsumexp_op, _logsumexp_backward, setup_context=_logsumexp_setup)
+def _logsumexp_vmap(info: Any, in_dims: Any, *inputs: Any) -> tuple[Tensor, int]:
+    # a and b broadcast (the axes count in their broadcast shape), where against both
+    (a, axis, b, keepdims, where, backend), ndim = batch_first(
+        info, in_dims, inputs, {0: (0, True), 2: (0, False), 4: (0, False)})
+    return call(logsumexp_op, a, batch_axes(axis, ndim), b, keepdims, where, backend), 0
+
+
+register_autograd(logsumexp_op, _logsumexp_backward, setup_context=_logsumexp_setup,
+                  vmap=_logsumexp_vmap)
 
 
 def logsumexp(
@@ -251,7 +278,34 @@ def _cross_entropy_backward(ctx: Any, grad_loss: Tensor, grad_grad: Any) -> tupl
     return (dlogits * g).to(dlogits.dtype), None, None, None, None, None, None, None, None
 
 
-register_autograd(cross_entropy_op, _cross_entropy_backward, setup_context=_cross_entropy_setup)
+def _cross_entropy_vmap(info: Any, in_dims: Any, *inputs: Any) -> tuple[tuple, tuple]:
+    """Per-row losses of the whole batch, reduced per example: a mean or sum over the batch
+    would mix the examples (a mean's count is each example's own)."""
+    index = not inputs[1].dtype.is_floating_point  # class indices: logits' shape less axis
+    (logits, target, axis, reduction, ignore_index, smoothing, where, need_grad, backend), _ = (
+        batch_first(info, in_dims, inputs,
+                    {0: (0, True), 1: (None, True) if index else (0, False), 6: (0, False)}))
+    # under grad(vmap(...)) the caller saw a batched tensor, which does not say it requires
+    # grad; the level below's tensors do
+    need_grad = need_grad or (logits.requires_grad and torch.is_grad_enabled())
+    loss, grad = call(cross_entropy_op, logits, target, axis + 1,
+                      "none" if reduction in ("mean", "sum") else reduction, ignore_index,
+                      smoothing, where, need_grad, backend)
+    if reduction in ("mean", "sum"):
+        acc, rows = acc_dtype(logits.dtype), loss[0].numel()
+        count = torch.full((len(loss),), rows if reduction == "mean" else 1, device=loss.device)
+        if reduction == "mean" and index and ignore_index is not None:
+            count = (target != ignore_index).reshape(len(loss), rows).sum(1)
+        scale = 1.0 / count.clamp(min=1).to(acc)  # none counted: loss 0, gradient 0
+        loss = (loss.reshape(len(loss), rows).sum(1, dtype=acc) * scale).to(logits.dtype)
+        if need_grad:  # the gradient of the rows' sum, scaled as the mean's
+            grad = (grad * scale.view((-1,) + (1,) * (grad.ndim - 1))).to(logits.dtype)
+    # without need_grad the second output is an empty placeholder, the same for all examples
+    return (loss, grad), (0, 0 if need_grad else None)
+
+
+register_autograd(cross_entropy_op, _cross_entropy_backward, setup_context=_cross_entropy_setup,
+                  vmap=_cross_entropy_vmap)
 
 
 def cross_entropy(
