@@ -291,6 +291,29 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
     }
 }
 
+// dst[i] = src[i], i < N: N consecutive floats of shared memory as float4 (or float2) reads
+template <int N>
+__device__ __forceinline__ void sk_f32_load_run(float (&dst)[N], const float* src) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 4) {
+            const float4 x = *reinterpret_cast<const float4*>(src + i);
+            dst[i] = x.x, dst[i + 1] = x.y, dst[i + 2] = x.z, dst[i + 3] = x.w;
+        }
+    } else if constexpr (N % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 2) {
+            const float2 x = *reinterpret_cast<const float2*>(src + i);
+            dst[i] = x.x, dst[i + 1] = x.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) dst[i] = src[i];
+    }
+}
+
+__host__ __device__ constexpr int sk_gcd(int a, int b) { return b == 0 ? a : sk_gcd(b, a % b); }
+
 // --- backward -------------------------------------------------------------------------------
 //
 // The gradient of attention (spec "Gradients") in float32 arithmetic, in kernels/attention_bwd.cu's
@@ -300,10 +323,10 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
 // tile, the queries tx + 8 j (j < BM / 8) of S^T and dP^T, and the float4 columns 4 tx + 32 c
 // of dK and dV, accumulated in registers.  P^T and then dS^T go through shared memory (rows
 // of BM + 8 floats): a warp's own rows for dV = P^T dO and dK = dS^T Q, the whole tile for
-// dQ = dS K, whose [BM x D] partial product (warp w: queries BM / WARPS w + ty + 4 i, the
-// float4 columns 4 tx + 32 c) is added into a float32 buffer.  The adapter gives lse2 = lse
-// log2 e (+inf for a row with no allowed key and for padding rows, so their P is 0) and
-// delta = rowsum(dO O) - dlse, both [B * Hq, lq_pad], and scales dQ's buffer.
+// dQ = dS K, whose [BM x D] partial product (the warps split its columns and queries, a lane
+// QL consecutive queries of NQ float4 columns) is added into a float32 buffer.  The adapter
+// gives lse2 = lse log2 e (+inf for a row with no allowed key and for padding rows, so their
+// P is 0) and delta = rowsum(dO O) - dlse, both [B * Hq, lq_pad], and scales dQ's buffer.
 
 // q [B, Hq, Lq, D], dO [B, Hq, Lq, DV], k [B, Hk, Lk, D], v [B, Hk, Lk, DV] float32 by element
 // strides (16-byte aligned rows); lse2, delta [B * Hq, lq_pad], dq_acc [B * Hq, lq_pad, D]
@@ -325,7 +348,6 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
     constexpr int KW = D + 4, VW = DV + 4, SW = BM + 8;  // row widths in shared memory
     constexpr int NJ = BM / 8;                           // a lane's queries of a tile
     constexpr int NK = D / 32, NV = DV / 32;             // a lane's float4 columns of dK, dV
-    constexpr int QI = BM / (4 * WARPS);                 // a lane's queries of dQ
     extern __shared__ __align__(16) unsigned char sk_smem[];
     float* sk = reinterpret_cast<float*>(sk_smem);
     float* sv = sk + BN * KW;
@@ -474,26 +496,30 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
         sk_f32_rows_times<BM, NK, SW, KW>(dk_acc, dsw, sqs, ty, tx);
 
         // dQ[BM x D] += dS K (unscaled) over the tile's BN keys, added into the float32
-        // buffer: warp w's queries BM / WARPS w + ty + 4 i, the lane's float4 columns
+        // buffer.  The warps split the columns WD ways and the queries WARPS / WD ways:
+        // lane (ty, tx) holds QL consecutive queries and NQ float4 columns, so that a key
+        // takes one read of its dS (two addresses a half warp) and NQ of K for 4 QL NQ fma
         {
-            float acc[QI][NK][4];
+            constexpr int WD = sk_gcd(WARPS, D / 32), WQ = WARPS / WD;
+            constexpr int QL = BM / (4 * WQ), NQ = D / (32 * WD);
+            static_assert(BM % (4 * WQ) == 0, "whole query runs a lane");
+            const int q0 = warp / WD * (BM / WQ) + QL * ty;
+            const int c0 = warp % WD * (D / WD) + 4 * tx;
+            float acc[QL][NQ][4];
 #pragma unroll
-            for (int i = 0; i < QI; ++i)
+            for (int i = 0; i < QL; ++i)
 #pragma unroll
-                for (int c = 0; c < NK; ++c)
+                for (int c = 0; c < NQ; ++c)
                     acc[i][c][0] = acc[i][c][1] = acc[i][c][2] = acc[i][c][3] = 0.0f;
-            const int r0 = warp * (BM / WARPS) + ty;
 #pragma unroll 4
             for (int n = 0; n < BN; ++n) {
-                float dsv[QI];
+                float dsv[QL];
+                sk_f32_load_run<QL>(dsv, sds + n * SW + q0);
 #pragma unroll
-                for (int i = 0; i < QI; ++i) dsv[i] = sds[n * SW + r0 + 4 * i];
+                for (int c = 0; c < NQ; ++c) {
+                    const float4 kv = *reinterpret_cast<const float4*>(sk + n * KW + c0 + 32 * c);
 #pragma unroll
-                for (int c = 0; c < NK; ++c) {
-                    const float4 kv =
-                        *reinterpret_cast<const float4*>(sk + n * KW + 4 * tx + 32 * c);
-#pragma unroll
-                    for (int i = 0; i < QI; ++i) {
+                    for (int i = 0; i < QL; ++i) {
                         acc[i][c][0] = fmaf(dsv[i], kv.x, acc[i][c][0]);
                         acc[i][c][1] = fmaf(dsv[i], kv.y, acc[i][c][1]);
                         acc[i][c][2] = fmaf(dsv[i], kv.z, acc[i][c][2]);
@@ -502,14 +528,13 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
                 }
             }
 #pragma unroll
-            for (int i = 0; i < QI; ++i) {
-                float* qrow = dq_acc + ((static_cast<long long>(b) * hq + h) * lq_pad + m0 + r0 +
-                                        4 * i) * D;
+            for (int i = 0; i < QL; ++i) {
+                float* qrow = dq_acc + ((static_cast<long long>(b) * hq + h) * lq_pad + m0 + q0 +
+                                        i) * D;
 #pragma unroll
-                for (int c = 0; c < NK; ++c) {
-                    const int col = 4 * tx + 32 * c;
-                    sk_red_add2(qrow + col, acc[i][c][0], acc[i][c][1]);
-                    sk_red_add2(qrow + col + 2, acc[i][c][2], acc[i][c][3]);
+                for (int c = 0; c < NQ; ++c) {
+                    sk_red_add2(qrow + c0 + 32 * c, acc[i][c][0], acc[i][c][1]);
+                    sk_red_add2(qrow + c0 + 32 * c + 2, acc[i][c][2], acc[i][c][3]);
                 }
             }
         }
