@@ -27,6 +27,7 @@ from .configs import (
     F32Config,
     backward_pre_name,
     f32_alternative_names,
+    f32_backward_alternative_names,
     f32_backward_config,
     f32_backward_names,
     f32_backward_pre_names,
@@ -43,7 +44,7 @@ def _kernel(name: str) -> Any:
     every declared configuration (an alternative: with the module of the alternatives; any
     other configuration: alone)."""
     for names in (f32_names(), f32_alternative_names(), f32_backward_names(),
-                  f32_backward_pre_names()):
+                  f32_backward_alternative_names(), f32_backward_pre_names()):
         if name in names:
             return compiler.function("attention_f32.cu", names, name)
     return compiler.function("attention_f32.cu", (name,), name)

@@ -999,19 +999,20 @@ were slower there; the declared tile takes its eight rows a lane in 16-lane grou
 @dataclass(frozen=True)
 class F32BackwardConfig:
     """The exact float32 backward's tile shape (kernels/attention_f32.cu, sk_attn_bwd_f32):
-    ``warps`` warps of 16 keys each, query tiles of ``block_m`` rows; ``mask=False`` builds it
-    without the boolean mask's code."""
+    ``warps`` warps of ``4 keys`` keys each (``keys`` a lane), query tiles of ``block_m``
+    rows; ``mask=False`` builds it without the boolean mask's code."""
 
     head_dim: int
     value_dim: int
     warps: int = 4
     block_m: int = 32
     mask: bool = True
+    keys: int = 4
 
     @property
     def block_n(self) -> int:
-        """Keys per block (16 a warp)."""
-        return 16 * self.warps
+        """Keys per block (``4 keys`` a warp)."""
+        return 4 * self.keys * self.warps
 
     @property
     def threads(self) -> int:
@@ -1027,7 +1028,8 @@ class F32BackwardConfig:
     def name(self) -> str:
         """The C++ name expression of the kernel."""
         return (f"sk_attn_bwd_f32<{self.head_dim}, {self.value_dim}, {self.warps}, "
-                f"{self.block_m}, {'true' if self.mask else 'false'}>")
+                f"{self.block_m}, {'true' if self.mask else 'false'}"
+                f"{'' if self.keys == 4 else f', {self.keys}'}>")
 
 
 F32_BACKWARD_CONFIGS = {
@@ -1041,6 +1043,16 @@ with the boolean mask's code and without it (dK and dV of a lane's four keys tak
 16 (D + Dv) / 32 registers: up to 128, two blocks a multiprocessor share its shared memory).
 Other pairs up to 128 run zero-padded to the next square pair (:func:`f32_backward_shape`);
 larger ones on numba-cuda's exact kernels."""
+
+F32_BACKWARD_ALTERNATIVES = tuple(
+    F32BackwardConfig(d, dv, warps=8, block_m=16, mask=mask, keys=2)
+    for d, dv in ((192, 128), (192, 192), (256, 256)) for mask in (True, False))
+"""The exact float32 backward above head dim 128, built on request only (``config=``): two
+keys a lane (dK and dV in 8 (D + Dv) / 32 registers), eight warps, one block a
+multiprocessor.  Checked on the CPU against float64 (tests/test_f32_host.py) and built
+without spills (tests/test_f32_nvcc.py); not served until a device run has checked them
+against float64 and timed them (tools/f32_backward_timing.py takes head dims above 128 to
+these tiles): until then numba-cuda's exact kernels take these gradients."""
 
 
 def f32_backward_shape(d: int, dv: int) -> tuple[int, int] | None:
@@ -1059,12 +1071,17 @@ def f32_backward_names() -> tuple[str, ...]:
     return _pair_names(F32_BACKWARD_CONFIGS)
 
 
+def f32_backward_alternative_names() -> tuple[str, ...]:
+    """The name expressions of :data:`F32_BACKWARD_ALTERNATIVES`."""
+    return tuple(c.name() for c in F32_BACKWARD_ALTERNATIVES)
+
+
 def f32_backward_pre_names() -> tuple[str, ...]:
     """The name expressions of the float32 backward's row preprocessing (lse in log2 units and
-    delta, kernels/bwd_pre.cuh) at each value head dim of ``F32_BACKWARD_CONFIGS``, a module of
-    kernels/attention_f32.cu of their own."""
-    return tuple(backward_pre_name("float32", dv)
-                 for dv in sorted({dv for _, dv in F32_BACKWARD_CONFIGS}))
+    delta, kernels/bwd_pre.cuh) at each value head dim of ``F32_BACKWARD_CONFIGS`` and
+    ``F32_BACKWARD_ALTERNATIVES``, a module of kernels/attention_f32.cu of their own."""
+    dvs = {dv for _, dv in F32_BACKWARD_CONFIGS} | {c.value_dim for c in F32_BACKWARD_ALTERNATIVES}
+    return tuple(backward_pre_name("float32", dv) for dv in sorted(dvs))
 
 
 _Pair = TypeVar("_Pair", F32Config, F32BackwardConfig)

@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 import pytest
+from softmaxkit_cupy.configs import F32_BACKWARD_ALTERNATIVES
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA device (conftest.py)
 
@@ -280,6 +281,21 @@ def test_backward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
     """The backward's adapter (sk_attn_bwd_f32) from the forward's out and lse, with an lse
     cotangent, its results on memory that held NaN: each gradient within the float32 row of
     the tolerances against float64 (spec "Gradients")."""
+    _check_backward(d, dv, case)
+
+
+@pytest.mark.parametrize("config", F32_BACKWARD_ALTERNATIVES,
+                         ids=[c.name() for c in F32_BACKWARD_ALTERNATIVES])
+@pytest.mark.parametrize("case", CASES[:9], ids=_case_id)
+def test_wide_backward_tiles_within_float32_bounds(config, case: dict) -> None:
+    """The backward tiles above head dim 128 (``configs.F32_BACKWARD_ALTERNATIVES``, not yet
+    served) through the adapter, as the declared ones above."""
+    if case.get("mask") and not config.mask:
+        pytest.skip("built without the mask's code")
+    _check_backward(config.head_dim, config.value_dim, case, config)
+
+
+def _check_backward(d: int, dv: int, case: dict, config=None) -> None:
     import array_api_compat.torch as xp
     from softmaxkit_cupy.attention_f32 import attention_vjp
 
@@ -295,7 +311,8 @@ def test_backward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
     opts = _options(case)
     got = attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse,
                         scale=d ** -0.5, causal=opts["causal"],
-                        window=opts["window"] or (-1, -1), mask=mask, softcap=opts["softcap"])
+                        window=opts["window"] or (-1, -1), mask=mask, softcap=opts["softcap"],
+                        config=config)
     torch.cuda.synchronize()
     want = ref.attention_vjp(*(_numpy(a) for a in (q, k, v, dout)), dlse=_numpy(dlse),
                              mask=_numpy(mask), **opts)

@@ -20,10 +20,13 @@ from host_attention import CASES, case_id, inputs, launch_forward, move_to_host,
 from softmaxkit_cupy.attention import BACKWARD_PARAMS, BACKWARD_PRE_PARAMS, FORWARD_PARAMS
 from softmaxkit_cupy.configs import (
     F32_ALTERNATIVES,
+    F32_BACKWARD_ALTERNATIVES,
     F32_CONFIGS,
     FITTING_F32_CONFIGS,
+    F32BackwardConfig,
     F32Config,
     f32_alternative_names,
+    f32_backward_alternative_names,
     f32_backward_names,
     f32_backward_pre_names,
     f32_config,
@@ -124,8 +127,10 @@ def test_non_finite_inputs(kernels) -> None:
 
 @pytest.fixture(scope="module")
 def backward_kernels(host_kernels):
-    """Every declared backward tile and the row preprocessing, built once for the host."""
+    """Every backward tile, declared or not, and the row preprocessing, built once for the
+    host."""
     codes = {**dict.fromkeys(f32_backward_names(), BACKWARD_PARAMS),
+             **dict.fromkeys(f32_backward_alternative_names(), BACKWARD_PARAMS),
              **dict.fromkeys(f32_backward_pre_names(), BACKWARD_PRE_PARAMS)}
     return host_kernels("attention_f32.cu", list(codes), codes)
 
@@ -182,6 +187,25 @@ def test_backward_on_the_host(host_launches, d: int, dv: int, case: dict) -> Non
     (``softmaxkit_cupy.attention``; the gradient at a reduced precision, which the exact
     kernel serves too): each gradient within the float32 row of the tolerances against
     float64 (spec "Gradients")."""
+    _check_backward(host_launches, d, dv, case)
+
+
+WIDE_RUNS = [(c, case) for c in F32_BACKWARD_ALTERNATIVES if c.mask
+             for case in (FEATURES if c.head_dim == 256 else (CASES[7],))]
+
+
+@pytest.mark.parametrize(("config", "case"), WIDE_RUNS,
+                         ids=[f"{c.head_dim}-{c.value_dim}-{case_id(case)}"
+                              for c, case in WIDE_RUNS])
+def test_wide_backward_tiles_on_the_host(host_launches, config: F32BackwardConfig,
+                                         case: dict) -> None:
+    """The backward tiles above head dim 128 (two keys a lane, not yet served) through the
+    adapter, as :func:`test_backward_on_the_host` checks the declared ones."""
+    _check_backward(host_launches, config.head_dim, config.value_dim, case, config)
+
+
+def _check_backward(host_launches, d: int, dv: int, case: dict,
+                    config: F32BackwardConfig | None = None) -> None:
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as xp
     from softmaxkit_cupy import attention as entry
@@ -197,9 +221,12 @@ def test_backward_on_the_host(host_launches, d: int, dv: int, case: dict) -> Non
     dout = rng.standard_normal(out.shape).astype(np.float32)
     dlse = rng.standard_normal(lse.shape).astype(np.float32)
     dlse[lse.numpy() == -np.inf] = 0.0
-    got = entry.attention_vjp(xp, q=tq, k=tk, v=tv, out=out, lse=lse,
-                              dout=torch.from_numpy(dout), dlse=torch.from_numpy(dlse),
-                              precision="tf32" if d == 64 else "float32", **kw)
+    grads = dict(out=out, lse=lse, dout=torch.from_numpy(dout), dlse=torch.from_numpy(dlse))
+    if config is None:
+        got = entry.attention_vjp(xp, q=tq, k=tk, v=tv, **grads,
+                                  precision="tf32" if d == 64 else "float32", **kw)
+    else:
+        got = host_launches.attention_vjp(xp, q=tq, k=tk, v=tv, **grads, config=config, **kw)
     want = ref.attention_vjp(q, k, v, dout, dlse=dlse, mask=mask, **opts)
     tol = ATTENTION_TOLERANCES["float32"][2]
     for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):

@@ -317,9 +317,9 @@ __host__ __device__ constexpr int sk_gcd(int a, int b) { return b == 0 ? a : sk_
 // --- backward -------------------------------------------------------------------------------
 //
 // The gradient of attention (spec "Gradients") in float32 arithmetic, in kernels/attention_bwd.cu's
-// order: block (key tile, key head, batch) holds BN = 16 * WARPS keys' K and V in shared memory
-// while the query tiles of BM rows of every query head of the group stream through two
-// stages; lane (ty, tx) of warp w owns the keys 16 w + ty + 4 i (i < 4) and, of each query
+// order: block (key tile, key head, batch) holds BN = 4 KL WARPS keys' K and V in shared
+// memory while the query tiles of BM rows of every query head of the group stream through two
+// stages; lane (ty, tx) of warp w owns the keys 4 KL w + ty + 4 i (i < KL) and, of each query
 // tile, the queries tx + 8 j (j < BM / 8) of S^T and dP^T, and the float4 columns 4 tx + 32 c
 // of dK and dV, accumulated in registers.  P^T and then dS^T go through shared memory (rows
 // of BM + 8 floats): a warp's own rows for dV = P^T dO and dK = dS^T Q, the whole tile for
@@ -331,8 +331,8 @@ __host__ __device__ constexpr int sk_gcd(int a, int b) { return b == 0 ? a : sk_
 // q [B, Hq, Lq, D], dO [B, Hq, Lq, DV], k [B, Hk, Lk, D], v [B, Hk, Lk, DV] float32 by element
 // strides (16-byte aligned rows); lse2, delta [B * Hq, lq_pad], dq_acc [B * Hq, lq_pad, D]
 // (zeroed); dk [B, Hk, Lk, D], dv [B, Hk, Lk, DV] contiguous.
-template <int D, int DV, int WARPS, int BM, bool MASK>
-__global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
+template <int D, int DV, int WARPS, int BM, bool MASK, int KL = 4>
+__global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_bwd_f32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ dout, const unsigned* __restrict__ mask,
     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
@@ -342,8 +342,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
     long long m_sb, long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
     int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
     static_assert(D % 32 == 0 && DV % 32 == 0, "eight lanes cover 32 columns");
-    static_assert(BM % 8 == 0 && BM % (4 * WARPS) == 0, "whole query groups a lane and warp");
-    constexpr int BN = 16 * WARPS;
+    static_assert(BM % 8 == 0, "whole query groups a lane");
+    constexpr int BN = 4 * KL * WARPS;
     constexpr int THREADS = 32 * WARPS;
     constexpr int KW = D + 4, VW = DV + 4, SW = BM + 8;  // row widths in shared memory
     constexpr int NJ = BM / 8;                           // a lane's queries of a tile
@@ -386,9 +386,9 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
         }
     };
 
-    float dk_acc[4][NK][4], dv_acc[4][NV][4];
+    float dk_acc[KL][NK][4], dv_acc[KL][NV][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < KL; ++i) {
 #pragma unroll
         for (int c = 0; c < NK; ++c)
             dk_acc[i][c][0] = dk_acc[i][c][1] = dk_acc[i][c][2] = dk_acc[i][c][3] = 0.0f;
@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
     const float th_scale = softcap > 0.0f ? 1.0f / (softcap * SK_LOG2E) : 0.0f;
     int rel_lo, rel_hi;
     sk_relative_limits(causal, left, right, rel_lo, rel_hi);
-    const int w0 = 16 * warp;          // this warp's first key in the tile
+    const int w0 = 4 * KL * warp;      // this warp's first key in the tile
     const float* kw = sk + w0 * KW;    // the warp's rows of K, V and of P^T / dS^T
     const float* vw = sv + w0 * VW;
     float* dsw = sds + w0 * SW;
@@ -426,18 +426,18 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
         const float* sls = sl + st * BM;
         const float* sdl = sd + st * BM;
 
-        // S^T = K_w Q^T and dP^T = V_w dO^T: the lane's 4 keys x NJ queries
-        float s[4][NJ], dp[4][NJ];
+        // S^T = K_w Q^T and dP^T = V_w dO^T: the lane's KL keys x NJ queries
+        float s[KL][NJ], dp[KL][NJ];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < KL; ++i)
 #pragma unroll
             for (int j = 0; j < NJ; ++j) s[i][j] = dp[i][j] = 0.0f;
-        sk_f32_rows_dot<D, NJ, KW>(s, kw, sqs, ty, tx);
-        sk_f32_rows_dot<DV, NJ, VW>(dp, vw, sgs, ty, tx);
+        sk_f32_rows_dot<D, NJ, KW, KL>(s, kw, sqs, ty, tx);
+        sk_f32_rows_dot<DV, NJ, VW, KL>(dp, vw, sgs, ty, tx);
 
         // scores in log2 units (softcapped: softcap tanh(s / softcap)), exclusions as -inf
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < KL; ++i) {
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 float x = s[i][j] * qk_scale;
@@ -450,7 +450,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
                           n0 < m0 + BM - 1 + offset + rel_lo || mh != nullptr;
         if (edge) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
+            for (int i = 0; i < KL; ++i) {
                 const int key = n0 + w0 + ty + 4 * i;
                 // this key's mask word for the tile's queries: one per query row
 #pragma unroll
@@ -468,7 +468,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
         // P^T = exp2(S^T - lse2) and dS^T = P^T (dP^T - delta), times 1 - tanh^2 under
         // softcap (tanh clamped so excluded scores, -inf, give 0, not 0 * inf)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < KL; ++i) {
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const int c = tx + 8 * j;  // query column in the tile
@@ -481,19 +481,19 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
 
         // dV_w += P^T dO, through the warp's rows of the shared tile
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < KL; ++i)
 #pragma unroll
             for (int j = 0; j < NJ; ++j) dsw[(ty + 4 * i) * SW + tx + 8 * j] = s[i][j];
         __syncwarp();
-        sk_f32_rows_times<BM, NV, SW, VW>(dv_acc, dsw, sgs, ty, tx);
+        sk_f32_rows_times<BM, NV, SW, VW, KL>(dv_acc, dsw, sgs, ty, tx);
         __syncwarp();  // every lane has read P^T
         // dK_w += dS^T Q, and dS^T stays for dQ
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < KL; ++i)
 #pragma unroll
             for (int j = 0; j < NJ; ++j) dsw[(ty + 4 * i) * SW + tx + 8 * j] = dp[i][j];
         __syncthreads();  // every warp's dS^T is stored
-        sk_f32_rows_times<BM, NK, SW, KW>(dk_acc, dsw, sqs, ty, tx);
+        sk_f32_rows_times<BM, NK, SW, KW, KL>(dk_acc, dsw, sqs, ty, tx);
 
         // dQ[BM x D] += dS K (unscaled) over the tile's BN keys, added into the float32
         // buffer.  The warps split the columns WD ways and the queries WARPS / WD ways:
@@ -544,7 +544,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) sk_attn_bwd_f32(
 
     // dK (scaled) and dV of the lane's keys; keys of a tile no query sees get zeros
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < KL; ++i) {
         const int j = n0 + w0 + ty + 4 * i;
         if (j < lk) {
             const long long row = (static_cast<long long>(b) * hk + kh) * lk + j;
