@@ -1,6 +1,7 @@
 """Training calls on CUDA as users make them: ``sk.attention`` and ``sk.varlen_attention``
 through torch autograd (the eager path, whose backward runs the call its forward checked),
-under activation checkpointing and under ``torch.func.grad``, each against float64 gradients
+under activation checkpointing, under ``torch.func.grad`` and per example under
+``torch.func.vmap``, each against float64 gradients
 of the definition (skipped without a CUDA device)."""
 
 from __future__ import annotations
@@ -108,3 +109,30 @@ def test_varlen_training_step_matches_float64(dtype: str) -> None:
     _check([a.grad for a in leaves], want, dtype, "varlen eager")
     k0, k1 = int(cu_k[1]), int(cu_k[2])  # the sequence without queries
     assert not leaves[1].grad[k0:k1].any() and not leaves[2].grad[k0:k1].any()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_per_example_gradients_through_torch_func(dtype: str) -> None:
+    """``torch.func.vmap(torch.func.grad(loss))`` with k and v shared by the examples: one
+    call on the GPU backend (its trace), and each example's dq, dk, dv the float64 gradients
+    of its own loss."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    dt = getattr(torch, dtype)
+    n, hq, hk, lq, lk, d = 3, 4, 2, 100, 130, 64
+    q = torch.randn(n, hq, lq, d, device="cuda", generator=gen).to(dt)
+    k, v = (torch.randn(hk, lk, d, device="cuda", generator=gen).to(dt) for _ in "kv")
+    dout = torch.randn(n, hq, lq, d, device="cuda", generator=gen).to(dt)
+
+    def loss(q, k, v, dout):
+        return (sk.attention(q, k, v, causal=True).float() * dout.float()).sum()
+
+    with sk.backend_opts(trace=True) as trace:
+        got = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)),
+                              in_dims=(0, None, None, 0))(q, k, v, dout)
+    assert {(t.op, t.backend) for t in trace} == {("attention", "cupy"),
+                                                   ("attention_vjp", "cupy")}
+    k64, v64 = (a.double().cpu().numpy() for a in (k, v))
+    for i in range(n):
+        want = mat.attention_vjp(q[i].double().cpu().numpy(), k64, v64,
+                                 dout[i].double().cpu().numpy(), causal="bottom_right")
+        _check([g[i] for g in got], want, dtype, f"example {i}")
