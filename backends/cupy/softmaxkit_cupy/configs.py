@@ -988,13 +988,21 @@ FITTING_F32_CONFIGS = {
 :data:`F32_CONFIGS`' need (compute capability 8.0's 163 KB and less): 109 KB at 128."""
 
 
-F32_ALTERNATIVES = (F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),)
+F32_ALTERNATIVES = (
+    F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),
+    F32Config(160, 160, warps=8, block_n=32, mask=False),
+    F32Config(192, 192, warps=8, block_n=32, mask=False, v_stages=1),
+    F32Config(192, 192, warps=8, block_n=32, mask=False, rows=8, lanes=16, v_stages=1),
+    F32Config(256, 256, warps=8, block_n=32, mask=False, lanes=16, v_stages=1),
+)
 """Other exact float32 forward tiles, built on request only (``config=``), for
 tools/tf32_timing.py to time beside the declared ones.  Eight rows a lane at head dim 64:
 12.8 fma per shared-memory read against 10.7, 8% faster than the declared tile without
 causality and 6-12% slower with it on an H100 (docs/benchmarks-attention.md).  At 128,
 eight-row tiles of 8-lane row groups (2 or 4 warps, 255 registers) and 64-key four-row tiles
-were slower there; the declared tile takes its eight rows a lane in 16-lane groups."""
+were slower there; the declared tile takes its eight rows a lane in 16-lane groups.  Above
+128 the declared tiles are four warps, one block (133-205 KB) a multiprocessor: the others
+here are eight warps in 178-200 KB (tools/tf32_timing.py times them beside the declared)."""
 
 @dataclass(frozen=True)
 class F32BackwardConfig:
@@ -1045,13 +1053,14 @@ Other pairs up to 128 run zero-padded to the next square pair (:func:`f32_backwa
 larger ones on numba-cuda's exact kernels."""
 
 F32_BACKWARD_ALTERNATIVES = tuple(
-    F32BackwardConfig(d, dv, warps=8, block_m=16, mask=mask, keys=2)
-    for d, dv in ((192, 128), (192, 192), (256, 256)) for mask in (True, False))
+    F32BackwardConfig(d, dv, warps=8, block_m=32 if d == 160 else 16, mask=mask, keys=2)
+    for d, dv in ((160, 160), (192, 128), (192, 192), (256, 256)) for mask in (True, False))
 """The exact float32 backward above head dim 128, built on request only (``config=``): two
 keys a lane (dK and dV in 8 (D + Dv) / 32 registers), eight warps, one block a
-multiprocessor.  Checked on the CPU against float64 (tests/test_f32_host.py) and built
-without spills (tests/test_f32_nvcc.py); not served until a device run has checked them
-against float64 and timed them (tools/f32_backward_timing.py takes head dims above 128 to
+multiprocessor (at 160, where a warp takes a whole column group of dQ, query tiles of 32).
+Checked on the CPU against float64 (tests/test_f32_host.py) and built without spills
+(tests/test_f32_nvcc.py); not served until a device run has checked them against float64
+and timed them (tools/f32_backward_timing.py takes head dims above 128 to
 these tiles): until then numba-cuda's exact kernels take these gradients."""
 
 
