@@ -629,6 +629,19 @@ def test_vmap_matches_a_loop(case):
     _close(torch.func.vmap(fn, in_dims=in_dims)(*inputs), _loop(fn, in_dims, *inputs))
 
 
+@pytest.mark.parametrize("case", list(_vmap_cases()))
+def test_compiled_vmap_runs_one_call_and_matches_a_loop(case):
+    """Under ``torch.compile`` the operator itself runs where a vmap holds it: its own rule
+    (``register_vmap``) makes the batch one call, not torch's loop over the examples."""
+    fn, inputs, in_dims = _vmap_cases()[case]
+    torch._dynamo.reset()  # each case compiles afresh, under no other case's guards
+    compiled = torch.compile(torch.func.vmap(fn, in_dims=in_dims), backend="aot_eager")
+    with sk.backend_opts(trace=True) as trace:
+        got = compiled(*inputs)
+    assert len(trace) == 1, [entry.op for entry in trace]
+    _close(got, _loop(fn, in_dims, *inputs))
+
+
 def test_vmap_matches_torch_and_nests():
     x = _randn(2, 3, 4, 5, grad=False)
     _close(torch.func.vmap(lambda x: sk.softmax(x, 1), in_dims=1)(x),

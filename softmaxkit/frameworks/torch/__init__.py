@@ -11,7 +11,8 @@ call; :func:`.common.call`).  Under a ``torch.func`` transform (``grad``, ``vjp`
 functorch takes.  Its vmap rule calls the operator once with the vmapped dimension as one
 more leading (batch) dimension of every operand, unbatched operands expanded where a result
 or gradient needs them per example, axes counted from the start shifted by one
-(:func:`.common.batch_first`); a mean of ``cross_entropy`` is each example's own.
+(:func:`.common.batch_first`); a mean of ``cross_entropy`` is each example's own.  The
+operator carries the same rule (``register_vmap``) for a vmap under ``torch.compile``.
 ``varlen_attention`` has no vmap rule (its packing is the batch) and forward mode (``jvp``,
 ``jacfwd``) raises, naming the operation.  An operator's implementation calls the public
 function's plain path (dispatch through the registry, unchanged); its backward calls the

@@ -78,6 +78,8 @@ def register_autograd(op: Any, backward: Any, setup_context: Any,
             return backward(ctx, *grads)
 
     op.register_autograd(run, setup_context=setup)
+    # the same rule for the operator itself, which runs where a compiled graph holds a vmap
+    op.register_vmap(vmap)
     name, implementation = _IMPLEMENTATIONS[op]
 
     def forward(ctx: Any, *inputs: Any) -> Any:  # autograd runs it without grad
