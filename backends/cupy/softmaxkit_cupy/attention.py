@@ -62,6 +62,7 @@ from .configs import (
     sm90_names,
     sm90_varlen_backward_names,
     sm90_varlen_names,
+    tf32_width,
     varlen_backward_names,
     varlen_names,
 )
@@ -232,8 +233,9 @@ def attention(
     """Exact attention forward on tensor cores; (out, lse or None).
 
     A float32 call runs on the TF32 kernels of :mod:`.attention_tf32` at ``precision``
-    "tf32" or "tf32x3", and on the exact float32 kernels of :mod:`.attention_f32` at the
-    default "float32".
+    "tf32" or "tf32x3" where they hold its head dims (up to 128), and on the exact float32
+    kernels of :mod:`.attention_f32` at the default "float32" and wider: exact products meet
+    every precision's bound, and there they are faster than any other backend's.
 
     ``config`` overrides the forward tile configuration (an :class:`AttentionConfig` or, on a
     device of compute capability 9.0, a :class:`Sm90Config`, at the head dimension the call
@@ -256,7 +258,8 @@ def attention(
             if forward is not None and kept.aligned(q, k, v):
                 out, lse = forward(q, k, v, 0)
                 return out, (lse if return_lse else None)
-    if precision != "float32":  # float32 inputs (the frontend gives others "float32")
+    if precision != "float32" and (config is not None or tf32_width(
+            int(q.shape[-1]), int(v.shape[-1])) is not None):  # float32 inputs only
         from .attention_tf32 import attention as tf32_attention
 
         return tf32_attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,

@@ -27,7 +27,6 @@ from .configs import (
     F32Config,
     backward_pre_name,
     f32_alternative_names,
-    f32_backward_alternative_names,
     f32_backward_config,
     f32_backward_names,
     f32_backward_pre_names,
@@ -40,11 +39,12 @@ from .configs import (
 
 @functools.cache
 def _kernel(name: str) -> Any:
-    """The kernel ``name`` of kernels/attention_f32.cu, built on first use with the module of
-    every declared configuration (an alternative: with the module of the alternatives; any
-    other configuration: alone)."""
-    for names in (f32_names(), f32_alternative_names(), f32_backward_names(),
-                  f32_backward_alternative_names(), f32_backward_pre_names()):
+    """The kernel ``name`` of kernels/attention_f32.cu, built on first use with the module
+    that declares it (the forward's tiles, its fitting tiles, the alternatives, the backward
+    up to head dim 128 and above, the row preprocessing; any other configuration: alone)."""
+    for names in (f32_names(fitting=False), f32_names(fitting=True), f32_alternative_names(),
+                  f32_backward_names(wide=False), f32_backward_names(wide=True),
+                  f32_backward_pre_names()):
         if name in names:
             return compiler.function("attention_f32.cu", names, name)
     return compiler.function("attention_f32.cu", (name,), name)

@@ -908,8 +908,10 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention_bwd_sm90.cu", list(sm90_backward_names())))
     modules.append(("attention_sm90.cu", list(sm90_varlen_names())))
     modules.append(("attention_bwd_sm90.cu", list(sm90_varlen_backward_names())))
-    modules.append(("attention_f32.cu", list(f32_names())))
-    modules.append(("attention_f32.cu", list(f32_backward_names())))
+    modules.append(("attention_f32.cu", list(f32_names(fitting=False))))
+    modules.append(("attention_f32.cu", list(f32_names(fitting=True))))
+    modules.append(("attention_f32.cu", list(f32_backward_names(wide=False))))
+    modules.append(("attention_f32.cu", list(f32_backward_names(wide=True))))
     modules.append(("attention_f32.cu", list(f32_backward_pre_names())))
     modules.append(("attention_tf32.cu", list(tf32_names())))
     modules.append(("attention_tf32.cu", list(tf32_backward_names())))
@@ -968,10 +970,10 @@ F32_CONFIGS = {
     (64, 64): F32Config(64, 64, warps=4, block_n=64),
     (96, 96): F32Config(96, 96, warps=4, block_n=32),
     (128, 128): F32Config(128, 128, warps=8, block_n=64, rows=8, lanes=16, v_stages=1),
-    (160, 160): F32Config(160, 160, warps=4, block_n=32),
-    (192, 128): F32Config(192, 128, warps=4, block_n=32),
-    (192, 192): F32Config(192, 192, warps=4, block_n=32),
-    (256, 256): F32Config(256, 256, warps=4, block_n=32),
+    (160, 160): F32Config(160, 160, warps=8, block_n=32),
+    (192, 128): F32Config(192, 128, warps=8, block_n=32),
+    (192, 192): F32Config(192, 192, warps=8, block_n=32, v_stages=1),
+    (256, 256): F32Config(256, 256, warps=8, block_n=32, lanes=16, v_stages=1),
 }
 """The exact float32 forward for each (key, value) head dimension pair it is built for, with
 the boolean mask's code and without it on the same tiles.  Other pairs run on copies
@@ -979,30 +981,31 @@ zero-padded to the smallest square pair that holds them (:func:`f32_shape`).  At
 block is eight warps of 16 rows, a lane 8 rows of 4 keys and 8 output columns (rows of 16
 lanes): 12.8 fma per shared-memory read against the four-row tile's 9.8, one block of 205 KB
 a multiprocessor; on an H100 1.13-1.17x the four-row tile (docs/benchmarks-attention.md,
-"float32: causal blocks longest first, eight rows a lane at head dim 128")."""
+"float32: causal blocks longest first, eight rows a lane at head dim 128").  Above 128,
+eight warps in 174-200 KB (one stage of V at 192, 16-lane rows at 256): on an H100
+1.18-1.60x the four-warp tiles of 133-205 KB, whose one block of four warps a
+multiprocessor left each scheduler a single warp (docs/benchmarks-attention.md, "float32
+above head dim 128")."""
 
 FITTING_F32_CONFIGS = {
     (128, 128): F32Config(128, 128, warps=4, block_n=32),
+    (160, 160): F32Config(160, 160, warps=4, block_n=32),
+    (192, 128): F32Config(192, 128, warps=4, block_n=32),
+    (192, 192): F32Config(192, 192, warps=4, block_n=32),
 }
 """The exact float32 forward tiles for devices whose blocks may take less shared memory than
-:data:`F32_CONFIGS`' need (compute capability 8.0's 163 KB and less): 109 KB at 128."""
+:data:`F32_CONFIGS`' need (compute capability 8.0's 163 KB and less): four warps, 109 KB at
+128 and 133-157 KB above."""
 
 
-F32_ALTERNATIVES = (
-    F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),
-    F32Config(160, 160, warps=8, block_n=32, mask=False),
-    F32Config(192, 192, warps=8, block_n=32, mask=False, v_stages=1),
-    F32Config(192, 192, warps=8, block_n=32, mask=False, rows=8, lanes=16, v_stages=1),
-    F32Config(256, 256, warps=8, block_n=32, mask=False, lanes=16, v_stages=1),
-)
+F32_ALTERNATIVES = (F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),)
 """Other exact float32 forward tiles, built on request only (``config=``), for
 tools/tf32_timing.py to time beside the declared ones.  Eight rows a lane at head dim 64:
 12.8 fma per shared-memory read against 10.7, 8% faster than the declared tile without
 causality and 6-12% slower with it on an H100 (docs/benchmarks-attention.md).  At 128,
 eight-row tiles of 8-lane row groups (2 or 4 warps, 255 registers) and 64-key four-row tiles
-were slower there; the declared tile takes its eight rows a lane in 16-lane groups.  Above
-128 the declared tiles are four warps, one block (133-205 KB) a multiprocessor: the others
-here are eight warps in 178-200 KB (tools/tf32_timing.py times them beside the declared)."""
+were slower there; the declared tile takes its eight rows a lane in 16-lane groups.  At 192,
+eight rows a lane in 16-lane groups (195 KB) was 1-3% slower there than the declared tile."""
 
 @dataclass(frozen=True)
 class F32BackwardConfig:
@@ -1045,23 +1048,21 @@ F32_BACKWARD_CONFIGS = {
     (64, 64): F32BackwardConfig(64, 64, warps=4, block_m=32),
     (96, 96): F32BackwardConfig(96, 96, warps=4, block_m=32),
     (128, 128): F32BackwardConfig(128, 128, warps=4, block_m=16),
+    (160, 160): F32BackwardConfig(160, 160, warps=8, block_m=32, keys=2),
+    (192, 128): F32BackwardConfig(192, 128, warps=8, block_m=16, keys=2),
+    (192, 192): F32BackwardConfig(192, 192, warps=8, block_m=16, keys=2),
+    (256, 256): F32BackwardConfig(256, 256, warps=8, block_m=16, keys=2),
 }
 """The exact float32 backward for each (key, value) head dimension pair it is built for,
-with the boolean mask's code and without it (dK and dV of a lane's four keys take
-16 (D + Dv) / 32 registers: up to 128, two blocks a multiprocessor share its shared memory).
-Other pairs up to 128 run zero-padded to the next square pair (:func:`f32_backward_shape`);
-larger ones on numba-cuda's exact kernels."""
+with the boolean mask's code and without it.  Up to 128, four warps of four keys a lane
+(dK and dV in 16 (D + Dv) / 32 registers), two blocks a multiprocessor; above, eight warps
+of two keys a lane (8 (D + Dv) / 32 registers), one block of 132-206 KB a multiprocessor
+(at 160, where a warp takes a whole column group of dQ, query tiles of 32 rows).  Other
+pairs run zero-padded to the next square pair (:func:`f32_backward_shape`)."""
 
-F32_BACKWARD_ALTERNATIVES = tuple(
-    F32BackwardConfig(d, dv, warps=8, block_m=32 if d == 160 else 16, mask=mask, keys=2)
-    for d, dv in ((160, 160), (192, 128), (192, 192), (256, 256)) for mask in (True, False))
-"""The exact float32 backward above head dim 128, built on request only (``config=``): two
-keys a lane (dK and dV in 8 (D + Dv) / 32 registers), eight warps, one block a
-multiprocessor (at 160, where a warp takes a whole column group of dQ, query tiles of 32).
-Checked on the CPU against float64 (tests/test_f32_host.py) and built without spills
-(tests/test_f32_nvcc.py); not served until a device run has checked them against float64
-and timed them (tools/f32_backward_timing.py takes head dims above 128 to
-these tiles): until then numba-cuda's exact kernels take these gradients."""
+WIDE_BACKWARD = 128
+"""The widest head dim of the four-key backward tiles: the wider tiles are a module of their
+own (:func:`f32_backward_names`), so that a gradient at the common head dims builds none."""
 
 
 def f32_backward_shape(d: int, dv: int) -> tuple[int, int] | None:
@@ -1075,21 +1076,19 @@ def f32_backward_config(d: int, dv: int, masked: bool) -> F32BackwardConfig | No
     return _pair_config(F32_BACKWARD_CONFIGS, d, dv, masked)
 
 
-def f32_backward_names() -> tuple[str, ...]:
-    """The name expressions of the exact float32 backward (a module of their own)."""
-    return _pair_names(F32_BACKWARD_CONFIGS)
-
-
-def f32_backward_alternative_names() -> tuple[str, ...]:
-    """The name expressions of :data:`F32_BACKWARD_ALTERNATIVES`."""
-    return tuple(c.name() for c in F32_BACKWARD_ALTERNATIVES)
+def f32_backward_names(wide: bool | None = None) -> tuple[str, ...]:
+    """The name expressions of the exact float32 backward: the tiles up to head dim
+    :data:`WIDE_BACKWARD` (``wide=False``, a module) or above it (``wide=True``, a module of
+    their own), or both (None)."""
+    return _pair_names({pair: c for pair, c in F32_BACKWARD_CONFIGS.items()
+                        if wide is None or (pair[0] > WIDE_BACKWARD) is wide})
 
 
 def f32_backward_pre_names() -> tuple[str, ...]:
     """The name expressions of the float32 backward's row preprocessing (lse in log2 units and
-    delta, kernels/bwd_pre.cuh) at each value head dim of ``F32_BACKWARD_CONFIGS`` and
-    ``F32_BACKWARD_ALTERNATIVES``, a module of kernels/attention_f32.cu of their own."""
-    dvs = {dv for _, dv in F32_BACKWARD_CONFIGS} | {c.value_dim for c in F32_BACKWARD_ALTERNATIVES}
+    delta, kernels/bwd_pre.cuh) at each value head dim of ``F32_BACKWARD_CONFIGS``, a module
+    of kernels/attention_f32.cu of their own."""
+    dvs = {dv for _, dv in F32_BACKWARD_CONFIGS}
     return tuple(backward_pre_name("float32", dv) for dv in sorted(dvs))
 
 
@@ -1148,10 +1147,13 @@ def f32_config(d: int, dv: int, masked: bool,
     return found if masked else replace(found, mask=False)
 
 
-def f32_names() -> tuple[str, ...]:
-    """The name expressions of kernels/attention_f32.cu (one module holds them all): the
-    tiles of :data:`F32_CONFIGS` and :data:`FITTING_F32_CONFIGS`."""
-    return _pair_names(F32_CONFIGS) + _pair_names(FITTING_F32_CONFIGS)
+def f32_names(fitting: bool | None = None) -> tuple[str, ...]:
+    """The name expressions of the exact float32 forward: the tiles of :data:`F32_CONFIGS`
+    (``fitting=False``, a module), those of :data:`FITTING_F32_CONFIGS` (``fitting=True``, a
+    module of their own, which only a device of less shared memory builds), or both (None)."""
+    tables = {False: F32_CONFIGS, True: FITTING_F32_CONFIGS}
+    return tuple(n for which, table in tables.items() if fitting in (None, which)
+                 for n in _pair_names(table))
 
 
 def f32_alternative_names() -> tuple[str, ...]:

@@ -170,7 +170,9 @@ def _can_run_attention(call: Any) -> bool | str:
         return "q, k, v and mask must live in one library"
     if _name(q.dtype) == "float32":
         shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        if args.get("precision", "float32") == "float32":
+        if (args.get("precision", "float32") == "float32"
+                or tf32_width(shapes[0][-1], shapes[2][-1]) is None):
+            # wider than the TF32 tiles, the exact kernels meet the reduced precisions' bounds
             return f32_reason(*shapes, _shared_limit(q)) or True
         return tf32_reason(*shapes) or True
     return attention_reason(
@@ -399,7 +401,8 @@ def tf32_reason(
 ) -> str | None:
     """Why the float32 TF32 forward (kernels/attention_tf32.cu) cannot run these inputs, or
     None when it can: it is built for D = Dv in ``TF32_CONFIGS`` and runs smaller D and Dv on
-    zero-padded copies (:func:`.configs.tf32_width`); larger ones run on the exact kernels.
+    zero-padded copies (:func:`.configs.tf32_width`); larger ones run on the exact kernels
+    of kernels/attention_f32.cu (:func:`f32_reason` decides those).
     Calls with no query row or no key run without a launch."""
     b, hq, lq, d = q_shape
     if tf32_width(d, v_shape[-1]) is None:

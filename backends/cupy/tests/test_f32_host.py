@@ -20,13 +20,10 @@ from host_attention import CASES, case_id, inputs, launch_forward, move_to_host,
 from softmaxkit_cupy.attention import BACKWARD_PARAMS, BACKWARD_PRE_PARAMS, FORWARD_PARAMS
 from softmaxkit_cupy.configs import (
     F32_ALTERNATIVES,
-    F32_BACKWARD_ALTERNATIVES,
     F32_CONFIGS,
     FITTING_F32_CONFIGS,
-    F32BackwardConfig,
     F32Config,
     f32_alternative_names,
-    f32_backward_alternative_names,
     f32_backward_names,
     f32_backward_pre_names,
     f32_config,
@@ -130,7 +127,6 @@ def backward_kernels(host_kernels):
     """Every backward tile, declared or not, and the row preprocessing, built once for the
     host."""
     codes = {**dict.fromkeys(f32_backward_names(), BACKWARD_PARAMS),
-             **dict.fromkeys(f32_backward_alternative_names(), BACKWARD_PARAMS),
              **dict.fromkeys(f32_backward_pre_names(), BACKWARD_PRE_PARAMS)}
     return host_kernels("attention_f32.cu", list(codes), codes)
 
@@ -174,10 +170,31 @@ def test_adapter_on_the_host(host_launches, d: int, dv: int, case: dict) -> None
     assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol
 
 
+def test_wide_calls_at_a_reduced_precision_run_exactly(host_launches) -> None:
+    """Wider than the TF32 kernels (D = 160), a call at "tf32" or "tf32x3" runs on the exact
+    kernels (which meet every precision's bound), giving the bits of a "float32" call."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import attention as entry
+
+    q, k, v, _ = inputs(160, 160, CASES[0], seed=11)
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    got = {p: entry.attention(xp, q=tq, k=tk, v=tv, scale=160 ** -0.5, causal="bottom_right",
+                              window=(-1, -1), mask=None, softcap=None, return_lse=True,
+                              precision=p) for p in ("float32", "tf32", "tf32x3")}
+    want, want_lse = ref.attention(q, k, v, causal="bottom_right")
+    out_tol, lse_tol, _ = ATTENTION_TOLERANCES["float32"]
+    assert ref.rel_frobenius(got["float32"][0].numpy().astype(np.float64), want) <= out_tol
+    assert np.abs(got["float32"][1].numpy() - want_lse).max() <= lse_tol
+    for p in ("tf32", "tf32x3"):
+        assert all(torch.equal(a, b) for a, b in zip(got[p], got["float32"], strict=True)), p
+
+
 BACKWARD_RUNS = [(64, 64, c) for c in CASES[:8]] + [(128, 128, c) for c in FEATURES] + [
-    (d, dv, CASES[7]) for d, dv in ((32, 32), (96, 96), (48, 80))]
-"""Every feature at 64, the features at 128 (the other query tile), a mask at the other
-built head dims and at a padded pair."""
+    (256, 256, c) for c in FEATURES] + [(d, dv, CASES[7]) for d, dv in (
+        (32, 32), (96, 96), (160, 160), (192, 128), (192, 192), (48, 80), (144, 152))]
+"""Every feature at 64, the features at 128 and 256 (the other query tiles, two keys a lane
+above 128), a mask at the other built head dims and at padded pairs."""
 
 
 @pytest.mark.parametrize(("d", "dv", "case"), **_cases_of(BACKWARD_RUNS))
@@ -190,22 +207,7 @@ def test_backward_on_the_host(host_launches, d: int, dv: int, case: dict) -> Non
     _check_backward(host_launches, d, dv, case)
 
 
-WIDE_RUNS = [(c, case) for c in F32_BACKWARD_ALTERNATIVES if c.mask
-             for case in (FEATURES if c.head_dim == 256 else (CASES[7],))]
-
-
-@pytest.mark.parametrize(("config", "case"), WIDE_RUNS,
-                         ids=[f"{c.head_dim}-{c.value_dim}-{case_id(case)}"
-                              for c, case in WIDE_RUNS])
-def test_wide_backward_tiles_on_the_host(host_launches, config: F32BackwardConfig,
-                                         case: dict) -> None:
-    """The backward tiles above head dim 128 (two keys a lane, not yet served) through the
-    adapter, as :func:`test_backward_on_the_host` checks the declared ones."""
-    _check_backward(host_launches, config.head_dim, config.value_dim, case, config)
-
-
-def _check_backward(host_launches, d: int, dv: int, case: dict,
-                    config: F32BackwardConfig | None = None) -> None:
+def _check_backward(host_launches, d: int, dv: int, case: dict) -> None:
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as xp
     from softmaxkit_cupy import attention as entry
@@ -222,11 +224,8 @@ def _check_backward(host_launches, d: int, dv: int, case: dict,
     dlse = rng.standard_normal(lse.shape).astype(np.float32)
     dlse[lse.numpy() == -np.inf] = 0.0
     grads = dict(out=out, lse=lse, dout=torch.from_numpy(dout), dlse=torch.from_numpy(dlse))
-    if config is None:
-        got = entry.attention_vjp(xp, q=tq, k=tk, v=tv, **grads,
-                                  precision="tf32" if d == 64 else "float32", **kw)
-    else:
-        got = host_launches.attention_vjp(xp, q=tq, k=tk, v=tv, **grads, config=config, **kw)
+    got = entry.attention_vjp(xp, q=tq, k=tk, v=tv, **grads,
+                              precision="tf32" if d == 64 else "float32", **kw)
     want = ref.attention_vjp(q, k, v, dout, dlse=dlse, mask=mask, **opts)
     tol = ATTENTION_TOLERANCES["float32"][2]
     for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):

@@ -16,13 +16,12 @@ from typing import Any
 import pytest
 from softmaxkit_cupy.configs import (
     F32_ALTERNATIVES,
-    F32_BACKWARD_ALTERNATIVES,
     F32_BACKWARD_CONFIGS,
     F32_CONFIGS,
     FITTING_F32_CONFIGS,
+    WIDE_BACKWARD,
     all_modules,
     f32_alternative_names,
-    f32_backward_alternative_names,
     f32_backward_config,
     f32_backward_names,
     f32_backward_pre_names,
@@ -48,11 +47,13 @@ def test_every_configuration_fits_sm90() -> None:
     for config in F32_ALTERNATIVES:
         assert config.shared_bytes() <= SM90_SHARED, config
     for d, dv in F32_BACKWARD_CONFIGS:
-        for masked in (True, False):  # two blocks a multiprocessor
+        for masked in (True, False):
             config = f32_backward_config(d, dv, masked)
-            assert config is not None and config.shared_bytes() <= SM90_HALF, config
-    for config in F32_BACKWARD_ALTERNATIVES:  # one block of eight warps
-        assert config.warps == 8 and config.shared_bytes() <= SM90_SHARED, config
+            assert config is not None
+            if d <= WIDE_BACKWARD:  # two blocks a multiprocessor
+                assert config.shared_bytes() <= SM90_HALF, config
+            else:  # one block of eight warps
+                assert config.warps == 8 and config.shared_bytes() <= SM90_SHARED, config
 
 
 def test_the_fitting_tiles_serve_devices_of_less_shared_memory() -> None:
@@ -93,8 +94,7 @@ def test_f32_kernels_build_without_spills(
         ptxas: Callable[[str, Sequence[str], str], Any], arch: str, tmp_path: Path) -> None:
     # the alternatives are timed on a sm_90 device (tools/tf32_timing.py): built for it only
     names = (*f32_names(), *f32_backward_names(), *f32_backward_pre_names(),
-             *(f32_alternative_names() + f32_backward_alternative_names()
-               if arch == "90a" else ()))
+             *(f32_alternative_names() if arch == "90a" else ()))
     declared = {n for f, ns in all_modules() if f == "attention_f32.cu" for n in ns}
     assert declared <= set(names), "every declared instantiation goes through ptxas here"
     build = ptxas("attention_f32.cu", names, f"-gencode=arch=compute_{arch},code=sm_{arch}")

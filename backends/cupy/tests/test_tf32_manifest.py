@@ -82,9 +82,9 @@ def test_head_dims_run_at_the_smallest_built_width_that_holds_them() -> None:
 
 
 def test_float32_calls_at_the_tf32_precisions_are_taken(monkeypatch) -> None:
-    """``can_run`` takes float32 attention its TF32 kernels are built for (D, Dv up to 128)
-    and declines larger head dimensions with the reason; the registry offers cupy float32
-    attention at every precision and no float32 gradient."""
+    """``can_run`` takes float32 attention its TF32 kernels are built for (D, Dv up to 128),
+    wider calls at a reduced precision for the exact kernels (up to 256) and declines wider
+    ones with the reason; the registry offers cupy float32 attention at every precision."""
     torch = pytest.importorskip("torch")
 
     from softmaxkit.ops import Call
@@ -94,10 +94,15 @@ def test_float32_calls_at_the_tf32_precisions_are_taken(monkeypatch) -> None:
     call = Call("attention", None, "cuda", "float32",
                 {"q": q, "k": q, "v": q, "mask": None, "precision": "tf32"})
     assert mf.can_run(call) is True
+    monkeypatch.setattr(mf, "_shared_limit", lambda a: 227 * 1024)
     wide = torch.zeros(1, 4, 16, 160)
     call = Call("attention", None, "cuda", "float32",
                 {"q": wide, "k": wide, "v": wide, "mask": None, "precision": "tf32x3"})
-    assert "up to 128" in mf.can_run(call)
+    assert mf.can_run(call) is True
+    huge = torch.zeros(1, 4, 16, 264)
+    call = Call("attention", None, "cuda", "float32",
+                {"q": huge, "k": huge, "v": huge, "mask": None, "precision": "tf32"})
+    assert "up to 256" in mf.can_run(call)
     from softmaxkit.registry import registry
 
     cupy = registry()["cupy"]
@@ -131,22 +136,27 @@ def test_f32_reasons(q, k, v, limit, declined) -> None:
     ((1, 4, 16, 128), (1, 4, 16, 128), (1, 4, 16, 64), None, False),  # padded to 128
     ((1, 4, 16, 128), (1, 4, 16, 128), (1, 4, 16, 128), 99 * 1024, True),  # sm_86
     ((1, 4, 16, 32), (1, 4, 16, 32), (1, 4, 16, 32), 48 * 1024, False),
-    ((1, 4, 16, 160), (1, 4, 16, 160), (1, 4, 16, 160), None, True),  # numba-cuda's
-    ((1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 136), None, True),
-    ((1, 4, 0, 160), (1, 4, 10, 160), (1, 4, 10, 160), None, True),  # no such kernel
+    ((1, 4, 16, 160), (1, 4, 16, 160), (1, 4, 16, 160), None, False),
+    ((1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 136), None, False),  # padded to 160
+    ((1, 4, 16, 192), (1, 4, 16, 192), (1, 4, 16, 128), None, False),  # its own pair
+    ((1, 4, 16, 256), (1, 4, 16, 256), (1, 4, 16, 256), 227 * 1024, False),
+    ((1, 4, 16, 256), (1, 4, 16, 256), (1, 4, 16, 256), 163 * 1024, True),  # sm_80
+    ((1, 4, 16, 264), (1, 4, 16, 264), (1, 4, 16, 264), None, True),  # numba-cuda's
+    ((1, 4, 0, 264), (1, 4, 10, 264), (1, 4, 10, 264), None, True),  # no such kernel
     ((1, 4, 0, 128), (1, 4, 10, 128), (1, 4, 10, 128), 1024, False),  # no launch
     ((70000, 1, 16, 64), (70000, 1, 16, 64), (70000, 1, 16, 64), None, True),
 ])
 def test_f32_backward_reasons(q, k, v, limit, declined) -> None:
     reason = mf.f32_reason(q, k, v, limit, backward=True)
     assert (reason is not None) is declined, reason
-    if declined and q[3] > 128:
-        assert "backward takes D and Dv up to 128" in reason
+    if declined and q[3] > 256:
+        assert "backward takes D and Dv up to 256" in reason
 
 
 def test_exact_float32_calls_are_taken_with_their_precision(monkeypatch) -> None:
     """A float32 call at the default precision goes to the exact kernels' reason (asked once
-    they are served): head dimensions up to 256 (128 for the TF32 kernels)."""
+    they are served): head dimensions up to 256; at a reduced precision too where the TF32
+    kernels (up to 128) hold none of its head dims."""
     torch = pytest.importorskip("torch")
 
     from softmaxkit.ops import Call
@@ -154,10 +164,10 @@ def test_exact_float32_calls_are_taken_with_their_precision(monkeypatch) -> None
     monkeypatch.setattr(mf, "_library", lambda a: "torch")  # CPU tensors stand in for CUDA
     monkeypatch.setattr(mf, "_shared_limit", lambda a: 227 * 1024)
     wide = torch.zeros(1, 4, 16, 160)
-    for precision, taken in (("float32", True), ("tf32", False)):
+    for precision in ("float32", "tf32"):
         call = Call("attention", None, "cuda", "float32",
                     {"q": wide, "k": wide, "v": wide, "mask": None, "precision": precision})
-        assert (mf.can_run(call) is True) is taken
+        assert mf.can_run(call) is True
     huge = torch.zeros(1, 4, 16, 320)
     call = Call("attention", None, "cuda", "float32",
                 {"q": huge, "k": huge, "v": huge, "mask": None, "precision": "float32"})
@@ -166,14 +176,14 @@ def test_exact_float32_calls_are_taken_with_their_precision(monkeypatch) -> None
 
 def test_exact_float32_gradients_are_taken_at_every_precision(monkeypatch) -> None:
     """A float32 gradient goes to the exact backward's reason whatever its precision: head
-    dimensions up to 128, wider ones declined for numba-cuda's kernels."""
+    dimensions up to 256, wider ones declined for numba-cuda's kernels."""
     torch = pytest.importorskip("torch")
 
     from softmaxkit.ops import Call
 
     monkeypatch.setattr(mf, "_library", lambda a: "torch")  # CPU tensors stand in for CUDA
     monkeypatch.setattr(mf, "_shared_limit", lambda a: 227 * 1024)
-    for d, taken in ((96, True), (160, False)):
+    for d, taken in ((96, True), (160, True), (264, False)):
         x = torch.zeros(1, 4, 16, d)
         lse = torch.zeros(1, 4, 16)
         for precision in ("float32", "tf32x3", "tf32"):
@@ -183,4 +193,4 @@ def test_exact_float32_gradients_are_taken_at_every_precision(monkeypatch) -> No
             reason = mf.can_run(call)
             assert (reason is True) is taken, reason
             if not taken:
-                assert "backward takes D and Dv up to 128" in reason
+                assert "backward takes D and Dv up to 256" in reason

@@ -2,9 +2,8 @@
 
 Eager backward calls, float32 B2 H16 at L1024 and L4096, D 64 and 128, causal and not, each
 from the same forward's out and lse: the cupy backend's CUDA-core kernel
-(kernels/attention_f32.cu, sk_attn_bwd_f32) through its adapter whether served or not
-(``f32 cupy``; above head dim 128 its tiles not yet served), ``sk.attention_vjp`` on
-numba-cuda's exact kernels (``numba-cuda``), and
+(kernels/attention_f32.cu, sk_attn_bwd_f32) through its adapter (``f32 cupy``),
+``sk.attention_vjp`` on numba-cuda's exact kernels (``numba-cuda``), and
 torch autograd through ``scaled_dot_product_attention`` under
 ``sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)`` (``torch-efficient``, its backward alone:
 ``torch.autograd.grad`` with the graph kept), each the median of ``triton.testing.do_bench``;
@@ -46,7 +45,6 @@ def measure(length: int, d: int, causal: bool) -> dict:
     import array_api_compat.torch as xp
     import triton.testing
     from softmaxkit_cupy.attention_f32 import attention, attention_vjp
-    from softmaxkit_cupy.configs import F32_BACKWARD_ALTERNATIVES
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -61,12 +59,9 @@ def measure(length: int, d: int, causal: bool) -> dict:
     leaves = [a.detach().clone().requires_grad_() for a in (q, k, v)]
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
         eff_out = sdpa(*leaves, is_causal=causal)
-    # above head dim 128 the tiles not yet served (configs.F32_BACKWARD_ALTERNATIVES)
-    wide = next((c for c in F32_BACKWARD_ALTERNATIVES
-                 if (c.head_dim, c.value_dim, c.mask) == (d, d, False)), None)
     calls = {
         "f32 cupy": lambda: attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
-                                          config=wide, **kw),
+                                          **kw),
         "numba-cuda": lambda: sk.attention_vjp(q, k, v, out, lse, dout, causal=causal,
                                                backend="numba-cuda"),
         "torch-efficient": lambda: torch.autograd.grad(eff_out, leaves, dout,
