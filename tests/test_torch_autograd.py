@@ -629,6 +629,7 @@ def test_vmap_matches_a_loop(case):
     _close(torch.func.vmap(fn, in_dims=in_dims)(*inputs), _loop(fn, in_dims, *inputs))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("case", list(_vmap_cases()))
 def test_compiled_vmap_runs_one_call_and_matches_a_loop(case):
     """Under ``torch.compile`` the operator itself runs where a vmap holds it: its own rule

@@ -998,14 +998,21 @@ FITTING_F32_CONFIGS = {
 128 and 133-157 KB above."""
 
 
-F32_ALTERNATIVES = (F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),)
+F32_ALTERNATIVES = (
+    F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),
+    F32Config(256, 256, warps=4, block_n=32, mask=False, rows=8, lanes=16, v_stages=1),
+    F32Config(256, 256, warps=8, block_n=32, mask=False, lanes=16),
+)
 """Other exact float32 forward tiles, built on request only (``config=``), for
 tools/tf32_timing.py to time beside the declared ones.  Eight rows a lane at head dim 64:
 12.8 fma per shared-memory read against 10.7, 8% faster than the declared tile without
 causality and 6-12% slower with it on an H100 (docs/benchmarks-attention.md).  At 128,
 eight-row tiles of 8-lane row groups (2 or 4 warps, 255 registers) and 64-key four-row tiles
 were slower there; the declared tile takes its eight rows a lane in 16-lane groups.  At 192,
-eight rows a lane in 16-lane groups (195 KB) was 1-3% slower there than the declared tile."""
+eight rows a lane in 16-lane groups (195 KB) was 1-3% slower there than the declared tile.
+At 256, where the declared tile stays below torch's efficient backend, four warps of eight
+rows a lane (174 KB, 246 registers) and the declared tile with two stages of V (207 KB), not
+yet timed."""
 
 @dataclass(frozen=True)
 class F32BackwardConfig:
