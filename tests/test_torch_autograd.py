@@ -493,6 +493,8 @@ def test_an_eager_packed_backward_reads_the_lengths_once(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+# torch.func.jacfwd scripts a helper of its own with torch.jit, which warns of its deprecation
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_torch_func_transforms_run_the_librarys_formulas():
     """``torch.func.grad`` and ``torch.func.vjp`` through softmaxkit's operations give the
     gradients autograd gives (torch's own where it has the operation, float64); forward mode
@@ -629,7 +631,6 @@ def test_vmap_matches_a_loop(case):
     _close(torch.func.vmap(fn, in_dims=in_dims)(*inputs), _loop(fn, in_dims, *inputs))
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("case", list(_vmap_cases()))
 def test_compiled_vmap_runs_one_call_and_matches_a_loop(case):
     """Under ``torch.compile`` the operator itself runs where a vmap holds it: its own rule
