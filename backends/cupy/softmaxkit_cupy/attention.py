@@ -62,7 +62,7 @@ from .configs import (
     sm90_names,
     sm90_varlen_backward_names,
     sm90_varlen_names,
-    tf32_width,
+    tf32_serves,
     varlen_backward_names,
     varlen_names,
 )
@@ -258,8 +258,8 @@ def attention(
             if forward is not None and kept.aligned(q, k, v):
                 out, lse = forward(q, k, v, 0)
                 return out, (lse if return_lse else None)
-    if precision != "float32" and (config is not None or tf32_width(
-            int(q.shape[-1]), int(v.shape[-1])) is not None):  # float32 inputs only
+    if (tf32_serves(precision, int(q.shape[-1]), int(v.shape[-1]))
+            or (config is not None and precision != "float32")):  # float32 inputs only
         from .attention_tf32 import attention as tf32_attention
 
         return tf32_attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,

@@ -1252,6 +1252,14 @@ def tf32_width(d: int, dv: int) -> int | None:
     return next((w for w in sorted(TF32_CONFIGS) if w >= max(d, dv)), None)
 
 
+def tf32_serves(precision: str, d: int, dv: int) -> bool:
+    """Whether a float32 call at ``precision`` of key dim ``d`` and value dim ``dv`` runs on
+    the TF32 kernels: at "tf32" or "tf32x3" where they hold its head dims (:func:`tf32_width`).
+    The exact float32 kernels take the others: exact products meet every precision's bound,
+    and wider than the TF32 tiles they are the fastest this backend has."""
+    return precision != "float32" and tf32_width(d, dv) is not None
+
+
 def tf32_config(head_dim: int, masked: bool,
                 shared_limit: int | None = None) -> Tf32Config | None:
     """The TF32 forward configuration for ``head_dim`` on a device whose blocks may take

@@ -32,6 +32,7 @@ from .configs import (
     f32_shape,
     max_row_length,
     row_lean,
+    tf32_serves,
     tf32_width,
 )
 from .head_dims import LARGEST, head_dim_reason, served_head_dim
@@ -170,11 +171,9 @@ def _can_run_attention(call: Any) -> bool | str:
         return "q, k, v and mask must live in one library"
     if _name(q.dtype) == "float32":
         shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        if (args.get("precision", "float32") == "float32"
-                or tf32_width(shapes[0][-1], shapes[2][-1]) is None):
-            # wider than the TF32 tiles, the exact kernels meet the reduced precisions' bounds
-            return f32_reason(*shapes, _shared_limit(q)) or True
-        return tf32_reason(*shapes) or True
+        if tf32_serves(args.get("precision", "float32"), shapes[0][-1], shapes[2][-1]):
+            return tf32_reason(*shapes) or True
+        return f32_reason(*shapes, _shared_limit(q)) or True
     return attention_reason(
         _name(q.dtype), tuple(q.shape), tuple(k.shape), tuple(v.shape), _shared_limit(q)
     ) or True

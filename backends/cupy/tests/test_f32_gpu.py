@@ -286,10 +286,6 @@ def test_backward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
 
     if not _fits(f32_backward_config(*f32_backward_shape(d, dv), True)):
         pytest.skip("the tiles do not fit this device's shared memory")
-    _check_backward(d, dv, case)
-
-
-def _check_backward(d: int, dv: int, case: dict) -> None:
     import array_api_compat.torch as xp
     from softmaxkit_cupy.attention_f32 import attention_vjp
 

@@ -124,8 +124,7 @@ def test_non_finite_inputs(kernels) -> None:
 
 @pytest.fixture(scope="module")
 def backward_kernels(host_kernels):
-    """Every backward tile, declared or not, and the row preprocessing, built once for the
-    host."""
+    """Every declared backward tile and the row preprocessing, built once for the host."""
     codes = {**dict.fromkeys(f32_backward_names(), BACKWARD_PARAMS),
              **dict.fromkeys(f32_backward_pre_names(), BACKWARD_PRE_PARAMS)}
     return host_kernels("attention_f32.cu", list(codes), codes)
@@ -204,10 +203,6 @@ def test_backward_on_the_host(host_launches, d: int, dv: int, case: dict) -> Non
     (``softmaxkit_cupy.attention``; the gradient at a reduced precision, which the exact
     kernel serves too): each gradient within the float32 row of the tolerances against
     float64 (spec "Gradients")."""
-    _check_backward(host_launches, d, dv, case)
-
-
-def _check_backward(host_launches, d: int, dv: int, case: dict) -> None:
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as xp
     from softmaxkit_cupy import attention as entry
@@ -223,8 +218,8 @@ def _check_backward(host_launches, d: int, dv: int, case: dict) -> None:
     dout = rng.standard_normal(out.shape).astype(np.float32)
     dlse = rng.standard_normal(lse.shape).astype(np.float32)
     dlse[lse.numpy() == -np.inf] = 0.0
-    grads = dict(out=out, lse=lse, dout=torch.from_numpy(dout), dlse=torch.from_numpy(dlse))
-    got = entry.attention_vjp(xp, q=tq, k=tk, v=tv, **grads,
+    got = entry.attention_vjp(xp, q=tq, k=tk, v=tv, out=out, lse=lse,
+                              dout=torch.from_numpy(dout), dlse=torch.from_numpy(dlse),
                               precision="tf32" if d == 64 else "float32", **kw)
     want = ref.attention_vjp(q, k, v, dout, dlse=dlse, mask=mask, **opts)
     tol = ATTENTION_TOLERANCES["float32"][2]
