@@ -7,10 +7,17 @@ one process with ``triton.testing.do_bench`` (median):
 * ``sk.varlen_attention`` and ``sk.varlen_attention_vjp`` through the default dispatch
   (``ran on`` names the backend and kernel of each);
 * ``torch.nn.attention.varlen.varlen_attn`` on the same packed tensors, its backward timed as
-  ``torch.autograd.grad`` of its output less its forward.
+  ``torch.autograd.grad`` of its output less its forward (16-bit only: torch has no float32
+  varlen call);
+* ``sk.attention`` and ``sk.attention_vjp`` through the default dispatch on the padded batch
+  (every sequence zero-padded to the longest, [B, H, longest, D]);
+* with ``--compare BACKEND``, the packed calls on that backend alone (e.g. the one that served
+  them before).
 
-``vs torch`` is torch's time over softmaxkit's (above 1: softmaxkit is faster); the bar
-(issue "Attention on the GPU without cliffs") is 0.8x, forward and backward.  TFLOP/s count
+``vs torch`` and ``vs padded`` are the peer's time over softmaxkit's packed call (above 1:
+the packed call is faster); the bars (issue "Attention on the GPU without cliffs") are 0.8x
+torch, forward and backward, and, without a torch peer (float32), 0.8x the padded batch and
+above 1x whenever padding exceeds 25% of it.  TFLOP/s count
 the allowed (query, key) pairs of every sequence: 4 D flops a pair forward, 10 D backward.
 Before timing, each case is checked against float64 on a small packed batch with a sequence
 without queries and one without keys (the exit status is 1 when an error exceeds its bound).
@@ -19,6 +26,7 @@ Run on a GPU::
 
     python benchmarks/varlen.py
     python benchmarks/varlen.py --dims 64 128 256 --dtypes bfloat16 float16 --out varlen.md
+    python benchmarks/varlen.py --dtypes float32 --compare numba-cuda
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import argparse
 import sys
 from typing import Any
 
-BOUNDS = {"bfloat16": 2e-2, "float16": 4e-3}
+BOUNDS = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-4}
 """Largest relative error (Frobenius norm) against float64 per dtype."""
 
 
@@ -97,7 +105,31 @@ def torch_varlen(q: Any, k: Any, v: Any, cu: Any, longest: int, causal: bool) ->
     return call
 
 
-def run(dtype_name: str, d: int, causal: bool, lens: list[int], heads: int) -> tuple[str, bool]:
+def padded_calls(q: Any, k: Any, v: Any, dout: Any, lens: list[int], causal: bool
+                 ) -> tuple[Any, Any]:
+    """(forward, backward) of ``sk.attention`` on the batch padded to its longest sequence
+    (the rows past a sequence's length zero)."""
+    import torch
+
+    import softmaxkit as sk
+
+    longest, heads, d = max(lens), q.shape[1], q.shape[2]
+    starts = [0, *torch.cumsum(torch.tensor(lens), 0).tolist()]
+
+    def padded(a: Any) -> Any:
+        out = a.new_zeros((len(lens), heads, longest, d))
+        for b, n in enumerate(lens):
+            out[b, :, :n] = a[starts[b]:starts[b] + n].transpose(0, 1)
+        return out
+
+    qp, kp, vp, gp = (padded(a) for a in (q, k, v, dout))
+    op, lp = sk.attention(qp, kp, vp, causal=causal, return_lse=True)
+    return (lambda: sk.attention(qp, kp, vp, causal=causal, return_lse=True),
+            lambda: sk.attention_vjp(qp, kp, vp, op, lp, gp, causal=causal))
+
+
+def run(dtype_name: str, d: int, causal: bool, lens: list[int], heads: int,
+        compare: str | None = None) -> tuple[str, bool]:
     """The table's row for one case, and whether its check passed."""
     import numpy as np
     import torch
@@ -134,9 +166,16 @@ def run(dtype_name: str, d: int, causal: bool, lens: list[int], heads: int) -> t
         peer_fwd = timed(peer)
         peer_bwd = timed(lambda: torch.autograd.grad(grad_peer(), leaves, dout)) - timed(
             grad_peer)
-    cells.append(f"{peer_fwd / t_fwd:.2f}x" if peer_fwd else "-")
+    pad_fwd, pad_bwd = (timed(fn) for fn in padded_calls(q, k, v, dout, lens, causal))
+    cells += [f"{peer_fwd / t_fwd:.2f}x" if peer_fwd else "-", f"{pad_fwd / t_fwd:.2f}x"]
     cells += [f"{t_bwd:.3f}", f"{10 * d * pairs / t_bwd / 1e9:.0f}",
-              f"{peer_bwd / t_bwd:.2f}x" if peer_bwd else "-"]
+              f"{peer_bwd / t_bwd:.2f}x" if peer_bwd else "-", f"{pad_bwd / t_bwd:.2f}x"]
+    if compare is not None:  # the packed calls on that backend alone
+        on = dict(opts, backend=compare)
+        out_c, lse_c = sk.varlen_attention(q, k, v, cu, cu, return_lse=True, **on)
+        t_on = (timed(lambda: sk.varlen_attention(q, k, v, cu, cu, **on)),
+                timed(lambda: sk.varlen_attention_vjp(q, k, v, out_c, lse_c, dout, cu, cu, **on)))
+        cells += [f"{t:.3f}" for t in t_on]
     row = (f"| {dtype_name} | {d} | {'causal' if causal else 'plain'} | {ran[0]} | {ran[1]} | "
            f"{err:.1e} | " + " | ".join(cells) + " |")
     return row, ok
@@ -150,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--longest", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--compare", help="also time the packed calls on this backend alone")
     parser.add_argument("--out", help="also write the markdown table to this file")
     opts = parser.parse_args(argv)
 
@@ -160,17 +200,21 @@ def main(argv: list[str] | None = None) -> int:
 
     lens = [int(n) for n in
             np.random.default_rng(5).integers(1, opts.longest + 1, size=opts.sequences)]
+    padding = 1 - sum(lens) / (len(lens) * max(lens))
+    extra = ([f"fwd ms on {opts.compare}", f"bwd ms on {opts.compare}"] if opts.compare
+             else [])
+    head = ["dtype", "D", "feature", "forward ran on", "backward ran on", "relerr", "fwd ms",
+            "TFLOP/s", "vs torch", "vs padded", "bwd ms", "TFLOP/s", "vs torch", "vs padded",
+            *extra]
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, softmaxkit "
              f"{sk.__version__}; {opts.sequences} sequences ({sum(lens)} tokens, longest "
-             f"{max(lens)}), H{opts.heads}", "",
-             "| dtype | D | feature | forward ran on | backward ran on | relerr | fwd ms | "
-             "TFLOP/s | vs torch | bwd ms | TFLOP/s | vs torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{max(lens)}: padding {padding:.0%} of the padded batch), H{opts.heads}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     failed = False
     for dtype in opts.dtypes:
         for d in opts.dims:
             for causal in (False, True):
-                row, ok = run(dtype, d, causal, lens, opts.heads)
+                row, ok = run(dtype, d, causal, lens, opts.heads, opts.compare)
                 failed = failed or not ok
                 lines.append(row)
                 print(row, flush=True)

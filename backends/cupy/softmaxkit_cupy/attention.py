@@ -560,12 +560,14 @@ def merge_attention(xp: Any, *, outs: Any, lses: Any) -> tuple[Any, Any]:
 
 
 
-def backward_buffers(q: Any, rows: int, d: int) -> tuple[Any, Any, Any]:
+def backward_buffers(q: Any, rows: int, d: int, sums: int | None = None
+                     ) -> tuple[Any, Any, Any]:
     """The float32 buffers the backward's launches share, for ``rows`` (padded) query rows:
-    each row's lse in log2 units and ``delta = rowsum(dout * out)``, and dQ's sums (zeroed,
-    since the main kernel adds into them)."""
+    each row's lse in log2 units and ``delta = rowsum(dout * out)``, and dQ's sums of
+    ``sums`` rows (default ``rows``) of ``d`` (zeroed, since the main kernel adds into
+    them)."""
     return (interop.empty(q, (rows,), "float32"), interop.empty(q, (rows,), "float32"),
-            interop.zeros(q, (rows * d,), "float32"))
+            interop.zeros(q, ((rows if sums is None else sums) * d,), "float32"))
 
 
 BACKWARD_PRE_PARAMS = "Q" * 6 + "q" * 6 + "iii" + "q"

@@ -34,6 +34,8 @@ from .configs import (
     f32_config,
     f32_names,
     f32_shape,
+    f32_varlen_backward_names,
+    f32_varlen_names,
 )
 
 
@@ -41,10 +43,11 @@ from .configs import (
 def _kernel(name: str) -> Any:
     """The kernel ``name`` of kernels/attention_f32.cu, built on first use with the module
     that declares it (the forward's tiles, its fitting tiles, the alternatives, the backward
-    up to head dim 128 and above, the row preprocessing; any other configuration: alone)."""
+    up to head dim 128 and above, the row preprocessing, the packed variable-length forward
+    and backward; any other configuration: alone)."""
     for names in (f32_names(fitting=False), f32_names(fitting=True), f32_alternative_names(),
                   f32_backward_names(wide=False), f32_backward_names(wide=True),
-                  f32_backward_pre_names()):
+                  f32_backward_pre_names(), f32_varlen_names(), f32_varlen_backward_names()):
         if name in names:
             return compiler.function("attention_f32.cu", names, name)
     return compiler.function("attention_f32.cu", (name,), name)

@@ -913,6 +913,8 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention_f32.cu", list(f32_backward_names(wide=False))))
     modules.append(("attention_f32.cu", list(f32_backward_names(wide=True))))
     modules.append(("attention_f32.cu", list(f32_backward_pre_names())))
+    modules.append(("attention_f32.cu", list(f32_varlen_names())))
+    modules.append(("attention_f32.cu", list(f32_varlen_backward_names())))
     modules.append(("attention_tf32.cu", list(tf32_names())))
     modules.append(("attention_tf32.cu", list(tf32_backward_names())))
     modules.append(("attention_tf32.cu", list(tf32_backward_pre_names())))
@@ -955,14 +957,23 @@ class F32Config:
         return 4 * ((bm + 2 * bn) * (d + 4) + self.v_stages * bn * (dv + 4)
                     + bm * (bn + self.lanes))
 
-    def name(self) -> str:
-        """The C++ name expression of the kernel."""
+    def _tail(self) -> str:
+        """The template's last arguments (rows, lanes, V stages) where not its defaults."""
         extra = [self.rows, self.lanes, self.v_stages]
         while extra and extra[-1] == (4, 8, 2)[len(extra) - 1]:
-            extra.pop()  # the template's defaults
-        tail = "".join(f", {x}" for x in extra)
+            extra.pop()
+        return "".join(f", {x}" for x in extra)
+
+    def name(self) -> str:
+        """The C++ name expression of the kernel."""
         return (f"sk_attn_fwd_f32<{self.head_dim}, {self.value_dim}, {self.warps}, "
-                f"{self.block_n}, {'true' if self.mask else 'false'}{tail}>")
+                f"{self.block_n}, {'true' if self.mask else 'false'}{self._tail()}>")
+
+    def varlen_name(self) -> str:
+        """The C++ name expression of the packed variable-length kernel on these tiles (it
+        takes no mask)."""
+        return (f"sk_attn_fwd_f32_varlen<{self.head_dim}, {self.value_dim}, {self.warps}, "
+                f"{self.block_n}{self._tail()}>")
 
 
 F32_CONFIGS = {
@@ -1049,6 +1060,12 @@ class F32BackwardConfig:
                 f"{self.block_m}, {'true' if self.mask else 'false'}"
                 f"{'' if self.keys == 4 else f', {self.keys}'}>")
 
+    def varlen_name(self) -> str:
+        """The C++ name expression of the packed variable-length kernel on these tiles (it
+        takes no mask)."""
+        return (f"sk_attn_bwd_f32_varlen<{self.head_dim}, {self.value_dim}, {self.warps}, "
+                f"{self.block_m}{'' if self.keys == 4 else f', {self.keys}'}>")
+
 
 F32_BACKWARD_CONFIGS = {
     (32, 32): F32BackwardConfig(32, 32, warps=4, block_m=32),
@@ -1097,6 +1114,22 @@ def f32_backward_pre_names() -> tuple[str, ...]:
     of kernels/attention_f32.cu of their own."""
     dvs = {dv for _, dv in F32_BACKWARD_CONFIGS}
     return tuple(backward_pre_name("float32", dv) for dv in sorted(dvs))
+
+
+def f32_varlen_names() -> tuple[str, ...]:
+    """The name expressions of the exact float32 packed variable-length forward, on the tiles
+    of :data:`F32_CONFIGS` and :data:`FITTING_F32_CONFIGS`: a module of its own."""
+    configs = (*F32_CONFIGS.values(), *FITTING_F32_CONFIGS.values())
+    return tuple(dict.fromkeys(c.varlen_name() for c in configs))
+
+
+def f32_varlen_backward_names() -> tuple[str, ...]:
+    """The name expressions of the exact float32 packed variable-length backward on the tiles
+    of :data:`F32_BACKWARD_CONFIGS`, with its row preprocessing
+    (``sk_attn_bwd_pre_varlen<float, Dv>``): a module of its own."""
+    dvs = sorted({dv for _, dv in F32_BACKWARD_CONFIGS})
+    return (*(c.varlen_name() for c in F32_BACKWARD_CONFIGS.values()),
+            *(backward_pre_varlen_name("float32", dv) for dv in dvs))
 
 
 _Pair = TypeVar("_Pair", F32Config, F32BackwardConfig)

@@ -86,7 +86,10 @@ def manifest() -> dict[str, Any]:
             *([{"ops": ["attention_vjp"], "devices": ["cuda"], "dtypes": ["float32"],
                 "precisions": ["float32", *TF32_PRECISIONS]}] if F32_SERVED else []),
             {"ops": ["merge_attention"], "devices": ["cuda"], "dtypes": list(MERGE_DTYPES)},
-            {"ops": list(VARLEN_OPS), "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
+            # float32 packed sequences on the exact kernels, forward and gradient, at every
+            # precision (none asks for more)
+            {"ops": list(VARLEN_OPS), "devices": ["cuda"],
+             "dtypes": [*ATTENTION_DTYPES, *(["float32"] if F32_SERVED else [])]},
             {"ops": ["paged_attention"], "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
         ],
         "kernels": kernels,
@@ -273,17 +276,20 @@ def varlen_reason(
 ) -> str | None:
     """Why the packed variable-length kernels cannot run these inputs, or None when they can.
 
-    The dense kernels' limits (:func:`attention_reason`) apply to a dense batch of ``batches``
-    sequences as long as the packed query rows padded to whole tiles (the backward's work
-    arrays) and the packed keys, with the shared memory of ``kind`` (``"varlen"``, the
-    forward, or ``"backward"``); calls with no query row or no key run without a launch.
+    The dense kernels' limits (:func:`attention_reason`; in float32 :func:`f32_reason`) apply
+    to a dense batch of ``batches`` sequences as long as the packed query rows padded to
+    whole tiles (the backward's work arrays) and the packed keys, with the shared memory of
+    ``kind`` (``"varlen"``, the forward, or ``"backward"``); calls with no query row or no
+    key run without a launch.
     """
     tq, hq, d = q_shape
     tk, hk, _ = k_shape
     padded = tq + batches * 128  # at most one partial tile (of up to 128 rows) per sequence
-    return attention_reason(dtype, (batches, hq, padded if tq else 0, d),
-                            (batches, hk, tk, d), (batches, hk, tk, v_shape[-1]),
-                            shared_limit, kind)
+    shapes = ((batches, hq, padded if tq else 0, d), (batches, hk, tk, d),
+              (batches, hk, tk, v_shape[-1]))
+    if dtype == "float32" and F32_SERVED:
+        return f32_reason(*shapes, shared_limit, backward=kind == "backward")
+    return attention_reason(dtype, *shapes, shared_limit, kind)
 
 
 def _can_run_paged(call: Any) -> bool | str:

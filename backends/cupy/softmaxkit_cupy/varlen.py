@@ -1,17 +1,19 @@
 """Adapter from packed variable-length attention (softmaxkit/ops.py, ``varlen_attention`` and
 ``varlen_attention_vjp``) to the packed variants of ``kernels/attention.cu`` and
-``kernels/attention_bwd.cu``, and on a device of compute capability 9.0 of the Hopper kernels
-``kernels/attention_sm90.cu`` and ``kernels/attention_bwd_sm90.cu``.
+``kernels/attention_bwd.cu``, on a device of compute capability 9.0 of the Hopper kernels
+``kernels/attention_sm90.cu`` and ``kernels/attention_bwd_sm90.cu``, and for float32 of the
+exact kernels ``kernels/attention_f32.cu`` (float32 products and sums at every precision).
 
-The frontend hands q [Tq, Hq, D], k [Tk, Hk, D], v [Tk, Hk, Dv] of one 16-bit dtype and the
-validated cumulative lengths as int64 [B + 1] arrays on their device;
+The frontend hands q [Tq, Hq, D], k [Tk, Hk, D], v [Tk, Hk, Dv] of one dtype (16-bit or
+float32) and the validated cumulative lengths as int64 [B + 1] arrays on their device;
 :func:`softmaxkit_cupy.manifest.can_run` has accepted the call.  Block z of every launch is one
 sequence, reading its bounds from the cumulative lengths on the device; the grid's x axis
 spans the longest sequence, whose length is read on the host (one device-to-host copy: the
 contract allows it).  Calls with no query row or no key have results fixed by the spec and
 are made without a launch.  Head dimensions the kernels are not built for (D != Dv, or D
 outside ``ATTENTION_HEAD_DIMS``; both at most 256) run on zero-padded copies of the arrays,
-as dense attention's do (:mod:`.head_dims`).
+as dense attention's do (:mod:`.head_dims`); in float32, pairs other than the built ones
+(:func:`.configs.f32_shape`) on copies zero-padded to a square pair.
 
 The backward's float32 work arrays (lse in log2 units, ``delta = rowsum(dout * out) - dlse``
 and dq's sums) pad each sequence to whole query tiles, as the dense backward pads Lq: sequence
@@ -32,12 +34,13 @@ from softmaxkit import arguments
 from softmaxkit.metadata import host_integers
 from softmaxkit.options import note_kernel
 
-from . import head_dims, interop
+from . import attention_f32, head_dims, interop
 from .attention import (
     _capability_of,
     _kernel,
     _rows_ready,
     backward_buffers,
+    forward_grid,
     hopper_width,
     launch_backward_pre,
     row_cotangent,
@@ -48,11 +51,17 @@ from .configs import (
     SM90_VARLEN_BACKWARD_CONFIGS,
     AttentionConfig,
     BackwardConfig,
+    F32BackwardConfig,
+    F32Config,
     Sm90BackwardConfig,
     Sm90Config,
     backward_config,
     backward_dq_varlen_name,
     backward_pre_varlen_name,
+    f32_backward_config,
+    f32_backward_shape,
+    f32_config,
+    f32_shape,
     varlen_config,
 )
 
@@ -108,9 +117,10 @@ def _token_strides(a: Any) -> tuple[int, int]:
 def varlen_attention(
     xp: Any, *, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, scale: float,
     causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
-    config: AttentionConfig | Sm90Config | None = None,
+    config: AttentionConfig | Sm90Config | F32Config | None = None,
 ) -> tuple[Any, Any]:
-    """Packed variable-length attention forward on tensor cores; (out, lse or None).
+    """Packed variable-length attention forward; (out, lse or None).  16-bit on tensor cores;
+    float32 on the exact kernels (:func:`_f32_varlen_attention`).
 
     One launch over (query tiles of the longest sequence, Hq, B); the blocks past a shorter
     sequence's last tile return at once.  On a device of compute capability 9.0 the kernel is
@@ -131,6 +141,17 @@ def varlen_attention(
     if tk == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
         return (interop.zeros(q, (tq, hq, dv), dtype),
                 interop.full(q, (tq, hq), -math.inf, "float32") if return_lse else None)
+    if dtype == "float32":
+        shape = ((config.head_dim, config.value_dim) if isinstance(config, F32Config)
+                 else f32_shape(d, dv))
+        if shape is None or (shape != (d, dv) and shape[0] != shape[1]):
+            raise ValueError(f"no float32 attention kernel for D={d}, Dv={dv}")
+        with interop.on_device(q):
+            return head_dims.forward_padded(xp, None if shape == (d, dv) else shape[0], (
+                lambda q, k, v: _f32_varlen_attention(
+                    xp, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    scale=scale, causal=causal, window=window, softcap=softcap,
+                    return_lse=return_lse, config=config)), q, k, v)
     blocks = head_dims.value_blocks(d, dv)
     if blocks:  # Dv above the largest built head dimension: a call per block of columns
         with interop.on_device(q):
@@ -181,6 +202,39 @@ def _varlen_attention(
     return out, (lse if return_lse else None)
 
 
+def _f32_varlen_attention(
+    xp: Any, *, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, scale: float,
+    causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
+    config: F32Config | None,
+) -> tuple[Any, Any]:
+    """:func:`varlen_attention` of float32 with work at a built pair of head dimensions:
+    ``sk_attn_fwd_f32_varlen`` on the dense forward's tiles for (D, Dv) and its grid
+    (:func:`.attention.forward_grid`: under causal rows every sequence's last row tile
+    first) over the longest sequence's row tiles."""
+    tq, hq, d = (int(s) for s in q.shape)
+    hk, dv = int(k.shape[1]), int(v.shape[2])
+    (host_q,) = _on_host(cu_seqlens_q)
+    cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
+    batches = host_q.shape[0] - 1
+    longest = int(np.max(np.diff(host_q)))
+    q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
+    config = config or f32_config(d, dv, False, interop.shared_limit(interop.device_index(q)))
+    if config is None or (config.head_dim, config.value_dim) != (d, dv):
+        raise ValueError(f"no float32 attention kernel for D={d}, Dv={dv}")
+    out = interop.empty(q, (tq, hq, dv), "float32")
+    lse = interop.empty(q, (tq, hq), "float32")
+    ptr = interop.pointer
+    name = config.varlen_name()
+    note_kernel(name)
+    grid, options = forward_grid(-(-longest // config.block_m), hq, batches,
+                                 _options(scale, causal, window, softcap))
+    interop.launch(attention_f32._kernel(name), q, grid, config.threads, VARLEN_PARAMS, (
+        ptr(q), ptr(k), ptr(v), ptr(cu_q), ptr(cu_k), ptr(out), ptr(lse),
+        *_token_strides(q), *_token_strides(k), *_token_strides(v), hq, hk, *options),
+        config.shared_bytes())
+    return out, (lse if return_lse else None)
+
+
 def padded_offsets(cu_q: np.ndarray, block_m: int) -> np.ndarray:
     """``cu_pad`` [B + 1]: each sequence's query length rounded up to ``block_m``, summed (the
     rows of the backward's work arrays; see the module docstring)."""
@@ -191,10 +245,11 @@ def padded_offsets(cu_q: np.ndarray, block_m: int) -> np.ndarray:
 def varlen_attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, cu_seqlens_q: Any,
     cu_seqlens_k: Any, scale: float, causal: Any, window: tuple[int, int], softcap: Any,
-    dlse: Any = None, config: BackwardConfig | Sm90BackwardConfig | None = None,
+    dlse: Any = None,
+    config: BackwardConfig | Sm90BackwardConfig | F32BackwardConfig | None = None,
 ) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) of packed variable-length attention on tensor cores, recomputing P from
-    ``lse``.
+    """(dq, dk, dv) of packed variable-length attention, recomputing P from ``lse``: 16-bit
+    on tensor cores, float32 on the exact kernels (:func:`_f32_varlen_attention_vjp`).
 
     Three launches, as for dense attention: the rows' lse2 and delta into the padded layout
     (module docstring; delta less the lse's cotangent ``dlse`` where given); the main kernel
@@ -215,6 +270,18 @@ def varlen_attention_vjp(
     if tq == 0 or tk == 0:  # no query row reads a key: every gradient is 0
         return (interop.zeros(q, (tq, hq, d), dtype), interop.zeros(q, (tk, hk, d), dtype),
                 interop.zeros(q, (tk, hk, dv), dtype))
+    if dtype == "float32":
+        shape = ((config.head_dim, config.value_dim) if isinstance(config, F32BackwardConfig)
+                 else f32_backward_shape(d, dv))
+        if shape is None or (shape != (d, dv) and shape[0] != shape[1]):
+            raise ValueError(f"no float32 attention backward for D={d}, Dv={dv}")
+        with interop.on_device(q):
+            return head_dims.gradients_padded(
+                xp, None if shape == (d, dv) else shape[0],
+                lambda q, k, v, out, dout: _f32_varlen_attention_vjp(
+                    xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal, window=window,
+                    softcap=softcap, dlse=dlse, config=config), q, k, v, out, dout)
     blocks = head_dims.value_blocks(d, dv)
     if blocks:  # Dv above the largest built head dimension: a call per block of columns
         with interop.on_device(q):
@@ -287,3 +354,52 @@ def _varlen_attention_vjp(
                    256, VARLEN_DQ_PARAMS, (ptr(dq_acc), ptr(dq), ptr(cu_q), ptr(cu_pad),
                                            scale, hq, batches, tpad, chunks))
     return dq, dk, dv
+
+
+def _f32_varlen_attention_vjp(
+    xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, cu_seqlens_q: Any,
+    cu_seqlens_k: Any, scale: float, causal: Any, window: tuple[int, int], softcap: Any,
+    dlse: Any, config: F32BackwardConfig | None,
+) -> tuple[Any, Any, Any]:
+    """:func:`varlen_attention_vjp` of float32 with work at a built pair of head dimensions:
+    the rows' lse2 and delta into the padded layout (module docstring), then
+    ``sk_attn_bwd_f32_varlen`` on the dense backward's tiles, which adds dq's products into
+    float32 sums laid out as dq itself ([Tq, Hq, D]: it skips a tile's rows past its
+    sequence), scaled here."""
+    tq, hq, d = (int(s) for s in q.shape)
+    tk, hk, dv_dim = (int(s) for s in v.shape)
+    host_q, host_k = _on_host(cu_seqlens_q, cu_seqlens_k)
+    cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
+    batches = host_q.shape[0] - 1
+    config = config or f32_backward_config(d, dv_dim, False)
+    if config is None or (config.head_dim, config.value_dim) != (d, dv_dim):
+        raise ValueError(f"no float32 attention backward for D={d}, Dv={dv_dim}")
+    cu_pad_host = padded_offsets(host_q, config.block_m)
+    tpad = int(cu_pad_host[-1])
+    longest_k = int(np.max(np.diff(host_k)))
+    cu_pad = interop.from_host(cu_q, cu_pad_host)
+    q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
+    lse = interop.contiguous(lse)
+    rows = hq * tpad
+    lse2, delta, dq_acc = backward_buffers(q, rows, d, sums=tq * hq)
+    dk = interop.empty(q, (tk, hk, d), "float32")
+    dv = interop.empty(q, (tk, hk, dv_dim), "float32")
+    ptr = interop.pointer
+    dlse = row_cotangent(dlse)
+    launch_backward_pre(attention_f32._kernel(backward_pre_varlen_name("float32", dv_dim)), q,
+                        rows, dv_dim, VARLEN_PRE_PARAMS, (
+                            ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
+                            ptr(lse2), ptr(delta), ptr(cu_q), ptr(cu_pad),
+                            *_token_strides(out), *_token_strides(dout), hq, batches, tpad,
+                            rows))
+    name = config.varlen_name()
+    note_kernel(name)
+    interop.launch(attention_f32._kernel(name), q,
+                   (-(-longest_k // config.block_n), hk, batches), config.threads,
+                   VARLEN_BACKWARD_PARAMS, (
+                       ptr(q), ptr(k), ptr(v), ptr(dout), ptr(cu_q), ptr(cu_k), ptr(cu_pad),
+                       ptr(lse2), ptr(delta), ptr(dq_acc), ptr(dk), ptr(dv),
+                       *_token_strides(q), *_token_strides(k), *_token_strides(v),
+                       *_token_strides(dout), hq, hk, tpad,
+                       *_options(scale, causal, window, softcap)), config.shared_bytes())
+    return xp.reshape(dq_acc, (tq, hq, d)) * scale, dk, dv

@@ -306,3 +306,79 @@ def test_backward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
     want = ref.attention_vjp(*(_numpy(a) for a in (q, k, v, dout)), dlse=_numpy(dlse),
                              mask=_numpy(mask), **opts)
     _check_gradients(got, want, f"D={d} Dv={dv} {_case_id(case)}")
+
+
+VARLEN = [
+    # (query lengths, key lengths, options): ragged tiles, a sequence without queries and one
+    # without keys, both causal alignments, a window with softcap
+    ((70, 0, 300, 1, 129), (130, 9, 64, 0, 700), {}),
+    ((70, 0, 300, 1, 129), (130, 9, 64, 0, 700), {"causal": "bottom_right"}),
+    ((300, 5, 257), (300, 40, 200), {"causal": "top_left"}),
+    ((400, 64), (900, 64), {"window": (100, 20), "softcap": 8.0}),
+]
+
+
+@pytest.mark.parametrize(("d", "dv"), [(64, 64), (80, 80), (128, 128), (160, 160),
+                                       (192, 128), (256, 256)])
+@pytest.mark.parametrize(("lens_q", "lens_k", "kw"), VARLEN, ids=str)
+def test_varlen_through_the_default_dispatch(d: int, dv: int, lens_q, lens_k, kw) -> None:
+    """Packed float32 sequences through ``sk.varlen_attention`` and
+    ``sk.varlen_attention_vjp`` (with an lse cotangent) run on the exact packed kernels (named
+    in the trace), their results on memory that held NaN: out, lse and each gradient against
+    the float64 definition on each sequence alone, within the float32 row of spec "Attention
+    tolerances"; out 0 and lse -inf on rows with no allowed key."""
+    from softmaxkit_cupy.configs import (
+        f32_backward_config,
+        f32_backward_shape,
+        f32_config,
+        f32_shape,
+    )
+
+    import softmaxkit as sk
+    from softmaxkit.testing import materialized as ref
+    from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
+    from softmaxkit.testing.varlen_cases import (
+        packed_arrays,
+        packed_reference,
+        packed_vjp_reference,
+    )
+
+    forward = f32_config(*f32_shape(d, dv), False)
+    backward = f32_backward_config(*f32_backward_shape(d, dv), False)
+    if not (_fits(forward) and _fits(backward)):
+        pytest.skip("the tiles do not fit this device's shared memory")
+    hq, hk = 4, 2
+    q, k, v, cu_q, cu_k = packed_arrays(d + dv, lens_q, lens_k, hq, hk, d, dv,
+                                        dtype=np.float32, scale=1.5)
+    tq, tk, tv, mq, mk = (torch.as_tensor(a, device="cuda") for a in (q, k, v, cu_q, cu_k))
+    causal, window, softcap = kw.get("causal"), kw.get("window"), kw.get("softcap")
+    opts = dict(scale=d ** -0.5, causal=causal or False, window=window, softcap=softcap)
+    junk = [torch.full((q.shape[0], hq, dv), math.nan, device="cuda"),
+            torch.full((q.shape[0], hq), math.nan, device="cuda")]
+    del junk  # the results' memory held NaN
+    with sk.backend_opts(trace=True) as trace:
+        out, lse = sk.varlen_attention(tq, tk, tv, mq, mk, return_lse=True, **opts)
+    torch.cuda.synchronize()
+    assert trace[-1].backend == "cupy" and trace[-1].kernel == forward.varlen_name()
+    rkw = dict(scale=d ** -0.5, causal=causal, window=window or (-1, -1), softcap=softcap)
+    want, want_lse = packed_reference(q, k, v, cu_q, cu_k, **rkw)
+    got, got_lse = _numpy(out).astype(np.float64), _numpy(lse).astype(np.float64)
+    empty = np.isneginf(want_lse)
+    assert not np.isnan(got).any() and not np.isnan(got_lse).any()
+    assert np.array_equal(np.isneginf(got_lse), empty) and np.all(got[empty] == 0)
+    out_tol, lse_tol, _ = ATTENTION_TOLERANCES["float32"]
+    assert ref.rel_frobenius(got, want) <= out_tol
+    assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol
+
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    dout = torch.randn(out.shape, device="cuda", generator=gen)
+    dlse = torch.where(lse == -math.inf, 0.0, torch.randn(lse.shape, device="cuda",
+                                                          generator=gen))
+    junk = [torch.full(a.shape, math.nan, device="cuda") for a in (tq, tk, tv)]
+    del junk  # the gradients' memory held NaN
+    with sk.backend_opts(trace=True) as trace:
+        grads = sk.varlen_attention_vjp(tq, tk, tv, out, lse, dout, mq, mk, dlse=dlse, **opts)
+    torch.cuda.synchronize()
+    assert trace[-1].backend == "cupy" and trace[-1].kernel == backward.varlen_name()
+    wants = packed_vjp_reference(q, k, v, _numpy(dout), cu_q, cu_k, _numpy(dlse), **rkw)
+    _check_gradients(grads, wants, f"varlen D={d} Dv={dv} {kw}")

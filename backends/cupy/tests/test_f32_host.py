@@ -34,6 +34,9 @@ from softmaxkit.testing import materialized as ref
 from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
 from softmaxkit.testing.precision import attention_bound
 
+SM90_SHARED = 227 * 1024
+"""The shared memory a block may take on a device of compute capability 9.0."""
+
 
 @pytest.fixture(scope="module")
 def kernels(host_kernels):
@@ -137,7 +140,7 @@ def host_launches(kernels, backward_kernels, host_kernels, monkeypatch):
     from softmaxkit_cupy import attention_f32, interop
 
     move_to_host(monkeypatch, attention_f32, {**kernels, **backward_kernels}, host_kernels)
-    monkeypatch.setattr(interop, "shared_limit", lambda device: 227 * 1024)  # sm_90's
+    monkeypatch.setattr(interop, "shared_limit", lambda device: SM90_SHARED)
     return attention_f32
 
 
@@ -227,3 +230,96 @@ def test_backward_on_the_host(host_launches, d: int, dv: int, case: dict) -> Non
         assert tuple(g.shape) == w.shape, name
         err = ref.rel_frobenius(g.numpy().astype(np.float64), w)
         assert err <= tol, f"{name}: relative Frobenius {err:.3g}"
+
+
+VARLEN_RUNS = [
+    (64, 64, [(70, 100), (0, 30), (33, 33), (90, 20), (20, 0)], {}),
+    (64, 64, [(40, 60), (150, 130), (1, 80)], dict(causal="bottom_right")),
+    (80, 80, [(60, 45), (20, 90)], dict(causal="top_left")),
+    (128, 128, [(80, 80), (35, 130)], dict(causal="bottom_right", window=(30, 5),
+                                            softcap=5.0)),
+    (192, 128, [(50, 40), (30, 70), (0, 0)], dict(causal="bottom_right")),
+]
+"""(D, Dv, per-sequence (Lq, Lk), options): ragged sequences in one launch (one without
+queries, one without keys, one without either), several row tiles of a sequence past the
+diagonal, causal in both alignments (rows with no key among them), a window with a soft
+cap, a pair zero-padded (80 to 96) and one with D != Dv."""
+
+
+@pytest.fixture(scope="module")
+def varlen_kernels(host_kernels):
+    """The packed forward and backward kernels (sk_attn_fwd_f32_varlen, sk_attn_bwd_f32_varlen,
+    sk_attn_bwd_pre_varlen<float, Dv>) at the pairs of :data:`VARLEN_RUNS`, built once for
+    the host."""
+    from softmaxkit_cupy.configs import (
+        backward_pre_varlen_name,
+        f32_backward_config,
+        f32_backward_shape,
+        f32_shape,
+    )
+    from softmaxkit_cupy.varlen import VARLEN_BACKWARD_PARAMS, VARLEN_PARAMS, VARLEN_PRE_PARAMS
+
+    codes = {}
+    for d, dv, *_ in VARLEN_RUNS:
+        codes[f32_config(*f32_shape(d, dv), False, SM90_SHARED).varlen_name()] = VARLEN_PARAMS
+        pair = f32_backward_shape(d, dv)
+        codes[f32_backward_config(*pair, False).varlen_name()] = VARLEN_BACKWARD_PARAMS
+        codes[backward_pre_varlen_name("float32", pair[1])] = VARLEN_PRE_PARAMS
+    return host_kernels("attention_f32.cu", list(codes), codes)
+
+
+@pytest.mark.parametrize(("d", "dv", "lengths", "opts"), VARLEN_RUNS,
+                         ids=[f"{d}-{dv}-{len(s)}seqs-{case_id(o) or 'plain'}"
+                              for d, dv, s, o in VARLEN_RUNS])
+def test_varlen_on_the_host(varlen_kernels, host_kernels, monkeypatch, d: int, dv: int,
+                            lengths: list[tuple[int, int]], opts: dict) -> None:
+    """Packed float32 sequences through the adapter (``softmaxkit_cupy.varlen``: the forward,
+    then the gradient from its out and lse with an lse cotangent), grouped queries (Hq 4,
+    Hk 2), on torch CPU tensors into memory that held NaN, against the float64 definition on
+    each sequence alone (:func:`softmaxkit.testing.varlen_cases.packed_reference`): out and
+    the gradients within the float32 row of spec "Attention tolerances", the lse within its
+    bound, out 0 and lse -inf on rows with no allowed key, zero gradients for the keys of a
+    sequence without queries."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import attention_f32, interop, varlen
+
+    from softmaxkit.testing.varlen_cases import packed_reference, packed_vjp_reference
+
+    move_to_host(monkeypatch, attention_f32, dict(varlen_kernels), host_kernels)
+    monkeypatch.setattr(interop, "shared_limit", lambda device: SM90_SHARED)
+    hq, hk = 4, 2
+    rng = np.random.default_rng(d + dv + len(lengths))
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum([n[i] for n in lengths])]) for i in (0, 1))
+    q = (rng.standard_normal((cu_q[-1], hq, d)) * 1.5).astype(np.float32)
+    k = (rng.standard_normal((cu_k[-1], hk, d)) * 1.5).astype(np.float32)
+    v = rng.standard_normal((cu_k[-1], hk, dv)).astype(np.float32)
+    kw = dict(scale=d ** -0.5, causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
+              softcap=opts.get("softcap"), cu_seqlens_q=torch.from_numpy(cu_q),
+              cu_seqlens_k=torch.from_numpy(cu_k))
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    out, lse = varlen.varlen_attention(xp, q=tq, k=tk, v=tv, return_lse=True, **kw)
+    want, want_lse = packed_reference(q, k, v, cu_q, cu_k, scale=d ** -0.5, **opts)
+    out_tol, lse_tol, grad_tol = ATTENTION_TOLERANCES["float32"]
+    got, got_lse = out.numpy().astype(np.float64), lse.numpy().astype(np.float64)
+    empty = want_lse == -np.inf
+    assert got.shape == want.shape and np.all(got[empty] == 0)
+    assert np.all(got_lse[empty] == -np.inf)
+    assert ref.rel_frobenius(got, want) <= out_tol
+    assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol
+
+    dout = rng.standard_normal(want.shape).astype(np.float32)
+    dlse = np.where(empty, 0.0, rng.standard_normal(want_lse.shape)).astype(np.float32)
+    grads = varlen.varlen_attention_vjp(xp, q=tq, k=tk, v=tv, out=out, lse=lse,
+                                        dout=torch.from_numpy(dout),
+                                        dlse=torch.from_numpy(dlse), **kw)
+    wants = packed_vjp_reference(q, k, v, dout, cu_q, cu_k, dlse, scale=d ** -0.5, **opts)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, wants, strict=True):
+        g = g.numpy().astype(np.float64)
+        assert g.shape == w.shape and not np.isnan(g).any(), name
+        err = ref.rel_frobenius(g, w)
+        assert err <= grad_tol, f"{name}: relative Frobenius {err:.3g}"
+    for b, (lq, _) in enumerate(lengths):
+        if lq == 0:  # its keys: zero gradients
+            keys = slice(cu_k[b], cu_k[b + 1])
+            assert all(np.all(g.numpy()[keys] == 0) for g in grads[1:]), b

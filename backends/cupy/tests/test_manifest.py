@@ -196,12 +196,13 @@ def test_kit_attention_cases_at_the_kernels_head_dims_are_accepted(monkeypatch) 
 
 
 def test_varlen_ops_are_declared_for_cuda_in_the_attention_dtypes() -> None:
-    from softmaxkit_cupy.configs import ATTENTION_DTYPES
+    from softmaxkit_cupy.configs import ATTENTION_DTYPES, F32_SERVED
 
     m = mf.manifest()
     entry = next(e for e in m["serves"] if "varlen_attention" in e["ops"])
     assert set(entry["ops"]) == {"varlen_attention", "varlen_attention_vjp"}
-    assert entry["devices"] == ["cuda"] and entry["dtypes"] == list(ATTENTION_DTYPES)
+    f32 = ["float32"] if F32_SERVED else []
+    assert entry["devices"] == ["cuda"] and entry["dtypes"] == [*ATTENTION_DTYPES, *f32]
     assert m["kernels"]["varlen_attention"] == "softmaxkit_cupy.varlen:varlen_attention"
     assert m["kernels"]["varlen_attention_vjp"] == "softmaxkit_cupy.varlen:varlen_attention_vjp"
 
@@ -212,12 +213,13 @@ def test_varlen_calls_on_cuda_try_cupy_before_the_reference() -> None:
     registry.reload()
     try:
         for op in mf.VARLEN_OPS:
-            for dtype in ("bfloat16", "float16"):
+            for dtype in ("bfloat16", "float16", "float32"):
                 order, _ = registry.candidates(op, "cuda", dtype)
                 assert "cupy" in order and "reference" in order, (op, dtype, order)
                 assert order.index("cupy") < order.index("reference"), (op, dtype, order)
-            # float32 is not declared: numba-cuda serves it
-            assert "cupy" not in registry.candidates(op, "cuda", "float32")[0]
+                # before numba-cuda's float32 kernels, which pad the sequences
+                if "numba-cuda" in order:
+                    assert order.index("cupy") < order.index("numba-cuda"), (op, order)
     finally:
         registry.reload()
 
@@ -227,7 +229,14 @@ def test_varlen_calls_on_cuda_try_cupy_before_the_reference() -> None:
     [
         ("bfloat16", 16, (20000, 16, 128), (20000, 4, 128), (20000, 4, 128), False),
         ("float16", 3, (70, 8, 64), (90, 8, 64), (90, 8, 64), False),
-        ("float32", 3, (70, 8, 64), (90, 8, 64), (90, 8, 64), True),
+        # float32 on the exact kernels: their pairs up to 256, zero-padded between
+        ("float32", 3, (70, 8, 64), (90, 8, 64), (90, 8, 64), False),
+        ("float32", 3, (70, 8, 80), (90, 8, 80), (90, 8, 80), False),
+        ("float32", 3, (70, 8, 192), (90, 8, 192), (90, 8, 128), False),
+        ("float32", 3, (70, 8, 256), (90, 8, 256), (90, 8, 256), False),
+        ("float32", 3, (70, 8, 264), (90, 8, 264), (90, 8, 264), True),
+        ("float32", 3, (70, 8, 64), (90, 8, 64), (90, 8, 300), True),
+        ("float64", 3, (70, 8, 64), (90, 8, 64), (90, 8, 64), True),
         ("bfloat16", 3, (70, 8, 112), (90, 8, 112), (90, 8, 112), False),
         *(("float16", 3, (70, 8, d), (90, 8, d), (90, 8, d), False) for d in (32, 80, 96, 256)),
         ("bfloat16", 3, (70, 8, 128), (90, 8, 128), (90, 8, 64), False),
@@ -238,7 +247,9 @@ def test_varlen_calls_on_cuda_try_cupy_before_the_reference() -> None:
         ("bfloat16", 0, (0, 8, 64), (0, 8, 64), (0, 8, 64), False),
         ("bfloat16", 70000, (0, 8, 64), (9, 8, 64), (9, 8, 64), False),
         ("float16", 2, (5, 4, 128), (0, 2, 128), (0, 2, 128), False),
-        ("float32", 2, (5, 4, 128), (0, 2, 128), (0, 2, 128), True),
+        ("float32", 2, (5, 4, 128), (0, 2, 128), (0, 2, 128), False),
+        ("float32", 70000, (0, 8, 64), (9, 8, 64), (9, 8, 64), False),
+        ("float32", 70000, (70000, 8, 64), (70000, 8, 64), (70000, 8, 64), True),
         # launch limits: sequences (grid z), heads (grid y), 32-bit row indices of the
         # padded work arrays
         ("bfloat16", 70000, (70000, 8, 64), (70000, 8, 64), (70000, 8, 64), True),
@@ -250,8 +261,19 @@ def test_varlen_calls_on_cuda_try_cupy_before_the_reference() -> None:
     ],
 )
 def test_varlen_reasons(dtype, batches, q, k, v, declined) -> None:
-    reason = mf.varlen_reason(dtype, batches, q, k, v)
-    assert (reason is not None) == declined, reason
+    for kind in ("varlen", "backward"):
+        reason = mf.varlen_reason(dtype, batches, q, k, v, kind=kind)
+        assert (reason is not None) == declined, (kind, reason)
+
+
+def test_float32_varlen_declines_tiles_the_device_cannot_hold() -> None:
+    """The wide float32 backward tiles (up to 206 KB) on a device of compute capability 8.0
+    (163 KB a block): declined with the sizes; the forward there takes its fitting tiles."""
+    shapes = (3, (70, 8, 256), (90, 8, 256), (90, 8, 256))
+    reason = mf.varlen_reason("float32", *shapes, shared_limit=163 * 1024, kind="backward")
+    assert reason is not None and "shared memory" in reason
+    assert mf.varlen_reason("float32", 3, (70, 8, 192), (90, 8, 192), (90, 8, 192),
+                            shared_limit=163 * 1024) is None
 
 
 def test_varlen_declines_cpu_tensors_and_mixed_dtypes(monkeypatch) -> None:

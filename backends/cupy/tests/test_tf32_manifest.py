@@ -1,8 +1,8 @@
 """The cupy backend serves float32 attention at precisions "tf32" and "tf32x3" (its TF32
-kernels) and, once ``configs.F32_SERVED`` says so, at "float32" and float32 gradients at
-every precision (its exact CUDA-core kernels), leaves every other float32 call to
-numba-cuda's exact kernels, and declines the head dimensions its kernels are not built for,
-and tiles the device's shared memory cannot hold, with the reason."""
+kernels) and, once ``configs.F32_SERVED`` says so, at "float32", and float32 gradients and
+packed sequences at every precision (its exact CUDA-core kernels), leaves every other
+float32 call to numba-cuda's exact kernels, and declines the head dimensions its kernels
+are not built for, and tiles the device's shared memory cannot hold, with the reason."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def test_float32_attention_is_served_at_the_declared_precisions() -> None:
     for precision, served in (("float32", F32_SERVED), ("tf32x3", True), ("tf32", True)):
         assert backend.serves_key("attention", "cuda", "float32", precision) is served
         assert backend.serves_key("attention_vjp", "cuda", "float32", precision) is F32_SERVED
-        assert not backend.serves_key("varlen_attention", "cuda", "float32", precision)
+        for op in ("varlen_attention", "varlen_attention_vjp"):  # exact at every precision
+            assert backend.serves_key(op, "cuda", "float32", precision) is F32_SERVED
     for dtype in ("float16", "bfloat16"):  # 16-bit calls always carry "float32"
         assert backend.serves_key("attention", "cuda", dtype, "float32")
         assert backend.serves_key("attention_vjp", "cuda", dtype, "float32")

@@ -82,21 +82,30 @@ __device__ __forceinline__ void sk_f32_rows_dot(float (&acc)[R][NJ], const float
     }
 }
 
-// Forward: q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, DV] float32 by element strides
-// (16-byte aligned rows), out [B, Hq, Lq, DV] and lse [B, Hq, Lq] contiguous; the parameters
-// are sk_attn_fwd's.  Two blocks of up to four warps share a multiprocessor (eight warps:
-// one block), each lane with the registers its tiles need.  TX = 16 lanes a row group halve
-// a lane's output columns (and keys of a tile), so that eight rows a lane fit its registers
-// with eight warps a multiprocessor.  VS stages of V: with two, the next tile's V loads over
-// this tile's P V; with one (the block's shared memory within a multiprocessor's at eight
-// rows a lane), a tile's V loads over its scores.
-template <int D, int DV, int WARPS, int BN, bool MASK, int R = 4, int TX = 8, int VS = 2>
-__global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32(
+// The forward's body, for two layouts chosen at compile time (as kernels/attention.cu's).
+// Dense (VARLEN = false): q [B, Hq, Lq, D], k [B, Hk, Lk, D], v [B, Hk, Lk, DV] float32 by
+// element strides (16-byte aligned rows), out [B, Hq, Lq, DV] and lse [B, Hq, Lq] contiguous;
+// the parameters are sk_attn_fwd's.  Packed variable-length (VARLEN = true, spec "Packed
+// variable-length attention"): q [Tq, Hq, D], k [Tk, Hk, D], v [Tk, Hk, DV] by token and head
+// strides, out [Tq, Hq, DV] and lse [Tq, Hq] contiguous; batch b of the grid is sequence b,
+// whose queries are the tokens cu_q[b] .. cu_q[b + 1] and keys cu_k[b] .. cu_k[b + 1], with
+// its own lq, lk and causal offset (``offset`` 1: bottom-right alignment, 0: top-left); the
+// grid's row tiles cover the longest sequence, and a shorter one's blocks past its first
+// tile return at once, its last tile taking the index the dense last tile takes.  Each lane
+// has the registers its tiles need (two blocks of up to four warps a multiprocessor, one of
+// eight: the wrappers' launch bounds).  TX = 16 lanes a row group halve a lane's output
+// columns (and keys of a tile), so that eight rows a lane fit its registers with eight warps
+// a multiprocessor.  VS stages of V: with two, the next tile's V loads over this tile's P V;
+// with one (the block's shared memory within a multiprocessor's at eight rows a lane), a
+// tile's V loads over its scores.
+template <int D, int DV, int WARPS, int BN, bool MASK, int R, int TX, int VS, bool VARLEN>
+__device__ __forceinline__ void sk_attn_fwd_f32_body(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const unsigned* __restrict__ mask, float* __restrict__ out, float* __restrict__ lse,
-    long long q_sb, long long q_sh, long long q_sl, long long k_sb, long long k_sh,
-    long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
-    long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
+    const long long* __restrict__ cu_q, const long long* __restrict__ cu_k, long long q_sb,
+    long long q_sh, long long q_sl, long long k_sb, long long k_sh, long long k_sl,
+    long long v_sb, long long v_sh, long long v_sl, long long m_sb, long long m_sh,
+    long long m_sq, int hq, int hk, int lq, int lk,
     float scale, float softcap, int offset, int causal, int left, int right) {
     static_assert(TX == 8 || TX == 16, "a row group of eight or sixteen lanes");
     constexpr int TY = 32 / TX;  // row groups a warp
@@ -123,9 +132,25 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
     int m0, h, b;
     sk_row_block(causal, BM, m0, h, b);
     const int kh = h / (hq / hk);
-    const float* qb = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
-    const float* kb = k + b * k_sb + kh * k_sh;
-    const float* vb = v + b * v_sb + kh * v_sh;
+    const float *qb, *kb, *vb;
+    if constexpr (VARLEN) {
+        const long long q_tok = cu_q[b], k_tok = cu_k[b];
+        lq = static_cast<int>(cu_q[b + 1] - q_tok);
+        lk = static_cast<int>(cu_k[b + 1] - k_tok);
+        offset = offset ? lk - lq : 0;
+        const int tiles = causal == SK_LONGEST_FIRST ? gridDim.z : gridDim.x;
+        m0 -= (tiles - (lq + BM - 1) / BM) * BM;
+        if (m0 < 0) return;  // past this sequence's first tile
+        qb = q + (q_tok + m0) * q_sl + h * q_sh;
+        kb = k + k_tok * k_sl + kh * k_sh;
+        vb = v + k_tok * v_sl + kh * v_sh;
+        out += q_tok * hq * DV;  // the sequence's rows of out [Tq, Hq, DV] and lse [Tq, Hq]
+        lse += q_tok * hq;
+    } else {
+        qb = q + b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
+        kb = k + b * k_sb + kh * k_sh;
+        vb = v + b * v_sb + kh * v_sh;
+    }
     const unsigned* mb = MASK && mask ? mask + b * m_sb + h * m_sh : nullptr;
 
     int n_lo, n_hi;  // keys any row of this block may see
@@ -278,7 +303,8 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
         const int row = m0 + r0 + TY * i;
         if (row < lq) {
             const float inv = l == 0.0f ? 0.0f : 1.0f / l;  // a NaN sum stays NaN
-            const long long at = (static_cast<long long>(b) * hq + h) * lq + row;
+            const long long at = VARLEN ? static_cast<long long>(row) * hq + h
+                                        : (static_cast<long long>(b) * hq + h) * lq + row;
             float* orow = out + at * DV;
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
@@ -289,6 +315,37 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
             if (lse && tx == 0) lse[at] = l == 0.0f ? -SK_INF : (row_max[i] + log2f(l)) * SK_LN2;
         }
     }
+}
+
+// The dense forward (the body's dense layout).  Two blocks of up to four warps share a
+// multiprocessor; eight warps take one.
+template <int D, int DV, int WARPS, int BN, bool MASK, int R = 4, int TX = 8, int VS = 2>
+__global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const unsigned* __restrict__ mask, float* __restrict__ out, float* __restrict__ lse,
+    long long q_sb, long long q_sh, long long q_sl, long long k_sb, long long k_sh,
+    long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
+    long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
+    float scale, float softcap, int offset, int causal, int left, int right) {
+    sk_attn_fwd_f32_body<D, DV, WARPS, BN, MASK, R, TX, VS, false>(
+        q, k, v, mask, out, lse, nullptr, nullptr, q_sb, q_sh, q_sl, k_sb, k_sh, k_sl, v_sb,
+        v_sh, v_sl, m_sb, m_sh, m_sq, hq, hk, lq, lk, scale, softcap, offset, causal, left,
+        right);
+}
+
+// The packed variable-length forward (the body's packed layout): the grid of the dense
+// forward for B sequences as long as the longest (softmaxkit_cupy.attention.forward_grid),
+// the parameters sk_attn_fwd_varlen's (kernels/attention.cu).
+template <int D, int DV, int WARPS, int BN, int R = 4, int TX = 8, int VS = 2>
+__global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32_varlen(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const long long* __restrict__ cu_q, const long long* __restrict__ cu_k,
+    float* __restrict__ out, float* __restrict__ lse, long long q_st, long long q_sh,
+    long long k_st, long long k_sh, long long v_st, long long v_sh, int hq, int hk,
+    float scale, float softcap, int bottom_right, int causal, int left, int right) {
+    sk_attn_fwd_f32_body<D, DV, WARPS, BN, false, R, TX, VS, true>(
+        q, k, v, nullptr, out, lse, cu_q, cu_k, 0, q_sh, q_st, 0, k_sh, k_st, 0, v_sh, v_st,
+        0, 0, 0, hq, hk, 0, 0, scale, softcap, bottom_right, causal, left, right);
 }
 
 // dst[i] = src[i], i < N: N consecutive floats of shared memory as float4 (or float2) reads
@@ -328,19 +385,27 @@ __host__ __device__ constexpr int sk_gcd(int a, int b) { return b == 0 ? a : sk_
 // gives lse2 = lse log2 e (+inf for a row with no allowed key and for padding rows, so their
 // P is 0) and delta = rowsum(dO O) - dlse, both [B * Hq, lq_pad], and scales dQ's buffer.
 
+// The backward's body, for two layouts chosen at compile time.  Dense (VARLEN = false):
 // q [B, Hq, Lq, D], dO [B, Hq, Lq, DV], k [B, Hk, Lk, D], v [B, Hk, Lk, DV] float32 by element
 // strides (16-byte aligned rows); lse2, delta [B * Hq, lq_pad], dq_acc [B * Hq, lq_pad, D]
-// (zeroed); dk [B, Hk, Lk, D], dv [B, Hk, Lk, DV] contiguous.
-template <int D, int DV, int WARPS, int BM, bool MASK, int KL = 4>
-__global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_bwd_f32(
+// (zeroed); dk [B, Hk, Lk, D], dv [B, Hk, Lk, DV] contiguous.  Packed variable-length
+// (VARLEN = true): q, dO [Tq, Hq, .], k, v [Tk, Hk, .] by token and head strides, dk, dv
+// and dq_acc (zeroed) [T., H., .] contiguous, batch b of the grid sequence b (as in the
+// forward's body); its rows of lse2 and delta [Hq, tpad] start at cu_pad[b] in each head's
+// tpad (``lq_pad``) rows, cu_pad holding the query lengths rounded up to BM, summed
+// (sk_attn_bwd_pre_varlen's layout); the blocks past a sequence's keys return.
+template <int D, int DV, int WARPS, int BM, bool MASK, int KL, bool VARLEN>
+__device__ __forceinline__ void sk_attn_bwd_f32_body(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const float* __restrict__ dout, const unsigned* __restrict__ mask,
     const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
-    float* __restrict__ dk, float* __restrict__ dv, long long q_sb, long long q_sh,
-    long long q_sl, long long k_sb, long long k_sh, long long k_sl, long long v_sb,
-    long long v_sh, long long v_sl, long long g_sb, long long g_sh, long long g_sl,
-    long long m_sb, long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
-    int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
+    float* __restrict__ dk, float* __restrict__ dv, const long long* __restrict__ cu_q,
+    const long long* __restrict__ cu_k, const long long* __restrict__ cu_pad, long long q_sb,
+    long long q_sh, long long q_sl, long long k_sb, long long k_sh, long long k_sl,
+    long long v_sb, long long v_sh, long long v_sl, long long g_sb, long long g_sh,
+    long long g_sl, long long m_sb, long long m_sh, long long m_sq, int hq, int hk, int lq,
+    int lk, int lq_pad, float scale, float softcap, int offset, int causal, int left,
+    int right) {
     static_assert(D % 32 == 0 && DV % 32 == 0, "eight lanes cover 32 columns");
     static_assert(BM % 8 == 0, "whole query groups a lane");
     constexpr int BN = 4 * KL * WARPS;
@@ -361,8 +426,25 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_bwd_f32
     const int ty = lane / 8, tx = lane % 8;
     const int n0 = blockIdx.x * BN, kh = blockIdx.y, b = blockIdx.z;
     const int group = hq / hk;
-    const float* kb = k + b * k_sb + kh * k_sh + static_cast<long long>(n0) * k_sl;
-    const float* vb = v + b * v_sb + kh * v_sh + static_cast<long long>(n0) * v_sl;
+    // the sequence's first query and key tokens and first row of lse2 and delta (packed), or
+    // the batch's first row of lse2, delta and dq_acc (dense)
+    long long q_tok = 0, k_tok = 0, row0 = static_cast<long long>(b) * hq * lq_pad;
+    if constexpr (VARLEN) {
+        q_tok = cu_q[b], k_tok = cu_k[b], row0 = cu_pad[b];
+        lq = static_cast<int>(cu_q[b + 1] - q_tok);
+        lk = static_cast<int>(cu_k[b + 1] - k_tok);
+        offset = offset ? lk - lq : 0;
+        if (n0 >= lk) return;  // past this sequence's keys
+        dk += k_tok * hk * D;  // the sequence's rows of dk and dv [Tk, Hk, .]
+        dv += k_tok * hk * DV;
+    } else {
+        q += b * q_sb;
+        dout += b * g_sb;
+        k += b * k_sb;
+        v += b * v_sb;
+    }
+    const float* kb = k + (k_tok + n0) * k_sl + kh * k_sh;
+    const float* vb = v + (k_tok + n0) * v_sl + kh * v_sh;
 
     int m_lo, m_hi;  // query rows any key of this tile may be seen by
     sk_seeing_queries(n0, min(n0 + BN, lk), lq, offset, causal, left, right, m_lo, m_hi);
@@ -373,11 +455,11 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_bwd_f32
     auto load_stage = [&](int it, int st) {
         const int h = kh * group + it / tiles;
         const int m0 = (t_lo + it % tiles) * BM;
-        const long long qo = b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
-        const long long go = b * g_sb + h * g_sh + static_cast<long long>(m0) * g_sl;
+        const long long qo = h * q_sh + (q_tok + m0) * q_sl;
+        const long long go = h * g_sh + (q_tok + m0) * g_sl;
         sk_load_padded<BM, D, THREADS>(sq + st * BM * KW, q + qo, q_sl, lq - m0);
         sk_load_padded<BM, DV, THREADS>(sg + st * BM * VW, dout + go, g_sl, lq - m0);
-        const long long ro = (static_cast<long long>(b) * hq + h) * lq_pad + m0;
+        const long long ro = row0 + static_cast<long long>(h) * lq_pad + m0;
         for (int c = threadIdx.x; c < BM / 2; c += THREADS) {  // BM / 4 chunks of each
             const bool is_l = c < BM / 4;
             const int cc = is_l ? c : c - BM / 4;
@@ -529,8 +611,12 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_bwd_f32
             }
 #pragma unroll
             for (int i = 0; i < QL; ++i) {
-                float* qrow = dq_acc + ((static_cast<long long>(b) * hq + h) * lq_pad + m0 + q0 +
-                                        i) * D;
+                const int row = m0 + q0 + i;
+                // packed: no padding rows, so a tile's rows past the sequence add nothing
+                if (VARLEN && row >= lq) break;
+                const long long at = VARLEN ? (q_tok + row) * hq + h
+                                            : row0 + static_cast<long long>(h) * lq_pad + row;
+                float* qrow = dq_acc + at * D;
 #pragma unroll
                 for (int c = 0; c < NQ; ++c) {
                     sk_red_add2(qrow + c0 + 32 * c, acc[i][c][0], acc[i][c][1]);
@@ -547,7 +633,8 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_bwd_f32
     for (int i = 0; i < KL; ++i) {
         const int j = n0 + w0 + ty + 4 * i;
         if (j < lk) {
-            const long long row = (static_cast<long long>(b) * hk + kh) * lk + j;
+            const long long row = VARLEN ? static_cast<long long>(j) * hk + kh
+                                         : (static_cast<long long>(b) * hk + kh) * lk + j;
 #pragma unroll
             for (int c = 0; c < NK; ++c) {
                 *reinterpret_cast<float4*>(dk + row * D + 4 * tx + 32 * c) =
@@ -562,4 +649,40 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_bwd_f32
             }
         }
     }
+}
+
+// The dense backward (the body's dense layout); the parameters are sk_attn_bwd's
+// (kernels/attention_bwd.cu).
+template <int D, int DV, int WARPS, int BM, bool MASK, int KL = 4>
+__global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_bwd_f32(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ dout, const unsigned* __restrict__ mask,
+    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    float* __restrict__ dk, float* __restrict__ dv, long long q_sb, long long q_sh,
+    long long q_sl, long long k_sb, long long k_sh, long long k_sl, long long v_sb,
+    long long v_sh, long long v_sl, long long g_sb, long long g_sh, long long g_sl,
+    long long m_sb, long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
+    int lq_pad, float scale, float softcap, int offset, int causal, int left, int right) {
+    sk_attn_bwd_f32_body<D, DV, WARPS, BM, MASK, KL, false>(
+        q, k, v, dout, mask, lse2, delta, dq_acc, dk, dv, nullptr, nullptr, nullptr, q_sb,
+        q_sh, q_sl, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, g_sb, g_sh, g_sl, m_sb, m_sh, m_sq,
+        hq, hk, lq, lk, lq_pad, scale, softcap, offset, causal, left, right);
+}
+
+// The packed variable-length backward (the body's packed layout): grid (key tiles of the
+// longest sequence, Hk, B); the parameters sk_attn_bwd_varlen's (kernels/attention_bwd.cu).
+template <int D, int DV, int WARPS, int BM, int KL = 4>
+__global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_bwd_f32_varlen(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ dout, const long long* __restrict__ cu_q,
+    const long long* __restrict__ cu_k, const long long* __restrict__ cu_pad,
+    const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    float* __restrict__ dk, float* __restrict__ dv, long long q_st, long long q_sh,
+    long long k_st, long long k_sh, long long v_st, long long v_sh, long long g_st,
+    long long g_sh, int hq, int hk, int tpad, float scale, float softcap, int bottom_right,
+    int causal, int left, int right) {
+    sk_attn_bwd_f32_body<D, DV, WARPS, BM, false, KL, true>(
+        q, k, v, dout, nullptr, lse2, delta, dq_acc, dk, dv, cu_q, cu_k, cu_pad, 0, q_sh, q_st,
+        0, k_sh, k_st, 0, v_sh, v_st, 0, g_sh, g_st, 0, 0, 0, hq, hk, 0, 0, tpad, scale,
+        softcap, bottom_right, causal, left, right);
 }

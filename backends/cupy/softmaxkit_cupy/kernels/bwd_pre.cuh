@@ -2,7 +2,9 @@
 // backward (attention_bwd.cu; the Hopper kernel's too) and of the float32 ones
 // (attention_f32.cu, attention_tf32.cu): per query row, lse in log2 units (+inf for a row
 // with no allowed key, so its P is exactly 0) and delta = rowsum(dO * O) - dlse (the lse's
-// cotangent, where the loss uses the lse), both padded to whole query tiles.
+// cotangent, where the loss uses the lse), both padded to whole query tiles: of each
+// (batch, head) of a dense batch (sk_attn_bwd_pre), of each sequence of packed ones
+// (sk_attn_bwd_pre_varlen).
 #pragma once
 #include "common.cuh"
 
@@ -74,5 +76,43 @@ __global__ void __launch_bounds__(256) sk_attn_bwd_pre(
     sk_bwd_pre_row<T, G>(lse, dlse, bh * lq + i,
                          [&] { return out + b * o_sb + h * o_sh + i * o_sl + c * 8; },
                          [&] { return dout + b * g_sb + h * g_sh + i * g_sl + c * 8; }, row,
+                         chunk, live, c, r, lse2, delta);
+}
+
+// The sequence b whose span cu[b] <= x < cu[b + 1] holds x, for cumulative offsets cu [B + 1]
+// and 0 <= x < cu[B] (empty spans, cu[b] == cu[b + 1], never hold x).
+__device__ __forceinline__ int sk_sequence_of(const long long* __restrict__ cu, int batches,
+                                              long long x) {
+    int lo = 0, hi = batches;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (cu[mid] <= x) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+// sk_attn_bwd_pre for packed sequences: one group of sk_pre_group(D) threads per row of
+// [Hq, tpad], the rows of sequence b starting at cu_pad[b] in each head's tpad rows; out, dout
+// [Tq, Hq, D] by token and head strides, lse and dlse (or null) [Tq, Hq] contiguous.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) sk_attn_bwd_pre_varlen(
+    const T* __restrict__ out, const T* __restrict__ dout, const float* __restrict__ lse,
+    const float* __restrict__ dlse, float* __restrict__ lse2, float* __restrict__ delta,
+    const long long* __restrict__ cu_q, const long long* __restrict__ cu_pad, long long o_st,
+    long long o_sh, long long g_st, long long g_sh, int hq, int batches, int tpad,
+    long long rows) {
+    constexpr int G = sk_pre_group(D);
+    const long long r = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) / G;
+    const int c = threadIdx.x % G;
+    const bool chunk = G == D / 8 || c < D / 8;  // a thread with a chunk of the row
+    const bool live = r < rows;
+    const int h = live ? static_cast<int>(r / tpad) : 0;
+    const long long p = live ? r % tpad : 0;
+    const int b = sk_sequence_of(cu_pad, batches, p);
+    const long long tok = cu_q[b] + (p - cu_pad[b]);
+    const bool row = live && tok < cu_q[b + 1];
+    sk_bwd_pre_row<T, G>(lse, dlse, tok * hq + h,
+                         [&] { return out + tok * o_st + h * o_sh + c * 8; },
+                         [&] { return dout + tok * g_st + h * g_sh + c * 8; }, row,
                          chunk, live, c, r, lse2, delta);
 }
