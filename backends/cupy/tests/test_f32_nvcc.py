@@ -28,6 +28,8 @@ from softmaxkit_cupy.configs import (
     f32_config,
     f32_names,
     f32_shape,
+    f32_varlen_backward_names,
+    f32_varlen_names,
 )
 
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists()
@@ -94,6 +96,7 @@ def test_f32_kernels_build_without_spills(
         ptxas: Callable[[str, Sequence[str], str], Any], arch: str, tmp_path: Path) -> None:
     # the alternatives are timed on a sm_90 device (tools/tf32_timing.py): built for it only
     names = (*f32_names(), *f32_backward_names(), *f32_backward_pre_names(),
+             *f32_varlen_names(), *f32_varlen_backward_names(),
              *(f32_alternative_names() if arch == "90a" else ()))
     declared = {n for f, ns in all_modules() if f == "attention_f32.cu" for n in ns}
     assert declared <= set(names), "every declared instantiation goes through ptxas here"
