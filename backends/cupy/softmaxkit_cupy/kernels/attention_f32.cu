@@ -426,25 +426,23 @@ __device__ __forceinline__ void sk_attn_bwd_f32_body(
     const int ty = lane / 8, tx = lane % 8;
     const int n0 = blockIdx.x * BN, kh = blockIdx.y, b = blockIdx.z;
     const int group = hq / hk;
-    // the sequence's first query and key tokens and first row of lse2 and delta (packed), or
-    // the batch's first row of lse2, delta and dq_acc (dense)
-    long long q_tok = 0, k_tok = 0, row0 = static_cast<long long>(b) * hq * lq_pad;
+    // packed: the sequence's first query and key tokens and first row of lse2 and delta
+    long long q_tok = 0, k_tok = 0, row0 = 0;
+    const float *kb, *vb;
     if constexpr (VARLEN) {
         q_tok = cu_q[b], k_tok = cu_k[b], row0 = cu_pad[b];
         lq = static_cast<int>(cu_q[b + 1] - q_tok);
         lk = static_cast<int>(cu_k[b + 1] - k_tok);
         offset = offset ? lk - lq : 0;
         if (n0 >= lk) return;  // past this sequence's keys
+        kb = k + (k_tok + n0) * k_sl + kh * k_sh;
+        vb = v + (k_tok + n0) * v_sl + kh * v_sh;
         dk += k_tok * hk * D;  // the sequence's rows of dk and dv [Tk, Hk, .]
         dv += k_tok * hk * DV;
     } else {
-        q += b * q_sb;
-        dout += b * g_sb;
-        k += b * k_sb;
-        v += b * v_sb;
+        kb = k + b * k_sb + kh * k_sh + static_cast<long long>(n0) * k_sl;
+        vb = v + b * v_sb + kh * v_sh + static_cast<long long>(n0) * v_sl;
     }
-    const float* kb = k + (k_tok + n0) * k_sl + kh * k_sh;
-    const float* vb = v + (k_tok + n0) * v_sl + kh * v_sh;
 
     int m_lo, m_hi;  // query rows any key of this tile may be seen by
     sk_seeing_queries(n0, min(n0 + BN, lk), lq, offset, causal, left, right, m_lo, m_hi);
@@ -455,11 +453,14 @@ __device__ __forceinline__ void sk_attn_bwd_f32_body(
     auto load_stage = [&](int it, int st) {
         const int h = kh * group + it / tiles;
         const int m0 = (t_lo + it % tiles) * BM;
-        const long long qo = h * q_sh + (q_tok + m0) * q_sl;
-        const long long go = h * g_sh + (q_tok + m0) * g_sl;
+        const long long qo = VARLEN ? h * q_sh + (q_tok + m0) * q_sl
+                                    : b * q_sb + h * q_sh + static_cast<long long>(m0) * q_sl;
+        const long long go = VARLEN ? h * g_sh + (q_tok + m0) * g_sl
+                                    : b * g_sb + h * g_sh + static_cast<long long>(m0) * g_sl;
         sk_load_padded<BM, D, THREADS>(sq + st * BM * KW, q + qo, q_sl, lq - m0);
         sk_load_padded<BM, DV, THREADS>(sg + st * BM * VW, dout + go, g_sl, lq - m0);
-        const long long ro = row0 + static_cast<long long>(h) * lq_pad + m0;
+        const long long ro = VARLEN ? row0 + static_cast<long long>(h) * lq_pad + m0
+                                    : (static_cast<long long>(b) * hq + h) * lq_pad + m0;
         for (int c = threadIdx.x; c < BM / 2; c += THREADS) {  // BM / 4 chunks of each
             const bool is_l = c < BM / 4;
             const int cc = is_l ? c : c - BM / 4;
@@ -611,12 +612,12 @@ __device__ __forceinline__ void sk_attn_bwd_f32_body(
             }
 #pragma unroll
             for (int i = 0; i < QL; ++i) {
-                const int row = m0 + q0 + i;
-                // packed: no padding rows, so a tile's rows past the sequence add nothing
-                if (VARLEN && row >= lq) break;
-                const long long at = VARLEN ? (q_tok + row) * hq + h
-                                            : row0 + static_cast<long long>(h) * lq_pad + row;
-                float* qrow = dq_acc + at * D;
+                // packed: dq's rows without padding, so a tile's rows past the sequence add
+                // nothing
+                if (VARLEN && m0 + q0 + i >= lq) break;
+                float* qrow = dq_acc + (VARLEN ? (q_tok + m0 + q0 + i) * hq + h
+                                               : (static_cast<long long>(b) * hq + h) * lq_pad +
+                                                     m0 + q0 + i) * D;
 #pragma unroll
                 for (int c = 0; c < NQ; ++c) {
                     sk_red_add2(qrow + c0 + 32 * c, acc[i][c][0], acc[i][c][1]);
