@@ -90,7 +90,8 @@ def manifest() -> dict[str, Any]:
             # precision (none asks for more)
             {"ops": list(VARLEN_OPS), "devices": ["cuda"],
              "dtypes": [*ATTENTION_DTYPES, *(["float32"] if F32_SERVED else [])]},
-            {"ops": ["paged_attention"], "devices": ["cuda"], "dtypes": list(ATTENTION_DTYPES)},
+            {"ops": ["paged_attention"], "devices": ["cuda"],
+             "dtypes": [*ATTENTION_DTYPES, *(["float32"] if F32_SERVED else [])]},
         ],
         "kernels": kernels,
         "priority": PRIORITY,
@@ -320,16 +321,20 @@ def paged_reason(
     holds at most ``DECODE_ROWS`` query rows (``Hq / Hk`` heads times ``Lq`` queries) per key
     head; a longer chunked prefill runs on the dense attention kernels over the gathered pages
     (:mod:`.paged`), whose limits then apply.  Calls with no query row or no page in the table
-    run without a launch, at the dtypes and head dimensions the kernel serves.
+    run without a launch, at the dtypes and head dimensions the kernel serves.  float32 calls
+    run on the exact dense kernels over the gathered pages (:func:`f32_reason`'s limits).
     """
-    if dtype not in ATTENTION_DTYPES:
-        return f"the paged attention kernel takes {ATTENTION_DTYPES}, not {dtype}"
     b, hq, lq, d = q_shape
     pages, hk, page_size, _ = k_shape
+    capacity = table_shape[1] * page_size
+    if dtype == "float32" and F32_SERVED:
+        return f32_reason((b, hq, lq, d), (b, hk, capacity, d), (b, hk, capacity, v_shape[-1]),
+                          shared_limit)
+    if dtype not in ATTENTION_DTYPES:
+        return f"the paged attention kernel takes {ATTENTION_DTYPES}, not {dtype}"
     reason = head_dim_reason(d, v_shape[-1])
     if reason:
         return reason
-    capacity = table_shape[1] * page_size
     if b * hq * lq == 0 or capacity == 0:
         return None  # no launch, so no launch limit applies
     if not decode_holds(hq, hk, lq):  # a long chunked prefill: the dense kernels' limits

@@ -28,7 +28,8 @@ The decode kernel holds at most ``DECODE_ROWS`` query rows (``Hq / Hk`` heads ti
 queries) per key head.  A longer chunked prefill runs on the dense attention kernels instead:
 the pages in use gathered into a dense cache, each sequence's length and bottom-right
 alignment as a boolean mask (:mod:`softmaxkit.paged_cache`), at the cost of a copy of those
-pages and a ``[B, Lq, max_pages * S]`` mask.
+pages and a ``[B, Lq, max_pages * S]`` mask.  So do float32 calls, on the exact float32
+kernels (:mod:`.attention_f32`; the decode kernel is 16-bit).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def paged_attention(
     xp : namespace
         The caller's array namespace.
     q : array
-        ``[B, Hq, Lq, D]``, bfloat16 or float16.
+        ``[B, Hq, Lq, D]``, bfloat16, float16 or float32.
     k_pages, v_pages : array
         ``[P, Hk, S, D]`` and ``[P, Hk, S, Dv]`` in q's dtype, ``D, Dv <= 256``.  At head
         dimensions the kernel is not built for (:mod:`.head_dims`) a pool narrower than the
@@ -159,7 +160,7 @@ def paged_attention(
     if capacity == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
         return (interop.zeros(q, (b, hq, lq, dv), dtype),
                 interop.full(q, (b, hq, lq), -math.inf, "float32") if return_lse else None)
-    if not decode_holds(hq, int(k_pages.shape[1]), lq):
+    if dtype == "float32" or not decode_holds(hq, int(k_pages.shape[1]), lq):
         return _prefill(xp, q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table,
                         seqlens=seqlens, scale=scale, causal=causal, window=window,
                         softcap=softcap, return_lse=return_lse)
@@ -175,9 +176,10 @@ def _prefill(
     scale: float, causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
 ) -> tuple[Any, Any]:
     """A call with more query rows per key head than the decode kernel holds (a long chunked
-    prefill): the dense attention kernels on the pages in use, gathered, with each sequence's
-    length and bottom-right alignment as a mask (:mod:`softmaxkit.paged_cache`; head
-    dimensions as :func:`.attention.attention` serves them, padded there if need be)."""
+    prefill), or of float32: the dense attention kernels on the pages in use, gathered, with
+    each sequence's length and bottom-right alignment as a mask
+    (:mod:`softmaxkit.paged_cache`; head dimensions as :func:`.attention.attention` serves
+    them, padded there if need be)."""
     with interop.on_device(q):
         k, v, mask = dense_operands(xp, q=q, k_pages=k_pages, v_pages=v_pages,
                                     block_table=block_table, seqlens=seqlens, causal=causal,

@@ -323,3 +323,37 @@ def test_varlen_on_the_host(varlen_kernels, host_kernels, monkeypatch, d: int, d
         if lq == 0:  # its keys: zero gradients
             keys = slice(cu_k[b], cu_k[b + 1])
             assert all(np.all(g.numpy()[keys] == 0) for g in grads[1:]), b
+
+
+@pytest.mark.parametrize(("lq", "causal", "window"), [(1, True, (-1, -1)), (5, True, (6, -1)),
+                                                      (3, False, (-1, -1))])
+def test_paged_on_the_host(host_launches, lq: int, causal: bool,
+                           window: tuple[int, int]) -> None:
+    """float32 paged attention through its adapter (``softmaxkit_cupy.paged``: the pages in
+    use gathered, each sequence's length and alignment a mask, the exact dense kernel on the
+    host), grouped queries, a sequence without keys, NaN in every unused page slot: within
+    the float32 row of the tolerances of the float64 definition, out 0 and lse -inf on rows
+    with no allowed key."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import paged
+
+    from softmaxkit.testing.paged_cases import make_cache, paged_definition
+
+    rng = np.random.default_rng(lq)
+    k, v, table, lens = make_cache(rng, [70, 0, 33], 16, 2, 64, 64)
+    q = rng.normal(size=(3, 4, lq, 64))
+    q, k, v = (a.astype(np.float32) for a in (q, k, v))
+    out, lse = paged.paged_attention(
+        xp, q=torch.from_numpy(q), k_pages=torch.from_numpy(k), v_pages=torch.from_numpy(v),
+        block_table=torch.from_numpy(table), seqlens=torch.from_numpy(lens), scale=0.125,
+        causal="bottom_right" if causal else None, window=window, softcap=None,
+        return_lse=True)
+    want, want_lse = paged_definition(*(a.astype(np.float64) for a in (q, k, v)), table, lens,
+                                      causal=causal, window=window)[:2]
+    got, got_lse = out.numpy().astype(np.float64), lse.numpy().astype(np.float64)
+    empty = want_lse == -np.inf
+    assert np.all(got[empty] == 0) and np.all(got_lse[empty] == -np.inf)
+    out_tol, lse_tol, _ = ATTENTION_TOLERANCES["float32"]
+    assert ref.rel_frobenius(got, want) <= out_tol
+    assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol
