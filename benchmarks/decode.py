@@ -6,7 +6,9 @@ default), eager calls as a user makes them, side by side in one process with
 
 * ``sk.attention`` through the default dispatch (``ran on`` names the backend and kernel);
 * ``sk.paged_attention`` on the same keys and values in shuffled pages of ``--page-size``;
-* ``torch.nn.functional.scaled_dot_product_attention`` under its flash and cuDNN backends;
+* ``torch.nn.functional.scaled_dot_product_attention`` under its flash, cuDNN and
+  memory-efficient backends (each where it runs the case: float32 on the last alone);
+* with ``--compare BACKEND``, both softmaxkit calls on that backend alone;
 * a device-to-device copy of 1 GiB, whose bytes (read + written) over its time is the copy
   bandwidth the others are compared with.
 
@@ -20,6 +22,7 @@ Run on a GPU::
 
     python benchmarks/decode.py
     python benchmarks/decode.py --dims 64 128 256 --dtypes bfloat16 float16 --out decode.md
+    python benchmarks/decode.py --dtypes float32 --batch 8 --keys 8192 --compare numba-cuda
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import argparse
 import sys
 from typing import Any
 
-BOUNDS = {"bfloat16": 2e-2, "float16": 4e-3}
+BOUNDS = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-5}
 """Largest relative error (Frobenius norm) of an output against float64 per dtype."""
 
 
@@ -91,7 +94,7 @@ def paged(k: Any, v: Any, page_size: int, seed: int) -> tuple[Any, Any, Any]:
 
 
 def run(dtype_name: str, d: int, sizes: tuple[int, int, int, int], page_size: int,
-        copy: float) -> tuple[list[str], bool]:
+        copy: float, compare: str | None = None) -> tuple[list[str], bool]:
     """Rows of the table for one dtype and head dim, and whether every check passed."""
     import torch
     import torch.nn.functional as F
@@ -114,6 +117,10 @@ def run(dtype_name: str, d: int, sizes: tuple[int, int, int, int], page_size: in
         f"sk.paged_attention (pages of {page_size})":
             lambda: sk.paged_attention(q, k_pages, v_pages, table, lens),
     }
+    if compare is not None:  # the same calls on that backend alone
+        calls[f"sk.attention on {compare}"] = lambda: sk.attention(q, k, v, backend=compare)
+        calls[f"sk.paged_attention on {compare}"] = lambda: sk.paged_attention(
+            q, k_pages, v_pages, table, lens, backend=compare)
     lines, ok = [], True
     for name, fn in calls.items():
         with sk.backend_opts(trace=True) as trace:
@@ -123,7 +130,8 @@ def run(dtype_name: str, d: int, sizes: tuple[int, int, int, int], page_size: in
         t = timed(fn)
         lines.append(f"| {dtype_name} | {d} | {name} | {ran} | {err:.1e} | {t * 1e6:.0f} | "
                      f"{nbytes / t / 1e9:.0f} | {100 * nbytes / t / copy:.1f}% |")
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION):
         def peer(backend: Any = backend) -> Any:
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -149,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HK"))
     parser.add_argument("--keys", type=int, default=32768)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--compare", help="also time the calls on this backend alone")
     parser.add_argument("--out", help="also write the markdown table to this file")
     opts = parser.parse_args(argv)
     if opts.keys % opts.page_size:
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for dtype in opts.dtypes:
         for d in opts.dims:
-            rows, ok = run(dtype, d, sizes, opts.page_size, copy)
+            rows, ok = run(dtype, d, sizes, opts.page_size, copy, opts.compare)
             failed = failed or not ok
             lines += rows
             print("\n".join(rows), flush=True)

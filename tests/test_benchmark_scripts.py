@@ -97,6 +97,28 @@ def test_varlen_check_measures_the_error_against_float64():
     assert varlen.check("float16", 32, False, device="cpu") < err
 
 
+def test_varlen_padded_batch_holds_each_sequence():
+    """The varlen benchmark's padded peer: each sequence's rows of the padded batch's
+    attention (top-left causal, the padding keys past the diagonal) are the packed call's
+    (float64 on the CPU), and its gradient call runs."""
+    import torch
+
+    import softmaxkit as sk
+
+    varlen = _load("varlen")
+    lens = [5, 9, 1]
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(sum(lens), 2, 8, generator=g, dtype=torch.float64)
+                     for _ in range(4))
+    forward, backward = varlen.padded_calls(q, k, v, dout, lens, True)
+    out, _ = forward()
+    cu = torch.tensor([0, 5, 14, 15])
+    packed = sk.varlen_attention(q, k, v, cu, cu, causal="top_left")
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(out[b, :, :n].transpose(0, 1), packed[cu[b]:cu[b] + n])
+    assert all(tuple(g.shape) == (3, 2, 9, 8) for g in backward())
+
+
 def test_attention_calls_runs_and_checks(capsys):
     """The host-cost benchmark checks softmaxkit against torch in float64 before it times,
     and prints a row per head dim and kind of call."""
