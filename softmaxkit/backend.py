@@ -55,9 +55,27 @@ def _warn(message: str) -> None:
     warnings.warn(message, BackendWarning, stacklevel=level)
 
 
+_NOTICES = (DeprecationWarning, PendingDeprecationWarning, ImportWarning)
+"""Warnings Python ignores by default outside ``__main__``: what a backend's dependencies say
+about themselves as they import."""
+
+
+def importing(load: Callable[[], Any]) -> Any:
+    """``load()`` (an import of a backend's manifest, kernel or hook) with the notices of
+    :data:`_NOTICES` ignored, as Python's default filters ignore them, whatever filters the
+    caller set.  Imports happen at the first call that needs them, often under a caller's
+    ``warnings.simplefilter("error")`` (a test suite's ``-W error``): a dependency's
+    deprecation notice raised there would lose the backend for the session, and the calls
+    would fall back to a slower one.  Other warnings keep the caller's filters."""
+    with warnings.catch_warnings():
+        for category in _NOTICES:
+            warnings.simplefilter("ignore", category)
+        return load()
+
+
 def _load(path: str) -> Any:
     module, _, qualname = path.partition(":")
-    obj: Any = importlib.import_module(module)
+    obj: Any = importing(lambda: importlib.import_module(module))
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj

@@ -89,6 +89,7 @@ from .backend import (  # noqa: F401 - re-exported: the registry's public names
     NoBackendError,
     _load,
     _warn,
+    importing,
     logger,
 )
 from .dtypes import dtype_name
@@ -127,9 +128,9 @@ def _discover() -> dict[str, Backend]:
         eps = []
     for ep in sorted(eps, key=lambda e: (e.name != REFERENCE, e.value)):
         try:
-            manifest = ep.load()
+            manifest = importing(ep.load)
             backend = Backend.from_manifest(
-                manifest() if callable(manifest) else manifest, source=ep.value
+                importing(manifest) if callable(manifest) else manifest, source=ep.value
             )
         except Exception as exc:
             reason = f"{ep.value} could not be loaded: {type(exc).__name__}: {exc}"

@@ -450,3 +450,60 @@ def test_broken_plugins_warn_once_and_are_skipped(tmp_path):
     x = np.linspace(-3.0, 3.0, 12).reshape(3, 4)
     for y in out["ys"]:
         assert_close(np.array(y), softmax64(x), "float64", "softmax")
+
+
+NOTICING = {
+    "manifests.py": '''
+import warnings
+warnings.warn("a dependency's notice", DeprecationWarning)
+
+def manifest():
+    warnings.warn("another", PendingDeprecationWarning)
+    return {"name": "noticing", "priority": 50,
+            "serves": [{"ops": ["softmax"], "devices": ["cpu"], "dtypes": ["*"]}],
+            "kernels": {"softmax": "sknotice.kernels:softmax"}}
+''',
+    "kernels.py": '''
+import warnings
+warnings.warn("a dependency's notice", DeprecationWarning)
+from softmaxkit.reference import rows
+
+def softmax(**kw):
+    return rows.softmax(**kw)
+''',
+}
+
+NOTICING_PROBE = """
+import json, warnings
+import numpy as np
+import softmaxkit as sk
+warnings.simplefilter("error")  # as a test suite's -W error
+x = np.linspace(-3.0, 3.0, 12).reshape(3, 4)
+with sk.backend_opts(prioritize=["noticing", "reference"], trace=True) as trace:
+    y = sk.softmax(x, axis=-1)
+print(json.dumps({"ran": [r.backend for r in trace], "y": y.tolist()}))
+"""
+
+
+def test_deprecation_notices_of_a_backends_imports_do_not_lose_it(tmp_path):
+    """A backend whose manifest and kernel modules warn of deprecations as they import, first
+    used under ``warnings.simplefilter("error")``: the notices are ignored as Python's default
+    filters ignore them, and the call runs on it (not on the next backend)."""
+    pkg = tmp_path / "sknotice"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name, text in NOTICING.items():
+        (pkg / name).write_text(textwrap.dedent(text))
+    info = tmp_path / "sknotice-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sknotice\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[softmaxkit.backends]\nnoticing = sknotice.manifests:manifest\n")
+    proc = subprocess.run([sys.executable, "-c", NOTICING_PROBE], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["ran"] == ["noticing"], out
+    x = np.linspace(-3.0, 3.0, 12).reshape(3, 4)
+    assert_close(np.array(out["y"]), softmax64(x), "float64", "softmax")
