@@ -92,17 +92,18 @@ def test_can_run_declines_varlen_head_dims_above_256(monkeypatch, op):
 
 
 def test_float32_and_float64_varlen_calls_on_cuda_go_to_numba_cuda(monkeypatch):
-    """Not to the reference, which would otherwise serve them on a GPU (cupy's packed kernels
-    are 16-bit only)."""
+    """Before the reference, which would otherwise serve them on a GPU: float64 first, float32
+    after cupy's exact packed kernels where those are installed."""
     from softmaxkit import registry
 
     monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
     registry.reload()
     try:
-        for op in ("varlen_attention", "varlen_attention_vjp"):
+        for op in ("varlen_attention", "varlen_attention_vjp", "paged_attention"):
             for dtype in ("float32", "float64"):
                 order, _ = registry.candidates(op, "cuda", dtype)
-                assert order[0] == "numba-cuda" and "reference" in order, (op, dtype, order)
+                first = [n for n in order if n != "cupy"] if dtype == "float32" else order
+                assert first[0] == "numba-cuda" and "reference" in order, (op, dtype, order)
             assert "numba-cuda" not in registry.candidates(op, "cuda", "bfloat16")[0]
     finally:
         registry.reload()
