@@ -242,6 +242,18 @@ def padded_offsets(cu_q: np.ndarray, block_m: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(-(-lengths // block_m) * block_m)]).astype(np.int64)
 
 
+def _backward_rows(xp: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, block_m: int
+                   ) -> tuple[Any, Any, Any, int, int, int]:
+    """What a packed backward's launches take of the cumulative lengths: ``(cu_q, cu_k,
+    cu_pad)`` as int64 arrays on the device (:func:`padded_offsets` of ``block_m``-row query
+    tiles), the sequences, ``tpad`` (the padded rows a head) and the longest key length."""
+    host_q, host_k = _on_host(cu_seqlens_q, cu_seqlens_k)
+    cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
+    cu_pad = padded_offsets(host_q, block_m)
+    return (cu_q, cu_k, interop.from_host(cu_q, cu_pad), host_q.shape[0] - 1, int(cu_pad[-1]),
+            int(np.max(np.diff(host_k))))
+
+
 def varlen_attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, cu_seqlens_q: Any,
     cu_seqlens_k: Any, scale: float, causal: Any, window: tuple[int, int], softcap: Any,
@@ -310,18 +322,13 @@ def _varlen_attention_vjp(
     tq, hq, d = (int(s) for s in q.shape)
     tk, hk = int(k.shape[0]), int(k.shape[1])
     dtype = interop.name(q)
-    host_q, host_k = _on_host(cu_seqlens_q, cu_seqlens_k)
-    cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
-    batches = host_q.shape[0] - 1
     device = interop.device_index(q)
     hopper = _capability_of(device) == SM90_CAPABILITY
     config = config or (SM90_VARLEN_BACKWARD_CONFIGS[d]
                         if hopper and d in SM90_VARLEN_BACKWARD_CONFIGS
                         else backward_config(d, interop.shared_limit(device)))
-    cu_pad_host = padded_offsets(host_q, config.block_m)
-    tpad = int(cu_pad_host[-1])
-    longest_k = int(np.max(np.diff(host_k)))
-    cu_pad = interop.from_host(cu_q, cu_pad_host)
+    cu_q, cu_k, cu_pad, batches, tpad, longest_k = _backward_rows(
+        xp, cu_seqlens_q, cu_seqlens_k, config.block_m)
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
     lse = interop.contiguous(lse)
     rows = hq * tpad
@@ -368,16 +375,11 @@ def _f32_varlen_attention_vjp(
     sequence), scaled here."""
     tq, hq, d = (int(s) for s in q.shape)
     tk, hk, dv_dim = (int(s) for s in v.shape)
-    host_q, host_k = _on_host(cu_seqlens_q, cu_seqlens_k)
-    cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
-    batches = host_q.shape[0] - 1
     config = config or f32_backward_config(d, dv_dim, False)
     if config is None or (config.head_dim, config.value_dim) != (d, dv_dim):
         raise ValueError(f"no float32 attention backward for D={d}, Dv={dv_dim}")
-    cu_pad_host = padded_offsets(host_q, config.block_m)
-    tpad = int(cu_pad_host[-1])
-    longest_k = int(np.max(np.diff(host_k)))
-    cu_pad = interop.from_host(cu_q, cu_pad_host)
+    cu_q, cu_k, cu_pad, batches, tpad, longest_k = _backward_rows(
+        xp, cu_seqlens_q, cu_seqlens_k, config.block_m)
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
     lse = interop.contiguous(lse)
     rows = hq * tpad

@@ -132,6 +132,19 @@ def _forward(d: int, dv: int, case: dict, config=None):
     return got, (q, k, v, mask)
 
 
+def _cotangents(out, lse, seed: int, operands: tuple):
+    """(dout, dlse): fresh normal cotangents of ``out`` and ``lse`` (0 on the rows with no
+    allowed key, as the frontend hands it); then memory of the ``operands``' sizes filled
+    with NaN and released, which the gradients' buffers take next."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dout = torch.randn(out.shape, device="cuda", generator=gen)
+    dlse = torch.where(lse == -math.inf, 0.0, torch.randn(lse.shape, device="cuda",
+                                                          generator=gen))
+    junk = [torch.full(a.shape, math.nan, device="cuda") for a in operands]
+    del junk
+    return dout, dlse
+
+
 def _fits(config) -> bool:
     import cupy
     from softmaxkit_cupy.interop import shared_limit
@@ -292,12 +305,7 @@ def test_backward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
     from softmaxkit.testing import materialized as ref
 
     (out, lse), (q, k, v, mask) = _forward(d, dv, case)
-    gen = torch.Generator(device="cuda").manual_seed(d)
-    dout = torch.randn(out.shape, device="cuda", generator=gen)
-    dlse = torch.where(lse == -math.inf, 0.0, torch.randn(lse.shape, device="cuda",
-                                                          generator=gen))
-    junk = [torch.full(a.shape, math.nan, device="cuda") for a in (q, k, v)]
-    del junk  # the gradients' memory held NaN
+    dout, dlse = _cotangents(out, lse, seed=d, operands=(q, k, v))
     opts = _options(case)
     got = attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse,
                         scale=d ** -0.5, causal=opts["causal"],
@@ -370,12 +378,7 @@ def test_varlen_through_the_default_dispatch(d: int, dv: int, lens_q, lens_k, kw
     assert ref.rel_frobenius(got, want) <= out_tol
     assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol
 
-    gen = torch.Generator(device="cuda").manual_seed(d)
-    dout = torch.randn(out.shape, device="cuda", generator=gen)
-    dlse = torch.where(lse == -math.inf, 0.0, torch.randn(lse.shape, device="cuda",
-                                                          generator=gen))
-    junk = [torch.full(a.shape, math.nan, device="cuda") for a in (tq, tk, tv)]
-    del junk  # the gradients' memory held NaN
+    dout, dlse = _cotangents(out, lse, seed=d, operands=(tq, tk, tv))
     with sk.backend_opts(trace=True) as trace:
         grads = sk.varlen_attention_vjp(tq, tk, tv, out, lse, dout, mq, mk, dlse=dlse, **opts)
     torch.cuda.synchronize()
