@@ -52,6 +52,7 @@ from .configs import (
     decode_alternative_names,
     decode_config,
     decode_holds,
+    f32_decode_names,
     fitting_backward_names,
     fitting_names,
     merge_name,
@@ -98,6 +99,8 @@ def _modules(name: str) -> tuple[str, tuple[tuple[str, ...], ...]]:
         if name.startswith("sk_attn_fwd"):
             return "attention.cu", (varlen_names(), fitting_names())
         return "attention_bwd.cu", (varlen_backward_names(), fitting_backward_names())
+    if name.startswith("sk_attn_decode_f32"):  # float32 decoding: the exact kernels' source
+        return "attention_f32.cu", (f32_decode_names(),)
     if name.startswith("sk_attn_decode"):  # paged decoding: a module of its own
         paged = name.startswith("sk_attn_decode_paged")
         return "attention.cu", (paged_names() if paged else attention_names(),
@@ -460,23 +463,16 @@ def _attention(
         keep = None  # copies made for this call: a later one reads its own arrays
     q, k, v = ready
     dtype = interop.name(q)
-    _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
-                                                      lq, lk)
-    qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
-    strides = (*qs[:3], *ks[:3], *vs[:3], *m_strides)
     if uses_decode(hq, hk, lq, lk):
-        pointers = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr)
-
-        def decode_args(parts: Any, part_lses: Any, chunk: Any) -> tuple[Any, ...]:
-            return (*pointers, parts, part_lses, *strides, hq, hk, lq, lk, chunk, *options)
-
         decode = (config if isinstance(config, DecodeConfig)
                   else decode_config(d, interop.shared_limit(interop.device_index(q))))
-        out, lse = split_decode(q, decode, False, DECODE_PARAMS, (b, hq, hk, lq, d), lk,
-                                decode_args)
-        out = xp.reshape(out, (b, hq, lq, d))
-        lse = xp.reshape(lse, (b, hq, lq))
+        out, lse = dense_decode(xp, decode, q=q, k=k, v=v, scale=scale, causal=causal,
+                                window=window, mask=mask, softcap=softcap)
     else:
+        _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
+                                                          lq, lk)
+        qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
+        strides = (*qs[:3], *ks[:3], *vs[:3], *m_strides)
         device = interop.device_index(q)
         config = config or forward_config(_capability_of(device), d, mask is not None,
                                           interop.shared_limit(device))
@@ -506,6 +502,31 @@ DECODE_PARAMS = "Q" * 6 + "q" * 12 + "iiiii" + "ff" + "iiii"
 partial out and lse; the strides of q, k, v and of the mask's bits (three each); hq, hk, lq,
 lk, chunk;
 scale, softcap; offset, causal, left, right."""
+
+
+def dense_decode(
+    xp: Any, config: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any,
+    window: tuple[int, int], mask: Any, softcap: Any,
+) -> tuple[Any, Any]:
+    """(out ``[B, Hq, Lq, D]``, lse ``[B, Hq, Lq]``) of split-KV decoding (:func:`split_decode`)
+    on the dense decode kernel of ``config`` (16-bit :class:`DecodeConfig`, or float32
+    :class:`.configs.F32DecodeConfig`), q, k and v ready (:func:`_rows_ready`) at its head
+    dimension."""
+    b, hq, lq, d = (int(s) for s in q.shape)
+    hk, lk = int(k.shape[1]), int(k.shape[2])
+    bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
+                                                     lq, lk)
+    qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
+    head = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr)
+    tail = (*qs[:3], *ks[:3], *vs[:3], *m_strides, hq, hk, lq, lk)
+
+    def decode_args(parts: Any, part_lses: Any, chunk: Any) -> tuple[Any, ...]:
+        return (*head, parts, part_lses, *tail, chunk, *options)
+
+    out, lse = split_decode(q, config, False, DECODE_PARAMS, (b, hq, hk, lq, d), lk,
+                            decode_args)
+    del bits  # kept alive until the launch
+    return xp.reshape(out, (b, hq, lq, d)), xp.reshape(lse, (b, hq, lq))
 
 
 def split_decode(

@@ -19,12 +19,18 @@ from . import compiler, head_dims, interop
 from .attention import (
     _backward_without_work,
     _forward_without_work,
+    _rows_ready,
+    dense_decode,
     float32_backward,
     float32_forward,
+    uses_decode,
 )
 from .configs import (
+    F32_DECODE_CONFIGS,
+    F32_DECODE_SERVED,
     F32BackwardConfig,
     F32Config,
+    F32DecodeConfig,
     backward_pre_name,
     f32_alternative_names,
     f32_backward_config,
@@ -32,6 +38,8 @@ from .configs import (
     f32_backward_pre_names,
     f32_backward_shape,
     f32_config,
+    f32_decode_names,
+    f32_decode_width,
     f32_names,
     f32_shape,
     f32_varlen_backward_names,
@@ -47,7 +55,8 @@ def _kernel(name: str) -> Any:
     and backward; any other configuration: alone)."""
     for names in (f32_names(fitting=False), f32_names(fitting=True), f32_alternative_names(),
                   f32_backward_names(wide=False), f32_backward_names(wide=True),
-                  f32_backward_pre_names(), f32_varlen_names(), f32_varlen_backward_names()):
+                  f32_backward_pre_names(), f32_varlen_names(), f32_varlen_backward_names(),
+                  f32_decode_names()):
         if name in names:
             return compiler.function("attention_f32.cu", names, name)
     return compiler.function("attention_f32.cu", (name,), name)
@@ -55,19 +64,38 @@ def _kernel(name: str) -> Any:
 
 def attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
-    mask: Any, softcap: Any, return_lse: bool, config: F32Config | None = None,
+    mask: Any, softcap: Any, return_lse: bool,
+    config: F32Config | F32DecodeConfig | None = None,
 ) -> tuple[Any, Any]:
     """Attention forward of float32 q, k, v in float32 arithmetic; (out, lse or None).
 
     ``config`` overrides the tile configuration (by default :func:`.configs.f32_config` of
     the head dimensions).  A call whose (D, Dv) is not a built pair runs on copies of q, k, v
     zero-padded to :func:`.configs.f32_shape` (zero columns add nothing to a score, and the
-    output's extra columns are dropped).
+    output's extra columns are dropped).  Few query rows per key head against many keys
+    (:func:`.attention.uses_decode`) run on the split-KV decode kernels once
+    :data:`.configs.F32_DECODE_SERVED` says so, or when ``config`` is an
+    :class:`.configs.F32DecodeConfig`, zero-padded to :func:`.configs.f32_decode_width`.
     """
     fixed = _forward_without_work(q, k, v)
     if fixed is not None:
         return fixed[0], (fixed[1] if return_lse else None)
     d, dv = int(q.shape[3]), int(v.shape[3])
+    b, hq, lq, _ = (int(s) for s in q.shape)
+    hk, lk = int(k.shape[1]), int(k.shape[2])
+    if isinstance(config, F32DecodeConfig) or (
+            config is None and F32_DECODE_SERVED and uses_decode(hq, hk, lq, lk)):
+        width = config.head_dim if config is not None else f32_decode_width(d, dv)
+        if width is None or width < max(d, dv):
+            raise ValueError(f"no float32 decode kernel for D={d}, Dv={dv}")
+        decode = config or F32_DECODE_CONFIGS[width]
+        with interop.on_device(q):
+            return head_dims.forward_padded(
+                xp, None if (d, dv) == (width, width) else width, lambda q, k, v: _decoded(
+                    dense_decode(xp, decode, q=_rows_ready(xp, q), k=_rows_ready(xp, k),
+                                 v=_rows_ready(xp, v), scale=scale, causal=causal,
+                                 window=window, mask=mask, softcap=softcap), return_lse),
+                q, k, v)
     shape = (config.head_dim, config.value_dim) if config is not None else f32_shape(d, dv)
     if shape is None or (shape != (d, dv) and shape[0] != shape[1]):
         raise ValueError(f"no float32 attention kernel for D={d}, Dv={dv}")
@@ -77,6 +105,11 @@ def attention(
                 xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window, mask=mask,
                 softcap=softcap, return_lse=return_lse, config=config),
             q, k, v)
+
+
+def _decoded(result: tuple[Any, Any], return_lse: bool) -> tuple[Any, Any]:
+    """``(out, lse or None)`` of a decode's ``(out, lse)``."""
+    return result[0], (result[1] if return_lse else None)
 
 
 def _attention(

@@ -915,6 +915,7 @@ def all_modules() -> list[tuple[str, list[str]]]:
     modules.append(("attention_f32.cu", list(f32_backward_pre_names())))
     modules.append(("attention_f32.cu", list(f32_varlen_names())))
     modules.append(("attention_f32.cu", list(f32_varlen_backward_names())))
+    modules.append(("attention_f32.cu", list(f32_decode_names())))
     modules.append(("attention_tf32.cu", list(tf32_names())))
     modules.append(("attention_tf32.cu", list(tf32_backward_names())))
     modules.append(("attention_tf32.cu", list(tf32_backward_pre_names())))
@@ -1130,6 +1131,69 @@ def f32_varlen_backward_names() -> tuple[str, ...]:
     dvs = sorted({dv for _, dv in F32_BACKWARD_CONFIGS})
     return (*(c.varlen_name() for c in F32_BACKWARD_CONFIGS.values()),
             *(backward_pre_varlen_name("float32", dv) for dv in dvs))
+
+
+@dataclass(frozen=True)
+class F32DecodeConfig:
+    """One shape of the float32 split-KV decode kernels (kernels/attention_f32.cu,
+    ``sk_attn_decode_f32``, ``sk_attn_decode_f32_paged``): ``warps`` warps of ``16 / warps``
+    query rows each, 32-key tiles in a ring of ``stages``; head dimension ``head_dim`` (D =
+    Dv).  Duck-typed as :class:`DecodeConfig` for :func:`.attention.split_decode`."""
+
+    head_dim: int
+    warps: int = 4
+    stages: int = 3
+
+    block_n = 32
+    """Keys per tile: one a lane."""
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 32 * self.warps
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: 16 query rows and the ring of K and V tiles, rows of
+        ``head_dim + 4`` floats."""
+        return 4 * (DECODE_ROWS + 2 * self.stages * self.block_n) * (self.head_dim + 4)
+
+    def resident(self) -> int:
+        """Blocks a multiprocessor holds at once, by shared memory."""
+        return max(1, SM_SHARED_BYTES // (self.shared_bytes() + 1024))
+
+    def name(self, dtype: str = "float32", paged: bool = False) -> str:
+        """The C++ name expression of the dense (or ``paged``) kernel (float32 only)."""
+        kernel = "sk_attn_decode_f32_paged" if paged else "sk_attn_decode_f32"
+        return f"{kernel}<{self.head_dim}, {self.warps}, {self.stages}>"
+
+
+F32_DECODE_CONFIGS = {d: F32DecodeConfig(d, warps=8 if d == 32 else 4,
+                                          stages=3 if d <= 128 else 2)
+                      for d in (32, 64, 96, 128, 160, 192, 256)}
+"""The float32 decode kernels for each head dimension they are built for (D = Dv; other
+pairs up to 256 zero-padded to the next, :func:`f32_decode_width`): 30-110 KB up to 128 (two
+to seven blocks a multiprocessor), 116-150 KB above; eight warps of two rows at 32, where
+four of four rows spill (paged)."""
+
+F32_DECODE_SERVED = False
+"""Whether float32 decoding (dense calls of few query rows per key head, and paged calls)
+runs on the split-KV kernels of :data:`F32_DECODE_CONFIGS`; until they are checked and timed
+on a device, it runs on the exact forward (over the gathered pages for paged calls), which
+computes a whole tile of query rows for each: 5.4% of the copy bandwidth at D = 128 on an
+H100 (docs/benchmarks-attention.md).  Callable here before with ``config=``."""
+
+
+def f32_decode_width(d: int, dv: int) -> int | None:
+    """The head dimension of :data:`F32_DECODE_CONFIGS` a float32 decode of ``d`` and ``dv``
+    runs at (zero-padded where it is not their own), or None above 256."""
+    return next((w for w in sorted(F32_DECODE_CONFIGS) if w >= max(d, dv)), None)
+
+
+def f32_decode_names() -> tuple[str, ...]:
+    """The name expressions of the float32 decode kernels, dense and paged: a module of
+    kernels/attention_f32.cu of their own."""
+    return tuple(c.name("float32", paged) for c in F32_DECODE_CONFIGS.values()
+                 for paged in (False, True))
 
 
 _Pair = TypeVar("_Pair", F32Config, F32BackwardConfig)

@@ -29,7 +29,9 @@ queries) per key head.  A longer chunked prefill runs on the dense attention ker
 the pages in use gathered into a dense cache, each sequence's length and bottom-right
 alignment as a boolean mask (:mod:`softmaxkit.paged_cache`), at the cost of a copy of those
 pages and a ``[B, Lq, max_pages * S]`` mask.  So do float32 calls, on the exact float32
-kernels (:mod:`.attention_f32`; the decode kernel is 16-bit).
+kernels (:mod:`.attention_f32`), until the float32 split-KV decode kernel
+(``sk_attn_decode_f32_paged``, kernels/attention_f32.cu: the same walk of the pages) is
+served (:data:`.configs.F32_DECODE_SERVED`); ``config=`` runs it before.
 """
 
 from __future__ import annotations
@@ -41,7 +43,15 @@ from softmaxkit.paged_cache import dense_operands
 
 from . import head_dims, interop
 from .attention import _rows_ready, attention, split_decode
-from .configs import decode_config, decode_holds
+from .configs import (
+    F32_DECODE_CONFIGS,
+    F32_DECODE_SERVED,
+    DecodeConfig,
+    F32DecodeConfig,
+    decode_config,
+    decode_holds,
+    f32_decode_width,
+)
 
 _PAGED_PARAMS = "QQQQQQQ" + "qqq" * 3 + "q" + "iIiiiiiff" + "iii"
 """The paged decode kernel's parameters: the addresses of q, k_pages, v_pages, block_table,
@@ -113,6 +123,7 @@ def _int32(xp: Any, a: Any) -> Any:
 def paged_attention(
     xp: Any, *, q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any,
     scale: float, causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
+    config: DecodeConfig | F32DecodeConfig | None = None,
 ) -> tuple[Any, Any]:
     """Attention of ``q`` against a paged KV cache on tensor cores; ``(out, lse or None)``.
 
@@ -141,6 +152,10 @@ def paged_attention(
         Cap of the scaled scores (None: no cap).
     return_lse : bool
         Also return the natural-log log-sum-exp.
+    config : DecodeConfig or F32DecodeConfig, optional
+        The decode kernel's tiles (for benchmarks; by default :func:`.configs.decode_config`
+        of the head dimension; float32: those of :data:`.configs.F32_DECODE_CONFIGS` once
+        served, the dense exact kernels over the gathered pages until then).
 
     Returns
     -------
@@ -160,15 +175,26 @@ def paged_attention(
     if capacity == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
         return (interop.zeros(q, (b, hq, lq, dv), dtype),
                 interop.full(q, (b, hq, lq), -math.inf, "float32") if return_lse else None)
-    if dtype == "float32" or not decode_holds(hq, int(k_pages.shape[1]), lq):
+    f32_decode = dtype == "float32" and (F32_DECODE_SERVED or config is not None)
+    if (dtype == "float32" and not f32_decode) or not decode_holds(hq, int(k_pages.shape[1]),
+                                                                   lq):
         return _prefill(xp, q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table,
                         seqlens=seqlens, scale=scale, causal=causal, window=window,
                         softcap=softcap, return_lse=return_lse)
+    if f32_decode:
+        width = config.head_dim if config is not None else f32_decode_width(d, dv)
+        if width is None or width < max(d, dv):
+            raise ValueError(f"no float32 decode kernel for D={d}, Dv={dv}")
+        config = config or F32_DECODE_CONFIGS[width]
+        width = None if (d, dv) == (width, width) else width
+    else:
+        width = head_dims.pad_width(d, dv)
     with interop.on_device(q):
-        return head_dims.forward_padded(xp, head_dims.pad_width(d, dv), lambda q, kp, vp: (
+        return head_dims.forward_padded(xp, width, lambda q, kp, vp: (
             _paged_attention(xp, q=q, k_pages=kp, v_pages=vp, block_table=block_table,
                              seqlens=seqlens, scale=scale, causal=causal, window=window,
-                             softcap=softcap, return_lse=return_lse)), q, k_pages, v_pages)
+                             softcap=softcap, return_lse=return_lse, config=config)),
+            q, k_pages, v_pages)
 
 
 def _prefill(
@@ -191,8 +217,10 @@ def _prefill(
 def _paged_attention(
     xp: Any, *, q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any,
     scale: float, causal: Any, window: tuple[int, int], softcap: Any, return_lse: bool,
+    config: DecodeConfig | F32DecodeConfig | None = None,
 ) -> tuple[Any, Any]:
-    """:func:`paged_attention` of a call with work, at a built head dimension (D = Dv)."""
+    """:func:`paged_attention` of a call with work, at a built head dimension (D = Dv), on
+    ``config``'s kernel (default: :func:`.configs.decode_config`'s)."""
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, page_size = int(k_pages.shape[1]), int(k_pages.shape[2])
     capacity = int(block_table.shape[1]) * page_size
@@ -210,7 +238,7 @@ def _paged_attention(
                 int(causal is not None), left, right)
 
     # the grid spans the keys a query can reach (span), not the table's capacity
-    config = decode_config(d, interop.shared_limit(interop.device_index(q)))
+    config = config or decode_config(d, interop.shared_limit(interop.device_index(q)))
     out, lse = split_decode(q, config, True, _PAGED_PARAMS, (b, hq, hk, lq, d), span,
                             launch_args)
     return xp.reshape(out, (b, hq, lq, d)), (xp.reshape(lse, (b, hq, lq)) if return_lse

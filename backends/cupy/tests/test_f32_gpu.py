@@ -385,3 +385,64 @@ def test_varlen_through_the_default_dispatch(d: int, dv: int, lens_q, lens_k, kw
     assert trace[-1].backend == "cupy" and trace[-1].kernel == backward.varlen_name()
     wants = packed_vjp_reference(q, k, v, _numpy(dout), cu_q, cu_k, _numpy(dlse), **rkw)
     _check_gradients(grads, wants, f"varlen D={d} Dv={dv} {kw}")
+
+
+DECODE = [
+    dict(b=2, hq=8, hk=2, lq=1, lk=3000),
+    dict(b=1, hq=4, hk=1, lq=3, lk=2600, causal="bottom_right", window=(900, -1), softcap=5.0),
+    dict(b=2, hq=4, hk=2, lq=2, lk=1500, causal="bottom_right", mask=True),
+    dict(b=1, hq=16, hk=1, lq=1, lk=1000),
+]
+"""Decoding shapes: grouped queries, a chunked prefill under a window and a soft cap, a mask
+with a row of no allowed key, 16 rows a key head; each several splits long."""
+
+
+@pytest.mark.parametrize("d", [32, 64, 80, 128, 160, 256])
+@pytest.mark.parametrize("case", DECODE, ids=_case_id)
+def test_decode_kernels_within_float32_bounds(d: int, case: dict) -> None:
+    """The float32 split-KV decode kernel (sk_attn_decode_f32, asked for with ``config=``
+    before it is served) on memory that held NaN: out and lse within the float32 bounds of
+    the float64 definition (:func:`_check`)."""
+    from softmaxkit_cupy.configs import F32_DECODE_CONFIGS, f32_decode_width
+
+    config = F32_DECODE_CONFIGS[f32_decode_width(d, d)]
+    if not _fits(config):
+        pytest.skip("the tiles do not fit this device's shared memory")
+    got, arrays = _forward(d, d, case, config=config)
+    _check(got, *arrays, case, f"decode D={d} {_case_id(case)}")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_paged_decode_kernel_within_float32_bounds(d: int) -> None:
+    """The paged float32 split-KV decode kernel (sk_attn_decode_f32_paged, ``config=``) over
+    pages of 16 at shuffled places of a pool whose unused slots hold NaN, one sequence empty
+    and one with a sliding window's worth of keys: out and lse against the float64
+    definition on each sequence's keys."""
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import paged
+    from softmaxkit_cupy.configs import F32_DECODE_CONFIGS
+
+    from softmaxkit.testing import materialized as ref
+    from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
+    from softmaxkit.testing.paged_cases import make_cache, paged_definition
+
+    rng = np.random.default_rng(d)
+    k, v, table, lens = make_cache(rng, [3000, 0, 517, 40], 16, 2, d, d)
+    q = rng.standard_normal((4, 8, 1, d))
+    for window in ((-1, -1), (700, -1)):
+        args = [torch.as_tensor(a, device="cuda") for a in (q, k, v)]
+        tq, tk, tv = (a.float() for a in args)
+        out, lse = paged.paged_attention(
+            xp, q=tq, k_pages=tk, v_pages=tv, block_table=torch.as_tensor(table, device="cuda"),
+            seqlens=torch.as_tensor(lens, device="cuda"), scale=d ** -0.5,
+            causal="bottom_right", window=window, softcap=None, return_lse=True,
+            config=F32_DECODE_CONFIGS[d])
+        torch.cuda.synchronize()
+        want, want_lse = paged_definition(*(_numpy(a).astype(np.float64) for a in (tq, tk, tv)),
+                                          table, lens, True, scale=d ** -0.5, window=window)[:2]
+        got, got_lse = _numpy(out).astype(np.float64), _numpy(lse).astype(np.float64)
+        empty = want_lse == -np.inf
+        assert np.all(got[empty] == 0) and np.all(got_lse[empty] == -np.inf)
+        out_tol, lse_tol, _ = ATTENTION_TOLERANCES["float32"]
+        assert ref.rel_frobenius(got, want) <= out_tol, window
+        assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol, window

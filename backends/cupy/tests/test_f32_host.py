@@ -357,3 +357,124 @@ def test_paged_on_the_host(host_launches, lq: int, causal: bool,
     out_tol, lse_tol, _ = ATTENTION_TOLERANCES["float32"]
     assert ref.rel_frobenius(got, want) <= out_tol
     assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol
+
+
+DECODE_RUNS = [
+    (64, 64, dict(b=2, hq=8, hk=2, lq=1, lk=600)),
+    (128, 128, dict(b=1, hq=4, hk=1, lq=3, lk=520, causal="bottom_right", window=(300, -1),
+                    softcap=5.0)),
+    (96, 96, dict(b=1, hq=4, hk=2, lq=2, lk=600, causal="bottom_right", mask=True)),
+    (80, 72, dict(b=1, hq=16, hk=1, lq=1, lk=600)),
+]
+"""(D, Dv, case): grouped queries (4 rows a key head), a chunked prefill of 12 rows under a
+window and a soft cap, a mask with a row of no allowed key, 16 rows a key head at a pair
+zero-padded to 96; each long enough for two splits."""
+
+PAGED_DECODE_RUNS = [
+    (64, 4, 2, 1, [600, 0, 37, 16], {}),
+    (128, 4, 1, 3, [2, 560, 45, 0], dict(causal="bottom_right")),
+    (96, 2, 1, 4, [20, 700], dict(causal="bottom_right", window=(520, -1), softcap=5.0)),
+]
+"""(D, Hq, Hk, Lq, seqlens, options): decoding, a chunked prefill with sequences shorter than
+it, and a sliding window (the kernel starting each sequence at its first query's window)."""
+
+
+@pytest.fixture
+def decode_launches(host_kernels, monkeypatch):
+    """The float32 decode kernels (dense and paged) at the head dims of :data:`DECODE_RUNS`
+    and :data:`PAGED_DECODE_RUNS` and the merge of their partial states (kernels/attention.cu)
+    built for the host, and the adapters' device boundary moved there (a device of 132
+    multiprocessors); a list that gathers the decode launches' grids."""
+    from softmaxkit_cupy import attention, attention_f32, interop
+    from softmaxkit_cupy.attention import _MERGE_PARAMS, DECODE_PARAMS
+    from softmaxkit_cupy.configs import F32_DECODE_CONFIGS, f32_decode_width, merge_name
+    from softmaxkit_cupy.paged import _PAGED_PARAMS
+
+    widths = {f32_decode_width(d, dv) for d, dv, _ in DECODE_RUNS}
+    widths |= {d for d, *_ in PAGED_DECODE_RUNS}
+    codes = {F32_DECODE_CONFIGS[w].name("float32", paged): (_PAGED_PARAMS if paged
+                                                             else DECODE_PARAMS)
+             for w in widths for paged in (False, True)}
+    built = host_kernels("attention_f32.cu", list(codes), codes)
+    merge = merge_name("float32", "float32")
+    built |= host_kernels("attention.cu", [merge], _MERGE_PARAMS)
+    for module in (attention_f32, attention):
+        move_to_host(monkeypatch, module, built, host_kernels)
+    monkeypatch.setattr(attention, "_multiprocessors_of", lambda device: 132)
+    monkeypatch.setattr(interop, "shared_limit", lambda device: SM90_SHARED)
+    grids = []
+    launch = interop.launch
+
+    def recorded(kernel, like, grid, block, codes, args, shared=0) -> None:
+        if codes in (DECODE_PARAMS, _PAGED_PARAMS):
+            grids.append(grid)
+        launch(kernel, like, grid, block, codes, args, shared)
+
+    monkeypatch.setattr(interop, "launch", recorded)
+    return grids
+
+
+def _within_float32_bounds(got, got_lse, want, want_lse) -> None:
+    """out and lse (torch tensors) against float64: rows with no allowed key (0, -inf), the
+    float32 row of the tolerances, no NaN."""
+    got, got_lse = got.numpy().astype(np.float64), got_lse.numpy().astype(np.float64)
+    empty = want_lse == -np.inf
+    assert got.shape == want.shape and not np.isnan(got).any()
+    assert np.all(got[empty] == 0) and np.all(got_lse[empty] == -np.inf)
+    out_tol, lse_tol, _ = ATTENTION_TOLERANCES["float32"]
+    assert ref.rel_frobenius(got, want) <= out_tol
+    assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol
+
+
+@pytest.mark.parametrize(("d", "dv", "case"), **_cases_of(DECODE_RUNS))
+def test_decode_on_the_host(decode_launches, d: int, dv: int, case: dict) -> None:
+    """Dense float32 split-KV decoding (sk_attn_decode_f32 on a (splits, Hk, B) grid, then
+    sk_merge_attn), asked for with ``config=`` before it is served, on torch CPU tensors into
+    memory that held NaN: within the float32 bounds of the float64 definition."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import attention_f32
+    from softmaxkit_cupy.configs import F32_DECODE_CONFIGS, f32_decode_width
+
+    q, k, v, mask = inputs(d, dv, case, seed=d + case["lk"])
+    opts = options(case)
+    out, lse = attention_f32.attention(
+        xp, q=torch.from_numpy(q), k=torch.from_numpy(k), v=torch.from_numpy(v),
+        scale=d ** -0.5, causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
+        mask=None if mask is None else torch.from_numpy(mask), softcap=opts.get("softcap"),
+        return_lse=True, config=F32_DECODE_CONFIGS[f32_decode_width(d, dv)])
+    (splits, heads, batch), = decode_launches
+    assert (heads, batch) == (case["hk"], case["b"]) and splits > 1
+    _within_float32_bounds(out, lse, *ref.attention(q, k, v, mask=mask, **opts))
+
+
+@pytest.mark.parametrize(("d", "hq", "hk", "lq", "seqlens", "opts"), PAGED_DECODE_RUNS,
+                         ids=[f"d{d}-hq{hq}-hk{hk}-lq{lq}-{case_id(o) or 'plain'}"
+                              for d, hq, hk, lq, _, o in PAGED_DECODE_RUNS])
+def test_paged_decode_on_the_host(decode_launches, d: int, hq: int, hk: int, lq: int,
+                                  seqlens: list[int], opts: dict) -> None:
+    """Paged float32 split-KV decoding (sk_attn_decode_f32_paged, then sk_merge_attn), asked
+    for with ``config=``, pages of 16 at shuffled places of a pool whose unused slots hold
+    NaN: within the float32 bounds of the float64 definition on each sequence's keys."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import paged
+    from softmaxkit_cupy.configs import F32_DECODE_CONFIGS
+
+    from softmaxkit.testing.paged_cases import make_cache, paged_definition
+
+    rng = np.random.default_rng(d + lq + sum(seqlens))
+    k, v, table, lens = make_cache(rng, seqlens, 16, hk, d, d)
+    q = rng.standard_normal((len(seqlens), hq, lq, d)) * 1.5
+    q, k, v = (a.astype(np.float32) for a in (q, k * 1.5, v))
+    out, lse = paged.paged_attention(
+        xp, q=torch.from_numpy(q), k_pages=torch.from_numpy(k), v_pages=torch.from_numpy(v),
+        block_table=torch.from_numpy(table), seqlens=torch.from_numpy(lens), scale=d ** -0.5,
+        causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
+        softcap=opts.get("softcap"), return_lse=True, config=F32_DECODE_CONFIGS[d])
+    (splits, heads, batch), = decode_launches
+    assert (heads, batch) == (hk, len(seqlens)) and splits > 1
+    want = paged_definition(*(a.astype(np.float64) for a in (q, k, v)), table, lens,
+                            opts.get("causal"), scale=d ** -0.5, window=opts.get("window"),
+                            softcap=opts.get("softcap"))[:2]
+    _within_float32_bounds(out, lse, *want)

@@ -687,3 +687,290 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_bwd_f32
         0, k_sh, k_st, 0, v_sh, v_st, 0, g_sh, g_st, 0, 0, 0, hq, hk, 0, 0, tpad, scale,
         softcap, bottom_right, causal, left, right);
 }
+
+// --- split-KV decoding ------------------------------------------------------------------------
+//
+// Decoding in float32 arithmetic (few query rows per key head: G query heads sharing one key
+// head, times Lq, at most 16 rows), the work split over the keys as kernels/attention.cu's
+// sk_attn_decode splits it: block (split, key head, batch) walks keys [split * chunk,
+// (split + 1) * chunk) of the sequence in tiles of 32 keys, K and V tiles in a ring of STAGES
+// stages (rows of D + 4 floats), and writes a partial (out, lse) merged over the splits by
+// sk_merge_attn.  Warp w owns query rows w, w + WARPS, ... (RW = 16 / WARPS of them) over
+// every key, so the warps never merge: lane j scores key j of the tile against the warp's
+// rows (its key row read once per four columns, the rows' columns broadcast), the row's
+// maximum and the probabilities' shift take the warp's shuffles, and each probability goes
+// to the lanes by a shuffle for P V, lane c holding the output columns c CW .. c CW + CW - 1.
+// A decode reads each K and V byte once with a few fma a byte: its speed is the bytes in
+// flight.
+
+// Where the rows of a float32 decode block's (batch, key head) live (as attention.cu's
+// SkDenseKeys / SkPagedKeys): at(b, kh) gives the rows of one, whose load copies ROWS key
+// rows and the value rows beside them from key position n into shared rows of D + 4 floats,
+// zero-filling rows at or past `valid`.
+template <int D>
+struct SkF32DenseRows {
+    const float* kb;
+    const float* vb;
+    long long k_sl, v_sl;
+    template <int ROWS, int THREADS>
+    __device__ __forceinline__ void load(float* k_smem, float* v_smem, long long n,
+                                         int valid) const {
+        sk_load_padded<ROWS, D, THREADS>(k_smem, kb + n * k_sl, k_sl, valid);
+        sk_load_padded<ROWS, D, THREADS>(v_smem, vb + n * v_sl, v_sl, valid);
+    }
+};
+template <int D>
+struct SkF32DenseKeys {
+    const float* k;
+    const float* v;
+    long long k_sb, k_sh, k_sl, v_sb, v_sh, v_sl;
+    __device__ __forceinline__ SkF32DenseRows<D> at(int b, int kh) const {
+        return {k + b * k_sb + kh * k_sh, v + b * v_sb + kh * v_sh, k_sl, v_sl};
+    }
+};
+
+// Paged: key position p of sequence b is row p % S of page pages[p / S] (p / S one
+// multiply-high by the host's magic), k and v at the key head's rows of page 0, the body's
+// key n the sequence's key first + n; a row at or past `valid` reads neither the table nor
+// the pool, and a key row and its value row share one lookup.
+template <int D>
+struct SkF32PagedRows {
+    const float* k;
+    const float* v;
+    const int* pages;
+    long long k_sp, k_sl, v_sp, v_sl;
+    unsigned page_mul;
+    int page_shift, page_size, first;
+    template <int ROWS, int THREADS>
+    __device__ __forceinline__ void load(float* k_smem, float* v_smem, long long n,
+                                         int valid) const {
+        // THREADS / ROWS threads a row: one page lookup a thread, then its share of the
+        // row's 16-byte chunks
+        constexpr int CHUNKS = D / 4, TPR = THREADS / ROWS;
+        static_assert(THREADS % ROWS == 0 && CHUNKS % TPR == 0, "whole rows and chunks");
+        const int r = threadIdx.x / TPR;
+        const bool ok = r < valid;
+        const int p = first + static_cast<int>(n) + (ok ? r : 0);
+        const int at = static_cast<int>(
+            (static_cast<unsigned long long>(static_cast<unsigned>(p)) * page_mul) >>
+            page_shift);
+        const long long pg = __ldg(pages + at), sl = p - at * page_size;
+        const float* kr = k + pg * k_sp + sl * k_sl;
+        const float* vr = v + pg * v_sp + sl * v_sl;
+#pragma unroll
+        for (int ch = threadIdx.x % TPR; ch < CHUNKS; ch += TPR) {
+            sk_cp_async16(k_smem + r * (D + 4) + ch * 4, kr + ch * 4, ok);
+            sk_cp_async16(v_smem + r * (D + 4) + ch * 4, vr + ch * 4, ok);
+        }
+    }
+};
+template <int D>
+struct SkF32PagedKeys {
+    const float* k_pages;
+    const float* v_pages;
+    const int* block_table;
+    long long k_sp, k_sh, k_sl, v_sp, v_sh, v_sl, t_sb;
+    unsigned page_mul;
+    int page_shift, page_size, first;
+    __device__ __forceinline__ SkF32PagedRows<D> at(int b, int kh) const {
+        return {k_pages + kh * k_sh, v_pages + kh * v_sh, block_table + b * t_sb, k_sp, k_sl,
+                v_sp, v_sl, page_mul, page_shift, page_size, first};
+    }
+};
+
+template <int D, int WARPS, int STAGES, typename Keys>
+__device__ __forceinline__ void sk_attn_decode_f32_body(
+    const float* __restrict__ q, const Keys& keys, const unsigned* __restrict__ mask,
+    float* __restrict__ part_out, float* __restrict__ part_lse, long long q_sb,
+    long long q_sh, long long q_sl, long long m_sb, long long m_sh, long long m_sq,
+    int hq, int hk, int lq, int lk, int chunk, float scale, float softcap,
+    int offset, int causal, int left, int right) {
+    static_assert(STAGES >= 2, "a tile in flight while one is read");
+    static_assert(D % 32 == 0 && 16 % WARPS == 0, "whole columns a lane, whole rows a warp");
+    constexpr int BN = 32;           // keys a tile: one a lane
+    constexpr int W = D + 4;         // row width in shared memory
+    constexpr int RW = 16 / WARPS;   // query rows a warp
+    constexpr int CW = D / 32;       // output columns a lane
+    constexpr int THREADS = WARPS * 32;
+    extern __shared__ __align__(16) unsigned char sk_smem[];
+    float* sq = reinterpret_cast<float*>(sk_smem);  // 16 query rows
+    float* sk = sq + 16 * W;          // STAGES tiles of keys
+    float* sv = sk + STAGES * BN * W; // STAGES tiles of values
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
+    const int group = hq / hk;
+    const int rows = group * lq;  // <= 16
+    const auto kv = keys.at(b, kh);
+
+    // Q rows: row r is query head kh * group + r / lq, query r % lq
+    for (int c = threadIdx.x; c < 16 * (D / 4); c += THREADS) {
+        const int r = c / (D / 4), ch = c % (D / 4);
+        const bool ok = r < rows;
+        const int h = kh * group + (ok ? r / lq : 0), i = ok ? r % lq : 0;
+        sk_cp_async16(sq + r * W + ch * 4, q + b * q_sb + h * q_sh + i * q_sl + ch * 4, ok);
+    }
+    const int n_begin = split * chunk, n_end = min(lk, n_begin + chunk);
+    const int tiles = n_end > n_begin ? (n_end - n_begin + BN - 1) / BN : 0;
+    auto issue = [&](int i, int s) {  // one commit group a tile, empty past the last
+        if (i < tiles) {
+            const int n0 = n_begin + i * BN;
+            kv.template load<BN, THREADS>(sk + s * BN * W, sv + s * BN * W, n0, n_end - n0);
+        }
+        sk_cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue(s, s);  // Q rides in tile 0's group
+
+    const float qk_scale = softcap > 0.0f ? scale : scale * SK_LOG2E;
+    const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
+    float acc[RW][CW], row_max[RW], row_sum[RW];  // row_sum: this lane's keys' share
+    int row_head[RW], row_query[RW];  // the row's query head and query
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+#pragma unroll
+        for (int c = 0; c < CW; ++c) acc[i][c] = 0.0f;
+        row_max[i] = -SK_INF;
+        row_sum[i] = 0.0f;
+        const int r = min(warp + WARPS * i, rows - 1);
+        row_head[i] = kh * group + r / lq;
+        row_query[i] = r % lq;
+    }
+    int stage = 0;
+    for (int tile = 0; tile < tiles; ++tile) {
+        // this tile landed, and every warp is done with the last one, whose stage the issue
+        // below refills
+        sk_cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        issue(tile + STAGES - 1, stage == 0 ? STAGES - 1 : stage - 1);
+        const float* ks = sk + stage * BN * W;
+        const float* vs = sv + stage * BN * W;
+        const int j = n_begin + tile * BN + lane;  // this lane's key
+
+        // scores of the lane's key against the warp's rows: its key row read once per four
+        // columns, the rows' columns broadcast
+        float s[RW];
+#pragma unroll
+        for (int i = 0; i < RW; ++i) s[i] = 0.0f;
+#pragma unroll 4
+        for (int d = 0; d < D; d += 4) {
+            const float4 kv4 = *reinterpret_cast<const float4*>(ks + lane * W + d);
+#pragma unroll
+            for (int i = 0; i < RW; ++i) {
+                if (warp + WARPS * i < rows) {
+                    const float4 q4 =
+                        *reinterpret_cast<const float4*>(sq + (warp + WARPS * i) * W + d);
+                    s[i] = fmaf(q4.x, kv4.x, s[i]);
+                    s[i] = fmaf(q4.y, kv4.y, s[i]);
+                    s[i] = fmaf(q4.z, kv4.z, s[i]);
+                    s[i] = fmaf(q4.w, kv4.w, s[i]);
+                }
+            }
+        }
+        // the online softmax of each of the warp's rows (uniform branches: a row past
+        // `rows` is skipped by the whole warp)
+        float p[RW];
+#pragma unroll
+        for (int i = 0; i < RW; ++i) {
+            const int r = warp + WARPS * i;
+            p[i] = 0.0f;
+            if (r < rows) {
+                float x = s[i] * qk_scale;
+                if (softcap > 0.0f) x = sk_softcap_log2(x, softcap, inv_cap);
+                const int diag = row_query[i] + offset;
+                bool ok = j < n_end && (!causal || j <= diag) &&
+                          (left < 0 || j >= diag - left) && (right < 0 || j <= diag + right);
+                if (ok && mask) {
+                    ok = (mask[b * m_sb + row_head[i] * m_sh + row_query[i] * m_sq + (j >> 5)] >>
+                          (j & 31)) & 1u;
+                }
+                x = ok ? x : -SK_INF;
+                float mx = fmaxf(row_max[i], x);
+#pragma unroll
+                for (int o = 16; o > 0; o /= 2) {
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+                }
+                const float use = mx == -SK_INF ? 0.0f : mx;  // nothing allowed yet: p = 0
+                const float rescale = sk_ex2(row_max[i] - use);
+                row_max[i] = mx;
+                p[i] = sk_ex2(x - use);
+                row_sum[i] = row_sum[i] * rescale + p[i];
+#pragma unroll
+                for (int c = 0; c < CW; ++c) acc[i][c] *= rescale;
+            }
+        }
+        // P V: key n's value columns read once, its probabilities from lane n by shuffles
+#pragma unroll 4
+        for (int n = 0; n < BN; ++n) {
+            float vr[CW];
+            sk_f32_load_run<CW>(vr, vs + n * W + lane * CW);
+#pragma unroll
+            for (int i = 0; i < RW; ++i) {
+                if (warp + WARPS * i < rows) {
+                    const float pn = __shfl_sync(0xffffffffu, p[i], n);
+#pragma unroll
+                    for (int c = 0; c < CW; ++c) acc[i][c] = fmaf(pn, vr[c], acc[i][c]);
+                }
+            }
+        }
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
+    }
+    sk_cp_async_wait<0>();
+
+    // the warp's rows: their sums over the lanes, normalized, into the split's partial state
+    const long long total_rows = static_cast<long long>(gridDim.z) * hq * lq;
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+        const int r = warp + WARPS * i;
+        if (r >= rows) continue;
+        float l = row_sum[i];
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) l += __shfl_xor_sync(0xffffffffu, l, o);
+        const int h = kh * group + r / lq, qi = r % lq;
+        const long long at = split * total_rows + (static_cast<long long>(b) * hq + h) * lq + qi;
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+        for (int c = 0; c < CW; ++c) part_out[at * D + lane * CW + c] = acc[i][c] * inv;
+        if (lane == 0) part_lse[at] = l > 0.0f ? (row_max[i] + log2f(l)) * SK_LN2 : -SK_INF;
+    }
+}
+
+// Dense float32 decoding: the parameters of sk_attn_decode (kernels/attention.cu).  The launch
+// bounds ask for one block a multiprocessor at least, so that ptxas takes the registers the
+// rows need rather than spill (with no minimum it spilled a few bytes at some head dims).
+template <int D, int WARPS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_decode_f32(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const unsigned* __restrict__ mask, float* __restrict__ part_out,
+    float* __restrict__ part_lse, long long q_sb, long long q_sh, long long q_sl,
+    long long k_sb, long long k_sh, long long k_sl, long long v_sb, long long v_sh,
+    long long v_sl, long long m_sb, long long m_sh, long long m_sq, int hq,
+    int hk, int lq, int lk, int chunk, float scale, float softcap, int offset, int causal,
+    int left, int right) {
+    const SkF32DenseKeys<D> keys{k, v, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl};
+    sk_attn_decode_f32_body<D, WARPS, STAGES>(q, keys, mask, part_out, part_lse, q_sb, q_sh,
+                                               q_sl, m_sb, m_sh, m_sq, hq, hk, lq, lk, chunk,
+                                               scale, softcap, offset, causal, left, right);
+}
+
+// Paged float32 decoding: the parameters and the window's first key of sk_attn_decode_paged
+// (kernels/attention.cu).
+template <int D, int WARPS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32, 1) sk_attn_decode_f32_paged(
+    const float* __restrict__ q, const float* __restrict__ k_pages,
+    const float* __restrict__ v_pages, const int* __restrict__ block_table,
+    const int* __restrict__ seqlens, float* __restrict__ part_out,
+    float* __restrict__ part_lse, long long q_sb, long long q_sh, long long q_sl,
+    long long k_sp, long long k_sh, long long k_sl, long long v_sp, long long v_sh,
+    long long v_sl, long long t_sb, int page_size, unsigned page_mul, int page_shift, int hq,
+    int hk, int lq, int chunk, float scale, float softcap, int causal, int left, int right) {
+    const int len = __ldg(seqlens + blockIdx.z);
+    const long long lo = static_cast<long long>(len) - lq - left;  // no int overflow
+    const int first = left >= 0 && lo > 0 ? static_cast<int>(lo) : 0;
+    const SkF32PagedKeys<D> keys{k_pages, v_pages, block_table, k_sp, k_sh, k_sl, v_sp, v_sh,
+                                 v_sl, t_sb, page_mul, page_shift, page_size, first};
+    sk_attn_decode_f32_body<D, WARPS, STAGES>(q, keys, nullptr, part_out, part_lse, q_sb, q_sh,
+                                               q_sl, 0, 0, 0, hq, hk, lq, len - first, chunk,
+                                               scale, softcap, len - lq - first, causal, left,
+                                               right);
+}
