@@ -1180,7 +1180,8 @@ F32_DECODE_SERVED = False
 runs on the split-KV kernels of :data:`F32_DECODE_CONFIGS`; until they are checked and timed
 on a device, it runs on the exact forward (over the gathered pages for paged calls), which
 computes a whole tile of query rows for each: 5.4% of the copy bandwidth at D = 128 on an
-H100 (docs/benchmarks-attention.md).  Callable here before with ``config=``."""
+H100 (docs/benchmarks-attention.md).  Callable here before with ``config=``.  Serving them
+also asks the manifest's float32 reasons for their shared memory (116-150 KB above 128)."""
 
 
 def f32_decode_width(d: int, dv: int) -> int | None:
