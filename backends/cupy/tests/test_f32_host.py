@@ -300,13 +300,8 @@ def test_varlen_on_the_host(varlen_kernels, host_kernels, monkeypatch, d: int, d
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
     out, lse = varlen.varlen_attention(xp, q=tq, k=tk, v=tv, return_lse=True, **kw)
     want, want_lse = packed_reference(q, k, v, cu_q, cu_k, scale=d ** -0.5, **opts)
-    out_tol, lse_tol, grad_tol = ATTENTION_TOLERANCES["float32"]
-    got, got_lse = out.numpy().astype(np.float64), lse.numpy().astype(np.float64)
-    empty = want_lse == -np.inf
-    assert got.shape == want.shape and np.all(got[empty] == 0)
-    assert np.all(got_lse[empty] == -np.inf)
-    assert ref.rel_frobenius(got, want) <= out_tol
-    assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol
+    _within_float32_bounds(out, lse, want, want_lse)
+    empty, grad_tol = want_lse == -np.inf, ATTENTION_TOLERANCES["float32"][2]
 
     dout = rng.standard_normal(want.shape).astype(np.float32)
     dlse = np.where(empty, 0.0, rng.standard_normal(want_lse.shape)).astype(np.float32)
@@ -349,14 +344,9 @@ def test_paged_on_the_host(host_launches, lq: int, causal: bool,
         block_table=torch.from_numpy(table), seqlens=torch.from_numpy(lens), scale=0.125,
         causal="bottom_right" if causal else None, window=window, softcap=None,
         return_lse=True)
-    want, want_lse = paged_definition(*(a.astype(np.float64) for a in (q, k, v)), table, lens,
-                                      causal=causal, window=window)[:2]
-    got, got_lse = out.numpy().astype(np.float64), lse.numpy().astype(np.float64)
-    empty = want_lse == -np.inf
-    assert np.all(got[empty] == 0) and np.all(got_lse[empty] == -np.inf)
-    out_tol, lse_tol, _ = ATTENTION_TOLERANCES["float32"]
-    assert ref.rel_frobenius(got, want) <= out_tol
-    assert np.abs(got_lse[~empty] - want_lse[~empty]).max() <= lse_tol
+    want = paged_definition(*(a.astype(np.float64) for a in (q, k, v)), table, lens,
+                            causal=causal, window=window)[:2]
+    _within_float32_bounds(out, lse, *want)
 
 
 DECODE_RUNS = [
@@ -379,13 +369,11 @@ PAGED_DECODE_RUNS = [
 it, and a sliding window (the kernel starting each sequence at its first query's window)."""
 
 
-@pytest.fixture
-def decode_launches(host_kernels, monkeypatch):
+@pytest.fixture(scope="module")
+def decode_kernels(host_kernels):
     """The float32 decode kernels (dense and paged) at the head dims of :data:`DECODE_RUNS`
-    and :data:`PAGED_DECODE_RUNS` and the merge of their partial states (kernels/attention.cu)
-    built for the host, and the adapters' device boundary moved there (a device of 132
-    multiprocessors); a list that gathers the decode launches' grids."""
-    from softmaxkit_cupy import attention, attention_f32, interop
+    and :data:`PAGED_DECODE_RUNS` and the merge of their partial states (kernels/attention.cu),
+    built once for the host."""
     from softmaxkit_cupy.attention import _MERGE_PARAMS, DECODE_PARAMS
     from softmaxkit_cupy.configs import F32_DECODE_CONFIGS, f32_decode_width, merge_name
     from softmaxkit_cupy.paged import _PAGED_PARAMS
@@ -397,7 +385,18 @@ def decode_launches(host_kernels, monkeypatch):
              for w in widths for paged in (False, True)}
     built = host_kernels("attention_f32.cu", list(codes), codes)
     merge = merge_name("float32", "float32")
-    built |= host_kernels("attention.cu", [merge], _MERGE_PARAMS)
+    return built | host_kernels("attention.cu", [merge], _MERGE_PARAMS)
+
+
+@pytest.fixture
+def decode_launches(decode_kernels, host_kernels, monkeypatch):
+    """The adapters' device boundary moved to the host with :func:`decode_kernels` (a device
+    of 132 multiprocessors); a list that gathers the decode launches' grids."""
+    from softmaxkit_cupy import attention, attention_f32, interop
+    from softmaxkit_cupy.attention import DECODE_PARAMS
+    from softmaxkit_cupy.paged import _PAGED_PARAMS
+
+    built = dict(decode_kernels)
     for module in (attention_f32, attention):
         move_to_host(monkeypatch, module, built, host_kernels)
     monkeypatch.setattr(attention, "_multiprocessors_of", lambda device: 132)
