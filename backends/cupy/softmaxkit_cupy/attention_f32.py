@@ -81,35 +81,60 @@ def attention(
     if fixed is not None:
         return fixed[0], (fixed[1] if return_lse else None)
     d, dv = int(q.shape[3]), int(v.shape[3])
-    b, hq, lq, _ = (int(s) for s in q.shape)
+    _, hq, lq, _ = (int(s) for s in q.shape)
     hk, lk = int(k.shape[1]), int(k.shape[2])
     if isinstance(config, F32DecodeConfig) or (
             config is None and F32_DECODE_SERVED and uses_decode(hq, hk, lq, lk)):
-        width = config.head_dim if config is not None else f32_decode_width(d, dv)
-        if width is None or width < max(d, dv):
-            raise ValueError(f"no float32 decode kernel for D={d}, Dv={dv}")
-        decode = config or F32_DECODE_CONFIGS[width]
+        decode, width = decode_tiles(config, d, dv)
         with interop.on_device(q):
-            return head_dims.forward_padded(
-                xp, None if (d, dv) == (width, width) else width, lambda q, k, v: _decoded(
-                    dense_decode(xp, decode, q=_rows_ready(xp, q), k=_rows_ready(xp, k),
-                                 v=_rows_ready(xp, v), scale=scale, causal=causal,
-                                 window=window, mask=mask, softcap=softcap), return_lse),
+            out, lse = head_dims.forward_padded(xp, width, lambda q, k, v: dense_decode(
+                xp, decode, q=_rows_ready(xp, q), k=_rows_ready(xp, k), v=_rows_ready(xp, v),
+                scale=scale, causal=causal, window=window, mask=mask, softcap=softcap),
                 q, k, v)
-    shape = (config.head_dim, config.value_dim) if config is not None else f32_shape(d, dv)
-    if shape is None or (shape != (d, dv) and shape[0] != shape[1]):
-        raise ValueError(f"no float32 attention kernel for D={d}, Dv={dv}")
+        return out, (lse if return_lse else None)
     with interop.on_device(q):
         return head_dims.forward_padded(
-            xp, None if shape == (d, dv) else shape[0], lambda q, k, v: _attention(
+            xp, run_width(config, d, dv), lambda q, k, v: _attention(
                 xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window, mask=mask,
                 softcap=softcap, return_lse=return_lse, config=config),
             q, k, v)
 
 
-def _decoded(result: tuple[Any, Any], return_lse: bool) -> tuple[Any, Any]:
-    """``(out, lse or None)`` of a decode's ``(out, lse)``."""
-    return result[0], (result[1] if return_lse else None)
+def run_width(config: F32Config | F32BackwardConfig | None, d: int, dv: int,
+              backward: bool = False) -> int | None:
+    """The width a float32 call of key dim ``d`` and value dim ``dv`` is zero-padded to on the
+    exact kernels (the forward's or, ``backward``, the gradient's): None where it runs at its
+    own pair (:func:`.configs.f32_shape`, :func:`.configs.f32_backward_shape`, or the pair of
+    the tiles ``config`` asked for); the square pair's width otherwise.
+
+    Raises
+    ------
+    ValueError
+        Where no kernel holds the pair (above 256, or tiles of another non-square pair).
+    """
+    shape = ((config.head_dim, config.value_dim) if config is not None
+             else (f32_backward_shape if backward else f32_shape)(d, dv))
+    if shape is None or (shape != (d, dv) and shape[0] != shape[1]):
+        kind = "backward" if backward else "kernel"
+        raise ValueError(f"no float32 attention {kind} for D={d}, Dv={dv}")
+    return None if shape == (d, dv) else shape[0]
+
+
+def decode_tiles(config: F32DecodeConfig | None, d: int,
+                 dv: int) -> tuple[F32DecodeConfig, int | None]:
+    """The float32 decode tiles a call of ``d`` and ``dv`` runs on (``config``, or
+    :data:`.configs.F32_DECODE_CONFIGS`' at :func:`.configs.f32_decode_width`) and the
+    width it is zero-padded to (None: its own).
+
+    Raises
+    ------
+    ValueError
+        Where the tiles are narrower than ``d`` or ``dv`` (or none holds them: above 256).
+    """
+    width = config.head_dim if config is not None else f32_decode_width(d, dv)
+    if width is None or width < max(d, dv):
+        raise ValueError(f"no float32 decode kernel for D={d}, Dv={dv}")
+    return config or F32_DECODE_CONFIGS[width], None if (d, dv) == (width, width) else width
 
 
 def _attention(
@@ -143,13 +168,9 @@ def attention_vjp(
     if fixed is not None:
         return fixed
     d, dv = int(q.shape[3]), int(v.shape[3])
-    shape = ((config.head_dim, config.value_dim) if config is not None
-             else f32_backward_shape(d, dv))
-    if shape is None or (shape != (d, dv) and shape[0] != shape[1]):
-        raise ValueError(f"no float32 attention backward for D={d}, Dv={dv}")
     with interop.on_device(q):
         return head_dims.gradients_padded(
-            xp, None if shape == (d, dv) else shape[0], lambda q, k, v, out, dout: _vjp(
+            xp, run_width(config, d, dv, backward=True), lambda q, k, v, out, dout: _vjp(
                 xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale, causal=causal,
                 window=window, mask=mask, softcap=softcap, dlse=dlse, config=config),
             q, k, v, out, dout)

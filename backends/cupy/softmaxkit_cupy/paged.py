@@ -43,14 +43,13 @@ from softmaxkit.paged_cache import dense_operands
 
 from . import head_dims, interop
 from .attention import _rows_ready, attention, split_decode
+from .attention_f32 import decode_tiles
 from .configs import (
-    F32_DECODE_CONFIGS,
     F32_DECODE_SERVED,
     DecodeConfig,
     F32DecodeConfig,
     decode_config,
     decode_holds,
-    f32_decode_width,
 )
 
 _PAGED_PARAMS = "QQQQQQQ" + "qqq" * 3 + "q" + "iIiiiiiff" + "iii"
@@ -182,11 +181,8 @@ def paged_attention(
                         seqlens=seqlens, scale=scale, causal=causal, window=window,
                         softcap=softcap, return_lse=return_lse)
     if f32_decode:
-        width = config.head_dim if config is not None else f32_decode_width(d, dv)
-        if width is None or width < max(d, dv):
-            raise ValueError(f"no float32 decode kernel for D={d}, Dv={dv}")
-        config = config or F32_DECODE_CONFIGS[width]
-        width = None if (d, dv) == (width, width) else width
+        config, width = decode_tiles(config if isinstance(config, F32DecodeConfig) else None,
+                                     d, dv)
     else:
         width = head_dims.pad_width(d, dv)
     with interop.on_device(q):

@@ -59,9 +59,7 @@ from .configs import (
     backward_dq_varlen_name,
     backward_pre_varlen_name,
     f32_backward_config,
-    f32_backward_shape,
     f32_config,
-    f32_shape,
     varlen_config,
 )
 
@@ -142,12 +140,10 @@ def varlen_attention(
         return (interop.zeros(q, (tq, hq, dv), dtype),
                 interop.full(q, (tq, hq), -math.inf, "float32") if return_lse else None)
     if dtype == "float32":
-        shape = ((config.head_dim, config.value_dim) if isinstance(config, F32Config)
-                 else f32_shape(d, dv))
-        if shape is None or (shape != (d, dv) and shape[0] != shape[1]):
-            raise ValueError(f"no float32 attention kernel for D={d}, Dv={dv}")
+        width = attention_f32.run_width(config if isinstance(config, F32Config) else None,
+                                        d, dv)
         with interop.on_device(q):
-            return head_dims.forward_padded(xp, None if shape == (d, dv) else shape[0], (
+            return head_dims.forward_padded(xp, width, (
                 lambda q, k, v: _f32_varlen_attention(
                     xp, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                     scale=scale, causal=causal, window=window, softcap=softcap,
@@ -176,12 +172,8 @@ def _varlen_attention(
 ) -> tuple[Any, Any]:
     """:func:`varlen_attention` of a call with work, at a built head dimension (D = Dv)."""
     tq, hq, d = (int(s) for s in q.shape)
-    hk = int(k.shape[1])
     dtype = interop.name(q)
-    (host_q,) = _on_host(cu_seqlens_q)
-    cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
-    batches = host_q.shape[0] - 1
-    longest = int(np.max(np.diff(host_q)))
+    cu_q, cu_k, batches, longest = _forward_rows(xp, cu_seqlens_q, cu_seqlens_k)
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
     device = interop.device_index(q)
     hopper = _capability_of(device) == SM90_CAPABILITY
@@ -189,17 +181,32 @@ def _varlen_attention(
                         else varlen_config(d, interop.shared_limit(device)))
     out = interop.empty(q, (tq, hq, d), dtype)
     lse = interop.empty(q, (tq, hq), "float32")
-    ptr = interop.pointer
-    shared = config.shared_bytes()
     name = config.varlen_name(dtype)
     note_kernel(name)
-    interop.launch(_kernel(name), q,
-                   (-(-longest // config.block_m), hq, batches), config.threads,
-                   VARLEN_PARAMS, (
-                       ptr(q), ptr(k), ptr(v), ptr(cu_q), ptr(cu_k), ptr(out), ptr(lse),
-                       *_token_strides(q), *_token_strides(k), *_token_strides(v), hq, hk,
-                       *_options(scale, causal, window, softcap)), shared)
+    interop.launch(_kernel(name), q, (-(-longest // config.block_m), hq, batches),
+                   config.threads, VARLEN_PARAMS,
+                   (*_forward_args(q, k, v, cu_q, cu_k, out, lse),
+                    *_options(scale, causal, window, softcap)), config.shared_bytes())
     return out, (lse if return_lse else None)
+
+
+def _forward_rows(xp: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
+                  ) -> tuple[Any, Any, int, int]:
+    """What a packed forward's launch takes of the cumulative lengths: ``(cu_q, cu_k)`` as
+    int64 arrays on the device, the sequences and the longest query length."""
+    (host_q,) = _on_host(cu_seqlens_q)
+    return (_int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k), host_q.shape[0] - 1,
+            int(np.max(np.diff(host_q))))
+
+
+def _forward_args(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, out: Any,
+                  lse: Any) -> tuple[Any, ...]:
+    """The packed forwards' arguments (:data:`VARLEN_PARAMS`) up to the options: the
+    addresses, the token and head strides, hq and hk."""
+    ptr = interop.pointer
+    return (ptr(q), ptr(k), ptr(v), ptr(cu_q), ptr(cu_k), ptr(out), ptr(lse),
+            *_token_strides(q), *_token_strides(k), *_token_strides(v), int(q.shape[1]),
+            int(k.shape[1]))
 
 
 def _f32_varlen_attention(
@@ -212,26 +219,21 @@ def _f32_varlen_attention(
     (:func:`.attention.forward_grid`: under causal rows every sequence's last row tile
     first) over the longest sequence's row tiles."""
     tq, hq, d = (int(s) for s in q.shape)
-    hk, dv = int(k.shape[1]), int(v.shape[2])
-    (host_q,) = _on_host(cu_seqlens_q)
-    cu_q, cu_k = _int64(xp, cu_seqlens_q), _int64(xp, cu_seqlens_k)
-    batches = host_q.shape[0] - 1
-    longest = int(np.max(np.diff(host_q)))
+    dv = int(v.shape[2])
+    cu_q, cu_k, batches, longest = _forward_rows(xp, cu_seqlens_q, cu_seqlens_k)
     q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
     config = config or f32_config(d, dv, False, interop.shared_limit(interop.device_index(q)))
     if config is None or (config.head_dim, config.value_dim) != (d, dv):
         raise ValueError(f"no float32 attention kernel for D={d}, Dv={dv}")
     out = interop.empty(q, (tq, hq, dv), "float32")
     lse = interop.empty(q, (tq, hq), "float32")
-    ptr = interop.pointer
     name = config.varlen_name()
     note_kernel(name)
     grid, options = forward_grid(-(-longest // config.block_m), hq, batches,
                                  _options(scale, causal, window, softcap))
-    interop.launch(attention_f32._kernel(name), q, grid, config.threads, VARLEN_PARAMS, (
-        ptr(q), ptr(k), ptr(v), ptr(cu_q), ptr(cu_k), ptr(out), ptr(lse),
-        *_token_strides(q), *_token_strides(k), *_token_strides(v), hq, hk, *options),
-        config.shared_bytes())
+    interop.launch(attention_f32._kernel(name), q, grid, config.threads, VARLEN_PARAMS,
+                   (*_forward_args(q, k, v, cu_q, cu_k, out, lse), *options),
+                   config.shared_bytes())
     return out, (lse if return_lse else None)
 
 
@@ -283,13 +285,11 @@ def varlen_attention_vjp(
         return (interop.zeros(q, (tq, hq, d), dtype), interop.zeros(q, (tk, hk, d), dtype),
                 interop.zeros(q, (tk, hk, dv), dtype))
     if dtype == "float32":
-        shape = ((config.head_dim, config.value_dim) if isinstance(config, F32BackwardConfig)
-                 else f32_backward_shape(d, dv))
-        if shape is None or (shape != (d, dv) and shape[0] != shape[1]):
-            raise ValueError(f"no float32 attention backward for D={d}, Dv={dv}")
+        width = attention_f32.run_width(
+            config if isinstance(config, F32BackwardConfig) else None, d, dv, backward=True)
         with interop.on_device(q):
             return head_dims.gradients_padded(
-                xp, None if shape == (d, dv) else shape[0],
+                xp, width,
                 lambda q, k, v, out, dout: _f32_varlen_attention_vjp(
                     xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal, window=window,
@@ -320,42 +320,18 @@ def _varlen_attention_vjp(
 ) -> tuple[Any, Any, Any]:
     """:func:`varlen_attention_vjp` of a call with work, at a built head dimension (D = Dv)."""
     tq, hq, d = (int(s) for s in q.shape)
-    tk, hk = int(k.shape[0]), int(k.shape[1])
     dtype = interop.name(q)
     device = interop.device_index(q)
     hopper = _capability_of(device) == SM90_CAPABILITY
     config = config or (SM90_VARLEN_BACKWARD_CONFIGS[d]
                         if hopper and d in SM90_VARLEN_BACKWARD_CONFIGS
                         else backward_config(d, interop.shared_limit(device)))
-    cu_q, cu_k, cu_pad, batches, tpad, longest_k = _backward_rows(
-        xp, cu_seqlens_q, cu_seqlens_k, config.block_m)
-    q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
-    lse = interop.contiguous(lse)
-    rows = hq * tpad
-    lse2, delta, dq_acc = backward_buffers(q, rows, d)
-    dq = interop.empty(q, (tq, hq, d), dtype)
-    # every key row belongs to a sequence whose blocks write it (zeros without queries)
-    dk = interop.empty(q, (tk, hk, d), dtype)
-    dv = interop.empty(q, (tk, hk, d), dtype)
+    dq_acc, dk, dv, cu_q, cu_pad, batches, tpad = _backward_launches(
+        xp, _kernel, config, config.varlen_name(dtype), q=q, k=k, v=v, out=out, lse=lse,
+        dout=dout, dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        options=_options(scale, causal, window, softcap), packed_sums=False)
     ptr = interop.pointer
-    dlse = row_cotangent(dlse)
-    launch_backward_pre(_kernel(backward_pre_varlen_name(dtype, d)), q, rows, d,
-                        VARLEN_PRE_PARAMS, (
-                            ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
-                            ptr(lse2), ptr(delta), ptr(cu_q), ptr(cu_pad),
-                            *_token_strides(out), *_token_strides(dout), hq, batches, tpad,
-                            rows))
-    shared = config.shared_bytes()
-    name = config.varlen_name(dtype)
-    note_kernel(name)
-    interop.launch(_kernel(name), q,
-                   (-(-longest_k // config.block_n), hk, batches), config.threads,
-                   VARLEN_BACKWARD_PARAMS, (
-                       ptr(q), ptr(k), ptr(v), ptr(dout), ptr(cu_q), ptr(cu_k), ptr(cu_pad),
-                       ptr(lse2), ptr(delta), ptr(dq_acc), ptr(dk), ptr(dv),
-                       *_token_strides(q), *_token_strides(k), *_token_strides(v),
-                       *_token_strides(dout), hq, hk, tpad,
-                       *_options(scale, causal, window, softcap)), shared)
+    dq = interop.empty(q, (tq, hq, d), dtype)
     chunks = tq * hq * d // 8
     interop.launch(_kernel(backward_dq_varlen_name(dtype, d)), q, -(-chunks // 256),
                    256, VARLEN_DQ_PARAMS, (ptr(dq_acc), ptr(dq), ptr(cu_q), ptr(cu_pad),
@@ -374,34 +350,55 @@ def _f32_varlen_attention_vjp(
     float32 sums laid out as dq itself ([Tq, Hq, D]: it skips a tile's rows past its
     sequence), scaled here."""
     tq, hq, d = (int(s) for s in q.shape)
-    tk, hk, dv_dim = (int(s) for s in v.shape)
+    dv_dim = int(v.shape[2])
     config = config or f32_backward_config(d, dv_dim, False)
     if config is None or (config.head_dim, config.value_dim) != (d, dv_dim):
         raise ValueError(f"no float32 attention backward for D={d}, Dv={dv_dim}")
+    dq_acc, dk, dv, *_ = _backward_launches(
+        xp, attention_f32._kernel, config, config.varlen_name(), q=q, k=k, v=v, out=out,
+        lse=lse, dout=dout, dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        options=_options(scale, causal, window, softcap), packed_sums=True)
+    return xp.reshape(dq_acc, (tq, hq, d)) * scale, dk, dv
+
+
+def _backward_launches(
+    xp: Any, kernel: Any, config: Any, name: str, *, q: Any, k: Any, v: Any, out: Any,
+    lse: Any, dout: Any, dlse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+    options: tuple[Any, ...], packed_sums: bool,
+) -> tuple[Any, ...]:
+    """The packed backward's first two launches, shared by the 16-bit and float32 kernels
+    (``kernel(name)`` gives a kernel of the right source; the parameters are
+    :data:`VARLEN_PRE_PARAMS` and :data:`VARLEN_BACKWARD_PARAMS`): each row's lse2 and delta
+    into the padded layout (module docstring), then the main kernel over (key tiles of the
+    longest sequence, Hk, B), which writes dk and dv (zero for the keys of a sequence
+    without queries) and adds dq's products into float32 sums, ``[Hq, tpad, D]`` or, with
+    ``packed_sums``, ``[Tq, Hq, D]``.  Returns ``(dq sums, dk, dv, cu_q, cu_pad, batches,
+    tpad)`` for dq's conversion."""
+    tq, hq, d = (int(s) for s in q.shape)
+    tk, hk, dv_dim = (int(s) for s in v.shape)
+    dtype = interop.name(q)
     cu_q, cu_k, cu_pad, batches, tpad, longest_k = _backward_rows(
         xp, cu_seqlens_q, cu_seqlens_k, config.block_m)
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
     lse = interop.contiguous(lse)
     rows = hq * tpad
-    lse2, delta, dq_acc = backward_buffers(q, rows, d, sums=tq * hq)
-    dk = interop.empty(q, (tk, hk, d), "float32")
-    dv = interop.empty(q, (tk, hk, dv_dim), "float32")
+    lse2, delta, dq_acc = backward_buffers(q, rows, d, sums=tq * hq if packed_sums else None)
+    # every key row belongs to a sequence whose blocks write it (zeros without queries)
+    dk = interop.empty(q, (tk, hk, d), dtype)
+    dv = interop.empty(q, (tk, hk, dv_dim), dtype)
     ptr = interop.pointer
     dlse = row_cotangent(dlse)
-    launch_backward_pre(attention_f32._kernel(backward_pre_varlen_name("float32", dv_dim)), q,
-                        rows, dv_dim, VARLEN_PRE_PARAMS, (
+    launch_backward_pre(kernel(backward_pre_varlen_name(dtype, dv_dim)), q, rows, dv_dim,
+                        VARLEN_PRE_PARAMS, (
                             ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
                             ptr(lse2), ptr(delta), ptr(cu_q), ptr(cu_pad),
                             *_token_strides(out), *_token_strides(dout), hq, batches, tpad,
                             rows))
-    name = config.varlen_name()
     note_kernel(name)
-    interop.launch(attention_f32._kernel(name), q,
-                   (-(-longest_k // config.block_n), hk, batches), config.threads,
-                   VARLEN_BACKWARD_PARAMS, (
+    interop.launch(kernel(name), q, (-(-longest_k // config.block_n), hk, batches),
+                   config.threads, VARLEN_BACKWARD_PARAMS, (
                        ptr(q), ptr(k), ptr(v), ptr(dout), ptr(cu_q), ptr(cu_k), ptr(cu_pad),
                        ptr(lse2), ptr(delta), ptr(dq_acc), ptr(dk), ptr(dv),
                        *_token_strides(q), *_token_strides(k), *_token_strides(v),
-                       *_token_strides(dout), hq, hk, tpad,
-                       *_options(scale, causal, window, softcap)), config.shared_bytes())
-    return xp.reshape(dq_acc, (tq, hq, d)) * scale, dk, dv
+                       *_token_strides(dout), hq, hk, tpad, *options), config.shared_bytes())
+    return dq_acc, dk, dv, cu_q, cu_pad, batches, tpad
