@@ -26,8 +26,6 @@ from .attention import (
     uses_decode,
 )
 from .configs import (
-    F32_DECODE_CONFIGS,
-    F32_DECODE_SERVED,
     F32BackwardConfig,
     F32Config,
     F32DecodeConfig,
@@ -38,8 +36,8 @@ from .configs import (
     f32_backward_pre_names,
     f32_backward_shape,
     f32_config,
+    f32_decode_config,
     f32_decode_names,
-    f32_decode_width,
     f32_names,
     f32_shape,
     f32_varlen_backward_names,
@@ -73,9 +71,10 @@ def attention(
     the head dimensions).  A call whose (D, Dv) is not a built pair runs on copies of q, k, v
     zero-padded to :func:`.configs.f32_shape` (zero columns add nothing to a score, and the
     output's extra columns are dropped).  Few query rows per key head against many keys
-    (:func:`.attention.uses_decode`) run on the split-KV decode kernels once
-    :data:`.configs.F32_DECODE_SERVED` says so, or when ``config`` is an
-    :class:`.configs.F32DecodeConfig`, zero-padded to :func:`.configs.f32_decode_width`.
+    (:func:`.attention.uses_decode`) run on the split-KV decode kernels
+    (:func:`.configs.f32_decode_config`, where the device's shared memory holds them; or
+    ``config``, an :class:`.configs.F32DecodeConfig`), zero-padded to
+    :func:`.configs.f32_decode_width`.
     """
     fixed = _forward_without_work(q, k, v)
     if fixed is not None:
@@ -83,13 +82,16 @@ def attention(
     d, dv = int(q.shape[3]), int(v.shape[3])
     _, hq, lq, _ = (int(s) for s in q.shape)
     hk, lk = int(k.shape[1]), int(k.shape[2])
-    if isinstance(config, F32DecodeConfig) or (
-            config is None and F32_DECODE_SERVED and uses_decode(hq, hk, lq, lk)):
-        decode, width = decode_tiles(config, d, dv)
+    if config is None and uses_decode(hq, hk, lq, lk):
+        config = f32_decode_config(d, dv, interop.shared_limit(interop.device_index(q)))
+    if isinstance(config, F32DecodeConfig):
+        decode = config
         with interop.on_device(q):
-            out, lse = head_dims.forward_padded(xp, width, lambda q, k, v: dense_decode(
-                xp, decode, q=_rows_ready(xp, q), k=_rows_ready(xp, k), v=_rows_ready(xp, v),
-                scale=scale, causal=causal, window=window, mask=mask, softcap=softcap),
+            out, lse = head_dims.forward_padded(
+                xp, decode_width(decode, d, dv), lambda q, k, v: dense_decode(
+                    xp, decode, q=_rows_ready(xp, q), k=_rows_ready(xp, k),
+                    v=_rows_ready(xp, v), scale=scale, causal=causal, window=window,
+                    mask=mask, softcap=softcap),
                 q, k, v)
         return out, (lse if return_lse else None)
     with interop.on_device(q):
@@ -120,21 +122,19 @@ def run_width(config: F32Config | F32BackwardConfig | None, d: int, dv: int,
     return None if shape == (d, dv) else shape[0]
 
 
-def decode_tiles(config: F32DecodeConfig | None, d: int,
-                 dv: int) -> tuple[F32DecodeConfig, int | None]:
-    """The float32 decode tiles a call of ``d`` and ``dv`` runs on (``config``, or
-    :data:`.configs.F32_DECODE_CONFIGS`' at :func:`.configs.f32_decode_width`) and the
-    width it is zero-padded to (None: its own).
+def decode_width(config: F32DecodeConfig, d: int, dv: int) -> int | None:
+    """The width a float32 decode of ``d`` and ``dv`` on ``config``'s tiles is zero-padded to
+    (None: its own).
 
     Raises
     ------
     ValueError
-        Where the tiles are narrower than ``d`` or ``dv`` (or none holds them: above 256).
+        Where the tiles are narrower than ``d`` or ``dv``.
     """
-    width = config.head_dim if config is not None else f32_decode_width(d, dv)
-    if width is None or width < max(d, dv):
-        raise ValueError(f"no float32 decode kernel for D={d}, Dv={dv}")
-    return config or F32_DECODE_CONFIGS[width], None if (d, dv) == (width, width) else width
+    width = config.head_dim
+    if width < max(d, dv):
+        raise ValueError(f"no float32 decode kernel for D={d}, Dv={dv} on {config}")
+    return None if (d, dv) == (width, width) else width
 
 
 def _attention(

@@ -1167,21 +1167,34 @@ class F32DecodeConfig:
         return f"{kernel}<{self.head_dim}, {self.warps}, {self.stages}>"
 
 
-F32_DECODE_CONFIGS = {d: F32DecodeConfig(d, warps=8 if d == 32 else 4,
-                                          stages=3 if d <= 128 else 2)
-                      for d in (32, 64, 96, 128, 160, 192, 256)}
-"""The float32 decode kernels for each head dimension they are built for (D = Dv; other
-pairs up to 256 zero-padded to the next, :func:`f32_decode_width`): 30-110 KB up to 128 (two
-to seven blocks a multiprocessor), 116-150 KB above; eight warps of two rows at 32, where
-four of four rows spill (paged)."""
+F32_DECODE_CONFIGS = {
+    32: F32DecodeConfig(32, warps=8, stages=2),
+    64: F32DecodeConfig(64, warps=4, stages=4),
+    96: F32DecodeConfig(96, warps=4, stages=2),
+    128: F32DecodeConfig(128, warps=4, stages=2),
+    160: F32DecodeConfig(160, warps=4, stages=2),
+    192: F32DecodeConfig(192, warps=4, stages=2),
+    256: F32DecodeConfig(256, warps=8, stages=2),
+}
+"""The float32 split-KV decode kernels that serve float32 decoding (dense calls of few query
+rows per key head, :func:`.attention.uses_decode`, and paged calls that the decode kernels
+hold, :func:`decode_holds`) at each head dimension they are built for (D = Dv; other pairs up
+to 256 zero-padded to the next, :func:`f32_decode_width`): 20-113 KB of shared memory up to
+192, 150 KB at 256.  Each is the fastest of the tiles timed on an H100 (B8 Hq32 Hk8 Lk8192,
+``tools/f32_decode_timing.py --tiles``: 2, 4 or 8 warps, 2 to 4 stages; 22-68% of the copy
+bandwidth where the exact forward read 4-9%, docs/benchmarks-attention.md)."""
 
-F32_DECODE_SERVED = False
-"""Whether float32 decoding (dense calls of few query rows per key head, and paged calls)
-runs on the split-KV kernels of :data:`F32_DECODE_CONFIGS`; until they are checked and timed
-on a device, it runs on the exact forward (over the gathered pages for paged calls), which
-computes a whole tile of query rows for each: 5.4% of the copy bandwidth at D = 128 on an
-H100 (docs/benchmarks-attention.md).  Callable here before with ``config=``.  Serving them
-also asks the manifest's float32 reasons for their shared memory (116-150 KB above 128)."""
+
+def f32_decode_config(d: int, dv: int,
+                      shared_limit: int | None = None) -> F32DecodeConfig | None:
+    """The float32 decode tiles for ``d`` and ``dv`` (those of :data:`F32_DECODE_CONFIGS` at
+    :func:`f32_decode_width`) where a block of them fits ``shared_limit`` bytes of shared
+    memory (None: no limit), else None: such calls run on the exact forward instead."""
+    width = f32_decode_width(d, dv)
+    found = None if width is None else F32_DECODE_CONFIGS[width]
+    if found is None or (shared_limit is not None and found.shared_bytes() > shared_limit):
+        return None
+    return found
 
 
 def f32_decode_width(d: int, dv: int) -> int | None:

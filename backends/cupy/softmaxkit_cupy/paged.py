@@ -28,10 +28,11 @@ The decode kernel holds at most ``DECODE_ROWS`` query rows (``Hq / Hk`` heads ti
 queries) per key head.  A longer chunked prefill runs on the dense attention kernels instead:
 the pages in use gathered into a dense cache, each sequence's length and bottom-right
 alignment as a boolean mask (:mod:`softmaxkit.paged_cache`), at the cost of a copy of those
-pages and a ``[B, Lq, max_pages * S]`` mask.  So do float32 calls, on the exact float32
-kernels (:mod:`.attention_f32`), until the float32 split-KV decode kernel
-(``sk_attn_decode_f32_paged``, kernels/attention_f32.cu: the same walk of the pages) is
-served (:data:`.configs.F32_DECODE_SERVED`); ``config=`` runs it before.
+pages and a ``[B, Lq, max_pages * S]`` mask.  float32 calls the decode kernel holds run on
+its float32 twin (``sk_attn_decode_f32_paged``, kernels/attention_f32.cu: the same walk of the
+pages, in float32 arithmetic), where the device's shared memory holds its tiles
+(:func:`.configs.f32_decode_config`); the others on the exact float32 kernels
+(:mod:`.attention_f32`) over the gathered pages.
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ from softmaxkit.paged_cache import dense_operands
 
 from . import head_dims, interop
 from .attention import _rows_ready, attention, split_decode
-from .attention_f32 import decode_tiles
+from .attention_f32 import decode_width
 from .configs import (
-    F32_DECODE_SERVED,
     DecodeConfig,
     F32DecodeConfig,
     decode_config,
     decode_holds,
+    f32_decode_config,
 )
 
 _PAGED_PARAMS = "QQQQQQQ" + "qqq" * 3 + "q" + "iIiiiiiff" + "iii"
@@ -153,8 +154,8 @@ def paged_attention(
         Also return the natural-log log-sum-exp.
     config : DecodeConfig or F32DecodeConfig, optional
         The decode kernel's tiles (for benchmarks; by default :func:`.configs.decode_config`
-        of the head dimension; float32: those of :data:`.configs.F32_DECODE_CONFIGS` once
-        served, the dense exact kernels over the gathered pages until then).
+        of the head dimension; float32: :func:`.configs.f32_decode_config`'s, or the exact
+        dense kernels over the gathered pages where the device cannot hold them).
 
     Returns
     -------
@@ -174,17 +175,15 @@ def paged_attention(
     if capacity == 0:  # no sequence has a key: every row is empty (out 0, lse -inf)
         return (interop.zeros(q, (b, hq, lq, dv), dtype),
                 interop.full(q, (b, hq, lq), -math.inf, "float32") if return_lse else None)
-    f32_decode = dtype == "float32" and (F32_DECODE_SERVED or config is not None)
-    if (dtype == "float32" and not f32_decode) or not decode_holds(hq, int(k_pages.shape[1]),
-                                                                   lq):
+    if dtype == "float32" and config is None:
+        config = f32_decode_config(d, dv, interop.shared_limit(interop.device_index(q)))
+    if ((dtype == "float32" and not isinstance(config, F32DecodeConfig))
+            or not decode_holds(hq, int(k_pages.shape[1]), lq)):
         return _prefill(xp, q=q, k_pages=k_pages, v_pages=v_pages, block_table=block_table,
                         seqlens=seqlens, scale=scale, causal=causal, window=window,
                         softcap=softcap, return_lse=return_lse)
-    if f32_decode:
-        config, width = decode_tiles(config if isinstance(config, F32DecodeConfig) else None,
-                                     d, dv)
-    else:
-        width = head_dims.pad_width(d, dv)
+    width = (decode_width(config, d, dv) if isinstance(config, F32DecodeConfig)
+             else head_dims.pad_width(d, dv))
     with interop.on_device(q):
         return head_dims.forward_padded(xp, width, lambda q, kp, vp: (
             _paged_attention(xp, q=q, k_pages=kp, v_pages=vp, block_table=block_table,

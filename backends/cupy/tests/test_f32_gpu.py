@@ -64,7 +64,7 @@ def _inputs(d: int, dv: int, case: dict, seed: int):
     mask = None
     if case.get("mask"):
         mask = torch.rand(b, hq, lq, lk, device="cuda", generator=gen) > 0.3
-        mask[:, :, 5, :] = False  # a row with no allowed key
+        mask[:, :, min(5, lq - 1), :] = False  # a row with no allowed key
     return q, k, v, mask
 
 
@@ -145,11 +145,16 @@ def _cotangents(out, lse, seed: int, operands: tuple):
     return dout, dlse
 
 
-def _fits(config) -> bool:
+def _shared_limit() -> int:
+    """The shared memory a block may take on the current device."""
     import cupy
     from softmaxkit_cupy.interop import shared_limit
 
-    return config.shared_bytes() <= shared_limit(cupy.cuda.runtime.getDevice())
+    return shared_limit(cupy.cuda.runtime.getDevice())
+
+
+def _fits(config) -> bool:
+    return config.shared_bytes() <= _shared_limit()
 
 
 @pytest.mark.parametrize(("d", "dv"), [(32, 32), (64, 64), (96, 96), (128, 128), (160, 160),
@@ -399,29 +404,38 @@ with a row of no allowed key, 16 rows a key head; each several splits long."""
 
 @pytest.mark.parametrize("d", [32, 64, 80, 128, 160, 256])
 @pytest.mark.parametrize("case", DECODE, ids=_case_id)
-def test_decode_kernels_within_float32_bounds(d: int, case: dict) -> None:
-    """The float32 split-KV decode kernel (sk_attn_decode_f32, asked for with ``config=``
-    before it is served) on memory that held NaN: out and lse within the float32 bounds of
-    the float64 definition (:func:`_check`)."""
-    from softmaxkit_cupy.configs import F32_DECODE_CONFIGS, f32_decode_width
+def test_decode_within_float32_bounds(d: int, case: dict) -> None:
+    """Float32 decoding through the default dispatch runs on the split-KV decode kernel
+    (sk_attn_decode_f32, named in the trace) where the device holds its tiles, and on the
+    exact forward where not; on memory that held NaN, out and lse are within the float32
+    bounds of the float64 definition (:func:`_check`)."""
+    from softmaxkit_cupy.configs import f32_decode_config
 
-    config = F32_DECODE_CONFIGS[f32_decode_width(d, d)]
-    if not _fits(config):
-        pytest.skip("the tiles do not fit this device's shared memory")
-    got, arrays = _forward(d, d, case, config=config)
-    _check(got, *arrays, case, f"decode D={d} {_case_id(case)}")
+    import softmaxkit as sk
+
+    q, k, v, mask = _inputs(d, d, case, seed=d * 1000 + case["lq"])
+    junk = torch.full((2 * q.numel() + 4096,), math.nan, device="cuda")
+    del junk  # the partial states' and results' memory held NaN
+    opts = _options(case)
+    with sk.backend_opts(trace=True) as trace:
+        got = sk.attention(q, k, v, mask=mask, causal=opts["causal"] or False,
+                           window=opts["window"], softcap=opts["softcap"], return_lse=True)
+    torch.cuda.synchronize()
+    tiles = f32_decode_config(d, d, _shared_limit())
+    want = tiles.name() if tiles is not None else None
+    assert trace[-1].backend == "cupy" and (want is None or trace[-1].kernel == want), trace[-1]
+    _check(got, q, k, v, mask, case, f"decode D={d} {_case_id(case)} on {trace[-1].kernel}")
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_paged_decode_kernel_within_float32_bounds(d: int) -> None:
-    """The paged float32 split-KV decode kernel (sk_attn_decode_f32_paged, ``config=``) over
-    pages of 16 at shuffled places of a pool whose unused slots hold NaN, one sequence empty
-    and one with a sliding window's worth of keys: out and lse against the float64
-    definition on each sequence's keys."""
-    import array_api_compat.torch as xp
-    from softmaxkit_cupy import paged
-    from softmaxkit_cupy.configs import F32_DECODE_CONFIGS
+def test_paged_decode_within_float32_bounds(d: int) -> None:
+    """Paged float32 decoding through the default dispatch (sk_attn_decode_f32_paged where
+    the device holds its tiles) over pages of 16 at shuffled places of a pool whose unused
+    slots hold NaN, one sequence empty and one with a sliding window's worth of keys: out
+    and lse against the float64 definition on each sequence's keys."""
+    from softmaxkit_cupy.configs import f32_decode_config
 
+    import softmaxkit as sk
     from softmaxkit.testing import materialized as ref
     from softmaxkit.testing.attention_cases import ATTENTION_TOLERANCES
     from softmaxkit.testing.paged_cases import make_cache, paged_definition
@@ -429,15 +443,18 @@ def test_paged_decode_kernel_within_float32_bounds(d: int) -> None:
     rng = np.random.default_rng(d)
     k, v, table, lens = make_cache(rng, [3000, 0, 517, 40], 16, 2, d, d)
     q = rng.standard_normal((4, 8, 1, d))
+    tiles = f32_decode_config(d, d, _shared_limit())
     for window in ((-1, -1), (700, -1)):
         args = [torch.as_tensor(a, device="cuda") for a in (q, k, v)]
         tq, tk, tv = (a.float() for a in args)
-        out, lse = paged.paged_attention(
-            xp, q=tq, k_pages=tk, v_pages=tv, block_table=torch.as_tensor(table, device="cuda"),
-            seqlens=torch.as_tensor(lens, device="cuda"), scale=d ** -0.5,
-            causal="bottom_right", window=window, softcap=None, return_lse=True,
-            config=F32_DECODE_CONFIGS[d])
+        with sk.backend_opts(trace=True) as trace:
+            out, lse = sk.paged_attention(
+                tq, tk, tv, torch.as_tensor(table, device="cuda"),
+                torch.as_tensor(lens, device="cuda"), causal=True, window=window,
+                return_lse=True)
         torch.cuda.synchronize()
+        assert trace[-1].backend == "cupy"
+        assert tiles is None or trace[-1].kernel == tiles.name("float32", paged=True), trace[-1]
         want, want_lse = paged_definition(*(_numpy(a).astype(np.float64) for a in (tq, tk, tv)),
                                           table, lens, True, scale=d ** -0.5, window=window)[:2]
         got, got_lse = _numpy(out).astype(np.float64), _numpy(lse).astype(np.float64)

@@ -320,15 +320,16 @@ def test_varlen_on_the_host(varlen_kernels, host_kernels, monkeypatch, d: int, d
             assert all(np.all(g.numpy()[keys] == 0) for g in grads[1:]), b
 
 
-@pytest.mark.parametrize(("lq", "causal", "window"), [(1, True, (-1, -1)), (5, True, (6, -1)),
+@pytest.mark.parametrize(("lq", "causal", "window"), [(4, True, (-1, -1)), (5, True, (6, -1)),
                                                       (3, False, (-1, -1))])
 def test_paged_on_the_host(host_launches, lq: int, causal: bool,
                            window: tuple[int, int]) -> None:
-    """float32 paged attention through its adapter (``softmaxkit_cupy.paged``: the pages in
-    use gathered, each sequence's length and alignment a mask, the exact dense kernel on the
-    host), grouped queries, a sequence without keys, NaN in every unused page slot: within
-    the float32 row of the tolerances of the float64 definition, out 0 and lse -inf on rows
-    with no allowed key."""
+    """float32 chunked prefill of more query rows a key head (8 heads x Lq) than the decode
+    kernel holds, through the paged adapter (``softmaxkit_cupy.paged``: the pages in use
+    gathered, each sequence's length and alignment a mask, the exact dense kernel on the
+    host), a sequence without keys, NaN in every unused page slot: within the float32 row of
+    the tolerances of the float64 definition, out 0 and lse -inf on rows with no allowed
+    key."""
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as xp
     from softmaxkit_cupy import paged
@@ -337,7 +338,7 @@ def test_paged_on_the_host(host_launches, lq: int, causal: bool,
 
     rng = np.random.default_rng(lq)
     k, v, table, lens = make_cache(rng, [70, 0, 33], 16, 2, 64, 64)
-    q = rng.normal(size=(3, 4, lq, 64))
+    q = rng.normal(size=(3, 16, lq, 64))
     q, k, v = (a.astype(np.float32) for a in (q, k, v))
     out, lse = paged.paged_attention(
         xp, q=torch.from_numpy(q), k_pages=torch.from_numpy(k), v_pages=torch.from_numpy(v),
@@ -428,12 +429,11 @@ def _within_float32_bounds(got, got_lse, want, want_lse) -> None:
 @pytest.mark.parametrize(("d", "dv", "case"), **_cases_of(DECODE_RUNS))
 def test_decode_on_the_host(decode_launches, d: int, dv: int, case: dict) -> None:
     """Dense float32 split-KV decoding (sk_attn_decode_f32 on a (splits, Hk, B) grid, then
-    sk_merge_attn), asked for with ``config=`` before it is served, on torch CPU tensors into
-    memory that held NaN: within the float32 bounds of the float64 definition."""
+    sk_merge_attn), the adapter's own choice for these few rows a key head, on torch CPU
+    tensors into memory that held NaN: within the float32 bounds of the float64 definition."""
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as xp
     from softmaxkit_cupy import attention_f32
-    from softmaxkit_cupy.configs import F32_DECODE_CONFIGS, f32_decode_width
 
     q, k, v, mask = inputs(d, dv, case, seed=d + case["lk"])
     opts = options(case)
@@ -441,7 +441,7 @@ def test_decode_on_the_host(decode_launches, d: int, dv: int, case: dict) -> Non
         xp, q=torch.from_numpy(q), k=torch.from_numpy(k), v=torch.from_numpy(v),
         scale=d ** -0.5, causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
         mask=None if mask is None else torch.from_numpy(mask), softcap=opts.get("softcap"),
-        return_lse=True, config=F32_DECODE_CONFIGS[f32_decode_width(d, dv)])
+        return_lse=True)
     (splits, heads, batch), = decode_launches
     assert (heads, batch) == (case["hk"], case["b"]) and splits > 1
     _within_float32_bounds(out, lse, *ref.attention(q, k, v, mask=mask, **opts))
@@ -452,13 +452,12 @@ def test_decode_on_the_host(decode_launches, d: int, dv: int, case: dict) -> Non
                               for d, hq, hk, lq, _, o in PAGED_DECODE_RUNS])
 def test_paged_decode_on_the_host(decode_launches, d: int, hq: int, hk: int, lq: int,
                                   seqlens: list[int], opts: dict) -> None:
-    """Paged float32 split-KV decoding (sk_attn_decode_f32_paged, then sk_merge_attn), asked
-    for with ``config=``, pages of 16 at shuffled places of a pool whose unused slots hold
+    """Paged float32 split-KV decoding (sk_attn_decode_f32_paged, then sk_merge_attn), the
+    adapter's own choice, pages of 16 at shuffled places of a pool whose unused slots hold
     NaN: within the float32 bounds of the float64 definition on each sequence's keys."""
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as xp
     from softmaxkit_cupy import paged
-    from softmaxkit_cupy.configs import F32_DECODE_CONFIGS
 
     from softmaxkit.testing.paged_cases import make_cache, paged_definition
 
@@ -470,10 +469,34 @@ def test_paged_decode_on_the_host(decode_launches, d: int, hq: int, hk: int, lq:
         xp, q=torch.from_numpy(q), k_pages=torch.from_numpy(k), v_pages=torch.from_numpy(v),
         block_table=torch.from_numpy(table), seqlens=torch.from_numpy(lens), scale=d ** -0.5,
         causal=opts.get("causal"), window=opts.get("window", (-1, -1)),
-        softcap=opts.get("softcap"), return_lse=True, config=F32_DECODE_CONFIGS[d])
+        softcap=opts.get("softcap"), return_lse=True)
     (splits, heads, batch), = decode_launches
     assert (heads, batch) == (hk, len(seqlens)) and splits > 1
     want = paged_definition(*(a.astype(np.float64) for a in (q, k, v)), table, lens,
                             opts.get("causal"), scale=d ** -0.5, window=opts.get("window"),
                             softcap=opts.get("softcap"))[:2]
     _within_float32_bounds(out, lse, *want)
+
+
+def test_float32_decode_tiles_by_shared_memory() -> None:
+    """Each head dim up to 256 decodes on the tiles of its padded width while a block of them
+    fits the device's shared memory; on a device of less (99 KB a block), the wide tiles give
+    way to the exact forward (None), and nothing decodes above 256."""
+    from softmaxkit_cupy.configs import (
+        F32_DECODE_CONFIGS,
+        SM_SHARED_BYTES,
+        f32_decode_config,
+        f32_decode_width,
+    )
+
+    for d in range(1, 257):
+        tiles = f32_decode_config(d, d, SM90_SHARED)
+        assert tiles is F32_DECODE_CONFIGS[f32_decode_width(d, d)] and tiles.head_dim >= d
+        assert tiles.shared_bytes() <= SM90_SHARED <= SM_SHARED_BYTES
+    assert f32_decode_config(192, 128) is F32_DECODE_CONFIGS[192]
+    small = 99 * 1024
+    fitting = {w: f32_decode_config(w, w, small) for w in F32_DECODE_CONFIGS}
+    assert fitting == {w: tiles if tiles.shared_bytes() <= small else None
+                       for w, tiles in F32_DECODE_CONFIGS.items()}
+    assert fitting[64] is F32_DECODE_CONFIGS[64] and fitting[256] is None
+    assert f32_decode_config(264, 264) is None and f32_decode_config(64, 264) is None

@@ -379,12 +379,14 @@ def test_dense_decode_launch_packs_the_kernels_parameter_list() -> None:
 def test_a_long_chunked_prefill_runs_the_dense_kernels_on_the_gathered_pages(
         monkeypatch, causal, window, lq, dims, dtype) -> None:
     """Calls with more query rows per key head than the decode kernel holds, and float32
-    calls (decoding too), go to the dense attention adapter (the reference's dense attention
-    stands in for its kernels here) with the pages in use gathered and each sequence's length
-    and alignment as a mask; the result is the float64 definition on NaN-poisoned pages (in
-    float32, within its tolerances)."""
+    calls (decoding too) on a device whose shared memory cannot hold the float32 decode
+    tiles (48 KB a block here), go to the dense attention adapter (the reference's dense
+    attention stands in for its kernels here) with the pages in use gathered and each
+    sequence's length and alignment as a mask; the result is the float64 definition on
+    NaN-poisoned pages (in float32, within its tolerances)."""
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as txp
+    from softmaxkit_cupy import interop
     from softmaxkit_cupy import paged as adapter
 
     from softmaxkit.reference.attention import attention as dense
@@ -398,6 +400,7 @@ def test_a_long_chunked_prefill_runs_the_dense_kernels_on_the_gathered_pages(
 
     monkeypatch.setattr(adapter, "attention", stand_in)
     monkeypatch.setattr(adapter, "_paged_attention", None)  # the decode kernel must not run
+    monkeypatch.setattr(interop, "shared_limit", lambda device: 48 * 1024)
     d, dv = dims
     rng = np.random.default_rng(lq)
     k, v, table, lens = make_cache(rng, [5, 0, 19], 4, 2, d, dv)
