@@ -5,7 +5,9 @@ default), eager calls as a user makes them, side by side in one process with
 ``triton.testing.do_bench`` (median):
 
 * ``sk.attention`` through the default dispatch (``ran on`` names the backend and kernel);
-* ``sk.paged_attention`` on the same keys and values in shuffled pages of ``--page-size``;
+* ``sk.paged_attention`` on the same keys and values in shuffled pages of ``--page-size``,
+  with its metadata check (the default: one boolean read back, a synchronization) and without
+  (``check_metadata=False``);
 * ``torch.nn.functional.scaled_dot_product_attention`` under its flash, cuDNN and
   memory-efficient backends (each where it runs the case: float32 on the last alone); where
   the efficient backend refuses grouped heads (``enable_gqa``), it is timed on K and V
@@ -119,6 +121,8 @@ def run(dtype_name: str, d: int, sizes: tuple[int, int, int, int], page_size: in
         "sk.attention": lambda: sk.attention(q, k, v),
         f"sk.paged_attention (pages of {page_size})":
             lambda: sk.paged_attention(q, k_pages, v_pages, table, lens),
+        "sk.paged_attention, check_metadata=False":
+            lambda: sk.paged_attention(q, k_pages, v_pages, table, lens, check_metadata=False),
     }
     if compare is not None:  # the same calls on that backend alone
         calls[f"sk.attention on {compare}"] = lambda: sk.attention(q, k, v, backend=compare)

@@ -241,6 +241,14 @@ def boolean(value: Any, name: str, meaning: str) -> Any:
     return value
 
 
+def flag(value: Any, name: str) -> bool:
+    """``value`` of a True / False option, or a TypeError naming the option (a string such as
+    ``"no"`` is truthy, so it is refused rather than read)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False; got {value!r}")
+    return bool(value)
+
+
 def mask(xp: Any, where: Any, shape: tuple[int, ...], like: Any, name: str = "where") -> Any:
     """Validate a boolean mask and broadcast it to ``shape`` (a view where possible)."""
     if where is None:

@@ -140,6 +140,7 @@ def paged_attention(
     return_lse: bool = False,
     lse_base: str | int = "e",
     precision: str = "float32",
+    check_metadata: bool = True,
     backend: str | None = None,
 ) -> Any:
     """Exact attention of new queries against a paged KV cache (decoding, chunked prefill).
@@ -187,6 +188,12 @@ def paged_attention(
     precision : {"float32", "tf32x3", "tf32"}, optional
         The least precision of the products of float32 inputs the caller accepts, as for
         :func:`softmaxkit.attention`; ignored for other dtypes.
+    check_metadata : bool, optional
+        Check ``block_table`` and ``seqlens`` before any kernel runs (default).  False skips
+        the check and its synchronization (on an accelerator, one boolean read back a call,
+        which also rules out CUDA-graph capture): the caller vouches for the metadata, as
+        with ``check_finite=False`` in SciPy.  With wrong metadata the result is unspecified
+        and a kernel may read outside the page pool or fault.
     backend : str, optional
         Run on this backend only (strict).
 
@@ -206,8 +213,9 @@ def paged_attention(
     ValueError
         Shapes that do not fit together; a negative length, or one beyond the sequence's
         ``max_pages * page_size`` slots; a page a sequence uses outside ``[0, P)``.  The
-        metadata is checked before any kernel runs: on the host for host arrays, on the
-        device for arrays on an accelerator (one boolean read back: a synchronization).
+        metadata is checked before any kernel runs (unless ``check_metadata=False``): on the
+        host for host arrays, on the device for arrays on an accelerator (one boolean read
+        back: a synchronization).
     NotImplementedError
         A torch tensor requires grad under grad mode: this operation has no gradient.
 
@@ -228,7 +236,7 @@ def paged_attention(
     hosted, result = on_host(paged_attention, q, k_pages, v_pages, block_table, seqlens,
                              scale=scale, causal=causal, window=window, softcap=softcap,
                              return_lse=return_lse, lse_base=lse_base, precision=precision,
-                             backend=backend)
+                             check_metadata=check_metadata, backend=backend)
     if hosted:
         return result
     refuse_gradient("paged_attention", q, k_pages, v_pages)
@@ -250,8 +258,9 @@ def paged_attention(
     qc, kc, vc = (xp.astype(a, common, copy=False) for a in (q, k_pages, v_pages))
     # last before the backend: on an accelerator the check's read waits for the device, which
     # then idles until the kernel is launched
-    if not _valid_on_device(xp, block_table, seqlens, pages, page_size):
-        reader = "paged_attention validates block_table and seqlens"
+    if args.flag(check_metadata, "check_metadata") and not _valid_on_device(
+            xp, block_table, seqlens, pages, page_size):
+        reader = "paged_attention (unless check_metadata=False) validates block_table and seqlens"
         _check_metadata(host_integers(block_table, "block_table", reader),
                         host_integers(seqlens, "seqlens", reader), pages, page_size)
     out, lse = run(

@@ -184,8 +184,45 @@ def test_jax_arrays_and_traced_metadata():
     assert ref.rel_frobenius(np.asarray(got, dtype=np.float64), want) <= 1e-5
     # under jit the metadata is traced: it cannot be validated, and the error says so
     jitted = jax.jit(lambda *a: sk.paged_attention(*a, causal=True))
-    with pytest.raises(TypeError, match="block_table could not be read on the host"):
+    with pytest.raises(TypeError, match="block_table could not be read on the host.*unless "
+                                        "check_metadata=False"):
         jitted(*(jnp.asarray(a) for a in (*f32, table, lens)))
+
+
+def test_check_metadata_false_skips_the_check_and_its_read(monkeypatch):
+    # the caller vouches for the metadata: neither check runs (no read back, no
+    # synchronization on an accelerator), and valid metadata gives the checked call's result
+    import softmaxkit.paged as paged
+
+    q, k, v, table, lens = _cache([5, 9, 0], page_size=4, lq=2)
+    want = sk.paged_attention(q, k, v, table, lens, causal=True, return_lse=True)
+
+    def checked(*args, **kwargs):
+        raise AssertionError("the metadata was checked")
+
+    monkeypatch.setattr(paged, "_valid_on_device", checked)
+    monkeypatch.setattr(paged, "_check_metadata", checked)
+    for backend in BACKENDS:
+        got = sk.paged_attention(q, k, v, table, lens, causal=True, return_lse=True,
+                                 check_metadata=False, backend=backend)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-13)
+    with pytest.raises(AssertionError, match="was checked"):  # the default checks
+        sk.paged_attention(q, k, v, table, lens, causal=True)
+    with pytest.raises(TypeError, match="check_metadata must be True or False; got 'no'"):
+        sk.paged_attention(q, k, v, table, lens, check_metadata="no")
+
+
+def test_unchecked_metadata_runs_under_jit():
+    # traced metadata cannot be read to be checked; the caller who vouches for it can jit
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    q, k, v, table, lens = _cache([5, 0, 9], lq=2)
+    f32 = [a.astype(np.float32) for a in (q, k, v)]
+    jitted = jax.jit(lambda *a: sk.paged_attention(*a, causal=True, check_metadata=False))
+    got = jitted(*(jnp.asarray(a) for a in (*f32, table, lens)))
+    want = paged_definition(*(a.astype(np.float64) for a in f32), table, lens, causal=True)[0]
+    assert ref.rel_frobenius(np.asarray(got, dtype=np.float64), want) <= 1e-5
 
 
 @pytest.mark.parametrize("inputs, error, match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
