@@ -19,7 +19,7 @@ from . import arguments as args
 from .attention import lse_in_base
 from .dispatch import run
 from .dtypes import dtype_name
-from .frameworks import on_host, refuse_gradient
+from .frameworks import refuse_gradient, route
 from .metadata import host_integers, index_array
 
 
@@ -35,7 +35,7 @@ def _causal(causal: Any) -> str | None:
     return aligned
 
 
-def _check_shapes(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any) -> None:
+def check_shapes(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any) -> None:
     if q.ndim != 4:
         raise ValueError(f"q must have shape [B, Hq, Lq, D]; got {tuple(q.shape)}")
     for name, a, last in (("k_pages", k_pages, "D"), ("v_pages", v_pages, "Dv")):
@@ -233,12 +233,12 @@ def paged_attention(
     >>> bool(np.allclose(out[0], sk.attention(q[0], k0, v0)))
     True
     """
-    hosted, result = on_host(paged_attention, q, k_pages, v_pages, block_table, seqlens,
-                             scale=scale, causal=causal, window=window, softcap=softcap,
-                             return_lse=return_lse, lse_base=lse_base, precision=precision,
-                             check_metadata=check_metadata, backend=backend)
-    if hosted:
-        return result
+    framework = route(q, k_pages, v_pages, block_table, seqlens)
+    if framework is not None and hasattr(framework, "paged_attention"):  # JAX arrays
+        return framework.paged_attention(
+            q, k_pages, v_pages, block_table, seqlens, scale=scale, causal=causal,
+            window=window, softcap=softcap, return_lse=return_lse, lse_base=lse_base,
+            precision=precision, check_metadata=check_metadata, backend=backend)
     refuse_gradient("paged_attention", q, k_pages, v_pages)
     base = args.lse_base(lse_base)
     args.precision(precision, "float32")
@@ -248,7 +248,7 @@ def paged_attention(
                                                   ("q", "k_pages", "v_pages"))
     block_table = index_array(xp, block_table, "block_table", q)
     seqlens = index_array(xp, seqlens, "seqlens", q)
-    _check_shapes(q, k_pages, v_pages, block_table, seqlens)
+    check_shapes(q, k_pages, v_pages, block_table, seqlens)
     aligned = _causal(causal)
     win = args.window(window)
     cap = args.softcap(softcap)

@@ -38,6 +38,8 @@ from ..attention import attention as _attention_fn
 from ..attention import attention_vjp as _attention_vjp_fn
 from ..attention import merge_attention_states as _merge_fn
 from ..attention import merge_attention_vjp as _merge_vjp_fn
+from ..paged import check_shapes as _check_paged_shapes
+from ..paged import paged_attention as _paged_fn
 from ..varlen import check_seqlens as _check_seqlens
 from ..varlen import varlen_attention as _varlen_fn
 from ..varlen import varlen_attention_vjp as _varlen_vjp_fn
@@ -706,3 +708,32 @@ def varlen_attention_vjp(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any,
 
 def _varlen_vjp_host(q, k, v, o, s, d, dl, cq, ck, **options: Any) -> Any:
     return _varlen_vjp_fn(q, k, v, o, s, d, cq, ck, dlse=dl, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged attention
+
+
+def paged_attention(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any, *,
+                    scale: float | None = None, causal: Any = False, window: Any = None,
+                    softcap: float | None = None, return_lse: bool = False,
+                    lse_base: Any = "e", precision: str = "float32",
+                    check_metadata: bool = True, backend: str | None = None) -> Any:
+    """:func:`softmaxkit.paged_attention` for JAX arrays, under ``jit`` too: the call runs on
+    host arrays (the backend the registry chooses for numpy arrays), in a callback under
+    ``jit``, where traced metadata is concrete and checked (unless ``check_metadata=False``)
+    before any kernel runs; not differentiable, not under ``vmap``."""
+    arrays = [jnp.asarray(a) for a in (q, k_pages, v_pages, block_table, seqlens)]
+    _check_paged_shapes(*arrays)
+    b, hq, lq, _ = arrays[0].shape
+    dtype, acc = _result_dtypes(*arrays[:3])
+    spec = (_spec((b, hq, lq, arrays[2].shape[-1]), dtype), _spec((b, hq, lq), acc))
+    fn = _bind(_paged_host, scale=scale, causal=causal, window=window, softcap=softcap,
+               lse_base=lse_base, precision=precision, check_metadata=check_metadata,
+               backend=backend)
+    out, lse = _host(fn, spec, *arrays)
+    return (out, lse) if return_lse else out
+
+
+def _paged_host(q, kp, vp, table, lens, **options: Any) -> Any:
+    return _paged_fn(q, kp, vp, table, lens, return_lse=True, **options)
