@@ -250,8 +250,8 @@ def test_the_check_where_the_metadata_lives_agrees_with_the_host_check():
     rng = np.random.default_rng(3)
     verdicts = set()
     for _ in range(300):
-        b, max_pages, page_size = rng.integers(1, 4), rng.integers(0, 5), rng.integers(1, 5)
-        pages = int(rng.integers(1, 7))
+        b, max_pages, page_size = rng.integers(0, 4), rng.integers(0, 5), rng.integers(1, 5)
+        pages = int(rng.integers(0, 7))  # an empty pool too: only empty sequences fit it
         table = rng.integers(-2, pages + 2, size=(b, max_pages)).astype(
             rng.choice([np.int32, np.int64]))
         lens = rng.integers(-1, max_pages * page_size + 3, size=b).astype(np.int32)
