@@ -414,8 +414,8 @@ def test_decode_within_float32_bounds(d: int, case: dict) -> None:
     import softmaxkit as sk
 
     q, k, v, mask = _inputs(d, d, case, seed=d * 1000 + case["lq"])
-    junk = torch.full((2 * q.numel() + 4096,), math.nan, device="cuda")
-    del junk  # the partial states' and results' memory held NaN
+    junk = torch.full((70 * q.numel() + 4096,), math.nan, device="cuda")
+    del junk  # the memory of the partial states (up to 64 splits) and results held NaN
     opts = _options(case)
     with sk.backend_opts(trace=True) as trace:
         got = sk.attention(q, k, v, mask=mask, causal=opts["causal"] or False,
