@@ -6,7 +6,7 @@ default), eager calls as a user makes them, side by side in one process with
 
 * ``sk.attention`` through the default dispatch (``ran on`` names the backend and kernel);
 * ``sk.paged_attention`` on the same keys and values in shuffled pages of ``--page-size``,
-  with its metadata check (the default: four integers read back, a synchronization) and without
+  with its metadata check (the default: one boolean read back, a synchronization) and without
   (``check_metadata=False``);
 * ``torch.nn.functional.scaled_dot_product_attention`` under its flash, cuDNN and
   memory-efficient backends (each where it runs the case: float32 on the last alone); where

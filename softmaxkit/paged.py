@@ -4,9 +4,8 @@ The frontend validates the cache's metadata (block table and sequence lengths) b
 backend runs, so a kernel never meets a page index outside the pool or a length beyond a
 sequence's pages; then it hands the backend one call in the layout of
 :data:`softmaxkit.ops.OPERATIONS`.  Host arrays are checked on the host; the metadata of an
-accelerator is checked where it lives, with four integers read back (the least and greatest
-page in use and length), and copied to the host only to name the fault of wrong metadata.
-spec/semantics.md, "Paged attention", is the contract.
+accelerator is checked where it lives, with one boolean read back, and copied to the host only
+to name the fault of wrong metadata.  spec/semantics.md, "Paged attention", is the contract.
 """
 
 from __future__ import annotations
@@ -106,39 +105,25 @@ def _valid_on_device(xp: Any, table: Any, lens: Any, pages: int, page_size: int)
     traces, and wrong metadata, whose first fault the host check names).
 
     A decode step's block table is large (``B * max_pages`` entries) and lives on the
-    accelerator: reducing it there and reading back four integers costs a few small kernels
-    and one synchronization, where copying it to the host costs its transfer and a host pass
-    while the device idles.  The kernels are few because each is paid in host time on every
-    call: the pages in use (the first ``ceil(seqlens[b] / page_size)`` of row ``b``) are in
-    the pool when their least and greatest are, the lengths in range when theirs are.
+    accelerator: reducing it there and reading back one boolean costs a few small kernels and
+    one synchronization, where copying it to the host costs its transfer and a host pass
+    while the device idles.
     """
     if isinstance(table, np.ndarray) and isinstance(lens, np.ndarray):
         return False
     if array_api_compat.is_dask_array(table) or array_api_compat.is_dask_array(lens):
         return False  # the host check computes each graph once
-    b, max_pages = table.shape
-    capacity = max_pages * page_size
+    capacity = table.shape[1] * page_size
     try:
-        if b == 0:
-            return True
-        if max_pages == 0:  # no page to use: every sequence is empty
-            return not bool(xp.any(lens != 0))
         index = xp.int64 if capacity >= 2**31 else lens.dtype  # JAX has no int64 by default
         starts = xp.arange(0, capacity, page_size, dtype=index,
                            device=array_api_compat.device(table))
-        used = starts[None, :] < xp.astype(lens, index, copy=False)[:, None]
-        entries = xp.where(used, table, xp.asarray(0, dtype=table.dtype))  # unused: page 0
-        wide = xp.result_type(table.dtype, lens.dtype)
-        ends = xp.stack([xp.astype(r, wide, copy=False) for r in (
-            xp.min(entries), xp.max(entries), xp.min(lens), xp.max(lens))])
-        low, high, shortest, longest = host_integers(
-            ends, "block_table", "paged_attention checks block_table and seqlens").tolist()
-    except Exception:  # a traced value has no host read: the host check names the argument
+        used = starts[None, :] < xp.astype(lens, index, copy=False)[:, None]  # ceil(len/S) pages
+        outside = (table < 0) | (table >= pages)
+        bad = xp.any((lens < 0) | (lens > capacity)) | xp.any(outside & used)
+        return not bool(bad)
+    except Exception:  # a traced value has no boolean: the host read names the argument
         return False
-    # with no page in the pool, the unused entries' page 0 is outside it: only empty
-    # sequences pass, which the lengths' range then says
-    in_pool = pages > 0 and low >= 0 and high < pages
-    return shortest >= 0 and longest <= capacity and (in_pool or (pages == 0 and longest == 0))
 
 
 def paged_attention(
@@ -205,7 +190,7 @@ def paged_attention(
         :func:`softmaxkit.attention`; ignored for other dtypes.
     check_metadata : bool, optional
         Check ``block_table`` and ``seqlens`` before any kernel runs (default).  False skips
-        the check and its synchronization (on an accelerator, four integers read back a call,
+        the check and its synchronization (on an accelerator, one boolean read back a call,
         which also rules out CUDA-graph capture): the caller vouches for the metadata, as
         with ``check_finite=False`` in SciPy.  With wrong metadata the result is unspecified
         and a kernel may read outside the page pool or fault.
@@ -229,7 +214,7 @@ def paged_attention(
         Shapes that do not fit together; a negative length, or one beyond the sequence's
         ``max_pages * page_size`` slots; a page a sequence uses outside ``[0, P)``.  The
         metadata is checked before any kernel runs (unless ``check_metadata=False``): on the
-        host for host arrays, on the device for arrays on an accelerator (four integers read
+        host for host arrays, on the device for arrays on an accelerator (one boolean read
         back: a synchronization).
     NotImplementedError
         A torch tensor requires grad under grad mode: this operation has no gradient.
