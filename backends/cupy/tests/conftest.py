@@ -181,19 +181,25 @@ def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict
     string for all, or a mapping of each name to its own) built for the CPU with g++, split
     into one library per CPU compiled side by side; returns ``{name: launch}``, where
     ``launch(grid, threads, shared, *args)`` runs the kernel over the grid, its pointer
-    arguments given as addresses.  Skips without g++."""
+    arguments given as addresses.  A kernel already built with the same parameters in this
+    session is not built again (the mask's packing kernel, which
+    :func:`host_attention.move_to_host` asks for in every test with a mask, builds once).
+    Skips without g++."""
     gxx = _gxx()
     folder = tmp_path_factory.mktemp("host")
     builds = itertools.count()
+    launchers: dict[tuple[str, str, str], Callable[..., None]] = {}
 
     def build(filename: str, names: Sequence[str],
               codes: str | Mapping[str, str]) -> dict[str, Any]:
         code_of = {name: codes if isinstance(codes, str) else codes[name] for name in names}
-        parts = max(1, min(len(names), os.cpu_count() or 1))
+        missing = [name for name in dict.fromkeys(names)
+                   if (filename, name, code_of[name]) not in launchers]
+        parts = max(1, min(len(missing), os.cpu_count() or 1))
         stem = f"{filename}.{next(builds)}"
 
         def one(index: int) -> dict[str, Any]:
-            chunk = names[index::parts]
+            chunk = missing[index::parts]
             wrappers = "\n".join(_host_wrapper(i, name, code_of[name])
                                   for i, name in enumerate(chunk))
             loaded = _host_library(gxx, folder / f"{stem}.{index}.cpp",
@@ -201,9 +207,12 @@ def host_kernels(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict
             return {name: _host_launcher(getattr(loaded, f"sk_host_{i}"), code_of[name])
                     for i, name in enumerate(chunk)}
 
-        with ThreadPoolExecutor(max_workers=parts) as pool:
-            found = list(pool.map(one, range(parts)))
-        return {name: launch for launches in found for name, launch in launches.items()}
+        if missing:
+            with ThreadPoolExecutor(max_workers=parts) as pool:
+                for launches in pool.map(one, range(parts)):
+                    launchers.update({(filename, name, code_of[name]): launch
+                                      for name, launch in launches.items()})
+        return {name: launchers[filename, name, code_of[name]] for name in names}
 
     return build
 
