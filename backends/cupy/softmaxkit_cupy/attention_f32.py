@@ -68,10 +68,10 @@ def attention(
     """Attention forward of float32 q, k, v in float32 arithmetic; (out, lse or None).
 
     ``config`` overrides the tile configuration (by default :func:`.configs.f32_config` of
-    the head dimensions).  A call whose (D, Dv) is not a built pair runs on copies of q, k, v
-    zero-padded to :func:`.configs.f32_shape` (zero columns add nothing to a score, and the
-    output's extra columns are dropped).  Few query rows per key head against many keys
-    (:func:`.attention.uses_decode`) run on the split-KV decode kernels
+    the head dimensions).  A call whose (D, Dv) is not a built pair runs on copies of q, k
+    and v zero-padded to the pair of :func:`.configs.f32_shape` (zero columns add nothing to
+    a score, and the output's extra columns are dropped).  Few query rows per key head
+    against many keys (:func:`.attention.uses_decode`) run on the split-KV decode kernels
     (:func:`.configs.f32_decode_config`, where the device's shared memory holds them; or
     ``config``, an :class:`.configs.F32DecodeConfig`), zero-padded to
     :func:`.configs.f32_decode_width`.
@@ -96,30 +96,30 @@ def attention(
         return out, (lse if return_lse else None)
     with interop.on_device(q):
         return head_dims.forward_padded(
-            xp, run_width(config, d, dv), lambda q, k, v: _attention(
+            xp, run_shape(config, d, dv), lambda q, k, v: _attention(
                 xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window, mask=mask,
                 softcap=softcap, return_lse=return_lse, config=config),
             q, k, v)
 
 
-def run_width(config: F32Config | F32BackwardConfig | None, d: int, dv: int,
-              backward: bool = False) -> int | None:
-    """The width a float32 call of key dim ``d`` and value dim ``dv`` is zero-padded to on the
-    exact kernels (the forward's or, ``backward``, the gradient's): None where it runs at its
-    own pair (:func:`.configs.f32_shape`, :func:`.configs.f32_backward_shape`, or the pair of
-    the tiles ``config`` asked for); the square pair's width otherwise.
+def run_shape(config: F32Config | F32BackwardConfig | None, d: int, dv: int,
+              backward: bool = False) -> tuple[int, int] | None:
+    """The (key, value) widths a float32 call of key dim ``d`` and value dim ``dv`` is
+    zero-padded to on the exact kernels (the forward's or, ``backward``, the gradient's):
+    None where it runs at its own pair; else the pair of :func:`.configs.f32_shape`,
+    :func:`.configs.f32_backward_shape`, or of the tiles ``config`` asked for.
 
     Raises
     ------
     ValueError
-        Where no kernel holds the pair (above 256, or tiles of another non-square pair).
+        Where no kernel holds the pair (above 256, or tiles narrower than the call).
     """
     shape = ((config.head_dim, config.value_dim) if config is not None
              else (f32_backward_shape if backward else f32_shape)(d, dv))
-    if shape is None or (shape != (d, dv) and shape[0] != shape[1]):
+    if shape is None or shape[0] < d or shape[1] < dv:
         kind = "backward" if backward else "kernel"
         raise ValueError(f"no float32 attention {kind} for D={d}, Dv={dv}")
-    return None if shape == (d, dv) else shape[0]
+    return None if shape == (d, dv) else shape
 
 
 def decode_width(config: F32DecodeConfig, d: int, dv: int) -> int | None:
@@ -170,7 +170,7 @@ def attention_vjp(
     d, dv = int(q.shape[3]), int(v.shape[3])
     with interop.on_device(q):
         return head_dims.gradients_padded(
-            xp, run_width(config, d, dv, backward=True), lambda q, k, v, out, dout: _vjp(
+            xp, run_shape(config, d, dv, backward=True), lambda q, k, v, out, dout: _vjp(
                 xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale, causal=causal,
                 window=window, mask=mask, softcap=softcap, dlse=dlse, config=config),
             q, k, v, out, dout)

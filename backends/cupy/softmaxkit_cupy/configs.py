@@ -980,6 +980,7 @@ class F32Config:
 F32_CONFIGS = {
     (32, 32): F32Config(32, 32, warps=4, block_n=64),
     (64, 64): F32Config(64, 64, warps=4, block_n=64),
+    (80, 96): F32Config(80, 96, warps=4, block_n=32),
     (96, 96): F32Config(96, 96, warps=4, block_n=32),
     (128, 128): F32Config(128, 128, warps=8, block_n=64, rows=8, lanes=16, v_stages=1),
     (160, 160): F32Config(160, 160, warps=8, block_n=32),
@@ -989,7 +990,9 @@ F32_CONFIGS = {
 }
 """The exact float32 forward for each (key, value) head dimension pair it is built for, with
 the boolean mask's code and without it on the same tiles.  Other pairs run on copies
-zero-padded to the smallest square pair that holds them (:func:`f32_shape`).  At 128 a
+zero-padded to the built pair of least width that holds them (:func:`f32_shape`): 80 at
+(80, 96), since a row group's lanes take the output's columns four at a time, so that q and
+k keep their width and only v is padded.  At 128 a
 block is eight warps of 16 rows, a lane 8 rows of 4 keys and 8 output columns (rows of 16
 lanes): 12.8 fma per shared-memory read against the four-row tile's 9.8, one block of 205 KB
 a multiprocessor; on an H100 1.13-1.17x the four-row tile (docs/benchmarks-attention.md,
@@ -1083,7 +1086,8 @@ with the boolean mask's code and without it.  Up to 128, four warps of four keys
 (dK and dV in 16 (D + Dv) / 32 registers), two blocks a multiprocessor; above, eight warps
 of two keys a lane (8 (D + Dv) / 32 registers), one block of 132-206 KB a multiprocessor
 (at 160, where a warp takes a whole column group of dQ, query tiles of 32 rows).  Other
-pairs run zero-padded to the next square pair (:func:`f32_backward_shape`)."""
+pairs run zero-padded to the built pair of least width that holds them
+(:func:`f32_backward_shape`)."""
 
 WIDE_BACKWARD = 128
 """The widest head dim of the four-key backward tiles: the wider tiles are a module of their
@@ -1216,10 +1220,11 @@ _Pair = TypeVar("_Pair", F32Config, F32BackwardConfig)
 def _pair_shape(table: dict[tuple[int, int], _Pair], d: int, dv: int
                 ) -> tuple[int, int] | None:
     """The (key, value) pair of ``table`` a call of ``d`` and ``dv`` runs at: its own where
-    built, else the smallest square pair that holds both (zero-padded); None where none."""
-    if (d, dv) in table:
-        return d, dv
-    return next(((w, w) for w, x in sorted(table) if w == x and w >= max(d, dv)), None)
+    built, else the pair that holds both (zero-padded) of least ``D + Dv`` (the work of a
+    score and an output column together), a square pair before another of the same sum;
+    None where none."""
+    holding = [(w, x) for w, x in table if w >= d and x >= dv]
+    return min(holding, key=lambda p: (p[0] + p[1], max(p)), default=None)
 
 
 def _pair_config(table: dict[tuple[int, int], _Pair], d: int, dv: int,
@@ -1249,8 +1254,8 @@ first, 1.06-1.56x torch's efficient backend at head dim 64 and 0.93-1.13x at 128
 
 def f32_shape(d: int, dv: int) -> tuple[int, int] | None:
     """The (key, value) head dimensions of ``F32_CONFIGS`` a float32 call of ``d`` and ``dv``
-    runs at: its own pair where one is built, else the smallest square pair that holds both
-    (on zero-padded copies); None where none does."""
+    runs at: its own pair where one is built, else the built pair of least width that holds
+    both (on zero-padded copies, :func:`_pair_shape`); None where none does."""
     return _pair_shape(F32_CONFIGS, d, dv)
 
 

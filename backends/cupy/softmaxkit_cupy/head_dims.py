@@ -191,23 +191,34 @@ def narrow(a: Any, width: int) -> Any:
     return a if int(a.shape[-1]) == width else a[..., :width]
 
 
-def forward_padded(xp: Any, width: int | None, run: Any, q: Any, k: Any, v: Any) -> Any:
-    """``(out, lse)`` of ``run(q, k, v)`` at ``width`` (:func:`pad_width`; None: on the arrays
-    as given): q, k and v zero-padded to it, the output sliced back to v's width."""
+def _widths(width: int | tuple[int, int]) -> tuple[int, int]:
+    """The (key, value) widths of ``width``: one for both, or a pair."""
+    return (width, width) if isinstance(width, int) else width
+
+
+def forward_padded(xp: Any, width: int | tuple[int, int] | None, run: Any, q: Any, k: Any,
+                   v: Any) -> Any:
+    """``(out, lse)`` of ``run(q, k, v)`` at ``width`` (:func:`pad_width`, or a (key, value)
+    pair of widths; None: on the arrays as given): q and k zero-padded to the key width, v to
+    the value width, the output sliced back to v's width."""
     if width is None:
         return run(q, k, v)
-    out, lse = run(*(pad(xp, a, width) for a in (q, k, v)))
+    wk, wv = _widths(width)
+    out, lse = run(pad(xp, q, wk), pad(xp, k, wk), pad(xp, v, wv))
     return narrow(out, int(v.shape[-1])), lse
 
 
 def gradients_padded(
-    xp: Any, width: int | None, run: Any, q: Any, k: Any, v: Any, out: Any, dout: Any,
+    xp: Any, width: int | tuple[int, int] | None, run: Any, q: Any, k: Any, v: Any, out: Any,
+    dout: Any,
 ) -> tuple[Any, Any, Any]:
-    """``(dq, dk, dv)`` of ``run(q, k, v, out, dout)`` at ``width`` (None: on the arrays as
-    given): the five zero-padded to it, each gradient sliced back to its operand's width."""
+    """``(dq, dk, dv)`` of ``run(q, k, v, out, dout)`` at ``width`` (as
+    :func:`forward_padded`'s): q and k zero-padded to the key width, v, out and dout to the
+    value width, each gradient sliced back to its operand's width."""
     if width is None:
         return run(q, k, v, out, dout)
-    grads = run(*(pad(xp, a, width) for a in (q, k, v, out, dout)))
+    wk, wv = _widths(width)
+    grads = run(pad(xp, q, wk), pad(xp, k, wk), *(pad(xp, a, wv) for a in (v, out, dout)))
     return tuple(narrow(g, int(a.shape[-1])) for g, a in zip(grads, (q, k, v), strict=True))
 
 

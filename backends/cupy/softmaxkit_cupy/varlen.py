@@ -13,7 +13,7 @@ contract allows it).  Calls with no query row or no key have results fixed by th
 are made without a launch.  Head dimensions the kernels are not built for (D != Dv, or D
 outside ``ATTENTION_HEAD_DIMS``; both at most 256) run on zero-padded copies of the arrays,
 as dense attention's do (:mod:`.head_dims`); in float32, pairs other than the built ones
-(:func:`.configs.f32_shape`) on copies zero-padded to a square pair.
+(:func:`.configs.f32_shape`) on copies zero-padded to the built pair that holds them.
 
 The backward's float32 work arrays (lse in log2 units, ``delta = rowsum(dout * out) - dlse``
 and dq's sums) pad each sequence to whole query tiles, as the dense backward pads Lq: sequence
@@ -140,10 +140,10 @@ def varlen_attention(
         return (interop.zeros(q, (tq, hq, dv), dtype),
                 interop.full(q, (tq, hq), -math.inf, "float32") if return_lse else None)
     if dtype == "float32":
-        width = attention_f32.run_width(config if isinstance(config, F32Config) else None,
+        shape = attention_f32.run_shape(config if isinstance(config, F32Config) else None,
                                         d, dv)
         with interop.on_device(q):
-            return head_dims.forward_padded(xp, width, (
+            return head_dims.forward_padded(xp, shape, (
                 lambda q, k, v: _f32_varlen_attention(
                     xp, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                     scale=scale, causal=causal, window=window, softcap=softcap,
@@ -285,11 +285,11 @@ def varlen_attention_vjp(
         return (interop.zeros(q, (tq, hq, d), dtype), interop.zeros(q, (tk, hk, d), dtype),
                 interop.zeros(q, (tk, hk, dv), dtype))
     if dtype == "float32":
-        width = attention_f32.run_width(
+        shape = attention_f32.run_shape(
             config if isinstance(config, F32BackwardConfig) else None, d, dv, backward=True)
         with interop.on_device(q):
             return head_dims.gradients_padded(
-                xp, width,
+                xp, shape,
                 lambda q, k, v, out, dout: _f32_varlen_attention_vjp(
                     xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, scale=scale, causal=causal, window=window,

@@ -25,6 +25,7 @@ from softmaxkit_cupy.configs import (
     f32_backward_config,
     f32_backward_names,
     f32_backward_pre_names,
+    f32_backward_shape,
     f32_config,
     f32_decode_names,
     f32_names,
@@ -85,10 +86,20 @@ def test_every_pair_of_head_dims_has_a_kernel() -> None:
     for d in range(32, 257, 8):
         assert f32_shape(d, d) is not None, d
         w, wv = f32_shape(d, d)
-        assert w >= d and wv >= d and (w == wv or (w, wv) == (d, d))
+        assert w >= d and wv >= d and (w, wv) in F32_CONFIGS
     assert f32_shape(192, 128) == (192, 128)
     assert f32_shape(8, 24) == (32, 32)
     assert f32_shape(257, 64) is None
+
+
+def test_a_call_runs_on_the_pair_of_least_width() -> None:
+    # the forward at 80 keeps q and k at 80 and pads v to 96 (the output's columns go four
+    # at a time to a row group's lanes); the backward has no such pair
+    assert f32_shape(80, 80) == (80, 96) and f32_backward_shape(80, 80) == (96, 96)
+    assert f32_shape(72, 96) == (80, 96) and f32_shape(88, 88) == (96, 96)
+    # a narrow value pads to (192, 128), not (192, 192); between equal sums, the square pair
+    assert f32_shape(170, 100) == f32_backward_shape(170, 100) == (192, 128)
+    assert f32_shape(150, 120) == (160, 160)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
