@@ -5,11 +5,14 @@ The name expressions are the ones the backend hands NVRTC on the device (configs
 source is the text NVRTC compiles (local includes inlined), so a template error, an
 inline-PTX typo or a resource overflow shows up here, on a machine with no GPU.  To fit the
 CI budget, instantiations go through the whole device toolchain (PTX and ptxas machine code,
-no host compiler) for every attention kernel and every bfloat16 row kernel, and through the
-C++ front end and PTX generation for the other row dtypes, whose inline PTX is the same text
-as bfloat16's.  The Hopper attention sources and the TF32 and exact float32 kernels go through
-ptxas once, in the tests that read ptxas's report of them (below, test_tf32_nvcc.py and
-test_f32_nvcc.py), not again here.
+no host compiler) for every bfloat16 row kernel on both targets and for the mma.sync
+attention kernels on sm_80, and through the C++ front end and PTX generation for the other
+row dtypes, whose inline PTX is the same text as bfloat16's, and for the mma.sync attention
+kernels on sm_90: their code is the same for both targets but for ``sk_red_add2``'s vector
+reduction, which ptxas takes for sm_90a in test_f32_nvcc.py's float32 backward.  The Hopper
+attention sources and the TF32 and exact float32 kernels go through ptxas once, in the tests
+that read ptxas's report of them (below, test_tf32_nvcc.py and test_f32_nvcc.py), not again
+here.
 Skipped only where nvcc is absent.
 """
 
@@ -34,9 +37,10 @@ NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nv
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 
 
-def _full(filename: str, name: str) -> bool:
-    """Whether an instantiation goes through ptxas too (see the module docstring)."""
-    return filename.startswith("attention") or "<sk_bf16," in name
+def _full(filename: str, name: str, arch: str) -> bool:
+    """Whether an instantiation goes through ptxas too for ``arch`` (see the module
+    docstring)."""
+    return (arch == "80" and filename.startswith("attention")) or "<sk_bf16," in name
 
 
 REPORTED_SOURCES = SM90_SOURCES | {"attention_tf32.cu", "attention_f32.cu"}
@@ -44,15 +48,15 @@ REPORTED_SOURCES = SM90_SOURCES | {"attention_tf32.cu", "attention_f32.cu"}
 (spills, registers, serialized warpgroup products): compiled there only."""
 
 
-def _units(workers: int) -> list[tuple[str, str, list[str]]]:
-    """``(source, mode, names)`` translation units, about two per worker per mode, of every
-    source but :data:`REPORTED_SOURCES`."""
+def _units(workers: int, arch: str) -> list[tuple[str, str, list[str]]]:
+    """``(source, mode, names)`` translation units for ``arch``, about two per worker per
+    mode, of every source but :data:`REPORTED_SOURCES`."""
     groups: dict[tuple[str, str], list[str]] = {}
     for filename, names in all_modules():
         if filename in REPORTED_SOURCES:
             continue
         for name in names:
-            mode = "-cubin" if _full(filename, name) else "-ptx"
+            mode = "-cubin" if _full(filename, name, arch) else "-ptx"
             groups.setdefault((filename, mode), []).append(name)
     units = []
     for (filename, mode), names in groups.items():
@@ -77,7 +81,7 @@ def _compile(tmp: Path, index: int, filename: str, mode: str,
 
 def test_every_instantiation_compiles_for_sm90(tmp_path: Path) -> None:
     workers = max(1, os.cpu_count() or 1)
-    units = _units(workers)
+    units = _units(workers, "90")
     assert units, "the backend declares no kernel modules"
     declared = {name for f, names in all_modules() if f not in REPORTED_SOURCES
                 for name in names}
@@ -101,7 +105,7 @@ def test_kernels_of_other_gpus_compile_for_ampere_and_ada(tmp_path: Path) -> Non
     fails here).  sm_80 stands for every target from 8.0 to 8.9: the same instructions, and a
     block's shared memory is sized at launch (configs.attention_shared_bytes), not here."""
     sources = FALLBACK_SOURCES + ROW_SOURCES
-    units = [u for u in _units(max(1, os.cpu_count() or 1)) if u[0] in sources]
+    units = [u for u in _units(max(1, os.cpu_count() or 1), "80") if u[0] in sources]
     assert {f for f, _, _ in units} == set(sources)
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         results = list(pool.map(
