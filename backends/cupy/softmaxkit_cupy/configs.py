@@ -980,7 +980,6 @@ class F32Config:
 F32_CONFIGS = {
     (32, 32): F32Config(32, 32, warps=4, block_n=64),
     (64, 64): F32Config(64, 64, warps=4, block_n=64),
-    (80, 96): F32Config(80, 96, warps=4, block_n=32),
     (96, 96): F32Config(96, 96, warps=4, block_n=32),
     (128, 128): F32Config(128, 128, warps=8, block_n=64, rows=8, lanes=16, v_stages=1),
     (160, 160): F32Config(160, 160, warps=8, block_n=32),
@@ -990,9 +989,7 @@ F32_CONFIGS = {
 }
 """The exact float32 forward for each (key, value) head dimension pair it is built for, with
 the boolean mask's code and without it on the same tiles.  Other pairs run on copies
-zero-padded to the built pair of least width that holds them (:func:`f32_shape`): 80 at
-(80, 96), since a row group's lanes take the output's columns four at a time, so that q and
-k keep their width and only v is padded.  At 128 a
+zero-padded to the built pair of least width that holds them (:func:`f32_shape`).  At 128 a
 block is eight warps of 16 rows, a lane 8 rows of 4 keys and 8 output columns (rows of 16
 lanes): 12.8 fma per shared-memory read against the four-row tile's 9.8, one block of 205 KB
 a multiprocessor; on an H100 1.13-1.17x the four-row tile (docs/benchmarks-attention.md,
@@ -1017,9 +1014,13 @@ F32_ALTERNATIVES = (
     F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),
     F32Config(256, 256, warps=4, block_n=32, mask=False, rows=8, lanes=16, v_stages=1),
     F32Config(256, 256, warps=8, block_n=32, mask=False, lanes=16),
+    F32Config(80, 96, warps=4, block_n=32),
 )
 """Other exact float32 forward tiles, built on request only (``config=``), for
-tools/tf32_timing.py to time beside the declared ones.  Eight rows a lane at head dim 64:
+tools/tf32_timing.py to time beside the declared ones.  (80, 96): a call at 80 on it keeps q
+and k at 80 and zero-pads v alone (a row group's lanes take the output's columns four at a
+time, so Dv must be a multiple of 32, D only of 4), where the declared tiles pad all three
+to 96; to be declared once a device has checked and timed it.  Eight rows a lane at head dim 64:
 12.8 fma per shared-memory read against 10.7, 8% faster than the declared tile without
 causality and 6-12% slower with it on an H100 (docs/benchmarks-attention.md).  At 128,
 eight-row tiles of 8-lane row groups (2 or 4 warps, 255 registers) and 64-key four-row tiles
