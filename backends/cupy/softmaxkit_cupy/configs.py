@@ -1224,6 +1224,8 @@ def _pair_shape(table: dict[tuple[int, int], _Pair], d: int, dv: int
     built, else the pair that holds both (zero-padded) of least ``D + Dv`` (the work of a
     score and an output column together), a square pair before another of the same sum;
     None where none."""
+    if (d, dv) in table:  # the common call: no search
+        return d, dv
     holding = [(w, x) for w, x in table if w >= d and x >= dv]
     return min(holding, key=lambda p: (p[0] + p[1], max(p)), default=None)
 
