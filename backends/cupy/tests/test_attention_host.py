@@ -1,6 +1,6 @@
 """The 16-bit (bfloat16, float16) attention on mma.sync tensor cores (kernels/attention.cu,
-kernels/attention_bwd.cu) run on the CPU (tests/host/emulation.h: each CUDA thread a host
-thread, shared memory filled with NaN first; tests/host/primitives.h: mma.sync m16n8k16 with
+kernels/attention_bwd.cu) run on the CPU (tests/host/emulation.h: each CUDA thread a fiber,
+shared memory filled with NaN first; tests/host/primitives.h: mma.sync m16n8k16 with
 bfloat16 and float16 operands and ldmatrix emulated, the warp's lanes exchanging their
 operands in the PTX ISA's fragment layouts; tests/host/cuda_bf16.h and cuda_fp16.h: the
 16-bit types and their conversions).

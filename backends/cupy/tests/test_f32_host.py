@@ -1,6 +1,6 @@
 """The exact float32 attention forward and backward (kernels/attention_f32.cu) run on the CPU
-(tests/host/emulation.h: each CUDA thread a host thread, shared memory filled with NaN
-first): every declared tile against the float64 definition, within the float32 row of spec
+(tests/host/emulation.h: each CUDA thread a fiber, shared memory filled with NaN first):
+every declared tile against the float64 definition, within the float32 row of spec
 "Attention tolerances" and, elementwise, the bound of spec "Precision" at ``"tf32x3"`` (the
 GPU test's checks, backends/cupy/tests/test_f32_gpu.py), over causal alignments, grouped
 queries, windows, soft caps, boolean masks, rows with no key, ragged tiles, and non-finite

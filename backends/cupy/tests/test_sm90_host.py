@@ -18,8 +18,8 @@ and of 32, check the emulation's reading of the descriptors and both swizzles; t
 reading then checks a tile before any device has run it.  The inline PTX of the products,
 which the emulation replaces, is read apart: each binds its accumulators and inputs in order.
 What the emulation cannot show is the GPU test's: timing, the hardware's own reading of a
-descriptor where it would differ from the PTX ISA's, and orderings the host threads do not
-take.
+descriptor where it would differ from the PTX ISA's, and orders of the threads between
+barriers the emulation does not take.
 
 Run: ``python -m pytest -q backends/cupy/tests/test_sm90_host.py``.
 """

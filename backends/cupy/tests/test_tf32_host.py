@@ -1,5 +1,5 @@
 """The float32 attention on TF32 tensor cores (kernels/attention_tf32.cu) run on the CPU
-(tests/host/emulation.h: each CUDA thread a host thread, shared memory filled with NaN first;
+(tests/host/emulation.h: each CUDA thread a fiber, shared memory filled with NaN first;
 tests/host/primitives.h: cvt.rna.tf32.f32, mma.sync m16n8k8 TF32 and ldmatrix emulated, the
 warp-collective ones through a per-warp exchange in the PTX ISA's fragment layouts).
 

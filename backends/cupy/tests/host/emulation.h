@@ -1,30 +1,37 @@
 // CUDA C++ on the host, for the tests: a kernel's source compiles with g++ and runs one
-// block at a time, each of its threads a std::thread (one team walks the grid), so its
-// indexing, tiling, exclusions and online softmax are checked against float64 on a machine
-// without a GPU.
+// block at a time, each of its threads a fiber (a ucontext of its own stack) on the calling
+// thread, so its indexing, tiling, exclusions and online softmax are checked against float64
+// on a machine without a GPU.
 //
-// __syncthreads and __syncwarp are barriers; a warp shuffle is a store, a barrier, a load
-// and a barrier; the block's dynamic shared memory is one buffer, filled with NaN before
-// each block, so a read of anything not written first shows.  Primitives written in PTX are
-// replaced by their host meaning (tests/host/primitives.h): cp.async poisons its destination
-// when issued and copies when its group is waited for, so a read on the wrong side of a
-// wait or a barrier sees NaN; ex2.approx is exp2f; cvt.rna.tf32, the TF32 and 16-bit
-// (bfloat16, float16) mma.sync and ldmatrix take the PTX ISA's roundings and fragment
-// layouts, the warp's lanes exchanging their operands.  What this cannot show: timing, bank
-// conflicts, the tensor cores' own rounding of their sums, and orderings the host threads
-// happen not to take.
+// A fiber runs until it meets a barrier, then the next ready fiber runs: __syncthreads and
+// __syncwarp are barriers, whose last thread to arrive makes the others ready again (in the
+// order they arrived at one barrier, the reverse at the next, so that the threads of a phase
+// do not always run in one order); a warp shuffle is a store, a barrier, a load and a
+// barrier.  Threads that all wait with none ready (a barrier some thread skips) abort the
+// launch with a message, where the device would hang.  The block's dynamic shared memory is
+// one buffer, filled with NaN before each block, so a read of anything not written first
+// shows.  Primitives written in PTX are replaced by their host meaning
+// (tests/host/primitives.h): cp.async poisons its destination when issued and copies when
+// its group is waited for, so a read on the wrong side of a wait or a barrier sees NaN;
+// ex2.approx is exp2f; cvt.rna.tf32, the TF32 and 16-bit (bfloat16, float16) mma.sync and
+// ldmatrix take the PTX ISA's roundings and fragment layouts, the warp's lanes exchanging
+// their operands.  What this cannot show: timing, bank conflicts, the tensor cores' own
+// rounding of their sums, and orders of the threads between barriers other than the two
+// taken.
 #pragma once
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
+
+#include <ucontext.h>
 
 #define __global__
 #define __device__
@@ -39,7 +46,7 @@
 struct sk_host_dim3 {
     unsigned x = 0, y = 0, z = 0;
 };
-inline thread_local sk_host_dim3 threadIdx, blockIdx;
+inline sk_host_dim3 threadIdx, blockIdx;  // the running fiber's
 inline sk_host_dim3 gridDim, blockDim;
 
 struct __attribute__((aligned(16))) float4 {
@@ -69,23 +76,53 @@ inline long long max(long long a, long long b) { return a > b ? a : b; }
 [[noreturn]] inline void __trap() { std::abort(); }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 
-// The block's barriers and the warps' exchange slots (one block runs at a time).
+// A barrier of `expected` threads and those of them waiting at it.
+struct sk_host_barrier {
+    unsigned expected = 0, arrived = 0;
+    std::vector<unsigned> waiting;
+};
+
+// The block running now (one at a time): its threads, their stacks, the ready ones in the
+// order they run, the barriers and the warps' exchange slots.
 struct sk_host_block {
-    std::barrier<> block;
-    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    static constexpr std::size_t stack_bytes = 1 << 20;  // touched only as far as used
+    const std::function<void()>* kernel = nullptr;
+    std::vector<ucontext_t> threads;
+    std::vector<std::unique_ptr<char[]>> stacks;
+    std::deque<unsigned> ready;
+    ucontext_t scheduler;
+    unsigned running = 0, finished = 0;
+    unsigned long releases = 0;
+    sk_host_barrier block;
+    std::vector<sk_host_barrier> warps;
     std::vector<unsigned long long> slots;
-    explicit sk_host_block(unsigned threads)
-        : block(static_cast<std::ptrdiff_t>(threads)), slots(threads) {
-        for (unsigned w = 0; w < (threads + 31) / 32; ++w)
-            warps.push_back(std::make_unique<std::barrier<>>(
-                static_cast<std::ptrdiff_t>(threads - 32 * w < 32 ? threads - 32 * w : 32)));
+    explicit sk_host_block(unsigned count) : threads(count), block{count}, slots(count) {
+        for (unsigned t = 0; t < count; ++t)
+            stacks.push_back(std::unique_ptr<char[]>(new char[stack_bytes]));
+        for (unsigned w = 0; w < (count + 31) / 32; ++w)
+            warps.push_back({count - 32 * w < 32 ? count - 32 * w : 32});
     }
 };
 inline sk_host_block* sk_host_current = nullptr;
 
-inline void __syncthreads() { sk_host_current->block.arrive_and_wait(); }
+// The running thread arrives at `b`: the last to arrive makes the others ready and goes on;
+// the others give way until then.
+inline void sk_host_arrive(sk_host_barrier& b) {
+    sk_host_block& blk = *sk_host_current;
+    if (++b.arrived < b.expected) {
+        b.waiting.push_back(blk.running);
+        swapcontext(&blk.threads[blk.running], &blk.scheduler);
+        return;
+    }
+    if (blk.releases++ % 2) std::reverse(b.waiting.begin(), b.waiting.end());
+    blk.ready.insert(blk.ready.end(), b.waiting.begin(), b.waiting.end());
+    b.waiting.clear();
+    b.arrived = 0;
+}
+
+inline void __syncthreads() { sk_host_arrive(sk_host_current->block); }
 inline void __syncwarp(unsigned = 0xffffffffu) {
-    sk_host_current->warps[threadIdx.x / 32]->arrive_and_wait();
+    sk_host_arrive(sk_host_current->warps[threadIdx.x / 32]);
 }
 template <typename T> inline T sk_host_shuffle(T v, unsigned from) {
     static_assert(sizeof(T) <= 8, "one slot a lane");
@@ -125,40 +162,73 @@ template <typename T> inline T __shfl_sync(unsigned, T v, int lane) {
 // The dynamic shared memory of the block running now (the kernels name it sk_smem).
 alignas(16) inline unsigned char sk_smem[256 * 1024];
 
+// State each thread keeps of its own through a launch (what primitives.h's cp.async groups and
+// collective turns need): one T a thread of the block, fresh at each launch.
+inline unsigned long sk_host_launches = 0;
+template <typename T> inline T& sk_host_local() {
+    static std::vector<T> slots;
+    static unsigned long launch = 0;
+    if (launch != sk_host_launches) {
+        slots.assign(blockDim.x, T{});
+        launch = sk_host_launches;
+    }
+    return slots[threadIdx.x];
+}
+
 // Called as each thread ends: a hook primitives.h defines (copies left pending are dropped).
 inline void sk_host_end_thread();
 
-// Run `kernel` (a callable of no arguments) over a grid of blocks of `threads` threads: one
-// team of host threads walks the blocks in order.  The shared memory is NaN at the launch,
-// and the block's `shared` bytes are NaN again before each block.
+inline void sk_host_thread_main() {
+    sk_host_block& blk = *sk_host_current;
+    (*blk.kernel)();
+    sk_host_end_thread();
+    ++blk.finished;  // and back to the scheduler, the context's successor
+}
+
+// Run `kernel` (a callable of no arguments) over a grid of blocks of `threads` threads, the
+// blocks in order.  The shared memory is NaN at the launch, and the block's `shared` bytes
+// are NaN again before each block.
 inline void sk_host_launch(sk_host_dim3 grid, unsigned threads, std::size_t shared,
                            const std::function<void()>& kernel) {
     if (shared > sizeof(sk_smem)) std::abort();
     gridDim = grid;
     blockDim = {threads, 1, 1};
+    ++sk_host_launches;
     float* words = reinterpret_cast<float*>(sk_smem);
     std::fill(words, words + sizeof(sk_smem) / 4, std::nanf(""));
     sk_host_block block(threads);
+    block.kernel = &kernel;
     sk_host_current = &block;
-    std::vector<std::thread> team;
-    for (unsigned t = 0; t < threads; ++t)
-        team.emplace_back([=, &kernel, &block] {
-            threadIdx = {t, 0, 0};
-            for (unsigned z = 0; z < grid.z; ++z)
-                for (unsigned y = 0; y < grid.y; ++y)
-                    for (unsigned x = 0; x < grid.x; ++x) {
-                        if (t == 0) std::fill(words, words + (shared + 3) / 4, std::nanf(""));
-                        block.block.arrive_and_wait();  // the block's memory is NaN
-                        blockIdx = {x, y, z};
-                        kernel();
-                        sk_host_end_thread();
-                        block.block.arrive_and_wait();  // the block is done
-                    }
-        });
-    for (auto& th : team) th.join();
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                std::fill(words, words + (shared + 3) / 4, std::nanf(""));
+                blockIdx = {x, y, z};
+                block.finished = 0;
+                for (unsigned t = 0; t < threads; ++t) {
+                    ucontext_t& c = block.threads[t];
+                    getcontext(&c);
+                    c.uc_stack.ss_sp = block.stacks[t].get();
+                    c.uc_stack.ss_size = sk_host_block::stack_bytes;
+                    c.uc_link = &block.scheduler;
+                    makecontext(&c, sk_host_thread_main, 0);
+                    block.ready.push_back(t);
+                }
+                while (!block.ready.empty()) {
+                    block.running = block.ready.front();
+                    block.ready.pop_front();
+                    threadIdx = {block.running, 0, 0};
+                    swapcontext(&block.scheduler, &block.threads[block.running]);
+                }
+                if (block.finished != threads) {
+                    std::fprintf(stderr, "block (%u, %u, %u): %u of %u threads wait at a "
+                                 "barrier the others never reach\n", x, y, z,
+                                 threads - block.finished, threads);
+                    std::abort();
+                }
+            }
     sk_host_current = nullptr;
 }
-
 // A kernel's pointer parameter from an address.
 struct sk_host_ptr {
     void* p;

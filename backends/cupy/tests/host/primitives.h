@@ -18,27 +18,32 @@ struct sk_host_copy {
     const void* gmem;
     bool valid;
 };
-inline thread_local std::vector<sk_host_copy> sk_host_open;         // not yet committed
-inline thread_local std::deque<std::vector<sk_host_copy>> sk_host_groups;  // committed
+// A thread's copies: those not yet committed, and the committed groups not yet waited for.
+struct sk_host_copies {
+    std::vector<sk_host_copy> open;
+    std::deque<std::vector<sk_host_copy>> groups;
+};
 
 inline void sk_cp_async16(void* smem, const void* gmem, bool valid) {
     const float nan = std::nanf("");
     for (int i = 0; i < 4; ++i) std::memcpy(static_cast<char*>(smem) + 4 * i, &nan, 4);
-    sk_host_open.push_back({smem, gmem, valid});
+    sk_host_local<sk_host_copies>().open.push_back({smem, gmem, valid});
 }
 inline void sk_cp_async_commit() {
-    sk_host_groups.push_back(std::move(sk_host_open));
-    sk_host_open.clear();
+    sk_host_copies& mine = sk_host_local<sk_host_copies>();
+    mine.groups.push_back(std::move(mine.open));
+    mine.open.clear();
 }
 template <int N> inline void sk_cp_async_wait() {
-    while (sk_host_groups.size() > static_cast<std::size_t>(N)) {
-        for (const sk_host_copy& c : sk_host_groups.front()) {
+    std::deque<std::vector<sk_host_copy>>& groups = sk_host_local<sk_host_copies>().groups;
+    while (groups.size() > static_cast<std::size_t>(N)) {
+        for (const sk_host_copy& c : groups.front()) {
             if (c.valid)
                 std::memcpy(c.smem, c.gmem, 16);
             else
                 std::memset(c.smem, 0, 16);
         }
-        sk_host_groups.pop_front();
+        groups.pop_front();
     }
 }
 
@@ -69,10 +74,13 @@ inline void sk_red_add2(float* p, float a, float b) {
 // makes it undefined).  Layouts are the PTX ISA's ("Matrix Fragments for mma.m16n8k8",
 // "Warp-level matrix load instruction: ldmatrix"); g = lane / 4, t = lane % 4.
 alignas(16) inline std::uint32_t sk_host_stages[2][1024][16];
-inline thread_local unsigned sk_host_turn = 0;  // this lane's collectives so far, mod 2
+struct sk_host_turn {
+    unsigned parity = 0;  // this lane's collectives so far, mod 2
+};
 inline std::uint32_t (&sk_host_stage())[1024][16] {
-    sk_host_turn ^= 1u;
-    return sk_host_stages[sk_host_turn];
+    unsigned& parity = sk_host_local<sk_host_turn>().parity;
+    parity ^= 1u;
+    return sk_host_stages[parity];
 }
 
 // cvt.rna.tf32.f32: x rounded to TF32 (10 explicit mantissa bits) to nearest, ties away from
@@ -349,7 +357,6 @@ template <> struct SkWgmma<192> : sk_host_wgmma_n<192> {};
 template <> struct SkWgmma<256> : sk_host_wgmma_n<256> {};
 
 inline void sk_host_end_thread() {
-    sk_host_turn = 0;
-    sk_host_open.clear();
-    sk_host_groups.clear();
+    sk_host_local<sk_host_turn>() = {};
+    sk_host_local<sk_host_copies>() = {};
 }
