@@ -157,8 +157,8 @@ def _fits(config) -> bool:
     return config.shared_bytes() <= _shared_limit()
 
 
-@pytest.mark.parametrize(("d", "dv"), [(32, 32), (64, 64), (96, 96), (128, 128), (160, 160),
-                                       (192, 128), (192, 192), (256, 256)])
+@pytest.mark.parametrize(("d", "dv"), [(32, 32), (64, 64), (80, 96), (96, 96), (128, 128),
+                                       (160, 160), (192, 128), (192, 192), (256, 256)])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_forward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
     from softmaxkit_cupy.configs import f32_config

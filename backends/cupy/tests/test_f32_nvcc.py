@@ -61,24 +61,34 @@ def test_every_configuration_fits_sm90() -> None:
 
 
 def test_the_fitting_tiles_serve_devices_of_less_shared_memory() -> None:
-    """The declared tiles wherever they fit a device's blocks; the fitting tiles (and the
-    manifest's reason, its bytes) where not: 163 KB at compute capability 8.0, 99 KB at 8.6."""
+    """The declared tiles wherever they fit a device's blocks; the fitting tiles where not
+    (and the manifest's reason, its bytes, where neither fits): 163 KB at compute capability
+    8.0, 99 KB at 8.6."""
     from softmaxkit_cupy.manifest import f32_reason
 
     for (d, dv), smaller in FITTING_F32_CONFIGS.items():
         declared = F32_CONFIGS[(d, dv)]
-        assert declared.shared_bytes() > SM80_SHARED >= smaller.shared_bytes() > SM86_SHARED
-        for masked in (True, False):
-            assert f32_config(d, dv, masked, SM90_SHARED).name() == replace(
-                declared, mask=masked).name()
-            assert f32_config(d, dv, masked, SM80_SHARED).name() == replace(
-                smaller, mask=masked).name()
-            assert f32_config(d, dv, masked).name() == replace(declared, mask=masked).name()
+        assert declared.shared_bytes() > smaller.shared_bytes()
         shapes = ((1, 2, 256, d), (1, 2, 256, d), (1, 2, 256, dv))
-        assert f32_reason(*shapes, SM90_SHARED) is None
-        assert f32_reason(*shapes, SM80_SHARED) is None
-        reason = f32_reason(*shapes, SM86_SHARED)
-        assert reason is not None and f"takes {smaller.shared_bytes()} bytes" in reason
+        for limit in (SM90_SHARED, SM80_SHARED, SM86_SHARED):
+            taken = declared if declared.shared_bytes() <= limit else smaller
+            for masked in (True, False):
+                assert f32_config(d, dv, masked, limit).name() == replace(
+                    taken, mask=masked).name()
+            reason = f32_reason(*shapes, limit)
+            if taken.shared_bytes() <= limit:
+                assert reason is None
+            else:
+                assert reason is not None and f"takes {taken.shared_bytes()} bytes" in reason
+        for masked in (True, False):
+            assert f32_config(d, dv, masked).name() == replace(declared, mask=masked).name()
+    # compute capability 8.0 takes the declared tile at 96 and the fitting ones above;
+    # 8.6 takes the fitting tile at 96 and declines wider pairs
+    assert f32_config(96, 96, True, SM80_SHARED) == F32_CONFIGS[(96, 96)]
+    assert f32_config(96, 96, True, SM86_SHARED) == FITTING_F32_CONFIGS[(96, 96)]
+    assert f32_config(128, 128, True, SM80_SHARED) == FITTING_F32_CONFIGS[(128, 128)]
+    assert f32_reason((1, 2, 256, 128), (1, 2, 256, 128), (1, 2, 256, 128),
+                      SM86_SHARED) is not None
 
 
 def test_every_pair_of_head_dims_has_a_kernel() -> None:
@@ -93,7 +103,9 @@ def test_every_pair_of_head_dims_has_a_kernel() -> None:
 
 
 def test_a_call_runs_on_the_pair_of_least_width() -> None:
-    assert f32_shape(80, 80) == f32_backward_shape(80, 80) == (96, 96)
+    # at 80 the forward keeps q and k as they are and pads v alone; the backward pads all three
+    assert f32_shape(80, 80) == (80, 96) and f32_backward_shape(80, 80) == (96, 96)
+    assert f32_shape(72, 64) == (80, 96) and f32_shape(81, 81) == (96, 96)
     # a narrow value pads to (192, 128), not (192, 192); between equal sums, the square pair
     assert f32_shape(170, 100) == f32_backward_shape(170, 100) == (192, 128)
     assert f32_shape(150, 120) == (160, 160)
