@@ -73,17 +73,20 @@ def row_stats(xp: Any, x: Any, where: Any, acc: Any = None) -> RowStats:
     empty = (m == NEG_INF) & ~nan
     special = nan | posinf
     shift = xp.where(special | empty, xp.zeros_like(m), m)
-    # x - M computed as 2 (x/2 - M/2): the same number wherever it is finite, and -inf,
-    # without an overflow warning, where it rounds below the accumulator's range (logits
-    # near both ends of it)
-    half = clean / 2 - shift / 2
-    below = half < -HUGE[dtype_name(acc)] / 2
-    diff = xp.where(below, xp.full_like(half, NEG_INF), xp.where(below, xp.zeros_like(half),
-                                                                 half) * 2)
-    z = xp.where(special, xp.zeros_like(clean), diff)
+    z = xp.where(special, xp.zeros_like(clean), shifted(xp, clean, shift))
     total = xp.sum(xp.exp(z), axis=-1, keepdims=True)
     total = xp.where(special, xp.ones_like(total), total)
     return RowStats(x=x, z=z, shift=shift, total=total, empty=empty, nan=nan, posinf=posinf)
+
+
+def shifted(xp: Any, x: Any, shift: Any) -> Any:
+    """``x - shift`` (a finite ``shift``, broadcast) without an overflow warning: computed as
+    ``2 (x/2 - shift/2)``, the same number wherever it is finite, and -inf where it rounds
+    below the dtype's range (logits near both ends of it)."""
+    half = x / 2 - shift / 2
+    below = half < -HUGE[dtype_name(x.dtype)] / 2
+    return xp.where(below, xp.full_like(half, NEG_INF),
+                    xp.where(below, xp.zeros_like(half), half) * 2)
 
 
 def softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> Any:
@@ -111,10 +114,10 @@ def log_softmax(xp: Any, *, x: Any, where: Any, masked: str, out_dtype: Any) -> 
     out = xp.where(s.posinf, at_inf, out)
     bad = s.nan | s.empty if masked == "nan" else s.nan
     out = xp.where(bad, xp.full_like(out, NAN), out)
-    return xp.astype(_below_range_to_inf(xp, out, out_dtype), out_dtype)
+    return xp.astype(below_range_to_inf(xp, out, out_dtype), out_dtype)
 
 
-def _below_range_to_inf(xp: Any, a: Any, dtype: Any) -> Any:
+def below_range_to_inf(xp: Any, a: Any, dtype: Any) -> Any:
     """``a`` with the values that round to ``-inf`` in ``dtype`` set to ``-inf`` already, so
     the cast rounds them without an overflow warning (a log-probability below a 16-bit
     format's range, say)."""

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from ..dtypes import accumulator_dtype, dtype_name
+from .rows import below_range_to_inf, shifted
 
 NEG_INF = -math.inf
 
@@ -76,7 +77,7 @@ def summarize(xp: Any, *, x: Any, where: Any, values: Any) -> tuple[Any, Any, An
         m = xp.max(clean, axis=-1)
     posinf = m == math.inf
     shift = xp.where(xp.isfinite(m), m, 0.0)
-    z = xp.where(posinf[..., None], NEG_INF, clean - shift[..., None])
+    z = xp.where(posinf[..., None], NEG_INF, shifted(xp, clean, shift[..., None]))
     e = xp.exp(z)
     mass = xp.sum(e, axis=-1)
     num = None
@@ -150,7 +151,7 @@ def normalize(
     regular = ~(nan | posinf | empty)
     shift = xp.where(regular, m, 0.0)
     total = xp.where(regular, xp.astype(masses, acc)[..., None], 1.0)
-    z = xp.where(allowed & regular, xa - shift, NEG_INF)
+    z = xp.where(allowed & regular, shifted(xp, xa, shift), NEG_INF)
     bad = nan | empty if masked == "nan" else nan
     if log:
         out = z - xp.log(total)
@@ -160,7 +161,7 @@ def normalize(
         out = xp.exp(z) / total
         bad = bad | posinf
     out = xp.where(bad, math.nan, out)
-    return xp.astype(out, out_dtype)
+    return xp.astype(below_range_to_inf(xp, out, out_dtype), out_dtype)
 
 
 def _device(x: Any) -> Any:
