@@ -980,7 +980,7 @@ class F32Config:
 F32_CONFIGS = {
     (32, 32): F32Config(32, 32, warps=4, block_n=64),
     (64, 64): F32Config(64, 64, warps=4, block_n=64),
-    (80, 96): F32Config(80, 96, warps=4, block_n=32),
+    (80, 96): F32Config(80, 96, warps=8, block_n=64, v_stages=1),
     (96, 96): F32Config(96, 96, warps=8, block_n=64, v_stages=1),
     (128, 128): F32Config(128, 128, warps=8, block_n=64, rows=8, lanes=16, v_stages=1),
     (160, 160): F32Config(160, 160, warps=8, block_n=32),
@@ -993,11 +993,11 @@ the boolean mask's code and without it on the same tiles.  Other pairs run on co
 zero-padded to the built pair of least width that holds them (:func:`f32_shape`).  (80, 96)
 takes calls at head dim 80 with q and k as they are and v alone zero-padded (a row group's
 lanes take the output's columns four at a time, so Dv must be a multiple of 32, D only of
-4): on an H100 0.95-1.19x torch's efficient backend where the pad of all three to 96 gave
-0.83-0.97x.  At 96 eight warps of 64-key tiles and one stage of V (161 KB): 1.01x / 0.98x
-torch's efficient backend without causality (L1024 / L4096) where four warps of 32 keys gave
-0.92x / 0.89x, 1.21x / 1.04x with it (1.25x / 1.00x) (docs/benchmarks-attention.md,
-"float32 at head dims 80 and 96").  At 128 a
+4).  At 80 and 96, eight warps of 64-key tiles and one stage of V (145 and 161 KB): on an
+H100 at 80 1.04-1.25x torch's efficient backend, where four warps of 32 keys on the same pair
+gave 0.95-1.17x and the pad of all three to 96 0.83-0.97x; at 96 1.01x / 0.98x without
+causality (L1024 / L4096) where four warps of 32 keys gave 0.92x / 0.89x, 1.21x / 1.04x with
+it (1.25x / 1.00x) (docs/benchmarks-attention.md, "float32 at head dims 80 and 96").  At 128 a
 block is eight warps of 16 rows, a lane 8 rows of 4 keys and 8 output columns (rows of 16
 lanes): 12.8 fma per shared-memory read against the four-row tile's 9.8, one block of 205 KB
 a multiprocessor; on an H100 1.13-1.17x the four-row tile (docs/benchmarks-attention.md,
@@ -1008,6 +1008,7 @@ multiprocessor left each scheduler a single warp (docs/benchmarks-attention.md, 
 above head dim 128")."""
 
 FITTING_F32_CONFIGS = {
+    (80, 96): F32Config(80, 96, warps=4, block_n=32),
     (96, 96): F32Config(96, 96, warps=4, block_n=32),
     (128, 128): F32Config(128, 128, warps=4, block_n=32),
     (160, 160): F32Config(160, 160, warps=4, block_n=32),
@@ -1016,19 +1017,16 @@ FITTING_F32_CONFIGS = {
 }
 """The exact float32 forward tiles for devices whose blocks may take less shared memory than
 :data:`F32_CONFIGS`' need (compute capability 8.0's 163 KB and less): four warps, 77 KB at
-96, 109 KB at 128 and 133-157 KB above."""
+80 and 96, 109 KB at 128 and 133-157 KB above."""
 
 
 F32_ALTERNATIVES = (
     F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),
     F32Config(256, 256, warps=4, block_n=32, mask=False, rows=8, lanes=16, v_stages=1),
     F32Config(256, 256, warps=8, block_n=32, mask=False, lanes=16),
-    F32Config(80, 96, warps=8, block_n=64, v_stages=1),
 )
 """Other exact float32 forward tiles, built on request only (``config=``), for
-tools/tf32_timing.py to time beside the declared ones.  (80, 96) on eight warps of 64-key
-tiles with one stage of V (145 KB), the shape that served 96 faster than four warps of 32
-keys: to be declared once a device has checked and timed it.  Eight rows a lane at head dim 64:
+tools/tf32_timing.py to time beside the declared ones.  Eight rows a lane at head dim 64:
 12.8 fma per shared-memory read against 10.7, 8% faster than the declared tile without
 causality and 6-12% slower with it on an H100 (docs/benchmarks-attention.md).  At 128,
 eight-row tiles of 8-lane row groups (2 or 4 warps, 255 registers) and 64-key four-row tiles

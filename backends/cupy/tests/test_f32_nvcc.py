@@ -82,10 +82,11 @@ def test_the_fitting_tiles_serve_devices_of_less_shared_memory() -> None:
                 assert reason is not None and f"takes {taken.shared_bytes()} bytes" in reason
         for masked in (True, False):
             assert f32_config(d, dv, masked).name() == replace(declared, mask=masked).name()
-    # compute capability 8.0 takes the declared tile at 96 and the fitting ones above;
-    # 8.6 takes the fitting tile at 96 and declines wider pairs
-    assert f32_config(96, 96, True, SM80_SHARED) == F32_CONFIGS[(96, 96)]
-    assert f32_config(96, 96, True, SM86_SHARED) == FITTING_F32_CONFIGS[(96, 96)]
+    # compute capability 8.0 takes the declared tiles at 80 and 96 and the fitting ones
+    # above; 8.6 takes the fitting tiles at 80 and 96 and declines wider pairs
+    for pair in ((80, 96), (96, 96)):
+        assert f32_config(*pair, True, SM80_SHARED) == F32_CONFIGS[pair]
+        assert f32_config(*pair, True, SM86_SHARED) == FITTING_F32_CONFIGS[pair]
     assert f32_config(128, 128, True, SM80_SHARED) == FITTING_F32_CONFIGS[(128, 128)]
     assert f32_reason((1, 2, 256, 128), (1, 2, 256, 128), (1, 2, 256, 128),
                       SM86_SHARED) is not None
