@@ -161,7 +161,9 @@ def normalize(
         out = xp.exp(z) / total
         bad = bad | posinf
     out = xp.where(bad, math.nan, out)
-    return xp.astype(below_range_to_inf(xp, out, out_dtype), out_dtype)
+    if log:  # a log-probability may lie below a narrower output's range
+        out = below_range_to_inf(xp, out, out_dtype)
+    return xp.astype(out, out_dtype)
 
 
 def _device(x: Any) -> Any:

@@ -48,7 +48,7 @@ def test_threads_between_barriers_run_in_more_than_one_order(host_snippet):
     assert any(np.sum(np.diff(p) < 0) >= threads - 3 for p in phases[1:]), phases
 
 
-def test_a_barrier_a_thread_skips_aborts_with_a_message(host_snippet, tmp_path):
+def test_a_barrier_a_thread_skips_aborts_with_a_message(host_snippet):
     library = host_snippet(SNIPPET)
     code = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
             "out = (ctypes.c_int * 64)(); lib.skip(out)")

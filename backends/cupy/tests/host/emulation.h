@@ -229,6 +229,7 @@ inline void sk_host_launch(sk_host_dim3 grid, unsigned threads, std::size_t shar
             }
     sk_host_current = nullptr;
 }
+
 // A kernel's pointer parameter from an address.
 struct sk_host_ptr {
     void* p;
