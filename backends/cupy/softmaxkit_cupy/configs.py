@@ -928,8 +928,9 @@ class F32Config:
     ``warps`` warps of row groups of ``lanes`` lanes (8 or 16), each lane ``rows`` query rows
     (a warp's rows: ``32 / lanes * rows``), ``block_n`` keys per tile, key head dimension
     ``head_dim`` and value head dimension ``value_dim``, ``v_stages`` stages of the value tile
-    (one: a tile's V loads over its scores, two: over the last tile's P V); ``mask=False``
-    builds it without boolean-mask support."""
+    (one: a tile's V loads over its scores, two: over the last tile's P V), ``k_stages`` of
+    the key tile (two: the next tile's K loads over this tile's scores and P V, one, with one
+    stage of V: over its P V alone); ``mask=False`` builds it without boolean-mask support."""
 
     head_dim: int
     value_dim: int
@@ -939,6 +940,7 @@ class F32Config:
     rows: int = 4
     lanes: int = 8
     v_stages: int = 2
+    k_stages: int = 2
 
     @property
     def block_m(self) -> int:
@@ -951,17 +953,18 @@ class F32Config:
         return 32 * self.warps
 
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: the Q tile, two stages of K tiles and ``v_stages`` of V tiles
-        (rows padded by 4 floats) and the warps' probability tiles (rows of ``block_n +
+        """Dynamic shared memory: the Q tile, ``k_stages`` of K tiles and ``v_stages`` of V
+        tiles (rows padded by 4 floats) and the warps' probability tiles (rows of ``block_n +
         lanes`` floats)."""
         d, dv, bm, bn = self.head_dim, self.value_dim, self.block_m, self.block_n
-        return 4 * ((bm + 2 * bn) * (d + 4) + self.v_stages * bn * (dv + 4)
+        return 4 * ((bm + self.k_stages * bn) * (d + 4) + self.v_stages * bn * (dv + 4)
                     + bm * (bn + self.lanes))
 
     def _tail(self) -> str:
-        """The template's last arguments (rows, lanes, V stages) where not its defaults."""
-        extra = [self.rows, self.lanes, self.v_stages]
-        while extra and extra[-1] == (4, 8, 2)[len(extra) - 1]:
+        """The template's last arguments (rows, lanes, V and K stages) where not its
+        defaults."""
+        extra = [self.rows, self.lanes, self.v_stages, self.k_stages]
+        while extra and extra[-1] == (4, 8, 2, 2)[len(extra) - 1]:
             extra.pop()
         return "".join(f", {x}" for x in extra)
 
@@ -1024,6 +1027,12 @@ F32_ALTERNATIVES = (
     F32Config(64, 64, warps=4, block_n=32, mask=False, rows=8),
     F32Config(256, 256, warps=4, block_n=32, mask=False, rows=8, lanes=16, v_stages=1),
     F32Config(256, 256, warps=8, block_n=32, mask=False, lanes=16),
+    F32Config(256, 256, warps=8, block_n=64, lanes=16, v_stages=1, k_stages=1),
+    F32Config(256, 256, warps=8, block_n=64, mask=False, rows=2, v_stages=1, k_stages=1),
+    F32Config(192, 128, warps=8, block_n=64, mask=False, v_stages=1, k_stages=1),
+    F32Config(192, 192, warps=8, block_n=64, mask=False, rows=2, v_stages=1, k_stages=1),
+    F32Config(160, 160, warps=8, block_n=64, mask=False, v_stages=1, k_stages=1),
+    F32Config(128, 128, warps=8, block_n=64, mask=False, v_stages=1),
 )
 """Other exact float32 forward tiles, built on request only (``config=``), for
 tools/tf32_timing.py to time beside the declared ones.  Eight rows a lane at head dim 64:
@@ -1034,7 +1043,11 @@ were slower there; the declared tile takes its eight rows a lane in 16-lane grou
 eight rows a lane in 16-lane groups (195 KB) was 1-3% slower there than the declared tile.
 At 256, where the declared tile stays below torch's efficient backend, four warps of eight
 rows a lane (174 KB, 246 registers: 22.1-26.2 TFLOP/s against the declared tile's
-27.5-30.8 on an H100) and the declared tile with two stages of V (207 KB: within 2% of it)."""
+27.5-30.8 on an H100) and the declared tile with two stages of V (207 KB: within 2% of it).
+Tiles of 64 keys with one stage of K and of V, the next K loading over a tile's P V alone
+(above 128, where two stages of 64-key K tiles do not fit beside the Q tile): a lane's scores
+take 4-8 keys of a tile where the declared tiles take 2-4, fewer shared-memory reads a fma,
+and each tile's softmax serves twice the keys; at 128, the eight-warp tile of 80 and 96."""
 
 @dataclass(frozen=True)
 class F32BackwardConfig:

@@ -118,8 +118,8 @@ def measure(length: int, d: int, causal: bool) -> dict:
     for c in (*FITTING_F32_CONFIGS.values(), *F32_ALTERNATIVES):
         c = replace(c, mask=False)  # as the dispatch takes an unmasked call
         if c.head_dim == d:
-            calls[f"{EXACT} {c.warps}w n{c.block_n} r{c.rows} x{c.lanes} v{c.v_stages}"] = (
-                lambda c=c: exact(c))
+            tile = f"{c.warps}w n{c.block_n} r{c.rows} x{c.lanes} v{c.v_stages} k{c.k_stages}"
+            calls[f"{EXACT} {tile}"] = lambda c=c: exact(c)
     served = tf32_config(d, False)  # timed above as "tf32x3" and "tf32"
     fitting = [replace(c, mask=False) for c in FITTING_TF32_CONFIGS.values()]
     for c in (*fitting, *TF32_ALTERNATIVES):  # other tiles, through the adapter

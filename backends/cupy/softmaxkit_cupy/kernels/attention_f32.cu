@@ -97,8 +97,11 @@ __device__ __forceinline__ void sk_f32_rows_dot(float (&acc)[R][NJ], const float
 // columns (and keys of a tile), so that eight rows a lane fit its registers with eight warps
 // a multiprocessor.  VS stages of V: with two, the next tile's V loads over this tile's P V;
 // with one (the block's shared memory within a multiprocessor's at eight rows a lane), a
-// tile's V loads over its scores.
-template <int D, int DV, int WARPS, int BN, bool MASK, int R, int TX, int VS, bool VARLEN>
+// tile's V loads over its scores.  KS stages of K: with two, the next tile's K loads over this
+// tile's scores and P V; with one (and one of V), over its P V alone, so that a tile of 64 keys
+// fits beside a wide Q tile.
+template <int D, int DV, int WARPS, int BN, bool MASK, int R, int TX, int VS, int KS,
+          bool VARLEN>
 __device__ __forceinline__ void sk_attn_fwd_f32_body(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const unsigned* __restrict__ mask, float* __restrict__ out, float* __restrict__ lse,
@@ -113,6 +116,7 @@ __device__ __forceinline__ void sk_attn_fwd_f32_body(
                   "float4 rows; a row group's lanes cover 4 TX columns");
     static_assert(BN % 32 == 0 && BN % TX == 0, "a key tile covers whole 32-key mask words");
     static_assert(VS == 1 || VS == 2, "one or two stages of V");
+    static_assert(KS == 2 || (KS == 1 && VS == 1), "one stage of K takes one of V");
     constexpr int WR = TY * R;  // a warp's query rows
     constexpr int BM = WR * WARPS;
     constexpr int THREADS = 32 * WARPS;
@@ -123,8 +127,8 @@ __device__ __forceinline__ void sk_attn_fwd_f32_body(
     constexpr int NC = DV / (4 * TX);  // a lane's float4 output columns
     extern __shared__ __align__(16) unsigned char sk_smem[];
     float* sq = reinterpret_cast<float*>(sk_smem);
-    float* sk = sq + BM * QW;      // 2 stages
-    float* sv = sk + 2 * BN * QW;  // 2 stages
+    float* sk = sq + BM * QW;       // KS stages
+    float* sv = sk + KS * BN * QW;  // VS stages
     float* sp = sv + VS * BN * VW;  // a [WR x PW] tile of probabilities a warp
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -197,7 +201,7 @@ __device__ __forceinline__ void sk_attn_fwd_f32_body(
             sk_load_padded<BN, DV, THREADS>(sv, vb + n0 * v_sl, v_sl, lk - n0);
             sk_cp_async_commit();
         }
-        if (tile + 1 < tile_hi) {
+        if (KS == 2 && tile + 1 < tile_hi) {
             sk_load_padded<BN, D, THREADS>(sk + (stage ^ 1) * BN * QW, kb + (n0 + BN) * k_sl,
                                            k_sl, lk - n0 - BN);
         }
@@ -209,7 +213,8 @@ __device__ __forceinline__ void sk_attn_fwd_f32_body(
         for (int i = 0; i < R; ++i)
 #pragma unroll
             for (int j = 0; j < NJ; ++j) s[i][j] = 0.0f;
-        sk_f32_rows_dot<D, NJ, QW, R, TX>(s, sq + WR * warp * QW, sk + stage * BN * QW, ty, tx);
+        sk_f32_rows_dot<D, NJ, QW, R, TX>(s, sq + WR * warp * QW,
+                                          sk + (KS == 2 ? stage : 0) * BN * QW, ty, tx);
 
         // scores in log2 units, exclusions as -inf
 #pragma unroll
@@ -279,7 +284,13 @@ __device__ __forceinline__ void sk_attn_fwd_f32_body(
             for (int j = 0; j < NJ; ++j) pw[(ty + TY * i) * PW + tx + TX * j] = s[i][j];
 
         sk_cp_async_wait<1>();  // this tile's V has landed (the next K may not have)
-        __syncthreads();        // (and every warp's probabilities are stored)
+        __syncthreads();        // (and every warp's probabilities are stored, its scores done)
+        if (KS == 1) {
+            if (tile + 1 < tile_hi) {
+                sk_load_padded<BN, D, THREADS>(sk, kb + (n0 + BN) * k_sl, k_sl, lk - n0 - BN);
+            }
+            sk_cp_async_commit();
+        }
         if (VS == 2) {
             if (tile + 1 < tile_hi) {
                 sk_load_padded<BN, DV, THREADS>(sv + (stage ^ 1) * BN * VW,
@@ -319,7 +330,8 @@ __device__ __forceinline__ void sk_attn_fwd_f32_body(
 
 // The dense forward (the body's dense layout).  Two blocks of up to four warps share a
 // multiprocessor; eight warps take one.
-template <int D, int DV, int WARPS, int BN, bool MASK, int R = 4, int TX = 8, int VS = 2>
+template <int D, int DV, int WARPS, int BN, bool MASK, int R = 4, int TX = 8, int VS = 2,
+          int KS = 2>
 __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const unsigned* __restrict__ mask, float* __restrict__ out, float* __restrict__ lse,
@@ -327,7 +339,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
     long long k_sl, long long v_sb, long long v_sh, long long v_sl, long long m_sb,
     long long m_sh, long long m_sq, int hq, int hk, int lq, int lk,
     float scale, float softcap, int offset, int causal, int left, int right) {
-    sk_attn_fwd_f32_body<D, DV, WARPS, BN, MASK, R, TX, VS, false>(
+    sk_attn_fwd_f32_body<D, DV, WARPS, BN, MASK, R, TX, VS, KS, false>(
         q, k, v, mask, out, lse, nullptr, nullptr, q_sb, q_sh, q_sl, k_sb, k_sh, k_sl, v_sb,
         v_sh, v_sl, m_sb, m_sh, m_sq, hq, hk, lq, lk, scale, softcap, offset, causal, left,
         right);
@@ -336,14 +348,14 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32
 // The packed variable-length forward (the body's packed layout): the grid of the dense
 // forward for B sequences as long as the longest (softmaxkit_cupy.attention.forward_grid),
 // the parameters sk_attn_fwd_varlen's (kernels/attention.cu).
-template <int D, int DV, int WARPS, int BN, int R = 4, int TX = 8, int VS = 2>
+template <int D, int DV, int WARPS, int BN, int R = 4, int TX = 8, int VS = 2, int KS = 2>
 __global__ void __launch_bounds__(WARPS * 32, WARPS > 4 ? 1 : 2) sk_attn_fwd_f32_varlen(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     const long long* __restrict__ cu_q, const long long* __restrict__ cu_k,
     float* __restrict__ out, float* __restrict__ lse, long long q_st, long long q_sh,
     long long k_st, long long k_sh, long long v_st, long long v_sh, int hq, int hk,
     float scale, float softcap, int bottom_right, int causal, int left, int right) {
-    sk_attn_fwd_f32_body<D, DV, WARPS, BN, false, R, TX, VS, true>(
+    sk_attn_fwd_f32_body<D, DV, WARPS, BN, false, R, TX, VS, KS, true>(
         q, k, v, nullptr, out, lse, cu_q, cu_k, 0, q_sh, q_st, 0, k_sh, k_st, 0, v_sh, v_st,
         0, 0, 0, hq, hk, 0, 0, scale, softcap, bottom_right, causal, left, right);
 }

@@ -6,7 +6,9 @@
 // A fiber runs until it meets a barrier, then the next ready fiber runs: __syncthreads and
 // __syncwarp are barriers, whose last thread to arrive makes the others ready again (in the
 // order they arrived at one barrier, the reverse at the next, so that the threads of a phase
-// do not always run in one order); a warp shuffle is a store, a barrier, a load and a
+// do not always run in one order; and, in every other phase between the block's barriers,
+// ahead of the threads already ready, so that a warp runs to the block's next barrier before
+// the others leave the last one); a warp shuffle is a store, a barrier, a load and a
 // barrier.  Threads that all wait with none ready (a barrier some thread skips) abort the
 // launch with a message, where the device would hang.  The block's dynamic shared memory is
 // one buffer, filled with NaN before each block, so a read of anything not written first
@@ -92,7 +94,7 @@ struct sk_host_block {
     std::deque<unsigned> ready;
     ucontext_t scheduler;
     unsigned running = 0, finished = 0;
-    unsigned long releases = 0;
+    unsigned long releases = 0, phases = 0;
     sk_host_barrier block;
     std::vector<sk_host_barrier> warps;
     std::vector<unsigned long long> slots;
@@ -115,7 +117,13 @@ inline void sk_host_arrive(sk_host_barrier& b) {
         return;
     }
     if (blk.releases++ % 2) std::reverse(b.waiting.begin(), b.waiting.end());
-    blk.ready.insert(blk.ready.end(), b.waiting.begin(), b.waiting.end());
+    // a warp's barrier makes its threads ready first in every other phase between the block's
+    // barriers (odd phases in one block, even ones in the next, so that a loop of two barriers
+    // has both), so that one warp runs ahead of the others to the block's next barrier
+    const bool ahead = &b != &blk.block && blk.phases % 2;
+    if (&b == &blk.block) ++blk.phases;
+    blk.ready.insert(ahead ? blk.ready.begin() : blk.ready.end(), b.waiting.begin(),
+                     b.waiting.end());
     b.waiting.clear();
     b.arrived = 0;
 }
@@ -205,6 +213,7 @@ inline void sk_host_launch(sk_host_dim3 grid, unsigned threads, std::size_t shar
                 std::fill(words, words + (shared + 3) / 4, std::nanf(""));
                 blockIdx = {x, y, z};
                 block.finished = 0;
+                block.phases = (x + y + z) % 2;
                 for (unsigned t = 0; t < threads; ++t) {
                     ucontext_t& c = block.threads[t];
                     getcontext(&c);
