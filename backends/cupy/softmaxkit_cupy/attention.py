@@ -272,7 +272,8 @@ def attention(
         from .attention_f32 import attention as f32_attention
 
         return f32_attention(xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window,
-                             mask=mask, softcap=softcap, return_lse=return_lse, config=config)
+                             mask=mask, softcap=softcap, return_lse=return_lse, config=config,
+                             keep=key)
     fixed = _forward_without_work(q, k, v)
     if fixed is not None:
         return fixed[0], (fixed[1] if return_lse else None)
@@ -365,33 +366,36 @@ def forward_grid(tiles: int, hq: int, b: int, options: tuple[Any, ...]
 def float32_forward(
     xp: Any, kernel: Any, name: str, config: Any, *, q: Any, k: Any, v: Any, scale: float,
     causal: Any, window: tuple[int, int], mask: Any, softcap: Any, return_lse: bool,
+    keep: tuple | None = None,
 ) -> tuple[Any, Any]:
     """Launch the float32 forward ``kernel`` (``name`` for the trace), whose parameters are
     :data:`FORWARD_PARAMS`, one block of ``config.threads`` threads and
     ``config.shared_bytes()`` bytes per ``config.block_m`` query rows of each (head, batch);
-    (out ``[B, Hq, Lq, Dv]`` float32, lse or None)."""
+    (out ``[B, Hq, Lq, Dv]`` float32, lse or None).  The launch is kept under ``keep`` (a
+    key of :mod:`.kept`, or None) where it reads q, k, v in place."""
     b, hq, lq, _ = (int(s) for s in q.shape)
     hk, lk, dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
-    q, k, v = (_rows_ready(xp, a) for a in (q, k, v))
+    ready = tuple(_rows_ready(xp, a) for a in (q, k, v))
+    if any(r is not a for r, a in zip(ready, (q, k, v), strict=True)):
+        keep = None  # copies made for this call: a later one reads its own arrays
+    q, k, v = ready
     _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
                                                       lq, lk)
     qs, ks, vs = (interop.element_strides(a) for a in (q, k, v))
-    out = interop.empty(q, (b, hq, lq, dv), "float32")
-    lse = interop.empty(q, (b, hq, lq), "float32")
-    note_kernel(name)
     grid, options = forward_grid(-(-lq // config.block_m), hq, b, options)
-    args = (interop.pointer(q), interop.pointer(k), interop.pointer(v), m_ptr,
-            interop.pointer(out), interop.pointer(lse), *qs[:3], *ks[:3], *vs[:3],
-            *m_strides, hq, hk, lq, lk, *options)
-    interop.launch(kernel, q, grid, config.threads, FORWARD_PARAMS, args,
-                   config.shared_bytes())
+    forward = _Forward(kept.Launch(kernel, grid, config.threads, FORWARD_PARAMS,
+                                   (*qs[:3], *ks[:3], *vs[:3], *m_strides, hq, hk, lq, lk,
+                                    *options), config.shared_bytes()),
+                       name, (b, hq, lq, dv), (b, hq, lq), "float32")
+    kept.keep(keep, forward)
+    out, lse = forward(q, k, v, m_ptr)
     return out, (lse if return_lse else None)
 
 
 def float32_backward(
     xp: Any, kernel: Any, name: str, config: Any, *, pre: Any, q: Any, k: Any, v: Any,
     out: Any, lse: Any, dout: Any, scale: float, causal: Any, window: tuple[int, int],
-    mask: Any, softcap: Any, dlse: Any,
+    mask: Any, softcap: Any, dlse: Any, keep: tuple | None = None,
 ) -> tuple[Any, Any, Any]:
     """Launch the float32 backward ``kernel`` (``name`` for the trace), whose parameters are
     :data:`BACKWARD_PARAMS`, one block of ``config.threads`` threads and
@@ -402,31 +406,31 @@ def float32_backward(
     writes each row's lse in log2 units and ``delta = rowsum(dout * out) - dlse`` (+inf and 0
     on the rows with no allowed key and on those padding the queries to whole tiles of
     ``config.block_m``); the kernel writes dk and dv and adds dq's products into a zeroed
-    float32 buffer, which is scaled here.
+    float32 buffer, which is scaled here.  The launches are kept under ``keep`` (a key of
+    :mod:`.kept`, or None) where they read the arrays in place.
     """
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, lk, dv_dim = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    given = (q, k, v, out, dout, lse, dlse)
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
     lse, dlse = interop.contiguous(lse), row_cotangent(dlse)
+    if any(a is not g for a, g in zip((q, k, v, out, dout, lse, dlse), given, strict=True)):
+        keep = None  # copies made for this call: a later one reads its own arrays
     lq_pad = -(-lq // config.block_m) * config.block_m
     rows = b * hq * lq_pad
-    lse2, delta, dq_acc = backward_buffers(q, rows, d)
-    dk = interop.empty(q, (b, hk, lk, d), "float32")
-    dv = interop.empty(q, (b, hk, lk, dv_dim), "float32")
     _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
                                                       lq, lk)
     qs, ks, vs, os_, gs = (interop.element_strides(a) for a in (q, k, v, out, dout))
-    ptr = interop.pointer
-    launch_backward_pre(pre, q, rows, dv_dim, BACKWARD_PRE_PARAMS,
-                        (ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
-                         ptr(lse2), ptr(delta), *os_[:3], *gs[:3], hq, lq, lq_pad, rows))
-    note_kernel(name)
-    interop.launch(kernel, q, (-(-lk // config.block_n), hk, b), config.threads,
-                   BACKWARD_PARAMS, (
-                       ptr(q), ptr(k), ptr(v), ptr(dout), m_ptr, ptr(lse2), ptr(delta),
-                       ptr(dq_acc), ptr(dk), ptr(dv), *qs[:3], *ks[:3], *vs[:3], *gs[:3],
-                       *m_strides, hq, hk, lq, lk, lq_pad, *options), config.shared_bytes())
-    return xp.reshape(dq_acc, (b, hq, lq_pad, d))[:, :, :lq, :] * scale, dk, dv
+    backward = _Backward(
+        kept.Launch(pre, backward_pre_blocks(rows, dv_dim), 256, BACKWARD_PRE_PARAMS,
+                    (*os_[:3], *gs[:3], hq, lq, lq_pad, rows)),
+        kept.Launch(kernel, (-(-lk // config.block_n), hk, b), config.threads,
+                    BACKWARD_PARAMS, (*qs[:3], *ks[:3], *vs[:3], *gs[:3], *m_strides, hq, hk,
+                                      lq, lk, lq_pad, *options), config.shared_bytes()),
+        _ScaledRows(xp, scale), name, rows, (b, hq, lq, d), (b, hk, lk, d),
+        (b, hk, lk, dv_dim), "float32")
+    kept.keep(keep, backward)
+    return backward(q, k, v, out, dout, lse, dlse, m_ptr)
 
 
 @dataclass(frozen=True)
@@ -663,7 +667,7 @@ def attention_vjp(
 
         return f32_attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale,
                                  causal=causal, window=window, mask=mask, softcap=softcap,
-                                 dlse=dlse, config=config)
+                                 dlse=dlse, config=config, keep=key)
     fixed = _backward_without_work(q, k, v)
     if fixed is not None:
         return fixed
@@ -689,32 +693,47 @@ def attention_vjp(
 
 
 @dataclass(frozen=True)
+class _ScaledRows:
+    """dQ of a float32 backward from its sums: the sums' rows but those padding the query
+    tiles, times the scale, by the array library's own operations."""
+
+    xp: Any
+    scale: float
+
+
+@dataclass(frozen=True)
 class _Backward:
-    """The backward's three launches for a kind of call (:mod:`.kept`), its buffers' rows and
-    its gradients' shapes."""
+    """The backward's launches for a kind of call (:mod:`.kept`): the rows' preprocessing, the
+    main kernel, and dQ's conversion from its float32 sums (a launch, or for float32
+    gradients :class:`_ScaledRows`); its buffers' rows and its gradients' shapes."""
 
     pre: kept.Launch
     main: kept.Launch
-    convert: kept.Launch
+    convert: kept.Launch | _ScaledRows
     name: str
     rows: int
     dq_shape: tuple[int, ...]
     dk_shape: tuple[int, ...]
+    dv_shape: tuple[int, ...]
     dtype: str
 
     def __call__(self, q: Any, k: Any, v: Any, out: Any, dout: Any, lse: Any, dlse: Any,
                  m_ptr: int) -> tuple[Any, Any, Any]:
         """``(dq, dk, dv)`` (the mask's bits at ``m_ptr``, 0 for none)."""
-        lse2, delta, dq_acc = backward_buffers(q, self.rows, self.dq_shape[3])
-        dq = interop.empty(q, self.dq_shape, self.dtype)
+        b, hq, lq, d = self.dq_shape
+        lse2, delta, dq_acc = backward_buffers(q, self.rows, d)
         dk = interop.empty(q, self.dk_shape, self.dtype)
-        dv = interop.empty(q, self.dk_shape, self.dtype)
+        dv = interop.empty(q, self.dv_shape, self.dtype)
         ptr = interop.pointer
         self.pre(q, ptr(out), ptr(dout), ptr(lse), 0 if dlse is None else ptr(dlse),
                  ptr(lse2), ptr(delta))
         note_kernel(self.name)
         self.main(q, ptr(q), ptr(k), ptr(v), ptr(dout), m_ptr, ptr(lse2), ptr(delta),
                   ptr(dq_acc), ptr(dk), ptr(dv))
+        if isinstance(self.convert, _ScaledRows):
+            sums = self.convert.xp.reshape(dq_acc, (b, hq, self.rows // (b * hq), d))
+            return sums[:, :, :lq, :] * self.convert.scale, dk, dv
+        dq = interop.empty(q, self.dq_shape, self.dtype)
         self.convert(q, ptr(dq_acc), ptr(dq))
         return dq, dk, dv
 
@@ -753,6 +772,6 @@ def _attention_vjp(
                                       lq, lk, lq_pad, *options), config.shared_bytes()),
         kept.Launch(_kernel(backward_dq_name(dtype, d)), -(-chunks // 256), 256,
                     BACKWARD_DQ_PARAMS, (scale, lq, lq_pad, chunks)),
-        name, rows, (b, hq, lq, d), (b, hk, lk, d), dtype)
+        name, rows, (b, hq, lq, d), (b, hk, lk, d), (b, hk, lk, d), dtype)
     kept.keep(keep, backward)
     return backward(q, k, v, out, dout, lse, dlse, m_ptr)

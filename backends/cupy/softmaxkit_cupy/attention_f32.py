@@ -63,7 +63,7 @@ def _kernel(name: str) -> Any:
 def attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
     mask: Any, softcap: Any, return_lse: bool,
-    config: F32Config | F32DecodeConfig | None = None,
+    config: F32Config | F32DecodeConfig | None = None, keep: tuple | None = None,
 ) -> tuple[Any, Any]:
     """Attention forward of float32 q, k, v in float32 arithmetic; (out, lse or None).
 
@@ -74,7 +74,8 @@ def attention(
     against many keys (:func:`.attention.uses_decode`) run on the split-KV decode kernels
     (:func:`.configs.f32_decode_config`, where the device's shared memory holds them; or
     ``config``, an :class:`.configs.F32DecodeConfig`), zero-padded to
-    :func:`.configs.f32_decode_width`.
+    :func:`.configs.f32_decode_width`.  A call at a built pair keeps its launch under
+    ``keep`` (a key of :mod:`.kept`, or None).
     """
     fixed = _forward_without_work(q, k, v)
     if fixed is not None:
@@ -94,11 +95,13 @@ def attention(
                     mask=mask, softcap=softcap),
                 q, k, v)
         return out, (lse if return_lse else None)
+    shape = run_shape(config, d, dv)
     with interop.on_device(q):
         return head_dims.forward_padded(
-            xp, run_shape(config, d, dv), lambda q, k, v: _attention(
+            xp, shape, lambda q, k, v: _attention(
                 xp, q=q, k=k, v=v, scale=scale, causal=causal, window=window, mask=mask,
-                softcap=softcap, return_lse=return_lse, config=config),
+                softcap=softcap, return_lse=return_lse, config=config,
+                keep=keep if shape is None else None),
             q, k, v)
 
 
@@ -140,8 +143,10 @@ def decode_width(config: F32DecodeConfig, d: int, dv: int) -> int | None:
 def _attention(
     xp: Any, *, q: Any, k: Any, v: Any, scale: float, causal: Any, window: tuple[int, int],
     mask: Any, softcap: Any, return_lse: bool, config: F32Config | None,
+    keep: tuple | None = None,
 ) -> tuple[Any, Any]:
-    """:func:`attention` of a call with work at a built pair of head dimensions."""
+    """:func:`attention` of a call with work at a built pair of head dimensions (its launch
+    kept under ``keep``)."""
     d, dv = int(q.shape[3]), int(v.shape[3])
     config = config or f32_config(d, dv, mask is not None,
                                   interop.shared_limit(interop.device_index(q)))
@@ -152,36 +157,40 @@ def _attention(
     name = config.name()
     return float32_forward(xp, _kernel(name), name, config, q=q, k=k, v=v, scale=scale,
                            causal=causal, window=window, mask=mask, softcap=softcap,
-                           return_lse=return_lse)
+                           return_lse=return_lse, keep=keep)
 
 
 def attention_vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
     causal: Any, window: tuple[int, int], mask: Any, softcap: Any, dlse: Any = None,
-    config: F32BackwardConfig | None = None,
+    config: F32BackwardConfig | None = None, keep: tuple | None = None,
 ) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) of float32 attention in float32 arithmetic, recomputing P from ``lse``
     (:func:`.attention.float32_backward`: sk_attn_bwd_f32).  A call whose (D, Dv) is not a
     built pair runs on zero-padded copies (:func:`.configs.f32_backward_shape`), as in
-    :func:`attention`."""
+    :func:`attention`; one at a built pair keeps its launches under ``keep`` (a key of
+    :mod:`.kept`, or None)."""
     fixed = _backward_without_work(q, k, v)
     if fixed is not None:
         return fixed
     d, dv = int(q.shape[3]), int(v.shape[3])
+    shape = run_shape(config, d, dv, backward=True)
     with interop.on_device(q):
         return head_dims.gradients_padded(
-            xp, run_shape(config, d, dv, backward=True), lambda q, k, v, out, dout: _vjp(
+            xp, shape, lambda q, k, v, out, dout: _vjp(
                 xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, scale=scale, causal=causal,
-                window=window, mask=mask, softcap=softcap, dlse=dlse, config=config),
+                window=window, mask=mask, softcap=softcap, dlse=dlse, config=config,
+                keep=keep if shape is None else None),
             q, k, v, out, dout)
 
 
 def _vjp(
     xp: Any, *, q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, scale: float,
     causal: Any, window: tuple[int, int], mask: Any, softcap: Any, dlse: Any,
-    config: F32BackwardConfig | None,
+    config: F32BackwardConfig | None, keep: tuple | None = None,
 ) -> tuple[Any, Any, Any]:
-    """:func:`attention_vjp` of a call with work at a built pair of head dimensions."""
+    """:func:`attention_vjp` of a call with work at a built pair of head dimensions (its
+    launches kept under ``keep``)."""
     d, dv = int(q.shape[3]), int(v.shape[3])
     config = config or f32_backward_config(d, dv, mask is not None)
     if config is None or (config.head_dim, config.value_dim) != (d, dv):
@@ -192,4 +201,4 @@ def _vjp(
     return float32_backward(xp, _kernel(name), name, config,
                             pre=_kernel(backward_pre_name("float32", dv)), q=q, k=k, v=v,
                             out=out, lse=lse, dout=dout, scale=scale, causal=causal,
-                            window=window, mask=mask, softcap=softcap, dlse=dlse)
+                            window=window, mask=mask, softcap=softcap, dlse=dlse, keep=keep)

@@ -192,6 +192,47 @@ def test_wide_calls_at_a_reduced_precision_run_exactly(host_launches) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got[p], got["float32"], strict=True)), p
 
 
+@pytest.mark.parametrize(("d", "dv"), [(64, 64), (192, 128)])
+def test_a_kind_of_call_runs_its_kept_launches_again(host_launches, d: int, dv: int) -> None:
+    """A later float32 call of one kind (shapes, strides, options; no mask) runs the launches
+    the first call kept (:mod:`softmaxkit_cupy.kept`) on its own fresh arrays, forward and
+    backward, each result within the float32 tolerances of float64; a call of another kind
+    keeps launches of its own."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as xp
+    from softmaxkit_cupy import attention as entry
+    from softmaxkit_cupy import kept
+
+    case = dict(b=1, hq=4, hk=2, lq=70, lk=90, causal="bottom_right")
+    out_tol, lse_tol, grad_tol = ATTENTION_TOLERANCES["float32"]
+    firsts = None
+    for seed in (1, 2, 3, 4):
+        if seed == 4:
+            case = dict(case, lq=71)
+        q, k, v, _ = inputs(d, dv, case, seed=seed)
+        kw = dict(scale=d ** -0.5, causal="bottom_right", window=(-1, -1), mask=None,
+                  softcap=None)
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        out, lse = entry.attention(xp, q=tq, k=tk, v=tv, return_lse=True, **kw)
+        want, want_lse = ref.attention(q, k, v, causal="bottom_right")
+        assert ref.rel_frobenius(out.numpy().astype(np.float64), want) <= out_tol
+        assert np.abs(lse.numpy() - want_lse).max() <= lse_tol
+        dout = np.random.default_rng(seed).standard_normal(out.shape).astype(np.float32)
+        got = entry.attention_vjp(xp, q=tq, k=tk, v=tv, out=out, lse=lse,
+                                  dout=torch.from_numpy(dout), **kw)
+        grads = ref.attention_vjp(q, k, v, dout, causal="bottom_right")
+        for name, g, w in zip(("dq", "dk", "dv"), got, grads, strict=True):
+            err = ref.rel_frobenius(g.numpy().astype(np.float64), w)
+            assert err <= grad_tol, f"call {seed}, {name}: relative Frobenius {err:.3g}"
+        if firsts is None:
+            firsts = dict(kept._store)
+            assert {key[0] for key in firsts} == {"attention", "attention_vjp"}
+        elif seed < 4:  # the same launches, none made again
+            assert kept._store.keys() == firsts.keys()
+            assert all(kept._store[key] is firsts[key] for key in firsts)
+    assert len(kept._store) == len(firsts) + 2
+
+
 BACKWARD_RUNS = [(64, 64, c) for c in CASES[:8]] + [(128, 128, c) for c in FEATURES] + [
     (256, 256, c) for c in FEATURES] + [(d, dv, CASES[7]) for d, dv in (
         (32, 32), (96, 96), (160, 160), (192, 128), (192, 192), (48, 80), (144, 152))]
