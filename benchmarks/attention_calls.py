@@ -14,7 +14,8 @@ Before timing, softmaxkit's output and gradients are checked against torch's in 
 same data (a failed check exits with 1).
 
 Run: ``python benchmarks/attention_calls.py`` (CUDA, bfloat16 B2 H16 L1024 causal, head dims 64
-and 128); ``--device cpu`` runs it small and in float32, as a check of the script.
+and 128; ``--dtype float32`` for float32 inputs); ``--device cpu`` runs it small and in
+float32, as a check of the script.
 """
 
 from __future__ import annotations
@@ -82,9 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        default="bfloat16", help="on CUDA (the CPU check runs float32)")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
-    dtype, bound = (torch.bfloat16, 2e-2) if cuda else (torch.float32, 1e-5)
+    dtype = getattr(torch, args.dtype) if cuda else torch.float32
+    bound = 1e-5 if dtype == torch.float32 else 2e-2
     b, h, length = (2, 16, args.length) if cuda else (1, 2, min(args.length, 64))
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{name}, torch {torch.__version__}; {str(dtype)[6:]} B{b} H{h} L{length} causal, "
