@@ -1109,6 +1109,16 @@ of two keys a lane (8 (D + Dv) / 32 registers), one block of 132-206 KB a multip
 pairs run zero-padded to the built pair of least width that holds them
 (:func:`f32_backward_shape`)."""
 
+F32_BACKWARD_ALTERNATIVES = (
+    F32BackwardConfig(192, 192, warps=8, block_m=32, mask=False, keys=2),
+    F32BackwardConfig(192, 128, warps=8, block_m=32, mask=False, keys=2),
+)
+"""Other exact float32 backward tiles, built on request only (``config=``), for
+tools/f32_backward_timing.py to time beside the declared ones: at 192 and 192/128, query tiles
+of 32 rows as at 160 (211 and 179 KB, 210 and 185 registers), where a lane's S^T and dP^T take
+four queries of a tile against the 16-row tiles' two (six shared-memory reads for 32 fma
+against four for 16)."""
+
 WIDE_BACKWARD = 128
 """The widest head dim of the four-key backward tiles: the wider tiles are a module of their
 own (:func:`f32_backward_names`), so that a gradient at the common head dims builds none."""
@@ -1302,10 +1312,11 @@ def f32_names(fitting: bool | None = None) -> tuple[str, ...]:
 
 
 def f32_alternative_names() -> tuple[str, ...]:
-    """The name expressions of the exact float32 alternatives (a module of their own)."""
-    declared = set(f32_names())
-    return tuple(n for n in dict.fromkeys(c.name() for c in F32_ALTERNATIVES)
-                 if n not in declared)
+    """The name expressions of the exact float32 alternatives, forward and backward (a module
+    of their own)."""
+    declared = {*f32_names(), *f32_backward_names()}
+    return tuple(n for n in dict.fromkeys(
+        c.name() for c in (*F32_ALTERNATIVES, *F32_BACKWARD_ALTERNATIVES)) if n not in declared)
 
 
 TF32_PRECISIONS = {"tf32": 1, "tf32x3": 3}

@@ -20,6 +20,7 @@ from host_attention import CASES, case_id, inputs, launch_forward, move_to_host,
 from softmaxkit_cupy.attention import BACKWARD_PARAMS, BACKWARD_PRE_PARAMS, FORWARD_PARAMS
 from softmaxkit_cupy.configs import (
     F32_ALTERNATIVES,
+    F32_BACKWARD_ALTERNATIVES,
     F32_CONFIGS,
     FITTING_F32_CONFIGS,
     F32Config,
@@ -41,8 +42,10 @@ SM90_SHARED = 227 * 1024
 @pytest.fixture(scope="module")
 def kernels(host_kernels):
     """Every declared tile and every alternative, built once for the host."""
-    names = [*f32_names(), *f32_alternative_names()]
-    return host_kernels("attention_f32.cu", names, FORWARD_PARAMS)
+    backward = {c.name() for c in F32_BACKWARD_ALTERNATIVES}
+    codes = {n: BACKWARD_PARAMS if n in backward else FORWARD_PARAMS
+             for n in (*f32_names(), *f32_alternative_names())}
+    return host_kernels("attention_f32.cu", list(codes), codes)
 
 
 def run(kernels: dict, config: F32Config, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -247,6 +250,25 @@ def test_backward_on_the_host(host_launches, d: int, dv: int, case: dict) -> Non
     (``softmaxkit_cupy.attention``; the gradient at a reduced precision, which the exact
     kernel serves too): each gradient within the float32 row of the tolerances against
     float64 (spec "Gradients")."""
+    from softmaxkit_cupy import attention as entry
+
+    _check_backward(lambda **kw: entry.attention_vjp(
+        precision="tf32" if d == 64 else "float32", **kw), d, dv, case)
+
+
+@pytest.mark.parametrize("config", F32_BACKWARD_ALTERNATIVES, ids=str)
+@pytest.mark.parametrize("case", [CASES[2], CASES[6]], ids=case_id)
+def test_backward_alternatives_on_the_host(host_launches, config, case: dict) -> None:
+    """The backward's other tiles (``configs.F32_BACKWARD_ALTERNATIVES``) through the adapter,
+    as tools/f32_backward_timing.py calls them, within the same bounds."""
+    _check_backward(lambda **kw: host_launches.attention_vjp(config=config, **kw),
+                    config.head_dim, config.value_dim, case)
+
+
+def _check_backward(vjp, d: int, dv: int, case: dict) -> None:
+    """``vjp(xp=, q=, ...)`` of ``case`` on torch CPU tensors, from the forward's out and lse,
+    with an lse cotangent: each gradient within the float32 row of the tolerances against
+    float64."""
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as xp
     from softmaxkit_cupy import attention as entry
@@ -262,9 +284,8 @@ def test_backward_on_the_host(host_launches, d: int, dv: int, case: dict) -> Non
     dout = rng.standard_normal(out.shape).astype(np.float32)
     dlse = rng.standard_normal(lse.shape).astype(np.float32)
     dlse[lse.numpy() == -np.inf] = 0.0
-    got = entry.attention_vjp(xp, q=tq, k=tk, v=tv, out=out, lse=lse,
-                              dout=torch.from_numpy(dout), dlse=torch.from_numpy(dlse),
-                              precision="tf32" if d == 64 else "float32", **kw)
+    got = vjp(xp=xp, q=tq, k=tk, v=tv, out=out, lse=lse, dout=torch.from_numpy(dout),
+              dlse=torch.from_numpy(dlse), **kw)
     want = ref.attention_vjp(q, k, v, dout, dlse=dlse, mask=mask, **opts)
     tol = ATTENTION_TOLERANCES["float32"][2]
     for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):

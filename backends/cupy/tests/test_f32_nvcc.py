@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from softmaxkit_cupy.configs import (
     F32_ALTERNATIVES,
+    F32_BACKWARD_ALTERNATIVES,
     F32_BACKWARD_CONFIGS,
     F32_CONFIGS,
     FITTING_F32_CONFIGS,
@@ -48,7 +49,7 @@ def test_every_configuration_fits_sm90() -> None:
         for masked in (True, False):
             config = f32_config(d, dv, masked)
             assert config is not None and config.shared_bytes() <= SM90_SHARED, config
-    for config in F32_ALTERNATIVES:
+    for config in (*F32_ALTERNATIVES, *F32_BACKWARD_ALTERNATIVES):
         assert config.shared_bytes() <= SM90_SHARED, config
     for d, dv in F32_BACKWARD_CONFIGS:
         for masked in (True, False):

@@ -6,7 +6,9 @@ from the same forward's out and lse: the cupy backend's CUDA-core kernel
 ``sk.attention_vjp`` on numba-cuda's exact kernels (``numba-cuda``), and
 torch autograd through ``scaled_dot_product_attention`` under
 ``sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)`` (``torch-efficient``, its backward alone:
-``torch.autograd.grad`` with the graph kept), each the median of ``triton.testing.do_bench``;
+``torch.autograd.grad`` with the graph kept), and the other tiles at the head dim
+(``configs.F32_BACKWARD_ALTERNATIVES`` of D = Dv, through the adapter), each the median of
+``triton.testing.do_bench``;
 TFLOP/s count 10 B H L^2 D (five products), halved for causal.  Before timing, each L1024
 configuration's gradients (on memory that held NaN) are compared with float64 autograd on the
 device: the worst relative Frobenius error of dq, dk, dv.
@@ -45,6 +47,7 @@ def measure(length: int, d: int, causal: bool) -> dict:
     import array_api_compat.torch as xp
     import triton.testing
     from softmaxkit_cupy.attention_f32 import attention, attention_vjp
+    from softmaxkit_cupy.configs import F32_BACKWARD_ALTERNATIVES
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -67,6 +70,11 @@ def measure(length: int, d: int, causal: bool) -> dict:
         "torch-efficient": lambda: torch.autograd.grad(eff_out, leaves, dout,
                                                        retain_graph=True),
     }
+    for c in F32_BACKWARD_ALTERNATIVES:
+        if (c.head_dim, c.value_dim) == (d, d):
+            calls[f"f32 cupy {c.warps}w m{c.block_m} k{c.keys}"] = (
+                lambda c=c: attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
+                                          config=c, **kw))
     errors = {}
     if length == LENGTHS[0]:
         want = reference_grads(q, k, v, dout, causal)
@@ -99,14 +107,15 @@ def main() -> int:
                 print(f"L{length} D{d} {'causal' if causal else 'full'}: " + "; ".join(
                     f"{n} {row['tflops'][n]:.1f} TFLOP/s"
                     + (f", err {row['errors'][n]:.1e}" if row["errors"] else "")
-                    for n in NAMES), flush=True)
+                    for n in row["tflops"]), flush=True)
     print(f"\n({time.perf_counter() - started:.0f} s) float32 B{B} H{H}, eager backward: "
           "TFLOP/s (ratio to torch-efficient)")
-    print("     L    D causal | " + " | ".join(f"{n:>17}" for n in NAMES))
+    print("     L    D causal | " + " | ".join(f"{n:>17}" for n in NAMES) + " | other tiles")
     for row in rows:
         peer = row["tflops"]["torch-efficient"]
         print(f"{row['length']:>6} {row['d']:>4} {str(row['causal']):>6} | " + " | ".join(
-            f"{row['tflops'][n]:8.1f} ({row['tflops'][n] / peer:4.2f}x)" for n in NAMES))
+            f"{t:8.1f} ({t / peer:4.2f}x)" if n in NAMES else f"{n} {t:.1f} ({t / peer:4.2f}x)"
+            for n, t in row["tflops"].items()))
     bad = [r for r in rows if r["errors"] and not all(e <= 1e-4 for e in r["errors"].values())]
     return 1 if bad else 0
 
