@@ -304,6 +304,28 @@ def test_backward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
 
     if not _fits(f32_backward_config(*f32_backward_shape(d, dv), True)):
         pytest.skip("the tiles do not fit this device's shared memory")
+    _check_backward(d, dv, case)
+
+
+def _backward_alternatives() -> list:
+    from softmaxkit_cupy.configs import F32_BACKWARD_ALTERNATIVES
+
+    return list(F32_BACKWARD_ALTERNATIVES)
+
+
+@pytest.mark.parametrize("config", _backward_alternatives(), ids=str)
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=_case_id)
+def test_backward_alternatives_within_float32_bounds(config, case: dict) -> None:
+    """The backward's other tiles (``configs.F32_BACKWARD_ALTERNATIVES``), as
+    tools/f32_backward_timing.py runs them, within the same bounds."""
+    if not _fits(config):
+        pytest.skip("the tiles do not fit this device's shared memory")
+    _check_backward(config.head_dim, config.value_dim, case, config)
+
+
+def _check_backward(d: int, dv: int, case: dict, config=None) -> None:
+    """The float32 adapter's gradients of ``case`` (on the tiles ``config``, None: the
+    declared ones) against float64, their memory poisoned first."""
     import array_api_compat.torch as xp
     from softmaxkit_cupy.attention_f32 import attention_vjp
 
@@ -314,11 +336,12 @@ def test_backward_within_float32_bounds(d: int, dv: int, case: dict) -> None:
     opts = _options(case)
     got = attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse,
                         scale=d ** -0.5, causal=opts["causal"],
-                        window=opts["window"] or (-1, -1), mask=mask, softcap=opts["softcap"])
+                        window=opts["window"] or (-1, -1), mask=mask, softcap=opts["softcap"],
+                        config=config)
     torch.cuda.synchronize()
     want = ref.attention_vjp(*(_numpy(a) for a in (q, k, v, dout)), dlse=_numpy(dlse),
                              mask=_numpy(mask), **opts)
-    _check_gradients(got, want, f"D={d} Dv={dv} {_case_id(case)}")
+    _check_gradients(got, want, f"D={d} Dv={dv} {_case_id(case)} {config or ''}")
 
 
 VARLEN = [
