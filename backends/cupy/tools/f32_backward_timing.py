@@ -9,12 +9,12 @@ torch autograd through ``scaled_dot_product_attention`` under
 ``torch.autograd.grad`` with the graph kept), and the other tiles at the head dim
 (``configs.F32_BACKWARD_ALTERNATIVES`` of D = Dv, through the adapter), each the median of
 ``triton.testing.do_bench``;
-TFLOP/s count 10 B H L^2 D (five products), halved for causal.  Before timing, each L1024
+TFLOP/s count 2 B H L^2 (3 D + 2 Dv) (five products), halved for causal.  Before timing, each L1024
 configuration's gradients (on memory that held NaN) are compared with float64 autograd on the
 device: the worst relative Frobenius error of dq, dk, dv.
 
-Usage: ``python backends/cupy/tools/f32_backward_timing.py [D ...]`` (from the repository
-root; head dims 64 and 128 by default).
+Usage: ``python backends/cupy/tools/f32_backward_timing.py [D or D/Dv ...]`` (from the
+repository root; head dims 64 and 128 by default).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def reference_grads(q, k, v, dout, causal: bool) -> tuple[torch.Tensor, ...]:
     return torch.autograd.grad(out, (q, k, v), dout.double())
 
 
-def measure(length: int, d: int, causal: bool) -> dict:
+def measure(length: int, d: int, dv: int, causal: bool) -> dict:
     import array_api_compat.torch as xp
     import triton.testing
     from softmaxkit_cupy.attention_f32 import attention, attention_vjp
@@ -53,9 +53,9 @@ def measure(length: int, d: int, causal: bool) -> dict:
 
     import softmaxkit as sk
 
-    gen = torch.Generator(device="cuda").manual_seed(length + d + causal)
-    q, k, v, dout = (torch.randn(B, H, length, d, device="cuda", generator=gen)
-                     for _ in range(4))
+    gen = torch.Generator(device="cuda").manual_seed(length + d + dv + causal)
+    q, k, v, dout = (torch.randn(B, H, length, w, device="cuda", generator=gen)
+                     for w in (d, d, dv, dv))
     kw = dict(scale=d ** -0.5, causal="bottom_right" if causal else None, window=(-1, -1),
               mask=None, softcap=None)
     out, lse = attention(xp, q=q, k=k, v=v, return_lse=True, **kw)
@@ -71,7 +71,7 @@ def measure(length: int, d: int, causal: bool) -> dict:
                                                        retain_graph=True),
     }
     for c in F32_BACKWARD_ALTERNATIVES:
-        if (c.head_dim, c.value_dim) == (d, d):
+        if (c.head_dim, c.value_dim) == (d, dv):
             calls[f"f32 cupy {c.warps}w m{c.block_m} k{c.keys}"] = (
                 lambda c=c: attention_vjp(xp, q=q, k=k, v=v, out=out, lse=lse, dout=dout,
                                           config=c, **kw))
@@ -85,10 +85,11 @@ def measure(length: int, d: int, causal: bool) -> dict:
             errors[name] = max(float(torch.linalg.vector_norm(g.double() - w)
                                      / torch.linalg.vector_norm(w))
                                for g, w in zip(got, want, strict=True))
-    flops = 10 * B * H * length * length * d / (2 if causal else 1)
+    flops = 2 * B * H * length * length * (3 * d + 2 * dv) / (2 if causal else 1)
     times = {n: float(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"))
              for n, fn in calls.items()}
-    return {"length": length, "d": d, "causal": causal, "errors": errors,
+    return {"length": length, "d": d if d == dv else f"{d}/{dv}", "causal": causal,
+            "errors": errors,
             "tflops": {n: flops / t / 1e9 for n, t in times.items()}}
 
 
@@ -100,20 +101,21 @@ def main() -> int:
     started = time.perf_counter()
     rows = []
     for length in LENGTHS:
-        for d in [int(a) for a in sys.argv[1:]] or HEAD_DIMS:
+        for dims in sys.argv[1:] or [str(d) for d in HEAD_DIMS]:
+            d, dv = (int(x) for x in (dims.split("/") * 2)[:2])
             for causal in (False, True):
-                row = measure(length, d, causal)
+                row = measure(length, d, dv, causal)
                 rows.append(row)
-                print(f"L{length} D{d} {'causal' if causal else 'full'}: " + "; ".join(
+                print(f"L{length} D{dims} {'causal' if causal else 'full'}: " + "; ".join(
                     f"{n} {row['tflops'][n]:.1f} TFLOP/s"
                     + (f", err {row['errors'][n]:.1e}" if row["errors"] else "")
                     for n in row["tflops"]), flush=True)
     print(f"\n({time.perf_counter() - started:.0f} s) float32 B{B} H{H}, eager backward: "
           "TFLOP/s (ratio to torch-efficient)")
-    print("     L    D causal | " + " | ".join(f"{n:>17}" for n in NAMES) + " | other tiles")
+    print("     L       D causal | " + " | ".join(f"{n:>17}" for n in NAMES) + " | other tiles")
     for row in rows:
         peer = row["tflops"]["torch-efficient"]
-        print(f"{row['length']:>6} {row['d']:>4} {str(row['causal']):>6} | " + " | ".join(
+        print(f"{row['length']:>6} {row['d']:>7} {str(row['causal']):>6} | " + " | ".join(
             f"{t:8.1f} ({t / peer:4.2f}x)" if n in NAMES else f"{n} {t:.1f} ({t / peer:4.2f}x)"
             for n, t in row["tflops"].items()))
     bad = [r for r in rows if r["errors"] and not all(e <= 1e-4 for e in r["errors"].values())]

@@ -117,7 +117,7 @@ def measure(length: int, d: int, causal: bool) -> dict:
     calls["torch-efficient"] = efficient
     for c in (*FITTING_F32_CONFIGS.values(), *F32_ALTERNATIVES):
         c = replace(c, mask=False)  # as the dispatch takes an unmasked call
-        if c.head_dim == d:
+        if c.head_dim == d <= c.value_dim:  # tiles that hold the tool's calls (Dv = D)
             tile = f"{c.warps}w n{c.block_n} r{c.rows} x{c.lanes} v{c.v_stages} k{c.k_stages}"
             calls[f"{EXACT} {tile}"] = lambda c=c: exact(c)
     served = tf32_config(d, False)  # timed above as "tf32x3" and "tf32"
