@@ -8,9 +8,9 @@
 // order they arrived at one barrier, the reverse at the next, so that the threads of a phase
 // do not always run in one order; and, in every other phase between the block's barriers,
 // ahead of the threads already ready, so that one warp runs on to the block's next barrier
-// before the other warps pass their first warp barrier); a warp shuffle is a store, a barrier, a load and a
-// barrier.  Threads that all wait with none ready (a barrier some thread skips) abort the
-// launch with a message, where the device would hang.  The block's dynamic shared memory is
+// before the other warps pass their first warp barrier); a warp shuffle is a store, a
+// barrier, a load and a barrier.  Threads that all wait with none ready (a barrier some
+// thread skips) abort the launch with a message, where the device would hang.  The block's dynamic shared memory is
 // one buffer, filled with NaN before each block, so a read of anything not written first
 // shows.  Primitives written in PTX are replaced by their host meaning
 // (tests/host/primitives.h): cp.async poisons its destination when issued and copies when
