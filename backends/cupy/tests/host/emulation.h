@@ -5,21 +5,20 @@
 //
 // A fiber runs until it meets a barrier, then the next ready fiber runs: __syncthreads and
 // __syncwarp are barriers, whose last thread to arrive makes the others ready again (in the
-// order they arrived at one barrier, the reverse at the next, so that the threads of a phase
-// do not always run in one order; and, in every other phase between the block's barriers,
-// ahead of the threads already ready, so that one warp runs on to the block's next barrier
-// before the other warps pass their first warp barrier); a warp shuffle is a store, a
-// barrier, a load and a barrier.  Threads that all wait with none ready (a barrier some
-// thread skips) abort the launch with a message, where the device would hang.  The block's dynamic shared memory is
-// one buffer, filled with NaN before each block, so a read of anything not written first
-// shows.  Primitives written in PTX are replaced by their host meaning
-// (tests/host/primitives.h): cp.async poisons its destination when issued and copies when
-// its group is waited for, so a read on the wrong side of a wait or a barrier sees NaN;
-// ex2.approx is exp2f; cvt.rna.tf32, the TF32 and 16-bit (bfloat16, float16) mma.sync and
-// ldmatrix take the PTX ISA's roundings and fragment layouts, the warp's lanes exchanging
-// their operands.  What this cannot show: timing, bank conflicts, the tensor cores' own
-// rounding of their sums, and orders of the threads between barriers other than those
-// taken.
+// order they arrived at one barrier, the reverse at the next, so that the threads of a phase do
+// not always run in one order; and, in every other phase between the block's barriers, ahead of
+// the threads already ready, so that one warp runs on to the block's next barrier before the
+// other warps pass their first warp barrier); a warp shuffle is a store, a barrier, a load and
+// a barrier.  Threads that all wait with none ready (a barrier some thread skips) abort the
+// launch with a message, where the device would hang.  The block's dynamic shared memory is one
+// buffer, filled with NaN before each block, so a read of anything not written first shows.
+// Primitives written in PTX are replaced by their host meaning (tests/host/primitives.h):
+// cp.async poisons its destination when issued and copies when its group is waited for, so a
+// read on the wrong side of a wait or a barrier sees NaN; ex2.approx is exp2f; cvt.rna.tf32,
+// the TF32 and 16-bit (bfloat16, float16) mma.sync and ldmatrix take the PTX ISA's roundings
+// and fragment layouts, the warp's lanes exchanging their operands.  What this cannot show:
+// timing, bank conflicts, the tensor cores' own rounding of their sums, and orders of the
+// threads between barriers other than those taken.
 #pragma once
 #include <algorithm>
 #include <atomic>
