@@ -376,8 +376,7 @@ def float32_forward(
     b, hq, lq, _ = (int(s) for s in q.shape)
     hk, lk, dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
     ready = tuple(_rows_ready(xp, a) for a in (q, k, v))
-    if any(r is not a for r, a in zip(ready, (q, k, v), strict=True)):
-        keep = None  # copies made for this call: a later one reads its own arrays
+    keep = kept.in_place(keep, (q, k, v), ready)
     q, k, v = ready
     _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
                                                       lq, lk)
@@ -414,8 +413,7 @@ def float32_backward(
     given = (q, k, v, out, dout, lse, dlse)
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
     lse, dlse = interop.contiguous(lse), row_cotangent(dlse)
-    if any(a is not g for a, g in zip((q, k, v, out, dout, lse, dlse), given, strict=True)):
-        keep = None  # copies made for this call: a later one reads its own arrays
+    keep = kept.in_place(keep, given, (q, k, v, out, dout, lse, dlse))
     lq_pad = -(-lq // config.block_m) * config.block_m
     rows = b * hq * lq_pad
     _bits, m_ptr, m_strides, options = kernel_options(mask, causal, window, softcap, scale,
@@ -463,8 +461,7 @@ def _attention(
     b, hq, lq, d = (int(s) for s in q.shape)
     hk, lk = int(k.shape[1]), int(k.shape[2])
     ready = tuple(_rows_ready(xp, a) for a in (q, k, v))
-    if any(r is not a for r, a in zip(ready, (q, k, v), strict=True)):
-        keep = None  # copies made for this call: a later one reads its own arrays
+    keep = kept.in_place(keep, (q, k, v), ready)
     q, k, v = ready
     dtype = interop.name(q)
     if uses_decode(hq, hk, lq, lk):
@@ -751,8 +748,7 @@ def _attention_vjp(
     given = (q, k, v, out, dout, lse, dlse)
     q, k, v, out, dout = (_rows_ready(xp, a) for a in (q, k, v, out, dout))
     lse, dlse = interop.contiguous(lse), row_cotangent(dlse)
-    if any(a is not b for a, b in zip((q, k, v, out, dout, lse, dlse), given, strict=True)):
-        keep = None  # copies made for this call: a later one reads its own arrays
+    keep = kept.in_place(keep, given, (q, k, v, out, dout, lse, dlse))
     dtype = interop.name(q)
     device = interop.device_index(q)
     config = config or backward_config_for(_capability_of(device), d, mask is not None,

@@ -54,6 +54,13 @@ def keep(key: tuple[Any, ...] | None, value: Any) -> None:
     _store[key] = value
 
 
+def in_place(key: tuple[Any, ...] | None, given: tuple[Any, ...],
+             used: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``key`` where a call's launches read the arrays it was given (each of ``used`` is the
+    one of ``given``), else None: a copy made for one call is no later call's array."""
+    return key if all(u is g for u, g in zip(used, given, strict=True)) else None
+
+
 def torch_key(*arrays: Any) -> tuple[Any, ...] | None:
     """The part of a key that PyTorch tensors ``arrays`` give: their shapes, strides, dtype and
     device; None where they are not all tensors (CuPy arrays take the general path)."""
